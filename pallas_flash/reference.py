@@ -1,0 +1,64 @@
+"""The one oracle: plain, materialising attention in jnp with float32 accumulation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_flash.params import AttentionParams
+
+
+def visible_mask(
+    q_seg: jax.Array | None, kv_seg: jax.Array | None, *, q_len: int, kv_len: int, is_causal: bool
+) -> jax.Array | None:
+  """Which keys each query may see: [B|1, 1, T, S] bool, or None when all are visible."""
+  mask = None
+  if q_seg is not None:
+    mask = (q_seg[:, :, None] == kv_seg[:, None, :])[:, None]  # [B, 1, T, S]
+  if is_causal:
+    causal = jnp.arange(q_len)[:, None] >= jnp.arange(kv_len)[None, :]  # [T, S]
+    mask = causal[None, None] if mask is None else mask & causal
+  return mask
+
+
+def attention_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_seg: jax.Array | None,
+    kv_seg: jax.Array | None,
+    *,
+    params: AttentionParams,
+    precision: jax.lax.Precision = jax.lax.Precision.HIGHEST,
+) -> tuple[jax.Array, jax.Array]:
+  """Attention with the full [B, H, T, S] score matrix, differentiable by plain autodiff.
+
+  Args:
+    q: [B, T, H, D]; k, v: [B, S, K, D] with H % K == 0.
+    q_seg, kv_seg: [B, T] / [B, S] int32 segment ids, or both None.
+    params: scale and causality.
+
+  Returns:
+    o [B, T, H, D] in q.dtype (zeros on fully masked rows) and lse [B, H, T] float32 (-inf there).
+  """
+  b, t, h, d = q.shape
+  s_len, kh = k.shape[1], k.shape[2]
+  g = h // kh
+  qf = q.astype(jnp.float32).reshape(b, t, kh, g, d)
+  logits = jnp.einsum("btkgd,bskd->bkgts", qf, k.astype(jnp.float32), precision=precision)
+  logits = logits.reshape(b, h, t, s_len) * params.scale  # [B, H, T, S]
+  mask = visible_mask(q_seg, kv_seg, q_len=t, kv_len=s_len, is_causal=params.is_causal)
+  if mask is not None:
+    logits = jnp.where(mask, logits, -jnp.inf)
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  # A fully masked row has m = -inf; shift by 0 there so that exp gives 0, not NaN.
+  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  p = jnp.exp(logits - m)
+  l = jnp.sum(p, axis=-1, keepdims=True)  # [B, H, T, 1]
+  l_safe = jnp.where(l == 0.0, 1.0, l)
+  p = p / l_safe
+  p = p.reshape(b, kh, g, t, s_len)
+  o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32), precision=precision)
+  o = o.reshape(b, t, h, d).astype(q.dtype)
+  lse = jnp.where(l[..., 0] == 0.0, -jnp.inf, m[..., 0] + jnp.log(l_safe[..., 0]))
+  return o, lse

@@ -1,0 +1,7 @@
+"""Blockwise online-softmax attention in plain jnp/lax: O(N) memory on any platform."""
+
+from pallas_flash.xla.blockwise import XlaConfig, backward, forward, unsupported_reason
+
+CONFIG_TYPE = XlaConfig
+
+__all__ = ["CONFIG_TYPE", "XlaConfig", "backward", "forward", "unsupported_reason"]
