@@ -1,25 +1,10 @@
-"""Placeholder until the triton kernels land."""
+"""FlashAttention kernels through Pallas' Triton lowering (Ampere and newer; interpretable)."""
 
-import dataclasses
+from pallas_flash.triton.backward import backward
+from pallas_flash.triton.common import unsupported_reason
+from pallas_flash.triton.config import TritonConfig
+from pallas_flash.triton.forward import forward
 
-from pallas_flash.params import CallInfo
+CONFIG_TYPE = TritonConfig
 
-
-@dataclasses.dataclass(frozen=True)
-class _PlaceholderConfig:
-  pass
-
-
-CONFIG_TYPE = _PlaceholderConfig
-
-
-def unsupported_reason(call: CallInfo, **kwargs) -> str | None:
-  del call, kwargs
-  return "the triton kernels are not built yet"
-
-
-def forward(*args, **kwargs):
-  raise NotImplementedError("the triton kernels are not built yet")
-
-
-backward = forward
+__all__ = ["CONFIG_TYPE", "TritonConfig", "backward", "forward", "unsupported_reason"]

@@ -1,0 +1,79 @@
+"""Block sizes, warps and stages of the Triton-lowered kernels, and the tuning table."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+_BLOCK_FIELDS = ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq")
+
+
+def _is_pow2(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TritonConfig:
+  """Tiling of the Triton-lowered kernels.
+
+  Forward: `block_q` query rows per program streaming `block_kv` keys per step.
+  Backward: the dK/dV kernel owns `block_kv_dkv` keys and streams `block_q_dkv` queries; the dQ
+  kernel owns `block_q_dq` queries and streams `block_kv_dq` keys. Blocks are powers of two >= 16
+  (Triton's tiles); sequences are padded up to them and the tail is masked.
+  """
+
+  block_q: int = 128
+  block_kv: int = 64
+  num_warps: int = 4
+  num_stages: int = 3
+  block_q_dkv: int = 64
+  block_kv_dkv: int = 64
+  block_q_dq: int = 64
+  block_kv_dq: int = 64
+  num_warps_bwd: int = 4
+  num_stages_bwd: int = 2
+
+  def __post_init__(self):
+    for name in _BLOCK_FIELDS:
+      value = getattr(self, name)
+      if not _is_pow2(value) or value < 16:
+        raise ValueError(f"TritonConfig.{name} must be a power of two >= 16, got {value}.")
+    for name in ("num_warps", "num_warps_bwd"):
+      if not _is_pow2(getattr(self, name)):
+        raise ValueError(f"TritonConfig.{name} must be a power of two, got {getattr(self, name)}.")
+    for name in ("num_stages", "num_stages_bwd"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"TritonConfig.{name} must be >= 1, got {getattr(self, name)}.")
+
+
+# Keyed by (head_dim_padded, is_causal, dtype itemsize). Measured on one H200 with
+# `python -m pallas_flash.bench --impl triton` (see docs/perf.md for the sweep); rows without a
+# measurement note are the heuristic default and say so.
+TUNED: dict[tuple[int, bool, int], TritonConfig] = {
+    # H200, 2026-11-29, sweep in scripts/gpu_suite.py: see docs/perf.md.
+    (64, False, 2): TritonConfig(block_q=128, block_kv=64, num_warps=4, num_stages=3),
+    (64, True, 2): TritonConfig(block_q=128, block_kv=64, num_warps=4, num_stages=3),
+    (128, False, 2): TritonConfig(block_q=128, block_kv=64, num_warps=8, num_stages=3),
+    (128, True, 2): TritonConfig(block_q=128, block_kv=64, num_warps=8, num_stages=3),
+    # Heuristic: at D=256 a 128-row accumulator spills; halve the tiles.
+    (256, False, 2): TritonConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2,
+                                  block_q_dkv=32, block_kv_dkv=32, block_q_dq=32,
+                                  block_kv_dq=32),
+    (256, True, 2): TritonConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2,
+                                 block_q_dkv=32, block_kv_dkv=32, block_q_dq=32, block_kv_dq=32),
+}
+
+
+def default_config(head_dim_padded: int, is_causal: bool, dtype) -> TritonConfig:
+  """The tuned config for this call, or a heuristic one for untuned keys (e.g. float32)."""
+  itemsize = jnp.dtype(dtype).itemsize
+  key = (head_dim_padded, is_causal, itemsize)
+  if key in TUNED:
+    return TUNED[key]
+  # float32 tiles take twice the registers and shared memory of 16-bit ones.
+  if head_dim_padded >= 256 or itemsize == 4 and head_dim_padded >= 128:
+    return TUNED[(256, is_causal, 2)]
+  if head_dim_padded <= 64:
+    return TUNED[(64, is_causal, 2)]
+  return TUNED[(128, is_causal, 2)]
