@@ -1,0 +1,118 @@
+"""End-to-end tests of `python -m pallas_flash.bench` on CPU at tiny shapes: they assert on the
+JSON rows (never on speed)."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from pallas_flash.bench import __main__ as bench
+from pallas_flash.bench import flops, shapes
+
+FAST = ["--iters", "2", "--min-loop-ms", "1"]
+META = ("device_kind", "jax_version", "git_commit", "date")
+
+
+def _run(tmp_path, *argv: str) -> list[dict]:
+  out = tmp_path / "rows.json"
+  bench.main([*argv, *FAST, "--json", str(out)])
+  return json.loads(out.read_text())
+
+
+def _assert_timed_and_correct(row: dict) -> None:
+  assert row["status"] == "ok", row
+  assert math.isfinite(row["tflops"]) and row["tflops"] > 0, row
+  assert math.isfinite(row["ms"]) and row["ms"] > 0, row
+  assert 0 <= row["rel_err"] < row["tolerance"], row
+
+
+@pytest.fixture(scope="module")
+def speed_rows(tmp_path_factory) -> list[dict]:
+  return _run(tmp_path_factory.mktemp("speed"), "--shapes", "cpu_t96",
+              "--impl", "xla,interpret,cudnn,jax_xla")
+
+
+def test_every_case_has_a_row(speed_rows):
+  keys = {(r["mode"], r["causal"], r["impl"]) for r in speed_rows}
+  assert len(keys) == len(speed_rows) == 2 * 2 * 4
+
+
+def test_rows_are_checked_then_timed(speed_rows):
+  for row in speed_rows:
+    if row["impl"] == "cudnn":
+      assert row["status"] == "skip" and row["tflops"] is None and row["ratio_cudnn"] is None
+    elif row["status"] != "skip":  # interpret skips itself where explain() says it cannot run
+      _assert_timed_and_correct(row)
+      assert set(row["rel_errs"]) == ({"o"} if row["mode"] == "fwd" else {"dq", "dk", "dv"})
+      assert row["check_shape"] == "2x96x2x32"
+  assert {r["impl"] for r in speed_rows if r["status"] == "ok"} >= {"xla", "jax_xla"}
+
+
+def test_rows_carry_flops_and_metadata(speed_rows):
+  for row in speed_rows:
+    spec = shapes.ShapeSpec(name="x", batch=row["batch"], seq_len=row["seq_len"],
+                            num_heads=row["num_heads"], head_dim=row["head_dim"])
+    assert row["flops"] == flops.attention_flops(spec, is_causal=row["causal"], mode=row["mode"])
+    assert all(row[k] for k in META)
+    assert row["kind"] == "speed" and row["dtype"] == "bfloat16"
+
+
+def test_long_sequences_are_checked_on_a_leading_slice(tmp_path):
+  rows = _run(tmp_path, "--shapes", "cpu_t128", "--impl", "xla", "--mode", "fwdbwd",
+              "--causal", "yes", "--check-seq-cap", "64")
+  assert [r["check_shape"] for r in rows] == ["1x64x2x64"]
+  for row in rows:
+    _assert_timed_and_correct(row)
+
+
+def test_a_row_above_tolerance_is_marked_fail_but_still_timed(tmp_path, monkeypatch):
+  monkeypatch.setitem(bench.TOLERANCE, "bfloat16", 1e-9)
+  rows = _run(tmp_path, "--shapes", "cpu_t96", "--impl", "xla", "--mode", "fwd",
+              "--causal", "no")
+  assert [r["status"] for r in rows] == ["FAIL"]
+  assert rows[0]["tflops"] > 0
+
+
+def test_memory_mode_grows_linearly_for_blockwise_and_quadratically_for_jax_xla(tmp_path):
+  rows = _run(tmp_path, "--memory", "--impl", "xla,jax_xla", "--start-seq", "256",
+              "--max-seq", "512", "--heads", "1", "--head-dim", "16")
+  assert [(r["impl"], r["seq_len"]) for r in rows] == [
+      (i, t) for i in ("xla", "jax_xla") for t in (256, 512)]
+  for row in rows:
+    assert row["kind"] == "memory" and row["status"] == "ok" and row["finite"], row
+    assert row["est_peak_bytes"] > 0 and row["tflops"] > 0
+  peak = {(r["impl"], r["seq_len"]): r["est_peak_bytes"] for r in rows}
+  assert peak[("xla", 512)] / peak[("xla", 256)] < 2.5
+  assert peak[("jax_xla", 512)] / peak[("jax_xla", 256)] > 3
+
+
+def test_shape_registry():
+  anchors = shapes.select_shapes("anchors")
+  assert [s.label for s in anchors] == ["16x1024x16x128", "4x4096x16x128", "1x16384x16x128",
+                                        "4x4096x32x64"]
+  assert all(s.batch * s.seq_len == 16384 for s in anchors)
+  assert [s.label for s in shapes.select_shapes("long")] == ["1x32768x16x128"]
+  assert shapes.check_spec(anchors[2], seq_cap=4096).shape == (1, 4096, 2, 128)
+  with pytest.raises(ValueError, match="Unknown shapes"):
+    shapes.select_shapes("nope")
+
+
+def test_flop_convention():
+  spec = shapes.select_shapes("b4_t4k_h16_d128")[0]
+  fwd = 4 * 4 * 16 * 4096 * 4096 * 128
+  assert flops.attention_flops(spec, is_causal=False, mode="fwd") == fwd
+  assert flops.attention_flops(spec, is_causal=True, mode="fwdbwd") == fwd / 2 * 3.5
+
+
+def test_cli_writes_json(tmp_path):
+  out = tmp_path / "cli.json"
+  proc = subprocess.run(
+      [sys.executable, "-m", "pallas_flash.bench", "--shapes", "cpu_t96", "--impl", "xla",
+       "--mode", "fwd", "--causal", "no", *FAST, "--json", str(out)],
+      capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == 0, proc.stderr
+  assert "Summary" in proc.stdout
+  (row,) = json.loads(out.read_text())
+  _assert_timed_and_correct(row)

@@ -1,0 +1,47 @@
+"""CPU-side lowering of the Triton kernels for an abstract H200: tracing and lowering errors."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+import pallas_flash
+
+H200 = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
+                    abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                                                   platform="gpu"))
+TRITON_CALL = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+
+
+def _export(fn, *specs):
+  with use_abstract_mesh(H200):
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
+                                 disabled_checks=[TRITON_CALL])(*specs)
+  return exported.mlir_module()
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_triton_lowers_for_h200(head_dim, causal, dtype):
+  q = jax.ShapeDtypeStruct((2, 1000, 8, head_dim), dtype)
+  kv = jax.ShapeDtypeStruct((2, 1000, 2, head_dim), dtype)
+  seg = jax.ShapeDtypeStruct((2, 1000), jnp.int32)
+
+  def f(q, k, v, seg):
+    return pallas_flash.flash_attention(q, k, v, is_causal=causal, query_segment_ids=seg,
+                                        implementation="triton")
+
+  def g(q, k, v, seg):
+    return jax.grad(lambda *a: f(*a, seg).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
+
+  assert _export(f, q, kv, kv, seg).count("xla.gpu.triton") == 1
+  assert _export(g, q, kv, kv, seg).count("xla.gpu.triton") == 3  # fwd, dK/dV, dQ
+
+
+def test_default_on_h200_is_a_gpu_kernel():
+  q = jax.ShapeDtypeStruct((1, 4096, 16, 128), jnp.bfloat16)
+  with use_abstract_mesh(H200):
+    ex = pallas_flash.explain(q, q, q, is_causal=True)
+  assert ex.chosen in ("mosaic", "triton")
+  assert ex.reasons["xla"] is None
