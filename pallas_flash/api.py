@@ -226,11 +226,12 @@ def _reason(name: str, info: CallInfo, config) -> str | None:
 class Explanation:
   """Which implementation `implementation=None` runs, and why each other one was not chosen."""
 
-  chosen: str
+  chosen: str | None  # None: no automatic choice can run the call
   reasons: dict[str, str | None]  # None: could run this call
 
   def __str__(self) -> str:
-    lines = [f"implementation=None runs {self.chosen!r}"]
+    lines = [f"implementation=None runs {self.chosen!r}" if self.chosen else
+             "implementation=None cannot run this call"]
     for name, why in self.reasons.items():
       if name == self.chosen:
         continue
@@ -244,21 +245,27 @@ def _not_chosen(name: str) -> str:
   return "a faster implementation applies"
 
 
-def _choose(info: CallInfo, implementation, config) -> tuple[str, dict[str, str | None]]:
+def _auto_choice(reasons: dict[str, str | None]) -> str | None:
+  return next((name for name in AUTO_ORDER if reasons[name] is None), None)
+
+
+def _choose(info: CallInfo, implementation, config) -> str:
+  """The implementation to run; raises with every reason when none can."""
   if implementation is not None and implementation not in IMPLEMENTATIONS:
     raise ValueError(f"Unknown implementation {implementation!r}; choose one of "
                      f"{IMPLEMENTATIONS} or None for automatic.")
-  reasons = {name: _reason(name, info, config) for name in IMPLEMENTATIONS}
   if implementation is not None:
-    if reasons[implementation] is not None:
+    reason = _reason(implementation, info, config)
+    if reason is not None:
       raise NotImplementedError(
-          f"implementation={implementation!r} cannot run this call: {reasons[implementation]}")
-    return implementation, reasons
-  for name in AUTO_ORDER:
-    if reasons[name] is None:
-      return name, reasons
-  raise NotImplementedError("No implementation can run this call:\n" + "\n".join(
-      f"  {n}: {r}" for n, r in reasons.items()))
+          f"implementation={implementation!r} cannot run this call: {reason}")
+    return implementation
+  reasons = {name: _reason(name, info, config) for name in IMPLEMENTATIONS}
+  chosen = _auto_choice(reasons)
+  if chosen is None:
+    raise NotImplementedError("No implementation can run this call:\n" + "\n".join(
+        f"  {n}: {r}" for n, r in reasons.items()))
+  return chosen
 
 
 def explain(query, key, value, **kwargs) -> Explanation:
@@ -271,8 +278,8 @@ def explain(query, key, value, **kwargs) -> Explanation:
   kwargs.pop("implementation", None)
   kwargs.pop("return_residuals", None)
   call = _canonicalize(query, key, value, **_defaults(kwargs))
-  chosen, reasons = _choose(call.info, None, config)
-  return Explanation(chosen, reasons)
+  reasons = {name: _reason(name, call.info, config) for name in IMPLEMENTATIONS}
+  return Explanation(_auto_choice(reasons), reasons)
 
 
 def _defaults(kwargs: dict) -> dict:
@@ -367,7 +374,7 @@ def flash_attention(
                        key_value_seq_lengths=key_value_seq_lengths,
                        query_segment_ids=query_segment_ids,
                        key_value_segment_ids=key_value_segment_ids)
-  name, _ = _choose(call.info, implementation, config)
+  name = _choose(call.info, implementation, config)
   args = (call.q, call.k, call.v, call.q_seg, call.kv_seg)
   if name == "reference":
     o, lse = attention_reference(*args, params=call.info.params)
