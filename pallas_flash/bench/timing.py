@@ -1,0 +1,123 @@
+"""What is timed and how: one jitted step per (implementation, mode, causal), compiled ahead of
+time so compilation is never timed, then the median of loops of back-to-back calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+
+import pallas_flash
+from pallas_flash.bench.shapes import ShapeSpec, shape_struct
+
+# pallas_flash implementations the benchmark can run, and the jax.nn baselines.
+OURS: tuple[str, ...] = ("mosaic", "triton", "xla", "interpret", "reference")
+BASELINES: tuple[str, ...] = ("cudnn", "jax_xla")
+ALL_IMPLS: tuple[str, ...] = OURS + BASELINES
+
+
+def attention_fn(impl: str, *, is_causal: bool) -> Callable:
+  """o = attention(q, k, v) for one implementation; q, k, v, o are [B, T, H, D]."""
+  if impl == "cudnn":
+    return functools.partial(jax.nn.dot_product_attention, is_causal=is_causal,
+                             implementation="cudnn")
+  if impl == "jax_xla":  # materialises the [B, H, T, S] scores
+    return functools.partial(jax.nn.dot_product_attention, is_causal=is_causal,
+                             implementation="xla")
+  if impl in OURS:
+    return functools.partial(pallas_flash.flash_attention, is_causal=is_causal,
+                             implementation=impl)
+  raise ValueError(f"Unknown implementation {impl!r}; choose from {ALL_IMPLS}.")
+
+
+def default_impls(spec: ShapeSpec, dtype) -> list[str]:
+  """Our implementations that explain() says run `spec` here, then the baselines."""
+  s = shape_struct(spec, dtype)
+  reasons = pallas_flash.explain(s, s, s).reasons
+  ours = [n for n in ("mosaic", "triton", "xla") if reasons.get(n) is None]
+  gpu = jax.devices()[0].platform == "gpu"
+  return ours + (["cudnn"] if gpu else []) + ["jax_xla"]
+
+
+def skip_reason(impl: str, spec: ShapeSpec, dtype, *, is_causal: bool,
+                xla_cap_gib: float = math.inf) -> str | None:
+  """Why `impl` is not run on `spec` here, or None.
+
+  jax_xla is skipped where its float32 [B, H, T, T] score matrix exceeds `xla_cap_gib`.
+  """
+  if impl == "cudnn":
+    return None if jax.devices()[0].platform == "gpu" else "cuDNN needs a GPU"
+  if impl == "jax_xla":
+    b, t, h, _ = spec.shape
+    gib = b * h * t * t * 4 / 2**30
+    return None if gib <= xla_cap_gib else f"score matrix {gib:.0f} GiB > {xla_cap_gib:g} GiB"
+  s = shape_struct(spec, dtype)
+  return pallas_flash.explain(s, s, s, is_causal=is_causal).reasons.get(impl)
+
+
+@functools.cache
+def make_step(impl: str, *, mode: str, is_causal: bool) -> Callable:
+  """The jitted benchmark step, step(q, k, v, do), all [B, T, H, D].
+
+  fwd returns o; fwdbwd returns (dq, dk, dv) = grad of sum(o * do) w.r.t. (q, k, v), i.e. the
+  VJP with cotangent do (the forward runs inside it, as in training).
+  """
+  attn = attention_fn(impl, is_causal=is_causal)
+
+  def fwd(q, k, v, do):
+    del do
+    return attn(q, k, v)
+
+  def fwdbwd(q, k, v, do):
+    _, vjp = jax.vjp(attn, q, k, v)
+    return vjp(do)
+
+  if mode not in ("fwd", "fwdbwd"):
+    raise ValueError(f"Unknown mode {mode!r}.")
+  return jax.jit(fwd if mode == "fwd" else fwdbwd)
+
+
+def compile_step(step: Callable, args: tuple) -> tuple[jax.stages.Compiled, float]:
+  """Lowers and compiles `step` for `args`; returns the executable and the seconds it took."""
+  start = time.perf_counter()
+  compiled = step.lower(*args).compile()
+  return compiled, time.perf_counter() - start
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """Seconds per call: the median over loops, each loop `calls_per_loop` back-to-back calls."""
+
+  median_s: float
+  loop_s: tuple[float, ...]
+  calls_per_loop: int
+
+
+def _loop(fn: Callable, args: tuple, calls: int) -> float:
+  """Seconds per call of `calls` back-to-back calls, synchronised once at the end."""
+  start = time.perf_counter()
+  out = None
+  for _ in range(calls):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / calls
+
+
+def time_compiled(fn: Callable, args: tuple, *, iters: int = 5,
+                  min_loop_s: float = 0.05) -> Timing:
+  """Times an already compiled `fn(*args)`.
+
+  One warm-up call, one call to size the loops (enough calls that a loop lasts `min_loop_s`),
+  then `iters` timed loops; returns their median.
+  """
+  jax.block_until_ready(fn(*args))
+  estimate = _loop(fn, args, 1)
+  calls = max(1, math.ceil(min_loop_s / max(estimate, 1e-7)))
+  loops = tuple(_loop(fn, args, calls) for _ in range(iters))
+  return Timing(statistics.median(loops), loops, calls)
