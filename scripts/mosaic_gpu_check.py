@@ -1,0 +1,192 @@
+"""Correctness and timing of the Mosaic GPU kernels on one Hopper GPU, side by side with cuDNN.
+
+Run from the repository root on the GPU machine:
+
+  PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/mosaic_gpu_check.py [--out DIR] [--sweep] [--long]
+
+Writes DIR/mosaic_gpu_check.json (DIR defaults to $OUT or .) and prints a table. FLOPs count the
+matmuls only: forward 4·B·H·T·S·D (halved when causal), forward+backward 3.5x that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import pallas_flash
+from pallas_flash.mosaic_gpu import MosaicConfig
+from pallas_flash.params import AttentionParams
+from pallas_flash.reference import attention_reference
+
+TOL = {"bfloat16": (1e-2, 2e-2), "float16": (2e-3, 4e-3)}
+
+CHECKS = [  # B, T, S, H, K, D, causal, dtype
+    (2, 1024, 1024, 4, 4, 128, False, "bfloat16"),
+    (2, 1024, 1024, 4, 4, 128, True, "bfloat16"),
+    (1, 1000, 1100, 8, 2, 64, True, "bfloat16"),
+    (1, 1100, 1000, 4, 4, 128, True, "bfloat16"),
+    (1, 777, 777, 4, 1, 128, True, "float16"),
+    (1, 2048, 2048, 4, 2, 64, False, "float16"),
+    (1, 512, 512, 2, 2, 256, True, "bfloat16"),
+    (1, 300, 700, 4, 2, 256, False, "bfloat16"),
+    (1, 1, 1, 2, 1, 64, False, "bfloat16"),
+]
+
+BENCH = [  # B, T, H, D, causal  (K = H, S = T, bf16)
+    (16, 1024, 16, 64, False),
+    (16, 1024, 16, 128, False), (16, 1024, 16, 128, True),
+    (4, 4096, 16, 128, False), (4, 4096, 16, 128, True),
+    (1, 16384, 16, 128, False), (1, 16384, 16, 128, True),
+    (4, 4096, 32, 64, False), (4, 4096, 32, 64, True),
+    (1, 32768, 16, 128, False), (1, 32768, 16, 128, True),
+]
+
+
+def rel_err(x, ref):
+  x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
+  return float(jnp.max(jnp.abs(x - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30))
+
+
+def inputs(b, t, s, h, kh, d, dtype, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  dt = jnp.dtype(dtype)
+  return (jax.random.normal(ks[0], (b, t, h, d), dt), jax.random.normal(ks[1], (b, s, kh, d), dt),
+          jax.random.normal(ks[2], (b, s, kh, d), dt), jax.random.normal(ks[3], (b, t, h, d), dt))
+
+
+def ours(causal, config=None):
+  return lambda q, k, v: pallas_flash.flash_attention(q, k, v, is_causal=causal,
+                                                      implementation="mosaic", config=config)
+
+
+def cudnn(causal):
+  return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                       implementation="cudnn")
+
+
+def fwd_bwd(attn):
+  def f(q, k, v, do):
+    o, vjp = jax.vjp(attn, q, k, v)
+    return o, *vjp(do)
+  return f
+
+
+def timeit(f, *args, iters=10, reps=5):
+  jax.block_until_ready(f(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(iters):
+      out = f(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / iters)
+  return statistics.median(times)
+
+
+def check(results):
+  for b, t, s, h, kh, d, causal, dtype in CHECKS:
+    q, k, v, do = inputs(b, t, s, h, kh, d, dtype)
+    p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
+    ref = lambda q, k, v: attention_reference(q, k, v, None, None, params=p)[0]  # noqa: E731
+    got = jax.jit(fwd_bwd(ours(causal)))(q, k, v, do)
+    want = jax.jit(fwd_bwd(ref))(q, k, v, do)
+    again = jax.jit(fwd_bwd(ours(causal)))(q, k, v, do)
+    errs = [rel_err(a, r) for a, r in zip(got, want)]
+    det = all(bool(jnp.array_equal(a, r)) for a, r in zip(got, again))
+    tf, tg = TOL[dtype]
+    ok = errs[0] <= tf and max(errs[1:]) <= tg and det
+    row = dict(kind="check", shape=[b, t, s, h, kh, d], causal=causal, dtype=dtype,
+               err_o=errs[0], err_dq=errs[1], err_dk=errs[2], err_dv=errs[3],
+               deterministic=det, ok=ok)
+    results.append(row)
+    print(f"check {b}x{t}x{s} H{h}/K{kh} D{d} causal={causal} {dtype}: o {errs[0]:.1e} "
+          f"dq {errs[1]:.1e} dk {errs[2]:.1e} dv {errs[3]:.1e} det={det} "
+          f"{'OK' if ok else 'FAIL'}", flush=True)
+
+
+def bench(results, shapes, configs=None):
+  for b, t, h, d, causal in shapes:
+    q, k, v, do = inputs(b, t, t, h, h, d, "bfloat16")
+    flops = 4 * b * h * t * t * d / (2 if causal else 1)
+    for mode in ("fwd", "fwdbwd"):
+      row = dict(kind="bench", mode=mode, shape=[b, t, h, d], causal=causal)
+      for name, attn in [("cudnn", cudnn(causal))] + [
+          (f"mosaic{'' if c is None else ':' + c[0]}", ours(causal, None if c is None else c[1]))
+          for c in (configs or [None])]:
+        f = jax.jit(attn if mode == "fwd" else fwd_bwd(attn))
+        args = (q, k, v) if mode == "fwd" else (q, k, v, do)
+        try:
+          sec = timeit(f, *args)
+          row[name] = flops * (1 if mode == "fwd" else 3.5) / sec / 1e12
+        except Exception as e:  # noqa: BLE001 - report and continue the sweep
+          row[name] = None
+          print(f"  {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+      if mode == "fwd":  # agreement with cuDNN on the large shapes
+        row["err_vs_cudnn"] = rel_err(jax.jit(ours(causal))(q, k, v),
+                                      jax.jit(cudnn(causal))(q, k, v))
+      results.append(row)
+      cells = " ".join(f"{n}={x:.0f}" if isinstance(x, float) and n != "err_vs_cudnn"
+                       else f"{n}={x}" for n, x in row.items() if n not in ("kind", "mode",
+                                                                            "shape", "causal"))
+      print(f"{mode:6s} {b}x{t}x{h}x{d} causal={causal}: {cells}", flush=True)
+
+
+def long_causal(results, t=1 << 20):
+  q, k, v, do = inputs(1, t, t, 16, 16, 128, "bfloat16")
+  f = jax.jit(fwd_bwd(ours(True)))
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(f(q, k, v, do))
+  first = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(f(q, k, v, do))
+  sec = time.perf_counter() - t0
+  finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in out)
+  stats = jax.devices()[0].memory_stats() or {}
+  peak = stats.get("peak_bytes_in_use", 0) / 2**30
+  tflops = 4 * 16 * t * t * 128 / 2 * 3.5 / sec / 1e12
+  results.append(dict(kind="long", tokens=t, seconds=sec, first_call_s=first, tflops=tflops,
+                      finite=finite, peak_gib=peak))
+  print(f"causal fwd+bwd {t} tokens: {sec:.1f}s ({tflops:.0f} TFLOP/s), first call {first:.1f}s,"
+        f" finite={finite}, peak {peak:.1f} GiB", flush=True)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--out", default=os.environ.get("OUT", "."))
+  parser.add_argument("--sweep", action="store_true", help="time alternative configs too")
+  parser.add_argument("--long", action="store_true", help="causal fwd+bwd at 1M tokens")
+  parser.add_argument("--skip-check", action="store_true")
+  args = parser.parse_args()
+  print(jax.devices()[0].device_kind, jax.__version__, flush=True)
+  results = []
+  path = os.path.join(args.out, "mosaic_gpu_check.json")
+  try:
+    if not args.skip_check:
+      check(results)
+    configs = None
+    if args.sweep:
+      configs = [("default", None),
+                 ("kv128s3", MosaicConfig(block_kv=128, num_stages=3)),
+                 ("kv192s2", MosaicConfig(block_kv=192, num_stages=2)),
+                 ("r240", MosaicConfig(compute_registers=240, producer_registers=24))]
+    bench(results, BENCH, configs)
+    if args.long:
+      long_causal(results)
+  finally:
+    with open(path, "w") as f:
+      json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                     results=results), f, indent=1)
+  bad = [r for r in results if r["kind"] == "check" and not r["ok"]]
+  print(f"{len(bad)} failed checks", flush=True)
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
