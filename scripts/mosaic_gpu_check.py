@@ -40,13 +40,25 @@ CHECKS = [  # B, T, S, H, K, D, causal, dtype
 ]
 
 BENCH = [  # B, T, H, D, causal  (K = H, S = T, bf16)
-    (16, 1024, 16, 64, False),
+    (4, 4096, 16, 128, False), (4, 4096, 16, 128, True), (16, 1024, 16, 64, False),
     (16, 1024, 16, 128, False), (16, 1024, 16, 128, True),
-    (4, 4096, 16, 128, False), (4, 4096, 16, 128, True),
     (1, 16384, 16, 128, False), (1, 16384, 16, 128, True),
     (4, 4096, 32, 64, False), (4, 4096, 32, 64, True),
     (1, 32768, 16, 128, False), (1, 32768, 16, 128, True),
 ]
+
+
+_PATH = ["mosaic_gpu_check.json"]
+
+
+def save(results):
+  """Rewrites the JSON after every row, so a run cut short keeps what it measured."""
+  with open(_PATH[0], "w") as f:
+    json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, results=results),
+              f, indent=1)
+
+SWEEP = [(4, 4096, 16, 128, False), (1, 16384, 16, 128, False), (1, 16384, 16, 128, True),
+         (4, 4096, 32, 64, False)]
 
 
 def rel_err(x, ref):
@@ -117,9 +129,11 @@ def bench(results, shapes, configs=None):
     flops = 4 * b * h * t * t * d / (2 if causal else 1)
     for mode in ("fwd", "fwdbwd"):
       row = dict(kind="bench", mode=mode, shape=[b, t, h, d], causal=causal)
-      for name, attn in [("cudnn", cudnn(causal))] + [
-          (f"mosaic{'' if c is None else ':' + c[0]}", ours(causal, None if c is None else c[1]))
-          for c in (configs or [None])]:
+      impls = [("cudnn", cudnn(causal))]
+      for cname, config, modes in configs or [("", None, ("fwd", "fwdbwd"))]:
+        if mode in modes:
+          impls.append((f"mosaic{':' + cname if cname else ''}", ours(causal, config)))
+      for name, attn in impls:
         f = jax.jit(attn if mode == "fwd" else fwd_bwd(attn))
         args = (q, k, v) if mode == "fwd" else (q, k, v, do)
         try:
@@ -136,6 +150,7 @@ def bench(results, shapes, configs=None):
                        else f"{n}={x}" for n, x in row.items() if n not in ("kind", "mode",
                                                                             "shape", "causal"))
       print(f"{mode:6s} {b}x{t}x{h}x{d} causal={causal}: {cells}", flush=True)
+      save(results)
 
 
 def long_causal(results, t=1 << 20):
@@ -163,26 +178,32 @@ def main():
   parser.add_argument("--sweep", action="store_true", help="time alternative configs too")
   parser.add_argument("--long", action="store_true", help="causal fwd+bwd at 1M tokens")
   parser.add_argument("--skip-check", action="store_true")
+  parser.add_argument("--shapes", default="", help="time only the first N shapes of BENCH")
   args = parser.parse_args()
   print(jax.devices()[0].device_kind, jax.__version__, flush=True)
   results = []
-  path = os.path.join(args.out, "mosaic_gpu_check.json")
+  _PATH[0] = os.path.join(args.out, "mosaic_gpu_check.json")
   try:
     if not args.skip_check:
       check(results)
-    configs = None
-    if args.sweep:
-      configs = [("default", None),
-                 ("kv128s3", MosaicConfig(block_kv=128, num_stages=3)),
-                 ("kv192s2", MosaicConfig(block_kv=192, num_stages=2)),
-                 ("r240", MosaicConfig(compute_registers=240, producer_registers=24))]
-    bench(results, BENCH, configs)
     if args.long:
       long_causal(results)
+      save(results)
+    if args.sweep:
+      fwd, fb = ("fwd",), ("fwdbwd",)
+      configs = [("default", None, ("fwd", "fwdbwd")),
+                 ("heads", MosaicConfig(heads_fastest=True), fwd),
+                 ("qtiles", MosaicConfig(heads_fastest=False), fwd),
+                 ("s3", MosaicConfig(num_stages=3), fwd),
+                 ("kv192", MosaicConfig(block_kv=192), fwd),
+                 ("r240", MosaicConfig(compute_registers=240, producer_registers=24), fwd),
+                 ("bwd_s3", MosaicConfig(bwd_stages=3), fb),
+                 ("dq_kv128", MosaicConfig(block_kv_dq=128), fb)]
+      bench(results, SWEEP, configs)
+    else:
+      bench(results, BENCH[:int(args.shapes)] if args.shapes else BENCH)
   finally:
-    with open(path, "w") as f:
-      json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                     results=results), f, indent=1)
+    save(results)
   bad = [r for r in results if r["kind"] == "check" and not r["ok"]]
   print(f"{len(bad)} failed checks", flush=True)
   return 1 if bad else 0

@@ -1,25 +1,41 @@
-"""Placeholder until the mosaic_gpu kernels land."""
+"""Hopper (sm_90) FlashAttention kernels in Pallas Mosaic GPU: TMA, wgmma, warp specialisation."""
 
-import dataclasses
+from __future__ import annotations
 
+import jax.numpy as jnp
+
+from pallas_flash.mosaic_gpu.backward import backward
+from pallas_flash.mosaic_gpu.config import TUNED, MosaicConfig, default_config
+from pallas_flash.mosaic_gpu.forward import forward
 from pallas_flash.params import CallInfo
 
-
-@dataclasses.dataclass(frozen=True)
-class _PlaceholderConfig:
-  pass
+CONFIG_TYPE = MosaicConfig
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
-CONFIG_TYPE = _PlaceholderConfig
+def _compute_capability(call: CallInfo) -> tuple[int, int] | None:
+  if call.compute_capability is not None or call.platform != "gpu":
+    return call.compute_capability
+  # An abstract device (lowering on a CPU machine) may carry only its kind.
+  if any(name in call.device_kind for name in ("H100", "H200", "H800", "H20", "GH200")):
+    return (9, 0)
+  return None
 
 
-def unsupported_reason(call: CallInfo, **kwargs) -> str | None:
-  del call, kwargs
-  return "the mosaic_gpu kernels are not built yet"
+def unsupported_reason(call: CallInfo) -> str | None:
+  """Why the Mosaic GPU kernels cannot run `call`, or None when they can."""
+  cc = _compute_capability(call)
+  if call.platform != "gpu" or cc is None or cc[0] != 9:
+    cc = "" if cc is None else f" (compute capability {cc[0]}.{cc[1]})"
+    return f"needs a Hopper GPU (sm_90), this is {call.platform} {call.device_kind!r}{cc}"
+  if jnp.dtype(call.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"wgmma kernels take bfloat16 or float16, not {jnp.dtype(call.dtype).name}"
+  if call.head_dim not in SUPPORTED_HEAD_DIMS:
+    return f"head_dim {call.head_dim} is not one of {SUPPORTED_HEAD_DIMS}"
+  if call.params.has_segments:
+    return "segment ids and sequence lengths are not implemented in the mosaic kernels yet"
+  return None
 
 
-def forward(*args, **kwargs):
-  raise NotImplementedError("the mosaic_gpu kernels are not built yet")
-
-
-backward = forward
+__all__ = ["CONFIG_TYPE", "MosaicConfig", "TUNED", "backward", "default_config", "forward",
+           "unsupported_reason"]

@@ -1,0 +1,141 @@
+"""Pieces shared by the Mosaic GPU forward and backward kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_flash.mosaic_gpu.config import MosaicConfig, TUNED
+from pallas_flash.params import AttentionParams
+
+# Per-row vectors (m, l, lse, delta) of a wgmma accumulator tile; `COL` for its columns.
+ROW = plgpu.Layout.WGMMA.reduce(1)
+COL = plgpu.Layout.WGMMA.reduce(0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelParams:
+  """Everything a kernel body needs statically (shapes after padding, blocks, masking)."""
+
+  dtype: jnp.dtype
+  d: int
+  group: int  # G = H // K
+  block_q: int
+  block_kv: int
+  stages: int
+  num_q_tiles: int  # forward: tiles of 2 * block_q rows
+  num_kv_blocks: int
+  t_pad: int
+  s_pad: int
+  kv_len: int  # true S: keys >= kv_len are padding
+  q_len: int  # true T
+  causal: bool
+  scale: float
+  heads_fastest: bool
+  compute_registers: int
+  producer_registers: int
+  interpret: bool
+
+  @property
+  def c(self) -> float:
+    """softmax_scale·log2(e): scores times c are in log2 units for exp2."""
+    return self.scale * math.log2(math.e)
+
+  @property
+  def kv_tail(self) -> bool:
+    return self.kv_len != self.s_pad
+
+  @property
+  def needs_mask(self) -> bool:
+    return self.causal or self.kv_tail
+
+  @staticmethod
+  def make(q, k, *, params: AttentionParams, block_q: int, block_kv: int, stages: int,
+           t_pad: int, s_pad: int, kv_len: int, config: MosaicConfig,
+           q_tile_rows: int | None = None) -> KernelParams:
+    return KernelParams(
+        dtype=jnp.dtype(q.dtype), d=q.shape[3], group=q.shape[2] // k.shape[2],
+        block_q=block_q, block_kv=block_kv, stages=stages,
+        num_q_tiles=t_pad // (q_tile_rows or 2 * block_q), num_kv_blocks=s_pad // block_kv,
+        t_pad=t_pad, s_pad=s_pad, kv_len=kv_len, q_len=q.shape[1], causal=params.is_causal,
+        scale=params.scale,
+        heads_fastest=config.heads_fastest,
+        compute_registers=config.compute_registers,
+        producer_registers=config.producer_registers, interpret=config.interpret)
+
+
+def config_for(q, k, params: AttentionParams) -> MosaicConfig:
+  del k
+  return TUNED.get((q.shape[3], params.is_causal), MosaicConfig())
+
+
+def smem_transforms(dtype):
+  """Tiling + 128-byte swizzle that wgmma and TMA expect for 16-bit [rows, D] tiles."""
+  itemsize = jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128))
+
+
+def compiler_params():
+  # approx_math: exp2 -> ex2.approx.ftz.f32, log2 -> lg2.approx (one MUFU op each).
+  # reduction_scratch_bytes=0: only per-row reductions (inside a warp) are used, and the 2 KiB
+  # it would reserve is what lets 3 stages or 192-row kv tiles fit at head_dim 128.
+  return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
+
+
+def interpret_params(interpret: bool):
+  return plgpu.InterpretGPUParams() if interpret else None
+
+
+def visible(row0, col0, shape, kp: KernelParams, *, transposed: bool = False):
+  """[rows, cols] bool: which keys each query sees (causal and padded-key tail).
+
+  Rows are queries and columns keys; with `transposed`, rows are keys and columns queries.
+  """
+  r = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
+  c = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + col0
+  qi, kj = (c, r) if transposed else (r, c)
+  mask = None
+  if kp.causal:
+    mask = qi >= kj
+  if kp.kv_tail:
+    tail = kj < kp.kv_len
+    mask = tail if mask is None else mask & tail
+  return mask
+
+
+def first_masked_block(q0, steps, kp: KernelParams):
+  """First kv block that rows [q0, q0 + block_q) must mask; blocks before it are all visible."""
+  lo = steps
+  if kp.causal:
+    lo = jnp.minimum(lo, lax.div(q0, kp.block_kv))
+  if kp.kv_tail:
+    lo = jnp.minimum(lo, kp.num_kv_blocks - 1)
+  return lo
+
+
+def staged_matmul(a, a_smem, b_smem, out_shape):
+  """a @ b with `a` (registers) written to SMEM first: the interpretable form of an RS wgmma."""
+  a_smem[...] = a
+  plgpu.commit_smem()
+
+  def mm(acc_ref):
+    plgpu.wgmma(acc_ref, a_smem, b_smem)
+    return acc_ref[...]
+
+  return pl.run_scoped(mm, plgpu.ACC(out_shape, jnp.float32))
+
+
+def accumulate(acc, a, a_smem, b_smem, kp: KernelParams):
+  """acc += a @ b_smem, through a register-operand wgmma (GPU) or SMEM staging (interpret)."""
+  if kp.interpret:
+    return acc + staged_matmul(a, a_smem, b_smem, acc.shape)
+
+  def mm(acc_ref):
+    plgpu.wgmma(acc_ref, a, b_smem)
+
+  return pl.run_state(mm)(plgpu.ACC.init(acc))

@@ -1,0 +1,360 @@
+"""FlashAttention backward for Hopper as two Pallas Mosaic GPU kernels (dQ, then dK/dV).
+
+Both kernels use the forward's layout: 2 consumer warpgroups with their own rows plus a TMA
+producer warpgroup streaming the other operand through a shared-memory ring.
+
+* `_bwd_dq_kernel`: a WG owns `block_q_dq` query rows (Q, dO, lse, delta resident) and streams
+  K/V: S = Q·Kᵀ and dP = dO·Vᵀ (SMEM operands), P = exp2(S·c − lse·log2e), dS = P∘(dP − delta),
+  dQ += dS·K (dS from registers).
+* `_bwd_dkdv_kernel`: a WG owns `block_kv_dkv` key rows (K, V resident) and streams Q/dO of every
+  query head of its kv head (so GQA gradients are summed in registers, no repeated K/V):
+  Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, dV += Pᵀ·dO, dK += dSᵀ·Q (the transposed form keeps the register
+  operand's rows = the WG's key rows).
+
+S, P and dP are recomputed in both kernels (7 tile matmuls per tile pair instead of 5); see
+docs/mosaic.md for the single-kernel plan. Summation order is fixed, so gradients are
+bitwise reproducible run to run.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_flash import _blocking
+from pallas_flash.mosaic_gpu import _common
+from pallas_flash.mosaic_gpu.config import MosaicConfig
+from pallas_flash.params import AttentionParams
+
+LOG2E = math.log2(math.e)
+
+
+def _at(ref, i):
+  """ref.at[i], or None for the staging buffers that exist only in interpret mode."""
+  return None if ref is None else ref.at[i]
+
+
+def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_scratch,
+                   do_scratch, lse_scratch, delta_scratch, k_scratch, v_scratch, ds_scratch,
+                   row_ready, k_ready, v_ready, k_free, v_free, *, kp: _common.KernelParams):
+  """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
+
+  Grid (Tp / (2·block_q), H, B); dq_ref [B, Tp, H, D]; q/do_scratch [2, block_q, D],
+  k/v_scratch [stages, block_kv, D], ds_scratch [2, block_q, block_kv] (interpret only).
+  """
+  bq, bkv, stages, nk = kp.block_q, kp.block_kv, kp.stages, kp.num_kv_blocks
+  b, h, qt, wg = (lax.axis_index(n) for n in ("b", "h", "qt", "wg"))
+  cta_q0 = qt * (2 * bq)
+
+  def kv_steps(q_end):
+    if not kp.causal:
+      return nk
+    return jnp.minimum(nk, lax.div(q_end + bkv - 1, bkv))
+
+  cta_steps = kv_steps(cta_q0 + 2 * bq)
+
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(kp.compute_registers, action="increase")
+    q_smem, do_smem = q_scratch.at[wg], do_scratch.at[wg]
+    q0 = cta_q0 + wg * bq
+    rows = (b, pl.ds(q0, bq), h)
+    stats = (b, h, pl.ds(q0, bq))
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, row_ready.at[wg, 0])
+    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, row_ready.at[wg, 1])
+    plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_scratch.at[wg], row_ready.at[wg, 2])
+    plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_scratch.at[wg], row_ready.at[wg, 3])
+    for i in range(4):
+      plgpu.barrier_wait(row_ready.at[wg, i])
+    lse = plgpu.load(lse_scratch.at[wg], layout=_common.ROW)
+    delta = plgpu.load(delta_scratch.at[wg], layout=_common.ROW)
+    steps = kv_steps(q0 + bq)
+
+    def step(j, dq, *, masked: bool):
+      slot = lax.rem(j, stages)
+      plgpu.barrier_wait(k_ready.at[slot])
+      plgpu.barrier_wait(v_ready.at[slot])
+
+      def scores(s_ref, dp_ref):
+        plgpu.wgmma(s_ref, q_smem, k_scratch.at[slot].T)
+        plgpu.wgmma(dp_ref, do_smem, v_scratch.at[slot].T)
+        return s_ref[...], dp_ref[...]
+
+      s, dp = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32),
+                            plgpu.ACC((bq, bkv), jnp.float32))
+      plgpu.barrier_arrive(v_free.at[slot])
+      p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(lse, s.shape, [0]))
+      if masked:
+        p = jnp.where(_common.visible(q0, j * bkv, (bq, bkv), kp), p, 0.0)
+      ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+      dq = _common.accumulate(dq, ds.astype(kp.dtype), _at(ds_scratch, wg), k_scratch.at[slot], kp)
+      plgpu.barrier_arrive(k_free.at[slot])
+      return dq
+
+    def idle_step(j, carry):
+      slot = lax.rem(j, stages)
+      for ready_, free_ in ((k_ready, k_free), (v_ready, v_free)):
+        plgpu.barrier_wait(ready_.at[slot])
+        plgpu.barrier_arrive(free_.at[slot])
+      return carry
+
+    dq = plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA)
+    mask_lo = _common.first_masked_block(q0, steps, kp)
+    dq = lax.fori_loop(0, mask_lo, functools.partial(step, masked=False), dq)
+    if kp.needs_mask:
+      dq = lax.fori_loop(mask_lo, steps, functools.partial(step, masked=True), dq)
+    if kp.causal:
+      lax.fori_loop(steps, cta_steps, idle_step, None)
+    q_smem[...] = (dq * kp.scale).astype(kp.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(kp.producer_registers, action="decrease")
+    kvh = lax.div(h, kp.group)
+    rows = lambda j: (b, pl.ds(j * bkv, bkv), kvh)  # noqa: E731
+    _produce(cta_steps, stages, ((k_ref, k_scratch, k_ready, k_free, rows),
+                                 (v_ref, v_scratch, v_ready, v_free, rows)))
+
+
+def _produce(num_steps, stages, streams):
+  """Producer loop: TMA step j of every (gmem, smem ring, ready, free, index) stream into slot
+  j % stages, where index(j) gives the gmem slice.
+
+  A slot is refilled once its free barrier completed; the last releases are observed as well,
+  since every waiter of an mbarrier must see each of its phases.
+  """
+  def load(j, slot):
+    for src, dst, ready, _, index in streams:
+      plgpu.copy_gmem_to_smem(src.at[index(j)], dst.at[slot], ready.at[slot])
+
+  for i in range(stages):
+    pl.when(i < num_steps)(functools.partial(load, i, i))
+
+  @pl.loop(stages, num_steps)
+  def _(j):
+    slot = lax.rem(j, stages)
+    for src, dst, ready, free, index in streams:
+      plgpu.barrier_wait(free.at[slot])
+      plgpu.copy_gmem_to_smem(src.at[index(j)], dst.at[slot], ready.at[slot])
+
+  @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+  def _(j):
+    for _, _, _, free, _ in streams:
+      plgpu.barrier_wait(free.at[lax.rem(j, stages)])
+
+
+def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_scratch,
+                     v_scratch, q_scratch, do_scratch, lse_scratch, delta_scratch, st_scratch,
+                     kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free, do_free,
+                     lse_free, delta_free, *, kp: _common.KernelParams):
+  """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
+
+  Grid (Sp / (2·block_kv), K, B); dk/dv_ref [B, Sp, K, D] float32-accumulated, stored in dtype;
+  k/v_scratch [2, block_kv, D], q/do_scratch [stages, block_q, D], lse/delta_scratch
+  [stages, block_q], st_scratch [2, block_kv, block_q] (interpret only).
+  Steps run over (q block i, query head g) with g minor, starting at the first q block that
+  sees the CTA's keys.
+  """
+  bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
+  nq = kp.t_pad // bq
+  b, kvh, kt, wg = (lax.axis_index(n) for n in ("b", "kvh", "kt", "wg"))
+  cta_k0 = kt * (2 * bkv)
+
+  def first_q_block(k0):
+    if not kp.causal:
+      return 0
+    return jnp.minimum(nq, lax.div(k0, bq))
+
+  cta_first = first_q_block(cta_k0)
+  cta_steps = (nq - cta_first) * g_size
+
+  def index(step):
+    i = cta_first + lax.div(step, g_size)
+    return i, kvh * g_size + lax.rem(step, g_size)
+
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(kp.compute_registers, action="increase")
+    k_smem, v_smem = k_scratch.at[wg], v_scratch.at[wg]
+    k0 = cta_k0 + wg * bkv
+    rows = (b, pl.ds(k0, bkv), kvh)
+    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg, 0])
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg, 1])
+    plgpu.barrier_wait(kv_ready.at[wg, 0])
+    plgpu.barrier_wait(kv_ready.at[wg, 1])
+    streams = ((q_ready, q_free), (do_ready, do_free), (lse_ready, lse_free),
+               (delta_ready, delta_free))
+
+    def step(t, carry, *, masked: bool):
+      dk, dv = carry
+      slot = lax.rem(t, stages)
+      for ready, _ in streams:
+        plgpu.barrier_wait(ready.at[slot])
+      q_smem, do_smem = q_scratch.at[slot], do_scratch.at[slot]
+
+      def scores(s_ref, dp_ref):
+        plgpu.wgmma(s_ref, k_smem, q_smem.T)
+        plgpu.wgmma(dp_ref, v_smem, do_smem.T)
+        return s_ref[...], dp_ref[...]
+
+      s_t, dp_t = pl.run_scoped(scores, plgpu.ACC((bkv, bq), jnp.float32),
+                                plgpu.ACC((bkv, bq), jnp.float32))
+      lse = plgpu.load(lse_scratch.at[slot], layout=_common.COL)
+      delta = plgpu.load(delta_scratch.at[slot], layout=_common.COL)
+      plgpu.barrier_arrive(lse_free.at[slot])
+      plgpu.barrier_arrive(delta_free.at[slot])
+      p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+      if masked:
+        i, _ = index(t)
+        p_t = jnp.where(_common.visible(k0, i * bq, (bkv, bq), kp, transposed=True), p_t, 0.0)
+      ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, s_t.shape, [1]))
+      dv = _common.accumulate(dv, p_t.astype(kp.dtype), _at(st_scratch, wg), do_smem, kp)
+      plgpu.barrier_arrive(do_free.at[slot])
+      dk = _common.accumulate(dk, ds_t.astype(kp.dtype), _at(st_scratch, wg), q_smem, kp)
+      plgpu.barrier_arrive(q_free.at[slot])
+      return dk, dv
+
+    def idle_step(t, carry):
+      slot = lax.rem(t, stages)
+      for ready, free in streams:
+        plgpu.barrier_wait(ready.at[slot])
+        plgpu.barrier_arrive(free.at[slot])
+      return carry
+
+    zeros = plgpu.layout_cast(jnp.zeros((bkv, kp.d), jnp.float32), plgpu.Layout.WGMMA)
+    carry = (zeros, zeros)
+    # Causal: q blocks before `first` do not see these keys, blocks in [first, full) cross the
+    # diagonal and are masked, blocks from `full` on see every key of the tile.
+    first = (first_q_block(k0) - cta_first) * g_size
+    lax.fori_loop(0, first, idle_step, None)
+    if kp.causal:
+      full = jnp.minimum(nq, lax.div(k0 + bkv - 1 + bq - 1, bq))
+      full = jnp.maximum(full - cta_first, 0) * g_size
+      carry = lax.fori_loop(first, full, functools.partial(step, masked=True), carry)
+      first = full
+    dk, dv = lax.fori_loop(first, cta_steps, functools.partial(step, masked=False), carry)
+    k_smem[...] = (dk * kp.scale).astype(kp.dtype)
+    v_smem[...] = dv.astype(kp.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
+    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(kp.producer_registers, action="decrease")
+
+    def q_rows(t):
+      i, h = index(t)
+      return b, pl.ds(i * bq, bq), h
+
+    def stat_rows(t):
+      i, h = index(t)
+      return b, h, pl.ds(i * bq, bq)
+
+    _produce(cta_steps, stages, ((q_ref, q_scratch, q_ready, q_free, q_rows),
+                                 (do_ref, do_scratch, do_ready, do_free, q_rows),
+                                 (lse_ref, lse_scratch, lse_ready, lse_free, stat_rows),
+                                 (delta_ref, delta_scratch, delta_ready, delta_free, stat_rows)))
+
+
+def _dq_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams):
+  bsz, t_pad, h, d = q.shape
+  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
+  tiles = _common.smem_transforms(kp.dtype)
+  scratch = [
+      plgpu.SMEM((2, bq, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((2, bq, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((2, bq), jnp.float32),
+      plgpu.SMEM((2, bq), jnp.float32),
+      plgpu.SMEM((stages, bkv, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((stages, bkv, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((2, bq, bkv), kp.dtype, transforms=tiles) if kp.interpret else None,
+      plgpu.Barrier(num_barriers=(2, 4)),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+  ]
+  return plgpu.kernel(
+      functools.partial(_bwd_dq_kernel, kp=kp),
+      out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      scratch_types=scratch,
+      grid=(t_pad // (2 * bq), h, bsz), grid_names=("qt", "h", "b"),
+      num_threads=3, thread_name="wg",
+      compiler_params=_common.compiler_params(),
+      interpret=_common.interpret_params(kp.interpret),
+  )(q, k, v, do, lse2, delta)
+
+
+def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams):
+  bsz, s_pad, kh, d = k.shape
+  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
+  tiles = _common.smem_transforms(kp.dtype)
+  ring = lambda: plgpu.Barrier(num_barriers=stages)  # noqa: E731
+  free = lambda: plgpu.Barrier(num_arrivals=2, num_barriers=stages)  # noqa: E731
+  scratch = [
+      plgpu.SMEM((2, bkv, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((2, bkv, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((stages, bq, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((stages, bq, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((stages, bq), jnp.float32),
+      plgpu.SMEM((stages, bq), jnp.float32),
+      plgpu.SMEM((2, bkv, bq), kp.dtype, transforms=tiles) if kp.interpret else None,
+      plgpu.Barrier(num_barriers=(2, 2)),
+      ring(), ring(), ring(), ring(), free(), free(), free(), free(),
+  ]
+  kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
+  return plgpu.kernel(
+      functools.partial(_bwd_dkdv_kernel, kp=kp),
+      out_type=(kv_out, kv_out),
+      scratch_types=scratch,
+      grid=(s_pad // (2 * bkv), kh, bsz), grid_names=("kt", "kvh", "b"),
+      num_threads=3, thread_name="wg",
+      compiler_params=_common.compiler_params(),
+      interpret=_common.interpret_params(kp.interpret),
+  )(q, k, v, do, lse2, delta)
+
+
+def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
+             config: MosaicConfig | None = None):
+  """See pallas_flash.params for the contract (lse is +inf on fully masked rows)."""
+  del o
+  if q_seg is not None or kv_seg is not None:
+    raise NotImplementedError("the mosaic kernels do not support segment ids / lengths yet")
+  config = config or _common.config_for(q, k, params)
+  d = q.shape[3]
+  if d > 128:
+    # dK and dV of a 64-row tile at D = 256 need 256 f32 accumulator registers per thread,
+    # more than a warpgroup has; until a D-split kernel exists, use the blockwise backward.
+    from pallas_flash.xla import blockwise
+    return blockwise.backward(q, k, v, q_seg, kv_seg, None, lse, do, delta, params=params)
+  t, s = q.shape[1], k.shape[1]
+  # One padded length serves both kernels: multiples of both CTA heights and both tiles.
+  q_mult = math.lcm(2 * config.block_q_dq, config.block_q_dkv)
+  kv_mult = math.lcm(2 * config.block_kv_dkv, config.block_kv_dq)
+  t_pad, s_pad = _blocking.round_up(t, q_mult), _blocking.round_up(s, kv_mult)
+  qp, dop = _blocking.pad_axis(q, 1, t_pad), _blocking.pad_axis(do, 1, t_pad)
+  kpad, vpad = _blocking.pad_axis(k, 1, s_pad), _blocking.pad_axis(v, 1, s_pad)
+  # lse in log2 units so that P = exp2(S·c − lse2); padded rows get +inf (P = 0).
+  lse2 = _blocking.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
+  delta = _blocking.pad_axis(delta, 2, t_pad)
+  make = functools.partial(_common.KernelParams.make, qp, kpad, params=params, t_pad=t_pad,
+                           s_pad=s_pad, kv_len=s, config=config)
+  kp_dq = make(block_q=config.block_q_dq, block_kv=config.block_kv_dq,
+               stages=min(config.bwd_stages, s_pad // config.block_kv_dq))
+  kp_dkdv = make(block_q=config.block_q_dkv, block_kv=config.block_kv_dkv,
+                 stages=min(config.bwd_stages, t_pad // config.block_q_dkv))
+  dq = _dq_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dq)
+  dk, dv = _dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv)
+  return dq[:, :t], dk[:, :s], dv[:, :s]

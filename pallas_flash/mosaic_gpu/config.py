@@ -1,0 +1,86 @@
+"""MosaicConfig and the per-(head_dim, causal) tuning table of the Hopper kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_flash.params import CallInfo
+
+# Shared memory per CTA on H100/H200 (227 KiB), enforced again by the Mosaic lowering.
+SMEM_LIMIT_BYTES = 232_448
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MosaicConfig:
+  """Static tuning knobs of the Mosaic GPU (sm_90) kernels.
+
+  Forward: a CTA has 2 consumer warpgroups of `block_q` query rows each plus one TMA producer
+  warpgroup streaming `block_kv`-row K/V tiles through a `num_stages`-slot shared-memory ring.
+  Backward: a dQ kernel (2 WGs x `block_q_dq` rows, K/V streamed in `block_kv_dq` tiles) and a
+  dK/dV kernel (2 WGs x `block_kv_dkv` rows, Q/dO streamed in `block_q_dkv` tiles, all G query
+  heads of a kv head reduced in-kernel).
+
+  Attributes:
+    heads_fastest: forward launch order. True: consecutive CTAs take the same q tile of
+      consecutive heads (causal tiles heaviest first, an LPT order over all heads); False:
+      consecutive CTAs take consecutive q tiles of one head. True measured 4-8 % faster
+      non-causal on the H200 (623 vs 577 TFLOP/s at 4x4096x16x128), 8 % faster causal at 16K.
+    interpret: run in the Mosaic GPU interpreter (CPU). Also switches the register-operand wgmma
+      and `run_state` accumulators, which the interpreter cannot run, to operands staged through
+      shared memory and scoped accumulators: same math, slower kernel.
+  """
+
+  block_q: int = 64
+  block_kv: int = 128
+  num_stages: int = 2
+  block_q_dq: int = 64
+  block_kv_dq: int = 128
+  block_q_dkv: int = 64
+  block_kv_dkv: int = 64
+  bwd_stages: int = 2
+  heads_fastest: bool = True
+  compute_registers: int = 232
+  producer_registers: int = 40
+  interpret: bool = False
+
+  def __post_init__(self):
+    for name in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_q_dkv",
+                 "block_kv_dkv"):
+      value = getattr(self, name)
+      # wgmma: M is a multiple of 64 per warpgroup; the P.V / dS.K contraction (K) must be a
+      # multiple of the 128-byte swizzle width, i.e. 64 16-bit elements.
+      if value < 64 or value % 64:
+        raise ValueError(f"MosaicConfig.{name} must be a positive multiple of 64, got {value}")
+    for name in ("num_stages", "bwd_stages"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"MosaicConfig.{name} must be >= 1, got {getattr(self, name)}")
+    for name in ("compute_registers", "producer_registers"):
+      if getattr(self, name) % 8 or not 24 <= getattr(self, name) <= 256:
+        raise ValueError(f"MosaicConfig.{name} must be a multiple of 8 in [24, 256]")
+    if 2 * self.compute_registers + self.producer_registers > 512:
+      raise ValueError("2 * compute_registers + producer_registers must be <= 512 "
+                       "(65,536 registers per SM / 128 threads per warpgroup)")
+
+
+# Keyed by (head_dim, is_causal). Device NVIDIA H200, jax 0.11.2, CUDA 13, 2026-11-29; command:
+# `PYTHONPATH=. python3 scripts/mosaic_gpu_check.py --sweep` (numbers in docs/mosaic.md).
+# Swept (fwd, TFLOP/s at 4x4096x16x128 / 1x16384x16x128 / 16K causal / 4x4096x32x64):
+#   default 577/582/658/417, heads_fastest 623/612/643/432, 3 stages 568/579/655/418,
+#   block_kv 192 533/608/592/397, registers 240/24 579/583/659/391.
+# Backward (fwd+bwd): block_kv_dq 128 beat 64 by 1-5 %; 3 bwd stages did not help.
+# hd256 rows are SMEM-fitting defaults, not swept.
+TUNED: dict[tuple[int, bool], MosaicConfig] = {
+    # hd64: 3 stages measured equal to 2 (418 vs 417); kept 2 (less SMEM).
+    (64, False): MosaicConfig(block_q=64, block_kv=128, num_stages=2),
+    (64, True): MosaicConfig(block_q=64, block_kv=128, num_stages=2),
+    # hd128: 2 x 64-row WGs x 128 kv, 2 stages = 160 KiB SMEM (FA3's 128x128 tile).
+    (128, False): MosaicConfig(block_q=64, block_kv=128, num_stages=2),
+    (128, True): MosaicConfig(block_q=64, block_kv=128, num_stages=2),
+    # hd256: a 128-row kv tile does not fit next to Q (354 KiB); 64 rows = 192 KiB.
+    (256, False): MosaicConfig(block_q=64, block_kv=64, num_stages=2),
+    (256, True): MosaicConfig(block_q=64, block_kv=64, num_stages=2),
+}
+
+
+def default_config(info: CallInfo) -> MosaicConfig:
+  return TUNED.get((info.head_dim, info.params.is_causal), MosaicConfig())

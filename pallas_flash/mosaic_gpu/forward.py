@@ -1,0 +1,229 @@
+"""FlashAttention-3 style forward for Hopper as a Pallas Mosaic GPU kernel.
+
+One CTA = 3 warpgroups. WG 2 is the producer: it TMA-loads K/V tiles into a `num_stages`-slot
+shared-memory ring ("ready" mbarriers, refilled once both consumers arrived on "free"). WGs 0 and
+1 each own `block_q` query rows and run S = Q·Kᵀ and O += P·V on the tensor cores (wgmma), with
+the online softmax (FA2 Alg. 1) in registers between them. A two-party "schedule" barrier makes
+the consumers alternate: one WG's softmax runs while the other WG's matmuls occupy the tensor
+cores (FA3 §3.1 ping-pong).
+
+Causal: blocks above the diagonal are never loaded, only the blocks that cross the diagonal are
+masked, and q tiles are launched heaviest first (reversed), so the last wave holds short tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_flash import _blocking
+from pallas_flash.mosaic_gpu import _common
+from pallas_flash.mosaic_gpu.config import MosaicConfig
+from pallas_flash.params import MASK_VALUE, AttentionParams
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scratch,
+                lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free, v_free, sched, *,
+                kp: _common.KernelParams):
+  """q_ref [B, Tp, H, D], k_ref/v_ref [B, Sp, K, D] (GMEM), o_ref [B, Tp, H, D], lse_ref [B, H, Tp].
+
+  Grid (q tiles, H, B), or (H, q tiles, B) with kp.heads_fastest; q_scratch [2, block_q, D],
+  k/v_scratch [stages, block_kv, D], lse_scratch [2, block_q], p_scratch [2, block_q, block_kv]
+  (interpret mode only).
+  """
+  bq, bkv, stages, nk = kp.block_q, kp.block_kv, kp.stages, kp.num_kv_blocks
+  b, h, qt = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("qt")
+  wg = lax.axis_index("wg")
+  if kp.causal:
+    qt = kp.num_q_tiles - 1 - qt  # heaviest tiles first
+  cta_q0 = qt * (2 * bq)
+
+  def kv_steps(q_end):
+    """kv blocks that rows [.., q_end) see."""
+    if not kp.causal:
+      return nk
+    return jnp.minimum(nk, lax.div(q_end + bkv - 1, bkv))
+
+  cta_steps = kv_steps(cta_q0 + 2 * bq)
+
+  def sched_sync():
+    plgpu.barrier_arrive(sched)
+    plgpu.barrier_wait(sched)
+
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(kp.compute_registers, action="increase")
+    q_smem, lse_smem = q_scratch.at[wg], lse_scratch.at[wg]
+    q0 = cta_q0 + wg * bq
+    steps = kv_steps(q0 + bq)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_ready.at[wg])
+    plgpu.barrier_wait(q_ready.at[wg])
+    plgpu.barrier_wait(k_ready.at[0])  # steps >= 1 always
+
+    def step(j, carry, *, masked: bool):
+      acc, m, l = carry
+      slot = lax.rem(j, stages)
+
+      def qk(s_ref):
+        plgpu.wgmma(s_ref, q_smem, k_scratch.at[slot].T)
+        sched_sync()  # hand the tensor cores to the other WG while S is computed
+        return s_ref[...]
+
+      s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+      plgpu.barrier_arrive(k_free.at[slot])
+      if masked:
+        s = jnp.where(_common.visible(q0, j * bkv, (bq, bkv), kp), s, -jnp.inf)
+      # exp2 with softmax_scale·log2(e) folded in: m is kept in scaled log2 units, so each
+      # probability is one FFMA plus one ex2. -inf scores give p = 0 without a select since m
+      # starts at the finite MASK_VALUE.
+      m_new = jnp.maximum(m, s.max(axis=1) * kp.c)
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      l = l * alpha + p.sum(axis=1)
+      p16 = p.astype(kp.dtype)
+      # Pin the softmax before the barrier so that it overlaps the other WG's matmuls.
+      acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+      plgpu.barrier_arrive(sched)
+      plgpu.barrier_wait(v_ready.at[slot])
+      plgpu.barrier_wait(sched)
+
+      def wait_next_k():
+        @pl.when(j + 1 < steps)
+        def _():
+          plgpu.barrier_wait(k_ready.at[lax.rem(j + 1, stages)])
+
+      if kp.interpret:
+        acc = acc + _common.staged_matmul(p16, p_scratch.at[wg], v_scratch.at[slot], (bq, kp.d))
+        wait_next_k()
+      else:
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_scratch.at[slot])  # P from registers (RS wgmma)
+          wait_next_k()  # overlaps the PV wgmma
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_new, l
+
+    def idle_step(j, carry):
+      # A WG with fewer causal blocks keeps the shared ring and schedule barrier in lock-step.
+      slot = lax.rem(j, stages)
+      plgpu.barrier_wait(k_ready.at[slot])
+      plgpu.barrier_arrive(k_free.at[slot])
+      plgpu.barrier_wait(v_ready.at[slot])
+      plgpu.barrier_arrive(v_free.at[slot])
+      sched_sync()
+      sched_sync()
+      return carry
+
+    carry = (plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA),
+             plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), _common.ROW),
+             plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _common.ROW))
+    pl.when(wg == 1)(sched_sync)
+    mask_lo = _common.first_masked_block(q0, steps, kp)
+    carry = lax.fori_loop(0, mask_lo, functools.partial(step, masked=False), carry)
+    if kp.needs_mask:
+      carry = lax.fori_loop(mask_lo, steps, functools.partial(step, masked=True), carry)
+    if kp.causal:
+      lax.fori_loop(steps, cta_steps, idle_step, None)
+    pl.when(wg == 0)(sched_sync)
+
+    acc, m, l = carry
+    empty = l == 0.0  # only with segment ids: no visible key at all
+    inv_l = 1.0 / jnp.where(empty, 1.0, l)
+    q_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(kp.dtype)
+    lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(q0, bq), h], commit_group=False)
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)], commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(kp.producer_registers, action="decrease")
+    kvh = lax.div(h, kp.group)
+
+    def load(j, slot):
+      rows = (b, pl.ds(j * bkv, bkv), kvh)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_scratch.at[slot], v_ready.at[slot])
+
+    for i in range(stages):
+      pl.when(i < cta_steps)(functools.partial(load, i, i))
+
+    @pl.loop(stages, cta_steps)
+    def _(j):
+      slot = lax.rem(j, stages)
+      rows = (b, pl.ds(j * bkv, bkv), kvh)
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_scratch.at[slot], v_ready.at[slot])
+
+    # Observe the last releases too: every waiter of an mbarrier must see each of its phases.
+    @pl.loop(jnp.maximum(cta_steps - stages, 0), cta_steps)
+    def _(j):
+      plgpu.barrier_wait(k_free.at[lax.rem(j, stages)])
+      plgpu.barrier_wait(v_free.at[lax.rem(j, stages)])
+
+
+def fwd_call(q, k, v, *, kp: _common.KernelParams):
+  """Runs the kernel on padded q [B, Tp, H, D], k/v [B, Sp, K, D] -> (o [B, Tp, H, D], lse)."""
+  bsz, t_pad, h, d = q.shape
+  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
+  tiles = _common.smem_transforms(kp.dtype)
+  scratch = [
+      plgpu.SMEM((2, bq, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((stages, bkv, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((stages, bkv, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((2, bq), jnp.float32),
+      plgpu.SMEM((2, bq, bkv), kp.dtype, transforms=tiles) if kp.interpret else None,
+      plgpu.Barrier(num_barriers=2),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2),
+  ]
+  if kp.heads_fastest:
+    grid, names = (h, kp.num_q_tiles, bsz), ("h", "qt", "b")
+  else:
+    grid, names = (kp.num_q_tiles, h, bsz), ("qt", "h", "b")
+  return plgpu.kernel(
+      functools.partial(_fwd_kernel, kp=kp),
+      out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)),
+      scratch_types=scratch,
+      grid=grid, grid_names=names, num_threads=3, thread_name="wg",
+      compiler_params=_common.compiler_params(),
+      interpret=_common.interpret_params(kp.interpret),
+  )(q, k, v)
+
+
+def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
+            config: MosaicConfig | None = None):
+  """See pallas_flash.params for the contract. Segment ids are rejected by unsupported_reason."""
+  if q_seg is not None or kv_seg is not None:
+    raise NotImplementedError("the mosaic kernels do not support segment ids / lengths yet")
+  config = config or _common.config_for(q, k, params)
+  b, t, h, d = q.shape
+  s = k.shape[1]
+  t_pad = _blocking.round_up(t, 2 * config.block_q)
+  s_pad = _blocking.round_up(s, config.block_kv)
+  kp = _common.KernelParams.make(
+      q, k, params=params, block_q=config.block_q, block_kv=config.block_kv,
+      stages=min(config.num_stages, s_pad // config.block_kv), t_pad=t_pad, s_pad=s_pad,
+      kv_len=s, config=config)
+  qp = _blocking.pad_axis(q, 1, t_pad)
+  kpad, vpad = _blocking.pad_axis(k, 1, s_pad), _blocking.pad_axis(v, 1, s_pad)
+  o, lse = fwd_call(qp, kpad, vpad, kp=kp)
+  return o[:, :t], lse[:, :, :t]

@@ -1,0 +1,102 @@
+"""Lowers the Mosaic GPU kernels for CUDA on the CPU: tracing, layout and SMEM-overflow errors.
+
+`jax.export` runs Mosaic's layout inference and dialect lowering in Python and checks shared
+memory against the sm_90 limit; PTX generation and ptxas only happen on the GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+import pallas_flash
+from pallas_flash import mosaic_gpu
+from pallas_flash.mosaic_gpu import MosaicConfig
+from pallas_flash.params import AttentionParams, CallInfo
+
+H200 = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
+    device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+
+CASES = [  # B, T, S, H, K, D, causal
+    (2, 4096, 4096, 8, 8, 64, False),
+    (1, 1000, 1100, 8, 2, 64, True),
+    (2, 4096, 4096, 8, 8, 128, True),
+    (1, 777, 1025, 8, 1, 128, False),
+    (1, 2048, 2048, 4, 2, 256, True),
+    (1, 300, 700, 4, 4, 256, False),
+]
+
+
+def _export(fn, *specs):
+  with use_abstract_mesh(H200):
+    return jax.export.export(jax.jit(fn), platforms=["cuda"])(*specs)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}_t{}_s{}_h{}:{}_d{}{}".format(
+    *c[:6], "_causal" if c[6] else ""))
+def test_forward_and_grad_lower(case):
+  b, t, s, h, kh, d, causal = case
+  q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b, s, kh, d), jnp.bfloat16)
+
+  def attn(q, k, v):
+    return pallas_flash.flash_attention(q, k, v, is_causal=causal, implementation="mosaic")
+
+  def grads(q, k, v):
+    return jax.grad(lambda *a: attn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
+
+  assert _export(attn, q, kv, kv).mlir_module().count("mosaic_gpu") >= 1
+  text = _export(grads, q, kv, kv).mlir_module()
+  assert text.count("mosaic_gpu") >= 1
+
+
+@pytest.mark.parametrize("config", [MosaicConfig(num_stages=3), MosaicConfig(block_kv=192),
+                                    MosaicConfig(bwd_stages=3, block_kv_dq=64),
+                                    MosaicConfig(heads_fastest=False)],
+                         ids=["stages3", "kv192", "bwd_stages3", "qtiles_fastest"])
+def test_alternative_configs_fit_in_smem_at_hd128(config):
+  q = jax.ShapeDtypeStruct((1, 2048, 4, 128), jnp.float16)
+  fn = lambda q, k, v: pallas_flash.flash_attention(  # noqa: E731
+      q, k, v, implementation="mosaic", config=config)
+  _export(jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2)), q, q, q)
+
+
+def test_smem_overflow_is_reported():
+  q = jax.ShapeDtypeStruct((1, 2048, 4, 256), jnp.bfloat16)
+  fn = lambda q, k, v: pallas_flash.flash_attention(  # noqa: E731
+      q, k, v, implementation="mosaic", config=MosaicConfig(block_kv=128, num_stages=3))
+  with pytest.raises(Exception, match="shared memory"):
+    _export(fn, q, q, q)
+
+
+def _info(**kw):
+  base = dict(batch=1, q_len=128, kv_len=128, num_heads=4, num_kv_heads=4, head_dim=128,
+              dtype=jnp.dtype(jnp.bfloat16),
+              params=AttentionParams(scale=1.0, is_causal=False, has_segments=False),
+              platform="gpu", compute_capability=(9, 0), device_kind="NVIDIA H200")
+  base.update(kw)
+  return CallInfo(**base)
+
+
+@pytest.mark.parametrize("kw,expected", [
+    (dict(), None),
+    (dict(platform="cpu", compute_capability=None, device_kind="cpu"), "needs a Hopper GPU"),
+    (dict(compute_capability=(8, 0), device_kind="NVIDIA A100"), "needs a Hopper GPU"),
+    (dict(dtype=jnp.dtype(jnp.float32)), "float32"),
+    (dict(head_dim=96), "head_dim 96"),
+    (dict(params=AttentionParams(scale=1.0, is_causal=True, has_segments=True)), "segment ids"),
+], ids=["ok", "cpu", "ampere", "f32", "hd96", "segments"])
+def test_unsupported_reason(kw, expected):
+  reason = mosaic_gpu.unsupported_reason(_info(**kw))
+  if expected is None:
+    assert reason is None
+  else:
+    assert expected in reason
+
+
+def test_explain_shows_the_reason_for_segments():
+  q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+  seg = jnp.zeros((1, 256), jnp.int32)
+  with use_abstract_mesh(H200):
+    why = pallas_flash.explain(q, q, q, query_segment_ids=seg)
+  assert "segment ids" in why.reasons["mosaic"]
