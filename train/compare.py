@@ -1,0 +1,192 @@
+"""Attention benchmarks on the training model: throughput side by side, and the longest context.
+
+  python -m train.compare throughput --attention ours cudnn xla --seq-len 16384 --json out.json
+  python -m train.compare max-context --attention ours --start 16384 --json out.json
+
+Every attention runs in its own subprocess, so that `peak_bytes_in_use` (a per-process high-water
+mark) and any out-of-memory failure belong to that attention alone. Data is random bytes with
+plain causal attention (no segment ids): the jax.nn baselines have no segment ids, and a dense
+document mask would make them slower for a reason that is not attention itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+import time
+
+_RESULT = "RESULT "
+
+
+def _config(args, attention: str, seq_len: int):
+  from train.config import PRESETS
+
+  cfg = PRESETS[args.preset]
+  return dataclasses.replace(
+      cfg, attention=attention, seq_len=seq_len, batch_size=args.batch_size, grad_accum=1,
+      segment_ids=False, task="retrieval",
+      implementation=(args.implementation if attention == "ours" else None),
+      steps=max(cfg.steps, args.steps + 2), warmup_steps=1)
+
+
+def _random_batch(cfg, seed: int) -> dict:
+  import numpy as np
+
+  rng = np.random.default_rng(seed)
+  tok = rng.integers(0, cfg.model.vocab_size, (1, cfg.batch_size, cfg.seq_len + 1), np.int32)
+  return dict(tokens=tok[..., :-1], targets=tok[..., 1:],
+              loss_mask=np.ones(tok[..., 1:].shape, np.float32),
+              positions=np.broadcast_to(np.arange(cfg.seq_len, dtype=np.int32), tok[..., 1:].shape))
+
+
+def _measure(cfg, steps: int, model=None, optimizer=None) -> dict:
+  """Compiles and runs `steps` train steps; tokens/s, MFU and peak memory of this process."""
+  import jax
+
+  from train import metrics
+  from train.main import _shard_batch, build, check_environment, make_mesh
+  from train.step import train_step
+
+  devices = jax.devices()
+  mesh = make_mesh(devices)
+  if model is None:
+    check_environment(cfg)
+    model, optimizer = build(cfg, mesh)
+  batch = _shard_batch(_random_batch(cfg, 0), mesh, accum_axis=True)
+  t0 = time.perf_counter()
+  loss = float(train_step(model, optimizer, batch)["loss"])  # compile + first step
+  compile_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  for _ in range(steps):
+    out = train_step(model, optimizer, batch)
+  jax.block_until_ready(out)
+  step_s = (time.perf_counter() - t0) / max(steps, 1)
+  tokens_per_s = cfg.seq_len * cfg.batch_size / step_s
+  peak = metrics.peak_flops(devices[0])
+  flops = cfg.model.flops_per_token(cfg.seq_len) * tokens_per_s
+  mem = metrics.peak_memory_bytes(devices[0])
+  return dict(attention=cfg.attention, implementation=cfg.implementation, seq_len=cfg.seq_len,
+              batch_size=cfg.batch_size, step_ms=1e3 * step_s, tokens_per_s=tokens_per_s,
+              mfu=None if peak is None else flops / (peak * len(devices)),
+              peak_gib=None if mem is None else mem / 2**30, compile_s=compile_s,
+              first_loss=loss, status="ok", device=devices[0].device_kind)
+
+
+def _child_throughput(args, attention: str) -> list[dict]:
+  return [_measure(_config(args, attention, args.seq_len), args.steps)]
+
+
+def _child_max_context(args, attention: str) -> list[dict]:
+  """Doubles seq_len from --start until one training step fails or --time-limit is spent."""
+  import jax
+
+  from train.main import build, check_environment, make_mesh
+
+  results, seq_len, t0 = [], args.start, time.time()
+  model = optimizer = None
+  while seq_len <= args.max and time.time() - t0 < args.time_limit:
+    cfg = _config(args, attention, seq_len)
+    try:
+      if model is None:  # parameters do not depend on seq_len: build once
+        check_environment(cfg)
+        model, optimizer = build(cfg, make_mesh(jax.devices()))
+      results.append(_measure(cfg, 1, model, optimizer))
+    except Exception as e:  # noqa: BLE001  (out of memory surfaces as several error types)
+      results.append(dict(attention=attention, seq_len=seq_len, status="failed",
+                          error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+      print(_RESULT + json.dumps(results[-1]), flush=True)
+      break
+    print(_RESULT + json.dumps(results[-1]), flush=True)
+    seq_len *= 2
+  return results
+
+
+def _run_child(args, attention: str) -> list[dict]:
+  """Runs one attention in a fresh process; collects its RESULT lines."""
+  cmd = [sys.executable, "-m", "train.compare", args.mode, "--child", "--attention", attention,
+         *_forward_flags(args)]
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.time_limit + 300)
+    out, err, rc = proc.stdout, proc.stderr, proc.returncode
+  except subprocess.TimeoutExpired as e:
+    out, err, rc = e.stdout or "", "timeout", -1
+  rows = [json.loads(line[len(_RESULT):]) for line in (out or "").splitlines()
+          if line.startswith(_RESULT)]
+  if rc != 0 and not any(r["status"] == "failed" for r in rows):
+    rows.append(dict(attention=attention, seq_len=None, status="failed",
+                     error=f"exit {rc}: {_error_line(err)}"))
+  return rows
+
+
+def _error_line(stderr: str | None) -> str:
+  """The line of a child's stderr that names the error (not JAX's traceback-filter notice)."""
+  lines = [ln for ln in (stderr or "").strip().splitlines() if ln.strip()]
+  named = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Exit)\b", ln)
+           or "cannot run" in ln]
+  return ((named or lines or ["no output"])[-1])[:300]
+
+
+def _forward_flags(args) -> list[str]:
+  flags = ["--preset", args.preset, "--seq-len", str(args.seq_len), "--steps", str(args.steps),
+           "--batch-size", str(args.batch_size), "--start", str(args.start),
+           "--max", str(args.max), "--time-limit", str(args.time_limit)]
+  if args.implementation:
+    flags += ["--implementation", args.implementation]
+  return flags
+
+
+def format_table(rows: list[dict]) -> str:
+  head = f"{'attention':<18}{'seq_len':>9}{'tokens/s':>11}{'MFU':>7}{'step ms':>10}" \
+         f"{'peak GiB':>10}{'compile s':>11}  status"
+  lines = [head, "-" * len(head)]
+  fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
+  for r in rows:
+    name = r["attention"] + (f"({r['implementation']})" if r.get("implementation") else "")
+    lines.append(f"{name:<18}{fmt(r.get('seq_len'), 'd'):>9}{fmt(r.get('tokens_per_s'), ',.0f'):>11}"
+                 f"{fmt(r.get('mfu') and 100 * r['mfu'], '.1f'):>7}{fmt(r.get('step_ms'), '.0f'):>10}"
+                 f"{fmt(r.get('peak_gib'), '.2f'):>10}{fmt(r.get('compile_s'), '.1f'):>11}  "
+                 f"{r['status']}{' ' + r['error'] if r.get('error') else ''}")
+  return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m train.compare", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("mode", choices=("throughput", "max-context"))
+  p.add_argument("--attention", nargs="+", default=["ours", "cudnn", "xla"])
+  p.add_argument("--preset", default="h200-long")
+  p.add_argument("--implementation", default=None, help="pallas_flash implementation for ours")
+  p.add_argument("--seq-len", type=int, default=16_384, help="throughput: tokens per sequence")
+  p.add_argument("--batch-size", type=int, default=1)
+  p.add_argument("--steps", type=int, default=5, help="throughput: timed steps after compile")
+  p.add_argument("--start", type=int, default=16_384, help="max-context: first length")
+  p.add_argument("--max", type=int, default=1 << 20, help="max-context: last length tried")
+  p.add_argument("--time-limit", type=float, default=180.0,
+                 help="seconds per attention before no new length is started")
+  p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+  p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+  return p
+
+
+def main(argv=None) -> list[dict]:
+  args = _parser().parse_args(argv)
+  if args.child:
+    run = _child_throughput if args.mode == "throughput" else _child_max_context
+    rows = run(args, args.attention[0])
+    if args.mode == "throughput":
+      print(_RESULT + json.dumps(rows[0]), flush=True)
+    return rows
+  rows = [r for a in args.attention for r in _run_child(args, a)]
+  print(format_table(rows))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"mode": args.mode, "rows": rows}, f, indent=1)
+  return rows
+
+
+if __name__ == "__main__":
+  main()
