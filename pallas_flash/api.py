@@ -12,7 +12,9 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from pallas_flash.params import KV_PAD_SEGMENT, Q_PAD_SEGMENT, AttentionParams, CallInfo
+from pallas_flash import dropout, masks
+from pallas_flash.params import (KV_PAD_SEGMENT, Q_PAD_SEGMENT, AttentionParams, CallInfo,
+                                 FeatureArrays)
 from pallas_flash.reference import attention_reference
 
 Implementation = Literal["mosaic", "triton", "interpret", "xla", "reference"]
@@ -28,6 +30,7 @@ class _Backend:
   backward: Callable
   unsupported_reason: Callable[[CallInfo], str | None]
   config_type: type
+  features: frozenset[str]  # SUPPORTED_FEATURES; a backend without it runs only the core
 
 
 def _load_backend(name: str) -> _Backend | str:
@@ -46,7 +49,8 @@ def _load_backend(name: str) -> _Backend | str:
   if kwargs:
     fwd, bwd = functools.partial(fwd, **kwargs), functools.partial(bwd, **kwargs)
   reason = functools.partial(mod.unsupported_reason, **kwargs) if kwargs else mod.unsupported_reason
-  return _Backend(fwd, bwd, reason, mod.CONFIG_TYPE)
+  features = frozenset(getattr(mod, "SUPPORTED_FEATURES", ()))
+  return _Backend(fwd, bwd, reason, mod.CONFIG_TYPE, features)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,6 +126,18 @@ def _fold_lengths(q_seg, kv_seg, q_lens, kv_lens, t: int, s: int):
   return q_seg, kv_seg
 
 
+def _abstract_compute_capability(device_kind: str) -> tuple[int, int] | None:
+  """Compute capability of a GPU known by name only (an AbstractDevice), or None if unknown."""
+  from jax.experimental.pallas import triton as pltriton
+
+  # Longest names first, so that "NVIDIA A100" is not read as "NVIDIA A10".
+  for version in sorted(pltriton.GpuVersion, key=lambda v: -len(v.value)):
+    if version.value in device_kind:
+      c = pltriton.get_gpu_info_from_version(version).compute_capability
+      return c // 10, c % 10
+  return None
+
+
 def _target_device() -> tuple[str, tuple[int, int] | None, str]:
   """(platform, compute capability, device kind) of where the call will be compiled for.
 
@@ -131,15 +147,7 @@ def _target_device() -> tuple[str, tuple[int, int] | None, str]:
   abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
   if abstract is not None:
     platform, kind = abstract.platform, abstract.device_kind
-    cc = None
-    if platform == "gpu":
-      from jax.experimental.pallas import triton as pltriton
-      version = pltriton.gpu_info.gpu_version_from_device_kind(kind) \
-          if hasattr(pltriton, "gpu_info") else None
-      if version is not None:
-        c = pltriton.get_gpu_info_from_version(version).compute_capability
-        cc = (c // 10, c % 10)
-    return platform, cc, kind
+    return platform, _abstract_compute_capability(kind) if platform == "gpu" else None, kind
   dev = jax.devices()[0]
   cc_str = getattr(dev, "compute_capability", None)
   cc = tuple(int(p) for p in cc_str.split(".")[:2]) if cc_str else None
@@ -153,6 +161,7 @@ class _Call:
   v: jax.Array
   q_seg: jax.Array | None
   kv_seg: jax.Array | None
+  arrays: FeatureArrays
   info: CallInfo
   unbatched: bool
 
@@ -162,7 +171,9 @@ def _add_batch(x):
 
 
 def _canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
-                  key_value_seq_lengths, query_segment_ids, key_value_segment_ids) -> _Call:
+                  key_value_seq_lengths, query_segment_ids, key_value_segment_ids,
+                  bias=None, mask=None, local_window_size=None, logits_soft_cap=None,
+                  alibi_slopes=None, dropout_rate=0.0, dropout_rng=None) -> _Call:
   unbatched = all(getattr(x, "ndim", None) == 3 for x in (query, key, value))
   if unbatched:
     query, key, value = (jnp.asarray(x)[None] for x in (query, key, value))
@@ -197,13 +208,92 @@ def _canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
   kv_seg = _check_index_array("key_value_segment_ids", key_value_segment_ids, (b, s),
                               "Segment ids are [batch, kv_len] int32.")
   q_seg, kv_seg = _fold_lengths(q_seg, kv_seg, q_lens, kv_lens, t, s)
+  features, arrays = _canonicalize_features(
+      (b, h, t, s), bias=bias, mask=mask, local_window_size=local_window_size,
+      logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng)
   params = AttentionParams(scale=float(scale), is_causal=bool(is_causal),
-                           has_segments=q_seg is not None)
+                           has_segments=q_seg is not None, **features)
   platform, cc, kind = _target_device()
   info = CallInfo(batch=b, q_len=t, kv_len=s, num_heads=h, num_kv_heads=key.shape[2],
                   head_dim=d, dtype=jnp.dtype(query.dtype), params=params, platform=platform,
                   compute_capability=cc, device_kind=kind)
-  return _Call(query, key, value, q_seg, kv_seg, info, unbatched)
+  return _Call(query, key, value, q_seg, kv_seg, arrays, info, unbatched)
+
+
+def _check_window(w) -> tuple[int, int] | None:
+  if w is None:
+    return None
+  pair = (w, w) if isinstance(w, int) else tuple(w) if isinstance(w, (tuple, list)) else None
+  if (pair is None or len(pair) != 2
+      or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair)):
+    raise TypeError("`local_window_size` must be an int or a (left, right) pair of Python ints "
+                    f"(tokens; static), got {w!r}.")
+  if min(pair) < 0:
+    raise ValueError(f"`local_window_size` {pair} must be >= 0 on both sides: query i sees keys "
+                     "i - left .. i + right (use is_causal=True to cut the right side).")
+  return int(pair[0]), int(pair[1])
+
+
+def _check_dense(name: str, x, full: tuple[int, int, int, int]):
+  """Bias / mask as jax.nn takes them: rank <= 4, broadcastable to [B, H, T, S].
+
+  The T and S axes are broadcast here (differentiably); B and H stay 1 or full so that the
+  kernels read one copy for every batch element / head.
+  """
+  if x is None:
+    return None
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"`{name}` must be an array, got {type(x).__name__}.")
+  x = jnp.asarray(x)
+  if x.ndim > 4 or any(n not in (1, f) for n, f in zip((1,) * (4 - x.ndim) + x.shape, full)):
+    raise ValueError(
+        f"`{name}` must broadcast to [batch, num_heads, q_len, kv_len] = {full}, got shape "
+        f"{x.shape}: each axis must be 1 or the full size. Dense {name}es cost T*S memory; "
+        "prefer is_causal, local_window_size, segment ids or alibi_slopes where they fit.")
+  shape = (1,) * (4 - x.ndim) + x.shape
+  return jnp.broadcast_to(x.reshape(shape), shape[:2] + full[2:])
+
+
+def _canonicalize_features(full, *, bias, mask, local_window_size, logits_soft_cap,
+                           alibi_slopes, dropout_rate, dropout_rng):
+  """Validated feature arguments: (AttentionParams fields, FeatureArrays)."""
+  b, h, t, s = full
+  window = _check_window(local_window_size)
+  if logits_soft_cap is not None and (
+      not isinstance(logits_soft_cap, (int, float)) or isinstance(logits_soft_cap, bool)
+      or not math.isfinite(logits_soft_cap) or logits_soft_cap <= 0):
+    raise ValueError(f"`logits_soft_cap` must be a positive finite Python float (static), got "
+                     f"{logits_soft_cap!r}.")
+  if not isinstance(dropout_rate, (int, float)) or not 0.0 <= dropout_rate < 1.0:
+    raise ValueError(f"`dropout_rate` must be a Python float in [0, 1), got {dropout_rate!r}.")
+  seed = None
+  if dropout_rate > 0.0:
+    if dropout_rng is None:
+      raise ValueError("`dropout_rate` > 0 needs `dropout_rng`, a JAX PRNG key "
+                       "(e.g. jax.random.key(0)); pass dropout_rate=0.0 for no dropout.")
+    seed = dropout.seed_from_rng(dropout_rng)
+  slopes = None
+  if alibi_slopes is not None:
+    slopes = jnp.asarray(alibi_slopes)
+    if slopes.shape != (h,) or not jnp.issubdtype(slopes.dtype, jnp.floating):
+      raise ValueError(f"`alibi_slopes` must be a float array of shape (num_heads,) = ({h},), "
+                       f"got {slopes.dtype}{list(slopes.shape)}.")
+    # A fixed schedule, not trained: no implementation gives the slopes a gradient.
+    slopes = jax.lax.stop_gradient(slopes.astype(jnp.float32))
+  bias = _check_dense("bias", bias, full)
+  if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
+    raise TypeError(f"`bias` must be a float array, got {bias.dtype}.")
+  if mask is not None and getattr(mask, "dtype", None) != jnp.bool_:
+    raise TypeError("`mask` must be a boolean array (True where a query may attend), got "
+                    f"{getattr(mask, 'dtype', type(mask).__name__)}; pass additive masks as "
+                    "`bias`.")
+  mask = _check_dense("mask", mask, full)
+  fields = dict(local_window=window,
+                logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+                has_alibi=slopes is not None, dropout_rate=float(dropout_rate),
+                has_bias=bias is not None, has_mask=mask is not None)
+  return fields, FeatureArrays(bias=bias, mask=mask, alibi_slopes=slopes, dropout_seed=seed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,6 +309,9 @@ def _reason(name: str, info: CallInfo, config) -> str | None:
   if config is not None and not isinstance(config, backend.config_type):
     return (f"config is a {type(config).__name__}, but {name!r} takes a "
             f"{backend.config_type.__name__}")
+  missing = info.params.features - backend.features
+  if missing:
+    return f"{name} does not support {', '.join(sorted(missing))} yet"
   return backend.unsupported_reason(info)
 
 
@@ -228,10 +321,16 @@ class Explanation:
 
   chosen: str | None  # None: no automatic choice can run the call
   reasons: dict[str, str | None]  # None: could run this call
+  # Fraction of (query block, key block) pairs the blocked kernels compute, from causal masking
+  # and the local window at `block_q x block_kv` (segment ids and dense masks skip nothing).
+  blocks_computed: float = 1.0
+  block_shape: tuple[int, int] = (128, 128)
 
   def __str__(self) -> str:
     lines = [f"implementation=None runs {self.chosen!r}" if self.chosen else
              "implementation=None cannot run this call"]
+    lines.append(f"  blocks computed: {self.blocks_computed:.1%} of "
+                 f"{self.block_shape[0]}x{self.block_shape[1]} score blocks")
     for name, why in self.reasons.items():
       if name == self.chosen:
         continue
@@ -268,27 +367,52 @@ def _choose(info: CallInfo, implementation, config) -> str:
   return chosen
 
 
-def explain(query, key, value, **kwargs) -> Explanation:
-  """Says which implementation `flash_attention(query, key, value, **kwargs)` would run.
+def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
+  """Says which implementation `flash_attention(query, key, value, ...)` would run.
 
   Takes the same arguments as `flash_attention`; `implementation` is ignored, `config` is honoured.
-  Works on arrays or `jax.ShapeDtypeStruct`s. Print the result for a readable report.
+  Works on arrays or `jax.ShapeDtypeStruct`s. Also reports the fraction of score blocks the
+  blocked kernels compute under causal masking and the local window. Print the result for a
+  readable report.
   """
+  kwargs.update(bias=bias, mask=mask)
   config = kwargs.pop("config", None)
   kwargs.pop("implementation", None)
   kwargs.pop("return_residuals", None)
-  call = _canonicalize(query, key, value, **_defaults(kwargs))
-  reasons = {name: _reason(name, call.info, config) for name in IMPLEMENTATIONS}
-  return Explanation(_auto_choice(reasons), reasons)
+  info = _abstract_call_info(query, key, value, _defaults(kwargs))
+  reasons = {name: _reason(name, info, config) for name in IMPLEMENTATIONS}
+  block = (getattr(config, "block_q", 128), getattr(config, "block_kv", 128))
+  fraction = masks.fraction_computed(q_len=info.q_len, kv_len=info.kv_len, block_q=block[0],
+                                     block_kv=block[1], band=info.params.band)
+  return Explanation(_auto_choice(reasons), reasons, fraction, block)
+
+
+def _abstract_call_info(query, key, value, kwargs: dict) -> CallInfo:
+  """Validates and describes a call without computing anything, so shapes suffice."""
+  arrays = {n: x for n, x in kwargs.items() if hasattr(x, "shape") and hasattr(x, "dtype")}
+  statics = {n: x for n, x in kwargs.items() if n not in arrays}
+  infos = []
+
+  def trace(q, k, v, arrays):
+    infos.append(_canonicalize(q, k, v, **statics, **arrays).info)
+    return jnp.zeros(())
+
+  jax.eval_shape(trace, query, key, value, arrays)
+  return infos[0]
+
+
+_DEFAULTS = {"scale": None, "is_causal": False, "query_seq_lengths": None,
+             "key_value_seq_lengths": None, "query_segment_ids": None,
+             "key_value_segment_ids": None, "bias": None, "mask": None,
+             "local_window_size": None, "logits_soft_cap": None, "alibi_slopes": None,
+             "dropout_rate": 0.0, "dropout_rng": None}
 
 
 def _defaults(kwargs: dict) -> dict:
-  names = ("scale", "is_causal", "query_seq_lengths", "key_value_seq_lengths",
-           "query_segment_ids", "key_value_segment_ids")
-  unknown = set(kwargs) - set(names)
+  unknown = set(kwargs) - set(_DEFAULTS)
   if unknown:
     raise TypeError(f"Unexpected arguments {sorted(unknown)}.")
-  return {n: kwargs.get(n, False if n == "is_causal" else None) for n in names}
+  return {n: kwargs.get(n, default) for n, default in _DEFAULTS.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,21 +423,26 @@ def _defaults(kwargs: dict) -> dict:
 def _differentiable(name: str, params: AttentionParams, config) -> Callable:
   """A custom_vjp attention for one backend and static configuration.
 
-  The forward saves only (q, k, v, segment ids, o, lse); the backward recomputes scores blockwise.
+  The forward saves only (q, k, v, segment ids, feature arrays, o, lse); the backward recomputes
+  scores (and the dropout mask) blockwise. Feature arrays reach the backend only when the call
+  uses a feature, so core-only backends keep the plain contract.
   """
   backend = _load_backend(name)
-  fwd_kw = dict(params=params, config=config)
+  uses_features = bool(params.features)
+
+  def kw(arrays):
+    return dict(params=params, config=config, **({"arrays": arrays} if uses_features else {}))
 
   @jax.custom_vjp
-  def attention(q, k, v, q_seg, kv_seg):
-    return backend.forward(q, k, v, q_seg, kv_seg, **fwd_kw)
+  def attention(q, k, v, q_seg, kv_seg, arrays):
+    return backend.forward(q, k, v, q_seg, kv_seg, **kw(arrays))
 
-  def attention_fwd(q, k, v, q_seg, kv_seg):
-    o, lse = backend.forward(q, k, v, q_seg, kv_seg, **fwd_kw)
-    return (o, lse), (q, k, v, q_seg, kv_seg, o, lse)
+  def attention_fwd(q, k, v, q_seg, kv_seg, arrays):
+    o, lse = backend.forward(q, k, v, q_seg, kv_seg, **kw(arrays))
+    return (o, lse), (q, k, v, q_seg, kv_seg, arrays, o, lse)
 
   def attention_bwd(res, cotangents):
-    q, k, v, q_seg, kv_seg, o, lse = res
+    q, k, v, q_seg, kv_seg, arrays, o, lse = res
     do, dlse = cotangents
     # delta = rowsum(dO * O) is FA2's backward preprocessing; a cotangent on lse enters the
     # score gradient as p * dlse, which is the same as subtracting it from delta.
@@ -321,9 +450,10 @@ def _differentiable(name: str, params: AttentionParams, config) -> Callable:
     delta = delta - dlse
     # +inf on fully masked rows makes every recomputed probability exp(s - lse) exactly 0.
     lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
-    dq, dk, dv = backend.backward(q, k, v, q_seg, kv_seg, o, lse, do.astype(q.dtype), delta,
-                                  **fwd_kw)
-    return dq, dk, dv, None, None
+    grads = backend.backward(q, k, v, q_seg, kv_seg, o, lse, do.astype(q.dtype), delta,
+                             **kw(arrays))
+    dbias = grads[3].astype(arrays.bias.dtype) if params.has_bias else None
+    return (*grads[:3], None, None, FeatureArrays(bias=dbias))
 
   attention.defvjp(attention_fwd, attention_bwd)
   return attention
@@ -333,6 +463,8 @@ def flash_attention(
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
     *,
     scale: float | None = None,
     is_causal: bool = False,
@@ -340,6 +472,11 @@ def flash_attention(
     key_value_seq_lengths: jax.Array | None = None,
     query_segment_ids: jax.Array | None = None,
     key_value_segment_ids: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    alibi_slopes: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
     return_residuals: bool = False,
     implementation: Implementation | None = None,
     config: Any = None,
@@ -351,6 +488,10 @@ def flash_attention(
   Args:
     query: [B, T, H, D] (or [T, H, D] together with key and value).
     key, value: [B, S, K, D], H % K == 0 (MHA, GQA, MQA).
+    bias: additive logits bias broadcastable to [B, H, T, S] (each axis 1 or full, rank <= 4, as
+      in jax.nn), differentiable (its gradient is summed over broadcast axes). Dense: it costs
+      T*S memory and reads; prefer the structured arguments below where they apply.
+    mask: boolean, broadcastable like `bias`; True where a query may attend. Dense as well.
     scale: softmax scale, default 1/sqrt(D). A static Python float.
     is_causal: query i attends to keys 0..i, exactly as `jax.nn.dot_product_attention`, also
       when T != S (top-left alignment: the mask is the top-left corner of a square causal mask).
@@ -358,6 +499,15 @@ def flash_attention(
     query_segment_ids, key_value_segment_ids: int32 [B, T] / [B, S]; a query attends only to keys
       of its own segment (packed documents). key_value_segment_ids defaults to query_segment_ids
       when T == S.
+    local_window_size: sliding-window attention as in jax.nn: an int w (= (w, w)) or (left,
+      right); query i sees keys i - left .. i + right. Combines with is_causal and segment ids.
+      Key blocks outside the band are skipped: cost grows with T * window, not T * S.
+    logits_soft_cap: c > 0 replaces each scaled logit s by c * tanh(s / c) (Gemma 2, Grok).
+    alibi_slopes: float [H]: adds -slope[h] * |i - j| to the logits (ALiBi), computed in the
+      kernels so no [T, S] bias exists. Slopes get no gradient.
+    dropout_rate, dropout_rng: dropout on the attention probabilities with a JAX PRNG key. The
+      mask is a hash of (key, batch, head, row, column), regenerated by the backward and the
+      same on every implementation and block size (`pallas_flash.dropout.keep_mask`).
     return_residuals: also return the float32 log-sum-exp [B, H, T] (natural log, -inf for a
       query with no visible key), e.g. to merge partial attentions.
     implementation: None picks the fastest that can run the call (see `explain`); "mosaic"
@@ -373,13 +523,16 @@ def flash_attention(
                        query_seq_lengths=query_seq_lengths,
                        key_value_seq_lengths=key_value_seq_lengths,
                        query_segment_ids=query_segment_ids,
-                       key_value_segment_ids=key_value_segment_ids)
+                       key_value_segment_ids=key_value_segment_ids, bias=bias, mask=mask,
+                       local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+                       alibi_slopes=alibi_slopes, dropout_rate=dropout_rate,
+                       dropout_rng=dropout_rng)
   name = _choose(call.info, implementation, config)
   args = (call.q, call.k, call.v, call.q_seg, call.kv_seg)
   if name == "reference":
-    o, lse = attention_reference(*args, params=call.info.params)
+    o, lse = attention_reference(*args, params=call.info.params, arrays=call.arrays)
   else:
-    o, lse = _differentiable(name, call.info.params, config)(*args)
+    o, lse = _differentiable(name, call.info.params, config)(*args, call.arrays)
   if call.unbatched:
     o, lse = o[0], lse[0]
   return (o, lse) if return_residuals else o

@@ -1,9 +1,11 @@
 """FlashAttention-2 backward as two Triton-lowered Pallas kernels (dK/dV, then dQ).
 
 delta = rowsum(dO * O) comes precomputed from the API. Both kernels recompute probabilities
-from the saved log-sum-exp. The dK/dV kernel works in the transposed frame (Sᵀ = K·Qᵀ) so that
-every matmul has the kernel's key block as its M dimension, and loops over the query heads of
-its key/value head's group itself: GQA gradients are summed in registers, with no repeated K/V.
+(and the dropout mask, from its hash) from the saved log-sum-exp. The dK/dV kernel works in the
+transposed frame (Sᵀ = K·Qᵀ) so that every matmul has the kernel's key block as its M dimension,
+and loops over the query heads of its key/value head's group itself: GQA gradients are summed in
+registers, with no repeated K/V. The dQ kernel also writes the logits gradient when there is a
+dense bias (dbias, summed over the bias's broadcast axes by XLA afterwards).
 """
 
 from __future__ import annotations
@@ -16,54 +18,75 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_flash import _blocking
-from pallas_flash.params import AttentionParams
+from pallas_flash import _blocking, dropout
+from pallas_flash.params import AttentionParams, FeatureArrays
 from pallas_flash.triton import common
 from pallas_flash.triton.common import KernelParams
 from pallas_flash.triton.config import TritonConfig
+from pallas_flash.triton.forward import whole_spec
 
 
 def _iota(n: int, start):
   return start + lax.broadcasted_iota(jnp.int32, (n,), 0)
 
 
-def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref,
-                     dk_ref, dv_ref, *, p: KernelParams):
+def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref, bias_ref,
+                     mask_ref, slopes_ref, seed_ref, limits_ref, dk_ref, dv_ref, *,
+                     p: KernelParams):
   """dK, dV of one key block, summed over every query head of its group and every query block.
 
   Refs: q_ref/do_ref [T_pad, G, Dp]; k_ref/v_ref/dk_ref/dv_ref [block_kv, Dp];
-  lse_ref/delta_ref [G, T_pad] (lse +inf on empty rows); qs_ref [T_pad], ks_ref [block_kv].
+  lse_ref/delta_ref [G, T_pad] (lse +inf on empty rows); qs_ref [T_pad], ks_ref [block_kv];
+  bias_ref/mask_ref [G, T_pad, block_kv] (or [T_pad, block_kv] when shared by the heads);
+  slopes_ref [H_pad]; seed_ref [2]; limits_ref [2] (query blocks sharing a segment id).
   Grid: (num_kv_blocks, B, K).
   """
-  j = pl.program_id(0)
+  j, b, kh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   k, v = k_ref[...], v_ref[...]
   kv_pos = _iota(p.block_kv, j * p.block_kv)
   kv_seg = ks_ref[...] if p.has_segments else None
 
+  def dense_t(ref, g, q_slice):  # the [block_kv, block_q] tile of a dense bias / mask
+    return (ref[g, q_slice, :] if p.bias_per_head else ref[q_slice, :]).T
+
   def q_step(i, carry, *, g, masked: bool):
     dk, dv = carry
     q_slice = pl.ds(pl.multiple_of(i * p.block_q, p.block_q), p.block_q)
+    q_pos = _iota(p.block_q, i * p.block_q)
     q, do = q_ref[q_slice, g, :], do_ref[q_slice, g, :]
     lse2 = lse_ref[g, q_slice] * common.LOG2E
-    s_t = common.dot(k, q, trans_b=True) * p.scale_log2  # [block_kv, block_q]
-    p_t = jnp.exp2(s_t - lse2[None, :])
+    head = kh * p.group_size + g
+    slope = slopes_ref[head] if p.has_alibi else None
+    bias_t = dense_t(bias_ref, g, q_slice) if p.has_bias else None
+    s_t, tanh_t = common.logits(common.dot(k, q, trans_b=True), kv_pos, q_pos, slope, bias_t, p)
+    p_t = jnp.exp2(s_t - lse2[None, :])  # [block_kv, block_q]
     if masked:
-      mask = common.block_mask(_iota(p.block_q, i * p.block_q), kv_pos,
-                               qs_ref[q_slice] if p.has_segments else None, kv_seg, p)
+      mask = common.block_mask(q_pos, kv_pos, qs_ref[q_slice] if p.has_segments else None,
+                               kv_seg, p)
+      if p.has_mask:
+        mask = mask & (dense_t(mask_ref, g, q_slice).T != 0)
       p_t = jnp.where(mask.T, p_t, 0.0)
-    dv = dv + common.dot(p_t.astype(do.dtype), do)
     dp_t = common.dot(v, do, trans_b=True)  # [block_kv, block_q]
+    p_v = p_t
+    if p.dropout_rate:  # the forward's mask, regenerated from the hash
+      keep_t = dropout.keep(common.dropout_row_keys(seed_ref, b, head, q_pos)[None, :],
+                            kv_pos[:, None], p.dropout_threshold)
+      inv = 1.0 / (1.0 - p.dropout_rate)
+      p_v = jnp.where(keep_t, p_t * inv, 0.0)
+      dp_t = jnp.where(keep_t, dp_t * inv, 0.0)
+    dv = dv + common.dot(p_v.astype(do.dtype), do)
     ds_t = p_t * (dp_t - delta_ref[g, q_slice][None, :])
+    if tanh_t is not None:  # through c·tanh(s / c)
+      ds_t = ds_t * (1.0 - tanh_t * tanh_t)
     dk = dk + common.dot(ds_t.astype(q.dtype), q)
     return dk, dv
 
-  first, first_unmasked = _q_ranges(j, p)
+  first, full_lo, full_hi, last = common.q_runs(j, p, limits_ref)
 
   def head_step(g, carry):
-    carry = lax.fori_loop(first, first_unmasked, functools.partial(q_step, g=g, masked=True),
-                          carry)
-    return lax.fori_loop(first_unmasked, p.num_q_blocks,
-                         functools.partial(q_step, g=g, masked=not _unmasked_ok(p)), carry)
+    carry = lax.fori_loop(first, full_lo, functools.partial(q_step, g=g, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(q_step, g=g, masked=False), carry)
+    return lax.fori_loop(full_hi, last, functools.partial(q_step, g=g, masked=True), carry)
 
   zeros = jnp.zeros(k.shape, jnp.float32)
   dk, dv = lax.fori_loop(0, p.group_size, head_step, (zeros, zeros))
@@ -71,70 +94,75 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _unmasked_ok(p: KernelParams) -> bool:
-  return not p.has_segments and not p.kv_tail
-
-
-def _q_ranges(j, p: KernelParams):
-  """Query blocks [first, num_q_blocks) see key block j; those before first_unmasked need masks.
-
-  Under causal masking, query blocks above the diagonal are skipped and those crossing it are
-  masked; everything else is masked only for segments or a padded key tail (`_unmasked_ok`).
-  """
-  if not p.is_causal:
-    return 0, 0
-  first = lax.div(j * p.block_kv, p.block_q)
-  # Query block i is wholly below the diagonal iff its first row i * bq >= the block's last key.
-  last_key = (j + 1) * p.block_kv - 1
-  first_unmasked = jnp.minimum(p.num_q_blocks, lax.div(last_key + p.block_q - 1, p.block_q))
-  return first, first_unmasked
-
-
-def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
+def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref, bias_ref,
+                   mask_ref, slopes_ref, seed_ref, limits_ref, dq_ref, dbias_ref, *,
                    p: KernelParams):
-  """dQ of one query block against all key blocks it sees.
+  """dQ of one query block against all key blocks it sees (and its rows of dbias).
 
   Refs: q_ref/do_ref/dq_ref [block_q, Dp]; k_ref/v_ref [S_pad, Dp]; lse_ref/delta_ref [block_q];
-  qs_ref [block_q], ks_ref [S_pad]. Grid: (num_q_blocks, B, H), reversed under causal masking.
+  qs_ref [block_q], ks_ref [S_pad]; bias_ref/mask_ref/dbias_ref [block_q, S_pad];
+  slopes_ref [H_pad]; seed_ref [2]; limits_ref [2] (key blocks sharing a segment id).
+  Grid: (num_q_blocks, B, H), reversed under causal masking.
   """
   qi = p.num_q_blocks - 1 - pl.program_id(0) if p.is_causal else pl.program_id(0)
+  b, h = pl.program_id(1), pl.program_id(2)
   q, do = q_ref[...], do_ref[...]
   lse2 = lse_ref[...] * common.LOG2E
   delta = delta_ref[...]
   q_pos = _iota(p.block_q, qi * p.block_q)
   q_seg = qs_ref[...] if p.has_segments else None
+  slope = slopes_ref[h] if p.has_alibi else None
+  row_keys = common.dropout_row_keys(seed_ref, b, h, q_pos) if p.dropout_rate else None
 
   def kv_step(j, dq, *, masked: bool):
     kv_slice = pl.ds(pl.multiple_of(j * p.block_kv, p.block_kv), p.block_kv)
+    kv_pos = _iota(p.block_kv, j * p.block_kv)
     k, v = k_ref[kv_slice, :], v_ref[kv_slice, :]
-    s = common.dot(q, k, trans_b=True) * p.scale_log2  # [block_q, block_kv]
-    probs = jnp.exp2(s - lse2[:, None])
+    s, tanh = common.logits(common.dot(q, k, trans_b=True), q_pos, kv_pos, slope,
+                            bias_ref[:, kv_slice] if p.has_bias else None, p)
+    probs = jnp.exp2(s - lse2[:, None])  # [block_q, block_kv]
     if masked:
-      mask = common.block_mask(q_pos, _iota(p.block_kv, j * p.block_kv), q_seg,
-                               ks_ref[kv_slice] if p.has_segments else None, p)
+      mask = common.block_mask(q_pos, kv_pos, q_seg, ks_ref[kv_slice] if p.has_segments else None,
+                               p, mask_ref[:, kv_slice] if p.has_mask else None)
       probs = jnp.where(mask, probs, 0.0)
     dp = common.dot(do, v, trans_b=True)
+    if p.dropout_rate:
+      keep = dropout.keep(row_keys[:, None], kv_pos[None, :], p.dropout_threshold)
+      dp = jnp.where(keep, dp * (1.0 / (1.0 - p.dropout_rate)), 0.0)
     ds = probs * (dp - delta[:, None])
+    if p.has_bias:
+      dbias_ref[:, kv_slice] = ds
+    if tanh is not None:
+      ds = ds * (1.0 - tanh * tanh)
     return dq + common.dot(ds.astype(k.dtype), k)
 
-  n_unmasked = common.unmasked_kv_limit(qi, p)
-  dq = lax.fori_loop(0, n_unmasked, functools.partial(kv_step, masked=False),
-                     jnp.zeros(q.shape, jnp.float32))
-  dq = lax.fori_loop(n_unmasked, common.causal_kv_limit(qi, p),
-                     functools.partial(kv_step, masked=True), dq)
+  first, full_lo, full_hi, last = common.kv_runs(qi, p, limits_ref)
+  dq = jnp.zeros(q.shape, jnp.float32)
+  dq = lax.fori_loop(first, full_lo, functools.partial(kv_step, masked=True), dq)
+  dq = lax.fori_loop(full_lo, full_hi, functools.partial(kv_step, masked=False), dq)
+  dq = lax.fori_loop(full_hi, last, functools.partial(kv_step, masked=True), dq)
   dq_ref[...] = (dq * p.scale).astype(dq_ref.dtype)
+  if p.has_bias:  # skipped blocks have a zero gradient, which must still be written
+    def zero_step(j, _):
+      dbias_ref[:, pl.ds(pl.multiple_of(j * p.block_kv, p.block_kv), p.block_kv)] = jnp.zeros(
+          (p.block_q, p.block_kv), jnp.float32)
+      return _
+    lax.fori_loop(0, first, zero_step, 0)
+    lax.fori_loop(last, p.num_kv_blocks, zero_step, 0)
 
 
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
-             config: TritonConfig | None, interpret: bool):
+             config: TritonConfig | None, interpret: bool, arrays: FeatureArrays | None = None):
   """Pallas-Triton FlashAttention backward; the contract is in pallas_flash.params."""
   del o
   config = common.resolve_config(q, params, config)
   b, t, h, d = q.shape
   s_len, kh = k.shape[1], k.shape[2]
   blocks = dict(
-      q_dkv=common.fit_block(config.block_q_dkv, t), kv_dkv=common.fit_block(config.block_kv_dkv, s_len),
-      q_dq=common.fit_block(config.block_q_dq, t), kv_dq=common.fit_block(config.block_kv_dq, s_len))
+      q_dkv=common.fit_block(config.block_q_dkv, t),
+      kv_dkv=common.fit_block(config.block_kv_dkv, s_len),
+      q_dq=common.fit_block(config.block_q_dq, t),
+      kv_dq=common.fit_block(config.block_kv_dq, s_len))
   q_mult, kv_mult = max(blocks["q_dkv"], blocks["q_dq"]), max(blocks["kv_dkv"], blocks["kv_dq"])
   q, k, v, q_seg, kv_seg = common.pad_inputs(q, k, v, q_seg, kv_seg, q_multiple=q_mult,
                                              kv_multiple=kv_mult)
@@ -142,44 +170,71 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   do = _blocking.pad_axis(_blocking.pad_axis(do, 1, t_pad), 3, d_pad)
   lse = _blocking.pad_axis(lse, 2, t_pad, jnp.inf)  # padded rows: probabilities exactly 0
   delta = _blocking.pad_axis(delta, 2, t_pad)
-  base = dict(scale=params.scale, is_causal=params.is_causal, has_segments=params.has_segments,
-              kv_len=s_len, group_size=h // kh)
+  bias, mask, slopes, seed = common.pad_arrays(arrays, t_pad=t_pad, s_pad=s_pad)
+  dense = bias if bias is not None else mask
+  base = dict(kv_len=s_len, group_size=h // kh,
+              bias_per_batch=dense is not None and dense.shape[0] > 1,
+              bias_per_head=dense is not None and dense.shape[1] > 1)
   compiler_params = pltriton.CompilerParams(num_warps=config.num_warps_bwd,
                                             num_stages=config.num_stages_bwd)
-  args = (q, k, v, q_seg, kv_seg, do, lse, delta)
+  args = (q, k, v, q_seg, kv_seg, do, lse, delta, bias, mask, slopes, seed)
+  _, q_limits = common.segment_limits(q_seg, kv_seg, block_q=blocks["q_dkv"],
+                                      block_kv=blocks["kv_dkv"])
+  kv_limits, _ = common.segment_limits(q_seg, kv_seg, block_q=blocks["q_dq"],
+                                       block_kv=blocks["kv_dq"])
 
-  p = KernelParams(block_q=blocks["q_dkv"], block_kv=blocks["kv_dkv"],
-                   num_q_blocks=t_pad // blocks["q_dkv"], num_kv_blocks=s_pad // blocks["kv_dkv"],
-                   **base)
+  p = KernelParams.create(params, block_q=blocks["q_dkv"], block_kv=blocks["kv_dkv"],
+                          num_q_blocks=t_pad // blocks["q_dkv"],
+                          num_kv_blocks=s_pad // blocks["kv_dkv"], **base)
   dk, dv = pl.pallas_call(
       functools.partial(_bwd_dkdv_kernel, p=p),
       grid=(p.num_kv_blocks, b, kh),
-      in_specs=_dkdv_in_specs(p, t_pad, d_pad, q_seg is not None),
-      out_specs=[pl.BlockSpec((None, p.block_kv, None, d_pad), lambda j, bi, ki: (bi, j, ki, 0))] * 2,
+      in_specs=_dkdv_in_specs(p, t_pad, d_pad, args, q_limits),
+      out_specs=[pl.BlockSpec((None, p.block_kv, None, d_pad),
+                              lambda j, bi, ki: (bi, j, ki, 0))] * 2,
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=compiler_params,
       interpret=interpret,
       name="pallas_flash_bwd_dkdv",
-  )(*args)
+  )(*args, q_limits)
 
-  p = KernelParams(block_q=blocks["q_dq"], block_kv=blocks["kv_dq"],
-                   num_q_blocks=t_pad // blocks["q_dq"], num_kv_blocks=s_pad // blocks["kv_dq"],
-                   **base)
-  dq = pl.pallas_call(
-      functools.partial(_bwd_dq_kernel, p=p),
+  p = KernelParams.create(params, block_q=blocks["q_dq"], block_kv=blocks["kv_dq"],
+                          num_q_blocks=t_pad // blocks["q_dq"],
+                          num_kv_blocks=s_pad // blocks["kv_dq"], **base)
+  q_map = _dq_q_map(p)
+  out_specs = [pl.BlockSpec((None, p.block_q, None, d_pad), q_map)]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  if params.has_bias:  # [B, H, T_pad, S_pad] float32: one writer per row block, reduced below
+    out_specs.append(pl.BlockSpec((None, None, p.block_q, s_pad),
+                                  lambda i, bi, hi: (bi, hi, q_map(i, bi, hi)[1], 0)))
+    out_shape.append(jax.ShapeDtypeStruct((b, h, t_pad, s_pad), jnp.float32))
+  dq, *dbias = pl.pallas_call(
+      functools.partial(_bwd_dq_kernel if params.has_bias else _no_dbias(_bwd_dq_kernel), p=p),
       grid=(p.num_q_blocks, b, h),
-      in_specs=_dq_in_specs(p, s_pad, d_pad, q_seg is not None),
-      out_specs=pl.BlockSpec((None, p.block_q, None, d_pad), _dq_q_map(p)),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      in_specs=_dq_in_specs(p, s_pad, d_pad, args, kv_limits),
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=compiler_params,
       interpret=interpret,
       name="pallas_flash_bwd_dq",
-  )(*args)
-  return dq[:, :t, :, :d], dk[:, :s_len, :, :d], dv[:, :s_len, :, :d]
+  )(*args, kv_limits)
+  grads = (dq[:, :t, :, :d], dk[:, :s_len, :, :d], dv[:, :s_len, :, :d])
+  if not params.has_bias:
+    return grads
+  shape = arrays.bias.shape
+  axes = tuple(a for a in (0, 1) if shape[a] == 1 and dbias[0].shape[a] != 1)
+  return (*grads, dbias[0].sum(axes, keepdims=True)[:, :, :t, :s_len])
 
 
-def _dkdv_in_specs(p: KernelParams, t_pad: int, d_pad: int, segments: bool):
+def _no_dbias(kernel):
+  def without_dbias(*refs, p):
+    return kernel(*refs, None, p=p)
+  return without_dbias
+
+
+def _dkdv_in_specs(p: KernelParams, t_pad: int, d_pad: int, args, limits):
   g = p.group_size
+  segments, bias, mask, slopes, seed = args[3] is not None, *args[8:]
 
   def group_map(j, bi, ki):  # the G query heads of key/value head ki
     return bi, 0, ki, 0
@@ -190,13 +245,24 @@ def _dkdv_in_specs(p: KernelParams, t_pad: int, d_pad: int, segments: bool):
   def stats_map(j, bi, ki):
     return bi, ki, 0
 
+  def dense_spec(x):
+    if x is None:
+      return None
+
+    def dense_map(j, bi, ki):
+      return bi if p.bias_per_batch else 0, ki if p.bias_per_head else 0, 0, j
+
+    return pl.BlockSpec((None, g if p.bias_per_head else None, t_pad, p.block_kv), dense_map)
+
   q_spec = pl.BlockSpec((None, t_pad, g, d_pad), group_map)
   kv_spec = pl.BlockSpec((None, p.block_kv, None, d_pad), kv_map)
   stats_spec = pl.BlockSpec((None, g, t_pad), stats_map)
   return [q_spec, kv_spec, kv_spec,
           pl.BlockSpec((None, t_pad), lambda j, bi, ki: (bi, 0)) if segments else None,
           pl.BlockSpec((None, p.block_kv), lambda j, bi, ki: (bi, j)) if segments else None,
-          q_spec, stats_spec, stats_spec]
+          q_spec, stats_spec, stats_spec, dense_spec(bias), dense_spec(mask), whole_spec(slopes),
+          whole_spec(seed),
+          None if limits is None else pl.BlockSpec((None, None, 2), lambda j, bi, ki: (bi, j, 0))]
 
 
 def _dq_q_map(p: KernelParams):
@@ -205,14 +271,24 @@ def _dq_q_map(p: KernelParams):
   return q_map
 
 
-def _dq_in_specs(p: KernelParams, s_pad: int, d_pad: int, segments: bool):
+def _dq_in_specs(p: KernelParams, s_pad: int, d_pad: int, args, limits):
   q_map = _dq_q_map(p)
+  segments, bias, mask, slopes, seed = args[3] is not None, *args[8:]
 
   def kv_map(i, bi, hi):
     return bi, 0, hi // p.group_size, 0
 
   def stats_map(i, bi, hi):
     return bi, hi, q_map(i, bi, hi)[1]
+
+  def dense_spec(x):
+    if x is None:
+      return None
+
+    def dense_map(i, bi, hi):
+      return (bi if p.bias_per_batch else 0, hi if p.bias_per_head else 0, q_map(i, bi, hi)[1], 0)
+
+    return pl.BlockSpec((None, None, p.block_q, s_pad), dense_map)
 
   q_spec = pl.BlockSpec((None, p.block_q, None, d_pad), q_map)
   kv_spec = pl.BlockSpec((None, s_pad, None, d_pad), kv_map)
@@ -221,4 +297,7 @@ def _dq_in_specs(p: KernelParams, s_pad: int, d_pad: int, segments: bool):
           pl.BlockSpec((None, p.block_q), lambda i, bi, hi: (bi, q_map(i, bi, hi)[1]))
           if segments else None,
           pl.BlockSpec((None, s_pad), lambda i, bi, hi: (bi, 0)) if segments else None,
-          q_spec, stats_spec, stats_spec]
+          q_spec, stats_spec, stats_spec, dense_spec(bias), dense_spec(mask), whole_spec(slopes),
+          whole_spec(seed),
+          None if limits is None else pl.BlockSpec((None, None, 2),
+                                                   lambda i, bi, hi: (bi, q_map(i, bi, hi)[1], 0))]

@@ -10,13 +10,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_flash import _blocking
-from pallas_flash.params import AttentionParams, CallInfo
+from pallas_flash import _blocking, dropout, masks
+from pallas_flash.params import AttentionParams, CallInfo, FeatureArrays
 from pallas_flash.triton.config import TritonConfig, default_config
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MAX_HEAD_DIM = 256
+SUPPORTED_FEATURES = frozenset({"local_window_size", "logits_soft_cap", "alibi_slopes", "dropout",
+                                "bias", "mask"})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,6 +34,29 @@ class KernelParams:
   num_kv_blocks: int
   num_q_blocks: int
   group_size: int
+  band: tuple[int | None, int | None] = (None, None)  # AttentionParams.band
+  has_mask: bool = False  # a dense int8 mask block comes with the scores
+  softcap: float | None = None
+  has_alibi: bool = False
+  dropout_rate: float = 0.0
+  has_bias: bool = False
+  bias_per_batch: bool = False  # the bias has a batch axis (else it broadcasts over batch)
+  bias_per_head: bool = False
+
+  @classmethod
+  def create(cls, params: AttentionParams, **kwargs) -> KernelParams:
+    return cls(scale=params.scale, is_causal=params.is_causal, has_segments=params.has_segments,
+               band=params.band, has_mask=params.has_mask, softcap=params.logits_soft_cap,
+               has_alibi=params.has_alibi, dropout_rate=params.dropout_rate,
+               has_bias=params.has_bias, **kwargs)
+
+  @property
+  def has_element_mask(self) -> bool:
+    return self.has_segments or self.has_mask
+
+  @property
+  def dropout_threshold(self) -> int:
+    return dropout.threshold(self.dropout_rate)
 
   @property
   def scale_log2(self) -> float:
@@ -44,6 +69,7 @@ class KernelParams:
 
 
 def unsupported_reason(call: CallInfo, *, interpret: bool) -> str | None:
+  """Why the Triton kernels cannot run `call` (features are checked by the API)."""
   if call.head_dim > MAX_HEAD_DIM:
     return f"head_dim {call.head_dim} > {MAX_HEAD_DIM} is not supported by the Triton kernels"
   if interpret:
@@ -85,45 +111,99 @@ def pad_inputs(q, k, v, q_seg, kv_seg, *, q_multiple: int, kv_multiple: int):
   return q, k, v, q_seg, kv_seg
 
 
+def pad_arrays(arrays: FeatureArrays | None, *, t_pad: int, s_pad: int):
+  """Feature arrays as the kernels read them: bias / mask padded to whole blocks (mask as int8,
+  Triton has no bool loads), slopes and seed padded to a power-of-two length for scalar loads."""
+  arrays = arrays or FeatureArrays()
+
+  def pad2(x, value=0):
+    return _blocking.pad_axis(_blocking.pad_axis(x, 2, t_pad, value), 3, s_pad, value)
+
+  bias = None if arrays.bias is None else pad2(arrays.bias)
+  mask = None if arrays.mask is None else pad2(arrays.mask.astype(jnp.int8))
+  if bias is not None and mask is not None:  # one broadcast shape: both share index maps
+    lead = tuple(max(m, n) for m, n in zip(bias.shape[:2], mask.shape[:2]))
+    bias, mask = (jnp.broadcast_to(x, lead + x.shape[2:]) for x in (bias, mask))
+  slopes, seed = arrays.alibi_slopes, arrays.dropout_seed
+  if slopes is not None:
+    slopes = _blocking.pad_axis(slopes, 0, pl_next_pow2(slopes.shape[0]))
+  return bias, mask, slopes, seed
+
+
+def kv_runs(q_block, p: KernelParams, limits_ref=None):
+  """(first, full_lo, full_hi, last) key blocks of query block `q_block` (masks.block_runs),
+  narrowed to the segment limits in `limits_ref` [2] when there are segment ids."""
+  limits = (limits_ref[0], limits_ref[1]) if p.has_segments else None
+  return masks.block_runs(q_block, owner_block=p.block_q, other_block=p.block_kv,
+                          num_other=p.num_kv_blocks, band=p.band,
+                          element_mask=p.has_element_mask, other_tail=p.kv_tail, limits=limits)
+
+
+def q_runs(kv_block, p: KernelParams, limits_ref=None):
+  """(first, full_lo, full_hi, last) query blocks that see key block `kv_block`."""
+  limits = (limits_ref[0], limits_ref[1]) if p.has_segments else None
+  return masks.block_runs(kv_block, owner_block=p.block_kv, other_block=p.block_q,
+                          num_other=p.num_q_blocks, band=masks.mirrored(p.band),
+                          element_mask=p.has_element_mask or p.kv_tail, other_tail=False,
+                          limits=limits)
+
+
+def segment_limits(q_seg, kv_seg, *, block_q: int, block_kv: int):
+  """(kv_limits [B, nq, 2], q_limits [B, nk, 2]) or (None, None) without segment ids."""
+  if q_seg is None:
+    return None, None
+  return masks.segment_block_limits(q_seg, kv_seg, block_q=block_q, block_kv=block_kv)
+
+
+def logits(qk, rows, cols, slope, bias, p: KernelParams):
+  """Scores of a tile in log2 units (exp(x) == exp2(x * log2 e)), and tanh(s / cap) or None.
+
+  qk is the raw q·kᵀ tile; rows / cols the positions along its axes (either may be the query
+  axis: ALiBi's |i - j| is symmetric); bias the tile of the dense bias in the same orientation.
+  """
+  if p.softcap is None and slope is None and bias is None:
+    return qk * p.scale_log2, None
+  t = None
+  if p.softcap is not None:
+    # tanh(x) = 1 - 2 / (1 + e^2x): one exp2 and one division instead of libdevice's tanhf;
+    # it saturates cleanly to ±1 (e^2x -> inf or 0).
+    t = 1.0 - 2.0 / (1.0 + jnp.exp2(qk * (2.0 * LOG2E * p.scale / p.softcap)))
+    s = t * (p.softcap * LOG2E)
+  else:
+    s = qk * p.scale_log2
+  if slope is not None:
+    dist = jnp.abs(rows[:, None] - cols[None, :]).astype(jnp.float32)
+    s = s - (slope * LOG2E) * dist
+  if bias is not None:
+    s = s + bias.astype(jnp.float32) * LOG2E
+  return s, t
+
+
+def dropout_row_keys(seed_ref, b, h, rows):
+  """The dropout hash's per-row keys of one (batch, head)."""
+  return dropout.row_keys(dropout.head_key(seed_ref[0], seed_ref[1], b, h), rows)
+
+
 def dot(a, b, *, trans_b: bool = False):
   """a @ b (or a @ b.T) with float32 accumulation; float32 inputs get full precision, not tf32."""
   precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
   return pltriton.dot(a, b, trans_b=trans_b, precision=precision)
 
 
-def block_mask(q_pos, kv_pos, q_seg, kv_seg, p: KernelParams):
+def block_mask(q_pos, kv_pos, q_seg, kv_seg, p: KernelParams, dense=None):
   """[len(q_pos), len(kv_pos)] bool: which scores of a block pair are visible.
 
   Args:
     q_pos, kv_pos: int32 positions of the block's rows / columns.
     q_seg, kv_seg: their segment ids (ignored unless p.has_segments).
+    dense: the int8 tile of the dense mask, or None.
   """
   mask = kv_pos[None, :] < p.kv_len
-  if p.is_causal:
-    mask = mask & (q_pos[:, None] >= kv_pos[None, :])
+  band = masks.band_mask(q_pos, kv_pos, p.band)
+  if band is not None:
+    mask = mask & band
   if p.has_segments:
     mask = mask & (q_seg[:, None] == kv_seg[None, :])
+  if dense is not None:
+    mask = mask & (dense != 0)
   return mask
-
-
-def causal_kv_limit(q_block, p: KernelParams):
-  """Key blocks [0, limit) that query block `q_block` may see."""
-  if not p.is_causal:
-    return p.num_kv_blocks
-  return jnp.minimum(p.num_kv_blocks, lax.div((q_block + 1) * p.block_q + p.block_kv - 1,
-                                              p.block_kv))
-
-
-def unmasked_kv_limit(q_block, p: KernelParams):
-  """Key blocks [0, limit) that need no element mask for query block `q_block`.
-
-  Only blocks wholly below the causal diagonal, before the padded tail and without segment ids
-  qualify; the remaining visible blocks take the masked path.
-  """
-  if p.has_segments:
-    return 0
-  full = p.num_kv_blocks - (1 if p.kv_tail else 0)
-  if p.is_causal:
-    # Block j is wholly visible iff its last key (j + 1) * bk - 1 <= the first row q_block * bq.
-    return jnp.minimum(full, lax.div(q_block * p.block_q + 1, p.block_kv))
-  return full

@@ -10,35 +10,44 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_flash.params import MASK_VALUE, AttentionParams
+from pallas_flash import dropout
+from pallas_flash.params import MASK_VALUE, AttentionParams, FeatureArrays
 from pallas_flash.triton import common
 from pallas_flash.triton.common import KernelParams
 from pallas_flash.triton.config import TritonConfig
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, *, p: KernelParams):
-  """One query block against all the key blocks it may see.
+def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, bias_ref, mask_ref, slopes_ref, seed_ref,
+                limits_ref, o_ref, lse_ref, *, p: KernelParams):
+  """One query block against the key blocks it may see.
 
   Refs after BlockSpec slicing: q_ref/o_ref [block_q, Dp]; k_ref/v_ref [S_pad, Dp];
-  qs_ref [block_q] and ks_ref [S_pad] int32 segment ids (None without segments); lse_ref [block_q].
+  qs_ref [block_q] and ks_ref [S_pad] int32 segment ids; bias_ref [block_q, S_pad] (any float);
+  mask_ref [block_q, S_pad] int8; slopes_ref [H_pad] float32; seed_ref [2] int32;
+  limits_ref [2] int32 (key blocks sharing a segment id); lse_ref [block_q]. Refs of unused
+  features are None.
   Grid: (num_q_blocks, B, H), query blocks reversed under causal masking so the heaviest start
   first.
   """
   qi = _reversed(pl.program_id(0), p)
+  b, h = pl.program_id(1), pl.program_id(2)
   q = q_ref[...]
   q_pos = qi * p.block_q + lax.broadcasted_iota(jnp.int32, (p.block_q,), 0)
   q_seg = qs_ref[...] if p.has_segments else None
+  slope = slopes_ref[h] if p.has_alibi else None
+  row_keys = common.dropout_row_keys(seed_ref, b, h, q_pos) if p.dropout_rate else None
 
   def step(j, carry, *, masked: bool):
     m_prev, l_prev, acc = carry
     kv_slice = pl.ds(pl.multiple_of(j * p.block_kv, p.block_kv), p.block_kv)
+    kv_pos = j * p.block_kv + lax.broadcasted_iota(jnp.int32, (p.block_kv,), 0)
     k = k_ref[kv_slice, :]
     # Scores in log2 units: exp(x * scale) == exp2(x * scale * log2 e) (FA2 uses exp2 too).
-    s = common.dot(q, k, trans_b=True) * p.scale_log2  # [block_q, block_kv]
+    s, _ = common.logits(common.dot(q, k, trans_b=True), q_pos, kv_pos, slope,
+                         bias_ref[:, kv_slice] if p.has_bias else None, p)  # [block_q, block_kv]
     if masked:
-      kv_pos = j * p.block_kv + lax.broadcasted_iota(jnp.int32, (p.block_kv,), 0)
-      mask = common.block_mask(q_pos, kv_pos, q_seg,
-                               ks_ref[kv_slice] if p.has_segments else None, p)
+      mask = common.block_mask(q_pos, kv_pos, q_seg, ks_ref[kv_slice] if p.has_segments else None,
+                               p, mask_ref[:, kv_slice] if p.has_mask else None)
       s = jnp.where(mask, s, MASK_VALUE)
     m_next = jnp.maximum(m_prev, s.max(axis=1))
     alpha = jnp.exp2(m_prev - m_next)  # FA2 Alg. 1: rescale what was summed under the old max
@@ -47,6 +56,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, *, p: Kerne
       # A row with no visible key yet has m_next == MASK_VALUE, where exp2 gives 1, not 0.
       probs = jnp.where(mask, probs, 0.0)
     l_next = alpha * l_prev + probs.sum(axis=1)
+    if p.dropout_rate:  # l sums every probability (the softmax); only kept ones reach V
+      probs = jnp.where(dropout.keep(row_keys[:, None], kv_pos[None, :], p.dropout_threshold),
+                        probs, 0.0)
     v = v_ref[kv_slice, :]
     acc = alpha[:, None] * acc + common.dot(probs.astype(v.dtype), v)
     return m_next, l_next, acc
@@ -55,19 +67,20 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, *, p: Kerne
   carry = (jnp.full((p.block_q,), MASK_VALUE, jnp.float32),
            jnp.zeros((p.block_q,), jnp.float32),
            jnp.zeros((p.block_q, d_pad), jnp.float32))
-  n_unmasked = common.unmasked_kv_limit(qi, p)
-  n_visible = common.causal_kv_limit(qi, p)
-  carry = lax.fori_loop(0, n_unmasked, functools.partial(step, masked=False), carry)
-  m, l, acc = lax.fori_loop(n_unmasked, n_visible, functools.partial(step, masked=True), carry)
+  first, full_lo, full_hi, last = common.kv_runs(qi, p, limits_ref)
+  carry = lax.fori_loop(first, full_lo, functools.partial(step, masked=True), carry)
+  carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+  m, l, acc = lax.fori_loop(full_hi, last, functools.partial(step, masked=True), carry)
 
   empty = l == 0.0  # no visible key: output 0 and lse -inf
   l_safe = jnp.where(empty, 1.0, l)
-  o_ref[...] = (acc * (1.0 / l_safe)[:, None]).astype(o_ref.dtype)
+  # Dropout's 1 / (1 - rate) rescaling folds into the final normalisation.
+  o_ref[...] = (acc * (1.0 / (l_safe * (1.0 - p.dropout_rate)))[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * common.LN2)
 
 
 def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: TritonConfig | None,
-            interpret: bool):
+            interpret: bool, arrays: FeatureArrays | None = None):
   """Pallas-Triton FlashAttention forward; the contract is in pallas_flash.params."""
   config = common.resolve_config(q, params, config)
   b, t, h, d = q.shape
@@ -76,9 +89,11 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: TritonCo
   q, k, v, q_seg, kv_seg = common.pad_inputs(q, k, v, q_seg, kv_seg, q_multiple=bq,
                                              kv_multiple=bk)
   t_pad, s_pad, d_pad = q.shape[1], k.shape[1], q.shape[3]
-  p = KernelParams(scale=params.scale, is_causal=params.is_causal,
-                   has_segments=params.has_segments, kv_len=s_len, block_q=bq, block_kv=bk,
-                   num_kv_blocks=s_pad // bk, num_q_blocks=t_pad // bq, group_size=h // kh)
+  bias, mask, slopes, seed = common.pad_arrays(arrays, t_pad=t_pad, s_pad=s_pad)
+  kv_limits, _ = common.segment_limits(q_seg, kv_seg, block_q=bq, block_kv=bk)
+  p = KernelParams.create(params, kv_len=s_len, block_q=bq, block_kv=bk,
+                          num_kv_blocks=s_pad // bk, num_q_blocks=t_pad // bq,
+                          group_size=h // kh)
 
   def q_map(i, bi, hi):
     return bi, _reversed(i, p), hi, 0
@@ -95,6 +110,9 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: TritonCo
       pl.BlockSpec((None, s_pad, None, d_pad), kv_map),
       None if q_seg is None else pl.BlockSpec((None, bq), lambda i, bi, hi: (bi, _reversed(i, p))),
       None if kv_seg is None else pl.BlockSpec((None, s_pad), lambda i, bi, hi: (bi, 0)),
+      dense_spec(bias, p), dense_spec(mask, p), whole_spec(slopes), whole_spec(seed),
+      None if kv_limits is None else pl.BlockSpec((None, None, 2),
+                                                  lambda i, bi, hi: (bi, _reversed(i, p), 0)),
   ]
   out_specs = [pl.BlockSpec((None, bq, None, d_pad), q_map),
                pl.BlockSpec((None, None, bq), lse_map)]
@@ -109,11 +127,27 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: TritonCo
                                               num_stages=config.num_stages),
       interpret=interpret,
       name="pallas_flash_fwd",
-  )(q, k, v, q_seg, kv_seg)
+  )(q, k, v, q_seg, kv_seg, bias, mask, slopes, seed, kv_limits)
   return o[:, :t, :, :d], lse[:, :, :t]
+
+
+def dense_spec(x, p: KernelParams):
+  """Rows of a dense [B|1, H|1, T_pad, S_pad] bias or mask for one (query block, batch, head),
+  on the grid (num_q_blocks, B, H); broadcast axes always read index 0."""
+  if x is None:
+    return None
+
+  def dense_map(i, bi, hi):
+    return (bi if x.shape[0] > 1 else 0, hi if x.shape[1] > 1 else 0, _reversed(i, p), 0)
+
+  return pl.BlockSpec((None, None, p.block_q, x.shape[3]), dense_map)
+
+
+def whole_spec(x):
+  """A small 1-D array (ALiBi slopes, dropout seed) read whole by every program."""
+  return None if x is None else pl.BlockSpec(x.shape, lambda *_: (0,))
 
 
 def _reversed(i, p: KernelParams):
   """Causal query blocks run in reverse: the heaviest (last) blocks start first."""
   return p.num_q_blocks - 1 - i if p.is_causal else i
-

@@ -1,0 +1,79 @@
+"""The counter-based hash behind attention dropout: keep(seed, b, h, row, col), no stored mask.
+
+Every implementation (the kernels, the blockwise XLA path and the reference) calls these same
+jnp functions on int32 values, so a given (seed, batch, head, query row, key column) is kept or
+dropped identically everywhere, whatever the block sizes: the backward regenerates the forward's
+mask instead of storing it (FlashAttention §3.1 "dropout", done with a hash instead of Philox).
+
+The mixer is MurmurHash3's 32-bit finaliser (fmix32): a bijection on 32-bit words with full
+avalanche, written with wrapping int32 multiplies and logical shifts so that it lowers to Triton
+and runs in the Pallas interpreter unchanged. Per element it costs one add, one multiply and one
+fmix32; the (seed, batch, head) key and the row keys are hoisted out of the tile.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Randomness left for the comparison: the top 24 bits of the hash.
+THRESHOLD_BITS = 24
+
+
+def _i32(u: int) -> jnp.int32:
+  """An unsigned 32-bit constant as the int32 with the same bits."""
+  return jnp.int32(u - (1 << 32) if u >= 1 << 31 else u)
+
+
+_GOLDEN = 0x9E3779B9
+_C_HEAD, _C_ROW, _C_COL = 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F
+
+
+def mix32(x):
+  """MurmurHash3 fmix32 on int32 bits (a bijection)."""
+  x = x ^ lax.shift_right_logical(x, jnp.int32(16))
+  x = x * _i32(0x85EBCA6B)
+  x = x ^ lax.shift_right_logical(x, jnp.int32(13))
+  x = x * _i32(0xC2B2AE35)
+  return x ^ lax.shift_right_logical(x, jnp.int32(16))
+
+
+def threshold(rate: float) -> int:
+  """Integer threshold: an element is kept iff hash >> (32 - THRESHOLD_BITS) >= threshold."""
+  return int(round(rate * (1 << THRESHOLD_BITS)))
+
+
+def head_key(seed0, seed1, b, h):
+  """int32 key of one (batch, query head) from the two seed words; all arguments broadcast."""
+  x = mix32(seed0 + b * _i32(_GOLDEN))
+  return mix32(x ^ (seed1 + h * _i32(_C_HEAD)))
+
+
+def row_keys(key, rows):
+  """int32 keys of query rows (global positions) under one head key."""
+  return mix32(key ^ (rows * _i32(_C_ROW)))
+
+
+def keep(row_key, cols, thresh: int):
+  """bool: which (row, col) pairs survive; row_key and cols (global key positions) broadcast."""
+  bits = mix32(row_key + cols * _i32(_C_COL))
+  return lax.shift_right_logical(bits, jnp.int32(32 - THRESHOLD_BITS)) >= thresh
+
+
+def seed_from_rng(rng: jax.Array) -> jax.Array:
+  """[2] int32 seed words from a JAX PRNG key (typed or raw uint32[2])."""
+  if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    rng = jax.random.wrap_key_data(rng)
+  bits = jax.random.bits(rng, (2,), jnp.uint32)
+  return lax.bitcast_convert_type(bits, jnp.int32)
+
+
+def keep_mask(seed: jax.Array, batch: int, num_heads: int, q_len: int, kv_len: int,
+              rate: float) -> jax.Array:
+  """The dense [B, H, T, S] keep mask of a call: what the reference applies, for tests."""
+  b = jnp.arange(batch, dtype=jnp.int32)[:, None, None, None]
+  h = jnp.arange(num_heads, dtype=jnp.int32)[None, :, None, None]
+  rows = jnp.arange(q_len, dtype=jnp.int32)[None, None, :, None]
+  cols = jnp.arange(kv_len, dtype=jnp.int32)[None, None, None, :]
+  return keep(row_keys(head_key(seed[0], seed[1], b, h), rows), cols, threshold(rate))
