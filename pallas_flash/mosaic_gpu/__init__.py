@@ -13,18 +13,9 @@ CONFIG_TYPE = MosaicConfig
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
-def _compute_capability(call: CallInfo) -> tuple[int, int] | None:
-  if call.compute_capability is not None or call.platform != "gpu":
-    return call.compute_capability
-  # An abstract device (lowering on a CPU machine) may carry only its kind.
-  if any(name in call.device_kind for name in ("H100", "H200", "H800", "H20", "GH200")):
-    return (9, 0)
-  return None
-
-
 def unsupported_reason(call: CallInfo) -> str | None:
   """Why the Mosaic GPU kernels cannot run `call`, or None when they can."""
-  cc = _compute_capability(call)
+  cc = call.compute_capability
   if call.platform != "gpu" or cc is None or cc[0] != 9:
     cc = "" if cc is None else f" (compute capability {cc[0]}.{cc[1]})"
     return f"needs a Hopper GPU (sm_90), this is {call.platform} {call.device_kind!r}{cc}"
