@@ -12,7 +12,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from pallas_flash import dropout, masks
+from pallas_flash import block_sparse, dropout, masks
 from pallas_flash.params import (KV_PAD_SEGMENT, Q_PAD_SEGMENT, AttentionParams, CallInfo,
                                  FeatureArrays)
 from pallas_flash.reference import attention_reference
@@ -173,7 +173,8 @@ def _add_batch(x):
 def _canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
                   key_value_seq_lengths, query_segment_ids, key_value_segment_ids,
                   bias=None, mask=None, local_window_size=None, logits_soft_cap=None,
-                  alibi_slopes=None, dropout_rate=0.0, dropout_rng=None) -> _Call:
+                  alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
+                  block_mask=None) -> _Call:
   unbatched = all(getattr(x, "ndim", None) == 3 for x in (query, key, value))
   if unbatched:
     query, key, value = (jnp.asarray(x)[None] for x in (query, key, value))
@@ -208,10 +209,15 @@ def _canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
   kv_seg = _check_index_array("key_value_segment_ids", key_value_segment_ids, (b, s),
                               "Segment ids are [batch, kv_len] int32.")
   q_seg, kv_seg = _fold_lengths(q_seg, kv_seg, q_lens, kv_lens, t, s)
+  _check_block_mask(block_mask, (b, t, s), is_causal=is_causal, q_seg=q_seg, mask=mask,
+                    local_window_size=local_window_size)
   features, arrays = _canonicalize_features(
       (b, h, t, s), bias=bias, mask=mask, local_window_size=local_window_size,
       logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, dropout_rate=dropout_rate,
       dropout_rng=dropout_rng)
+  if block_mask is not None:
+    features["block_mask_blocks"] = (block_mask.block_q, block_mask.block_kv)
+    arrays = dataclasses.replace(arrays, block_mask=block_mask)
   params = AttentionParams(scale=float(scale), is_causal=bool(is_causal),
                            has_segments=q_seg is not None, **features)
   platform, cc, kind = _target_device()
@@ -219,6 +225,28 @@ def _canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
                   head_dim=d, dtype=jnp.dtype(query.dtype), params=params, platform=platform,
                   compute_capability=cc, device_kind=kind)
   return _Call(query, key, value, q_seg, kv_seg, arrays, info, unbatched)
+
+
+def _check_block_mask(bm, shape, *, is_causal, q_seg, mask, local_window_size) -> None:
+  """A block mask must describe this call's shape and is the only structured mask."""
+  if bm is None:
+    return
+  if not isinstance(bm, block_sparse.BlockMask):
+    raise TypeError(f"`block_mask` must be a pallas_flash.BlockMask (BlockMask.build(mask_fn, "
+                    f"...)), got {type(bm).__name__}.")
+  b, t, s = shape
+  if (bm.q_len, bm.kv_len) != (t, s) or bm.batch not in (1, b):
+    raise ValueError(f"`block_mask` was built for batch {bm.batch}, q_len {bm.q_len}, kv_len "
+                     f"{bm.kv_len}, but the call has batch {b}, q_len {t}, kv_len {s}.")
+  others = [name for name, on in (("is_causal", is_causal),
+                                  ("local_window_size", local_window_size is not None),
+                                  ("segment ids / sequence lengths", q_seg is not None),
+                                  ("mask", mask is not None)) if on]
+  if others:
+    raise ValueError(
+        f"`block_mask` cannot be combined with {', '.join(others)}: put every structured mask "
+        "into its mask function (CausalMask(), LocalMask(left, right), SegmentMask(q_ids, "
+        "kv_ids), combined with & and |).")
 
 
 def _check_window(w) -> tuple[int, int] | None:
@@ -312,6 +340,11 @@ def _reason(name: str, info: CallInfo, config) -> str | None:
   missing = info.params.features - backend.features
   if missing:
     return f"{name} does not support {', '.join(sorted(missing))} yet"
+  blocks = info.params.block_mask_blocks
+  if blocks is not None and config is not None and (
+      (config.block_q, config.block_kv) != blocks):
+    return (f"config blocks ({config.block_q}, {config.block_kv}) differ from the block_mask's "
+            f"{blocks}; build the BlockMask with the config's blocks or pass no config")
   return backend.unsupported_reason(info)
 
 
@@ -372,8 +405,8 @@ def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
 
   Takes the same arguments as `flash_attention`; `implementation` is ignored, `config` is honoured.
   Works on arrays or `jax.ShapeDtypeStruct`s. Also reports the fraction of score blocks the
-  blocked kernels compute under causal masking and the local window. Print the result for a
-  readable report.
+  blocked kernels compute under causal masking and the local window, or under `block_mask`
+  (whose tables must then be concrete). Print the result for a readable report.
   """
   kwargs.update(bias=bias, mask=mask)
   config = kwargs.pop("config", None)
@@ -381,9 +414,13 @@ def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
   kwargs.pop("return_residuals", None)
   info = _abstract_call_info(query, key, value, _defaults(kwargs))
   reasons = {name: _reason(name, info, config) for name in IMPLEMENTATIONS}
-  block = (getattr(config, "block_q", 128), getattr(config, "block_kv", 128))
-  fraction = masks.fraction_computed(q_len=info.q_len, kv_len=info.kv_len, block_q=block[0],
-                                     block_kv=block[1], band=info.params.band)
+  bm = kwargs.get("block_mask")
+  if bm is not None:
+    block, fraction = (bm.block_q, bm.block_kv), bm.fraction_computed()
+  else:
+    block = (getattr(config, "block_q", 128), getattr(config, "block_kv", 128))
+    fraction = masks.fraction_computed(q_len=info.q_len, kv_len=info.kv_len, block_q=block[0],
+                                       block_kv=block[1], band=info.params.band)
   return Explanation(_auto_choice(reasons), reasons, fraction, block)
 
 
@@ -405,7 +442,7 @@ _DEFAULTS = {"scale": None, "is_causal": False, "query_seq_lengths": None,
              "key_value_seq_lengths": None, "query_segment_ids": None,
              "key_value_segment_ids": None, "bias": None, "mask": None,
              "local_window_size": None, "logits_soft_cap": None, "alibi_slopes": None,
-             "dropout_rate": 0.0, "dropout_rng": None}
+             "dropout_rate": 0.0, "dropout_rng": None, "block_mask": None}
 
 
 def _defaults(kwargs: dict) -> dict:
@@ -477,6 +514,7 @@ def flash_attention(
     alibi_slopes: jax.Array | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    block_mask: block_sparse.BlockMask | None = None,
     return_residuals: bool = False,
     implementation: Implementation | None = None,
     config: Any = None,
@@ -508,6 +546,11 @@ def flash_attention(
     dropout_rate, dropout_rng: dropout on the attention probabilities with a JAX PRNG key. The
       mask is a hash of (key, batch, head, row, column), regenerated by the backward and the
       same on every implementation and block size (`pallas_flash.dropout.keep_mask`).
+    block_mask: a `pallas_flash.BlockMask` built from mask functions (CausalMask, LocalMask,
+      SegmentMask, PrefixLMMask and their & / | combinations): kernels visit only its active
+      blocks and apply the element mask on partial ones only. Replaces is_causal,
+      local_window_size, segment ids, lengths and `mask` (combining them raises); its block
+      sizes are the kernels' (see docs/features.md). Not supported by "mosaic".
     return_residuals: also return the float32 log-sum-exp [B, H, T] (natural log, -inf for a
       query with no visible key), e.g. to merge partial attentions.
     implementation: None picks the fastest that can run the call (see `explain`); "mosaic"
@@ -526,7 +569,7 @@ def flash_attention(
                        key_value_segment_ids=key_value_segment_ids, bias=bias, mask=mask,
                        local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
                        alibi_slopes=alibi_slopes, dropout_rate=dropout_rate,
-                       dropout_rng=dropout_rng)
+                       dropout_rng=dropout_rng, block_mask=block_mask)
   name = _choose(call.info, implementation, config)
   args = (call.q, call.k, call.v, call.q_seg, call.kv_seg)
   if name == "reference":

@@ -29,13 +29,15 @@ Logits are computed in this order (FlashAttention-2's softcap/ALiBi order; bias 
 
 Masking is one rule for every backend: key j is visible to query i iff
 q_seg[i] == kv_seg[j] (when segment ids are given), j <= i (when causal),
-i - left <= j <= i + right (with local_window=(left, right)) and mask[b, h, i, j] (dense mask).
+i - left <= j <= i + right (with local_window=(left, right)), mask[b, h, i, j] (dense mask) and
+block_mask.mask_fn (a block-sparse mask, which excludes causal, window and segment ids).
 Sequence lengths are folded into the segment ids by the API (see api._fold_lengths).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +68,8 @@ class AttentionParams:
       arrays.dropout_seed is None).
     has_bias: arrays.bias [B|1, H|1, T, S] is present (differentiable).
     has_mask: arrays.mask [B|1, H|1, T, S] bool is present.
+    block_mask_blocks: (block_q, block_kv) of arrays.block_mask (a block_sparse.BlockMask),
+      which then replaces causal / window / segment masking; None without a block mask.
   """
 
   scale: float
@@ -77,6 +81,7 @@ class AttentionParams:
   dropout_rate: float = 0.0
   has_bias: bool = False
   has_mask: bool = False
+  block_mask_blocks: tuple[int, int] | None = None
 
   @property
   def features(self) -> frozenset[str]:
@@ -84,7 +89,8 @@ class AttentionParams:
     used = {"local_window_size": self.local_window is not None,
             "logits_soft_cap": self.logits_soft_cap is not None,
             "alibi_slopes": self.has_alibi, "dropout": self.dropout_rate > 0.0,
-            "bias": self.has_bias, "mask": self.has_mask}
+            "bias": self.has_bias, "mask": self.has_mask,
+            "block_mask": self.block_mask_blocks is not None}
     return frozenset(name for name, on in used.items() if on)
 
   @property
@@ -108,7 +114,7 @@ class AttentionParams:
 
 # The optional features a backend may declare in SUPPORTED_FEATURES.
 FEATURES = frozenset({"local_window_size", "logits_soft_cap", "alibi_slopes", "dropout", "bias",
-                      "mask"})
+                      "mask", "block_mask"})
 
 
 @jax.tree_util.register_dataclass
@@ -121,12 +127,14 @@ class FeatureArrays:
     mask: [B|1, H|1, T, S] bool, True where a query may see a key.
     alibi_slopes: [H] float32 per-head ALiBi slopes (not differentiated).
     dropout_seed: [2] int32, the dropout hash's seed (derived from `dropout_rng`).
+    block_mask: a `pallas_flash.BlockMask` (a pytree of int tables and the mask function).
   """
 
   bias: jax.Array | None = None
   mask: jax.Array | None = None
   alibi_slopes: jax.Array | None = None
   dropout_seed: jax.Array | None = None
+  block_mask: Any = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -76,6 +76,9 @@ def attention_reference(
   logits = logits_modifiers(logits, params=params, arrays=arrays, q_len=t, kv_len=s_len)
   mask = visible_mask(q_seg, kv_seg, q_len=t, kv_len=s_len, is_causal=params.is_causal,
                       params=params, dense_mask=arrays.mask)
+  if arrays.block_mask is not None:  # evaluated densely: [B|1, 1, T, S]
+    fn_mask = arrays.block_mask.dense()[:, None]
+    mask = fn_mask if mask is None else mask & fn_mask
   if mask is not None:
     logits = jnp.where(mask, logits, -jnp.inf)
   m = jnp.max(logits, axis=-1, keepdims=True)

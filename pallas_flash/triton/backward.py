@@ -31,14 +31,15 @@ def _iota(n: int, start):
 
 
 def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref, bias_ref,
-                     mask_ref, slopes_ref, seed_ref, limits_ref, dk_ref, dv_ref, *,
-                     p: KernelParams):
+                     mask_ref, slopes_ref, seed_ref, limits_ref, table_ref, counts_ref, fn_refs,
+                     dk_ref, dv_ref, *, p: KernelParams):
   """dK, dV of one key block, summed over every query head of its group and every query block.
 
   Refs: q_ref/do_ref [T_pad, G, Dp]; k_ref/v_ref/dk_ref/dv_ref [block_kv, Dp];
   lse_ref/delta_ref [G, T_pad] (lse +inf on empty rows); qs_ref [T_pad], ks_ref [block_kv];
   bias_ref/mask_ref [G, T_pad, block_kv] (or [T_pad, block_kv] when shared by the heads);
-  slopes_ref [H_pad]; seed_ref [2]; limits_ref [2] (query blocks sharing a segment id).
+  slopes_ref [H_pad]; seed_ref [2]; limits_ref [2] (query blocks sharing a segment id); with a
+  block mask, table_ref [nq] / counts_ref [2] (its query blocks of this key block) and fn_refs.
   Grid: (num_kv_blocks, B, K).
   """
   j, b, kh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -65,6 +66,9 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta
                                kv_seg, p)
       if p.has_mask:
         mask = mask & (dense_t(mask_ref, g, q_slice).T != 0)
+      if p.block_sparse:
+        mask = mask & common.mask_fn_tile(fn_refs, b, i * p.block_q, j * p.block_kv, q_pos,
+                                          kv_pos, p)
       p_t = jnp.where(mask.T, p_t, 0.0)
     dp_t = common.dot(v, do, trans_b=True)  # [block_kv, block_q]
     p_v = p_t
@@ -84,6 +88,8 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta
   first, full_lo, full_hi, last = common.q_runs(j, p, limits_ref)
 
   def head_step(g, carry):
+    if p.block_sparse:
+      return common.sparse_loop(table_ref, counts_ref, functools.partial(q_step, g=g), carry)
     carry = lax.fori_loop(first, full_lo, functools.partial(q_step, g=g, masked=True), carry)
     carry = lax.fori_loop(full_lo, full_hi, functools.partial(q_step, g=g, masked=False), carry)
     return lax.fori_loop(full_hi, last, functools.partial(q_step, g=g, masked=True), carry)
@@ -95,13 +101,14 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta
 
 
 def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref, bias_ref,
-                   mask_ref, slopes_ref, seed_ref, limits_ref, dq_ref, dbias_ref, *,
-                   p: KernelParams):
+                   mask_ref, slopes_ref, seed_ref, limits_ref, table_ref, counts_ref, fn_refs,
+                   dq_ref, dbias_ref, *, p: KernelParams):
   """dQ of one query block against all key blocks it sees (and its rows of dbias).
 
   Refs: q_ref/do_ref/dq_ref [block_q, Dp]; k_ref/v_ref [S_pad, Dp]; lse_ref/delta_ref [block_q];
   qs_ref [block_q], ks_ref [S_pad]; bias_ref/mask_ref/dbias_ref [block_q, S_pad];
-  slopes_ref [H_pad]; seed_ref [2]; limits_ref [2] (key blocks sharing a segment id).
+  slopes_ref [H_pad]; seed_ref [2]; limits_ref [2] (key blocks sharing a segment id); with a
+  block mask, table_ref [nk] / counts_ref [2] (as in the forward) and fn_refs.
   Grid: (num_q_blocks, B, H), reversed under causal masking.
   """
   qi = p.num_q_blocks - 1 - pl.program_id(0) if p.is_causal else pl.program_id(0)
@@ -124,6 +131,9 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_r
     if masked:
       mask = common.block_mask(q_pos, kv_pos, q_seg, ks_ref[kv_slice] if p.has_segments else None,
                                p, mask_ref[:, kv_slice] if p.has_mask else None)
+      if p.block_sparse:
+        mask = mask & common.mask_fn_tile(fn_refs, b, qi * p.block_q, j * p.block_kv, q_pos,
+                                          kv_pos, p)
       probs = jnp.where(mask, probs, 0.0)
     dp = common.dot(do, v, trans_b=True)
     if p.dropout_rate:
@@ -136,19 +146,25 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_r
       ds = ds * (1.0 - tanh * tanh)
     return dq + common.dot(ds.astype(k.dtype), k)
 
-  first, full_lo, full_hi, last = common.kv_runs(qi, p, limits_ref)
+  def zero_step(j, _):  # skipped blocks have a zero dbias, which must still be written
+    dbias_ref[:, pl.ds(pl.multiple_of(j * p.block_kv, p.block_kv), p.block_kv)] = jnp.zeros(
+        (p.block_q, p.block_kv), jnp.float32)
+    return _
+
   dq = jnp.zeros(q.shape, jnp.float32)
-  dq = lax.fori_loop(first, full_lo, functools.partial(kv_step, masked=True), dq)
-  dq = lax.fori_loop(full_lo, full_hi, functools.partial(kv_step, masked=False), dq)
-  dq = lax.fori_loop(full_hi, last, functools.partial(kv_step, masked=True), dq)
+  if p.block_sparse:
+    if p.has_bias:  # the active blocks are not a range: zero the row, then overwrite them
+      lax.fori_loop(0, p.num_kv_blocks, zero_step, 0)
+    dq = common.sparse_loop(table_ref, counts_ref, kv_step, dq)
+  else:
+    first, full_lo, full_hi, last = common.kv_runs(qi, p, limits_ref)
+    dq = lax.fori_loop(first, full_lo, functools.partial(kv_step, masked=True), dq)
+    dq = lax.fori_loop(full_lo, full_hi, functools.partial(kv_step, masked=False), dq)
+    dq = lax.fori_loop(full_hi, last, functools.partial(kv_step, masked=True), dq)
+    if p.has_bias:
+      lax.fori_loop(0, first, zero_step, 0)
+      lax.fori_loop(last, p.num_kv_blocks, zero_step, 0)
   dq_ref[...] = (dq * p.scale).astype(dq_ref.dtype)
-  if p.has_bias:  # skipped blocks have a zero gradient, which must still be written
-    def zero_step(j, _):
-      dbias_ref[:, pl.ds(pl.multiple_of(j * p.block_kv, p.block_kv), p.block_kv)] = jnp.zeros(
-          (p.block_q, p.block_kv), jnp.float32)
-      return _
-    lax.fori_loop(0, first, zero_step, 0)
-    lax.fori_loop(last, p.num_kv_blocks, zero_step, 0)
 
 
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
@@ -158,11 +174,15 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   config = common.resolve_config(q, params, config)
   b, t, h, d = q.shape
   s_len, kh = k.shape[1], k.shape[2]
-  blocks = dict(
-      q_dkv=common.fit_block(config.block_q_dkv, t),
-      kv_dkv=common.fit_block(config.block_kv_dkv, s_len),
-      q_dq=common.fit_block(config.block_q_dq, t),
-      kv_dq=common.fit_block(config.block_kv_dq, s_len))
+  bm = arrays.block_mask if arrays is not None else None
+  if bm is not None:  # the block mask's tables fix every kernel's blocks
+    blocks = dict(q_dkv=bm.block_q, kv_dkv=bm.block_kv, q_dq=bm.block_q, kv_dq=bm.block_kv)
+  else:
+    blocks = dict(
+        q_dkv=common.fit_block(config.block_q_dkv, t),
+        kv_dkv=common.fit_block(config.block_kv_dkv, s_len),
+        q_dq=common.fit_block(config.block_q_dq, t),
+        kv_dq=common.fit_block(config.block_kv_dq, s_len))
   q_mult, kv_mult = max(blocks["q_dkv"], blocks["q_dq"]), max(blocks["kv_dkv"], blocks["kv_dq"])
   q, k, v, q_seg, kv_seg = common.pad_inputs(q, k, v, q_seg, kv_seg, q_multiple=q_mult,
                                              kv_multiple=kv_mult)
@@ -174,7 +194,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   dense = bias if bias is not None else mask
   base = dict(kv_len=s_len, group_size=h // kh,
               bias_per_batch=dense is not None and dense.shape[0] > 1,
-              bias_per_head=dense is not None and dense.shape[1] > 1)
+              bias_per_head=dense is not None and dense.shape[1] > 1, **common.sparse_params(bm))
   compiler_params = pltriton.CompilerParams(num_warps=config.num_warps_bwd,
                                             num_stages=config.num_stages_bwd)
   args = (q, k, v, q_seg, kv_seg, do, lse, delta, bias, mask, slopes, seed)
@@ -186,21 +206,23 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   p = KernelParams.create(params, block_q=blocks["q_dkv"], block_kv=blocks["kv_dkv"],
                           num_q_blocks=t_pad // blocks["q_dkv"],
                           num_kv_blocks=s_pad // blocks["kv_dkv"], **base)
+  sparse_args, sparse_specs = common.sparse_inputs(bm, p, t_pad=t_pad, s_pad=s_pad, by_q=False)
   dk, dv = pl.pallas_call(
       functools.partial(_bwd_dkdv_kernel, p=p),
       grid=(p.num_kv_blocks, b, kh),
-      in_specs=_dkdv_in_specs(p, t_pad, d_pad, args, q_limits),
+      in_specs=[*_dkdv_in_specs(p, t_pad, d_pad, args, q_limits), *sparse_specs],
       out_specs=[pl.BlockSpec((None, p.block_kv, None, d_pad),
                               lambda j, bi, ki: (bi, j, ki, 0))] * 2,
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=compiler_params,
       interpret=interpret,
       name="pallas_flash_bwd_dkdv",
-  )(*args, q_limits)
+  )(*args, q_limits, *sparse_args)
 
   p = KernelParams.create(params, block_q=blocks["q_dq"], block_kv=blocks["kv_dq"],
                           num_q_blocks=t_pad // blocks["q_dq"],
                           num_kv_blocks=s_pad // blocks["kv_dq"], **base)
+  sparse_args, sparse_specs = common.sparse_inputs(bm, p, t_pad=t_pad, s_pad=s_pad, by_q=True)
   q_map = _dq_q_map(p)
   out_specs = [pl.BlockSpec((None, p.block_q, None, d_pad), q_map)]
   out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
@@ -211,13 +233,13 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   dq, *dbias = pl.pallas_call(
       functools.partial(_bwd_dq_kernel if params.has_bias else _no_dbias(_bwd_dq_kernel), p=p),
       grid=(p.num_q_blocks, b, h),
-      in_specs=_dq_in_specs(p, s_pad, d_pad, args, kv_limits),
+      in_specs=[*_dq_in_specs(p, s_pad, d_pad, args, kv_limits), *sparse_specs],
       out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=compiler_params,
       interpret=interpret,
       name="pallas_flash_bwd_dq",
-  )(*args, kv_limits)
+  )(*args, kv_limits, *sparse_args)
   grads = (dq[:, :t, :, :d], dk[:, :s_len, :, :d], dv[:, :s_len, :, :d])
   if not params.has_bias:
     return grads

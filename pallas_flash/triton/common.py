@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_flash import _blocking, dropout, masks
+from pallas_flash import _blocking, block_sparse, dropout, masks
 from pallas_flash.params import AttentionParams, CallInfo, FeatureArrays
 from pallas_flash.triton.config import TritonConfig, default_config
 
@@ -18,7 +20,7 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MAX_HEAD_DIM = 256
 SUPPORTED_FEATURES = frozenset({"local_window_size", "logits_soft_cap", "alibi_slopes", "dropout",
-                                "bias", "mask"})
+                                "bias", "mask", "block_mask"})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,6 +44,11 @@ class KernelParams:
   has_bias: bool = False
   bias_per_batch: bool = False  # the bias has a batch axis (else it broadcasts over batch)
   bias_per_head: bool = False
+  # Block mask: the mask function's pytree structure, the kind of each of its leaves and the
+  # batch size of its tables (1: shared by the batch). mask_def None: no block mask.
+  mask_def: Any = None
+  mask_kinds: tuple[str, ...] = ()
+  mask_batch: int = 1
 
   @classmethod
   def create(cls, params: AttentionParams, **kwargs) -> KernelParams:
@@ -49,6 +56,10 @@ class KernelParams:
                band=params.band, has_mask=params.has_mask, softcap=params.logits_soft_cap,
                has_alibi=params.has_alibi, dropout_rate=params.dropout_rate,
                has_bias=params.has_bias, **kwargs)
+
+  @property
+  def block_sparse(self) -> bool:
+    return self.mask_def is not None
 
   @property
   def has_element_mask(self) -> bool:
@@ -72,6 +83,10 @@ def unsupported_reason(call: CallInfo, *, interpret: bool) -> str | None:
   """Why the Triton kernels cannot run `call` (features are checked by the API)."""
   if call.head_dim > MAX_HEAD_DIM:
     return f"head_dim {call.head_dim} > {MAX_HEAD_DIM} is not supported by the Triton kernels"
+  blocks = call.params.block_mask_blocks
+  if blocks is not None and not all(n >= 16 and n & (n - 1) == 0 for n in blocks):
+    return (f"block_mask blocks {blocks} must be powers of two >= 16 for the Triton kernels "
+            "(Triton tiles); rebuild the BlockMask with such blocks")
   if interpret:
     return None
   if call.platform != "gpu":
@@ -207,3 +222,71 @@ def block_mask(q_pos, kv_pos, q_seg, kv_seg, p: KernelParams, dense=None):
   if dense is not None:
     mask = mask & (dense != 0)
   return mask
+
+
+# ---------------------------------------------------------------------------------------------
+# Block masks (pallas_flash.block_sparse)
+
+
+def sparse_params(bm) -> dict:
+  """KernelParams fields describing block mask `bm` (none without one)."""
+  if bm is None:
+    return {}
+  return dict(mask_def=jax.tree_util.tree_structure(bm.mask_fn),
+              mask_kinds=bm.mask_fn.leaf_kinds(), mask_batch=bm.batch)
+
+
+def sparse_inputs(bm, p: KernelParams, *, t_pad: int, s_pad: int, by_q: bool):
+  """(args, specs) of the block mask for a kernel on a grid (owner block, B, heads).
+
+  args = (table [Bm, n_owner, n_other] int32, counts [Bm, n_owner, 2] (active, partial),
+  mask function leaves); by_q: the owner is the query block (forward, dQ), else the key block.
+  """
+  if bm is None:
+    return (None, None, None), (None, None, None)
+
+  def bsel(bi):
+    return bi if p.mask_batch > 1 else 0
+
+  if by_q:
+    table, counts = bm.kv_blocks, jnp.stack([bm.kv_count, bm.kv_num_partial], -1)
+  else:
+    table, counts = bm.q_blocks, jnp.stack([bm.q_count, bm.q_num_partial], -1)
+  leaves, leaf_specs = [], []
+  fn = block_sparse.pad_leaves(bm.mask_fn, t_pad, s_pad)
+  for kind, x in zip(p.mask_kinds, jax.tree_util.tree_leaves(fn)):
+    if kind == block_sparse.BATCH:  # read as a scalar: pad to a power-of-two length
+      x = _blocking.pad_axis(x, 0, pl_next_pow2(x.shape[0]))
+      leaf_specs.append(pl.BlockSpec(x.shape, lambda *_: (0,)))
+    else:
+      leaf_specs.append(pl.BlockSpec((None, x.shape[1]), lambda i, bi, hi: (bsel(bi), 0)))
+    leaves.append(x)
+  specs = (pl.BlockSpec((None, None, table.shape[2]), lambda i, bi, hi: (bsel(bi), i, 0)),
+           pl.BlockSpec((None, None, 2), lambda i, bi, hi: (bsel(bi), i, 0)),
+           tuple(leaf_specs) or None)
+  return (table, counts, tuple(leaves) or None), specs
+
+
+def mask_fn_tile(fn_refs, b, q_start, kv_start, q_pos, kv_pos, p: KernelParams):
+  """[block_q, block_kv] bool: the block mask's function on one tile, loading its leaves."""
+  tiles = []
+  for kind, ref in zip(p.mask_kinds, fn_refs or ()):
+    if kind == block_sparse.Q:
+      tiles.append(ref[pl.ds(pl.multiple_of(q_start, p.block_q), p.block_q)])
+    elif kind == block_sparse.KV:
+      tiles.append(ref[pl.ds(pl.multiple_of(kv_start, p.block_kv), p.block_kv)])
+    else:
+      tiles.append(ref[b if p.mask_batch > 1 else 0])
+  return p.mask_def.unflatten(tiles).tile(q_pos, kv_pos)
+
+
+def sparse_loop(table_ref, counts_ref, body, carry):
+  """body(other_block, carry, masked=...) over the block mask's active blocks: the partial ones
+  (listed first) with the element mask, then the full ones without."""
+  count, num_partial = counts_ref[0], counts_ref[1]
+
+  def run(masked):
+    return lambda n, c: body(table_ref[n], c, masked=masked)
+
+  carry = lax.fori_loop(0, num_partial, run(True), carry)
+  return lax.fori_loop(num_partial, count, run(False), carry)

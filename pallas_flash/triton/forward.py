@@ -18,14 +18,16 @@ from pallas_flash.triton.config import TritonConfig
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, bias_ref, mask_ref, slopes_ref, seed_ref,
-                limits_ref, o_ref, lse_ref, *, p: KernelParams):
+                limits_ref, table_ref, counts_ref, fn_refs, o_ref, lse_ref, *, p: KernelParams):
   """One query block against the key blocks it may see.
 
   Refs after BlockSpec slicing: q_ref/o_ref [block_q, Dp]; k_ref/v_ref [S_pad, Dp];
   qs_ref [block_q] and ks_ref [S_pad] int32 segment ids; bias_ref [block_q, S_pad] (any float);
   mask_ref [block_q, S_pad] int8; slopes_ref [H_pad] float32; seed_ref [2] int32;
-  limits_ref [2] int32 (key blocks sharing a segment id); lse_ref [block_q]. Refs of unused
-  features are None.
+  limits_ref [2] int32 (key blocks sharing a segment id); lse_ref [block_q]; with a block mask,
+  table_ref [nk] (active key blocks, partial first), counts_ref [2] (active, partial) and
+  fn_refs the mask function's leaves ([T_pad], [S_pad] or [B_pad]). Refs of unused features
+  are None.
   Grid: (num_q_blocks, B, H), query blocks reversed under causal masking so the heaviest start
   first.
   """
@@ -48,6 +50,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, bias_ref, mask_ref, slopes_
     if masked:
       mask = common.block_mask(q_pos, kv_pos, q_seg, ks_ref[kv_slice] if p.has_segments else None,
                                p, mask_ref[:, kv_slice] if p.has_mask else None)
+      if p.block_sparse:
+        mask = mask & common.mask_fn_tile(fn_refs, b, qi * p.block_q, j * p.block_kv, q_pos,
+                                          kv_pos, p)
       s = jnp.where(mask, s, MASK_VALUE)
     m_next = jnp.maximum(m_prev, s.max(axis=1))
     alpha = jnp.exp2(m_prev - m_next)  # FA2 Alg. 1: rescale what was summed under the old max
@@ -67,10 +72,13 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, bias_ref, mask_ref, slopes_
   carry = (jnp.full((p.block_q,), MASK_VALUE, jnp.float32),
            jnp.zeros((p.block_q,), jnp.float32),
            jnp.zeros((p.block_q, d_pad), jnp.float32))
-  first, full_lo, full_hi, last = common.kv_runs(qi, p, limits_ref)
-  carry = lax.fori_loop(first, full_lo, functools.partial(step, masked=True), carry)
-  carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-  m, l, acc = lax.fori_loop(full_hi, last, functools.partial(step, masked=True), carry)
+  if p.block_sparse:
+    m, l, acc = common.sparse_loop(table_ref, counts_ref, step, carry)
+  else:
+    first, full_lo, full_hi, last = common.kv_runs(qi, p, limits_ref)
+    carry = lax.fori_loop(first, full_lo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+    m, l, acc = lax.fori_loop(full_hi, last, functools.partial(step, masked=True), carry)
 
   empty = l == 0.0  # no visible key: output 0 and lse -inf
   l_safe = jnp.where(empty, 1.0, l)
@@ -85,7 +93,9 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: TritonCo
   config = common.resolve_config(q, params, config)
   b, t, h, d = q.shape
   s_len, kh = k.shape[1], k.shape[2]
-  bq, bk = common.fit_block(config.block_q, t), common.fit_block(config.block_kv, s_len)
+  bm = arrays.block_mask if arrays is not None else None
+  bq, bk = ((bm.block_q, bm.block_kv) if bm is not None else
+            (common.fit_block(config.block_q, t), common.fit_block(config.block_kv, s_len)))
   q, k, v, q_seg, kv_seg = common.pad_inputs(q, k, v, q_seg, kv_seg, q_multiple=bq,
                                              kv_multiple=bk)
   t_pad, s_pad, d_pad = q.shape[1], k.shape[1], q.shape[3]
@@ -93,7 +103,8 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: TritonCo
   kv_limits, _ = common.segment_limits(q_seg, kv_seg, block_q=bq, block_kv=bk)
   p = KernelParams.create(params, kv_len=s_len, block_q=bq, block_kv=bk,
                           num_kv_blocks=s_pad // bk, num_q_blocks=t_pad // bq,
-                          group_size=h // kh)
+                          group_size=h // kh, **common.sparse_params(bm))
+  sparse_args, sparse_specs = common.sparse_inputs(bm, p, t_pad=t_pad, s_pad=s_pad, by_q=True)
 
   def q_map(i, bi, hi):
     return bi, _reversed(i, p), hi, 0
@@ -113,6 +124,7 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: TritonCo
       dense_spec(bias, p), dense_spec(mask, p), whole_spec(slopes), whole_spec(seed),
       None if kv_limits is None else pl.BlockSpec((None, None, 2),
                                                   lambda i, bi, hi: (bi, _reversed(i, p), 0)),
+      *sparse_specs,
   ]
   out_specs = [pl.BlockSpec((None, bq, None, d_pad), q_map),
                pl.BlockSpec((None, None, bq), lse_map)]
@@ -127,7 +139,7 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: TritonCo
                                               num_stages=config.num_stages),
       interpret=interpret,
       name="pallas_flash_fwd",
-  )(q, k, v, q_seg, kv_seg, bias, mask, slopes, seed, kv_limits)
+  )(q, k, v, q_seg, kv_seg, bias, mask, slopes, seed, kv_limits, *sparse_args)
   return o[:, :t, :, :d], lse[:, :, :t]
 
 

@@ -5,7 +5,8 @@ a running max `m`, sum `l` and unnormalised accumulator; the backward recomputes
 block (a dQ pass with query blocks outer, a dK/dV pass with key/value blocks outer). Nothing of
 size T x S is ever live, so memory is linear in sequence length (a dense bias or mask and its
 gradient are T x S by nature). Blocks outside the causal / local-window band are skipped through
-dynamic loop bounds (`masks.block_runs`).
+dynamic loop bounds (`masks.block_runs`); with a block mask, the loops run over the active
+blocks of its tables instead (united over the batch, since one loop serves every batch element).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_flash import _blocking, dropout, masks
+from pallas_flash import _blocking, block_sparse, dropout, masks
 from pallas_flash.params import MASK_VALUE, AttentionParams, CallInfo, FeatureArrays
 
 _HI = lax.Precision.HIGHEST
@@ -37,7 +38,7 @@ class XlaConfig:
 
 
 SUPPORTED_FEATURES = frozenset({"local_window_size", "logits_soft_cap", "alibi_slopes", "dropout",
-                                "bias", "mask"})
+                                "bias", "mask", "block_mask"})
 
 
 def unsupported_reason(call: CallInfo) -> str | None:
@@ -73,6 +74,13 @@ class _Ctx:
   # Segment limits (masks.segment_block_limits), hulls over the batch: [nq, 2] and [nk, 2].
   kv_limits: jax.Array | None
   q_limits: jax.Array | None
+  # Block mask: its function (leaves padded to whole blocks) and the tables of blocks active for
+  # any batch element: kv_table [nq, nk] / kv_count [nq] and q_table [nk, nq] / q_count [nk].
+  mask_fn: block_sparse.MaskFn | None = None
+  kv_table: jax.Array | None = None
+  kv_count: jax.Array | None = None
+  q_table: jax.Array | None = None
+  q_count: jax.Array | None = None
 
   def tile(self, name: str, i, j):
     x = lax.dynamic_slice_in_dim(self.dense[name], i * self.bq, self.bq, axis=3)
@@ -107,6 +115,10 @@ class _Ctx:
     if p.has_mask:
       dense = self.tile("mask", i, j)
       mask = dense if mask is None else mask & dense
+    if self.mask_fn is not None:
+      fn = block_sparse.tiles(self.mask_fn, i * self.bq, self.bq, j * self.bk, self.bk)
+      fn_mask = block_sparse.evaluate(fn, q_pos, kv_pos)[:, None, None]  # [B|1, 1, 1, bq, bk]
+      mask = fn_mask if mask is None else mask & fn_mask
     return s, t, mask
 
   def keep(self, i, j):
@@ -114,6 +126,18 @@ class _Ctx:
     rows = dropout.row_keys(self.head_keys[..., None], i * self.bq + jnp.arange(self.bq))
     cols = j * self.bk + jnp.arange(self.bk)
     return dropout.keep(rows[..., None], cols, dropout.threshold(self.params.dropout_rate))
+
+  def kv_loop(self, i, nk, body, init):
+    """lax.fori_loop of body(j, carry) over the key blocks query block i may see."""
+    if self.kv_table is None:
+      return lax.fori_loop(*self.kv_runs(i, nk), body, init)
+    return lax.fori_loop(0, self.kv_count[i], lambda n, c: body(self.kv_table[i, n], c), init)
+
+  def q_loop(self, j, nq, body, init):
+    """lax.fori_loop of body(i, carry) over the query blocks that may see key block j."""
+    if self.q_table is None:
+      return lax.fori_loop(*self.q_runs(j, nq), body, init)
+    return lax.fori_loop(0, self.q_count[j], lambda n, c: body(self.q_table[j, n], c), init)
 
   def kv_runs(self, i, nk):
     limits = None if self.kv_limits is None else (self.kv_limits[i, 0], self.kv_limits[i, 1])
@@ -135,7 +159,9 @@ def _prepare(q, k, v, q_seg, kv_seg, arrays: FeatureArrays, params: AttentionPar
   b, t, h, d = q.shape
   s, kh = k.shape[1], k.shape[2]
   g = h // kh
-  bq, bk = min(config.block_q, t), min(config.block_kv, s)
+  bm = arrays.block_mask
+  bq, bk = ((bm.block_q, bm.block_kv) if bm is not None
+            else (min(config.block_q, t), min(config.block_kv, s)))
   t_pad, s_pad = _blocking.round_up(t, bq), _blocking.round_up(s, bk)
   q = _blocking.pad_axis(q, 1, t_pad).reshape(b, t_pad, kh, g, d)
   k, v = _blocking.pad_axis(k, 1, s_pad), _blocking.pad_axis(v, 1, s_pad)
@@ -157,8 +183,17 @@ def _prepare(q, k, v, q_seg, kv_seg, arrays: FeatureArrays, params: AttentionPar
   if q_seg is not None:  # one loop serves the whole batch: take the hull over it
     limits = [jnp.stack([x[..., 0].min(0), x[..., 1].max(0)], -1)
               for x in masks.segment_block_limits(q_seg, kv_seg, block_q=bq, block_kv=bk)]
+  sparse = {}
+  if bm is not None:
+    active = (bm.block_state != block_sparse.SKIPPED).any(0)  # [nq, nk], over the batch
+    state = jnp.where(active, block_sparse.PARTIAL, block_sparse.SKIPPED)[None]
+    (kv_table,), (kv_count,), _ = block_sparse.block_tables(state)
+    (q_table,), (q_count,), _ = block_sparse.block_tables(jnp.swapaxes(state, 1, 2))
+    sparse = dict(mask_fn=block_sparse.pad_leaves(bm.mask_fn, t_pad, s_pad), kv_table=kv_table,
+                  kv_count=kv_count, q_table=q_table, q_count=q_count)
   ctx = _Ctx(params=params, kv_len=s, bq=bq, bk=bk, num_heads=h, kv_seg=kv_seg, dense=dense,
-             slopes=slopes, head_keys=head_keys, kv_limits=limits[0], q_limits=limits[1])
+             slopes=slopes, head_keys=head_keys, kv_limits=limits[0], q_limits=limits[1],
+             **sparse)
   return q, k, v, q_seg, ctx
 
 
@@ -198,7 +233,7 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: XlaConfi
     init = (jnp.full((b, kh, g, bq), MASK_VALUE, jnp.float32),
             jnp.zeros((b, kh, g, bq), jnp.float32),
             jnp.zeros((b, kh, g, bq, d), jnp.float32))
-    m, l, acc = lax.fori_loop(*ctx.kv_runs(i, nk), kv_step, init)
+    m, l, acc = ctx.kv_loop(i, nk, kv_step, init)
     l_safe = jnp.where(l == 0.0, 1.0, l)
     o = acc / (l_safe * (1.0 - params.dropout_rate))[..., None]  # [B, K, G, bq, D]
     lse = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l_safe))
@@ -251,8 +286,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
       return dq, dbias
 
     dbias = (jnp.zeros((*bias_shape, bq, s_pad), jnp.float32) if params.has_bias else None)
-    dq, dbias = lax.fori_loop(*ctx.kv_runs(i, nk), kv_step,
-                              (jnp.zeros(q_blk.shape, jnp.float32), dbias))
+    dq, dbias = ctx.kv_loop(i, nk, kv_step, (jnp.zeros(q_blk.shape, jnp.float32), dbias))
     return dq * params.scale, dbias
 
   def dkv_block(args):
@@ -274,7 +308,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
       return dk, dv
 
     zeros = jnp.zeros(k_blk.shape, jnp.float32)
-    dk, dv = lax.fori_loop(*ctx.q_runs(j, nq), q_step, (zeros, zeros))
+    dk, dv = ctx.q_loop(j, nq, q_step, (zeros, zeros))
     return dk * params.scale, dv
 
   qs_blocks = None if q_seg is None else _blocks(q_seg, bq)
