@@ -4,7 +4,9 @@
   python -m train.compare max-context --attention ours --start 16384 --json out.json
 
 Every attention runs in its own subprocess, so that `peak_bytes_in_use` (a per-process high-water
-mark) and any out-of-memory failure belong to that attention alone. Data is random bytes with
+mark) and any out-of-memory failure belong to that attention alone. Each row is printed (and the
+--json file rewritten, with "complete": false until the end) as soon as its child reports it, so a
+run cut off by an outer time limit still shows every length it reached. Data is random bytes with
 plain causal attention (no segment ids): the jax.nn baselines have no segment ids, and a dense
 document mask would make them slower for a reason that is not attention itself.
 """
@@ -14,12 +16,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 _RESULT = "RESULT "
+_STARTED = "STARTED "  # a child begins a length (the parent echoes it to stderr)
 
 
 def _config(args, attention: str, seq_len: int):
@@ -90,6 +97,7 @@ def _child_max_context(args, attention: str) -> list[dict]:
   model = optimizer = None
   while seq_len <= args.max and time.time() - t0 < args.time_limit:
     cfg = _config(args, attention, seq_len)
+    print(_STARTED + json.dumps(dict(attention=attention, seq_len=seq_len)), flush=True)
     try:
       if model is None:  # parameters do not depend on seq_len: build once
         check_environment(cfg)
@@ -105,20 +113,45 @@ def _child_max_context(args, attention: str) -> list[dict]:
   return results
 
 
-def _run_child(args, attention: str) -> list[dict]:
-  """Runs one attention in a fresh process; collects its RESULT lines."""
-  cmd = [sys.executable, "-m", "train.compare", args.mode, "--child", "--attention", attention,
-         *_forward_flags(args)]
-  try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.time_limit + 300)
-    out, err, rc = proc.stdout, proc.stderr, proc.returncode
-  except subprocess.TimeoutExpired as e:
-    out, err, rc = e.stdout or "", "timeout", -1
-  rows = [json.loads(line[len(_RESULT):]) for line in (out or "").splitlines()
-          if line.startswith(_RESULT)]
+def _run_child(args, attention: str, on_row=lambda row: None, cmd=None) -> list[dict]:
+  """Runs one attention in a fresh process; streams its RESULT lines to `on_row` as they come.
+
+  The child is killed after --time-limit + 300 s (a length already started may run past
+  --time-limit), and when this process is interrupted or terminated.
+  """
+  cmd = cmd or [sys.executable, "-m", "train.compare", args.mode, "--child", "--attention",
+                attention, *_forward_flags(args)]
+  rows, timed_out = [], threading.Event()
+  with tempfile.TemporaryFile("w+") as err_file:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err_file, text=True, bufsize=1)
+
+    def kill():
+      timed_out.set()
+      proc.kill()
+
+    timer = threading.Timer(args.time_limit + 300, kill)
+    timer.start()
+    try:
+      for line in proc.stdout:
+        if line.startswith(_RESULT):
+          rows.append(json.loads(line[len(_RESULT):]))
+          on_row(rows[-1])
+        elif line.startswith(_STARTED):
+          started = json.loads(line[len(_STARTED):])
+          print(f"[{started['attention']}] seq_len {started['seq_len']}: started "
+                f"(compile + one step)", file=sys.stderr, flush=True)
+      rc = proc.wait()
+    finally:
+      timer.cancel()
+      if proc.poll() is None:  # interrupted: do not leave the child holding the GPU
+        proc.kill()
+        proc.wait()
+    err_file.seek(0)
+    err = "timeout" if timed_out.is_set() else err_file.read()
   if rc != 0 and not any(r["status"] == "failed" for r in rows):
     rows.append(dict(attention=attention, seq_len=None, status="failed",
                      error=f"exit {rc}: {_error_line(err)}"))
+    on_row(rows[-1])
   return rows
 
 
@@ -139,18 +172,31 @@ def _forward_flags(args) -> list[str]:
   return flags
 
 
-def format_table(rows: list[dict]) -> str:
+def format_header() -> str:
   head = f"{'attention':<18}{'seq_len':>9}{'tokens/s':>11}{'MFU':>7}{'step ms':>10}" \
          f"{'peak GiB':>10}{'compile s':>11}  status"
-  lines = [head, "-" * len(head)]
+  return head + "\n" + "-" * len(head)
+
+
+def format_row(r: dict) -> str:
   fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
-  for r in rows:
-    name = r["attention"] + (f"({r['implementation']})" if r.get("implementation") else "")
-    lines.append(f"{name:<18}{fmt(r.get('seq_len'), 'd'):>9}{fmt(r.get('tokens_per_s'), ',.0f'):>11}"
-                 f"{fmt(r.get('mfu') and 100 * r['mfu'], '.1f'):>7}{fmt(r.get('step_ms'), '.0f'):>10}"
-                 f"{fmt(r.get('peak_gib'), '.2f'):>10}{fmt(r.get('compile_s'), '.1f'):>11}  "
-                 f"{r['status']}{' ' + r['error'] if r.get('error') else ''}")
-  return "\n".join(lines)
+  name = r["attention"] + (f"({r['implementation']})" if r.get("implementation") else "")
+  return (f"{name:<18}{fmt(r.get('seq_len'), 'd'):>9}{fmt(r.get('tokens_per_s'), ',.0f'):>11}"
+          f"{fmt(r.get('mfu') and 100 * r['mfu'], '.1f'):>7}{fmt(r.get('step_ms'), '.0f'):>10}"
+          f"{fmt(r.get('peak_gib'), '.2f'):>10}{fmt(r.get('compile_s'), '.1f'):>11}  "
+          f"{r['status']}{' ' + r['error'] if r.get('error') else ''}")
+
+
+def format_table(rows: list[dict]) -> str:
+  return "\n".join([format_header(), *map(format_row, rows)])
+
+
+def _write_json(path: str, mode: str, rows: list[dict], complete: bool) -> None:
+  """Rewrites the whole file atomically, so that a reader never sees half of it."""
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    json.dump({"mode": mode, "complete": complete, "rows": rows}, f, indent=1)
+  os.replace(tmp, path)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -180,11 +226,22 @@ def main(argv=None) -> list[dict]:
     if args.mode == "throughput":
       print(_RESULT + json.dumps(rows[0]), flush=True)
     return rows
-  rows = [r for a in args.attention for r in _run_child(args, a)]
-  print(format_table(rows))
+  if threading.current_thread() is threading.main_thread():
+    # `timeout` and job schedulers send SIGTERM: unwind so that the child is killed (finally).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+  rows: list[dict] = []
+
+  def on_row(row: dict) -> None:
+    rows.append(row)
+    print(format_row(row), flush=True)
+    if args.json:
+      _write_json(args.json, args.mode, rows, complete=False)
+
+  print(format_header(), flush=True)
+  for attention in args.attention:
+    _run_child(args, attention, on_row)
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump({"mode": args.mode, "rows": rows}, f, indent=1)
+    _write_json(args.json, args.mode, rows, complete=True)
   return rows
 
 

@@ -1,13 +1,19 @@
 """An `attention_fn` for Flax's own attention layers that runs the flash kernels.
 
 `flax.nnx.MultiHeadAttention(attention_fn=...)` and `flax.linen.MultiHeadDotProductAttention(
-attention_fn=...)` call it exactly like `flax.nnx.dot_product_attention`. Calls that map onto
-`pallas_flash.flash_attention` (no dense mask or bias, no active dropout, no weight sowing) run the
-kernels; anything else falls back to Flax's dense attention, with a one-time warning naming why.
+attention_fn=...)` call it exactly like `flax.nnx.dot_product_attention`. Calls run on the kernels
+of `pallas_flash.flash_attention`, including a dense `bias` or boolean `mask` and dropout with
+`broadcast_dropout=False`. Three things fall back to Flax's dense attention, with a one-time
+warning naming why: dropout with `broadcast_dropout=True` (Flax's default: one [T, S] dropout mask
+shared by every batch element and head; the kernels draw an independent mask per (batch, head,
+row, column) from a hash and cannot share one), sowing attention weights (`sow_weights=True`;
+the kernels never form them) and linen's custom einsum arguments.
 
-A dense `mask` is never inspected (it is a traced array), so a causal mask built with
-`nnx.make_causal_mask` still takes the dense path: pass `is_causal=True` to the layer call or use
-`make_attention_fn(is_causal=True)` and drop the mask to get the kernels.
+A dense `bias` or `mask` runs in the kernels without storing [B, H, T, S] probabilities, but it
+is still a T x S input (and the bias gradient a T x S output). A causal mask built with
+`make_causal_mask` is never recognised as causal (it is a traced array), so it costs a dense mask
+read and disables block skipping: pass `is_causal=True` to the layer call or use
+`make_attention_fn(is_causal=True)` and drop the mask for the cheapest path.
 """
 
 from __future__ import annotations
@@ -31,15 +37,18 @@ def _warn_once(reason: str) -> None:
       "This uses O(T*S) memory.", stacklevel=4)
 
 
-def _fallback_reason(*, bias, mask, dropout_rate, deterministic, module, linen_only) -> str | None:
+def _dropout_active(dropout_rate, deterministic) -> bool:
+  return dropout_rate > 0.0 and not deterministic
+
+
+def _fallback_reason(*, dropout_rate, deterministic, broadcast_dropout, module,
+                     linen_only) -> str | None:
   """Why a call cannot run on the flash kernels, or None when it can."""
-  if bias is not None:
-    return "an attention `bias` was given (flash kernels take no dense bias)"
-  if mask is not None:
-    return ("a dense `mask` was given (use is_causal=True / segment ids instead of "
-            "make_causal_mask to run the kernels)")
-  if dropout_rate > 0.0 and not deterministic:
-    return f"attention dropout is active (dropout_rate={dropout_rate})"
+  if _dropout_active(dropout_rate, deterministic) and broadcast_dropout:
+    return (f"attention dropout (dropout_rate={dropout_rate}) with broadcast_dropout=True shares "
+            "one [T, S] dropout mask over batch and heads, while the kernels draw an independent "
+            "mask per (batch, head, row, column); pass broadcast_dropout=False to the layer to "
+            "run dropout in the kernels")
   if module is not None:
     return "attention weights are sown (sow_weights=True) and the kernels never form them"
   if linen_only:
@@ -54,10 +63,33 @@ def _promote(query, key, value, dtype):
 
 
 def _flatten_batch(x: jax.Array) -> jax.Array:
-  """[batch..., L, H, D] -> [prod(batch...), L, H, D]; rank 3 stays unbatched."""
-  if x.ndim <= 4:
-    return x
+  """[batch..., L, H, D] -> [prod(batch...), L, H, D] (rank 3 gets a batch of 1)."""
   return x.reshape(math.prod(x.shape[:-3]), *x.shape[-3:])
+
+
+def _flatten_dense(name: str, x, batch_shape: tuple[int, ...]):
+  """A Flax bias/mask, broadcastable to [batch..., H, T, S], as [prod(batch...)|1, H|1, T|1, S|1].
+
+  Batch axes that are all 1 stay one broadcast axis (the kernels read one copy); batch axes that
+  are only partly broadcast are expanded to `batch_shape` before flattening, so the flattened
+  index matches the one q/k/v get from `_flatten_batch`.
+  """
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if name == "mask" and x.dtype != jnp.bool_:  # Flax's make_attention_mask gives float 0/1
+    x = x != 0  # as jnp.where(mask, ...) reads it
+  n = len(batch_shape)
+  if x.ndim > n + 3:
+    raise ValueError(f"`{name}` of shape {x.shape} has more axes than [batch..., heads, q_len, "
+                     f"kv_len] with batch {batch_shape}.")
+  x = x.reshape((1,) * (n + 3 - x.ndim) + x.shape)
+  lead, tail = x.shape[:n], x.shape[n:]
+  if any(a not in (1, b) for a, b in zip(lead, batch_shape)):
+    raise ValueError(f"`{name}` of shape {x.shape} does not broadcast over batch {batch_shape}.")
+  if all(a == 1 for a in lead):
+    return x.reshape(1, *tail)
+  return jnp.broadcast_to(x, batch_shape + tail).reshape(math.prod(batch_shape), *tail)
 
 
 def _dense(query, key, value, *, kwargs: dict, linen_kw: dict, module, is_causal: bool):
@@ -106,9 +138,13 @@ def flash_attention_fn(
 
   Args:
     query: [batch..., T, H, D]; key, value: [batch..., S, K, D] with H % K == 0.
-    bias, mask: broadcastable to [batch..., H, T, S]; either one forces the dense fallback.
+    bias, mask: broadcastable to [batch..., H, T, S] (`mask` boolean, True = attend); run in
+      the kernels (bias differentiable). A row whose mask hides every key gets zeros here, where
+      Flax's dense attention averages all values.
     dropout_rate, deterministic, dropout_rng, broadcast_dropout: active dropout (rate > 0 and
-      not deterministic) forces the dense fallback.
+      not deterministic) runs in the kernels when broadcast_dropout=False (an independent mask
+      per batch, head, row and column, as Flax draws it then, but from a hash of dropout_rng, so
+      not Flax's bits); broadcast_dropout=True falls back to dense attention.
     dtype: compute dtype q/k/v are cast to (Flax semantics); default their result type.
     precision: used by the dense fallback only (the kernels accumulate in float32).
     module: a module to sow attention weights into; forces the dense fallback.
@@ -126,8 +162,9 @@ def flash_attention_fn(
   linen_only = {n for n, v in (("qk_attn_weights_einsum", qk_attn_weights_einsum),
                                ("attn_weights_value_einsum", attn_weights_value_einsum))
                 if v is not None}
-  reason = _fallback_reason(bias=bias, mask=mask, dropout_rate=dropout_rate,
-                            deterministic=deterministic, module=module, linen_only=linen_only)
+  reason = _fallback_reason(dropout_rate=dropout_rate, deterministic=deterministic,
+                            broadcast_dropout=broadcast_dropout, module=module,
+                            linen_only=linen_only)
   if reason is not None:
     _warn_once(reason)
     if query_segment_ids is not None:
@@ -144,11 +181,16 @@ def flash_attention_fn(
                   is_causal=is_causal)
   batch_shape = query.shape[:-3]
   q, k, v = map(_flatten_batch, (query, key, value))
-  q_seg, kv_seg = (None if s is None else s.reshape(-1, s.shape[-1]) if s.ndim > 2 else s
+  q_seg, kv_seg = (None if s is None else jnp.asarray(s).reshape(-1, s.shape[-1])
                    for s in (query_segment_ids, key_value_segment_ids))
-  out = flash_attention(q, k, v, scale=scale, is_causal=is_causal, query_segment_ids=q_seg,
+  dropout_kw = {}
+  if _dropout_active(dropout_rate, deterministic):
+    dropout_kw = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+  out = flash_attention(q, k, v, _flatten_dense("bias", bias, batch_shape),
+                        _flatten_dense("mask", mask, batch_shape), scale=scale,
+                        is_causal=is_causal, query_segment_ids=q_seg,
                         key_value_segment_ids=kv_seg, implementation=implementation,
-                        config=config)
+                        config=config, **dropout_kw)
   return out.reshape(*batch_shape, *out.shape[-3:])
 
 

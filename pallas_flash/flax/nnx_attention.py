@@ -4,13 +4,16 @@ Parameters are named and shaped like `flax.nnx.MultiHeadAttention`'s (`query`, `
 `LinearGeneral` kernels [in, H|K, D] and biases [H|K, D]; `out`: kernel [H, D, out], bias [out]),
 so `nnx.update(flax_layer, nnx.state(flash_layer, nnx.Param))` moves weights either way.
 What it adds over `nnx.MultiHeadAttention(attention_fn=...)`: segment ids for packed documents,
-per-document rotary positions, and the kernel `implementation`/`config` as constructor arguments.
+per-document rotary positions, the structured masks and logit transforms the kernels compute
+without any T x S array (`local_window_size`, `logits_soft_cap`, `alibi_slopes`) and the kernel
+`implementation`/`config`, all as constructor arguments.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -25,7 +28,20 @@ from pallas_flash.flax.rotary import apply_rotary
 # has it; models/ wraps jax.nn.dot_product_attention to it for baselines):
 #   fn(query [B, T, H, D], key [B, S, K, D], value [B, S, K, D], *, is_causal: bool,
 #      query_segment_ids: [B, T] | None, key_value_segment_ids: [B, S] | None) -> [B, T, H, D]
+# plus, only when the layer sets them, `local_window_size`, `logits_soft_cap` and `alibi_slopes`
+# keywords as `pallas_flash.flash_attention` takes them.
 AttentionFn = Callable[..., jax.Array]
+
+
+def alibi_slopes(num_heads: int) -> tuple[float, ...]:
+  """The ALiBi paper's slopes: 2**(-8 (h + 1) / H) for a power-of-two H; otherwise those of the
+  nearest smaller power of two n followed by every other slope of 2n (Press et al., 2022)."""
+  def geometric(n):
+    return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+  n = 2 ** int(math.floor(math.log2(num_heads)))
+  slopes = geometric(n) + geometric(2 * n)[0::2][:num_heads - n]
+  return tuple(slopes)
 
 
 class FlashMultiHeadAttention(nnx.Module):
@@ -36,6 +52,8 @@ class FlashMultiHeadAttention(nnx.Module):
     head_dim: D = qkv_features // num_heads.
     is_causal: default causality of `__call__`.
     rope_theta: rotary base period, or None for no rotary embedding.
+    local_window_size, logits_soft_cap: as passed to the constructor (None: unused).
+    alibi: the per-head ALiBi slopes as a tuple of floats, or None.
   """
 
   def __init__(
@@ -48,6 +66,9 @@ class FlashMultiHeadAttention(nnx.Module):
       *,
       is_causal: bool = False,
       rope_theta: float | None = None,
+      local_window_size: int | tuple[int, int] | None = None,
+      logits_soft_cap: float | None = None,
+      alibi: bool | Sequence[float] | None = None,
       use_bias: bool = True,
       dtype: Any = None,
       param_dtype: Any = jnp.float32,
@@ -70,6 +91,13 @@ class FlashMultiHeadAttention(nnx.Module):
         e.g. bfloat16 over float32 parameters; metadata carries sharding annotations).
       is_causal: default for `__call__`.
       rope_theta: apply rotary embeddings to q and k with this base period (None: none).
+      local_window_size: sliding-window attention, as `pallas_flash.flash_attention` takes it:
+        an int w (= (w, w)) or (left, right); query i sees keys i - left .. i + right (with
+        causal masking, (W - 1, 0) is a causal window of W tokens). Key blocks outside the
+        window are skipped.
+      logits_soft_cap: c > 0 caps each scaled logit s to c * tanh(s / c) (Gemma 2).
+      alibi: ALiBi position bias -slope[h] * |i - j| on the logits, computed in the kernels:
+        True for `alibi_slopes(num_heads)`, or one slope per query head (fixed, not trained).
       implementation, config: passed to `pallas_flash.flash_attention`.
       attention_fn: replaces `pallas_flash.flash_attention` (same keyword signature, see
         `AttentionFn`); `implementation`/`config` are then not used.
@@ -89,6 +117,20 @@ class FlashMultiHeadAttention(nnx.Module):
       raise ValueError(f"Rotary embeddings need an even head_dim, got {self.head_dim}.")
     self.in_features = in_features
     self.is_causal, self.rope_theta = is_causal, rope_theta
+    if alibi is True:
+      alibi = alibi_slopes(num_heads)
+    elif alibi is False:
+      alibi = None
+    if alibi is not None:
+      alibi = tuple(float(x) for x in alibi)
+      if len(alibi) != num_heads:
+        raise ValueError(f"`alibi` needs one slope per query head ({num_heads}), got "
+                         f"{len(alibi)}.")
+    if isinstance(local_window_size, list):
+      local_window_size = tuple(local_window_size)
+    # Static Python values (tuples, floats): part of the module's structure, not its state.
+    self.local_window_size, self.logits_soft_cap = local_window_size, logits_soft_cap
+    self.alibi = alibi
     self.attention_fn = attention_fn or functools.partial(
         flash_attention, implementation=implementation, config=config)
     linear = functools.partial(
@@ -138,8 +180,20 @@ class FlashMultiHeadAttention(nnx.Module):
       kv_segment_ids = segment_ids
     x = self.attention_fn(
         query, key, value, is_causal=self.is_causal if is_causal is None else is_causal,
-        query_segment_ids=segment_ids, key_value_segment_ids=kv_segment_ids)  # [B, T, H, D]
+        query_segment_ids=segment_ids, key_value_segment_ids=kv_segment_ids,
+        **self._feature_kwargs())  # [B, T, H, D]
     return self.out(x)
+
+  def _feature_kwargs(self) -> dict:
+    """The optional attention features this layer uses (none: a plain AttentionFn suffices)."""
+    kw = {}
+    if self.local_window_size is not None:
+      kw["local_window_size"] = self.local_window_size
+    if self.logits_soft_cap is not None:
+      kw["logits_soft_cap"] = self.logits_soft_cap
+    if self.alibi is not None:
+      kw["alibi_slopes"] = jnp.asarray(self.alibi, jnp.float32)
+    return kw
 
   def _rotate(self, query, key, positions, kv_positions, self_attention: bool):
     """Rotary embeddings on q [B, T, H, D] and k [B, S, K, D]."""
