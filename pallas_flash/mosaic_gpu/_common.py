@@ -54,6 +54,12 @@ class KernelParams:
   def needs_mask(self) -> bool:
     return self.causal or self.kv_tail
 
+  def kv_steps(self, q_end):
+    """Key blocks that query rows [.., q_end) see: all of them, or up to the causal diagonal."""
+    if not self.causal:
+      return self.num_kv_blocks
+    return jnp.minimum(self.num_kv_blocks, lax.div(q_end + self.block_kv - 1, self.block_kv))
+
   @staticmethod
   def make(q, k, *, params: AttentionParams, block_q: int, block_kv: int, stages: int,
            t_pad: int, s_pad: int, kv_len: int, config: MosaicConfig,

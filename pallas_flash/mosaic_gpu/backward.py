@@ -48,16 +48,11 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_sc
   Grid (Tp / (2·block_q), H, B); dq_ref [B, Tp, H, D]; q/do_scratch [2, block_q, D],
   k/v_scratch [stages, block_kv, D], ds_scratch [2, block_q, block_kv] (interpret only).
   """
-  bq, bkv, stages, nk = kp.block_q, kp.block_kv, kp.stages, kp.num_kv_blocks
+  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   b, h, qt, wg = (lax.axis_index(n) for n in ("b", "h", "qt", "wg"))
   cta_q0 = qt * (2 * bq)
 
-  def kv_steps(q_end):
-    if not kp.causal:
-      return nk
-    return jnp.minimum(nk, lax.div(q_end + bkv - 1, bkv))
-
-  cta_steps = kv_steps(cta_q0 + 2 * bq)
+  cta_steps = kp.kv_steps(cta_q0 + 2 * bq)
 
   @pl.when(wg < 2)
   def _consumer():
@@ -74,7 +69,7 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_sc
       plgpu.barrier_wait(row_ready.at[wg, i])
     lse = plgpu.load(lse_scratch.at[wg], layout=_common.ROW)
     delta = plgpu.load(delta_scratch.at[wg], layout=_common.ROW)
-    steps = kv_steps(q0 + bq)
+    steps = kp.kv_steps(q0 + bq)
 
     def step(j, dq, *, masked: bool):
       slot = lax.rem(j, stages)

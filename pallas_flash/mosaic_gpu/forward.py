@@ -40,20 +40,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   k/v_scratch [stages, block_kv, D], lse_scratch [2, block_q], p_scratch [2, block_q, block_kv]
   (interpret mode only).
   """
-  bq, bkv, stages, nk = kp.block_q, kp.block_kv, kp.stages, kp.num_kv_blocks
+  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   b, h, qt = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("qt")
   wg = lax.axis_index("wg")
   if kp.causal:
     qt = kp.num_q_tiles - 1 - qt  # heaviest tiles first
   cta_q0 = qt * (2 * bq)
 
-  def kv_steps(q_end):
-    """kv blocks that rows [.., q_end) see."""
-    if not kp.causal:
-      return nk
-    return jnp.minimum(nk, lax.div(q_end + bkv - 1, bkv))
-
-  cta_steps = kv_steps(cta_q0 + 2 * bq)
+  cta_steps = kp.kv_steps(cta_q0 + 2 * bq)
 
   def sched_sync():
     plgpu.barrier_arrive(sched)
@@ -64,7 +58,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     plgpu.set_max_registers(kp.compute_registers, action="increase")
     q_smem, lse_smem = q_scratch.at[wg], lse_scratch.at[wg]
     q0 = cta_q0 + wg * bq
-    steps = kv_steps(q0 + bq)
+    steps = kp.kv_steps(q0 + bq)
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[wg])
     plgpu.barrier_wait(k_ready.at[0])  # steps >= 1 always
