@@ -63,12 +63,8 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta
     p_t = jnp.exp2(s_t - lse2[None, :])  # [block_kv, block_q]
     if masked:
       mask = common.block_mask(q_pos, kv_pos, qs_ref[q_slice] if p.has_segments else None,
-                               kv_seg, p)
-      if p.has_mask:
-        mask = mask & (dense_t(mask_ref, g, q_slice).T != 0)
-      if p.block_sparse:
-        mask = mask & common.mask_fn_tile(fn_refs, b, i * p.block_q, j * p.block_kv, q_pos,
-                                          kv_pos, p)
+                               kv_seg, p, dense_t(mask_ref, g, q_slice).T if p.has_mask else None,
+                               fn=(fn_refs, b, i * p.block_q, j * p.block_kv))
       p_t = jnp.where(mask.T, p_t, 0.0)
     dp_t = common.dot(v, do, trans_b=True)  # [block_kv, block_q]
     p_v = p_t
@@ -130,10 +126,8 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_r
     probs = jnp.exp2(s - lse2[:, None])  # [block_q, block_kv]
     if masked:
       mask = common.block_mask(q_pos, kv_pos, q_seg, ks_ref[kv_slice] if p.has_segments else None,
-                               p, mask_ref[:, kv_slice] if p.has_mask else None)
-      if p.block_sparse:
-        mask = mask & common.mask_fn_tile(fn_refs, b, qi * p.block_q, j * p.block_kv, q_pos,
-                                          kv_pos, p)
+                               p, mask_ref[:, kv_slice] if p.has_mask else None,
+                               fn=(fn_refs, b, qi * p.block_q, j * p.block_kv))
       probs = jnp.where(mask, probs, 0.0)
     dp = common.dot(do, v, trans_b=True)
     if p.dropout_rate:

@@ -205,13 +205,14 @@ def dot(a, b, *, trans_b: bool = False):
   return pltriton.dot(a, b, trans_b=trans_b, precision=precision)
 
 
-def block_mask(q_pos, kv_pos, q_seg, kv_seg, p: KernelParams, dense=None):
+def block_mask(q_pos, kv_pos, q_seg, kv_seg, p: KernelParams, dense=None, *, fn=None):
   """[len(q_pos), len(kv_pos)] bool: which scores of a block pair are visible.
 
   Args:
     q_pos, kv_pos: int32 positions of the block's rows / columns.
     q_seg, kv_seg: their segment ids (ignored unless p.has_segments).
     dense: the int8 tile of the dense mask, or None.
+    fn: (fn_refs, b, q_start, kv_start) of the block mask's function (used when p.block_sparse).
   """
   mask = kv_pos[None, :] < p.kv_len
   band = masks.band_mask(q_pos, kv_pos, p.band)
@@ -221,6 +222,8 @@ def block_mask(q_pos, kv_pos, q_seg, kv_seg, p: KernelParams, dense=None):
     mask = mask & (q_seg[:, None] == kv_seg[None, :])
   if dense is not None:
     mask = mask & (dense != 0)
+  if p.block_sparse:
+    mask = mask & mask_fn_tile(*fn, q_pos, kv_pos, p)
   return mask
 
 

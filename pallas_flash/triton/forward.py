@@ -49,10 +49,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, bias_ref, mask_ref, slopes_
                          bias_ref[:, kv_slice] if p.has_bias else None, p)  # [block_q, block_kv]
     if masked:
       mask = common.block_mask(q_pos, kv_pos, q_seg, ks_ref[kv_slice] if p.has_segments else None,
-                               p, mask_ref[:, kv_slice] if p.has_mask else None)
-      if p.block_sparse:
-        mask = mask & common.mask_fn_tile(fn_refs, b, qi * p.block_q, j * p.block_kv, q_pos,
-                                          kv_pos, p)
+                               p, mask_ref[:, kv_slice] if p.has_mask else None,
+                               fn=(fn_refs, b, qi * p.block_q, j * p.block_kv))
       s = jnp.where(mask, s, MASK_VALUE)
     m_next = jnp.maximum(m_prev, s.max(axis=1))
     alpha = jnp.exp2(m_prev - m_next)  # FA2 Alg. 1: rescale what was summed under the old max
