@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,11 @@ class Case:
                                     ("-len", self.lengths)) if on)
     return (f"b{self.batch}_t{self.q_len}_s{self.kv_len}_h{self.num_heads}:{self.num_kv_heads}"
             f"_d{self.head_dim}_{jnp.dtype(self.dtype).name}{feats}")
+
+
+def case_seed(case: Case) -> int:
+  """A seed per case that is the same in every process (str hash() is salted per process)."""
+  return zlib.crc32(case.id.encode()) % 1000
 
 
 def random_segments(key, batch: int, length: int, num_docs: int = 4) -> jax.Array:
