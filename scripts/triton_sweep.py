@@ -18,14 +18,14 @@ from pallas_flash.bench import flops, shapes, timing
 from pallas_flash.triton.config import default_config
 
 FWD = [dict(block_q=bq, block_kv=bk, num_warps=w, num_stages=st)
-       for bq, bk, w, st in ((128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3),
-                             (64, 64, 4, 3))]
+       for bq, bk, w, st in ((128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 64, 4, 4),
+                             (128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 3), (64, 64, 4, 3),
+                             (64, 128, 4, 3), (128, 32, 4, 3))]
 BWD = [dict(block_q_dkv=a, block_kv_dkv=b, block_q_dq=c, block_kv_dq=d, num_warps_bwd=w,
             num_stages_bwd=st)
        for a, b, c, d, w, st in ((64, 64, 64, 64, 4, 2), (32, 64, 64, 32, 4, 2),
                                  (64, 128, 128, 64, 8, 2), (32, 128, 128, 32, 8, 2),
                                  (32, 128, 128, 32, 4, 2))]
-SHAPES = ["b4_t4k_h16_d128"]
 
 
 def _run(spec, mode, causal, cfg):
@@ -48,10 +48,11 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--json")
   parser.add_argument("--mode", default="fwd,fwdbwd")
+  parser.add_argument("--shapes", default="b4_t4k_h16_d128", help="comma-separated shape names")
   args = parser.parse_args()
   specs = {s.name: s for s in shapes.select_shapes("anchors")}
   rows = []
-  for name in SHAPES:
+  for name in args.shapes.split(","):
     spec = specs[name]
     for causal in (False, True):
       for mode in args.mode.split(","):
