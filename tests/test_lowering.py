@@ -45,3 +45,25 @@ def test_default_on_h200_is_a_gpu_kernel():
     ex = pallas_flash.explain(q, q, q, is_causal=True)
   assert ex.chosen in ("mosaic", "triton")
   assert ex.reasons["xla"] is None
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])  # approx tanh only for 16-bit
+def test_triton_features_lower_for_h200(dtype):
+  q = jax.ShapeDtypeStruct((1, 700, 4, 128), dtype)
+  seg = jax.ShapeDtypeStruct((1, 700), jnp.int32)
+  slopes = jax.ShapeDtypeStruct((4,), jnp.float32)
+
+  def f(q, k, v, seg, slopes):
+    return pallas_flash.flash_attention(
+        q, k, v, is_causal=True, query_segment_ids=seg, local_window_size=(256, 0),
+        logits_soft_cap=30.0, alibi_slopes=slopes, dropout_rate=0.1,
+        dropout_rng=jax.random.key(0), implementation="triton")
+
+  def g(*args):
+    return jax.grad(lambda *a: f(*a, *args[3:]).astype(jnp.float32).sum(),
+                    argnums=(0, 1, 2))(*args[:3])
+
+  assert _export(f, q, q, q, seg, slopes).count("xla.gpu.triton") == 1
+  module = _export(g, q, q, q, seg, slopes)
+  assert module.count("xla.gpu.triton") == 3
+  assert ("tanh.approx" in module) == (dtype == jnp.bfloat16)

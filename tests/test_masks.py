@@ -86,11 +86,11 @@ def test_segment_limits_are_block_diagonal_for_sorted_ids():
   for i in range(8):
     idx = np.flatnonzero(blocks[i])
     want = (idx[0], idx[-1] + 1) if idx.size else (0, 0)
-    assert tuple(np.asarray(kv_lim[0, i]).tolist()) == want
+    assert tuple(np.asarray(kv_lim[0, i, :2]).tolist()) == want
   for j in range(4):
     idx = np.flatnonzero(blocks[:, j])
     want = (idx[0], idx[-1] + 1) if idx.size else (0, 0)
-    assert tuple(np.asarray(q_lim[0, j]).tolist()) == want
+    assert tuple(np.asarray(q_lim[0, j, :2]).tolist()) == want
 
 
 def test_segment_limits_are_a_superset_for_unsorted_ids():
@@ -103,8 +103,30 @@ def test_segment_limits_are_a_superset_for_unsorted_ids():
     shares = q_seg[:, :, None] == kv_seg[:, None, :]
     blocks = shares.reshape(2, 4, 16, 3, 16).any((2, 4))
     for b, i in itertools.product(range(2), range(4)):
-      first, last = np.asarray(kv_lim[b, i]).tolist()
+      first, last, full_first, full_last = np.asarray(kv_lim[b, i]).tolist()
       assert all(first <= j < last for j in np.flatnonzero(blocks[b, i]))
+      assert full_first == full_last  # random ids: no block is one document throughout
+
+
+@pytest.mark.parametrize("block_q,block_kv", [(16, 16), (16, 32), (32, 16)])
+def test_segment_full_runs_are_exactly_the_single_document_blocks(block_q, block_kv):
+  # Sorted documents with padding ids at the end: a (q, kv) block pair is "full" iff every
+  # position of both blocks carries the same real id.
+  ids = np.repeat([0, 1, 2, 3], [40, 70, 9, 25])  # 144 real tokens, then 16 pad
+  q_seg = np.concatenate([ids, np.full(16, Q_PAD_SEGMENT)])[None].astype(np.int32)
+  kv_seg = np.concatenate([ids, np.full(16, KV_PAD_SEGMENT)])[None].astype(np.int32)
+  kv_lim, q_lim = masks.segment_block_limits(jnp.asarray(q_seg), jnp.asarray(kv_seg),
+                                             block_q=block_q, block_kv=block_kv)
+  qb, kb = q_seg[0].reshape(-1, block_q), kv_seg[0].reshape(-1, block_kv)
+  single_q = (qb == qb[:, :1]).all(1) & (qb[:, 0] >= 0)
+  single_k = (kb == kb[:, :1]).all(1) & (kb[:, 0] >= 0)
+  full = single_q[:, None] & single_k[None, :] & (qb[:, :1] == kb[:, 0][None, :])
+  for lim, f in ((kv_lim, full), (q_lim, full.T)):
+    for i, row in enumerate(f):
+      idx = np.flatnonzero(row)
+      want = (idx[0], idx[-1] + 1) if idx.size else (0, 0)
+      got = tuple(np.asarray(lim[0, i, 2:]).tolist())
+      assert got == want or (not idx.size and got[0] == got[1]), (i, got, want)
 
 
 def test_fraction_computed():

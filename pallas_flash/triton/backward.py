@@ -38,7 +38,7 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta
   Refs: q_ref/do_ref [T_pad, G, Dp]; k_ref/v_ref/dk_ref/dv_ref [block_kv, Dp];
   lse_ref/delta_ref [G, T_pad] (lse +inf on empty rows); qs_ref [T_pad], ks_ref [block_kv];
   bias_ref/mask_ref [G, T_pad, block_kv] (or [T_pad, block_kv] when shared by the heads);
-  slopes_ref [H_pad]; seed_ref [2]; limits_ref [2] (query blocks sharing a segment id); with a
+  slopes_ref [H_pad]; seed_ref [2]; limits_ref [4] (query blocks sharing a segment id); with a
   block mask, table_ref [nq] / counts_ref [2] (its query blocks of this key block) and fn_refs.
   Grid: (num_kv_blocks, B, K).
   """
@@ -103,7 +103,7 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_r
 
   Refs: q_ref/do_ref/dq_ref [block_q, Dp]; k_ref/v_ref [S_pad, Dp]; lse_ref/delta_ref [block_q];
   qs_ref [block_q], ks_ref [S_pad]; bias_ref/mask_ref/dbias_ref [block_q, S_pad];
-  slopes_ref [H_pad]; seed_ref [2]; limits_ref [2] (key blocks sharing a segment id); with a
+  slopes_ref [H_pad]; seed_ref [2]; limits_ref [4] (key blocks sharing a segment id); with a
   block mask, table_ref [nk] / counts_ref [2] (as in the forward) and fn_refs.
   Grid: (num_q_blocks, B, H), reversed under causal masking.
   """
@@ -186,7 +186,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   delta = _blocking.pad_axis(delta, 2, t_pad)
   bias, mask, slopes, seed = common.pad_arrays(arrays, t_pad=t_pad, s_pad=s_pad)
   dense = bias if bias is not None else mask
-  base = dict(kv_len=s_len, group_size=h // kh,
+  base = dict(dtype=q.dtype, interpret=interpret, kv_len=s_len, group_size=h // kh,
               bias_per_batch=dense is not None and dense.shape[0] > 1,
               bias_per_head=dense is not None and dense.shape[1] > 1, **common.sparse_params(bm))
   compiler_params = pltriton.CompilerParams(num_warps=config.num_warps_bwd,
@@ -278,7 +278,7 @@ def _dkdv_in_specs(p: KernelParams, t_pad: int, d_pad: int, args, limits):
           pl.BlockSpec((None, p.block_kv), lambda j, bi, ki: (bi, j)) if segments else None,
           q_spec, stats_spec, stats_spec, dense_spec(bias), dense_spec(mask), whole_spec(slopes),
           whole_spec(seed),
-          None if limits is None else pl.BlockSpec((None, None, 2), lambda j, bi, ki: (bi, j, 0))]
+          None if limits is None else pl.BlockSpec((None, None, 4), lambda j, bi, ki: (bi, j, 0))]
 
 
 def _dq_q_map(p: KernelParams):
@@ -315,5 +315,5 @@ def _dq_in_specs(p: KernelParams, s_pad: int, d_pad: int, args, limits):
           pl.BlockSpec((None, s_pad), lambda i, bi, hi: (bi, 0)) if segments else None,
           q_spec, stats_spec, stats_spec, dense_spec(bias), dense_spec(mask), whole_spec(slopes),
           whole_spec(seed),
-          None if limits is None else pl.BlockSpec((None, None, 2),
+          None if limits is None else pl.BlockSpec((None, None, 4),
                                                    lambda i, bi, hi: (bi, q_map(i, bi, hi)[1], 0))]

@@ -41,6 +41,10 @@ class KernelParams:
   softcap: float | None = None
   has_alibi: bool = False
   dropout_rate: float = 0.0
+  # Soft-cap's tanh as one MUFU instruction (tanh.approx.f32, relative error 2**-11, below the
+  # rounding of 16-bit inputs) instead of exp2 plus an IEEE division: False for float32 inputs
+  # and in the interpreter, which cannot run inline PTX.
+  approx_tanh: bool = False
   has_bias: bool = False
   bias_per_batch: bool = False  # the bias has a batch axis (else it broadcasts over batch)
   bias_per_head: bool = False
@@ -51,10 +55,11 @@ class KernelParams:
   mask_batch: int = 1
 
   @classmethod
-  def create(cls, params: AttentionParams, **kwargs) -> KernelParams:
+  def create(cls, params: AttentionParams, *, dtype, interpret: bool, **kwargs) -> KernelParams:
     return cls(scale=params.scale, is_causal=params.is_causal, has_segments=params.has_segments,
                band=params.band, has_mask=params.has_mask, softcap=params.logits_soft_cap,
                has_alibi=params.has_alibi, dropout_rate=params.dropout_rate,
+               approx_tanh=not interpret and jnp.dtype(dtype).itemsize == 2,
                has_bias=params.has_bias, **kwargs)
 
   @property
@@ -145,22 +150,34 @@ def pad_arrays(arrays: FeatureArrays | None, *, t_pad: int, s_pad: int):
   return bias, mask, slopes, seed
 
 
+def _limits(limits_ref, p: KernelParams):
+  """(limits, full_limits) for masks.block_runs from a [4] segment-limits ref, or Nones."""
+  if not p.has_segments:
+    return None, None
+  # A dense mask is data too: no block may skip the element test then.
+  full = None if p.has_mask else (limits_ref[2], limits_ref[3])
+  return (limits_ref[0], limits_ref[1]), full
+
+
 def kv_runs(q_block, p: KernelParams, limits_ref=None):
   """(first, full_lo, full_hi, last) key blocks of query block `q_block` (masks.block_runs),
-  narrowed to the segment limits in `limits_ref` [2] when there are segment ids."""
-  limits = (limits_ref[0], limits_ref[1]) if p.has_segments else None
+  narrowed to the segment limits in `limits_ref` [4] when there are segment ids."""
+  limits, full = _limits(limits_ref, p)
   return masks.block_runs(q_block, owner_block=p.block_q, other_block=p.block_kv,
                           num_other=p.num_kv_blocks, band=p.band,
-                          element_mask=p.has_element_mask, other_tail=p.kv_tail, limits=limits)
+                          element_mask=p.has_element_mask, other_tail=p.kv_tail, limits=limits,
+                          full_limits=full)
 
 
 def q_runs(kv_block, p: KernelParams, limits_ref=None):
   """(first, full_lo, full_hi, last) query blocks that see key block `kv_block`."""
-  limits = (limits_ref[0], limits_ref[1]) if p.has_segments else None
+  limits, full = _limits(limits_ref, p)
+  # With segment ids the key tail block holds padding ids, so its full run is empty by data;
+  # without them a tail needs the test on every query block of the last key block.
   return masks.block_runs(kv_block, owner_block=p.block_kv, other_block=p.block_q,
                           num_other=p.num_q_blocks, band=masks.mirrored(p.band),
                           element_mask=p.has_element_mask or p.kv_tail, other_tail=False,
-                          limits=limits)
+                          limits=limits, full_limits=full)
 
 
 def segment_limits(q_seg, kv_seg, *, block_q: int, block_kv: int):
@@ -180,9 +197,10 @@ def logits(qk, rows, cols, slope, bias, p: KernelParams):
     return qk * p.scale_log2, None
   t = None
   if p.softcap is not None:
-    # tanh(x) = 1 - 2 / (1 + e^2x): one exp2 and one division instead of libdevice's tanhf;
-    # it saturates cleanly to ±1 (e^2x -> inf or 0).
-    t = 1.0 - 2.0 / (1.0 + jnp.exp2(qk * (2.0 * LOG2E * p.scale / p.softcap)))
+    if p.approx_tanh:
+      t = pltriton.approx_tanh(qk * (p.scale / p.softcap))
+    else:  # tanh(x) = 1 - 2 / (1 + e^2x) saturates cleanly to ±1 (e^2x -> inf or 0)
+      t = 1.0 - 2.0 / (1.0 + jnp.exp2(qk * (2.0 * LOG2E * p.scale / p.softcap)))
     s = t * (p.softcap * LOG2E)
   else:
     s = qk * p.scale_log2

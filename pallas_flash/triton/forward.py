@@ -24,7 +24,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, bias_ref, mask_ref, slopes_
   Refs after BlockSpec slicing: q_ref/o_ref [block_q, Dp]; k_ref/v_ref [S_pad, Dp];
   qs_ref [block_q] and ks_ref [S_pad] int32 segment ids; bias_ref [block_q, S_pad] (any float);
   mask_ref [block_q, S_pad] int8; slopes_ref [H_pad] float32; seed_ref [2] int32;
-  limits_ref [2] int32 (key blocks sharing a segment id); lse_ref [block_q]; with a block mask,
+  limits_ref [4] int32 (key blocks sharing a segment id); lse_ref [block_q]; with a block mask,
   table_ref [nk] (active key blocks, partial first), counts_ref [2] (active, partial) and
   fn_refs the mask function's leaves ([T_pad], [S_pad] or [B_pad]). Refs of unused features
   are None.
@@ -99,7 +99,7 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: TritonCo
   t_pad, s_pad, d_pad = q.shape[1], k.shape[1], q.shape[3]
   bias, mask, slopes, seed = common.pad_arrays(arrays, t_pad=t_pad, s_pad=s_pad)
   kv_limits, _ = common.segment_limits(q_seg, kv_seg, block_q=bq, block_kv=bk)
-  p = KernelParams.create(params, kv_len=s_len, block_q=bq, block_kv=bk,
+  p = KernelParams.create(params, dtype=q.dtype, interpret=interpret, kv_len=s_len, block_q=bq, block_kv=bk,
                           num_kv_blocks=s_pad // bk, num_q_blocks=t_pad // bq,
                           group_size=h // kh, **common.sparse_params(bm))
   sparse_args, sparse_specs = common.sparse_inputs(bm, p, t_pad=t_pad, s_pad=s_pad, by_q=True)
@@ -120,7 +120,7 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: TritonCo
       None if q_seg is None else pl.BlockSpec((None, bq), lambda i, bi, hi: (bi, _reversed(i, p))),
       None if kv_seg is None else pl.BlockSpec((None, s_pad), lambda i, bi, hi: (bi, 0)),
       dense_spec(bias, p), dense_spec(mask, p), whole_spec(slopes), whole_spec(seed),
-      None if kv_limits is None else pl.BlockSpec((None, None, 2),
+      None if kv_limits is None else pl.BlockSpec((None, None, 4),
                                                   lambda i, bi, hi: (bi, _reversed(i, p), 0)),
       *sparse_specs,
   ]
