@@ -51,11 +51,18 @@ class TritonConfig:
 # `python -m pallas_flash.bench --impl triton` (see docs/perf.md for the sweep); rows without a
 # measurement note are the heuristic default and say so.
 TUNED: dict[tuple[int, bool, int], TritonConfig] = {
-    # H200, 2026-11-29, sweep in scripts/gpu_suite.py: see docs/perf.md.
+    # Heuristic (not swept): hd64 forward measured 0.77-0.80x cuDNN with these on the H200.
     (64, False, 2): TritonConfig(block_q=128, block_kv=64, num_warps=4, num_stages=3),
     (64, True, 2): TritonConfig(block_q=128, block_kv=64, num_warps=4, num_stages=3),
-    (128, False, 2): TritonConfig(block_q=128, block_kv=64, num_warps=8, num_stages=3),
-    (128, True, 2): TritonConfig(block_q=128, block_kv=64, num_warps=8, num_stages=3),
+    # Forward swept on one H200, 2026-11-29, commit 6dfeb72:
+    # `scripts/triton_sweep.py --mode fwd --shapes b4_t4k_h16_d128,b1_t16k_h16_d128`
+    # (docs/results/2026-11-29-s2/sweep.json). TFLOP/s 4K / 16K, non-causal | causal:
+    #   128x128 8w 3st 444/490 | 376/449   128x64 8w 3st 414/441 | 355/431
+    #   128x64 8w 4st  412/441 | 358/426   128x128 8w 2st 402/431 | 340/383
+    #   128x128 4w 3st 321/277 | 255/314   64x64 4w 3st  372/387 | 368/383
+    # Backward rows are first guesses (fwd+bwd already 0.7x+ cuDNN), not swept.
+    (128, False, 2): TritonConfig(block_q=128, block_kv=128, num_warps=8, num_stages=3),
+    (128, True, 2): TritonConfig(block_q=128, block_kv=128, num_warps=8, num_stages=3),
     # Heuristic: at D=256 a 128-row accumulator spills; halve the tiles.
     (256, False, 2): TritonConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2,
                                   block_q_dkv=32, block_kv_dkv=32, block_q_dq=32,
