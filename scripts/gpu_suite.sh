@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call: ./scripts/gpu_suite.sh STAGE...
-# Stages: env tests sweep bench long memory train. Results go to $OUT (default ./gpu_out).
+# Stages: env tests mosaic-tests sweep bench long memory features fused retrieval. Results go to
+# $OUT (default ./gpu_out). Each stage is cut off after ${STAGE_LIMIT_S:-900} s (timeout rc 124).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -8,15 +9,20 @@ OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 py=python3
 status=0
 run() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS
-  "$@" 2>&1 | tee "$OUT/$name.log"; local rc=${PIPESTATUS[0]}
+  timeout "${STAGE_LIMIT_S:-900}" "$@" 2>&1 | tee "$OUT/$name.log"; local rc=${PIPESTATUS[0]}
   echo "=== $name rc=$rc in $((SECONDS - t0)) s"; [ "$rc" = 0 ] || status=1; }
 for stage in "$@"; do
   case $stage in
     env) run env bash -c "nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv; \
            $py -c 'import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())'; git rev-parse HEAD 2>/dev/null || true" ;;
     tests) run tests $py -m pytest -q -m gpu -n 4 -p no:cacheprovider ${GPU_TESTS:-tests} ;;
+    mosaic-tests) run mosaic-tests $py -m pytest -q -m gpu -p no:cacheprovider tests/mosaic \
+                    tests/test_gpu_features.py ;;
+    features) run features $py scripts/features_bench.py --json "$OUT/features.json" ;;
+    fused) run fused $py scripts/fused_bwd_check.py --json "$OUT/fused.json" ;;
+    retrieval) run retrieval bash scripts/retrieval_gpu.sh ;;
     sweep) run sweep $py scripts/triton_sweep.py --json "$OUT/sweep.json" ;;
-    bench) run bench $py -m pallas_flash.bench --shapes anchors --impl "${IMPLS:-triton,mosaic,cudnn,jax_xla}" --json "$OUT/bench.json" ;;
+    bench) run bench $py -m pallas_flash.bench --shapes "${SHAPES:-anchors}" --impl "${IMPLS:-triton,mosaic,cudnn,jax_xla}" --json "$OUT/bench.json" ;;
     long) run long $py -m pallas_flash.bench --shapes long --impl "${IMPLS:-triton,mosaic,cudnn}" --json "$OUT/bench_long.json" ;;
     memory) XLA_PYTHON_CLIENT_MEM_FRACTION=.95 run memory $py -m pallas_flash.bench --memory --impl "${MEM_IMPLS:-triton}" \
               --max-seq "${MAX_SEQ:-262144}" --json "$OUT/memory.json" ;;
