@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -334,6 +335,13 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
     # more than a warpgroup has; until a D-split kernel exists, use the blockwise backward.
     from pallas_flash.xla import blockwise
     return blockwise.backward(q, k, v, q_seg, kv_seg, None, lse, do, delta, params=params)
+  if config.fused_backward:
+    from pallas_flash.mosaic_gpu import backward_fused
+    reason = backward_fused.unsupported_reason(q, config)
+    if reason is None:
+      return backward_fused.backward(q, k, v, lse, do, delta, params=params, config=config)
+    warnings.warn(f"fused_backward=True, using the split backward instead: {reason}",
+                  stacklevel=2)
   t, s = q.shape[1], k.shape[1]
   # One padded length serves both kernels: multiples of both CTA heights and both tiles.
   q_mult = math.lcm(2 * config.block_q_dq, config.block_q_dkv)

@@ -25,6 +25,28 @@ class MosaicConfig:
       consecutive heads (causal tiles heaviest first, an LPT order over all heads); False:
       consecutive CTAs take consecutive q tiles of one head. True measured 4-8 % faster
       non-causal on the H200 (623 vs 577 TFLOP/s at 4x4096x16x128), 8 % faster causal at 16K.
+    fused_backward: backward algorithm. True: one FlashAttention-3 style kernel per kv tile
+      (backward_fused.py: 5 tile matmuls per tile pair instead of 7, dK/dV in registers, dQ
+      summed into a float32 buffer by TMA reduce-add), so dQ is not bitwise reproducible run to
+      run (the order of the float32 atomics varies). False: the two-kernel split (dQ kernel,
+      then dK/dV kernel), bitwise deterministic. Falls back to the split, with a warning, where
+      `backward_fused.unsupported_reason` says the fused kernel cannot run.
+    block_q_fused, block_kv_fused, fused_stages: the fused backward's query tile (streamed),
+      key rows per consumer warpgroup (a CTA holds 2 x block_kv_fused keys) and Q/dO ring depth.
+      At head_dim 128, 64/64 with 2 stages uses ~210 KiB of shared memory (3 stages fit only
+      with fused_dq_shared: ~226 KiB).
+    fused_stagger_q: fused backward, non-causal only: kv tile kt visits q blocks starting at
+      kt (mod the count) rather than all at block 0, spreading the dQ reductions of CTAs that
+      run together over different rows (a contention hypothesis, unmeasured).
+    fused_dq_blocks: fused backward: dQ_part = dS·K in this many column blocks of
+      head_dim / fused_dq_blocks (a multiple of 64). 1 issues it with dV and dK back to back
+      (dK, dV and dQ_part accumulators all live: ~208 registers per thread at head_dim 128);
+      2 keeps one half live at a time (~176) at the cost of a wait between the halves.
+    fused_dq_shared: fused backward, head_dim a multiple of 128: the two consumer WGs share
+      one dQ_part over the CTA's 2 x block_kv_fused keys, each computing D/2 of its columns
+      from both WGs' dSᵀ (FA3's split). Halves the dQ reduce-add traffic and the dQ_part
+      registers (~32 per thread at head_dim 128) for one 2-WG barrier per step; causal CTAs
+      run their later WG through the earlier WG's extra (masked, zero) steps.
     interpret: run in the Mosaic GPU interpreter (CPU). Also switches the register-operand wgmma
       and `run_state` accumulators, which the interpreter cannot run, to operands staged through
       shared memory and scoped accumulators: same math, slower kernel.
@@ -39,19 +61,26 @@ class MosaicConfig:
   block_kv_dkv: int = 64
   bwd_stages: int = 2
   heads_fastest: bool = True
+  fused_backward: bool = False
+  block_q_fused: int = 64
+  block_kv_fused: int = 64
+  fused_stages: int = 2
+  fused_stagger_q: bool = False
+  fused_dq_blocks: int = 1
+  fused_dq_shared: bool = False
   compute_registers: int = 232
   producer_registers: int = 40
   interpret: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_q_dkv",
-                 "block_kv_dkv"):
+                 "block_kv_dkv", "block_q_fused", "block_kv_fused"):
       value = getattr(self, name)
       # wgmma: M is a multiple of 64 per warpgroup; the P.V / dS.K contraction (K) must be a
       # multiple of the 128-byte swizzle width, i.e. 64 16-bit elements.
       if value < 64 or value % 64:
         raise ValueError(f"MosaicConfig.{name} must be a positive multiple of 64, got {value}")
-    for name in ("num_stages", "bwd_stages"):
+    for name in ("num_stages", "bwd_stages", "fused_stages", "fused_dq_blocks"):
       if getattr(self, name) < 1:
         raise ValueError(f"MosaicConfig.{name} must be >= 1, got {getattr(self, name)}")
     for name in ("compute_registers", "producer_registers"):

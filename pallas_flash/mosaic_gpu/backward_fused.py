@@ -1,0 +1,419 @@
+"""FlashAttention-3 style backward for Hopper: one Pallas Mosaic GPU kernel per KV tile.
+
+The kernel is `backward._bwd_dkdv_kernel` plus dQ. A CTA has 2 consumer warpgroups, each owning
+`block_kv_fused` key rows (K, V resident in SMEM, dK and dV accumulated in registers), and a TMA
+producer warpgroup streaming Q, dO, lse and delta of every (q block, query head of the kv head)
+pair. Per step a consumer does 5 tile matmuls instead of the split backward's 7:
+
+  Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ                      (SMEM operands)
+  Pᵀ = exp2(Sᵀ·c − lse·log2e), dSᵀ = Pᵀ∘(dPᵀ − delta)
+  dV += Pᵀ·dO                                 (Pᵀ from registers)
+  dK += dSᵀ·Q,  dQ_part = dS·K                (dSᵀ written once to SMEM; dQ reads its transposed
+                                               view, since register operands cannot be transposed)
+
+dQ_part (float32) goes through SMEM and is TMA reduce-added (`reduction_op="add"`) into a
+float32 dQ buffer in HBM; XLA then applies softmax_scale and casts. The float32 atomics make dQ's
+summation order, and so its last bits, vary run to run; `backward.py`'s split path is the
+bitwise reproducible one.
+
+Options (MosaicConfig): `fused_dq_shared` lets the two consumer WGs share one dQ_part per step,
+each computing half of D's columns from both dSᵀ tiles (FA3's split: half the reduce traffic,
+smaller accumulators, one 2-WG barrier per step); `fused_dq_blocks` computes dQ_part in column
+blocks (fewer live registers); `fused_stagger_q` rotates the q-block order per kv tile.
+
+In interpret mode (the interpreter has no TMA reductions, register-operand wgmma or `run_state`
+accumulators), each warpgroup read-modify-writes its own slice of a [2, ...] dQ buffer (grid
+points run one after another there, so only the two warpgroups of a CTA could collide), Pᵀ is
+staged through SMEM and the accumulations are scoped products added in registers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_flash import _blocking
+from pallas_flash.mosaic_gpu import _common
+from pallas_flash.mosaic_gpu.backward import _at, _produce
+from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
+from pallas_flash.params import AttentionParams
+
+LOG2E = math.log2(math.e)
+# Barriers and alignment padding on top of the buffers counted below (Mosaic measured 288-736 B).
+_SMEM_SLACK_BYTES = 1024
+
+
+def smem_bytes(d: int, block_q: int, block_kv: int, stages: int, itemsize: int = 2, *,
+               dq_shared: bool = False) -> int:
+  """Shared memory of one CTA: K/V of both WGs, the Q/dO/lse/delta ring, dSᵀ and dQ (f32)."""
+  kv = 2 * 2 * block_kv * d * itemsize
+  ring = stages * (2 * block_q * d * itemsize + 2 * block_q * 4)
+  ds = (2 if dq_shared else 1) * 2 * block_kv * block_q * itemsize
+  dq = 2 * block_q * (d // 2 if dq_shared else d) * 4
+  return kv + ring + ds + dq + _SMEM_SLACK_BYTES
+
+
+def unsupported_reason(q, config: MosaicConfig) -> str | None:
+  """Why the fused kernel cannot run q [B, T, H, D] with `config`, or None when it can."""
+  d = q.shape[3]
+  if d > 128:
+    return (f"head_dim {d}: dK, dV and dQ_part of a 64-row tile need more than the 232 "
+            "accumulator registers a warpgroup has")
+  if d % (64 * config.fused_dq_blocks):
+    return (f"fused_dq_blocks {config.fused_dq_blocks}: head_dim {d} does not split into "
+            "column blocks of a multiple of 64 (the 128-byte swizzle width)")
+  if config.fused_dq_shared and (d % 128 or config.fused_dq_blocks != 1):
+    return (f"fused_dq_shared needs head_dim a multiple of 128 (got {d}; each WG takes D/2 "
+            "columns, a multiple of the 64-element swizzle width) and fused_dq_blocks 1")
+  need = smem_bytes(d, config.block_q_fused, config.block_kv_fused, config.fused_stages,
+                    jnp.dtype(q.dtype).itemsize, dq_shared=config.fused_dq_shared)
+  if need > SMEM_LIMIT_BYTES:
+    return (f"needs about {need} B of shared memory (head_dim {d}, block_q_fused "
+            f"{config.block_q_fused}, block_kv_fused {config.block_kv_fused}, fused_stages "
+            f"{config.fused_stages}) > {SMEM_LIMIT_BYTES} B")
+  return None
+
+
+def _accumulate_smem(acc, a_smem, b_smem, kp: _common.KernelParams):
+  """acc + a_smem @ b_smem with both operands in SMEM (interpretable form; the GPU path folds
+  this into `_gradient_matmuls`)."""
+  def mm(acc_ref):
+    plgpu.wgmma(acc_ref, a_smem, b_smem)
+    return acc_ref[...]
+
+  return acc + pl.run_scoped(mm, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def _gradient_matmuls(dv, dk, p_t, ds_smem, q_smem, do_smem, dq_plan, p_staging, release_do,
+                      release_q, kp: _common.KernelParams):
+  """dV += Pᵀ·dO and dK += dSᵀ·Q; dQ_part = dS·K is written to SMEM as `dq_plan` says.
+
+  dv/dk [block_kv, D] f32, p_t [block_kv, block_q] (dtype, registers), ds_smem [block_kv,
+  block_q] (dSᵀ), q/do_smem [block_q, D]. dq_plan: [(out, [(a, b), ...]), ...]: each out
+  [block_q, cols] f32 SMEM receives the sum of its a @ b products, one accumulator at a time.
+  """
+  def dq_block(out, terms):
+    def mm(acc_ref):
+      for a, b in terms:
+        plgpu.wgmma(acc_ref, a, b)
+      return acc_ref[...]  # waits for every wgmma in flight
+
+    out[...] = pl.run_scoped(mm, plgpu.ACC(out.shape, jnp.float32))
+
+  if kp.interpret:
+    dv = _common.accumulate(dv, p_t, p_staging, do_smem, kp)
+    release_do()
+    dk = _accumulate_smem(dk, ds_smem, q_smem, kp)
+    release_q()
+    for out, terms in dq_plan:
+      dq_block(out, terms)
+    return dv, dk
+
+  if len(dq_plan) == 1:
+    (out, terms), = dq_plan
+
+    def mm(refs):
+      dv_ref, dk_ref, dq_ref = refs
+      # Issued back to back so the tensor cores never wait on this warpgroup between them; the
+      # stream buffers are released as soon as the matmul reading them has retired.
+      plgpu.wgmma(dv_ref, p_t, do_smem)
+      plgpu.wgmma(dk_ref, ds_smem, q_smem)
+      for a, b in terms:
+        plgpu.wgmma(dq_ref, a, b)
+      plgpu.wgmma_wait(len(terms) + 1)
+      release_do()
+      plgpu.wgmma_wait(len(terms))
+      release_q()
+
+    zeros = plgpu.layout_cast(jnp.zeros(out.shape, jnp.float32), plgpu.Layout.WGMMA)
+    dv, dk, dq = pl.run_state(mm)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
+                                   plgpu.ACC.init(zeros)))
+    out[...] = dq
+    return dv, dk
+
+  def mm_blocked(refs):
+    dv_ref, dk_ref = refs
+    plgpu.wgmma(dv_ref, p_t, do_smem)
+    plgpu.wgmma(dk_ref, ds_smem, q_smem)
+    for c, (out, terms) in enumerate(dq_plan):
+      dq_block(out, terms)
+      if c == 0:  # dV and dK have retired too
+        release_do()
+        release_q()
+
+  return pl.run_state(mm_blocked)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+
+
+def _reduce_dq(dq_smem, dq_acc_ref, dst, wg, dq_loaded, kp: _common.KernelParams):
+  """Adds dq_smem [block_q, cols] f32 (a dQ_part just written) into dq_acc_ref[dst]."""
+  plgpu.commit_smem()
+  if kp.interpret:
+    dst = dq_acc_ref.at[(wg, *dst)]
+    part = dq_smem[...]
+    plgpu.copy_gmem_to_smem(dst, dq_smem, dq_loaded)
+    plgpu.barrier_wait(dq_loaded)
+    dq_smem[...] = dq_smem[...] + part
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dq_smem, dst)
+    plgpu.wait_smem_to_gmem(0)
+    return
+  plgpu.copy_smem_to_gmem(dq_smem, dq_acc_ref.at[dst], reduction_op="add")
+
+
+def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_ref, dk_ref, dv_ref,
+                      k_scratch, v_scratch, q_scratch, do_scratch, lse_scratch, delta_scratch,
+                      ds_scratch, dq_scratch, p_scratch, kv_ready, q_ready, do_ready, lse_ready,
+                      delta_ready, q_free, do_free, lse_free, delta_free, dq_loaded, ds_ready,
+                      kv_done, *, kp: _common.KernelParams, stagger_q: bool, dq_blocks: int,
+                      dq_shared: bool):
+  """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
+
+  Grid (Sp / (2·block_kv), K, B). dq_acc_ref [B, Tp, H, D] f32 (a zeroed buffer the kernel adds
+  into; [2, B, Tp, H, D] in interpret mode, one slice per WG); dk/dv_ref [B, Sp, K, D].
+  k/v_scratch [2, block_kv, D], q/do_scratch [stages, block_q, D], lse/delta_scratch
+  [stages, block_q], ds_scratch [2, block_kv, block_q] (dSᵀ; [2 (step parity), 2, ...] with
+  dq_shared),
+  dq_scratch [2, block_q, D or D/2 (dq_shared)] f32, p_scratch [2, block_kv, block_q]
+  (interpret only). Steps run over (q block i, query head g) with g minor, starting at the
+  first q block that sees the CTA's keys.
+
+  dq_shared: the CTA's two WGs compute one dQ_part over all 2·block_kv keys, each WG the
+  product for half of D's columns from both WGs' dSᵀ (FA3's split): half the reduce-add traffic
+  and a [block_q, D/2] accumulator, for one 2-WG barrier per step.
+  """
+  bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
+  nq = kp.t_pad // bq
+  b, kvh, kt, wg = (lax.axis_index(n) for n in ("b", "kvh", "kt", "wg"))
+  cta_k0 = kt * (2 * bkv)
+
+  def first_q_block(k0):
+    if not kp.causal:
+      return 0
+    return jnp.minimum(nq, lax.div(k0, bq))
+
+  cta_first = first_q_block(cta_k0)
+  cta_steps = (nq - cta_first) * g_size
+
+  def index(step):
+    i = lax.div(step, g_size)
+    if stagger_q:
+      # Non-causal: CTA kt starts at q block kt, so CTAs running together reduce into
+      # different dQ rows instead of all hitting the same ones.
+      i = lax.rem(i + kt, nq)
+    return cta_first + i, kvh * g_size + lax.rem(step, g_size)
+
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(kp.compute_registers, action="increase")
+    k_smem, v_smem, dq_smem = k_scratch.at[wg], v_scratch.at[wg], dq_scratch.at[wg]
+    k0 = cta_k0 + wg * bkv
+    rows = (b, pl.ds(k0, bkv), kvh)
+    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg, 0])
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg, 1])
+    plgpu.barrier_wait(kv_ready.at[wg, 0])
+    plgpu.barrier_wait(kv_ready.at[wg, 1])
+    streams = ((q_ready, q_free), (do_ready, do_free), (lse_ready, lse_free),
+               (delta_ready, delta_free))
+
+    def dq_plan(t):
+      """Where this WG's dQ_part goes (see _gradient_matmuls) and its dq_acc_ref index."""
+      i, h = index(t)
+      q_rows = (b, pl.ds(i * bq, bq), h)
+      if dq_shared:
+        ds = ds_scratch.at[lax.rem(t, 2)]
+        half = kp.d // 2
+        cols = pl.ds(wg * half, half)
+        # Traced WG indices only: a literal index captured by run_state's body becomes one of
+        # its outputs, which the Mosaic lowering rejects.
+        terms = [(ds.at[w].T, k_scratch.at[w, :, cols]) for w in (wg, 1 - wg)]
+        return [(dq_smem, terms)], (*q_rows, cols)
+      ds = ds_scratch.at[wg]
+      if dq_blocks == 1:
+        return [(dq_smem, [(ds.T, k_smem)])], q_rows
+      width = kp.d // dq_blocks
+      blocks = [pl.ds(c * width, width) for c in range(dq_blocks)]
+      return [(dq_smem.at[:, c], [(ds.T, k_smem.at[:, c])]) for c in blocks], q_rows
+
+    def step(t, carry, *, masked: bool):
+      dk, dv = carry
+      slot = lax.rem(t, stages)
+      i, _ = index(t)
+      for ready, _ in streams:
+        plgpu.barrier_wait(ready.at[slot])
+      q_smem, do_smem = q_scratch.at[slot], do_scratch.at[slot]
+
+      def scores(s_ref, dp_ref):
+        plgpu.wgmma(s_ref, k_smem, q_smem.T)
+        plgpu.wgmma(dp_ref, v_smem, do_smem.T)
+        return s_ref[...], dp_ref[...]
+
+      s_t, dp_t = pl.run_scoped(scores, plgpu.ACC((bkv, bq), jnp.float32),
+                                plgpu.ACC((bkv, bq), jnp.float32))
+      lse = plgpu.load(lse_scratch.at[slot], layout=_common.COL)
+      delta = plgpu.load(delta_scratch.at[slot], layout=_common.COL)
+      plgpu.barrier_arrive(lse_free.at[slot])
+      plgpu.barrier_arrive(delta_free.at[slot])
+      p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+      if masked:
+        p_t = jnp.where(_common.visible(k0, i * bq, (bkv, bq), kp, transposed=True), p_t, 0.0)
+      ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, s_t.shape, [1]))
+      # dSᵀ in SMEM serves both dK (as is) and dQ (its transposed view); wgmma reads it through
+      # the async proxy, hence the fence.
+      ds_smem = ds_scratch.at[lax.rem(t, 2), wg] if dq_shared else ds_scratch.at[wg]
+      ds_smem[...] = ds_t.astype(kp.dtype)
+      plgpu.commit_smem()
+      if dq_shared:
+        # Both dSᵀ tiles are needed. The double buffer (by step parity) makes this the only
+        # barrier: a WG overwrites a parity slot two steps later, after this barrier of the
+        # step in between has seen the other WG finish reading it.
+        plgpu.barrier_arrive(ds_ready)
+        plgpu.barrier_wait(ds_ready)
+      if not kp.interpret:
+        # The previous step's reduction must have finished reading dq_smem; a whole step of
+        # matmuls has run since it was issued, so this rarely waits.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      plan, dst = dq_plan(t)
+      dv, dk = _gradient_matmuls(
+          dv, dk, p_t.astype(kp.dtype), ds_smem, q_smem, do_smem, plan, _at(p_scratch, wg),
+          lambda: plgpu.barrier_arrive(do_free.at[slot]),
+          lambda: plgpu.barrier_arrive(q_free.at[slot]), kp)
+      _reduce_dq(dq_smem, dq_acc_ref, dst, wg, _at(dq_loaded, wg), kp)
+      return dk, dv
+
+    def idle_step(t, carry):
+      slot = lax.rem(t, stages)
+      for ready, free in streams:
+        plgpu.barrier_wait(ready.at[slot])
+        plgpu.barrier_arrive(free.at[slot])
+      return carry
+
+    zeros = plgpu.layout_cast(jnp.zeros((bkv, kp.d), jnp.float32), plgpu.Layout.WGMMA)
+    carry = (zeros, zeros)
+    # Causal: q blocks before `first` do not see these keys, blocks in [first, full) cross the
+    # diagonal and are masked, blocks from `full` on see every key of the tile. With dq_shared
+    # both WGs run every CTA step (the other WG needs this one's dSᵀ), the ones before `first`
+    # masked to zero.
+    if dq_shared:
+      first = jnp.zeros((), jnp.int32)
+    else:
+      first = (first_q_block(k0) - cta_first) * g_size
+      lax.fori_loop(0, first, idle_step, None)
+    full = first
+    if kp.causal:
+      full = jnp.minimum(nq, lax.div(k0 + bkv - 1 + bq - 1, bq))
+      full = jnp.maximum(full - cta_first, 0) * g_size
+    if kp.kv_tail:
+      # Padded keys are zero, so their dQ_part terms vanish, unless exp2(0 − lse2) overflows
+      # (rows whose scores are all far below 0): the tile holding the tail masks every step.
+      full = jnp.where(k0 + bkv > kp.kv_len, cta_steps, full)
+    if kp.needs_mask:
+      carry = lax.fori_loop(first, full, functools.partial(step, masked=True), carry)
+      first = full
+    dk, dv = lax.fori_loop(first, cta_steps, functools.partial(step, masked=False), carry)
+    if dq_shared:
+      # The other WG's last dQ matmul reads this WG's K tile, about to be overwritten.
+      plgpu.barrier_arrive(kv_done)
+      plgpu.barrier_wait(kv_done)
+    k_smem[...] = (dk * kp.scale).astype(kp.dtype)
+    v_smem[...] = dv.astype(kp.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
+    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0)  # also the last dQ reduction
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(kp.producer_registers, action="decrease")
+
+    def q_rows(t):
+      i, h = index(t)
+      return b, pl.ds(i * bq, bq), h
+
+    def stat_rows(t):
+      i, h = index(t)
+      return b, h, pl.ds(i * bq, bq)
+
+    _produce(cta_steps, stages, ((q_ref, q_scratch, q_ready, q_free, q_rows),
+                                 (do_ref, do_scratch, do_ready, do_free, q_rows),
+                                 (lse_ref, lse_scratch, lse_ready, lse_free, stat_rows),
+                                 (delta_ref, delta_scratch, delta_ready, delta_free, stat_rows)))
+
+
+def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q: bool = False,
+               dq_blocks: int = 1, dq_shared: bool = False):
+  """Padded q/do [B, Tp, H, D], k/v [B, Sp, K, D], lse2/delta [B, H, Tp] ->
+  (dq_acc [B, Tp, H, D] f32 unscaled, dk [B, Sp, K, D] scaled, dv [B, Sp, K, D])."""
+  bsz, s_pad, kh, d = k.shape
+  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
+  tiles = _common.smem_transforms(kp.dtype)
+  ring = lambda: plgpu.Barrier(num_barriers=stages)  # noqa: E731
+  free = lambda: plgpu.Barrier(num_arrivals=2, num_barriers=stages)  # noqa: E731
+  scratch = [
+      plgpu.SMEM((2, bkv, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((2, bkv, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((stages, bq, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((stages, bq, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((stages, bq), jnp.float32),
+      plgpu.SMEM((stages, bq), jnp.float32),
+      plgpu.SMEM((2, 2, bkv, bq) if dq_shared else (2, bkv, bq), kp.dtype, transforms=tiles),
+      plgpu.SMEM((2, bq, d // 2 if dq_shared else d), jnp.float32,
+                 transforms=_common.smem_transforms(jnp.float32)),
+      plgpu.SMEM((2, bkv, bq), kp.dtype, transforms=tiles) if kp.interpret else None,
+      plgpu.Barrier(num_barriers=(2, 2)),
+      ring(), ring(), ring(), ring(), free(), free(), free(), free(),
+      plgpu.Barrier(num_barriers=2) if kp.interpret else None,
+      plgpu.Barrier(num_arrivals=2) if dq_shared else None,
+      plgpu.Barrier(num_arrivals=2) if dq_shared else None,
+  ]
+  # The kernel only adds: the zeros come from XLA (a memset) and reach the kernel as a mutable
+  # input, aliased to the result.
+  dq_acc = jax.new_ref(jnp.zeros(((2,) if kp.interpret else ()) + q.shape, jnp.float32))
+  kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
+  dk, dv = plgpu.kernel(
+      functools.partial(_bwd_fused_kernel, kp=kp, stagger_q=stagger_q, dq_blocks=dq_blocks,
+                        dq_shared=dq_shared),
+      out_type=(kv_out, kv_out),
+      scratch_types=scratch,
+      grid=(s_pad // (2 * bkv), kh, bsz), grid_names=("kt", "kvh", "b"),
+      num_threads=3, thread_name="wg",
+      compiler_params=_common.compiler_params(),
+      interpret=_common.interpret_params(kp.interpret),
+  )(q, k, v, do, lse2, delta, dq_acc)
+  dq = jax.freeze(dq_acc)
+  if kp.interpret:
+    dq = dq.sum(0)
+  return dq, dk, dv
+
+
+def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: MosaicConfig):
+  """q/do [B, T, H, D], k/v [B, S, K, D], lse/delta [B, H, T] -> (dq, dk, dv) in q.dtype.
+
+  lse is +inf on fully masked rows (see pallas_flash.params); callers check
+  `unsupported_reason` first.
+  """
+  t, s = q.shape[1], k.shape[1]
+  bq, bkv = config.block_q_fused, config.block_kv_fused
+  t_pad, s_pad = _blocking.round_up(t, bq), _blocking.round_up(s, 2 * bkv)
+  qp, dop = _blocking.pad_axis(q, 1, t_pad), _blocking.pad_axis(do, 1, t_pad)
+  kpad, vpad = _blocking.pad_axis(k, 1, s_pad), _blocking.pad_axis(v, 1, s_pad)
+  # lse in log2 units so that P = exp2(S·c − lse2); padded rows get +inf (P = 0, so their dS,
+  # dQ_part rows and contributions to dK/dV are 0).
+  lse2 = _blocking.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
+  delta = _blocking.pad_axis(delta, 2, t_pad)
+  kp = _common.KernelParams.make(
+      qp, kpad, params=params, block_q=bq, block_kv=bkv,
+      stages=min(config.fused_stages, t_pad // bq), t_pad=t_pad, s_pad=s_pad, kv_len=s,
+      config=config, q_tile_rows=bq)
+  dq_acc, dk, dv = fused_call(qp, kpad, vpad, dop, lse2, delta, kp=kp,
+                              stagger_q=config.fused_stagger_q and not params.is_causal,
+                              dq_blocks=config.fused_dq_blocks,
+                              dq_shared=config.fused_dq_shared)
+  dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)
+  return dq, dk[:, :s], dv[:, :s]
