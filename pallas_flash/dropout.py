@@ -63,15 +63,30 @@ def col_keys(cols):
   return mix32(cols * _i32(_C_COL) + _i32(_GOLDEN))
 
 
-def keep(row_key, cols, thresh: int):
-  """bool: which (row, col) pairs survive; row_key and cols (global key positions) broadcast.
-
-  The column keys are computed on `cols` before it broadcasts against `row_key`, so a kernel
-  tile pays fmix32 once per column, not per element.
-  """
-  x = row_key ^ col_keys(cols)
+def keep_keys(row_key, col_key, thresh: int):
+  """bool: which (row, col) pairs survive, from their keys (broadcasting): the per-element work."""
+  x = row_key ^ col_key
   x = x ^ lax.shift_right_logical(x, jnp.int32(16))
   return x * _i32(_C_MUL) >= thresh
+
+
+def keep(row_key, cols, thresh: int):
+  """bool: which (row, col) pairs survive; row_key and cols (global key positions) broadcast."""
+  return keep_keys(row_key, col_keys(cols), thresh)
+
+
+def key_tables(seed: jax.Array, batch: int, num_heads: int, q_len: int, kv_len: int):
+  """(row keys [B, H, q_len], column keys [kv_len]) int32 of a call.
+
+  The Triton kernels read these instead of hashing: a key computed in a tile is recomputed by
+  every thread holding that row or column, which at 128-wide tiles cost as much as the
+  per-element work itself.
+  """
+  b = jnp.arange(batch, dtype=jnp.int32)[:, None, None]
+  h = jnp.arange(num_heads, dtype=jnp.int32)[None, :, None]
+  rows = jnp.arange(q_len, dtype=jnp.int32)[None, None, :]
+  return (row_keys(head_key(seed[0], seed[1], b, h), rows),
+          col_keys(jnp.arange(kv_len, dtype=jnp.int32)))
 
 
 def seed_from_rng(rng: jax.Array) -> jax.Array:

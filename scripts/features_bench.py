@@ -150,6 +150,9 @@ def main() -> None:
   parser.add_argument("--modes", default="fwd,fwdbwd")
   parser.add_argument("--iters", type=int, default=3)
   parser.add_argument("--quick", action="store_true", help="skip the 128K rows")
+  parser.add_argument("--only", default=None,
+                      help="comma-separated row names to run, e.g. 'causal 8K,softcap 8K' "
+                           "(include each row's baseline)")
   parser.add_argument("--tol", type=float, default=1.5e-2, help="bf16 relative error budget")
   parser.add_argument("--json", default=None)
   parser.add_argument("--shrink", type=int, default=1,
@@ -157,7 +160,10 @@ def main() -> None:
   args = parser.parse_args()
 
   rows, times = [], {}
+  only = None if args.only is None else set(args.only.split(","))
   for cfg in configs(args.quick, args.shrink):
+    if only is not None and cfg.name not in only:
+      continue
     cfg = dataclasses.replace(cfg, check_len=min(cfg.check_len, cfg.seq_len))
     spec = jax.ShapeDtypeStruct((1, cfg.check_len, HEADS, HEAD_DIM), jnp.bfloat16)
     reason = pallas_flash.explain(spec, spec, spec,

@@ -31,21 +31,24 @@ def _iota(n: int, start):
 
 
 def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref, bias_ref,
-                     mask_ref, slopes_ref, seed_ref, limits_ref, table_ref, counts_ref, fn_refs,
-                     dk_ref, dv_ref, *, p: KernelParams):
+                     mask_ref, slopes_ref, rk_ref, ck_ref, limits_ref, table_ref, counts_ref,
+                     fn_refs, dk_ref, dv_ref, *, p: KernelParams):
   """dK, dV of one key block, summed over every query head of its group and every query block.
 
   Refs: q_ref/do_ref [T_pad, G, Dp]; k_ref/v_ref/dk_ref/dv_ref [block_kv, Dp];
   lse_ref/delta_ref [G, T_pad] (lse +inf on empty rows); qs_ref [T_pad], ks_ref [block_kv];
   bias_ref/mask_ref [G, T_pad, block_kv] (or [T_pad, block_kv] when shared by the heads);
-  slopes_ref [H_pad]; seed_ref [2]; limits_ref [4] (query blocks sharing a segment id); with a
-  block mask, table_ref [nq] / counts_ref [2] (its query blocks of this key block) and fn_refs.
+  slopes_ref [H_pad]; dropout keys rk_ref [G, T_pad], ck_ref [S_pad]; limits_ref [4] (query
+  blocks sharing a segment id); with a block mask, table_ref [nq] / counts_ref [2] (its query
+  blocks of this key block) and fn_refs.
   Grid: (num_kv_blocks, B, K).
   """
   j, b, kh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   k, v = k_ref[...], v_ref[...]
   kv_pos = _iota(p.block_kv, j * p.block_kv)
   kv_seg = ks_ref[...] if p.has_segments else None
+  col_keys = ck_ref[pl.ds(j * p.block_kv, p.block_kv)] if p.dropout_rate else None
+  inv_keep = 1.0 / (1.0 - p.dropout_rate)
 
   def dense_t(ref, g, q_slice):  # the [block_kv, block_q] tile of a dense bias / mask
     return (ref[g, q_slice, :] if p.bias_per_head else ref[q_slice, :]).T
@@ -66,18 +69,28 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta
                                kv_seg, p, dense_t(mask_ref, g, q_slice).T if p.has_mask else None,
                                fn=(fn_refs, b, i * p.block_q, j * p.block_kv))
       p_t = jnp.where(mask.T, p_t, 0.0)
-    dp_t = common.dot(v, do, trans_b=True)  # [block_kv, block_q]
-    p_v = p_t
-    if p.dropout_rate:  # the forward's mask, regenerated from the hash
-      keep_t = dropout.keep(common.dropout_row_keys(seed_ref, b, head, q_pos)[None, :],
-                            kv_pos[:, None], p.dropout_threshold)
-      inv = 1.0 / (1.0 - p.dropout_rate)
-      p_v = jnp.where(keep_t, p_t * inv, 0.0)
-      dp_t = jnp.where(keep_t, dp_t * inv, 0.0)
-    dv = dv + common.dot(p_v.astype(do.dtype), do)
-    ds_t = p_t * (dp_t - delta_ref[g, q_slice][None, :])
-    if tanh_t is not None:  # through c·tanh(s / c)
-      ds_t = ds_t * (1.0 - tanh_t * tanh_t)
+    delta = delta_ref[g, q_slice][None, :]
+    if tanh_t is None and not p.dropout_rate:
+      dp_t = common.dot(v, do, trans_b=True)  # [block_kv, block_q]
+      dv = dv + common.dot(p_t.astype(do.dtype), do)
+      ds_t = p_t * (dp_t - delta)
+    else:
+      # dV's matmul first, so that fewer [block_kv, block_q] tiles are live at once: this
+      # kernel's dK and dV accumulators already hold most of the registers.
+      keep_t = None
+      p_v = p_t
+      if p.dropout_rate:  # the forward's mask, regenerated; 1 / (1 - rate) is applied to dV last
+        keep_t = dropout.keep_keys(rk_ref[g, q_slice][None, :], col_keys[:, None],
+                                   p.dropout_threshold)
+        p_v = jnp.where(keep_t, p_t, 0.0)
+      dv = dv + common.dot(p_v.astype(do.dtype), do)
+      if tanh_t is not None:  # through c·tanh(s / c), folded into P so that tanh dies here
+        p_t = p_t * (1.0 - tanh_t * tanh_t)
+      dp_t = common.dot(v, do, trans_b=True)
+      if keep_t is None:
+        ds_t = p_t * (dp_t - delta)
+      else:
+        ds_t = p_t * jnp.where(keep_t, dp_t * inv_keep - delta, -delta)
     dk = dk + common.dot(ds_t.astype(q.dtype), q)
     return dk, dv
 
@@ -93,18 +106,19 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta
   zeros = jnp.zeros(k.shape, jnp.float32)
   dk, dv = lax.fori_loop(0, p.group_size, head_step, (zeros, zeros))
   dk_ref[...] = (dk * p.scale).astype(dk_ref.dtype)
-  dv_ref[...] = dv.astype(dv_ref.dtype)
+  dv_ref[...] = (dv * inv_keep if p.dropout_rate else dv).astype(dv_ref.dtype)
 
 
 def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_ref, bias_ref,
-                   mask_ref, slopes_ref, seed_ref, limits_ref, table_ref, counts_ref, fn_refs,
-                   dq_ref, dbias_ref, *, p: KernelParams):
+                   mask_ref, slopes_ref, rk_ref, ck_ref, limits_ref, table_ref, counts_ref,
+                   fn_refs, dq_ref, dbias_ref, *, p: KernelParams):
   """dQ of one query block against all key blocks it sees (and its rows of dbias).
 
   Refs: q_ref/do_ref/dq_ref [block_q, Dp]; k_ref/v_ref [S_pad, Dp]; lse_ref/delta_ref [block_q];
   qs_ref [block_q], ks_ref [S_pad]; bias_ref/mask_ref/dbias_ref [block_q, S_pad];
-  slopes_ref [H_pad]; seed_ref [2]; limits_ref [4] (key blocks sharing a segment id); with a
-  block mask, table_ref [nk] / counts_ref [2] (as in the forward) and fn_refs.
+  slopes_ref [H_pad]; dropout keys rk_ref [block_q], ck_ref [S_pad]; limits_ref [4] (key blocks
+  sharing a segment id); with a block mask, table_ref [nk] / counts_ref [2] (as in the forward)
+  and fn_refs.
   Grid: (num_q_blocks, B, H), reversed under causal masking.
   """
   qi = p.num_q_blocks - 1 - pl.program_id(0) if p.is_causal else pl.program_id(0)
@@ -115,7 +129,7 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_r
   q_pos = _iota(p.block_q, qi * p.block_q)
   q_seg = qs_ref[...] if p.has_segments else None
   slope = slopes_ref[h] if p.has_alibi else None
-  row_keys = common.dropout_row_keys(seed_ref, b, h, q_pos) if p.dropout_rate else None
+  row_keys = rk_ref[...] if p.dropout_rate else None
 
   def kv_step(j, dq, *, masked: bool):
     kv_slice = pl.ds(pl.multiple_of(j * p.block_kv, p.block_kv), p.block_kv)
@@ -129,12 +143,17 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_r
                                p, mask_ref[:, kv_slice] if p.has_mask else None,
                                fn=(fn_refs, b, qi * p.block_q, j * p.block_kv))
       probs = jnp.where(mask, probs, 0.0)
+    if tanh is not None and not p.has_bias:  # fold c·tanh's derivative into P: tanh dies here
+      probs = probs * (1.0 - tanh * tanh)
+      tanh = None
     dp = common.dot(do, v, trans_b=True)
     if p.dropout_rate:
-      keep = dropout.keep(row_keys[:, None], kv_pos[None, :], p.dropout_threshold)
-      dp = jnp.where(keep, dp * (1.0 / (1.0 - p.dropout_rate)), 0.0)
-    ds = probs * (dp - delta[:, None])
-    if p.has_bias:
+      keep = dropout.keep_keys(row_keys[:, None], ck_ref[kv_slice][None, :], p.dropout_threshold)
+      ds = probs * jnp.where(keep, dp * (1.0 / (1.0 - p.dropout_rate)) - delta[:, None],
+                             -delta[:, None])
+    else:
+      ds = probs * (dp - delta[:, None])
+    if p.has_bias:  # the bias enters after the soft cap: its gradient is dS before tanh's
       dbias_ref[:, kv_slice] = ds
     if tanh is not None:
       ds = ds * (1.0 - tanh * tanh)
@@ -184,14 +203,15 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   do = _blocking.pad_axis(_blocking.pad_axis(do, 1, t_pad), 3, d_pad)
   lse = _blocking.pad_axis(lse, 2, t_pad, jnp.inf)  # padded rows: probabilities exactly 0
   delta = _blocking.pad_axis(delta, 2, t_pad)
-  bias, mask, slopes, seed = common.pad_arrays(arrays, t_pad=t_pad, s_pad=s_pad)
+  bias, mask, slopes, row_keys, col_keys = common.pad_arrays(arrays, batch=b, heads=h,
+                                                             t_pad=t_pad, s_pad=s_pad)
   dense = bias if bias is not None else mask
   base = dict(dtype=q.dtype, interpret=interpret, kv_len=s_len, group_size=h // kh,
               bias_per_batch=dense is not None and dense.shape[0] > 1,
               bias_per_head=dense is not None and dense.shape[1] > 1, **common.sparse_params(bm))
   compiler_params = pltriton.CompilerParams(num_warps=config.num_warps_bwd,
                                             num_stages=config.num_stages_bwd)
-  args = (q, k, v, q_seg, kv_seg, do, lse, delta, bias, mask, slopes, seed)
+  args = (q, k, v, q_seg, kv_seg, do, lse, delta, bias, mask, slopes, row_keys, col_keys)
   _, q_limits = common.segment_limits(q_seg, kv_seg, block_q=blocks["q_dkv"],
                                       block_kv=blocks["kv_dkv"])
   kv_limits, _ = common.segment_limits(q_seg, kv_seg, block_q=blocks["q_dq"],
@@ -250,7 +270,7 @@ def _no_dbias(kernel):
 
 def _dkdv_in_specs(p: KernelParams, t_pad: int, d_pad: int, args, limits):
   g = p.group_size
-  segments, bias, mask, slopes, seed = args[3] is not None, *args[8:]
+  segments, bias, mask, slopes, row_keys, col_keys = args[3] is not None, *args[8:]
 
   def group_map(j, bi, ki):  # the G query heads of key/value head ki
     return bi, 0, ki, 0
@@ -277,7 +297,7 @@ def _dkdv_in_specs(p: KernelParams, t_pad: int, d_pad: int, args, limits):
           pl.BlockSpec((None, t_pad), lambda j, bi, ki: (bi, 0)) if segments else None,
           pl.BlockSpec((None, p.block_kv), lambda j, bi, ki: (bi, j)) if segments else None,
           q_spec, stats_spec, stats_spec, dense_spec(bias), dense_spec(mask), whole_spec(slopes),
-          whole_spec(seed),
+          None if row_keys is None else stats_spec, whole_spec(col_keys),
           None if limits is None else pl.BlockSpec((None, None, 4), lambda j, bi, ki: (bi, j, 0))]
 
 
@@ -289,7 +309,7 @@ def _dq_q_map(p: KernelParams):
 
 def _dq_in_specs(p: KernelParams, s_pad: int, d_pad: int, args, limits):
   q_map = _dq_q_map(p)
-  segments, bias, mask, slopes, seed = args[3] is not None, *args[8:]
+  segments, bias, mask, slopes, row_keys, col_keys = args[3] is not None, *args[8:]
 
   def kv_map(i, bi, hi):
     return bi, 0, hi // p.group_size, 0
@@ -314,6 +334,6 @@ def _dq_in_specs(p: KernelParams, s_pad: int, d_pad: int, args, limits):
           if segments else None,
           pl.BlockSpec((None, s_pad), lambda i, bi, hi: (bi, 0)) if segments else None,
           q_spec, stats_spec, stats_spec, dense_spec(bias), dense_spec(mask), whole_spec(slopes),
-          whole_spec(seed),
+          None if row_keys is None else stats_spec, whole_spec(col_keys),
           None if limits is None else pl.BlockSpec((None, None, 4),
                                                    lambda i, bi, hi: (bi, q_map(i, bi, hi)[1], 0))]

@@ -131,9 +131,11 @@ def pad_inputs(q, k, v, q_seg, kv_seg, *, q_multiple: int, kv_multiple: int):
   return q, k, v, q_seg, kv_seg
 
 
-def pad_arrays(arrays: FeatureArrays | None, *, t_pad: int, s_pad: int):
+def pad_arrays(arrays: FeatureArrays | None, *, batch: int, heads: int, t_pad: int, s_pad: int):
   """Feature arrays as the kernels read them: bias / mask padded to whole blocks (mask as int8,
-  Triton has no bool loads), slopes and seed padded to a power-of-two length for scalar loads."""
+  Triton has no bool loads), slopes padded to a power-of-two length for scalar loads, and the
+  dropout seed expanded to its row keys [B, H, T_pad] and column keys [S_pad]
+  (dropout.key_tables). Returns (bias, mask, slopes, row_keys, col_keys), None where unused."""
   arrays = arrays or FeatureArrays()
 
   def pad2(x, value=0):
@@ -147,7 +149,10 @@ def pad_arrays(arrays: FeatureArrays | None, *, t_pad: int, s_pad: int):
   slopes, seed = arrays.alibi_slopes, arrays.dropout_seed
   if slopes is not None:
     slopes = _blocking.pad_axis(slopes, 0, pl_next_pow2(slopes.shape[0]))
-  return bias, mask, slopes, seed
+  row_keys = col_keys = None
+  if seed is not None:
+    row_keys, col_keys = dropout.key_tables(seed, batch, heads, t_pad, s_pad)
+  return bias, mask, slopes, row_keys, col_keys
 
 
 def _limits(limits_ref, p: KernelParams):
@@ -212,9 +217,6 @@ def logits(qk, rows, cols, slope, bias, p: KernelParams):
   return s, t
 
 
-def dropout_row_keys(seed_ref, b, h, rows):
-  """The dropout hash's per-row keys of one (batch, head)."""
-  return dropout.row_keys(dropout.head_key(seed_ref[0], seed_ref[1], b, h), rows)
 
 
 def dot(a, b, *, trans_b: bool = False):

@@ -17,13 +17,14 @@ from pallas_flash.triton.common import KernelParams
 from pallas_flash.triton.config import TritonConfig
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, bias_ref, mask_ref, slopes_ref, seed_ref,
-                limits_ref, table_ref, counts_ref, fn_refs, o_ref, lse_ref, *, p: KernelParams):
+def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, bias_ref, mask_ref, slopes_ref, rk_ref,
+                ck_ref, limits_ref, table_ref, counts_ref, fn_refs, o_ref, lse_ref, *, p: KernelParams):
   """One query block against the key blocks it may see.
 
   Refs after BlockSpec slicing: q_ref/o_ref [block_q, Dp]; k_ref/v_ref [S_pad, Dp];
   qs_ref [block_q] and ks_ref [S_pad] int32 segment ids; bias_ref [block_q, S_pad] (any float);
-  mask_ref [block_q, S_pad] int8; slopes_ref [H_pad] float32; seed_ref [2] int32;
+  mask_ref [block_q, S_pad] int8; slopes_ref [H_pad] float32; dropout keys rk_ref [block_q] and
+  ck_ref [S_pad] int32;
   limits_ref [4] int32 (key blocks sharing a segment id); lse_ref [block_q]; with a block mask,
   table_ref [nk] (active key blocks, partial first), counts_ref [2] (active, partial) and
   fn_refs the mask function's leaves ([T_pad], [S_pad] or [B_pad]). Refs of unused features
@@ -37,7 +38,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, bias_ref, mask_ref, slopes_
   q_pos = qi * p.block_q + lax.broadcasted_iota(jnp.int32, (p.block_q,), 0)
   q_seg = qs_ref[...] if p.has_segments else None
   slope = slopes_ref[h] if p.has_alibi else None
-  row_keys = common.dropout_row_keys(seed_ref, b, h, q_pos) if p.dropout_rate else None
+  row_keys = rk_ref[...] if p.dropout_rate else None
 
   def step(j, carry, *, masked: bool):
     m_prev, l_prev, acc = carry
@@ -60,8 +61,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, bias_ref, mask_ref, slopes_
       probs = jnp.where(mask, probs, 0.0)
     l_next = alpha * l_prev + probs.sum(axis=1)
     if p.dropout_rate:  # l sums every probability (the softmax); only kept ones reach V
-      probs = jnp.where(dropout.keep(row_keys[:, None], kv_pos[None, :], p.dropout_threshold),
-                        probs, 0.0)
+      keep = dropout.keep_keys(row_keys[:, None], ck_ref[kv_slice][None, :], p.dropout_threshold)
+      probs = jnp.where(keep, probs, 0.0)
     v = v_ref[kv_slice, :]
     acc = alpha[:, None] * acc + common.dot(probs.astype(v.dtype), v)
     return m_next, l_next, acc
@@ -97,7 +98,8 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: TritonCo
   q, k, v, q_seg, kv_seg = common.pad_inputs(q, k, v, q_seg, kv_seg, q_multiple=bq,
                                              kv_multiple=bk)
   t_pad, s_pad, d_pad = q.shape[1], k.shape[1], q.shape[3]
-  bias, mask, slopes, seed = common.pad_arrays(arrays, t_pad=t_pad, s_pad=s_pad)
+  bias, mask, slopes, row_keys, col_keys = common.pad_arrays(arrays, batch=b, heads=h,
+                                                             t_pad=t_pad, s_pad=s_pad)
   kv_limits, _ = common.segment_limits(q_seg, kv_seg, block_q=bq, block_kv=bk)
   p = KernelParams.create(params, dtype=q.dtype, interpret=interpret, kv_len=s_len, block_q=bq, block_kv=bk,
                           num_kv_blocks=s_pad // bk, num_q_blocks=t_pad // bq,
@@ -119,7 +121,10 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: TritonCo
       pl.BlockSpec((None, s_pad, None, d_pad), kv_map),
       None if q_seg is None else pl.BlockSpec((None, bq), lambda i, bi, hi: (bi, _reversed(i, p))),
       None if kv_seg is None else pl.BlockSpec((None, s_pad), lambda i, bi, hi: (bi, 0)),
-      dense_spec(bias, p), dense_spec(mask, p), whole_spec(slopes), whole_spec(seed),
+      dense_spec(bias, p), dense_spec(mask, p), whole_spec(slopes),
+      None if row_keys is None else pl.BlockSpec((None, None, bq),
+                                                 lambda i, bi, hi: (bi, hi, _reversed(i, p))),
+      whole_spec(col_keys),
       None if kv_limits is None else pl.BlockSpec((None, None, 4),
                                                   lambda i, bi, hi: (bi, _reversed(i, p), 0)),
       *sparse_specs,
@@ -137,7 +142,7 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: TritonCo
                                               num_stages=config.num_stages),
       interpret=interpret,
       name="pallas_flash_fwd",
-  )(q, k, v, q_seg, kv_seg, bias, mask, slopes, seed, kv_limits, *sparse_args)
+  )(q, k, v, q_seg, kv_seg, bias, mask, slopes, row_keys, col_keys, kv_limits, *sparse_args)
   return o[:, :t, :, :d], lse[:, :, :t]
 
 
@@ -154,7 +159,7 @@ def dense_spec(x, p: KernelParams):
 
 
 def whole_spec(x):
-  """A small 1-D array (ALiBi slopes, dropout seed) read whole by every program."""
+  """A 1-D array (ALiBi slopes, dropout column keys) read whole by every program."""
   return None if x is None else pl.BlockSpec(x.shape, lambda *_: (0,))
 
 
