@@ -4,6 +4,9 @@
   python -m train --preset h200-long       # 124M params at 16K context on one H200
   python -m train --task retrieval --seq-len 16384 --preset h200-long
   python -m train --resume                 # continue exactly where the last run stopped
+  python -m train --init-from runs/short --out-dir runs/long --seq-len 16384
+                                           # a new run from another run's parameters
+  ./scripts/retrieval_gpu.sh               # retrieval at 16K on one H200 (curriculum)
 
 See docs/training.md; `python -m train.compare` benchmarks attention implementations.
 """

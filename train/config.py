@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import pathlib
 
 from models.attention import ATTENTION_KINDS
 from models.config import ModelConfig
@@ -31,7 +32,11 @@ class TrainConfig:
     eval_every, eval_batches: periodic evaluation; log_every: progress-bar update interval.
     checkpoint_every: steps between checkpoints (0: only at the end); out_dir: metrics,
       plot and checkpoints; resume: continue from the latest checkpoint in out_dir.
+    init_from: a previous run's out_dir whose latest checkpoint supplies the initial
+      parameters (not the optimizer state or step: a fresh schedule starts at step 0); the
+      model must be the same, the data (seq_len, batch) may differ. Ignored with resume.
     max_minutes: stop early (with a final eval and checkpoint) after this wall time.
+    target_accuracy: stop early once an evaluation's val_accuracy reaches this fraction.
     corpus_mb: how much of the standard library to read; num_pairs: needles per sequence.
     seed: parameters and data order.
   """
@@ -59,7 +64,9 @@ class TrainConfig:
   checkpoint_every: int = 100
   out_dir: str = "runs/cpu-demo"
   resume: bool = False
+  init_from: str | None = None
   max_minutes: float | None = None
+  target_accuracy: float | None = None
   corpus_mb: float = 8.0
   num_pairs: int = 1
   seed: int = 0
@@ -84,6 +91,17 @@ PRESETS: dict[str, TrainConfig] = {
         seq_len=16_384, batch_size=2, steps=400, warmup_steps=40, lr=1e-3,
         implementation=None, eval_every=100, eval_batches=2, log_every=5,
         checkpoint_every=200, out_dir="runs/h200-long", corpus_mb=32.0),
+    # The retrieval task on one H200 (scripts/retrieval_gpu.sh): 3.3M parameters, 4 heads of
+    # dimension 64 so that attention, not the tiny matmuls, is the work at 16K. Only 4 tokens
+    # per row are scored, so rows per second is what learns. rope_theta 1e6 keeps the slowest
+    # rotary channels nearly still over 16K tokens, so key matching learned at 1K carries over.
+    "h200-retrieval": TrainConfig(
+        preset="h200-retrieval", task="retrieval",
+        model=ModelConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4,
+                          rope_theta=1_000_000.0, dtype="bfloat16"),
+        seq_len=16_384, batch_size=16, steps=600, warmup_steps=20, lr=1e-3,
+        implementation=None, eval_every=50, eval_batches=8, log_every=10, checkpoint_every=0,
+        out_dir="runs/h200-retrieval"),
 }
 
 
@@ -110,15 +128,25 @@ def _parser() -> argparse.ArgumentParser:
   add("--checkpoint-every", int, "steps between checkpoints (0: only at the end)")
   add("--out-dir", str, "directory for metrics.jsonl, loss.png and checkpoints")
   add("--max-minutes", float, "stop (eval + checkpoint) after this wall time")
+  add("--target-accuracy", float, "stop (eval + checkpoint) once val_accuracy reaches this "
+      "fraction")
+  add("--init-from", str, "start from the parameters of this run directory's latest "
+      "checkpoint (fresh optimizer, step 0; same model flags)")
   add("--num-pairs", int, "retrieval: key:value needles per sequence")
   add("--seed", int, "seed of parameters and data order")
   add("--d-model", int, "model width")
   add("--n-layers", int, "model depth")
+  add("--n-heads", int, "query heads")
+  add("--n-kv-heads", int, "key/value heads (GQA)")
+  add("--rope-theta", float, "rotary base period")
   add("--dtype", str, "compute dtype: float32 or bfloat16")
   p.add_argument("--no-segment-ids", action="store_true",
                  help="let packed documents attend to each other (plain causal attention)")
   p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
   return p
+
+
+_MODEL_FLAGS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "rope_theta", "dtype")
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -127,8 +155,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
   if args.preset not in PRESETS:
     raise SystemExit(f"Unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}.")
   cfg = PRESETS[args.preset]
-  model_kw = {k: v for k, v in (("d_model", args.d_model), ("n_layers", args.n_layers),
-                                ("dtype", args.dtype)) if v is not None}
+  model_kw = {k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k) is not None}
   top = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
          if f.name not in ("preset", "model", "resume", "segment_ids", "implementation")
          and getattr(args, f.name, None) is not None}
@@ -162,5 +189,14 @@ def validate(cfg: TrainConfig, num_devices: int = 1) -> None:
     problems.append(f"retrieval needs seq_len >= 64 * num_pairs, got {cfg.seq_len}")
   if cfg.warmup_steps >= cfg.steps:
     problems.append(f"warmup_steps ({cfg.warmup_steps}) must be < steps ({cfg.steps})")
+  if cfg.target_accuracy is not None and not 0 < cfg.target_accuracy <= 1:
+    problems.append(f"target_accuracy is a fraction in (0, 1], got {cfg.target_accuracy}")
+  if cfg.init_from is not None and _same_dir(cfg.init_from, cfg.out_dir):
+    problems.append("--init-from must name another run's directory, not --out-dir (a new run "
+                    "replaces its own metrics and checkpoints; use --resume to continue it)")
   if problems:
     raise SystemExit("Bad training configuration:\n  " + "\n  ".join(problems))
+
+
+def _same_dir(a: str, b: str) -> bool:
+  return pathlib.Path(a).absolute().resolve() == pathlib.Path(b).absolute().resolve()

@@ -18,7 +18,7 @@ import pallas_flash
 from models.attention import check_attention_runs, make_attention
 from models.transformer import Transformer
 from train import metrics as metrics_lib
-from train.checkpoint import Checkpointer
+from train.checkpoint import Checkpointer, latest_checkpoint_step, load_params
 from train.config import TrainConfig, validate
 from train.data import DataSource
 from train.step import eval_step, make_optimizer, summarize_eval, train_step
@@ -33,14 +33,42 @@ def check_environment(cfg: TrainConfig) -> None:
   """Fails at start, with the reason, when this machine cannot run `cfg`."""
   devices = jax.devices()
   validate(cfg, len(devices))
-  if cfg.preset == "h200-long" and devices[0].platform != "gpu":
-    raise SystemExit(f"Preset 'h200-long' needs a GPU (it trains 124M parameters at "
-                     f"{cfg.seq_len} tokens); this machine has {devices[0].platform}. "
-                     "Use the default preset 'cpu-demo' here.")
+  if cfg.preset.startswith("h200") and devices[0].platform != "gpu":
+    raise SystemExit(f"Preset {cfg.preset!r} needs a GPU (bf16 at {cfg.seq_len} tokens); this "
+                     f"machine has {devices[0].platform}. Use the default preset 'cpu-demo' "
+                     "here (model flags such as --d-model and --n-heads override its sizes).")
+  check_init_from(cfg)
   check_attention_runs(cfg.attention, implementation=cfg.implementation,
                        dtype=cfg.model.compute_dtype, head_dim=cfg.model.head_dim,
                        num_heads=cfg.model.n_heads, num_kv_heads=cfg.model.n_kv_heads,
                        seq_len=cfg.seq_len)
+
+
+# ModelConfig fields that change how the model computes, not what its parameters mean.
+_COMPUTE_ONLY_FIELDS = ("dtype", "remat")
+
+
+def check_init_from(cfg: TrainConfig) -> None:
+  """Fails before compiling when --init-from names a run without a checkpoint or of another model.
+
+  The run's metrics.jsonl records its ModelConfig; a different rope_theta, say, leaves every
+  shape equal but the parameters would mean something else. Without that record, the shapes
+  are still checked when the parameters load.
+  """
+  if cfg.init_from is None or cfg.resume:
+    return
+  latest_checkpoint_step(cfg.init_from)
+  log = pathlib.Path(cfg.init_from) / "metrics.jsonl"
+  records = metrics_lib.read_jsonl(log) if log.exists() else []
+  saved = next((r["config"]["model"] for r in records if r.get("kind") == "config"), None)
+  if saved is None:
+    return
+  ours = json.loads(json.dumps(dataclasses.asdict(cfg.model), default=str))
+  diffs = [f"{k}: {saved.get(k)!r} there, {v!r} here" for k, v in ours.items()
+           if k not in _COMPUTE_ONLY_FIELDS and saved.get(k) != v]
+  if diffs:
+    raise SystemExit(f"--init-from {cfg.init_from}: that run trained a different model; pass "
+                     "the same model flags (--preset, --d-model, ...):\n  " + "\n  ".join(diffs))
 
 
 def make_mesh(devices) -> jax.sharding.Mesh:
@@ -135,22 +163,35 @@ def run(cfg: TrainConfig) -> dict:
       raise SystemExit(f"--resume: no checkpoint under {out_dir / 'checkpoints'}.")
     ckpt.restore(start, model, optimizer)
     _trim_log(out_dir / "metrics.jsonl", start)
+  init_step = None
+  if cfg.init_from is not None and not cfg.resume:
+    init_step = load_params(cfg.init_from, model)
   log = metrics_lib.MetricsLog(out_dir, resume=cfg.resume)
   if not cfg.resume:
     log.write({"kind": "config", "step": 0, "config": json.loads(json.dumps(
         dataclasses.asdict(cfg), default=str)), "devices": [d.device_kind for d in devices],
-        "num_params": cfg.model.num_params()})
+        "num_params": cfg.model.num_params(), "init_from_step": init_step})
   data = DataSource(cfg)
   eval_set = data.eval_batches()
   _print_header(cfg, devices, start)
+  if init_step is not None:
+    print(f"parameters from {cfg.init_from} (step {init_step}); optimizer and step count fresh")
   history, last_eval = _loop(cfg, model, optimizer, data, eval_set, mesh, log, ckpt, start)
-  metrics_lib.plot_losses(log.path, out_dir / "loss.png", title=f"{cfg.preset} ({cfg.task})")
+  _plot(log.path, out_dir / "loss.png", title=f"{cfg.preset} ({cfg.task})")
   ckpt.close()
   peak = metrics_lib.peak_memory_bytes(devices[0])
   print(f"done: {json.dumps({k: round(v, 4) for k, v in last_eval.items()})}; metrics "
         f"{log.path}, plot {out_dir / 'loss.png'}" +
         (f"; peak memory {peak / 2**30:.2f} GiB" if peak else ""))
   return {"train": history, "eval": last_eval}
+
+
+def _plot(jsonl: pathlib.Path, png: pathlib.Path, title: str) -> None:
+  """The loss plot, skipped with a note where matplotlib is missing (the JSONL has it all)."""
+  try:
+    metrics_lib.plot_losses(jsonl, png, title=title)
+  except ImportError as e:
+    print(f"no {png.name}: {e}")
 
 
 def _loop(cfg, model, optimizer, data, eval_set, mesh, log, ckpt, start):
@@ -174,6 +215,9 @@ def _loop(cfg, model, optimizer, data, eval_set, mesh, log, ckpt, start):
     if done % cfg.eval_every == 0 or done == cfg.steps:
       last_eval = _eval_and_log(model, eval_set, mesh, log, done, bar)
       rate.t0 = time.perf_counter()  # evaluation time is not training throughput
+      if _reached_target(cfg, last_eval):
+        bar.write(f"--target-accuracy {cfg.target_accuracy} reached at step {done}.")
+        break
     if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
       ckpt.save(done, model, optimizer)
     if cfg.max_minutes is not None and time.time() - t_start > 60 * cfg.max_minutes:
@@ -189,6 +233,11 @@ def _loop(cfg, model, optimizer, data, eval_set, mesh, log, ckpt, start):
   if ckpt.latest_step() != done:
     ckpt.save(done, model, optimizer)
   return history, last_eval
+
+
+def _reached_target(cfg: TrainConfig, last_eval: dict) -> bool:
+  return (cfg.target_accuracy is not None
+          and last_eval.get("val_accuracy", 0.0) >= cfg.target_accuracy)
 
 
 def _postfix(last: dict, speed: dict) -> dict:
