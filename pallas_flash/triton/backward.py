@@ -69,12 +69,12 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta
                                kv_seg, p, dense_t(mask_ref, g, q_slice).T if p.has_mask else None,
                                fn=(fn_refs, b, i * p.block_q, j * p.block_kv))
       p_t = jnp.where(mask.T, p_t, 0.0)
-    delta = delta_ref[g, q_slice][None, :]
-    if tanh_t is None and not p.dropout_rate:
+    if tanh_t is None and not p.dropout_rate:  # the plain path, as measured in docs/perf.md
       dp_t = common.dot(v, do, trans_b=True)  # [block_kv, block_q]
       dv = dv + common.dot(p_t.astype(do.dtype), do)
-      ds_t = p_t * (dp_t - delta)
+      ds_t = p_t * (dp_t - delta_ref[g, q_slice][None, :])
     else:
+      delta = delta_ref[g, q_slice][None, :]
       # dV's matmul first, so that fewer [block_kv, block_q] tiles are live at once: this
       # kernel's dK and dV accumulators already hold most of the registers.
       keep_t = None
