@@ -223,8 +223,9 @@ def _impls(opts: argparse.Namespace, first: shapes.ShapeSpec, dtype) -> list[str
 
 
 def run_speed(opts: argparse.Namespace, specs: list[shapes.ShapeSpec], impls: list[str],
-              dtype) -> list[dict]:
-  """All rows of the speed table, printing each (mode, shape, causal) group as it finishes."""
+              dtype, on_group=lambda rows: None) -> list[dict]:
+  """All rows of the speed table, printing each (mode, shape, causal) group as it finishes and
+  passing the rows so far to `on_group`."""
   modes = [m.strip() for m in opts.mode.split(",") if m.strip()]
   rows = []
   for spec in specs:
@@ -237,6 +238,7 @@ def run_speed(opts: argparse.Namespace, specs: list[shapes.ShapeSpec], impls: li
         _add_ratios(group)
         print_group(group)
         rows += group
+        on_group(rows)
     del args
   return rows
 
@@ -271,14 +273,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
   else:
     specs = shapes.select_shapes(opts.shapes)
     impls = _impls(opts, specs[0], dtype)
-    rows = run_speed(opts, specs, impls, dtype)
+    # Rewritten after every group, so that a run cut off by a time limit keeps what it measured.
+    rows = run_speed(opts, specs, impls, dtype, on_group=lambda r: _write_json(opts, r, meta))
     print_summary(rows, impls)
+  rows = _write_json(opts, rows, meta)
+  if opts.json:
+    print(f"\nwrote {len(rows)} rows to {opts.json}")
+  print(f"total {time.perf_counter() - start:.0f} s")
+  return rows
+
+
+def _write_json(opts: argparse.Namespace, rows: list[dict], meta: dict) -> list[dict]:
+  """The rows with the run's metadata, also written to --json when given."""
   rows = [{**r, **meta} for r in rows]
   if opts.json:
     with open(opts.json, "w") as f:
       json.dump(rows, f, indent=1)
-    print(f"\nwrote {len(rows)} rows to {opts.json}")
-  print(f"total {time.perf_counter() - start:.0f} s")
   return rows
 
 
