@@ -18,14 +18,15 @@ from pallas_flash.triton.config import TritonConfig
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, bias_ref, mask_ref, slopes_ref, rk_ref,
-                ck_ref, limits_ref, table_ref, counts_ref, fn_refs, o_ref, lse_ref, *, p: KernelParams):
+                ck_ref, limits_ref, table_ref, counts_ref, fn_refs, o_ref, lse_ref, *,
+                p: KernelParams):
   """One query block against the key blocks it may see.
 
   Refs after BlockSpec slicing: q_ref/o_ref [block_q, Dp]; k_ref/v_ref [S_pad, Dp];
   qs_ref [block_q] and ks_ref [S_pad] int32 segment ids; bias_ref [block_q, S_pad] (any float);
   mask_ref [block_q, S_pad] int8; slopes_ref [H_pad] float32; dropout keys rk_ref [block_q] and
-  ck_ref [S_pad] int32;
-  limits_ref [4] int32 (key blocks sharing a segment id); lse_ref [block_q]; with a block mask,
+  ck_ref [S_pad] int32; limits_ref [4] int32 (key blocks sharing a segment id, then those in the
+  same document throughout); lse_ref [block_q]; with a block mask,
   table_ref [nk] (active key blocks, partial first), counts_ref [2] (active, partial) and
   fn_refs the mask function's leaves ([T_pad], [S_pad] or [B_pad]). Refs of unused features
   are None.
@@ -101,8 +102,8 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: TritonCo
   bias, mask, slopes, row_keys, col_keys = common.pad_arrays(arrays, batch=b, heads=h,
                                                              t_pad=t_pad, s_pad=s_pad)
   kv_limits, _ = common.segment_limits(q_seg, kv_seg, block_q=bq, block_kv=bk)
-  p = KernelParams.create(params, dtype=q.dtype, interpret=interpret, kv_len=s_len, block_q=bq, block_kv=bk,
-                          num_kv_blocks=s_pad // bk, num_q_blocks=t_pad // bq,
+  p = KernelParams.create(params, dtype=q.dtype, interpret=interpret, kv_len=s_len, block_q=bq,
+                          block_kv=bk, num_kv_blocks=s_pad // bk, num_q_blocks=t_pad // bq,
                           group_size=h // kh, **common.sparse_params(bm))
   sparse_args, sparse_specs = common.sparse_inputs(bm, p, t_pad=t_pad, s_pad=s_pad, by_q=True)
 
