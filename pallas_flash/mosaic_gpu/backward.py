@@ -161,21 +161,18 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
   sees the CTA's keys.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
-  nq = kp.t_pad // bq
   b, kvh, kt, wg = (lax.axis_index(n) for n in ("b", "kvh", "kt", "wg"))
   cta_k0 = kt * (2 * bkv)
-
-  def first_q_block(k0):
-    if not kp.causal:
-      return 0
-    return jnp.minimum(nq, lax.div(k0, bq))
-
-  cta_first = first_q_block(cta_k0)
-  cta_steps = (nq - cta_first) * g_size
+  cta_first = _first_q_block(cta_k0, kp)
+  cta_steps = (kp.t_pad // bq - cta_first) * g_size
 
   def index(step):
     i = cta_first + lax.div(step, g_size)
     return i, kvh * g_size + lax.rem(step, g_size)
+
+  streams = ((q_ref, q_scratch, q_ready, q_free), (do_ref, do_scratch, do_ready, do_free),
+             (lse_ref, lse_scratch, lse_ready, lse_free),
+             (delta_ref, delta_scratch, delta_ready, delta_free))
 
   @pl.when(wg < 2)
   def _consumer():
@@ -183,85 +180,137 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
     k_smem, v_smem = k_scratch.at[wg], v_scratch.at[wg]
     k0 = cta_k0 + wg * bkv
     rows = (b, pl.ds(k0, bkv), kvh)
-    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg, 0])
-    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg, 1])
-    plgpu.barrier_wait(kv_ready.at[wg, 0])
-    plgpu.barrier_wait(kv_ready.at[wg, 1])
-    streams = ((q_ready, q_free), (do_ready, do_free), (lse_ready, lse_free),
-               (delta_ready, delta_free))
+    _load_kv_tiles(k_ref, v_ref, k_smem, v_smem, kv_ready, wg, rows)
 
     def step(t, carry, *, masked: bool):
       dk, dv = carry
       slot = lax.rem(t, stages)
-      for ready, _ in streams:
-        plgpu.barrier_wait(ready.at[slot])
-      q_smem, do_smem = q_scratch.at[slot], do_scratch.at[slot]
-
-      def scores(s_ref, dp_ref):
-        plgpu.wgmma(s_ref, k_smem, q_smem.T)
-        plgpu.wgmma(dp_ref, v_smem, do_smem.T)
-        return s_ref[...], dp_ref[...]
-
-      s_t, dp_t = pl.run_scoped(scores, plgpu.ACC((bkv, bq), jnp.float32),
-                                plgpu.ACC((bkv, bq), jnp.float32))
-      lse = plgpu.load(lse_scratch.at[slot], layout=_common.COL)
-      delta = plgpu.load(delta_scratch.at[slot], layout=_common.COL)
-      plgpu.barrier_arrive(lse_free.at[slot])
-      plgpu.barrier_arrive(delta_free.at[slot])
-      p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-      if masked:
-        i, _ = index(t)
-        p_t = jnp.where(_common.visible(k0, i * bq, (bkv, bq), kp, transposed=True), p_t, 0.0)
-      ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, s_t.shape, [1]))
+      q_smem, do_smem = _wait_streams(streams, slot)
+      p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
+                                         (lambda: index(t)[0]) if masked else None, kp)
       dv = _common.accumulate(dv, p_t.astype(kp.dtype), _at(st_scratch, wg), do_smem, kp)
       plgpu.barrier_arrive(do_free.at[slot])
       dk = _common.accumulate(dk, ds_t.astype(kp.dtype), _at(st_scratch, wg), q_smem, kp)
       plgpu.barrier_arrive(q_free.at[slot])
       return dk, dv
 
-    def idle_step(t, carry):
-      slot = lax.rem(t, stages)
-      for ready, free in streams:
-        plgpu.barrier_wait(ready.at[slot])
-        plgpu.barrier_arrive(free.at[slot])
-      return carry
-
     zeros = plgpu.layout_cast(jnp.zeros((bkv, kp.d), jnp.float32), plgpu.Layout.WGMMA)
     carry = (zeros, zeros)
     # Causal: q blocks before `first` do not see these keys, blocks in [first, full) cross the
     # diagonal and are masked, blocks from `full` on see every key of the tile.
-    first = (first_q_block(k0) - cta_first) * g_size
-    lax.fori_loop(0, first, idle_step, None)
+    first = (_first_q_block(k0, kp) - cta_first) * g_size
+    lax.fori_loop(0, first, functools.partial(_skip_step, streams=streams, stages=stages), None)
     if kp.causal:
-      full = jnp.minimum(nq, lax.div(k0 + bkv - 1 + bq - 1, bq))
-      full = jnp.maximum(full - cta_first, 0) * g_size
+      full = _first_unmasked_step(k0, cta_first, kp)
       carry = lax.fori_loop(first, full, functools.partial(step, masked=True), carry)
       first = full
     dk, dv = lax.fori_loop(first, cta_steps, functools.partial(step, masked=False), carry)
-    k_smem[...] = (dk * kp.scale).astype(kp.dtype)
-    v_smem[...] = dv.astype(kp.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
-    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
-    plgpu.commit_smem_to_gmem_group()
-    plgpu.wait_smem_to_gmem(0)
+    _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, kp)
 
   @pl.when(wg == 2)
   def _producer():
     plgpu.set_max_registers(kp.producer_registers, action="decrease")
+    _produce_query_streams(cta_steps, stages, streams, index, b, bq)
 
-    def q_rows(t):
-      i, h = index(t)
-      return b, pl.ds(i * bq, bq), h
 
-    def stat_rows(t):
-      i, h = index(t)
-      return b, h, pl.ds(i * bq, bq)
+# Pieces of the dK/dV kernel that the fused backward (backward_fused.py) shares. A WG owns
+# block_kv key rows (K, V resident in SMEM) and streams, per (q block, query head) step, Q, dO,
+# lse and delta through `streams`: four (gmem ref, smem ring, ready, free) tuples in that order.
 
-    _produce(cta_steps, stages, ((q_ref, q_scratch, q_ready, q_free, q_rows),
-                                 (do_ref, do_scratch, do_ready, do_free, q_rows),
-                                 (lse_ref, lse_scratch, lse_ready, lse_free, stat_rows),
-                                 (delta_ref, delta_scratch, delta_ready, delta_free, stat_rows)))
+
+def _first_q_block(k0, kp: _common.KernelParams):
+  """The first query block that sees key k0 (causal: the block holding query k0; else 0)."""
+  if not kp.causal:
+    return 0
+  return jnp.minimum(kp.t_pad // kp.block_q, lax.div(k0, kp.block_q))
+
+
+def _first_unmasked_step(k0, cta_first, kp: _common.KernelParams):
+  """Causal: the first step (counted from q block cta_first, G query heads per block) whose
+  q block sees every key of k0 .. k0 + block_kv - 1."""
+  bq = kp.block_q
+  full = jnp.minimum(kp.t_pad // bq, lax.div(k0 + kp.block_kv - 1 + bq - 1, bq))
+  return jnp.maximum(full - cta_first, 0) * kp.group
+
+
+def _load_kv_tiles(k_ref, v_ref, k_smem, v_smem, kv_ready, wg, rows):
+  """TMA-loads WG `wg`'s K and V tiles (k/v_ref[rows]) and waits for both."""
+  plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg, 0])
+  plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg, 1])
+  plgpu.barrier_wait(kv_ready.at[wg, 0])
+  plgpu.barrier_wait(kv_ready.at[wg, 1])
+
+
+def _wait_streams(streams, slot):
+  """Waits until every stream has filled `slot`; returns that slot's Q and dO tiles."""
+  for _, _, ready, _ in streams:
+    plgpu.barrier_wait(ready.at[slot])
+  return streams[0][1].at[slot], streams[1][1].at[slot]
+
+
+def _skip_step(t, carry, *, streams, stages: int):
+  """A step whose q block sees none of this WG's keys: keeps the rings' barriers in phase."""
+  slot = lax.rem(t, stages)
+  for _, _, ready, free in streams:
+    plgpu.barrier_wait(ready.at[slot])
+    plgpu.barrier_arrive(free.at[slot])
+  return carry
+
+
+def _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, mask_block, kp):
+  """Pᵀ and dSᵀ [block_kv, block_q] float32 of one step; releases its lse and delta slots.
+
+  Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (SMEM operands), Pᵀ = exp2(Sᵀ·c − lse2), dSᵀ = Pᵀ∘(dPᵀ − delta).
+  mask_block: None when every key of the tile is visible to the step's queries, else a
+  function giving the step's q block (called only then); invisible entries of Pᵀ become 0.
+  """
+  bq, bkv = kp.block_q, kp.block_kv
+  (_, lse_scratch, _, lse_free), (_, delta_scratch, _, delta_free) = streams[2:]
+
+  def scores(s_ref, dp_ref):
+    plgpu.wgmma(s_ref, k_smem, q_smem.T)
+    plgpu.wgmma(dp_ref, v_smem, do_smem.T)
+    return s_ref[...], dp_ref[...]
+
+  s_t, dp_t = pl.run_scoped(scores, plgpu.ACC((bkv, bq), jnp.float32),
+                            plgpu.ACC((bkv, bq), jnp.float32))
+  lse = plgpu.load(lse_scratch.at[slot], layout=_common.COL)
+  delta = plgpu.load(delta_scratch.at[slot], layout=_common.COL)
+  plgpu.barrier_arrive(lse_free.at[slot])
+  plgpu.barrier_arrive(delta_free.at[slot])
+  p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+  if mask_block is not None:
+    visible = _common.visible(k0, mask_block() * bq, (bkv, bq), kp, transposed=True)
+    p_t = jnp.where(visible, p_t, 0.0)
+  ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, s_t.shape, [1]))
+  return p_t, ds_t
+
+
+def _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, kp: _common.KernelParams):
+  """Writes dK·scale and dV [block_kv, D] through the K and V tiles (no longer read), then
+  waits for every SMEM-to-GMEM copy this thread issued, these included."""
+  k_smem[...] = (dk * kp.scale).astype(kp.dtype)
+  v_smem[...] = dv.astype(kp.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
+  plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
+  plgpu.commit_smem_to_gmem_group()
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _produce_query_streams(cta_steps, stages, streams, index, b, bq):
+  """The producer of the dK/dV-style kernels: the Q and dO rows and the lse and delta entries
+  of step t's (q block, query head) = index(t)."""
+  def q_rows(t):
+    i, h = index(t)
+    return b, pl.ds(i * bq, bq), h
+
+  def stat_rows(t):
+    i, h = index(t)
+    return b, h, pl.ds(i * bq, bq)
+
+  _produce(cta_steps, stages, tuple((*stream, rows) for stream, rows in
+                                    zip(streams, (q_rows, q_rows, stat_rows, stat_rows))))
 
 
 def _dq_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams):

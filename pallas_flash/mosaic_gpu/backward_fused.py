@@ -40,7 +40,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_flash import _blocking
 from pallas_flash.mosaic_gpu import _common
-from pallas_flash.mosaic_gpu.backward import _at, _produce
+from pallas_flash.mosaic_gpu.backward import (_at, _first_q_block, _first_unmasked_step,
+                                              _load_kv_tiles, _produce_query_streams, _skip_step,
+                                              _store_dk_dv, _transposed_grad_tiles, _wait_streams)
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
 from pallas_flash.params import AttentionParams
 
@@ -191,13 +193,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   nq = kp.t_pad // bq
   b, kvh, kt, wg = (lax.axis_index(n) for n in ("b", "kvh", "kt", "wg"))
   cta_k0 = kt * (2 * bkv)
-
-  def first_q_block(k0):
-    if not kp.causal:
-      return 0
-    return jnp.minimum(nq, lax.div(k0, bq))
-
-  cta_first = first_q_block(cta_k0)
+  cta_first = _first_q_block(cta_k0, kp)
   cta_steps = (nq - cta_first) * g_size
 
   def index(step):
@@ -208,18 +204,17 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       i = lax.rem(i + kt, nq)
     return cta_first + i, kvh * g_size + lax.rem(step, g_size)
 
+  streams = ((q_ref, q_scratch, q_ready, q_free), (do_ref, do_scratch, do_ready, do_free),
+             (lse_ref, lse_scratch, lse_ready, lse_free),
+             (delta_ref, delta_scratch, delta_ready, delta_free))
+
   @pl.when(wg < 2)
   def _consumer():
     plgpu.set_max_registers(kp.compute_registers, action="increase")
     k_smem, v_smem, dq_smem = k_scratch.at[wg], v_scratch.at[wg], dq_scratch.at[wg]
     k0 = cta_k0 + wg * bkv
     rows = (b, pl.ds(k0, bkv), kvh)
-    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg, 0])
-    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg, 1])
-    plgpu.barrier_wait(kv_ready.at[wg, 0])
-    plgpu.barrier_wait(kv_ready.at[wg, 1])
-    streams = ((q_ready, q_free), (do_ready, do_free), (lse_ready, lse_free),
-               (delta_ready, delta_free))
+    _load_kv_tiles(k_ref, v_ref, k_smem, v_smem, kv_ready, wg, rows)
 
     def dq_plan(t):
       """Where this WG's dQ_part goes (see _gradient_matmuls) and its dq_acc_ref index."""
@@ -244,25 +239,9 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       dk, dv = carry
       slot = lax.rem(t, stages)
       i, _ = index(t)
-      for ready, _ in streams:
-        plgpu.barrier_wait(ready.at[slot])
-      q_smem, do_smem = q_scratch.at[slot], do_scratch.at[slot]
-
-      def scores(s_ref, dp_ref):
-        plgpu.wgmma(s_ref, k_smem, q_smem.T)
-        plgpu.wgmma(dp_ref, v_smem, do_smem.T)
-        return s_ref[...], dp_ref[...]
-
-      s_t, dp_t = pl.run_scoped(scores, plgpu.ACC((bkv, bq), jnp.float32),
-                                plgpu.ACC((bkv, bq), jnp.float32))
-      lse = plgpu.load(lse_scratch.at[slot], layout=_common.COL)
-      delta = plgpu.load(delta_scratch.at[slot], layout=_common.COL)
-      plgpu.barrier_arrive(lse_free.at[slot])
-      plgpu.barrier_arrive(delta_free.at[slot])
-      p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-      if masked:
-        p_t = jnp.where(_common.visible(k0, i * bq, (bkv, bq), kp, transposed=True), p_t, 0.0)
-      ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, s_t.shape, [1]))
+      q_smem, do_smem = _wait_streams(streams, slot)
+      p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
+                                         (lambda: i) if masked else None, kp)
       # dSᵀ in SMEM serves both dK (as is) and dQ (its transposed view); wgmma reads it through
       # the async proxy, hence the fence.
       ds_smem = ds_scratch.at[lax.rem(t, 2), wg] if dq_shared else ds_scratch.at[wg]
@@ -286,13 +265,6 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       _reduce_dq(dq_smem, dq_acc_ref, dst, wg, _at(dq_loaded, wg), kp)
       return dk, dv
 
-    def idle_step(t, carry):
-      slot = lax.rem(t, stages)
-      for ready, free in streams:
-        plgpu.barrier_wait(ready.at[slot])
-        plgpu.barrier_arrive(free.at[slot])
-      return carry
-
     zeros = plgpu.layout_cast(jnp.zeros((bkv, kp.d), jnp.float32), plgpu.Layout.WGMMA)
     carry = (zeros, zeros)
     # Causal: q blocks before `first` do not see these keys, blocks in [first, full) cross the
@@ -302,12 +274,12 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
     if dq_shared:
       first = jnp.zeros((), jnp.int32)
     else:
-      first = (first_q_block(k0) - cta_first) * g_size
-      lax.fori_loop(0, first, idle_step, None)
+      first = (_first_q_block(k0, kp) - cta_first) * g_size
+      lax.fori_loop(0, first, functools.partial(_skip_step, streams=streams, stages=stages),
+                    None)
     full = first
     if kp.causal:
-      full = jnp.minimum(nq, lax.div(k0 + bkv - 1 + bq - 1, bq))
-      full = jnp.maximum(full - cta_first, 0) * g_size
+      full = _first_unmasked_step(k0, cta_first, kp)
     if kp.kv_tail:
       # Padded keys are zero, so their dQ_part terms vanish, unless exp2(0 − lse2) overflows
       # (rows whose scores are all far below 0): the tile holding the tail masks every step.
@@ -320,30 +292,12 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       # The other WG's last dQ matmul reads this WG's K tile, about to be overwritten.
       plgpu.barrier_arrive(kv_done)
       plgpu.barrier_wait(kv_done)
-    k_smem[...] = (dk * kp.scale).astype(kp.dtype)
-    v_smem[...] = dv.astype(kp.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
-    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
-    plgpu.commit_smem_to_gmem_group()
-    plgpu.wait_smem_to_gmem(0)  # also the last dQ reduction
+    _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, kp)  # also the last dQ reduction
 
   @pl.when(wg == 2)
   def _producer():
     plgpu.set_max_registers(kp.producer_registers, action="decrease")
-
-    def q_rows(t):
-      i, h = index(t)
-      return b, pl.ds(i * bq, bq), h
-
-    def stat_rows(t):
-      i, h = index(t)
-      return b, h, pl.ds(i * bq, bq)
-
-    _produce(cta_steps, stages, ((q_ref, q_scratch, q_ready, q_free, q_rows),
-                                 (do_ref, do_scratch, do_ready, do_free, q_rows),
-                                 (lse_ref, lse_scratch, lse_ready, lse_free, stat_rows),
-                                 (delta_ref, delta_scratch, delta_ready, delta_free, stat_rows)))
+    _produce_query_streams(cta_steps, stages, streams, index, b, bq)
 
 
 def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q: bool = False,
