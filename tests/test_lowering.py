@@ -3,21 +3,16 @@
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+from jax.sharding import use_abstract_mesh
 
 import pallas_flash
+from testing import H200, export_for_h200
 
-H200 = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
-                    abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
-                                                   platform="gpu"))
 TRITON_CALL = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
 
 
 def _export(fn, *specs):
-  with use_abstract_mesh(H200):
-    exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
-                                 disabled_checks=[TRITON_CALL])(*specs)
-  return exported.mlir_module()
+  return export_for_h200(fn, *specs, disabled_checks=[TRITON_CALL]).mlir_module()
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])

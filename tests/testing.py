@@ -8,6 +8,7 @@ import zlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 import pallas_flash
 
@@ -128,3 +129,16 @@ def check_against_reference(impl: str, case: Case, *, seed: int = 0, config=None
   for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
     assert g.dtype == q.dtype, f"{name} dtype {g.dtype}"
     assert_close_to_ref(name, g, g_ref, 2 * tol)
+
+
+# An H200 that need not exist: lowering for CUDA on a CPU machine checks tracing, layouts and
+# (for Mosaic) shared memory without a GPU.
+H200 = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
+    device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+
+
+def export_for_h200(fn, *specs, disabled_checks=()) -> jax.export.Exported:
+  """jax.export of jit(fn) for CUDA at the abstract `H200`."""
+  with use_abstract_mesh(H200):
+    return jax.export.export(jax.jit(fn), platforms=["cuda"],
+                             disabled_checks=list(disabled_checks))(*specs)

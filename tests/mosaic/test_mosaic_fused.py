@@ -13,20 +13,12 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 import pallas_flash
 from pallas_flash.mosaic_gpu import TUNED, MosaicConfig, backward, backward_fused
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
-
-H200 = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
-    device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
-
-
-def _export(fn, *specs):
-  with use_abstract_mesh(H200):
-    return jax.export.export(jax.jit(fn), platforms=["cuda"])(*specs)
+from testing import export_for_h200
 
 
 def _mosaic_calls(text: str) -> int:
@@ -42,7 +34,7 @@ def _grad_module(b, t, s, h, kh, d, causal, config) -> str:
                                      config=config)
     return o.astype(jnp.float32).sum()
 
-  return _export(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv).mlir_module()
+  return export_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv).mlir_module()
 
 
 def _fused(d, causal, **kw) -> MosaicConfig:

@@ -7,15 +7,14 @@ memory against the sm_90 limit; PTX generation and ptxas only happen on the GPU.
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+from jax.sharding import use_abstract_mesh
 
 import pallas_flash
 from pallas_flash import mosaic_gpu
 from pallas_flash.mosaic_gpu import MosaicConfig
 from pallas_flash.params import AttentionParams, CallInfo
+from testing import H200, export_for_h200
 
-H200 = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
-    device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
 
 CASES = [  # B, T, S, H, K, D, causal
     (2, 4096, 4096, 8, 8, 64, False),
@@ -25,11 +24,6 @@ CASES = [  # B, T, S, H, K, D, causal
     (1, 2048, 2048, 4, 2, 256, True),
     (1, 300, 700, 4, 4, 256, False),
 ]
-
-
-def _export(fn, *specs):
-  with use_abstract_mesh(H200):
-    return jax.export.export(jax.jit(fn), platforms=["cuda"])(*specs)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}_t{}_s{}_h{}:{}_d{}{}".format(
@@ -45,8 +39,8 @@ def test_forward_and_grad_lower(case):
   def grads(q, k, v):
     return jax.grad(lambda *a: attn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
 
-  assert _export(attn, q, kv, kv).mlir_module().count("mosaic_gpu") >= 1
-  text = _export(grads, q, kv, kv).mlir_module()
+  assert export_for_h200(attn, q, kv, kv).mlir_module().count("mosaic_gpu") >= 1
+  text = export_for_h200(grads, q, kv, kv).mlir_module()
   assert text.count("mosaic_gpu") >= 1
 
 
@@ -58,7 +52,7 @@ def test_alternative_configs_fit_in_smem_at_hd128(config):
   q = jax.ShapeDtypeStruct((1, 2048, 4, 128), jnp.float16)
   fn = lambda q, k, v: pallas_flash.flash_attention(  # noqa: E731
       q, k, v, implementation="mosaic", config=config)
-  _export(jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2)), q, q, q)
+  export_for_h200(jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2)), q, q, q)
 
 
 def test_smem_overflow_is_reported():
@@ -66,7 +60,7 @@ def test_smem_overflow_is_reported():
   fn = lambda q, k, v: pallas_flash.flash_attention(  # noqa: E731
       q, k, v, implementation="mosaic", config=MosaicConfig(block_kv=128, num_stages=3))
   with pytest.raises(Exception, match="shared memory"):
-    _export(fn, q, q, q)
+    export_for_h200(fn, q, q, q)
 
 
 def _info(**kw):
