@@ -2,6 +2,8 @@
 
 Run on the GPU machine: PYTHONPATH=. python3 scripts/triton_sweep.py --json $OUT/sweep.json
 Its winners go into pallas_flash/triton/config.py:TUNED with the date and this command.
+`--features plain,softcap,dropout` sweeps the same configs with soft-capping (30) or dropout
+(0.1) on, `--short` a pruned forward list, `--causal yes|no|both` the masking.
 """
 
 from __future__ import annotations
@@ -28,10 +30,15 @@ BWD = [dict(block_q_dkv=a, block_kv_dkv=b, block_q_dq=c, block_kv_dq=d, num_warp
                                  (32, 128, 128, 32, 4, 2))]
 
 
-def _run(spec, mode, causal, cfg):
+FWD_SHORT = [FWD[i] for i in (4, 0, 1, 7)]
+FEATURES = {"plain": {}, "softcap": {"logits_soft_cap": 30.0},
+            "dropout": {"dropout_rate": 0.1, "dropout_rng": jax.random.key(0)}}
+
+
+def _run(spec, mode, causal, cfg, feature="plain"):
   def attn(q, k, v):
     return pallas_flash.flash_attention(q, k, v, is_causal=causal, implementation="triton",
-                                        config=cfg)
+                                        config=cfg, **FEATURES[feature])
 
   def step(q, k, v, do):
     if mode == "fwd":
@@ -49,28 +56,34 @@ def main():
   parser.add_argument("--json")
   parser.add_argument("--mode", default="fwd,fwdbwd")
   parser.add_argument("--shapes", default="b4_t4k_h16_d128", help="comma-separated shape names")
+  parser.add_argument("--features", default="plain", help=f"comma list of {sorted(FEATURES)}")
+  parser.add_argument("--causal", default="both", choices=("yes", "no", "both"))
+  parser.add_argument("--short", action="store_true", help="the pruned forward config list")
   args = parser.parse_args()
-  specs = {s.name: s for s in shapes.select_shapes("anchors")}
+  specs = {s.name: s for s in shapes.select_shapes("anchors,features")}
+  causals = {"yes": (True,), "no": (False,), "both": (False, True)}[args.causal]
   rows = []
   for name in args.shapes.split(","):
     spec = specs[name]
-    for causal in (False, True):
-      for mode in args.mode.split(","):
-        base = default_config(spec.head_dim, causal, jnp.bfloat16)
-        variants = FWD if mode == "fwd" else BWD
-        for v in variants:
-          cfg = dataclasses.replace(base, **v)
-          try:
-            tf = _run(spec, mode, causal, cfg)
-          except Exception as e:  # noqa: BLE001 (a config that fails to compile is a result)
-            tf = None
-            print(f"  {name} {mode} causal={causal} {v}: {type(e).__name__}: {str(e)[:120]}")
-          rows.append(dict(shape=name, mode=mode, causal=causal, tflops=tf, **v))
-          print(f"{name:20s} {mode:6s} causal={causal!s:5s} {tf if tf is None else round(tf, 1)!s:>7s}"
-                f"  {v}", flush=True)
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(rows, f, indent=1)
+    for feature in args.features.split(","):
+      for causal in causals:
+        for mode in args.mode.split(","):
+          base = default_config(spec.head_dim, causal, jnp.bfloat16)
+          variants = (FWD_SHORT if args.short else FWD) if mode == "fwd" else BWD
+          for v in variants:
+            cfg = dataclasses.replace(base, **v)
+            try:
+              tf = _run(spec, mode, causal, cfg, feature)
+            except Exception as e:  # noqa: BLE001 (a config that fails to compile is a result)
+              tf = None
+              print(f"  {name} {mode} causal={causal} {v}: {type(e).__name__}: {str(e)[:120]}")
+            rows.append(dict(shape=name, feature=feature, mode=mode, causal=causal, tflops=tf,
+                             **v))
+            print(f"{name:18s} {feature:8s} {mode:6s} causal={causal!s:5s} "
+                  f"{tf if tf is None else round(tf, 1)!s:>7s}  {v}", flush=True)
+            if args.json:  # rewritten after every row: a run cut short keeps what it measured
+              with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

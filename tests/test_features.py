@@ -107,8 +107,31 @@ def test_rows_that_see_nothing_give_zeros_and_zero_gradients(impl):
   assert np.all(np.asarray(grads[0])[:, 26:] == 0)
 
 
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("cap", [50.0, 70.0])  # under / over triton's FIXED_MAX_SOFTCAP
+def test_softcap_saturated_rows(impl, cap):
+  # Scores far beyond ±cap: rows whose every logit saturates near -cap (the fixed-max forward's
+  # smallest probabilities, 2**-72 at cap 50) next to rows saturating near +cap.
+  case = Case(batch=1, q_len=48, kv_len=40, num_heads=2, num_kv_heads=2, head_dim=16)
+  (q, k, v, do), _ = make_inputs(case)
+  direction = jax.random.normal(jax.random.key(5), (16,))
+  k = k + 40.0 * direction
+  q = q + 40.0 * direction * jnp.where(jnp.arange(48) % 2 == 0, 1.0, -1.0)[None, :, None, None]
+  (o, lse), grads = run(impl, q, k, v, do, config=SMALL[impl], logits_soft_cap=cap)
+  (o_ref, lse_ref), grads_ref = run("reference", q, k, v, do, logits_soft_cap=cap)
+  assert_close_to_ref("out", o, o_ref, 1e-4)
+  assert_close_to_ref("lse", lse, lse_ref, 1e-5)
+  for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+    assert_close_to_ref(name, g, g_ref, 1e-3)
+
+
 # ---------------------------------------------------------------------------------------------
 # Dropout: statistics of the hash, reproducibility, independence of block sizes
+
+
+def _correlation(a, b) -> float:
+  a, b = a - a.mean(), b - b.mean()
+  return float((a * b).mean() / np.sqrt((a * a).mean() * (b * b).mean()))
 
 
 def test_dropout_mask_statistics():
@@ -120,6 +143,18 @@ def test_dropout_mask_statistics():
     for axis in (1, 2, 3):
       fractions = keep.mean(axis=tuple(a for a in range(4) if a != axis))
       assert np.abs(fractions - (1 - rate)).max() < 0.05, (axis, fractions)
+    # Neighbours (next / 64th / 128th column, next row, next head) are uncorrelated: 2**19
+    # pairs put the noise near 1.5e-3.
+    x = keep.astype(np.float64)
+    pairs = {f"col+{d}": (x[..., :-d], x[..., d:]) for d in (1, 64, 128)}
+    pairs.update({"row+1": (x[:, :, :-1], x[:, :, 1:]), "head+1": (x[:, :-1], x[:, 1:])})
+    for name, (a, b) in pairs.items():
+      assert abs(_correlation(a, b)) < 1e-2, (rate, name, _correlation(a, b))
+    # 2x2 rectangles: the keys enter algebraically (a product), so check that the parity of
+    # four corners is what independent coin flips give, 1/2 (1 - (1 - 2 rate)^4).
+    parity = (keep[..., ::2, ::2] ^ keep[..., 1::2, ::2] ^ keep[..., ::2, 1::2]
+              ^ keep[..., 1::2, 1::2]).mean()
+    assert abs(parity - (1 - (1 - 2 * rate) ** 4) / 2) < 1e-2, (rate, parity)
   same = dropout.keep_mask(dropout.seed_from_rng(jax.random.key(0)), 1, 2, 64, 64, 0.5)
   other = dropout.keep_mask(dropout.seed_from_rng(jax.random.key(1)), 1, 2, 64, 64, 0.5)
   np.testing.assert_array_equal(np.asarray(same), np.asarray(keep[:1, :2, :64, :64]))

@@ -48,6 +48,8 @@ SHAPES: tuple[ShapeSpec, ...] = (
     _spec("b1_t16k_h16_d128", 1, 16384, 16, 128, "anchors"),
     _spec("b4_t4k_h32_d64", 4, 4096, 32, 64, "anchors", "quick"),
     _spec("b1_t32k_h16_d128", 1, 32768, 16, 128, "long"),
+    # The soft-cap / ALiBi / dropout rows of scripts/features_bench.py (causal there).
+    _spec("b1_t8k_h16_d128", 1, 8192, 16, 128, "features"),
     _spec("cpu_t128", 1, 128, 2, 64, "cpu"),
     _spec("cpu_t96", 2, 96, 2, 32, "cpu"),
 )

@@ -19,6 +19,9 @@ from pallas_flash.triton.config import TritonConfig, default_config
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MAX_HEAD_DIM = 256
+# Largest soft-cap for which the forward skips the running max (KernelParams.fixed_max):
+# probabilities stay within [2**-87, 2**87], and l, acc far below float32's 2**128.
+FIXED_MAX_SOFTCAP = 60.0
 SUPPORTED_FEATURES = frozenset({"local_window_size", "logits_soft_cap", "alibi_slopes", "dropout",
                                 "bias", "mask", "block_mask"})
 
@@ -45,6 +48,11 @@ class KernelParams:
   # rounding of 16-bit inputs) instead of exp2 plus an IEEE division: False for float32 inputs
   # and in the interpreter, which cannot run inline PTX.
   approx_tanh: bool = False
+  # Soft-capped scores are bounded, |s| <= softcap·log2(e), so the forward can use 0 as a fixed
+  # softmax max (exp2(s) stays within float32 and bfloat16 range for softcap <= 60) and skip the
+  # running max and every rescale of l and acc. Not with ALiBi / bias (unbounded) or float16
+  # (P cast to float16 would overflow above 65504).
+  fixed_max: bool = False
   has_bias: bool = False
   bias_per_batch: bool = False  # the bias has a batch axis (else it broadcasts over batch)
   bias_per_head: bool = False
@@ -60,6 +68,10 @@ class KernelParams:
                band=params.band, has_mask=params.has_mask, softcap=params.logits_soft_cap,
                has_alibi=params.has_alibi, dropout_rate=params.dropout_rate,
                approx_tanh=not interpret and jnp.dtype(dtype).itemsize == 2,
+               fixed_max=(params.logits_soft_cap is not None
+                          and params.logits_soft_cap <= FIXED_MAX_SOFTCAP
+                          and not params.has_alibi and not params.has_bias
+                          and jnp.dtype(dtype) != jnp.float16),
                has_bias=params.has_bias, **kwargs)
 
   @property

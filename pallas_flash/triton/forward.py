@@ -53,23 +53,32 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, bias_ref, mask_ref, slopes_
       mask = common.block_mask(q_pos, kv_pos, q_seg, ks_ref[kv_slice] if p.has_segments else None,
                                p, mask_ref[:, kv_slice] if p.has_mask else None,
                                fn=(fn_refs, b, qi * p.block_q, j * p.block_kv))
-      s = jnp.where(mask, s, MASK_VALUE)
-    m_next = jnp.maximum(m_prev, s.max(axis=1))
-    alpha = jnp.exp2(m_prev - m_next)  # FA2 Alg. 1: rescale what was summed under the old max
-    probs = jnp.exp2(s - m_next[:, None])
-    if masked:
-      # A row with no visible key yet has m_next == MASK_VALUE, where exp2 gives 1, not 0.
-      probs = jnp.where(mask, probs, 0.0)
-    l_next = alpha * l_prev + probs.sum(axis=1)
+    if p.fixed_max:  # bounded soft-capped scores: the max stays 0, nothing to rescale
+      m_next, alpha = m_prev, None
+      probs = jnp.exp2(s)
+      if masked:
+        probs = jnp.where(mask, probs, 0.0)
+    else:
+      if masked:
+        s = jnp.where(mask, s, MASK_VALUE)
+      m_next = jnp.maximum(m_prev, s.max(axis=1))
+      alpha = jnp.exp2(m_prev - m_next)  # FA2 Alg. 1: rescale what was summed under the old max
+      probs = jnp.exp2(s - m_next[:, None])
+      if masked:
+        # A row with no visible key yet has m_next == MASK_VALUE, where exp2 gives 1, not 0.
+        probs = jnp.where(mask, probs, 0.0)
+    l_next = l_prev + probs.sum(axis=1) if alpha is None else alpha * l_prev + probs.sum(axis=1)
     if p.dropout_rate:  # l sums every probability (the softmax); only kept ones reach V
       keep = dropout.keep_keys(row_keys[:, None], ck_ref[kv_slice][None, :], p.dropout_threshold)
       probs = jnp.where(keep, probs, 0.0)
     v = v_ref[kv_slice, :]
-    acc = alpha[:, None] * acc + common.dot(probs.astype(v.dtype), v)
+    if alpha is not None:
+      acc = alpha[:, None] * acc
+    acc = acc + common.dot(probs.astype(v.dtype), v)
     return m_next, l_next, acc
 
   d_pad = q_ref.shape[-1]
-  carry = (jnp.full((p.block_q,), MASK_VALUE, jnp.float32),
+  carry = (jnp.full((p.block_q,), 0.0 if p.fixed_max else MASK_VALUE, jnp.float32),
            jnp.zeros((p.block_q,), jnp.float32),
            jnp.zeros((p.block_q, d_pad), jnp.float32))
   if p.block_sparse:
