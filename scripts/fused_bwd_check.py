@@ -39,12 +39,17 @@ SHAPES = [  # B, T, H, D, causal (K = H, S = T, bf16)
 ]
 GQA_CHECK = (2, 2048, 16, 4, 128, True)  # B, T, H, K, D, causal: fused vs split only
 # Second pass, per head dim; each dict is applied to the fused config.
+# fused_overlap with fused_dq_shared (2 stages) is the one configuration with both the matmul
+# overlap and the double-buffered dQ staging at head_dim 128; without dq_shared it keeps one slot.
+OVERLAP = dict(fused_dq_shared=True, fused_overlap=True)
 VARIANTS = {
-    128: [dict(fused_dq_shared=True), dict(fused_dq_shared=True, fused_stages=3),
+    128: [OVERLAP, dict(fused_dq_shared=True), dict(fused_overlap=True),
+          dict(fused_dq_shared=True, fused_stages=3),
           dict(fused_dq_blocks=2),
           dict(fused_dq_shared=True, fused_stagger_q=True), dict(fused_stagger_q=True),
           dict(compute_registers=240, producer_registers=24)],
-    64: [dict(block_q_fused=128), dict(block_kv_fused=128), dict(fused_stages=3)],
+    64: [dict(fused_overlap=True), dict(block_q_fused=128), dict(block_kv_fused=128),
+         dict(fused_stages=3)],
 }
 
 
@@ -170,12 +175,15 @@ def check_gqa(run):
     split_cfg = TUNED[(d, causal)]
     out = {}
     for name, cfg in (("split", split_cfg),
-                      ("fused", dataclasses.replace(split_cfg, fused_backward=True))):
+                      ("fused", dataclasses.replace(split_cfg, fused_backward=True)),
+                      ("overlap", dataclasses.replace(split_cfg, fused_backward=True,
+                                                      **OVERLAP))):
       out[name] = jax.block_until_ready(_compiled_step(_attention("mosaic", causal, cfg),
                                                        args)(*args))
-    errs = _errors(out["fused"], out["split"])
-    run.add(shape=label, causal=causal, impl="fused", variant="gqa-check", err_vs_split=errs)
-    print(f"{label:24s} fused vs split: {_fmt_err(errs)}", flush=True)
+    for name, variant in (("fused", "gqa-check"), ("overlap", "gqa-check-overlap")):
+      errs = _errors(out[name], out["split"])
+      run.add(shape=label, causal=causal, impl="fused", variant=variant, err_vs_split=errs)
+      print(f"{label:24s} {name} vs split: {_fmt_err(errs)}", flush=True)
   except Exception as e:  # noqa: BLE001
     run.add(shape=label, causal=causal, impl="fused", variant="gqa-check",
             error=_fail(label, e))

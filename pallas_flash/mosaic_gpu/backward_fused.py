@@ -19,7 +19,10 @@ bitwise reproducible one.
 Options (MosaicConfig): `fused_dq_shared` lets the two consumer WGs share one dQ_part per step,
 each computing half of D's columns from both dSᵀ tiles (FA3's split: half the reduce traffic,
 smaller accumulators, one 2-WG barrier per step); `fused_dq_blocks` computes dQ_part in column
-blocks (fewer live registers); `fused_stagger_q` rotates the q-block order per kv tile.
+blocks (fewer live registers); `fused_stagger_q` rotates the q-block order per kv tile;
+`fused_overlap` runs `_overlapped_step`: FA3's intra-warpgroup overlap (Pᵀ while dPᵀ runs, dV
+while dSᵀ is computed, dQ_part stored while dK runs) and a double-buffered dQ staging buffer
+where shared memory allows (`dq_slots`).
 
 In interpret mode (the interpreter has no TMA reductions, register-operand wgmma or `run_state`
 accumulators), each warpgroup read-modify-writes its own slice of a [2, ...] dQ buffer (grid
@@ -52,13 +55,24 @@ _SMEM_SLACK_BYTES = 1024
 
 
 def smem_bytes(d: int, block_q: int, block_kv: int, stages: int, itemsize: int = 2, *,
-               dq_shared: bool = False) -> int:
-  """Shared memory of one CTA: K/V of both WGs, the Q/dO/lse/delta ring, dSᵀ and dQ (f32)."""
+               dq_shared: bool = False, dq_slots: int = 1) -> int:
+  """Shared memory of one CTA: K/V of both WGs, the Q/dO/lse/delta ring, dSᵀ and dQ (f32,
+  `dq_slots` buffers per WG)."""
   kv = 2 * 2 * block_kv * d * itemsize
   ring = stages * (2 * block_q * d * itemsize + 2 * block_q * 4)
   ds = (2 if dq_shared else 1) * 2 * block_kv * block_q * itemsize
-  dq = 2 * block_q * (d // 2 if dq_shared else d) * 4
+  dq = dq_slots * 2 * block_q * (d // 2 if dq_shared else d) * 4
   return kv + ring + ds + dq + _SMEM_SLACK_BYTES
+
+
+def dq_slots(d: int, config: MosaicConfig, itemsize: int = 2) -> int:
+  """dQ_part staging buffers per WG: 2 (double-buffered) with fused_overlap where they fit
+  in shared memory, else 1."""
+  if not config.fused_overlap:
+    return 1
+  two = smem_bytes(d, config.block_q_fused, config.block_kv_fused, config.fused_stages,
+                   itemsize, dq_shared=config.fused_dq_shared, dq_slots=2)
+  return 2 if two <= SMEM_LIMIT_BYTES else 1
 
 
 def unsupported_reason(q, config: MosaicConfig) -> str | None:
@@ -73,8 +87,12 @@ def unsupported_reason(q, config: MosaicConfig) -> str | None:
   if config.fused_dq_shared and (d % 128 or config.fused_dq_blocks != 1):
     return (f"fused_dq_shared needs head_dim a multiple of 128 (got {d}; each WG takes D/2 "
             "columns, a multiple of the 64-element swizzle width) and fused_dq_blocks 1")
+  if config.fused_overlap and config.fused_dq_blocks != 1:
+    return (f"fused_overlap needs fused_dq_blocks 1 (got {config.fused_dq_blocks}): it issues "
+            "dQ_part as one accumulator next to dK")
   need = smem_bytes(d, config.block_q_fused, config.block_kv_fused, config.fused_stages,
-                    jnp.dtype(q.dtype).itemsize, dq_shared=config.fused_dq_shared)
+                    jnp.dtype(q.dtype).itemsize, dq_shared=config.fused_dq_shared,
+                    dq_slots=dq_slots(d, config, jnp.dtype(q.dtype).itemsize))
   if need > SMEM_LIMIT_BYTES:
     return (f"needs about {need} B of shared memory (head_dim {d}, block_q_fused "
             f"{config.block_q_fused}, block_kv_fused {config.block_kv_fused}, fused_stages "
@@ -152,6 +170,78 @@ def _gradient_matmuls(dv, dk, p_t, ds_smem, q_smem, do_smem, dq_plan, p_staging,
   return pl.run_state(mm_blocked)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
 
 
+def _probs_t(s_t, lse, k0, mask_block, kp: _common.KernelParams):
+  """Pᵀ = exp2(Sᵀ·c − lse2) [block_kv, block_q] with invisible entries 0 (as in backward.py)."""
+  p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+  if mask_block is not None:
+    visible = _common.visible(k0, mask_block() * kp.block_q, (kp.block_kv, kp.block_q), kp,
+                              transposed=True)
+    p_t = jnp.where(visible, p_t, 0.0)
+  return p_t
+
+
+def _overlapped_step(dv, dk, tiles, stats, ds_smem, dq_terms, dq_shape, k0, mask_block, hooks,
+                     p_staging, kp: _common.KernelParams):
+  """One fused_overlap step: all five matmuls with FA3's intra-warpgroup overlap.
+
+  tiles: this step's (k, v, q, do) SMEM tiles; stats: () -> (lse2, delta) column vectors
+  (read while Sᵀ and dPᵀ run). wgmma groups retire in issue order, so a wait for "all but
+  the newest n" retires exactly the older ones:
+
+    issue Sᵀ, dPᵀ | wait 1: Sᵀ -> Pᵀ | issue dV += Pᵀ·dO | wait 1: dPᵀ -> dSᵀ -> SMEM
+    issue dQ_part = dS·K (dq_terms), dK += dSᵀ·Q | wait 1: dV, dQ_part -> release dO,
+    reduce_dq(dQ_part) while dK runs | wait 0 (run_state exit) -> release Q.
+
+  hooks: (sync_ds, reduce_dq, release_do, release_q). Interpret mode keeps the order but its
+  matmuls are synchronous (dV through p_staging, dK through SMEM operands).
+  """
+  k_smem, v_smem, q_smem, do_smem = tiles
+  sync_ds, reduce_dq, release_do, release_q = hooks
+  acc_t = plgpu.ACC((kp.block_kv, kp.block_q), jnp.float32)
+
+  def grads(dv_mm, dk_mm):
+    def scores(s_ref, dp_ref):
+      plgpu.wgmma(s_ref, k_smem, q_smem.T)
+      plgpu.wgmma(dp_ref, v_smem, do_smem.T)
+      lse, delta = stats()
+      p_t = _probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), lse, k0, mask_block, kp)
+      dv_out = dv_mm(p_t.astype(kp.dtype))
+      dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)
+      return dv_out, p_t * (dp_t - lax.broadcast_in_dim(delta, p_t.shape, [1]))
+
+    dv_out, ds_t = pl.run_scoped(scores, acc_t, acc_t)
+    # dSᵀ in SMEM serves dK (as is) and dQ (its transposed view); wgmma reads it through the
+    # async proxy, hence the fence.
+    ds_smem[...] = ds_t.astype(kp.dtype)
+    plgpu.commit_smem()
+    sync_ds()
+
+    def dq_mm(dq_ref):
+      for a, b in dq_terms:
+        plgpu.wgmma(dq_ref, a, b)
+      dk_out = dk_mm()
+      dq = plgpu.wgmma_accumulator_load(dq_ref, wait_n=1)
+      release_do()
+      reduce_dq(dq)
+      return dk_out
+
+    # A scoped accumulator, so dQ_part's zeros take registers only from here on.
+    return dv_out, pl.run_scoped(dq_mm, plgpu.ACC(dq_shape, jnp.float32))
+
+  if kp.interpret:
+    dv, dk = grads(lambda p_t: _common.accumulate(dv, p_t, p_staging, do_smem, kp),
+                   lambda: _accumulate_smem(dk, ds_smem, q_smem, kp))
+  else:
+    def body(refs):
+      dv_ref, dk_ref = refs
+      grads(lambda p_t: plgpu.wgmma(dv_ref, p_t, do_smem),
+            lambda: plgpu.wgmma(dk_ref, ds_smem, q_smem))
+
+    dv, dk = pl.run_state(body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+  release_q()
+  return dv, dk
+
+
 def _reduce_dq(dq_smem, dq_acc_ref, dst, wg, dq_loaded, kp: _common.KernelParams):
   """Adds dq_smem [block_q, cols] f32 (a dQ_part just written) into dq_acc_ref[dst]."""
   plgpu.commit_smem()
@@ -173,7 +263,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                       ds_scratch, dq_scratch, p_scratch, kv_ready, q_ready, do_ready, lse_ready,
                       delta_ready, q_free, do_free, lse_free, delta_free, dq_loaded, ds_ready,
                       kv_done, *, kp: _common.KernelParams, stagger_q: bool, dq_blocks: int,
-                      dq_shared: bool):
+                      dq_shared: bool, overlap: bool = False, dq_slots: int = 1):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   Grid (Sp / (2·block_kv), K, B). dq_acc_ref [B, Tp, H, D] f32 (a zeroed buffer the kernel adds
@@ -188,6 +278,9 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   dq_shared: the CTA's two WGs compute one dQ_part over all 2·block_kv keys, each WG the
   product for half of D's columns from both WGs' dSᵀ (FA3's split): half the reduce-add traffic
   and a [block_q, D/2] accumulator, for one 2-WG barrier per step.
+
+  overlap: steps run `_overlapped_step`; dq_scratch is [dq_slots, 2, block_q, D or D/2] and
+  step t stages its dQ_part in slot t % dq_slots.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   nq = kp.t_pad // bq
@@ -216,7 +309,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
     rows = (b, pl.ds(k0, bkv), kvh)
     _load_kv_tiles(k_ref, v_ref, k_smem, v_smem, kv_ready, wg, rows)
 
-    def dq_plan(t):
+    def dq_plan(t, dq_smem=dq_smem):
       """Where this WG's dQ_part goes (see _gradient_matmuls) and its dq_acc_ref index."""
       i, h = index(t)
       q_rows = (b, pl.ds(i * bq, bq), h)
@@ -235,7 +328,47 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       blocks = [pl.ds(c * width, width) for c in range(dq_blocks)]
       return [(dq_smem.at[:, c], [(ds.T, k_smem.at[:, c])]) for c in blocks], q_rows
 
+    def overlapped_step(t, carry, *, masked: bool):
+      dk, dv = carry
+      slot = lax.rem(t, stages)
+      i, _ = index(t)
+      q_smem, do_smem = _wait_streams(streams, slot)
+      (_, lse_scratch, _, lse_free), (_, delta_scratch, _, delta_free) = streams[2:]
+
+      def stats():
+        lse = plgpu.load(lse_scratch.at[slot], layout=_common.COL)
+        delta = plgpu.load(delta_scratch.at[slot], layout=_common.COL)
+        plgpu.barrier_arrive(lse_free.at[slot])
+        plgpu.barrier_arrive(delta_free.at[slot])
+        return lse, delta
+
+      ds_smem = ds_scratch.at[lax.rem(t, 2), wg] if dq_shared else ds_scratch.at[wg]
+      dq_smem = dq_scratch.at[lax.rem(t, dq_slots), wg]
+      [(out, terms)], dst = dq_plan(t, dq_smem)
+
+      def sync_ds():
+        if dq_shared:  # as in `step`
+          plgpu.barrier_arrive(ds_ready)
+          plgpu.barrier_wait(ds_ready)
+
+      def reduce_dq(dq):
+        if not kp.interpret:
+          # The reduction that last read this slot was issued dq_slots steps ago; with 2 slots
+          # the previous step's may still be reading the other one.
+          plgpu.wait_smem_to_gmem(dq_slots - 1, wait_read_only=True)
+        out[...] = dq
+        _reduce_dq(out, dq_acc_ref, dst, wg, _at(dq_loaded, wg), kp)
+
+      hooks = (sync_ds, reduce_dq, lambda: plgpu.barrier_arrive(do_free.at[slot]),
+               lambda: plgpu.barrier_arrive(q_free.at[slot]))
+      dv, dk = _overlapped_step(dv, dk, (k_smem, v_smem, q_smem, do_smem), stats, ds_smem,
+                                terms, out.shape, k0, (lambda: i) if masked else None, hooks,
+                                _at(p_scratch, wg), kp)
+      return dk, dv
+
     def step(t, carry, *, masked: bool):
+      if overlap:
+        return overlapped_step(t, carry, masked=masked)
       dk, dv = carry
       slot = lax.rem(t, stages)
       i, _ = index(t)
@@ -301,7 +434,8 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
 
 
 def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q: bool = False,
-               dq_blocks: int = 1, dq_shared: bool = False):
+               dq_blocks: int = 1, dq_shared: bool = False, overlap: bool = False,
+               dq_slots: int = 1):
   """Padded q/do [B, Tp, H, D], k/v [B, Sp, K, D], lse2/delta [B, H, Tp] ->
   (dq_acc [B, Tp, H, D] f32 unscaled, dk [B, Sp, K, D] scaled, dv [B, Sp, K, D])."""
   bsz, s_pad, kh, d = k.shape
@@ -317,8 +451,8 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
       plgpu.SMEM((stages, bq), jnp.float32),
       plgpu.SMEM((stages, bq), jnp.float32),
       plgpu.SMEM((2, 2, bkv, bq) if dq_shared else (2, bkv, bq), kp.dtype, transforms=tiles),
-      plgpu.SMEM((2, bq, d // 2 if dq_shared else d), jnp.float32,
-                 transforms=_common.smem_transforms(jnp.float32)),
+      plgpu.SMEM(((dq_slots,) if overlap else ()) + (2, bq, d // 2 if dq_shared else d),
+                 jnp.float32, transforms=_common.smem_transforms(jnp.float32)),
       plgpu.SMEM((2, bkv, bq), kp.dtype, transforms=tiles) if kp.interpret else None,
       plgpu.Barrier(num_barriers=(2, 2)),
       ring(), ring(), ring(), ring(), free(), free(), free(), free(),
@@ -332,7 +466,7 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
   dk, dv = plgpu.kernel(
       functools.partial(_bwd_fused_kernel, kp=kp, stagger_q=stagger_q, dq_blocks=dq_blocks,
-                        dq_shared=dq_shared),
+                        dq_shared=dq_shared, overlap=overlap, dq_slots=dq_slots),
       out_type=(kv_out, kv_out),
       scratch_types=scratch,
       grid=(s_pad // (2 * bkv), kh, bsz), grid_names=("kt", "kvh", "b"),
@@ -368,6 +502,8 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
   dq_acc, dk, dv = fused_call(qp, kpad, vpad, dop, lse2, delta, kp=kp,
                               stagger_q=config.fused_stagger_q and not params.is_causal,
                               dq_blocks=config.fused_dq_blocks,
-                              dq_shared=config.fused_dq_shared)
+                              dq_shared=config.fused_dq_shared,
+                              overlap=config.fused_overlap,
+                              dq_slots=dq_slots(q.shape[3], config, jnp.dtype(q.dtype).itemsize))
   dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)
   return dq, dk[:, :s], dv[:, :s]

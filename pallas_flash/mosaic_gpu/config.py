@@ -47,6 +47,13 @@ class MosaicConfig:
       from both WGs' dSᵀ (FA3's split). Halves the dQ reduce-add traffic and the dQ_part
       registers (~32 per thread at head_dim 128) for one 2-WG barrier per step; causal CTAs
       run their later WG through the earlier WG's extra (masked, zero) steps.
+    fused_overlap: fused backward, fused_dq_blocks 1: overlap within each consumer warpgroup
+      as FA3 does. Pᵀ is computed while dPᵀ = V·dOᵀ is still running, dV += Pᵀ·dO runs while
+      dSᵀ is computed, dQ_part and dK += dSᵀ·Q are issued back to back (dQ_part is stored
+      while dK runs), and the dQ staging buffer is double-buffered so that a step's TMA
+      reduce-add overlaps the next step. At head_dim 128 only fused_dq_shared with 2 stages
+      has room for the second dQ slot (~226 KiB of shared memory); other configurations keep
+      one slot and get only the matmul overlap.
     interpret: run in the Mosaic GPU interpreter (CPU). Also switches the register-operand wgmma
       and `run_state` accumulators, which the interpreter cannot run, to operands staged through
       shared memory and scoped accumulators: same math, slower kernel.
@@ -68,6 +75,7 @@ class MosaicConfig:
   fused_stagger_q: bool = False
   fused_dq_blocks: int = 1
   fused_dq_shared: bool = False
+  fused_overlap: bool = False
   compute_registers: int = 232
   producer_registers: int = 40
   interpret: bool = False

@@ -54,10 +54,11 @@ def _lower_id(c):
   return "b{}_t{}_s{}_h{}:{}_d{}".format(*c[:6]) + ("_causal" if c[6] else "")
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
 @pytest.mark.parametrize("case", LOWER, ids=_lower_id)
-def test_fused_grad_lowers_as_one_backward_kernel(case):
+def test_fused_grad_lowers_as_one_backward_kernel(case, overlap):
   b, t, s, h, kh, d, causal = case
-  text = _grad_module(b, t, s, h, kh, d, causal, _fused(d, causal))
+  text = _grad_module(b, t, s, h, kh, d, causal, _fused(d, causal, fused_overlap=overlap))
   # Forward + fused backward; the split backward would add a third kernel.
   assert _mosaic_calls(text) == 2
   # The zeroed float32 dQ buffer is passed by reference and aliased to a kernel output.
@@ -75,9 +76,13 @@ def test_hd256_uses_the_blockwise_backward(causal):
     (64, dict(block_q_fused=128)), (64, dict(block_kv_fused=128)), (64, dict(fused_stages=3)),
     (64, dict(fused_stagger_q=True)), (128, dict(fused_dq_blocks=2)),
     (128, dict(compute_registers=240, producer_registers=24)), (128, dict(fused_dq_shared=True)),
-    (128, dict(fused_dq_shared=True, fused_stages=3))],
+    (128, dict(fused_dq_shared=True, fused_stages=3)),
+    (64, dict(fused_overlap=True, fused_stages=3)),
+    (128, dict(fused_overlap=True, fused_dq_shared=True, fused_stagger_q=True)),
+    (128, dict(fused_overlap=True, fused_dq_shared=True, fused_stages=3))],
     ids=["d64_bq128", "d64_bkv128", "d64_stages3", "d64_stagger", "d128_dq_blocks2",
-         "d128_regs240", "d128_dq_shared", "d128_dq_shared_stages3"])
+         "d128_regs240", "d128_dq_shared", "d128_dq_shared_stages3", "d64_overlap_stages3",
+         "d128_overlap_dq_shared_stagger", "d128_overlap_dq_shared_stages3"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fused_variants_lower(d, kw, causal):
   text = _grad_module(1, 1000, 1000, 4, 2, d, causal, _fused(d, causal, **kw))
@@ -97,6 +102,26 @@ def test_too_much_smem_falls_back_to_split_with_a_warning():
 def test_smem_estimate_fits(d, stages):
   q = jax.ShapeDtypeStruct((1, 1024, 4, d), jnp.bfloat16)
   assert backward_fused.unsupported_reason(q, _fused(d, False, fused_stages=stages)) is None
+
+
+@pytest.mark.parametrize("d,kw,slots", [
+    (64, dict(), 2), (64, dict(fused_stages=3), 2),
+    # head_dim 128: a second [block_q, D] f32 slot per WG (64 KiB) does not fit next to the
+    # rest (~210 KiB); with fused_dq_shared the slots are [block_q, D/2] and 2 stages fit.
+    (128, dict(), 1), (128, dict(fused_dq_shared=True), 2),
+    (128, dict(fused_dq_shared=True, fused_stages=3), 1)])
+def test_overlap_double_buffers_dq_where_it_fits(d, kw, slots):
+  q = jax.ShapeDtypeStruct((1, 1024, 4, d), jnp.bfloat16)
+  config = _fused(d, False, fused_overlap=True, **kw)
+  assert backward_fused.dq_slots(d, config) == slots
+  assert backward_fused.unsupported_reason(q, config) is None
+  assert backward_fused.dq_slots(d, dataclasses.replace(config, fused_overlap=False)) == 1
+
+
+def test_overlap_needs_one_dq_block():
+  q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
+  config = _fused(128, False, fused_overlap=True, fused_dq_blocks=2)
+  assert "fused_overlap" in backward_fused.unsupported_reason(q, config)
 
 
 @pytest.mark.parametrize("kw,expected", [
@@ -134,6 +159,14 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
     (1, 190, 130, 4, 2, 128, True, jnp.float16, dict(fused_dq_shared=True)),
     (1, 130, 260, 2, 1, 128, True, jnp.bfloat16, dict(fused_dq_shared=True)),
     (1, 200, 260, 2, 2, 128, False, jnp.float16, dict(fused_dq_shared=True, fused_stagger_q=True)),
+    # fused_overlap: reordered matmuls and stats, double-buffered dQ staging (one slot at
+    # head_dim 128 without fused_dq_shared).
+    (1, 190, 130, 8, 2, 64, True, jnp.bfloat16, dict(fused_overlap=True)),
+    (1, 200, 260, 2, 1, 64, False, jnp.float16, dict(fused_overlap=True, fused_stages=3)),
+    (1, 130, 200, 4, 1, 128, False, jnp.bfloat16, dict(fused_overlap=True)),
+    (1, 190, 130, 4, 2, 128, True, jnp.float16, dict(fused_overlap=True, fused_dq_shared=True)),
+    (1, 200, 260, 2, 2, 128, False, jnp.bfloat16,
+     dict(fused_overlap=True, fused_dq_shared=True, fused_stagger_q=True)),
 ]
 
 
