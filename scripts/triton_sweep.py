@@ -27,7 +27,9 @@ BWD = [dict(block_q_dkv=a, block_kv_dkv=b, block_q_dq=c, block_kv_dq=d, num_warp
             num_stages_bwd=st)
        for a, b, c, d, w, st in ((64, 64, 64, 64, 4, 2), (32, 64, 64, 32, 4, 2),
                                  (64, 128, 128, 64, 8, 2), (32, 128, 128, 32, 8, 2),
-                                 (32, 128, 128, 32, 4, 2))]
+                                 (32, 128, 128, 32, 4, 2), (64, 64, 64, 64, 8, 2),
+                                 (64, 64, 64, 64, 4, 3), (64, 64, 64, 64, 8, 3))]
+BWD_EXTRA = BWD[5:]  # --bwd-extra: only the variants added after the first sweep
 
 
 FWD_SHORT = [FWD[i] for i in (4, 0, 1, 7)]
@@ -59,6 +61,7 @@ def main():
   parser.add_argument("--features", default="plain", help=f"comma list of {sorted(FEATURES)}")
   parser.add_argument("--causal", default="both", choices=("yes", "no", "both"))
   parser.add_argument("--short", action="store_true", help="the pruned forward config list")
+  parser.add_argument("--bwd-extra", action="store_true", help="only BWD_EXTRA backward configs")
   args = parser.parse_args()
   specs = {s.name: s for s in shapes.select_shapes("anchors,features")}
   causals = {"yes": (True,), "no": (False,), "both": (False, True)}[args.causal]
@@ -68,8 +71,10 @@ def main():
     for feature in args.features.split(","):
       for causal in causals:
         for mode in args.mode.split(","):
-          base = default_config(spec.head_dim, causal, jnp.bfloat16)
-          variants = (FWD_SHORT if args.short else FWD) if mode == "fwd" else BWD
+          base = default_config(spec.head_dim, causal, jnp.bfloat16,
+                                feature=None if feature == "plain" else feature)
+          variants = ((FWD_SHORT if args.short else FWD) if mode == "fwd" else
+                      BWD_EXTRA if args.bwd_extra else BWD)
           for v in variants:
             cfg = dataclasses.replace(base, **v)
             try:

@@ -128,7 +128,20 @@ def fit_block(block: int, n: int) -> int:
 
 def resolve_config(q: jax.Array, params: AttentionParams, config: TritonConfig | None):
   """The config to run with, blocks shrunk to fit short sequences."""
-  return config or default_config(padded_head_dim(q.shape[-1]), params.is_causal, q.dtype)
+  return config or default_config(padded_head_dim(q.shape[-1]), params.is_causal, q.dtype,
+                                  feature=tuned_feature(params))
+
+
+def tuned_feature(params: AttentionParams) -> str | None:
+  """The feature whose tiles the call takes from config.FEATURE_TUNED: soft-capping or dropout
+  alone (combinations and ALiBi / bias keep the plain tiles)."""
+  if params.has_alibi or params.has_bias:
+    return None
+  if params.logits_soft_cap is not None and not params.dropout_rate:
+    return "softcap"
+  if params.dropout_rate and params.logits_soft_cap is None:
+    return "dropout"
+  return None
 
 
 def pad_inputs(q, k, v, q_seg, kv_seg, *, q_multiple: int, kv_multiple: int):

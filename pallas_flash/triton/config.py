@@ -72,12 +72,29 @@ TUNED: dict[tuple[int, bool, int], TritonConfig] = {
 }
 
 
-def default_config(head_dim_padded: int, is_causal: bool, dtype) -> TritonConfig:
-  """The tuned config for this call, or a heuristic one for untuned keys (e.g. float32)."""
+# Forward tiles for calls whose per-element work differs from plain attention, keyed by
+# (feature, head_dim_padded, is_causal, dtype itemsize); the backward keeps TUNED's (its sweep
+# with the feature on picked the same backward tiles). Measured on one H200, 2026-11-29,
+# commit ba77277: `scripts/triton_sweep.py --shapes b1_t8k_h16_d128 --features softcap,dropout
+# --causal yes --short` (docs/results/2026-11-29-s3/): soft-cap 30 forward TFLOP/s
+#   64x64 4w 3st 380.8, 128x128 8w 3st 353.7, 128x64 8w 353.3, 128x64 4w 334.1
+# (dropout 0.1 kept 128x128 8w: 325.7 vs 321.7 at 64x64).
+FEATURE_TUNED: dict[tuple[str, int, bool, int], dict] = {
+    ("softcap", 128, True, 2): dict(block_q=64, block_kv=64, num_warps=4, num_stages=3),
+}
+
+
+def default_config(head_dim_padded: int, is_causal: bool, dtype,
+                   feature: str | None = None) -> TritonConfig:
+  """The tuned config for this call, or a heuristic one for untuned keys (e.g. float32).
+
+  feature: "softcap" / "dropout" when the call has that feature (see FEATURE_TUNED).
+  """
   itemsize = jnp.dtype(dtype).itemsize
   key = (head_dim_padded, is_causal, itemsize)
   if key in TUNED:
-    return TUNED[key]
+    override = FEATURE_TUNED.get((feature, *key))
+    return dataclasses.replace(TUNED[key], **override) if override else TUNED[key]
   # float32 tiles take twice the registers and shared memory of 16-bit ones.
   if head_dim_padded >= 256 or itemsize == 4 and head_dim_padded >= 128:
     return TUNED[(256, is_causal, 2)]
