@@ -286,3 +286,20 @@ def test_explain_takes_shapes_for_every_argument():
       alibi_slopes=jax.ShapeDtypeStruct((4,), jnp.float32), dropout_rate=0.1,
       dropout_rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
   assert ex.chosen == "xla"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense_bias_and_mask_tiles_fit_shared_memory(head_dim, causal):
+  # Triton buffers every pipelined load num_stages times; with a float32 bias and an int8 mask
+  # tile next to K and V the forward's default tiles overflowed the H200's 227 KiB at hd128.
+  from pallas_flash.params import AttentionParams
+  from pallas_flash.triton import common as triton_common
+  params = AttentionParams(scale=1.0, is_causal=causal, has_segments=False, has_bias=True,
+                           has_mask=True)
+  assert triton_common.tuned_feature(params) == "dense"
+  q = jnp.zeros((1, 16, 1, head_dim), jnp.bfloat16)
+  cfg = triton_common.resolve_config(q, params, None)
+  per_stage = (2 * cfg.block_kv * head_dim * 2  # K and V, bf16
+               + cfg.block_q * cfg.block_kv * (4 + 1))  # float32 bias, int8 mask
+  assert cfg.num_stages * per_stage + cfg.block_q * head_dim * 2 <= 200 * 1024, cfg

@@ -133,9 +133,12 @@ def resolve_config(q: jax.Array, params: AttentionParams, config: TritonConfig |
 
 
 def tuned_feature(params: AttentionParams) -> str | None:
-  """The feature whose tiles the call takes from config.FEATURE_TUNED: soft-capping or dropout
-  alone (combinations and ALiBi / bias keep the plain tiles)."""
-  if params.has_alibi or params.has_bias:
+  """The feature whose tiles the call takes from config.FEATURE_TUNED: a dense bias or mask
+  (whatever else is on: their tiles must fit in shared memory), else soft-capping or dropout
+  alone (other combinations and ALiBi keep the plain tiles)."""
+  if params.has_bias or params.has_mask:
+    return "dense"
+  if params.has_alibi:
     return None
   if params.logits_soft_cap is not None and not params.dropout_rate:
     return "softcap"

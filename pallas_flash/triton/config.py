@@ -79,8 +79,15 @@ TUNED: dict[tuple[int, bool, int], TritonConfig] = {
 # --causal yes --short` (docs/results/2026-11-29-s3/): soft-cap 30 forward TFLOP/s
 #   64x64 4w 3st 380.8, 128x128 8w 3st 353.7, 128x64 8w 353.3, 128x64 4w 334.1
 # (dropout 0.1 kept 128x128 8w: 325.7 vs 321.7 at 64x64).
+# Non-causal (same day, commit dff7f71): 64x64 4w 442.7, 128x128 8w 431.8, 128x64 8w 422.6.
+# "dense" (a [.., T, S] bias or mask tile streams next to K and V): 128x128 tiles with 3 stages
+# asked for 352-384 KiB of shared memory on the H200 (limit 227 KiB) in
+# tests/test_gpu_features.py; 64-key tiles and 2 stages halve the tiles and drop a buffer.
 FEATURE_TUNED: dict[tuple[str, int, bool, int], dict] = {
+    ("softcap", 128, False, 2): dict(block_q=64, block_kv=64, num_warps=4, num_stages=3),
     ("softcap", 128, True, 2): dict(block_q=64, block_kv=64, num_warps=4, num_stages=3),
+    ("dense", 128, False, 2): dict(block_kv=64, num_stages=2),
+    ("dense", 128, True, 2): dict(block_kv=64, num_stages=2),
 }
 
 
@@ -88,7 +95,7 @@ def default_config(head_dim_padded: int, is_causal: bool, dtype,
                    feature: str | None = None) -> TritonConfig:
   """The tuned config for this call, or a heuristic one for untuned keys (e.g. float32).
 
-  feature: "softcap" / "dropout" when the call has that feature (see FEATURE_TUNED).
+  feature: "dense" / "softcap" / "dropout" when the call has that feature (FEATURE_TUNED).
   """
   itemsize = jnp.dtype(dtype).itemsize
   key = (head_dim_padded, is_causal, itemsize)
