@@ -57,8 +57,8 @@ def save(results):
     json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, results=results),
               f, indent=1)
 
-SWEEP = [(4, 4096, 16, 128, False), (1, 16384, 16, 128, False), (1, 16384, 16, 128, True),
-         (4, 4096, 32, 64, False)]
+SWEEP = [(4, 4096, 16, 128, False), (4, 4096, 16, 128, True), (1, 16384, 16, 128, False),
+         (1, 16384, 16, 128, True), (4, 4096, 32, 64, False), (16, 1024, 16, 64, False)]
 
 
 def rel_err(x, ref):
@@ -128,6 +128,8 @@ def bench(results, shapes, configs=None):
     q, k, v, do = inputs(b, t, t, h, h, d, "bfloat16")
     flops = 4 * b * h * t * t * d / (2 if causal else 1)
     for mode in ("fwd", "fwdbwd"):
+      if configs and not any(mode in modes for _, _, modes in configs):
+        continue
       row = dict(kind="bench", mode=mode, shape=[b, t, h, d], causal=causal)
       impls = [("cudnn", cudnn(causal))]
       for cname, config, modes in configs or [("", None, ("fwd", "fwdbwd"))]:
@@ -179,6 +181,8 @@ def main():
   parser.add_argument("--long", action="store_true", help="causal fwd+bwd at 1M tokens")
   parser.add_argument("--skip-check", action="store_true")
   parser.add_argument("--shapes", default="", help="time only the first N shapes of BENCH")
+  parser.add_argument("--variants", default="", help="--sweep: only these comma-separated "
+                      "config names (e.g. default,overlap); `fwd:` before a name times only fwd")
   args = parser.parse_args()
   print(jax.devices()[0].device_kind, jax.__version__, flush=True)
   results = []
@@ -197,8 +201,17 @@ def main():
                  ("s3", MosaicConfig(num_stages=3), fwd),
                  ("kv192", MosaicConfig(block_kv=192), fwd),
                  ("r240", MosaicConfig(compute_registers=240, producer_registers=24), fwd),
+                 # FA3 intra-WG overlap (runs at 240/24 registers unless set otherwise).
+                 ("overlap", MosaicConfig(fwd_intra_wg_overlap=True), fwd),
+                 ("overlap_s3", MosaicConfig(fwd_intra_wg_overlap=True, num_stages=3), fwd),
                  ("bwd_s3", MosaicConfig(bwd_stages=3), fb),
                  ("dq_kv128", MosaicConfig(block_kv_dq=128), fb)]
+      if args.variants:
+        wanted = {}
+        for name in args.variants.split(","):
+          only_fwd = name.startswith("fwd:")
+          wanted[name.removeprefix("fwd:")] = only_fwd
+        configs = [(n, c, fwd if wanted[n] else m) for n, c, m in configs if n in wanted]
       bench(results, SWEEP, configs)
     else:
       bench(results, BENCH[:int(args.shapes)] if args.shapes else BENCH)

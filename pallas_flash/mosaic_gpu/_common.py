@@ -40,6 +40,7 @@ class KernelParams:
   compute_registers: int
   producer_registers: int
   interpret: bool
+  intra_wg_overlap: bool = False  # forward: MosaicConfig.fwd_intra_wg_overlap
 
   @property
   def c(self) -> float:
@@ -72,7 +73,8 @@ class KernelParams:
         scale=params.scale,
         heads_fastest=config.heads_fastest,
         compute_registers=config.compute_registers,
-        producer_registers=config.producer_registers, interpret=config.interpret)
+        producer_registers=config.producer_registers, interpret=config.interpret,
+        intra_wg_overlap=config.fwd_intra_wg_overlap)
 
 
 def config_for(q, k, params: AttentionParams) -> MosaicConfig:

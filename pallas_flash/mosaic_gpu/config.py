@@ -25,6 +25,12 @@ class MosaicConfig:
       consecutive heads (causal tiles heaviest first, an LPT order over all heads); False:
       consecutive CTAs take consecutive q tiles of one head. True measured 4-8 % faster
       non-causal on the H200 (623 vs 577 TFLOP/s at 4x4096x16x128), 8 % faster causal at 16K.
+    fwd_intra_wg_overlap: forward, FA3's intra-warpgroup 2-stage pipelining: each consumer WG
+      issues S_{j+1} = Q·K_{j+1}ᵀ together with O += P_j·V_j and runs the softmax of S_{j+1}
+      while P_j·V_j is still on the tensor cores (the ping-pong between the two WGs is kept).
+      Holds S, P and O of two steps in registers, so unless compute_registers /
+      producer_registers are changed from their defaults the forward then runs at FA3's 240 / 24
+      split. Unmeasured.
     fused_backward: backward algorithm. True: one FlashAttention-3 style kernel per kv tile
       (backward_fused.py: 5 tile matmuls per tile pair instead of 7, dK/dV in registers, dQ
       summed into a float32 buffer by TMA reduce-add), so dQ is not bitwise reproducible run to
@@ -68,6 +74,7 @@ class MosaicConfig:
   block_kv_dkv: int = 64
   bwd_stages: int = 2
   heads_fastest: bool = True
+  fwd_intra_wg_overlap: bool = False
   fused_backward: bool = False
   block_q_fused: int = 64
   block_kv_fused: int = 64

@@ -7,14 +7,20 @@ the online softmax (FA2 Alg. 1) in registers between them. A two-party "schedule
 the consumers alternate: one WG's softmax runs while the other WG's matmuls occupy the tensor
 cores (FA3 §3.1 ping-pong).
 
+With MosaicConfig.fwd_intra_wg_overlap each consumer also pipelines its own two matmuls (FA3
+§3.2): S_{j+1} = Q·K_{j+1}ᵀ is issued together with O += P_j·V_j, and the softmax of S_{j+1} runs
+while P_j·V_j is still on the tensor cores (`_overlapped_kv_loop`).
+
 Causal: blocks above the diagonal are never loaded, only the blocks that cross the diagonal are
 masked, and q tiles are launched heaviest first (reversed), so the last wave holds short tiles.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -118,14 +124,20 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
       sched_sync()
       return carry
 
-    carry = (plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA),
-             plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), _common.ROW),
-             plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _common.ROW))
-    pl.when(wg == 1)(sched_sync)
-    mask_lo = _common.first_masked_block(q0, steps, kp)
-    carry = lax.fori_loop(0, mask_lo, functools.partial(step, masked=False), carry)
-    if kp.needs_mask:
-      carry = lax.fori_loop(mask_lo, steps, functools.partial(step, masked=True), carry)
+    if kp.intra_wg_overlap:
+      pl.when(wg == 1)(sched_sync)
+      carry = _overlapped_kv_loop(
+          q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
+          _Barriers(k_ready, v_ready, k_free, v_free, sched), q0=q0, steps=steps, kp=kp)
+    else:
+      carry = (plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA),
+               plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), _common.ROW),
+               plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _common.ROW))
+      pl.when(wg == 1)(sched_sync)
+      mask_lo = _common.first_masked_block(q0, steps, kp)
+      carry = lax.fori_loop(0, mask_lo, functools.partial(step, masked=False), carry)
+      if kp.needs_mask:
+        carry = lax.fori_loop(mask_lo, steps, functools.partial(step, masked=True), carry)
     if kp.causal:
       lax.fori_loop(steps, cta_steps, idle_step, None)
     pl.when(wg == 0)(sched_sync)
@@ -168,6 +180,141 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     def _(j):
       plgpu.barrier_wait(k_free.at[lax.rem(j, stages)])
       plgpu.barrier_wait(v_free.at[lax.rem(j, stages)])
+
+
+class _Barriers(NamedTuple):
+  """The consumer side of the K/V ring and the two-WG schedule barrier."""
+
+  k_ready: Any
+  v_ready: Any
+  k_free: Any
+  v_free: Any
+  sched: Any
+
+
+def _softmax(s, m, l, kp: _common.KernelParams):
+  """Online softmax (FA2 Alg. 1) of one score tile s [block_q, block_kv] f32.
+
+  m, l [block_q]: running row max (scaled log2 units) and row sum. Returns (p [block_q,
+  block_kv] in kp.dtype, m_new, l_new, alpha), alpha = exp2(m - m_new) being the factor that
+  brings O from m to m_new.
+  """
+  m_new = jnp.maximum(m, s.max(axis=1) * kp.c)
+  alpha = jnp.exp2(m - m_new)
+  p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+  l = l * alpha + p.sum(axis=1)
+  return p.astype(kp.dtype), m_new, l, alpha
+
+
+def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0, steps,
+                        kp: _common.KernelParams):
+  """One consumer WG's kv loop with FA3's intra-warpgroup 2-stage pipeline -> (acc, m, l).
+
+  q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
+  mode only). S_0 is computed before the loop; step j issues S_{j+1} = Q·K_{j+1}ᵀ and then
+  O += P_j·V_j, waits for S_{j+1} alone (`wgmma_accumulator_load(wait_n=1)`) and runs its
+  softmax while P_j·V_j is still in flight; O is rescaled once that has retired. The last P·V
+  follows the loop. Each matmul pair sits between the same two schedule-barrier rounds per
+  block as in the plain loop, so the two WGs still alternate (ping-pong) and the idle steps of
+  a causal CTA are unchanged.
+  """
+  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
+
+  def sched_sync():
+    plgpu.barrier_arrive(bars.sched)
+    plgpu.barrier_wait(bars.sched)
+
+  def softmax(s, j, masked, m, l):
+    if masked:
+      s = jnp.where(_common.visible(q0, j * bkv, (bq, bkv), kp), s, -jnp.inf)
+    return _softmax(s, m, l, kp)
+
+  def qk(s_ref):  # K_0 is ready: the caller waited for it
+    plgpu.wgmma(s_ref, q_smem, k_scratch.at[0].T)
+    sched_sync()
+    return s_ref[...]
+
+  s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+  plgpu.barrier_arrive(bars.k_free.at[0])
+  # Block 0 is masked whenever any block can be: exact where it is not needed, and one tile.
+  p16, m, l, _ = softmax(
+      s, 0, kp.needs_mask, plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32),
+                                             _common.ROW),
+      plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _common.ROW))
+  acc = plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA)
+  carry = lax.optimization_barrier((acc, p16, m, l))
+
+  def step(j, carry, *, masked: bool):
+    acc, p16, m, l = carry  # acc is scaled to m; p16 = P_j is not in it yet
+    slot, nxt = lax.rem(j, stages), lax.rem(j + 1, stages)
+    plgpu.barrier_arrive(bars.sched)
+    plgpu.barrier_wait(bars.k_ready.at[nxt])
+    plgpu.barrier_wait(bars.v_ready.at[slot])
+    plgpu.barrier_wait(bars.sched)
+
+    def scores_and_softmax(s_ref, issue_pv):
+      plgpu.wgmma(s_ref, q_smem, k_scratch.at[nxt].T)  # S_{j+1}
+      issue_pv()  # P_j·V_j, queued behind it
+      sched_sync()  # hand the tensor cores to the other WG
+      s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P_j·V_j keeps running
+      plgpu.barrier_arrive(bars.k_free.at[nxt])
+      return softmax(s, j + 1, masked, m, l)
+
+    if kp.interpret:  # P staged through SMEM, P_j·V_j into its own accumulator
+      p_smem[...] = p16
+      plgpu.commit_smem()
+
+      def scoped(s_ref, pv_ref):
+        out = scores_and_softmax(
+            s_ref, lambda: plgpu.wgmma(pv_ref, p_smem, v_scratch.at[slot]))
+        return out, pv_ref[...]
+
+      (p16, m, l, alpha), pv = pl.run_scoped(scoped, plgpu.ACC((bq, bkv), jnp.float32),
+                                             plgpu.ACC((bq, kp.d), jnp.float32))
+      acc = acc + pv
+    else:
+      def state(refs):
+        # The softmax results leave through plain refs: run_state returns only its state, and
+        # exiting it waits for every wgmma (here P_j·V_j, after the softmax has been issued).
+        s_ref, o_ref, p_ref, m_ref, l_ref, alpha_ref = refs
+        out = scores_and_softmax(
+            s_ref, lambda: plgpu.wgmma(o_ref, p_ref[...], v_scratch.at[slot]))  # RS wgmma
+        p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = out
+
+      s0 = plgpu.layout_cast(jnp.zeros((bq, bkv), jnp.float32), plgpu.Layout.WGMMA)
+      _, acc, p16, m, l, alpha = pl.run_state(state)(
+          (plgpu.ACC.init(s0), plgpu.ACC.init(acc), p16, m, l, m))
+    plgpu.barrier_arrive(bars.v_free.at[slot])
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    # Pin the softmax and the rescale before the next barrier round (see the plain loop).
+    return lax.optimization_barrier((acc, p16, m, l))
+
+  if kp.needs_mask:
+    split = jnp.maximum(_common.first_masked_block(q0, steps, kp) - 1, 0)
+    carry = lax.fori_loop(0, split, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(split, steps - 1, functools.partial(step, masked=True), carry)
+  else:
+    carry = lax.fori_loop(0, steps - 1, functools.partial(step, masked=False), carry)
+
+  acc, p16, m, l = carry
+  last = lax.rem(steps - 1, stages)
+  plgpu.barrier_arrive(bars.sched)
+  plgpu.barrier_wait(bars.v_ready.at[last])
+  plgpu.barrier_wait(bars.sched)
+  acc = _common.accumulate(acc, p16, p_smem, v_scratch.at[last], kp)
+  plgpu.barrier_arrive(bars.v_free.at[last])
+  return acc, m, l
+
+
+def _registers(config: MosaicConfig) -> tuple[int, int]:
+  """(consumer, producer) setmaxnreg of the forward. The intra-WG overlap keeps two steps' S,
+  P and O live, so it takes FA3's 240 / 24 split unless the config sets its own."""
+  regs = (config.compute_registers, config.producer_registers)
+  defaults = {f.name: f.default for f in dataclasses.fields(MosaicConfig)}
+  if config.fwd_intra_wg_overlap and regs == (defaults["compute_registers"],
+                                              defaults["producer_registers"]):
+    return 240, 24
+  return regs
 
 
 def fwd_call(q, k, v, *, kp: _common.KernelParams):
@@ -217,6 +364,9 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
       q, k, params=params, block_q=config.block_q, block_kv=config.block_kv,
       stages=min(config.num_stages, s_pad // config.block_kv), t_pad=t_pad, s_pad=s_pad,
       kv_len=s, config=config)
+  if config.fwd_intra_wg_overlap:
+    compute, producer = _registers(config)
+    kp = dataclasses.replace(kp, compute_registers=compute, producer_registers=producer)
   qp = _blocking.pad_axis(q, 1, t_pad)
   kpad, vpad = _blocking.pad_axis(k, 1, s_pad), _blocking.pad_axis(v, 1, s_pad)
   o, lse = fwd_call(qp, kpad, vpad, kp=kp)

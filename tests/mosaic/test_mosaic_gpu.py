@@ -4,11 +4,15 @@ Run on the H200 in every session that touches pallas_flash/mosaic_gpu:
   PYTHONPATH=. python3 -m pytest -q -m gpu tests/mosaic/test_mosaic_gpu.py
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 import pallas_flash
+from pallas_flash import mosaic_gpu
+from pallas_flash.mosaic_gpu import TUNED
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
 
@@ -82,6 +86,22 @@ def test_forward_and_gradients(case):
     assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
   again = _fwd_bwd(_mosaic(causal))(q, k, v, do)
   assert all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again)), "not bit-reproducible"
+
+
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 4, 6, 9)], ids=_id)
+def test_forward_with_intra_wg_overlap(case):
+  """MosaicConfig.fwd_intra_wg_overlap: o and lse against the reference, bit-reproducible."""
+  b, t, s, h, kh, d, causal, dtype = case
+  q, k, v, _ = _inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
+  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
+  config = dataclasses.replace(TUNED[(d, causal)], fwd_intra_wg_overlap=True)
+  fwd = jax.jit(lambda q, k, v: mosaic_gpu.forward(q, k, v, None, None, params=p, config=config))
+  o, lse = fwd(q, k, v)
+  ro, rlse = attention_reference(q, k, v, None, None, params=p)
+  assert _rel(o, ro) <= TOL[dtype][0], _rel(o, ro)
+  assert float(jnp.abs(lse - rlse).max()) < 1e-3
+  again = fwd(q, k, v)
+  assert bool(jnp.array_equal(o, again[0])) and bool(jnp.array_equal(lse, again[1]))
 
 
 def test_lse_matches_reference():

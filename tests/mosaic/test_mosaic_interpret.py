@@ -5,6 +5,8 @@ interpreter and stages register wgmma operands through shared memory (which the 
 run). Async hazards are not modelled here: the GPU suite covers them.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -58,6 +60,29 @@ def test_forward_matches_reference(case):
   q, k, v, _ = _inputs(b, t, s, h, kh, d, dtype, seed=t + s)
   p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
   o, lse = forward(q, k, v, None, None, params=p, config=SMALL)
+  ro, rlse = attention_reference(q, k, v, None, None, params=p)
+  assert _rel(o, ro) <= TOL[dtype][0], _rel(o, ro)
+  assert float(jnp.abs(lse - rlse).max()) <= 1e-4 * max(1.0, float(jnp.abs(rlse).max()))
+
+
+# Intra-warpgroup overlap: several kv steps (non-causal, causal with idle steps, GQA, odd
+# lengths on both sides) and a single kv block (prologue and epilogue only).
+OVERLAP = [
+    (1, 256, 320, 2, 1, 64, False, jnp.float16),
+    (1, 200, 333, 2, 1, 64, True, jnp.bfloat16),
+    (1, 333, 200, 4, 2, 64, True, jnp.float16),
+    (1, 130, 190, 1, 1, 128, False, jnp.bfloat16),
+    (1, 1, 1, 2, 1, 64, False, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", OVERLAP, ids=_id)
+def test_forward_with_intra_wg_overlap_matches_reference(case):
+  b, t, s, h, kh, d, causal, dtype = case
+  q, k, v, _ = _inputs(b, t, s, h, kh, d, dtype, seed=t + s)
+  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
+  config = dataclasses.replace(SMALL, fwd_intra_wg_overlap=True)
+  o, lse = forward(q, k, v, None, None, params=p, config=config)
   ro, rlse = attention_reference(q, k, v, None, None, params=p)
   assert _rel(o, ro) <= TOL[dtype][0], _rel(o, ro)
   assert float(jnp.abs(lse - rlse).max()) <= 1e-4 * max(1.0, float(jnp.abs(rlse).max()))

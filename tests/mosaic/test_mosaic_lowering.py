@@ -55,6 +55,29 @@ def test_alternative_configs_fit_in_smem_at_hd128(config):
   export_for_h200(jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2)), q, q, q)
 
 
+OVERLAP_CASES = [  # B, T, S, H, K, D, causal
+    (1, 1024, 1024, 8, 8, 64, False),
+    (1, 1000, 1100, 8, 2, 64, True),
+    (2, 2048, 2048, 4, 4, 128, False),
+    (1, 777, 1025, 8, 1, 128, True),
+    (1, 1024, 1024, 4, 2, 256, True),
+    (1, 300, 700, 4, 4, 256, False),
+]
+
+
+@pytest.mark.parametrize("case", OVERLAP_CASES, ids=lambda c: "b{}_t{}_s{}_h{}:{}_d{}{}".format(
+    *c[:6], "_causal" if c[6] else ""))
+def test_forward_with_intra_wg_overlap_lowers(case):
+  b, t, s, h, kh, d, causal = case
+  q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b, s, kh, d), jnp.bfloat16)
+  config = MosaicConfig(block_kv=64 if d == 256 else 128, fwd_intra_wg_overlap=True)
+  fn = lambda q, k, v: pallas_flash.flash_attention(  # noqa: E731
+      q, k, v, is_causal=causal, implementation="mosaic", config=config)
+  text = export_for_h200(fn, q, kv, kv).mlir_module()
+  assert text.count("mosaic_gpu") >= 1
+
+
 def test_smem_overflow_is_reported():
   q = jax.ShapeDtypeStruct((1, 2048, 4, 256), jnp.bfloat16)
   fn = lambda q, k, v: pallas_flash.flash_attention(  # noqa: E731
