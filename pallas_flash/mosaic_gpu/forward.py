@@ -360,6 +360,11 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
   s = k.shape[1]
   t_pad = _blocking.round_up(t, 2 * config.block_q)
   s_pad = _blocking.round_up(s, config.block_kv)
+  if params.is_causal and config.num_stages < 2 and s_pad > config.block_kv:
+    # A warpgroup's causal idle step waits for V_j before its schedule-barrier rounds; with one
+    # slot V_j loads only after the other WG frees V_{j-1}, which it does after such a round.
+    raise ValueError("MosaicConfig.num_stages=1 deadlocks the causal mosaic forward when there "
+                     "is more than one key block; use num_stages >= 2 (the tuned configs use 2)")
   kp = _common.KernelParams.make(
       q, k, params=params, block_q=config.block_q, block_kv=config.block_kv,
       stages=min(config.num_stages, s_pad // config.block_kv), t_pad=t_pad, s_pad=s_pad,

@@ -88,6 +88,14 @@ def test_forward_with_intra_wg_overlap_matches_reference(case):
   assert float(jnp.abs(lse - rlse).max()) <= 1e-4 * max(1.0, float(jnp.abs(rlse).max()))
 
 
+def test_one_stage_causal_forward_is_refused():
+  # One ring slot deadlocks the causal idle steps (found in the interpreter): refuse it.
+  q, k, v, _ = _inputs(1, 200, 200, 2, 1, 64, jnp.bfloat16, seed=0)
+  p = AttentionParams(scale=0.125, is_causal=True, has_segments=False)
+  with pytest.raises(ValueError, match="num_stages=1"):
+    forward(q, k, v, None, None, params=p, config=dataclasses.replace(SMALL, num_stages=1))
+
+
 @pytest.mark.parametrize("case", BWD, ids=_id)
 def test_gradients_match_reference(case):
   b, t, s, h, kh, d, causal, dtype = case
