@@ -342,22 +342,36 @@ def _dq_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams):
   )(q, k, v, do, lse2, delta)
 
 
-def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams):
-  bsz, s_pad, kh, d = k.shape
+def kv_stream_smem(kp: _common.KernelParams, d: int) -> list:
+  """Shared memory of a kernel that owns K/V tiles and streams Q/dO (dK/dV, fused backward):
+  K and V [2 WGs, block_kv, D], the Q and dO rings [stages, block_q, D] and the lse / delta rows
+  of each slot [stages, block_q]."""
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   tiles = _common.smem_transforms(kp.dtype)
-  ring = lambda: plgpu.Barrier(num_barriers=stages)  # noqa: E731
-  free = lambda: plgpu.Barrier(num_arrivals=2, num_barriers=stages)  # noqa: E731
+  return [plgpu.SMEM((2, bkv, d), kp.dtype, transforms=tiles),
+          plgpu.SMEM((2, bkv, d), kp.dtype, transforms=tiles),
+          plgpu.SMEM((stages, bq, d), kp.dtype, transforms=tiles),
+          plgpu.SMEM((stages, bq, d), kp.dtype, transforms=tiles),
+          plgpu.SMEM((stages, bq), jnp.float32),
+          plgpu.SMEM((stages, bq), jnp.float32)]
+
+
+def kv_stream_barriers(kp: _common.KernelParams) -> list:
+  """Barriers of kv_stream_smem: the K/V loads [2 WGs, 2], then ready and free (both consumer
+  WGs arrive) rings of Q, dO, lse and delta."""
+  ring = [plgpu.Barrier(num_barriers=kp.stages) for _ in range(4)]
+  free = [plgpu.Barrier(num_arrivals=2, num_barriers=kp.stages) for _ in range(4)]
+  return [plgpu.Barrier(num_barriers=(2, 2)), *ring, *free]
+
+
+def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams):
+  bsz, s_pad, kh, d = k.shape
+  bq, bkv = kp.block_q, kp.block_kv
+  tiles = _common.smem_transforms(kp.dtype)
   scratch = [
-      plgpu.SMEM((2, bkv, d), kp.dtype, transforms=tiles),
-      plgpu.SMEM((2, bkv, d), kp.dtype, transforms=tiles),
-      plgpu.SMEM((stages, bq, d), kp.dtype, transforms=tiles),
-      plgpu.SMEM((stages, bq, d), kp.dtype, transforms=tiles),
-      plgpu.SMEM((stages, bq), jnp.float32),
-      plgpu.SMEM((stages, bq), jnp.float32),
+      *kv_stream_smem(kp, d),
       plgpu.SMEM((2, bkv, bq), kp.dtype, transforms=tiles) if kp.interpret else None,
-      plgpu.Barrier(num_barriers=(2, 2)),
-      ring(), ring(), ring(), ring(), free(), free(), free(), free(),
+      *kv_stream_barriers(kp),
   ]
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
   return plgpu.kernel(

@@ -45,7 +45,8 @@ from pallas_flash import _blocking
 from pallas_flash.mosaic_gpu import _common
 from pallas_flash.mosaic_gpu.backward import (_at, _first_q_block, _first_unmasked_step,
                                               _load_kv_tiles, _produce_query_streams, _skip_step,
-                                              _store_dk_dv, _transposed_grad_tiles, _wait_streams)
+                                              _store_dk_dv, _transposed_grad_tiles, _wait_streams,
+                                              kv_stream_barriers, kv_stream_smem)
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
 from pallas_flash.params import AttentionParams
 
@@ -439,23 +440,15 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   """Padded q/do [B, Tp, H, D], k/v [B, Sp, K, D], lse2/delta [B, H, Tp] ->
   (dq_acc [B, Tp, H, D] f32 unscaled, dk [B, Sp, K, D] scaled, dv [B, Sp, K, D])."""
   bsz, s_pad, kh, d = k.shape
-  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
+  bq, bkv = kp.block_q, kp.block_kv
   tiles = _common.smem_transforms(kp.dtype)
-  ring = lambda: plgpu.Barrier(num_barriers=stages)  # noqa: E731
-  free = lambda: plgpu.Barrier(num_arrivals=2, num_barriers=stages)  # noqa: E731
   scratch = [
-      plgpu.SMEM((2, bkv, d), kp.dtype, transforms=tiles),
-      plgpu.SMEM((2, bkv, d), kp.dtype, transforms=tiles),
-      plgpu.SMEM((stages, bq, d), kp.dtype, transforms=tiles),
-      plgpu.SMEM((stages, bq, d), kp.dtype, transforms=tiles),
-      plgpu.SMEM((stages, bq), jnp.float32),
-      plgpu.SMEM((stages, bq), jnp.float32),
+      *kv_stream_smem(kp, d),
       plgpu.SMEM((2, 2, bkv, bq) if dq_shared else (2, bkv, bq), kp.dtype, transforms=tiles),
       plgpu.SMEM(((dq_slots,) if overlap else ()) + (2, bq, d // 2 if dq_shared else d),
                  jnp.float32, transforms=_common.smem_transforms(jnp.float32)),
       plgpu.SMEM((2, bkv, bq), kp.dtype, transforms=tiles) if kp.interpret else None,
-      plgpu.Barrier(num_barriers=(2, 2)),
-      ring(), ring(), ring(), ring(), free(), free(), free(), free(),
+      *kv_stream_barriers(kp),
       plgpu.Barrier(num_barriers=2) if kp.interpret else None,
       plgpu.Barrier(num_arrivals=2) if dq_shared else None,
       plgpu.Barrier(num_arrivals=2) if dq_shared else None,
