@@ -142,3 +142,10 @@ def export_for_h200(fn, *specs, disabled_checks=()) -> jax.export.Exported:
   with use_abstract_mesh(H200):
     return jax.export.export(jax.jit(fn), platforms=["cuda"],
                              disabled_checks=list(disabled_checks))(*specs)
+
+
+def kernel_case_id(case) -> str:
+  """pytest id of a kernel case (B, T, S, H, K, D, causal[, dtype]), e.g.
+  b1_t1000_s1100_h8:2_d64_causal_bfloat16."""
+  out = "b{}_t{}_s{}_h{}:{}_d{}".format(*case[:6]) + ("_causal" if case[6] else "")
+  return out + ("_" + jnp.dtype(case[7]).name if len(case) > 7 else "")

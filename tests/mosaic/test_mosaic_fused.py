@@ -18,7 +18,7 @@ import pallas_flash
 from pallas_flash.mosaic_gpu import TUNED, MosaicConfig, backward, backward_fused
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
-from testing import export_for_h200
+from testing import export_for_h200, kernel_case_id
 
 
 def _mosaic_calls(text: str) -> int:
@@ -50,12 +50,8 @@ LOWER = [  # B, T, S, H, K, D, causal
 ]
 
 
-def _lower_id(c):
-  return "b{}_t{}_s{}_h{}:{}_d{}".format(*c[:6]) + ("_causal" if c[6] else "")
-
-
 @pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
-@pytest.mark.parametrize("case", LOWER, ids=_lower_id)
+@pytest.mark.parametrize("case", LOWER, ids=kernel_case_id)
 def test_fused_grad_lowers_as_one_backward_kernel(case, overlap):
   b, t, s, h, kh, d, causal = case
   text = _grad_module(b, t, s, h, kh, d, causal, _fused(d, causal, fused_overlap=overlap))
@@ -172,7 +168,7 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
 
 def _interpret_id(c):
   changes = (f"{k}={v}" for k, v in c[8].items())
-  return "_".join([_lower_id(c[:7]), jnp.dtype(c[7]).name, *changes])
+  return "_".join([kernel_case_id(c[:7]), jnp.dtype(c[7]).name, *changes])
 
 
 def _rel(x, ref):

@@ -15,6 +15,7 @@ from pallas_flash import mosaic_gpu
 from pallas_flash.mosaic_gpu import TUNED
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
+from testing import kernel_case_id
 
 
 def _on_hopper() -> bool:
@@ -69,12 +70,7 @@ def _mosaic(causal):
                                                       implementation="mosaic")
 
 
-def _id(c):
-  return "b{}_t{}_s{}_h{}:{}_d{}".format(*c[:6]) + ("_causal" if c[6] else "") + \
-      "_" + jnp.dtype(c[7]).name
-
-
-@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("case", CASES, ids=kernel_case_id)
 def test_forward_and_gradients(case):
   b, t, s, h, kh, d, causal, dtype = case
   q, k, v, do = _inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
@@ -88,7 +84,7 @@ def test_forward_and_gradients(case):
   assert all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again)), "not bit-reproducible"
 
 
-@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 4, 6, 9)], ids=_id)
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 4, 6, 9)], ids=kernel_case_id)
 def test_forward_with_intra_wg_overlap(case):
   """MosaicConfig.fwd_intra_wg_overlap: o and lse against the reference, bit-reproducible."""
   b, t, s, h, kh, d, causal, dtype = case

@@ -14,6 +14,7 @@ import pytest
 from pallas_flash.mosaic_gpu import MosaicConfig, backward, forward
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
+from testing import kernel_case_id
 
 TOL = {jnp.bfloat16: (1e-2, 2e-2), jnp.float16: (2e-3, 4e-3)}
 # 64-row kv tiles make the two consumer warpgroups of a causal CTA need different block counts
@@ -49,12 +50,7 @@ BWD = [
 ]
 
 
-def _id(c):
-  return "b{}_t{}_s{}_h{}:{}_d{}".format(*c[:6]) + ("_causal" if c[6] else "") + \
-      "_" + jnp.dtype(c[7]).name
-
-
-@pytest.mark.parametrize("case", FWD, ids=_id)
+@pytest.mark.parametrize("case", FWD, ids=kernel_case_id)
 def test_forward_matches_reference(case):
   b, t, s, h, kh, d, causal, dtype = case
   q, k, v, _ = _inputs(b, t, s, h, kh, d, dtype, seed=t + s)
@@ -76,7 +72,7 @@ OVERLAP = [
 ]
 
 
-@pytest.mark.parametrize("case", OVERLAP, ids=_id)
+@pytest.mark.parametrize("case", OVERLAP, ids=kernel_case_id)
 def test_forward_with_intra_wg_overlap_matches_reference(case):
   b, t, s, h, kh, d, causal, dtype = case
   q, k, v, _ = _inputs(b, t, s, h, kh, d, dtype, seed=t + s)
@@ -96,7 +92,7 @@ def test_one_stage_causal_forward_is_refused():
     forward(q, k, v, None, None, params=p, config=dataclasses.replace(SMALL, num_stages=1))
 
 
-@pytest.mark.parametrize("case", BWD, ids=_id)
+@pytest.mark.parametrize("case", BWD, ids=kernel_case_id)
 def test_gradients_match_reference(case):
   b, t, s, h, kh, d, causal, dtype = case
   q, k, v, do = _inputs(b, t, s, h, kh, d, dtype, seed=t * s)

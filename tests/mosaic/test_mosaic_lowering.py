@@ -13,7 +13,7 @@ import pallas_flash
 from pallas_flash import mosaic_gpu
 from pallas_flash.mosaic_gpu import MosaicConfig
 from pallas_flash.params import AttentionParams, CallInfo
-from testing import H200, export_for_h200
+from testing import H200, export_for_h200, kernel_case_id
 
 
 CASES = [  # B, T, S, H, K, D, causal
@@ -26,8 +26,7 @@ CASES = [  # B, T, S, H, K, D, causal
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}_t{}_s{}_h{}:{}_d{}{}".format(
-    *c[:6], "_causal" if c[6] else ""))
+@pytest.mark.parametrize("case", CASES, ids=kernel_case_id)
 def test_forward_and_grad_lower(case):
   b, t, s, h, kh, d, causal = case
   q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
@@ -65,8 +64,7 @@ OVERLAP_CASES = [  # B, T, S, H, K, D, causal
 ]
 
 
-@pytest.mark.parametrize("case", OVERLAP_CASES, ids=lambda c: "b{}_t{}_s{}_h{}:{}_d{}{}".format(
-    *c[:6], "_causal" if c[6] else ""))
+@pytest.mark.parametrize("case", OVERLAP_CASES, ids=kernel_case_id)
 def test_forward_with_intra_wg_overlap_lowers(case):
   b, t, s, h, kh, d, causal = case
   q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
