@@ -15,7 +15,7 @@ from pallas_flash import mosaic_gpu
 from pallas_flash.mosaic_gpu import TUNED
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
-from testing import kernel_case_id
+from testing import kernel_case_id, rel_err
 
 
 def _on_hopper() -> bool:
@@ -46,8 +46,9 @@ CASES = [  # B, T, S, H, K, D, causal, dtype
 
 
 def _rel(x, ref):
-  x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
-  return float(jnp.abs(x - ref).max() / jnp.maximum(jnp.abs(ref).max(), 1e-30))
+  # testing.rel_err's floor: with one key the reference gradient is exactly zero and the kernel's
+  # is rounding noise (~1e-7), which a bare relative error would blow up.
+  return rel_err(x.astype(jnp.float32), ref.astype(jnp.float32))
 
 
 def _inputs(b, t, s, h, kh, d, dtype, seed=0):
