@@ -196,14 +196,14 @@ def _softmax(s, m, l, kp: _common.KernelParams):
   """Online softmax (FA2 Alg. 1) of one score tile s [block_q, block_kv] f32.
 
   m, l [block_q]: running row max (scaled log2 units) and row sum. Returns (p [block_q,
-  block_kv] in kp.dtype, m_new, l_new, alpha), alpha = exp2(m - m_new) being the factor that
-  brings O from m to m_new.
+  block_kv] float32, m_new, l_new, alpha), alpha = exp2(m - m_new) being the factor that brings
+  O from m to m_new. p stays float32: the caller converts it once no wgmma reads P any more.
   """
   m_new = jnp.maximum(m, s.max(axis=1) * kp.c)
   alpha = jnp.exp2(m - m_new)
   p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(m_new, s.shape, [0]))
   l = l * alpha + p.sum(axis=1)
-  return p.astype(kp.dtype), m_new, l, alpha
+  return p, m_new, l, alpha
 
 
 def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0, steps,
@@ -237,12 +237,12 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
   s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
   plgpu.barrier_arrive(bars.k_free.at[0])
   # Block 0 is masked whenever any block can be: exact where it is not needed, and one tile.
-  p16, m, l, _ = softmax(
+  p, m, l, _ = softmax(
       s, 0, kp.needs_mask, plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32),
                                              _common.ROW),
       plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _common.ROW))
   acc = plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA)
-  carry = lax.optimization_barrier((acc, p16, m, l))
+  carry = lax.optimization_barrier((acc, p.astype(kp.dtype), m, l))
 
   def step(j, carry, *, masked: bool):
     acc, p16, m, l = carry  # acc is scaled to m; p16 = P_j is not in it yet
@@ -269,8 +269,8 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
             s_ref, lambda: plgpu.wgmma(pv_ref, p_smem, v_scratch.at[slot]))
         return out, pv_ref[...]
 
-      (p16, m, l, alpha), pv = pl.run_scoped(scoped, plgpu.ACC((bq, bkv), jnp.float32),
-                                             plgpu.ACC((bq, kp.d), jnp.float32))
+      (p, m, l, alpha), pv = pl.run_scoped(scoped, plgpu.ACC((bq, bkv), jnp.float32),
+                                           plgpu.ACC((bq, kp.d), jnp.float32))
       acc = acc + pv
     else:
       def state(refs):
@@ -278,13 +278,18 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
         # exiting it waits for every wgmma (here P_j·V_j, after the softmax has been issued).
         s_ref, o_ref, p_ref, m_ref, l_ref, alpha_ref = refs
         out = scores_and_softmax(
-            s_ref, lambda: plgpu.wgmma(o_ref, p_ref[...], v_scratch.at[slot]))  # RS wgmma
+            s_ref, lambda: plgpu.wgmma(o_ref, p16, v_scratch.at[slot]))  # RS wgmma
         p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = out
 
       s0 = plgpu.layout_cast(jnp.zeros((bq, bkv), jnp.float32), plgpu.Layout.WGMMA)
-      _, acc, p16, m, l, alpha = pl.run_state(state)(
-          (plgpu.ACC.init(s0), plgpu.ACC.init(acc), p16, m, l, m))
+      _, acc, p, m, l, alpha = pl.run_state(state)(
+          (plgpu.ACC.init(s0), plgpu.ACC.init(acc), s0, m, l, m))
+      # P_{j+1} is written in kp.dtype only now that P_j·V_j has retired: P's registers are the
+      # loop-carried operand of that wgmma, and redefining them while it is in flight makes
+      # ptxas serialise every wgmma of the kernel (C7513; FA3 converts after wait<0> too).
+      p = lax.optimization_barrier(p)
     plgpu.barrier_arrive(bars.v_free.at[slot])
+    p16 = p.astype(kp.dtype)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     # Pin the softmax and the rescale before the next barrier round (see the plain loop).
     return lax.optimization_barrier((acc, p16, m, l))
