@@ -204,6 +204,7 @@ def main():
                  # FA3 intra-WG overlap (runs at 240/24 registers unless set otherwise).
                  ("overlap", MosaicConfig(fwd_intra_wg_overlap=True), fwd),
                  ("overlap_s3", MosaicConfig(fwd_intra_wg_overlap=True, num_stages=3), fwd),
+                 ("overlap_kv192", MosaicConfig(fwd_intra_wg_overlap=True, block_kv=192), fwd),
                  ("bwd_s3", MosaicConfig(bwd_stages=3), fb),
                  ("dq_kv128", MosaicConfig(block_kv_dq=128), fb)]
       if args.variants:

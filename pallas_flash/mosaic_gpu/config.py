@@ -30,7 +30,8 @@ class MosaicConfig:
       while P_j·V_j is still on the tensor cores (the ping-pong between the two WGs is kept).
       Holds S, P and O of two steps in registers, so unless compute_registers /
       producer_registers are changed from their defaults the forward then runs at FA3's 240 / 24
-      split. Unmeasured.
+      split. On in the head_dim 128 table (+2-3 % at 4K and 16K, level at 4K causal); slower at
+      head_dim 64 (390 vs 434 TFLOP/s at 4x4096x32x64).
     fused_backward: backward algorithm. True: one FlashAttention-3 style kernel per kv tile
       (backward_fused.py: 5 tile matmuls per tile pair instead of 7, dK/dV in registers, dQ
       summed into a float32 buffer by TMA reduce-add), so dQ is not bitwise reproducible run to
@@ -117,9 +118,11 @@ TUNED: dict[tuple[int, bool], MosaicConfig] = {
     # hd64: 3 stages measured equal to 2 (418 vs 417); kept 2 (less SMEM).
     (64, False): MosaicConfig(block_q=64, block_kv=128, num_stages=2),
     (64, True): MosaicConfig(block_q=64, block_kv=128, num_stages=2),
-    # hd128: 2 x 64-row WGs x 128 kv, 2 stages = 160 KiB SMEM (FA3's 128x128 tile).
-    (128, False): MosaicConfig(block_q=64, block_kv=128, num_stages=2),
-    (128, True): MosaicConfig(block_q=64, block_kv=128, num_stages=2),
+    # hd128: 2 x 64-row WGs x 128 kv, 2 stages = 160 KiB SMEM (FA3's 128x128 tile), with the
+    # intra-WG overlap (fourth session, same run as cuDNN: 4K 621 vs 609, 16K 616 vs 602, 4K
+    # causal 558 vs 562, 16K causal 648 vs 631; slower at hd64, so off there).
+    (128, False): MosaicConfig(block_q=64, block_kv=128, num_stages=2, fwd_intra_wg_overlap=True),
+    (128, True): MosaicConfig(block_q=64, block_kv=128, num_stages=2, fwd_intra_wg_overlap=True),
     # hd256: a 128-row kv tile does not fit next to Q (354 KiB); 64 rows = 192 KiB.
     (256, False): MosaicConfig(block_q=64, block_kv=64, num_stages=2),
     (256, True): MosaicConfig(block_q=64, block_kv=64, num_stages=2),
