@@ -1,31 +1,46 @@
 """ptxas' view of the Mosaic GPU kernels: registers, spills and wgmma serialisation per variant.
 
-Run from the repository root on the GPU machine:
+On the GPU machine, from the repository root:
 
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/mosaic_ptxas.py [--out DIR] [VARIANT ...]
 
-Each variant is compiled and run once (plus a short timing) in its own process with
-MOSAIC_GPU_DUMP_PTXAS / _PTX / _SASS set and MOSAIC_GPU_DUMP_TO=DIR/<variant>, since the
-dumps are keyed by kernel and the environment is read by the compiler. The parent prints, per
-variant, ptxas' register count, spill bytes and every "wgmma ... serialized" warning, so a slow
-variant can be told apart from a register-starved one before any tuning. Without arguments it
-runs every variant in VARIANTS.
+compiles each variant, checks it against the reference and times it briefly. On a machine
+without a GPU, after `./scripts/setup_deviceless.sh`:
+
+  .venv/bin/python scripts/mosaic_ptxas.py --deviceless --sass [VARIANT ...]
+
+compiles the same kernels for a described H200 (scripts/h200_target_config.txtpb) through jax's
+CUDA plugin and ptxas, without running them (the PTX is the same as on the GPU).
+
+Each variant runs in its own process with MOSAIC_GPU_DUMP_PTXAS / _PTX set and
+MOSAIC_GPU_DUMP_TO=DIR/ptxas/<variant>. The parent prints per kernel ptxas' spill bytes and any
+C7513 "wgmma ... serialized" warning; with --sass also the SASS (`<kernel>.sass`, needs ptxas
+and nvdisasm) and how many spill instructions sit in the loops that issue wgmmas (HGMMA), i.e.
+in the main loops rather than in set-up code. A variant is NAME or
+NAME@key=value,... (MosaicConfig overrides); without arguments every entry of VARIANTS runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
-# name -> (mode, causal, MosaicConfig keyword arguments). 1x4096x16x128, bf16.
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+AOT_DIR = ROOT / ".cuda-aot"  # scripts/setup_deviceless.sh installs the toolchain here
+TARGET_CONFIG = ROOT / "scripts" / "h200_target_config.txtpb"
+
+# name -> (mode, causal, MosaicConfig keyword arguments). bf16, shape from --shape.
 VARIANTS = {
     "fwd": ("fwd", False, {}),
     "fwd_causal": ("fwd", True, {}),
+    "fwd_plain": ("fwd", False, dict(fwd_intra_wg_overlap=False)),
     "fwd_overlap": ("fwd", False, dict(fwd_intra_wg_overlap=True)),
     "fwd_overlap_causal": ("fwd", True, dict(fwd_intra_wg_overlap=True)),
     "bwd_split": ("fwdbwd", False, {}),
@@ -33,7 +48,6 @@ VARIANTS = {
     "bwd_fused_overlap": ("fwdbwd", False, dict(fused_backward=True, fused_dq_shared=True,
                                                  fused_overlap=True)),
 }
-SHAPE = (1, 4096, 16, 128)
 
 
 def variant(spec: str) -> tuple[str, bool, dict]:
@@ -43,43 +57,57 @@ def variant(spec: str) -> tuple[str, bool, dict]:
   kw = dict(kw)
   for item in filter(None, extra.split(",")):
     key, value = item.split("=")
-    kw[key] = {"True": True, "False": False}.get(value) if value in ("True", "False") else int(value)
+    kw[key] = {"True": True, "False": False}[value] if value in ("True", "False") else int(value)
   return mode, causal, kw
 
 
-def child(name: str) -> None:
-  """Compiles, checks against the reference and times one variant (in the dumping process)."""
+def child(name: str, shape: tuple[int, ...], deviceless: bool) -> None:
+  """Compiles one variant (in the dumping process); on a GPU also checks and times it."""
   import time
 
   import jax
   import jax.numpy as jnp
 
   import pallas_flash
-  from pallas_flash.mosaic_gpu import MosaicConfig
+  from pallas_flash.mosaic_gpu import TUNED, MosaicConfig
 
   mode, causal, kw = variant(name)
-  b, t, h, d = SHAPE
-  ks = jax.random.split(jax.random.key(0), 4)
-  q, k, v, do = (jax.random.normal(kk, (b, t, h, d), jnp.bfloat16) for kk in ks)
-  config = MosaicConfig(**kw)
+  b, t, h, d = shape
+  config = dataclasses.replace(TUNED.get((d, causal), MosaicConfig()), **kw)
 
   def attn(q, k, v, impl="mosaic"):
     return pallas_flash.flash_attention(q, k, v, is_causal=causal, implementation=impl,
                                         config=config if impl == "mosaic" else None)
 
-  if mode == "fwd":
-    f = jax.jit(attn)
-    ref = lambda: attn(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-                       impl="reference")
-  else:
-    def grads(q, k, v, do, impl="mosaic"):
-      _, vjp = jax.vjp(lambda *a: attn(*a, impl=impl), q, k, v)
-      return vjp(do)
-    ref = lambda: grads(*(x.astype(jnp.float32) for x in (q, k, v, do)), impl="reference")
-    f = jax.jit(grads)
-  args = (q, k, v) if mode == "fwd" else (q, k, v, do)
+  def grads(q, k, v, do, impl="mosaic"):
+    _, vjp = jax.vjp(lambda *a: attn(*a, impl=impl), q, k, v)
+    return vjp(do)
+
+  fn = attn if mode == "fwd" else grads
+  nargs = 3 if mode == "fwd" else 4
+  if deviceless:
+    from jax.experimental import topologies
+    from jax.sharding import (AbstractDevice, AbstractMesh, AxisType, NamedSharding,
+                              PartitionSpec, use_abstract_mesh)
+    topo = topologies.get_topology_desc(platform="cuda", topology_name="",
+                                        target_config=TARGET_CONFIG.read_text(),
+                                        topology="1x1x1")
+    sharding = NamedSharding(topologies.make_mesh(topo, (1,), ("x",)), PartitionSpec())
+    spec = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sharding)
+    # pallas_flash picks and sizes kernels for the abstract device, as in the lowering tests.
+    h200 = AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    with use_abstract_mesh(h200):
+      traced = jax.jit(fn).trace(*[spec] * nargs)
+    traced.lower(lowering_platforms=("cuda",)).compile()
+    print(json.dumps(dict(variant=name, compiled=True)), flush=True)
+    return
+
+  ks = jax.random.split(jax.random.key(0), 4)
+  args = [jax.random.normal(kk, shape, jnp.bfloat16) for kk in ks][:nargs]
+  f = jax.jit(fn)
   out = jax.block_until_ready(f(*args))
-  want = ref()
+  want = fn(*(x.astype(jnp.float32) for x in args), impl="reference")
   errs = [float(jnp.max(jnp.abs(x.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))
           for x, r in zip(jax.tree.leaves(out), jax.tree.leaves(want))]
   reps = 20
@@ -95,57 +123,119 @@ def child(name: str) -> None:
         flush=True)
 
 
-_REGS = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
-_STACK = re.compile(r"(\d+) bytes stack frame")
 
 
-def summarize(log: str) -> dict:
-  """Pulls ptxas' figures out of a child's combined output."""
-  lines = log.splitlines()
-  return dict(
-      registers=[int(x) for x in _REGS.findall(log)],
-      spills=[(int(a), int(b)) for a, b in _SPILL.findall(log)],
-      stack=[int(x) for x in _STACK.findall(log)],
-      serialized=sorted({ln.strip() for ln in lines if "serializ" in ln.lower()}),
-      timing=[json.loads(ln) for ln in lines if ln.startswith('{"variant"')],
-  )
+def _tool(name: str) -> str | None:
+  for cand in (AOT_DIR / "nvidia" / "cu13" / "bin" / name,
+               pathlib.Path(os.environ.get("MOSAIC_GPU_CUDA_ROOT", "/nonexistent")) / "bin" / name):
+    if cand.is_file():
+      return str(cand)
+  return shutil.which(name)
+
+
+_ADDR = re.compile(r"/\*([0-9a-f]{4,})\*/")
+_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+# Predicated branches only: the unconditional ones jump back from out-of-line barrier retry
+# blocks at the end of the kernel, which are not loops.
+_BRANCH = re.compile(r"@!?U?P\d\s+BRA\s+`\((\.L_x_\d+)\)")
+
+
+def wgmma_loops(sass: str) -> list[tuple[int, int]]:
+  """(first, last) instruction addresses of the loops (backward branches) that issue a wgmma
+  (HGMMA): the kernel's main loops, as opposed to set-up code and barrier spin loops."""
+  labels, instrs, pending = {}, [], []
+  for ln in sass.splitlines():
+    if m := _LABEL.match(ln):
+      pending.append(m.group(1))
+    elif m := _ADDR.search(ln):
+      addr = int(m.group(1), 16)
+      labels.update({name: addr for name in pending})
+      pending = []
+      instrs.append((addr, ln))
+  loops = []
+  for addr, ln in instrs:
+    m = _BRANCH.search(ln)
+    if m and labels.get(m.group(1), addr + 1) <= addr:
+      lo = labels[m.group(1)]
+      if any(lo <= a <= addr and "HGMMA" in text for a, text in instrs):
+        loops.append((lo, addr))
+  return loops
+
+
+def sass_report(ptx: pathlib.Path) -> str:
+  """Assembles ptx with ptxas, disassembles it to ptx.with_suffix('.sass') and counts the
+  spill loads / stores inside the loops that issue wgmmas."""
+  ptxas, nvdisasm = _tool("ptxas"), _tool("nvdisasm")
+  if not (ptxas and nvdisasm):
+    return "no SASS (ptxas or nvdisasm not found; scripts/setup_deviceless.sh installs both)"
+  cubin = ptx.with_suffix(".cubin")
+  subprocess.run([ptxas, "-arch=sm_90a", "-o", str(cubin), str(ptx)], check=True,
+                 capture_output=True)
+  sass = subprocess.run([nvdisasm, "-c", str(cubin)], check=True, capture_output=True,
+                        text=True).stdout
+  ptx.with_suffix(".sass").write_text(sass)
+  loops = wgmma_loops(sass)
+  inside = [ln for ln in sass.splitlines() if (m := _ADDR.search(ln))
+            and any(lo <= int(m.group(1), 16) <= hi for lo, hi in loops)]
+  return (f"{len(loops)} wgmma loops, {sum('HGMMA' in ln for ln in inside)} HGMMA in them; "
+          f"spill loads / stores in them: {sum('LDL' in ln for ln in inside)} / "
+          f"{sum('STL' in ln for ln in inside)}")
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("variants", nargs="*", default=list(VARIANTS))
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
+  parser.add_argument("--shape", default="1,4096,16,128", help="B,T,H,D (S = T, K = H)")
+  parser.add_argument("--deviceless", action="store_true",
+                      help="compile for a described H200 without a GPU (no check, no timing)")
+  parser.add_argument("--sass", action="store_true", help="also write and summarise SASS")
   parser.add_argument("--child", help=argparse.SUPPRESS)
   args = parser.parse_args()
+  shape = tuple(int(x) for x in args.shape.split(","))
   if args.child:
-    child(args.child)
+    child(args.child, shape, args.deviceless)
     return
   out = pathlib.Path(args.out) / "ptxas"
+  path = [str(ROOT), os.environ.get("PYTHONPATH", "")]
+  extra = {}
+  if args.deviceless:
+    if not (AOT_DIR / "jax_plugins").is_dir():
+      sys.exit("--deviceless needs jax's CUDA plugin and ptxas: run ./scripts/setup_deviceless.sh")
+    path.insert(0, str(AOT_DIR))
+    # No GPU, so no CUDA or cuDNN runtime to check the plugin's constraints against.
+    extra["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
   report = {}
   for name in args.variants:
     dump = out / re.sub(r"[^A-Za-z0-9_.-]", "_", name)
-    dump.mkdir(parents=True, exist_ok=True)
-    root = str(pathlib.Path(__file__).resolve().parents[1])
-    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=path, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_PTX="1",
-               MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_TO=str(dump))
-    proc = subprocess.run([sys.executable, __file__, "--child", name], env=env,
+    shutil.rmtree(dump, ignore_errors=True)
+    dump.mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)), **extra,
+               MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=str(dump))
+    cmd = [sys.executable, __file__, "--child", name, "--shape", args.shape]
+    proc = subprocess.run(cmd + ["--deviceless"] * args.deviceless, env=env,
                           capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     (dump / "log.txt").write_text(log)
-    # The dumps may land in files rather than on stderr: read those too.
-    files = "\n".join(p.read_text(errors="replace") for p in sorted(dump.iterdir())
-                      if p.is_file() and p.name != "log.txt" and "ptxas" in p.name.lower())
-    report[name] = dict(rc=proc.returncode, **summarize(log + "\n" + files))
-    r = report[name]
-    print(f"{name}: rc={r['rc']} regs={r['registers']} spills={r['spills']} "
-          f"stack={r['stack']} timing={r['timing']}", flush=True)
-    for ln in r["serialized"][:8]:
-      print(f"    {ln[:240]}", flush=True)
-    for p in sorted(dump.glob("*.ptxas")):  # one file per kernel: which of them spills
-      spills = _SPILL.findall(p.read_text(errors="replace"))
-      print(f"    {p.stem}: spill stores/loads {spills}", flush=True)
+    kernels = {}
+    for p in sorted(dump.glob("*.ptxas")):  # one file per kernel
+      text = p.read_text(errors="replace")
+      kernels[p.stem] = dict(spills=[tuple(map(int, s)) for s in _SPILL.findall(text)][:1],
+                             serialized=[ln.strip() for ln in text.splitlines()
+                                         if "C7513" in ln or "serializ" in ln.lower()])
+      if args.sass and (dump / f"{p.stem}.ptx").is_file():
+        kernels[p.stem]["sass"] = sass_report(dump / f"{p.stem}.ptx")
+    timing = [json.loads(ln) for ln in log.splitlines() if ln.startswith('{"variant"')]
+    report[name] = dict(rc=proc.returncode, kernels=kernels, result=timing)
+    print(f"{name}: rc={proc.returncode} {timing}", flush=True)
+    if proc.returncode:
+      print("    " + "\n    ".join(log.strip().splitlines()[-5:]), flush=True)
+    for kernel, k in kernels.items():
+      print(f"    {kernel}: spill stores/loads {k['spills']}"
+            + (f"; {k['sass']}" if "sass" in k else ""), flush=True)
+      for ln in k["serialized"]:
+        print(f"      {ln[:200]}", flush=True)
   (out / "report.json").write_text(json.dumps(report, indent=1))
 
 
