@@ -44,6 +44,7 @@ VARIANTS = {
     "fwd_overlap": ("fwd", False, dict(fwd_intra_wg_overlap=True)),
     "fwd_overlap_causal": ("fwd", True, dict(fwd_intra_wg_overlap=True)),
     "bwd_split": ("fwdbwd", False, {}),
+    "bwd_split_causal": ("fwdbwd", True, {}),
     "bwd_fused_shared": ("fwdbwd", False, dict(fused_backward=True, fused_dq_shared=True)),
     "bwd_fused_overlap": ("fwdbwd", False, dict(fused_backward=True, fused_dq_shared=True,
                                                  fused_overlap=True)),
@@ -51,17 +52,18 @@ VARIANTS = {
 
 
 def variant(spec: str) -> tuple[str, bool, dict]:
-  """'NAME' or 'NAME@key=value,...' (MosaicConfig overrides, ints or True/False)."""
+  """'NAME' or 'NAME@key=value,...' (MosaicConfig overrides: ints, True/False or strings)."""
   name, _, extra = spec.partition("@")
   mode, causal, kw = VARIANTS[name]
   kw = dict(kw)
   for item in filter(None, extra.split(",")):
     key, value = item.split("=")
-    kw[key] = {"True": True, "False": False}[value] if value in ("True", "False") else int(value)
+    kw[key] = ({"True": True, "False": False}[value] if value in ("True", "False")
+               else int(value) if value.isdigit() else value)
   return mode, causal, kw
 
 
-def child(name: str, shape: tuple[int, ...], deviceless: bool) -> None:
+def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> None:
   """Compiles one variant (in the dumping process); on a GPU also checks and times it."""
   import time
 
@@ -110,7 +112,6 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool) -> None:
   want = fn(*(x.astype(jnp.float32) for x in args), impl="reference")
   errs = [float(jnp.max(jnp.abs(x.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))
           for x, r in zip(jax.tree.leaves(out), jax.tree.leaves(want))]
-  reps = 20
   for _ in range(2):
     jax.block_until_ready(f(*args))
   t0 = time.perf_counter()
@@ -191,11 +192,12 @@ def main() -> None:
   parser.add_argument("--deviceless", action="store_true",
                       help="compile for a described H200 without a GPU (no check, no timing)")
   parser.add_argument("--sass", action="store_true", help="also write and summarise SASS")
+  parser.add_argument("--reps", type=int, default=20, help="timed back-to-back calls (GPU)")
   parser.add_argument("--child", help=argparse.SUPPRESS)
   args = parser.parse_args()
   shape = tuple(int(x) for x in args.shape.split(","))
   if args.child:
-    child(args.child, shape, args.deviceless)
+    child(args.child, shape, args.deviceless, args.reps)
     return
   out = pathlib.Path(args.out) / "ptxas"
   path = [str(ROOT), os.environ.get("PYTHONPATH", "")]
@@ -213,7 +215,8 @@ def main() -> None:
     dump.mkdir(parents=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)), **extra,
                MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=str(dump))
-    cmd = [sys.executable, __file__, "--child", name, "--shape", args.shape]
+    cmd = [sys.executable, __file__, "--child", name, "--shape", args.shape, "--reps",
+           str(args.reps)]
     proc = subprocess.run(cmd + ["--deviceless"] * args.deviceless, env=env,
                           capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr

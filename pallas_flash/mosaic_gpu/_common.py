@@ -41,6 +41,7 @@ class KernelParams:
   producer_registers: int
   interpret: bool
   intra_wg_overlap: bool = False  # forward: MosaicConfig.fwd_intra_wg_overlap
+  dkdv_schedule: str = "serial"  # dK/dV kernel: MosaicConfig.dkdv_schedule
 
   @property
   def c(self) -> float:
@@ -74,7 +75,7 @@ class KernelParams:
         heads_fastest=config.heads_fastest,
         compute_registers=config.compute_registers,
         producer_registers=config.producer_registers, interpret=config.interpret,
-        intra_wg_overlap=config.fwd_intra_wg_overlap)
+        intra_wg_overlap=config.fwd_intra_wg_overlap, dkdv_schedule=config.dkdv_schedule)
 
 
 def config_for(q, k, params: AttentionParams) -> MosaicConfig:

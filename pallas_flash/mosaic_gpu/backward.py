@@ -182,17 +182,16 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
     rows = (b, pl.ds(k0, bkv), kvh)
     _load_kv_tiles(k_ref, v_ref, k_smem, v_smem, kv_ready, wg, rows)
 
+    st_smem = _at(st_scratch, wg)  # interpret mode only
+
     def step(t, carry, *, masked: bool):
       dk, dv = carry
       slot = lax.rem(t, stages)
       q_smem, do_smem = _wait_streams(streams, slot)
       p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
                                          (lambda: index(t)[0]) if masked else None, kp)
-      dv = _common.accumulate(dv, p_t.astype(kp.dtype), _at(st_scratch, wg), do_smem, kp)
-      plgpu.barrier_arrive(do_free.at[slot])
-      dk = _common.accumulate(dk, ds_t.astype(kp.dtype), _at(st_scratch, wg), q_smem, kp)
-      plgpu.barrier_arrive(q_free.at[slot])
-      return dk, dv
+      return _dk_dv_updates(dk, dv, p_t, ds_t, q_smem, do_smem, st_smem,
+                            (do_free.at[slot], q_free.at[slot]), kp)
 
     zeros = plgpu.layout_cast(jnp.zeros((bkv, kp.d), jnp.float32), plgpu.Layout.WGMMA)
     carry = (zeros, zeros)
@@ -284,6 +283,36 @@ def _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, m
     p_t = jnp.where(visible, p_t, 0.0)
   ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, s_t.shape, [1]))
   return p_t, ds_t
+
+
+def _dk_dv_updates(dk, dv, p_t, ds_t, q_smem, do_smem, st_smem, frees, kp):
+  """dV += Pᵀ·dO and dK += dSᵀ·Q (p_t, ds_t [block_kv, block_q] f32, converted to kp.dtype
+  register operands), each waited for in turn, or with kp.dkdv_schedule "batched" issued back
+  to back with one wait.
+
+  frees = (dO's, Q's) free barriers of the step, each arrived on once the matmul reading that
+  tile has retired.
+  """
+  do_free, q_free = frees
+  if kp.interpret or kp.dkdv_schedule == "serial":
+    dv = _common.accumulate(dv, p_t.astype(kp.dtype), st_smem, do_smem, kp)
+    plgpu.barrier_arrive(do_free)
+    dk = _common.accumulate(dk, ds_t.astype(kp.dtype), st_smem, q_smem, kp)
+    plgpu.barrier_arrive(q_free)
+    return dk, dv
+
+  p16, ds16 = p_t.astype(kp.dtype), ds_t.astype(kp.dtype)
+
+  def mm(refs):
+    dv_ref, dk_ref = refs
+    plgpu.wgmma(dv_ref, p16, do_smem)
+    plgpu.wgmma(dk_ref, ds16, q_smem)
+    plgpu.wgmma_wait(1)
+    plgpu.barrier_arrive(do_free)
+
+  dv, dk = pl.run_state(mm)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+  plgpu.barrier_arrive(q_free)
+  return dk, dv
 
 
 def _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, kp: _common.KernelParams):

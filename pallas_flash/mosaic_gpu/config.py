@@ -61,6 +61,13 @@ class MosaicConfig:
       reduce-add overlaps the next step. At head_dim 128 only fused_dq_shared with 2 stages
       has room for the second dQ slot (~226 KiB of shared memory); other configurations keep
       one slot and get only the matmul overlap.
+    dkdv_schedule: the split backward's dK/dV kernel, per (q block, query head) step of a
+      warpgroup. "serial": Sᵀ and dPᵀ, wait; Pᵀ, dSᵀ; dV += Pᵀ·dO, wait; dK += dSᵀ·Q, wait.
+      "batched": dV and dK issued back to back with one wait (dO released as soon as dV
+      retired). Both sum in the same order (bitwise equal gradients). Issuing the next step's
+      Sᵀ and dPᵀ behind dV and dK (with or without forming Pᵀ while they run, FA3's overlap)
+      was tried and dropped: ptxas serialises every wgmma for lack of registers (C7512) at 232
+      and at 240 (docs/mosaic.md).
     interpret: run in the Mosaic GPU interpreter (CPU). Also switches the register-operand wgmma
       and `run_state` accumulators, which the interpreter cannot run, to operands staged through
       shared memory and scoped accumulators: same math, slower kernel.
@@ -84,6 +91,7 @@ class MosaicConfig:
   fused_dq_blocks: int = 1
   fused_dq_shared: bool = False
   fused_overlap: bool = False
+  dkdv_schedule: str = "serial"
   compute_registers: int = 232
   producer_registers: int = 40
   interpret: bool = False
@@ -99,6 +107,9 @@ class MosaicConfig:
     for name in ("num_stages", "bwd_stages", "fused_stages", "fused_dq_blocks"):
       if getattr(self, name) < 1:
         raise ValueError(f"MosaicConfig.{name} must be >= 1, got {getattr(self, name)}")
+    if self.dkdv_schedule not in ("serial", "batched"):
+      raise ValueError("MosaicConfig.dkdv_schedule must be 'serial' or 'batched', "
+                       f"got {self.dkdv_schedule!r}")
     for name in ("compute_registers", "producer_registers"):
       if getattr(self, name) % 8 or not 24 <= getattr(self, name) <= 256:
         raise ValueError(f"MosaicConfig.{name} must be a multiple of 8 in [24, 256]")

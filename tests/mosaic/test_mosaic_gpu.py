@@ -101,6 +101,19 @@ def test_forward_with_intra_wg_overlap(case):
   assert bool(jnp.array_equal(o, again[0])) and bool(jnp.array_equal(lse, again[1]))
 
 
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 4)], ids=kernel_case_id)
+def test_batched_dkdv_schedule_gives_the_same_gradients(case):
+  """MosaicConfig.dkdv_schedule="batched" only moves waits: dK and dV bitwise equal to serial."""
+  b, t, s, h, kh, d, causal, dtype = case
+  q, k, v, do = _inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
+  batched = dataclasses.replace(TUNED[(d, causal)], dkdv_schedule="batched")
+  got = _fwd_bwd(lambda *a: pallas_flash.flash_attention(
+      *a, is_causal=causal, implementation="mosaic", config=batched))(q, k, v, do)
+  want = _fwd_bwd(_mosaic(causal))(q, k, v, do)
+  for name, g, r in zip(("o", "dq", "dk", "dv"), got, want):
+    assert bool(jnp.array_equal(g, r)), name
+
+
 def test_lse_matches_reference():
   q, k, v, _ = _inputs(1, 1000, 1000, 4, 2, 128, jnp.bfloat16)
   p = AttentionParams(scale=128 ** -0.5, is_causal=True, has_segments=False)

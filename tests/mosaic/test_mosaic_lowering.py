@@ -45,8 +45,9 @@ def test_forward_and_grad_lower(case):
 
 @pytest.mark.parametrize("config", [MosaicConfig(num_stages=3), MosaicConfig(block_kv=192),
                                     MosaicConfig(bwd_stages=3, block_kv_dq=64),
-                                    MosaicConfig(heads_fastest=False)],
-                         ids=["stages3", "kv192", "bwd_stages3", "qtiles_fastest"])
+                                    MosaicConfig(heads_fastest=False),
+                                    MosaicConfig(dkdv_schedule="batched")],
+                         ids=["stages3", "kv192", "bwd_stages3", "qtiles_fastest", "dkdv_batched"])
 def test_alternative_configs_fit_in_smem_at_hd128(config):
   q = jax.ShapeDtypeStruct((1, 2048, 4, 128), jnp.float16)
   fn = lambda q, k, v: pallas_flash.flash_attention(  # noqa: E731
@@ -115,3 +116,14 @@ def test_explain_shows_the_reason_for_segments():
   with use_abstract_mesh(H200):
     why = pallas_flash.explain(q, q, q, query_segment_ids=seg)
   assert "segment ids" in why.reasons["mosaic"]
+
+
+@pytest.mark.parametrize("kw,field", [(dict(block_q=96), "block_q"),
+                                      (dict(bwd_stages=0), "bwd_stages"),
+                                      (dict(compute_registers=236), "compute_registers"),
+                                      (dict(compute_registers=248, producer_registers=24),
+                                       "2 \\* compute_registers"),
+                                      (dict(dkdv_schedule="lookahead"), "dkdv_schedule")])
+def test_bad_config_is_refused_naming_the_field(kw, field):
+  with pytest.raises(ValueError, match=field):
+    MosaicConfig(**kw)
