@@ -42,6 +42,7 @@ class KernelParams:
   interpret: bool
   intra_wg_overlap: bool = False  # forward: MosaicConfig.fwd_intra_wg_overlap
   dkdv_schedule: str = "serial"  # dK/dV kernel: MosaicConfig.dkdv_schedule
+  profile_dir: str = ""  # MosaicConfig.profile_dir
 
   @property
   def c(self) -> float:
@@ -75,7 +76,8 @@ class KernelParams:
         heads_fastest=config.heads_fastest,
         compute_registers=config.compute_registers,
         producer_registers=config.producer_registers, interpret=config.interpret,
-        intra_wg_overlap=config.fwd_intra_wg_overlap, dkdv_schedule=config.dkdv_schedule)
+        intra_wg_overlap=config.fwd_intra_wg_overlap, dkdv_schedule=config.dkdv_schedule,
+        profile_dir=config.profile_dir)
 
 
 def config_for(q, k, params: AttentionParams) -> MosaicConfig:
@@ -89,11 +91,19 @@ def smem_transforms(dtype):
   return (plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128))
 
 
-def compiler_params():
+def compiler_params(kp: KernelParams | None = None, steps: int = 0):
+  """kp: the kernel's parameters (only kp.profile_dir is read); steps: the most loop steps a
+  warpgroup runs, to size the profiler's event buffer."""
   # approx_math: exp2 -> ex2.approx.ftz.f32, log2 -> lg2.approx (one MUFU op each).
   # reduction_scratch_bytes=0: only per-row reductions (inside a warp) are used, and the 2 KiB
   # it would reserve is what lets 3 stages or 192-row kv tiles fit at head_dim 128.
-  return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
+  if kp is None or not kp.profile_dir:
+    return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
+  # Up to ~8 named regions (16 events) per step and warpgroup; the bounds check truncates a
+  # trace rather than overrunning the buffer if that is ever too few.
+  return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
+                              profile_space=16 * steps + 64, profile_dir=kp.profile_dir,
+                              profile_bounds_check=True)
 
 
 def interpret_params(interpret: bool):

@@ -70,6 +70,10 @@ class MosaicConfig:
       Sᵀ and dPᵀ behind dV and dK (with or without forming Pᵀ while they run, FA3's overlap)
       was tried and dropped: ptxas serialises every wgmma for lack of registers (C7512) at 232
       and at 240 (docs/mosaic.md).
+    profile_dir: debugging: when set, the forward kernel runs with Mosaic's profiler and
+      writes one Perfetto/Chrome trace (`<ns>-trace.json`) per launch into this directory, one
+      track per warpgroup with the kernel's named regions (wait, issue, softmax, ...);
+      `scripts/mosaic_profile.py` summarises them. Slows the kernel; never for timing.
     interpret: run in the Mosaic GPU interpreter (CPU). Also switches the register-operand wgmma
       and `run_state` accumulators, which the interpreter cannot run, to operands staged through
       shared memory and scoped accumulators: same math, slower kernel.
@@ -94,6 +98,7 @@ class MosaicConfig:
   fused_dq_shared: bool = False
   fused_overlap: bool = False
   dkdv_schedule: str = "serial"
+  profile_dir: str = ""
   compute_registers: int = 232
   producer_registers: int = 40
   interpret: bool = False

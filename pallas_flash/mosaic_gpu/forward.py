@@ -65,37 +65,43 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     q_smem, lse_smem = q_scratch.at[wg], lse_scratch.at[wg]
     q0 = cta_q0 + wg * bq
     steps = kp.kv_steps(q0 + bq)
-    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_ready.at[wg])
-    plgpu.barrier_wait(q_ready.at[wg])
-    plgpu.barrier_wait(k_ready.at[0])  # steps >= 1 always
+    with jax.named_scope("prologue"):
+      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_ready.at[wg])
+      plgpu.barrier_wait(q_ready.at[wg])
+      plgpu.barrier_wait(k_ready.at[0])  # steps >= 1 always
 
     def step(j, carry, *, masked: bool):
       acc, m, l = carry
       slot = lax.rem(j, stages)
 
       def qk(s_ref):
-        plgpu.wgmma(s_ref, q_smem, k_scratch.at[slot].T)
-        sched_sync()  # hand the tensor cores to the other WG while S is computed
-        return s_ref[...]
+        with jax.named_scope("issue"):
+          plgpu.wgmma(s_ref, q_smem, k_scratch.at[slot].T)
+        with jax.named_scope("handoff"):
+          sched_sync()  # hand the tensor cores to the other WG while S is computed
+        with jax.named_scope("wait_s"):
+          return s_ref[...]
 
       s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
-      if masked:
-        s = jnp.where(_common.visible(q0, j * bkv, (bq, bkv), kp), s, -jnp.inf)
-      # exp2 with softmax_scale·log2(e) folded in: m is kept in scaled log2 units, so each
-      # probability is one FFMA plus one ex2. -inf scores give p = 0 without a select since m
-      # starts at the finite MASK_VALUE.
-      m_new = jnp.maximum(m, s.max(axis=1) * kp.c)
-      alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(m_new, s.shape, [0]))
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      l = l * alpha + p.sum(axis=1)
-      p16 = p.astype(kp.dtype)
-      # Pin the softmax before the barrier so that it overlaps the other WG's matmuls.
-      acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-      plgpu.barrier_arrive(sched)
-      plgpu.barrier_wait(v_ready.at[slot])
-      plgpu.barrier_wait(sched)
+      with jax.named_scope("softmax"):
+        if masked:
+          s = jnp.where(_common.visible(q0, j * bkv, (bq, bkv), kp), s, -jnp.inf)
+        # exp2 with softmax_scale·log2(e) folded in: m is kept in scaled log2 units, so each
+        # probability is one FFMA plus one ex2. -inf scores give p = 0 without a select since
+        # m starts at the finite MASK_VALUE.
+        m_new = jnp.maximum(m, s.max(axis=1) * kp.c)
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l = l * alpha + p.sum(axis=1)
+        p16 = p.astype(kp.dtype)
+        # Pin the softmax before the barrier so that it overlaps the other WG's matmuls.
+        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+      with jax.named_scope("wait_kv"):
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(v_ready.at[slot])
+        plgpu.barrier_wait(sched)
 
       def wait_next_k():
         @pl.when(j + 1 < steps)
@@ -107,8 +113,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
         wait_next_k()
       else:
         def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p16, v_scratch.at[slot])  # P from registers (RS wgmma)
-          wait_next_k()  # overlaps the PV wgmma
+          with jax.named_scope("issue"):
+            plgpu.wgmma(acc_ref, p16, v_scratch.at[slot])  # P from registers (RS wgmma)
+          with jax.named_scope("wait_kv"):
+            wait_next_k()  # overlaps the PV wgmma
         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
@@ -143,15 +151,17 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     pl.when(wg == 0)(sched_sync)
 
     acc, m, l = carry
-    empty = l == 0.0  # only with segment ids: no visible key at all
-    inv_l = 1.0 / jnp.where(empty, 1.0, l)
-    q_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(kp.dtype)
-    lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(q0, bq), h], commit_group=False)
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)], commit_group=False)
-    plgpu.commit_smem_to_gmem_group()
-    plgpu.wait_smem_to_gmem(0)
+    with jax.named_scope("epilogue"):
+      empty = l == 0.0  # only with segment ids: no visible key at all
+      inv_l = 1.0 / jnp.where(empty, 1.0, l)
+      q_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(kp.dtype)
+      lse_smem[...] = jnp.where(empty, -jnp.inf,
+                                (m + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(q0, bq), h], commit_group=False)
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)], commit_group=False)
+      plgpu.commit_smem_to_gmem_group()
+      plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 2)
   def _producer():
@@ -170,9 +180,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     def _(j):
       slot = lax.rem(j, stages)
       rows = (b, pl.ds(j * bkv, bkv), kvh)
-      plgpu.barrier_wait(k_free.at[slot])
+      with jax.named_scope("wait_free"):
+        plgpu.barrier_wait(k_free.at[slot])
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot])
-      plgpu.barrier_wait(v_free.at[slot])
+      with jax.named_scope("wait_free"):
+        plgpu.barrier_wait(v_free.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_scratch.at[slot], v_ready.at[slot])
 
     # Observe the last releases too: every waiter of an mbarrier must see each of its phases.
@@ -247,18 +259,23 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
   def step(j, carry, *, masked: bool):
     acc, p16, m, l = carry  # acc is scaled to m; p16 = P_j is not in it yet
     slot, nxt = lax.rem(j, stages), lax.rem(j + 1, stages)
-    plgpu.barrier_arrive(bars.sched)
-    plgpu.barrier_wait(bars.k_ready.at[nxt])
-    plgpu.barrier_wait(bars.v_ready.at[slot])
-    plgpu.barrier_wait(bars.sched)
+    with jax.named_scope("wait_kv"):
+      plgpu.barrier_arrive(bars.sched)
+      plgpu.barrier_wait(bars.k_ready.at[nxt])
+      plgpu.barrier_wait(bars.v_ready.at[slot])
+      plgpu.barrier_wait(bars.sched)
 
     def scores_and_softmax(s_ref, issue_pv):
-      plgpu.wgmma(s_ref, q_smem, k_scratch.at[nxt].T)  # S_{j+1}
-      issue_pv()  # P_j·V_j, queued behind it
-      sched_sync()  # hand the tensor cores to the other WG
-      s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P_j·V_j keeps running
+      with jax.named_scope("issue"):
+        plgpu.wgmma(s_ref, q_smem, k_scratch.at[nxt].T)  # S_{j+1}
+        issue_pv()  # P_j·V_j, queued behind it
+      with jax.named_scope("handoff"):
+        sched_sync()  # hand the tensor cores to the other WG
+      with jax.named_scope("wait_s"):
+        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P_j·V_j keeps running
       plgpu.barrier_arrive(bars.k_free.at[nxt])
-      return softmax(s, j + 1, masked, m, l)
+      with jax.named_scope("softmax"):
+        return softmax(s, j + 1, masked, m, l)
 
     if kp.interpret:  # P staged through SMEM, P_j·V_j into its own accumulator
       p_smem[...] = p16
@@ -289,10 +306,11 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
       # ptxas serialise every wgmma of the kernel (C7513; FA3 converts after wait<0> too).
       p = lax.optimization_barrier(p)
     plgpu.barrier_arrive(bars.v_free.at[slot])
-    p16 = p.astype(kp.dtype)
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    # Pin the softmax and the rescale before the next barrier round (see the plain loop).
-    return lax.optimization_barrier((acc, p16, m, l))
+    with jax.named_scope("rescale"):
+      p16 = p.astype(kp.dtype)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      # Pin the softmax and the rescale before the next barrier round (see the plain loop).
+      return lax.optimization_barrier((acc, p16, m, l))
 
   if kp.needs_mask:
     split = jnp.maximum(_common.first_masked_block(q0, steps, kp) - 1, 0)
@@ -350,7 +368,7 @@ def fwd_call(q, k, v, *, kp: _common.KernelParams):
                 jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)),
       scratch_types=scratch,
       grid=grid, grid_names=names, num_threads=3, thread_name="wg",
-      compiler_params=_common.compiler_params(),
+      compiler_params=_common.compiler_params(kp, kp.num_kv_blocks),
       interpret=_common.interpret_params(kp.interpret),
   )(q, k, v)
 
