@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call: ./scripts/gpu_suite.sh STAGE...
 # Stages: env tests mosaic-tests sweep bench long memory features fused retrieval profile ptxas
-# (PTXAS_VARIANTS: scripts/mosaic_ptxas.py variants, default all). Results go to $OUT (default
-# ./gpu_out). Each stage is cut off after ${STAGE_LIMIT_S:-900} s (timeout rc 124).
+# (PTXAS_VARIANTS: scripts/mosaic_ptxas.py variants, default all; PTXAS_SHAPE B,T,H,D). Results
+# go to $OUT (default ./gpu_out). Each stage is cut off after ${STAGE_LIMIT_S:-900} s (timeout
+# rc 124).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -25,6 +26,7 @@ for stage in "$@"; do
     profile) run profile bash -c "$py scripts/mosaic_profile.py --out '$OUT' --shape 1,4096,16,128 \
                && $py scripts/mosaic_profile.py --out '$OUT' --shape 1,4096,16,128 --causal" ;;
     ptxas) run ptxas bash -c "$py scripts/mosaic_ptxas.py --out /tmp/pf_ptxas --reps 50 \
+             --shape ${PTXAS_SHAPE:-4,4096,16,128} \
              ${PTXAS_VARIANTS:-} && cp /tmp/pf_ptxas/ptxas/report.json '$OUT/ptxas_report.json'" ;;
     sweep) run sweep $py scripts/triton_sweep.py --json "$OUT/sweep.json" ;;
     bench) run bench $py -m pallas_flash.bench --shapes "${SHAPES:-anchors}" --impl "${IMPLS:-triton,mosaic,cudnn,jax_xla}" --json "$OUT/bench.json" ;;
