@@ -99,13 +99,10 @@ def main() -> None:
 
   import pallas_flash
   from pallas_flash.mosaic_gpu import TUNED, MosaicConfig
+  from mosaic_ptxas import parse_overrides  # beside this script, on sys.path when run
 
   b, t, h, d = (int(x) for x in args.shape.split(","))
-  kw = {}
-  for item in args.overrides:
-    key, value = item.split("=")
-    kw[key] = ({"True": True, "False": False}[value] if value in ("True", "False")
-               else int(value) if value.isdigit() else value)
+  kw = parse_overrides(args.overrides)
   trace_dir = os.path.abspath(os.path.join(args.out, "mosaic_profile"))
   os.makedirs(trace_dir, exist_ok=True)
   config = dataclasses.replace(TUNED.get((d, args.causal), MosaicConfig()), **kw,

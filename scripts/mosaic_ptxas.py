@@ -51,16 +51,21 @@ VARIANTS = {
 }
 
 
-def variant(spec: str) -> tuple[str, bool, dict]:
-  """'NAME' or 'NAME@key=value,...' (MosaicConfig overrides: ints, True/False or strings)."""
-  name, _, extra = spec.partition("@")
-  mode, causal, kw = VARIANTS[name]
-  kw = dict(kw)
-  for item in filter(None, extra.split(",")):
+def parse_overrides(items) -> dict:
+  """MosaicConfig overrides from 'key=value' strings: ints, True/False or strings."""
+  kw = {}
+  for item in items:
     key, value = item.split("=")
     kw[key] = ({"True": True, "False": False}[value] if value in ("True", "False")
                else int(value) if value.isdigit() else value)
-  return mode, causal, kw
+  return kw
+
+
+def variant(spec: str) -> tuple[str, bool, dict]:
+  """'NAME' or 'NAME@key=value,...' (MosaicConfig overrides, see parse_overrides)."""
+  name, _, extra = spec.partition("@")
+  mode, causal, kw = VARIANTS[name]
+  return mode, causal, {**kw, **parse_overrides(filter(None, extra.split(",")))}
 
 
 def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> None:

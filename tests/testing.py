@@ -144,6 +144,11 @@ def export_for_h200(fn, *specs, disabled_checks=()) -> jax.export.Exported:
                              disabled_checks=list(disabled_checks))(*specs)
 
 
+def kernel_specs(b, t, s, h, kh, d, dtype=jnp.bfloat16):
+  """Abstract (q [B, T, H, D], kv [B, S, K, D]) of a kernel case, for lowering without data."""
+  return (jax.ShapeDtypeStruct((b, t, h, d), dtype), jax.ShapeDtypeStruct((b, s, kh, d), dtype))
+
+
 def kernel_case_id(case) -> str:
   """pytest id of a kernel case (B, T, S, H, K, D, causal[, dtype]), e.g.
   b1_t1000_s1100_h8:2_d64_causal_bfloat16."""

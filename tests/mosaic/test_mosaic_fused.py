@@ -18,7 +18,7 @@ import pallas_flash
 from pallas_flash.mosaic_gpu import TUNED, MosaicConfig, backward, backward_fused
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
-from testing import export_for_h200, kernel_case_id
+from testing import export_for_h200, kernel_case_id, kernel_specs
 
 
 def _mosaic_calls(text: str) -> int:
@@ -26,8 +26,7 @@ def _mosaic_calls(text: str) -> int:
 
 
 def _grad_module(b, t, s, h, kh, d, causal, config) -> str:
-  q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((b, s, kh, d), jnp.bfloat16)
+  q, kv = kernel_specs(b, t, s, h, kh, d)
 
   def loss(q, k, v):
     o = pallas_flash.flash_attention(q, k, v, is_causal=causal, implementation="mosaic",

@@ -50,15 +50,19 @@ BWD = [
 ]
 
 
-@pytest.mark.parametrize("case", FWD, ids=kernel_case_id)
-def test_forward_matches_reference(case):
+def _assert_forward_matches_reference(case, config):
   b, t, s, h, kh, d, causal, dtype = case
   q, k, v, _ = _inputs(b, t, s, h, kh, d, dtype, seed=t + s)
   p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
-  o, lse = forward(q, k, v, None, None, params=p, config=SMALL)
+  o, lse = forward(q, k, v, None, None, params=p, config=config)
   ro, rlse = attention_reference(q, k, v, None, None, params=p)
   assert _rel(o, ro) <= TOL[dtype][0], _rel(o, ro)
   assert float(jnp.abs(lse - rlse).max()) <= 1e-4 * max(1.0, float(jnp.abs(rlse).max()))
+
+
+@pytest.mark.parametrize("case", FWD, ids=kernel_case_id)
+def test_forward_matches_reference(case):
+  _assert_forward_matches_reference(case, SMALL)
 
 
 # Intra-warpgroup overlap: several kv steps (non-causal, causal with idle steps, GQA, odd
@@ -74,14 +78,7 @@ OVERLAP = [
 
 @pytest.mark.parametrize("case", OVERLAP, ids=kernel_case_id)
 def test_forward_with_intra_wg_overlap_matches_reference(case):
-  b, t, s, h, kh, d, causal, dtype = case
-  q, k, v, _ = _inputs(b, t, s, h, kh, d, dtype, seed=t + s)
-  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
-  config = dataclasses.replace(SMALL, fwd_intra_wg_overlap=True)
-  o, lse = forward(q, k, v, None, None, params=p, config=config)
-  ro, rlse = attention_reference(q, k, v, None, None, params=p)
-  assert _rel(o, ro) <= TOL[dtype][0], _rel(o, ro)
-  assert float(jnp.abs(lse - rlse).max()) <= 1e-4 * max(1.0, float(jnp.abs(rlse).max()))
+  _assert_forward_matches_reference(case, dataclasses.replace(SMALL, fwd_intra_wg_overlap=True))
 
 
 def test_one_stage_causal_forward_is_refused():

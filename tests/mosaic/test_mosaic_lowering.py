@@ -13,7 +13,7 @@ import pallas_flash
 from pallas_flash import mosaic_gpu
 from pallas_flash.mosaic_gpu import MosaicConfig
 from pallas_flash.params import AttentionParams, CallInfo
-from testing import H200, export_for_h200, kernel_case_id
+from testing import H200, export_for_h200, kernel_case_id, kernel_specs
 
 
 CASES = [  # B, T, S, H, K, D, causal
@@ -28,9 +28,8 @@ CASES = [  # B, T, S, H, K, D, causal
 
 @pytest.mark.parametrize("case", CASES, ids=kernel_case_id)
 def test_forward_and_grad_lower(case):
-  b, t, s, h, kh, d, causal = case
-  q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((b, s, kh, d), jnp.bfloat16)
+  *shape, causal = case
+  q, kv = kernel_specs(*shape)
 
   def attn(q, k, v):
     return pallas_flash.flash_attention(q, k, v, is_causal=causal, implementation="mosaic")
@@ -67,10 +66,9 @@ OVERLAP_CASES = [  # B, T, S, H, K, D, causal
 
 @pytest.mark.parametrize("case", OVERLAP_CASES, ids=kernel_case_id)
 def test_forward_with_intra_wg_overlap_lowers(case):
-  b, t, s, h, kh, d, causal = case
-  q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((b, s, kh, d), jnp.bfloat16)
-  config = MosaicConfig(block_kv=64 if d == 256 else 128, fwd_intra_wg_overlap=True)
+  *shape, causal = case
+  q, kv = kernel_specs(*shape)
+  config = MosaicConfig(block_kv=64 if shape[-1] == 256 else 128, fwd_intra_wg_overlap=True)
   fn = lambda q, k, v: pallas_flash.flash_attention(  # noqa: E731
       q, k, v, is_causal=causal, implementation="mosaic", config=config)
   text = export_for_h200(fn, q, kv, kv).mlir_module()
