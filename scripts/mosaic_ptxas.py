@@ -43,6 +43,7 @@ VARIANTS = {
     "fwd_plain": ("fwd", False, dict(fwd_intra_wg_overlap=False)),
     "fwd_overlap": ("fwd", False, dict(fwd_intra_wg_overlap=True)),
     "fwd_overlap_causal": ("fwd", True, dict(fwd_intra_wg_overlap=True)),
+    "fwd_persistent": ("fwd", False, dict(fwd_persistent=True)),
     "bwd_split": ("fwdbwd", False, {}),
     "bwd_split_causal": ("fwdbwd", True, {}),
     "bwd_fused_shared": ("fwdbwd", False, dict(fused_backward=True, fused_dq_shared=True)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
@@ -83,6 +84,15 @@ class KernelParams:
 def config_for(q, k, params: AttentionParams) -> MosaicConfig:
   del k
   return TUNED.get((q.shape[3], params.is_causal), MosaicConfig())
+
+
+def sm_count() -> int:
+  """Streaming multiprocessors of the local GPU; 132 (H100 SXM, H200) where none is visible,
+  as when lowering for an abstract device."""
+  try:
+    return jax.local_devices(backend="gpu")[0].core_count
+  except Exception:  # no GPU backend here (CPU, interpret mode, deviceless lowering)
+    return 132
 
 
 def smem_transforms(dtype):

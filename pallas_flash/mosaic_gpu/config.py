@@ -32,6 +32,13 @@ class MosaicConfig:
       producer_registers are changed from their defaults the forward then runs at FA3's 240 / 24
       split. On in the head_dim 128 table (+2-3 % at 4K and 16K, level at 4K causal); slower at
       head_dim 64 (390 vs 434 TFLOP/s at 4x4096x32x64).
+    fwd_persistent: forward, non-causal: one CTA per SM loops over the (q tile, head, batch)
+      tiles instead of one CTA per tile; the K/V ring runs on across tiles and Q is
+      double-buffered, so the next tile's loads overlap the current tile's last steps and
+      epilogue. Needs room for the second Q buffer (not at head_dim 256, where it is ignored);
+      causal calls always run one CTA per tile (their launch order balances the SMs).
+    persistent_ctas: CTAs of the persistent forward; 0 = the GPU's SM count (132 on H100 SXM
+      and H200). Tests set it to exercise several tiles per CTA.
     fused_backward: backward algorithm. True: one FlashAttention-3 style kernel per kv tile
       (backward_fused.py: 5 tile matmuls per tile pair instead of 7, dK/dV in registers, dQ
       summed into a float32 buffer by TMA reduce-add), so dQ is not bitwise reproducible run to
@@ -89,6 +96,8 @@ class MosaicConfig:
   bwd_stages: int = 2
   heads_fastest: bool = True
   fwd_intra_wg_overlap: bool = False
+  fwd_persistent: bool = False
+  persistent_ctas: int = 0
   fused_backward: bool = False
   block_q_fused: int = 64
   block_kv_fused: int = 64
@@ -111,6 +120,8 @@ class MosaicConfig:
       # multiple of the 128-byte swizzle width, i.e. 64 16-bit elements.
       if value < 64 or value % 64:
         raise ValueError(f"MosaicConfig.{name} must be a positive multiple of 64, got {value}")
+    if self.persistent_ctas < 0:
+      raise ValueError(f"MosaicConfig.persistent_ctas must be >= 0, got {self.persistent_ctas}")
     for name in ("num_stages", "bwd_stages", "fused_stages", "fused_dq_blocks"):
       if getattr(self, name) < 1:
         raise ValueError(f"MosaicConfig.{name} must be >= 1, got {getattr(self, name)}")

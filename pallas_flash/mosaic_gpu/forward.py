@@ -30,7 +30,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_flash import _blocking
 from pallas_flash.mosaic_gpu import _common
-from pallas_flash.mosaic_gpu.config import MosaicConfig
+from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
 from pallas_flash.params import MASK_VALUE, AttentionParams
 
 LOG2E = math.log2(math.e)
@@ -70,57 +70,6 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
       plgpu.barrier_wait(q_ready.at[wg])
       plgpu.barrier_wait(k_ready.at[0])  # steps >= 1 always
 
-    def step(j, carry, *, masked: bool):
-      acc, m, l = carry
-      slot = lax.rem(j, stages)
-
-      def qk(s_ref):
-        with jax.named_scope("issue"):
-          plgpu.wgmma(s_ref, q_smem, k_scratch.at[slot].T)
-        with jax.named_scope("handoff"):
-          sched_sync()  # hand the tensor cores to the other WG while S is computed
-        with jax.named_scope("wait_s"):
-          return s_ref[...]
-
-      s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
-      plgpu.barrier_arrive(k_free.at[slot])
-      with jax.named_scope("softmax"):
-        if masked:
-          s = jnp.where(_common.visible(q0, j * bkv, (bq, bkv), kp), s, -jnp.inf)
-        # exp2 with softmax_scale·log2(e) folded in: m is kept in scaled log2 units, so each
-        # probability is one FFMA plus one ex2. -inf scores give p = 0 without a select since
-        # m starts at the finite MASK_VALUE.
-        m_new = jnp.maximum(m, s.max(axis=1) * kp.c)
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l = l * alpha + p.sum(axis=1)
-        p16 = p.astype(kp.dtype)
-        # Pin the softmax before the barrier so that it overlaps the other WG's matmuls.
-        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-      with jax.named_scope("wait_kv"):
-        plgpu.barrier_arrive(sched)
-        plgpu.barrier_wait(v_ready.at[slot])
-        plgpu.barrier_wait(sched)
-
-      def wait_next_k():
-        @pl.when(j + 1 < steps)
-        def _():
-          plgpu.barrier_wait(k_ready.at[lax.rem(j + 1, stages)])
-
-      if kp.interpret:
-        acc = acc + _common.staged_matmul(p16, p_scratch.at[wg], v_scratch.at[slot], (bq, kp.d))
-        wait_next_k()
-      else:
-        def pv(acc_ref):
-          with jax.named_scope("issue"):
-            plgpu.wgmma(acc_ref, p16, v_scratch.at[slot])  # P from registers (RS wgmma)
-          with jax.named_scope("wait_kv"):
-            wait_next_k()  # overlaps the PV wgmma
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(v_free.at[slot])
-      return acc, m_new, l
-
     def idle_step(j, carry):
       # A WG with fewer causal blocks keeps the shared ring and schedule barrier in lock-step.
       slot = lax.rem(j, stages)
@@ -132,35 +81,17 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
       sched_sync()
       return carry
 
-    if kp.intra_wg_overlap:
-      pl.when(wg == 1)(sched_sync)
-      carry = _overlapped_kv_loop(
-          q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
-          _Barriers(k_ready, v_ready, k_free, v_free, sched), q0=q0, steps=steps, kp=kp)
-    else:
-      carry = (plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA),
-               plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), _common.ROW),
-               plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _common.ROW))
-      pl.when(wg == 1)(sched_sync)
-      mask_lo = _common.first_masked_block(q0, steps, kp)
-      carry = lax.fori_loop(0, mask_lo, functools.partial(step, masked=False), carry)
-      if kp.needs_mask:
-        carry = lax.fori_loop(mask_lo, steps, functools.partial(step, masked=True), carry)
+    pl.when(wg == 1)(sched_sync)
+    loop = _overlapped_kv_loop if kp.intra_wg_overlap else _plain_kv_loop
+    carry = loop(q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
+                 _Barriers(k_ready, v_ready, k_free, v_free, sched), q0=q0, steps=steps, kp=kp)
     if kp.causal:
       lax.fori_loop(steps, cta_steps, idle_step, None)
     pl.when(wg == 0)(sched_sync)
 
-    acc, m, l = carry
     with jax.named_scope("epilogue"):
-      empty = l == 0.0  # only with segment ids: no visible key at all
-      inv_l = 1.0 / jnp.where(empty, 1.0, l)
-      q_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(kp.dtype)
-      lse_smem[...] = jnp.where(empty, -jnp.inf,
-                                (m + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(q0, bq), h], commit_group=False)
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)], commit_group=False)
-      plgpu.commit_smem_to_gmem_group()
+      _store_tile(*carry, q_smem, lse_smem, o_ref.at[b, pl.ds(q0, bq), h],
+                  lse_ref.at[b, h, pl.ds(q0, bq)], kp)
       plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 2)
@@ -194,6 +125,131 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
       plgpu.barrier_wait(v_free.at[lax.rem(j, stages)])
 
 
+def _store_tile(acc, m, l, o_smem, lse_smem, o_dst, lse_dst, kp: _common.KernelParams):
+  """Normalises one WG's tile and starts its TMA stores: O = acc / l [block_q, D] through
+  o_smem (the WG's Q buffer, free once its last Q·Kᵀ retired), lse (natural log) through
+  lse_smem. The caller waits for the stores."""
+  empty = l == 0.0  # only with segment ids: no visible key at all
+  inv_l = 1.0 / jnp.where(empty, 1.0, l)
+  o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(kp.dtype)
+  lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_smem, o_dst, commit_group=False)
+  plgpu.copy_smem_to_gmem(lse_smem, lse_dst, commit_group=False)
+  plgpu.commit_smem_to_gmem_group()
+
+
+def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scratch,
+                           lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free, v_free,
+                           sched, q_free, *, kp: _common.KernelParams, ctas: int, heads: int,
+                           batch: int):
+  """The non-causal forward as a persistent kernel: `ctas` CTAs (one per SM) loop over the
+  (q tile, head, batch) tiles, CTA c taking tiles c, c + ctas, ...
+
+  Same warpgroups, ring and kv loops as `_fwd_kernel`, but the ring runs on across tiles, so
+  the producer loads the next tile's first K/V blocks while the consumers finish a tile, and Q
+  is double-buffered by tile parity: the producer loads tile i+1's Q during tile i (as soon
+  as tile i-1 released its buffer), so a tile starts without waiting for a load. What a CTA
+  launch paid per tile (Q and first K/V latency, launch, drain) is paid once per CTA.
+
+  q_scratch [2 (tile parity), 2 (WG), block_q, D]; q_ready [4] indexed parity·2 + WG (TMA
+  arrivals); q_free [2] (2 arrivals: both WGs stored that parity's tile and the TMA has read
+  its O out of the buffer). Other operands as in `_fwd_kernel`.
+  """
+  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
+  nqt, steps = kp.num_q_tiles, kp.num_kv_blocks  # non-causal: every tile sees every key block
+  cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
+  tiles = lax.div(nqt * heads * batch - cta + ctas - 1, ctas)  # >= 1: ctas <= tile count
+
+  def coords(i):
+    """(b, h, q tile) of this CTA's i-th tile, in the launch order of `_fwd_kernel`."""
+    t = cta + i * ctas
+    if kp.heads_fastest:
+      h, r = lax.rem(t, heads), lax.div(t, heads)
+      return lax.div(r, nqt), h, lax.rem(r, nqt)
+    qt, r = lax.rem(t, nqt), lax.div(t, nqt)
+    return lax.div(r, heads), lax.rem(r, heads), qt
+
+  def sched_sync():
+    plgpu.barrier_arrive(sched)
+    plgpu.barrier_wait(sched)
+
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(kp.compute_registers, action="increase")
+    loop = _overlapped_kv_loop if kp.intra_wg_overlap else _plain_kv_loop
+    bars = _Barriers(k_ready, v_ready, k_free, v_free, sched)
+
+    @pl.loop(0, tiles)
+    def _tile(i):
+      b, h, qt = coords(i)
+      parity = lax.rem(i, 2)
+      q_smem = q_scratch.at[parity, wg]
+      q0 = qt * (2 * bq) + wg * bq
+      with jax.named_scope("prologue"):
+        plgpu.barrier_wait(q_ready.at[parity * 2 + wg])
+        plgpu.barrier_wait(k_ready.at[lax.rem(i * steps, stages)])
+      pl.when(wg == 1)(sched_sync)
+      carry = loop(q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
+                   bars, q0=q0, steps=steps, kp=kp, base=i * steps)
+      pl.when(wg == 0)(sched_sync)
+      with jax.named_scope("epilogue"):
+        _store_tile(*carry, q_smem, lse_scratch.at[wg], o_ref.at[b, pl.ds(q0, bq), h],
+                    lse_ref.at[b, h, pl.ds(q0, bq)], kp)
+        # The buffer takes tile i+2's Q next; lse_scratch is rewritten by the next tile.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      plgpu.barrier_arrive(q_free.at[parity])
+
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(kp.producer_registers, action="decrease")
+
+    def load_q(i):
+      b, h, qt = coords(i)
+      parity = lax.rem(i, 2)
+      for w in range(2):
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(qt * (2 * bq) + w * bq, bq), h],
+                                q_scratch.at[parity, w], q_ready.at[parity * 2 + w])
+
+    load_q(0)
+
+    @pl.loop(0, tiles)
+    def _tile(i):
+      b, h, _ = coords(i)
+      kvh = lax.div(h, kp.group)
+
+      @pl.loop(0, steps)
+      def _step(j):
+        g = i * steps + j  # the ring's step
+        slot = lax.rem(g, stages)
+        rows = (b, pl.ds(j * bkv, bkv), kvh)
+        with jax.named_scope("wait_free"):
+          pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot])
+        with jax.named_scope("wait_free"):
+          pl.when(g >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_scratch.at[slot], v_ready.at[slot])
+
+        # Tile i+1's Q, once the ring holds tile i's first blocks: issuing those needed tile
+        # i-1's last blocks consumed, so tile i-1's release of the buffer is close.
+        @pl.when((j == stages - 1) & (i + 1 < tiles))
+        def _():
+          pl.when(i >= 1)(lambda: plgpu.barrier_wait(q_free.at[lax.rem(i + 1, 2)]))
+          load_q(i + 1)
+
+    # Observe the last releases too: every waiter of an mbarrier must see each of its phases.
+    @pl.loop(jnp.maximum(tiles * steps - stages, 0), tiles * steps)
+    def _(g):
+      plgpu.barrier_wait(k_free.at[lax.rem(g, stages)])
+      plgpu.barrier_wait(v_free.at[lax.rem(g, stages)])
+
+    @pl.loop(jnp.maximum(tiles - 2, 0), tiles)
+    def _(i):
+      plgpu.barrier_wait(q_free.at[lax.rem(i, 2)])
+
+
 class _Barriers(NamedTuple):
   """The consumer side of the K/V ring and the two-WG schedule barrier."""
 
@@ -202,6 +258,92 @@ class _Barriers(NamedTuple):
   k_free: Any
   v_free: Any
   sched: Any
+
+
+def _ring(base):
+  """slot(j): the K/V ring slot of a tile's kv step j when the tile's first step is the
+  ring's step `base` (None: 0, the non-persistent kernel)."""
+  def slot(j, stages):
+    if base is None:
+      return 0 if isinstance(j, int) and j == 0 else lax.rem(j, stages)
+    return lax.rem(base + j, stages)
+
+  return slot
+
+
+def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0, steps,
+                   kp: _common.KernelParams, base=None):
+  """One consumer WG's kv loop, S_j then O += P_j·V_j per step -> (acc, m, l).
+
+  q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
+  mode only). The caller has waited for K_0; `base`: see `_ring`.
+  """
+  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
+  ring = _ring(base)
+
+  def sched_sync():
+    plgpu.barrier_arrive(bars.sched)
+    plgpu.barrier_wait(bars.sched)
+
+  def step(j, carry, *, masked: bool):
+    acc, m, l = carry
+    slot = ring(j, stages)
+
+    def qk(s_ref):
+      with jax.named_scope("issue"):
+        plgpu.wgmma(s_ref, q_smem, k_scratch.at[slot].T)
+      with jax.named_scope("handoff"):
+        sched_sync()  # hand the tensor cores to the other WG while S is computed
+      with jax.named_scope("wait_s"):
+        return s_ref[...]
+
+    s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+    plgpu.barrier_arrive(bars.k_free.at[slot])
+    with jax.named_scope("softmax"):
+      if masked:
+        s = jnp.where(_common.visible(q0, j * bkv, (bq, bkv), kp), s, -jnp.inf)
+      # exp2 with softmax_scale·log2(e) folded in: m is kept in scaled log2 units, so each
+      # probability is one FFMA plus one ex2. -inf scores give p = 0 without a select since
+      # m starts at the finite MASK_VALUE.
+      m_new = jnp.maximum(m, s.max(axis=1) * kp.c)
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      l = l * alpha + p.sum(axis=1)
+      p16 = p.astype(kp.dtype)
+      # Pin the softmax before the barrier so that it overlaps the other WG's matmuls.
+      acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+    with jax.named_scope("wait_kv"):
+      plgpu.barrier_arrive(bars.sched)
+      plgpu.barrier_wait(bars.v_ready.at[slot])
+      plgpu.barrier_wait(bars.sched)
+
+    def wait_next_k():
+      @pl.when(j + 1 < steps)
+      def _():
+        plgpu.barrier_wait(bars.k_ready.at[ring(j + 1, stages)])
+
+    if kp.interpret:
+      acc = acc + _common.staged_matmul(p16, p_smem, v_scratch.at[slot], (bq, kp.d))
+      wait_next_k()
+    else:
+      def pv(acc_ref):
+        with jax.named_scope("issue"):
+          plgpu.wgmma(acc_ref, p16, v_scratch.at[slot])  # P from registers (RS wgmma)
+        with jax.named_scope("wait_kv"):
+          wait_next_k()  # overlaps the PV wgmma
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(bars.v_free.at[slot])
+    return acc, m_new, l
+
+  carry = (plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA),
+           plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), _common.ROW),
+           plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _common.ROW))
+  mask_lo = _common.first_masked_block(q0, steps, kp)
+  carry = lax.fori_loop(0, mask_lo, functools.partial(step, masked=False), carry)
+  if kp.needs_mask:
+    carry = lax.fori_loop(mask_lo, steps, functools.partial(step, masked=True), carry)
+  return carry
 
 
 def _softmax(s, m, l, kp: _common.KernelParams):
@@ -219,7 +361,7 @@ def _softmax(s, m, l, kp: _common.KernelParams):
 
 
 def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0, steps,
-                        kp: _common.KernelParams):
+                        kp: _common.KernelParams, base=None):
   """One consumer WG's kv loop with FA3's intra-warpgroup 2-stage pipeline -> (acc, m, l).
 
   q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
@@ -228,9 +370,10 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
   softmax while P_j·V_j is still in flight; O is rescaled once that has retired. The last P·V
   follows the loop. Each matmul pair sits between the same two schedule-barrier rounds per
   block as in the plain loop, so the two WGs still alternate (ping-pong) and the idle steps of
-  a causal CTA are unchanged.
+  a causal CTA are unchanged. `base`: see `_ring`.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
+  ring = _ring(base)
 
   def sched_sync():
     plgpu.barrier_arrive(bars.sched)
@@ -242,12 +385,12 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
     return _softmax(s, m, l, kp)
 
   def qk(s_ref):  # K_0 is ready: the caller waited for it
-    plgpu.wgmma(s_ref, q_smem, k_scratch.at[0].T)
+    plgpu.wgmma(s_ref, q_smem, k_scratch.at[ring(0, stages)].T)
     sched_sync()
     return s_ref[...]
 
   s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
-  plgpu.barrier_arrive(bars.k_free.at[0])
+  plgpu.barrier_arrive(bars.k_free.at[ring(0, stages)])
   # Block 0 is masked whenever any block can be: exact where it is not needed, and one tile.
   p, m, l, _ = softmax(
       s, 0, kp.needs_mask, plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32),
@@ -258,7 +401,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
 
   def step(j, carry, *, masked: bool):
     acc, p16, m, l = carry  # acc is scaled to m; p16 = P_j is not in it yet
-    slot, nxt = lax.rem(j, stages), lax.rem(j + 1, stages)
+    slot, nxt = ring(j, stages), ring(j + 1, stages)
     with jax.named_scope("wait_kv"):
       plgpu.barrier_arrive(bars.sched)
       plgpu.barrier_wait(bars.k_ready.at[nxt])
@@ -320,7 +463,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
     carry = lax.fori_loop(0, steps - 1, functools.partial(step, masked=False), carry)
 
   acc, p16, m, l = carry
-  last = lax.rem(steps - 1, stages)
+  last = ring(steps - 1, stages)
   plgpu.barrier_arrive(bars.sched)
   plgpu.barrier_wait(bars.v_ready.at[last])
   plgpu.barrier_wait(bars.sched)
@@ -340,37 +483,74 @@ def _registers(config: MosaicConfig) -> tuple[int, int]:
   return regs
 
 
-def fwd_call(q, k, v, *, kp: _common.KernelParams):
-  """Runs the kernel on padded q [B, Tp, H, D], k/v [B, Sp, K, D] -> (o [B, Tp, H, D], lse)."""
+def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0):
+  """Runs the kernel on padded q [B, Tp, H, D], k/v [B, Sp, K, D] -> (o [B, Tp, H, D], lse).
+
+  persistent_ctas > 0 (non-causal only): `_fwd_persistent_kernel` on that many CTAs."""
   bsz, t_pad, h, d = q.shape
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   tiles = _common.smem_transforms(kp.dtype)
+  persistent = persistent_ctas > 0
   scratch = [
-      plgpu.SMEM((2, bq, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM(((2,) if persistent else ()) + (2, bq, d), kp.dtype, transforms=tiles),
       plgpu.SMEM((stages, bkv, d), kp.dtype, transforms=tiles),
       plgpu.SMEM((stages, bkv, d), kp.dtype, transforms=tiles),
       plgpu.SMEM((2, bq), jnp.float32),
       plgpu.SMEM((2, bq, bkv), kp.dtype, transforms=tiles) if kp.interpret else None,
-      plgpu.Barrier(num_barriers=2),
+      plgpu.Barrier(num_barriers=4 if persistent else 2),
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2),
   ]
-  if kp.heads_fastest:
-    grid, names = (h, kp.num_q_tiles, bsz), ("h", "qt", "b")
+  if persistent:
+    assert not kp.causal, "the persistent forward is non-causal only"
+    scratch.append(plgpu.Barrier(num_arrivals=2, num_barriers=2))
+    body = functools.partial(_fwd_persistent_kernel, kp=kp, ctas=persistent_ctas, heads=h,
+                             batch=bsz)
+    grid, names = (persistent_ctas,), ("cta",)
+    most_steps = kp.num_kv_blocks * -(-kp.num_q_tiles * h * bsz // persistent_ctas)
   else:
-    grid, names = (kp.num_q_tiles, h, bsz), ("qt", "h", "b")
+    body = functools.partial(_fwd_kernel, kp=kp)
+    if kp.heads_fastest:
+      grid, names = (h, kp.num_q_tiles, bsz), ("h", "qt", "b")
+    else:
+      grid, names = (kp.num_q_tiles, h, bsz), ("qt", "h", "b")
+    most_steps = kp.num_kv_blocks
   return plgpu.kernel(
-      functools.partial(_fwd_kernel, kp=kp),
+      body,
       out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)),
       scratch_types=scratch,
       grid=grid, grid_names=names, num_threads=3, thread_name="wg",
-      compiler_params=_common.compiler_params(kp, kp.num_kv_blocks),
+      compiler_params=_common.compiler_params(kp, most_steps),
       interpret=_common.interpret_params(kp.interpret),
   )(q, k, v)
+
+
+def smem_bytes(d: int, block_q: int, block_kv: int, stages: int, itemsize: int = 2, *,
+               persistent: bool = False) -> int:
+  """Shared memory of one forward CTA: Q (double-buffered when persistent), the K/V ring and
+  lse, plus ~1 KiB of barriers and alignment."""
+  q = (2 if persistent else 1) * 2 * block_q * d * itemsize
+  return q + 2 * stages * block_kv * d * itemsize + 2 * block_q * 4 + 1024
+
+
+def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
+  """CTAs of the persistent forward for q [B, T, H, D] (0: run the one-CTA-per-tile kernel).
+
+  Persistent only where it applies: config.fwd_persistent, non-causal (causal tiles differ in
+  length; that kernel balances them by its launch order) and Q's second buffer fits in shared
+  memory (not at head_dim 256)."""
+  b, t, h, d = q.shape
+  if not config.fwd_persistent or params.is_causal:
+    return 0
+  if smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
+                jnp.dtype(q.dtype).itemsize, persistent=True) > SMEM_LIMIT_BYTES:
+    return 0
+  tiles = b * h * (_blocking.round_up(t, 2 * config.block_q) // (2 * config.block_q))
+  return min(tiles, config.persistent_ctas or _common.sm_count())
 
 
 def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
@@ -397,5 +577,5 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
     kp = dataclasses.replace(kp, compute_registers=compute, producer_registers=producer)
   qp = _blocking.pad_axis(q, 1, t_pad)
   kpad, vpad = _blocking.pad_axis(k, 1, s_pad), _blocking.pad_axis(v, 1, s_pad)
-  o, lse = fwd_call(qp, kpad, vpad, kp=kp)
+  o, lse = fwd_call(qp, kpad, vpad, kp=kp, persistent_ctas=persistent_ctas(q, config, params))
   return o[:, :t], lse[:, :, :t]
