@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from pallas_flash import block_sparse, dropout, masks
 from pallas_flash.params import (KV_PAD_SEGMENT, Q_PAD_SEGMENT, AttentionParams, CallInfo,
@@ -31,6 +32,7 @@ class _Backend:
   unsupported_reason: Callable[[CallInfo], str | None]
   config_type: type
   features: frozenset[str]  # SUPPORTED_FEATURES; a backend without it runs only the core
+  computes_delta: bool = False  # BACKWARD_COMPUTES_DELTA (see pallas_flash.params)
 
 
 def _load_backend(name: str) -> _Backend | str:
@@ -50,7 +52,8 @@ def _load_backend(name: str) -> _Backend | str:
     fwd, bwd = functools.partial(fwd, **kwargs), functools.partial(bwd, **kwargs)
   reason = functools.partial(mod.unsupported_reason, **kwargs) if kwargs else mod.unsupported_reason
   features = frozenset(getattr(mod, "SUPPORTED_FEATURES", ()))
-  return _Backend(fwd, bwd, reason, mod.CONFIG_TYPE, features)
+  return _Backend(fwd, bwd, reason, mod.CONFIG_TYPE, features,
+                  bool(getattr(mod, "BACKWARD_COMPUTES_DELTA", False)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,25 +477,35 @@ def _differentiable(name: str, params: AttentionParams, config) -> Callable:
   def attention(q, k, v, q_seg, kv_seg, arrays):
     return backend.forward(q, k, v, q_seg, kv_seg, **kw(arrays))
 
-  def attention_fwd(q, k, v, q_seg, kv_seg, arrays):
+  def attention_fwd(*primals):
+    # symbolic_zeros: each leaf comes as CustomVJPPrimal(value, perturbed).
+    q, k, v, q_seg, kv_seg, arrays = custom_vjp_primal_tree_values(primals)
     o, lse = backend.forward(q, k, v, q_seg, kv_seg, **kw(arrays))
     return (o, lse), (q, k, v, q_seg, kv_seg, arrays, o, lse)
 
   def attention_bwd(res, cotangents):
     q, k, v, q_seg, kv_seg, arrays, o, lse = res
     do, dlse = cotangents
+    if isinstance(do, SymbolicZero):  # only lse is differentiated
+      do = jnp.zeros(o.shape, q.dtype)
+    # None when lse is unused (symbolic zeros), so that no zero array is materialised.
+    dlse = None if isinstance(dlse, SymbolicZero) else dlse
     # delta = rowsum(dO * O) is FA2's backward preprocessing; a cotangent on lse enters the
     # score gradient as p * dlse, which is the same as subtracting it from delta.
-    delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32))
-    delta = delta - dlse
-    # +inf on fully masked rows makes every recomputed probability exp(s - lse) exactly 0.
-    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+    if backend.computes_delta:
+      delta = None if dlse is None else -dlse
+    else:
+      delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32))
+      if dlse is not None:
+        delta = delta - dlse
+      # +inf on fully masked rows makes every recomputed probability exp(s - lse) exactly 0.
+      lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
     grads = backend.backward(q, k, v, q_seg, kv_seg, o, lse, do.astype(q.dtype), delta,
                              **kw(arrays))
     dbias = grads[3].astype(arrays.bias.dtype) if params.has_bias else None
     return (*grads[:3], None, None, FeatureArrays(bias=dbias))
 
-  attention.defvjp(attention_fwd, attention_bwd)
+  attention.defvjp(attention_fwd, attention_bwd, symbolic_zeros=True)
   return attention
 
 

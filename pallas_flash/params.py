@@ -15,6 +15,10 @@ Backend contract (each of `xla`, `triton`, `mosaic_gpu` provides these):
       -> (dq, dk, dv), or (dq, dk, dv, dbias) when params.has_bias
     lse has +inf (not -inf) on fully masked rows, so exp(s - lse) is 0 there without a select;
     delta [B, H, T] float32 = rowsum(do * o) - dlse, computed by the API in XLA.
+    A backend whose module sets BACKWARD_COMPUTES_DELTA = True (mosaic_gpu: it does this in a
+    kernel, saving XLA's extra pass over O and dO) instead gets lse as forward returned it
+    (-inf on fully masked rows) and delta = -dlse, or None when lse has no cotangent, and
+    computes rowsum(do * o) itself.
     dbias has the shape of arrays.bias (summed over its broadcast batch / head axes).
 
   unsupported_reason(call: CallInfo) -> str | None

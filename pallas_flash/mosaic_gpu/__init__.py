@@ -11,6 +11,9 @@ from pallas_flash.params import CallInfo
 
 CONFIG_TYPE = MosaicConfig
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# `backward` takes the forward's lse and only the lse cotangent's correction as delta, and
+# computes rowsum(O∘dO) itself, in the dQ kernel (see pallas_flash.params).
+BACKWARD_COMPUTES_DELTA = True
 
 
 def unsupported_reason(call: CallInfo) -> str | None:
@@ -28,5 +31,5 @@ def unsupported_reason(call: CallInfo) -> str | None:
   return None
 
 
-__all__ = ["CONFIG_TYPE", "MosaicConfig", "TUNED", "backward", "default_config", "forward",
-           "unsupported_reason"]
+__all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "MosaicConfig", "TUNED", "backward",
+           "default_config", "forward", "unsupported_reason"]

@@ -5,7 +5,9 @@ producer warpgroup streaming the other operand through a shared-memory ring.
 
 * `_bwd_dq_kernel`: a WG owns `block_q_dq` query rows (Q, dO, lse, delta resident) and streams
   K/V: S = Q·Kᵀ and dP = dO·Vᵀ (SMEM operands), P = exp2(S·c − lse·log2e), dS = P∘(dP − delta),
-  dQ += dS·K (dS from registers).
+  dQ += dS·K (dS from registers). By default (`MosaicConfig.bwd_delta_in_kernel`) it also
+  loads its O rows, computes FA2's preprocessing itself (delta = rowsum(O∘dO), lse in log2
+  units) and stores both for the dK/dV kernel, which runs after it.
 * `_bwd_dkdv_kernel`: a WG owns `block_kv_dkv` key rows (K, V resident) and streams Q/dO of every
   query head of its kv head (so GQA gradients are summed in registers, no repeated K/V):
   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, dV += Pᵀ·dO, dK += dSᵀ·Q (the transposed form keeps the register
@@ -30,7 +32,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_flash import _blocking
 from pallas_flash.mosaic_gpu import _common
-from pallas_flash.mosaic_gpu.config import MosaicConfig
+from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
 from pallas_flash.params import AttentionParams
 
 LOG2E = math.log2(math.e)
@@ -41,13 +43,20 @@ def _at(ref, i):
   return None if ref is None else ref.at[i]
 
 
-def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_scratch,
-                   do_scratch, lse_scratch, delta_scratch, k_scratch, v_scratch, ds_scratch,
-                   row_ready, k_ready, v_ready, k_free, v_free, *, kp: _common.KernelParams):
-  """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
+def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, lse2_out_ref,
+                   delta_out_ref, q_scratch, do_scratch, o_scratch, lse_scratch, delta_scratch,
+                   k_scratch, v_scratch, ds_scratch, row_ready, k_ready, v_ready, k_free, v_free,
+                   *, kp: _common.KernelParams):
+  """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse/delta_ref [B, H, Tp].
 
-  Grid (Tp / (2·block_q), H, B); dq_ref [B, Tp, H, D]; q/do_scratch [2, block_q, D],
-  k/v_scratch [stages, block_kv, D], ds_scratch [2, block_q, block_kv] (interpret only).
+  Two forms (absent refs are None). Statistics from XLA (o_ref, lse2_out_ref, delta_out_ref
+  None): lse_ref in log2 units, delta_ref the full delta. Statistics in the kernel: o_ref
+  [B, Tp, H, D], lse_ref natural log (-inf on fully masked rows), delta_ref the correction
+  -dlse or None; the kernel computes lse2 and delta = rowsum(O∘dO) + correction and stores them
+  to lse2_out/delta_out_ref [B, H, Tp] for the dK/dV kernel.
+  Grid (Tp / (2·block_q), H, B); dq_ref [B, Tp, H, D]; q/do/o_scratch [2, block_q, D],
+  lse/delta_scratch [2, block_q], k/v_scratch [stages, block_kv, D], ds_scratch
+  [2, block_q, block_kv] (interpret only).
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   b, h, qt, wg = (lax.axis_index(n) for n in ("b", "h", "qt", "wg"))
@@ -59,17 +68,35 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_sc
   def _consumer():
     plgpu.set_max_registers(kp.compute_registers, action="increase")
     q_smem, do_smem = q_scratch.at[wg], do_scratch.at[wg]
+    lse_smem, delta_smem = lse_scratch.at[wg], delta_scratch.at[wg]
     q0 = cta_q0 + wg * bq
     rows = (b, pl.ds(q0, bq), h)
     stats = (b, h, pl.ds(q0, bq))
-    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, row_ready.at[wg, 0])
-    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, row_ready.at[wg, 1])
-    plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_scratch.at[wg], row_ready.at[wg, 2])
-    plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_scratch.at[wg], row_ready.at[wg, 3])
-    for i in range(4):
+    loads = [(q_ref.at[rows], q_smem), (do_ref.at[rows], do_smem),
+             (lse_ref.at[stats], lse_smem)]
+    if delta_ref is not None:
+      loads.append((delta_ref.at[stats], delta_smem))
+    if o_ref is not None:
+      loads.append((o_ref.at[rows], o_scratch.at[wg]))
+    for i, (src, dst) in enumerate(loads):
+      plgpu.copy_gmem_to_smem(src, dst, row_ready.at[wg, i])
+    for i in range(len(loads)):
       plgpu.barrier_wait(row_ready.at[wg, i])
-    lse = plgpu.load(lse_scratch.at[wg], layout=_common.ROW)
-    delta = plgpu.load(delta_scratch.at[wg], layout=_common.ROW)
+    if o_ref is None:
+      lse2 = plgpu.load(lse_smem, layout=_common.ROW)
+      delta = plgpu.load(delta_smem, layout=_common.ROW)
+    else:
+      lse2, delta = _dq_row_stats(lse_smem, delta_smem if delta_ref is not None else None,
+                                  o_scratch.at[wg], do_smem)
+      # Both vectors go back through the SMEM they came from (each row is read and written by
+      # the warp that owns it) and are stored once for the dK/dV kernel; the epilogue's
+      # wait_smem_to_gmem covers these copies.
+      lse_smem[...] = lse2
+      delta_smem[...] = delta
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(lse_smem, lse2_out_ref.at[stats], commit_group=False)
+      plgpu.copy_smem_to_gmem(delta_smem, delta_out_ref.at[stats], commit_group=False)
+      plgpu.commit_smem_to_gmem_group()
     steps = kp.kv_steps(q0 + bq)
 
     def step(j, dq, *, masked: bool):
@@ -85,7 +112,7 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_sc
       s, dp = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32),
                             plgpu.ACC((bq, bkv), jnp.float32))
       plgpu.barrier_arrive(v_free.at[slot])
-      p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(lse, s.shape, [0]))
+      p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(lse2, s.shape, [0]))
       if masked:
         p = jnp.where(_common.visible(q0, j * bkv, (bq, bkv), kp), p, 0.0)
       ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
@@ -119,6 +146,24 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_sc
     rows = lambda j: (b, pl.ds(j * bkv, bkv), kvh)  # noqa: E731
     _produce(cta_steps, stages, ((k_ref, k_scratch, k_ready, k_free, rows),
                                  (v_ref, v_scratch, v_ready, v_free, rows)))
+
+
+def _dq_row_stats(lse_smem, correction_smem, o_smem, do_smem):
+  """lse2 and delta [block_q] (ROW layout) of a WG's rows, FA2's backward preprocessing.
+
+  lse2 = lse·log2(e) with -inf (a fully masked row) mapped to +inf, so that exp2(S·c − lse2)
+  is 0 there without a select; delta = rowsum(O∘dO) in float32 (a fixed order: each thread's
+  columns, then the shuffles across the row's 4 threads), plus the correction -dlse when
+  correction_smem is given.
+  """
+  lse = plgpu.load(lse_smem, layout=_common.ROW)
+  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse) * LOG2E
+  o = plgpu.load(o_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+  do = plgpu.load(do_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+  delta = jnp.sum(o * do, axis=1)
+  if correction_smem is not None:
+    delta = delta + plgpu.load(correction_smem, layout=_common.ROW)
+  return lse2, delta
 
 
 def _produce(num_steps, stages, streams):
@@ -342,33 +387,64 @@ def _produce_query_streams(cta_steps, stages, streams, index, b, bq):
                                     zip(streams, (q_rows, q_rows, stat_rows, stat_rows))))
 
 
-def _dq_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams):
+def _with_absent_refs(kernel, present, *refs):
+  """Calls kernel with None for each ref whose entry in `present` (the kernel's inputs, then
+  outputs) is False, the given refs elsewhere; scratch refs follow unchanged. Bind kernel and
+  present with functools.partial to get a body for plgpu.kernel."""
+  given = iter(refs)
+  return kernel(*(next(given) if p else None for p in present), *given)
+
+
+def dq_smem_bytes(kp: _common.KernelParams, *, in_kernel: bool, correction: bool) -> int:
+  """Shared memory of one dQ CTA (_dq_call's scratch): Q, dO (and O with the statistics in the
+  kernel) [2 WGs, block_q, D], lse and delta [2, block_q] float32, the K and V rings, the
+  barriers and 1 KiB that Mosaic adds (the estimate equals its 231,552 B with and 198,784 B
+  without the O tile at head_dim 128, block_q 64, block_kv 128, 2 stages)."""
+  itemsize = jnp.dtype(kp.dtype).itemsize
+  rows = (3 if in_kernel else 2) * 2 * kp.block_q * kp.d * itemsize + 2 * 2 * kp.block_q * 4
+  ring = 2 * kp.stages * kp.block_kv * kp.d * itemsize
+  barriers = 8 * (2 * (3 + (correction or not in_kernel) + in_kernel) + 4 * kp.stages)
+  return rows + ring + barriers + 1024
+
+
+def _dq_call(q, k, v, do, o, lse, delta, *, kp: _common.KernelParams):
+  """dQ [B, Tp, H, D], or (dQ, lse2, delta) when o is given: see _bwd_dq_kernel's two forms
+  (o None: lse in log2 units and the full delta; else natural-log lse and delta the correction
+  or None)."""
   bsz, t_pad, h, d = q.shape
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   tiles = _common.smem_transforms(kp.dtype)
+  in_kernel = o is not None
+  inputs = (q, k, v, do, o, lse, delta)
+  row_tile = plgpu.SMEM((2, bq, d), kp.dtype, transforms=tiles)
   scratch = [
-      plgpu.SMEM((2, bq, d), kp.dtype, transforms=tiles),
-      plgpu.SMEM((2, bq, d), kp.dtype, transforms=tiles),
+      row_tile,
+      row_tile,
+      row_tile if in_kernel else None,
       plgpu.SMEM((2, bq), jnp.float32),
       plgpu.SMEM((2, bq), jnp.float32),
       plgpu.SMEM((stages, bkv, d), kp.dtype, transforms=tiles),
       plgpu.SMEM((stages, bkv, d), kp.dtype, transforms=tiles),
       plgpu.SMEM((2, bq, bkv), kp.dtype, transforms=tiles) if kp.interpret else None,
-      plgpu.Barrier(num_barriers=(2, 4)),
+      # One per row load of a WG: Q, dO, lse, then delta and O where given.
+      plgpu.Barrier(num_barriers=(2, 3 + (delta is not None) + in_kernel)),
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
   ]
+  dq = jax.ShapeDtypeStruct(q.shape, q.dtype)
+  row_stats = jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)
+  present = [x is not None for x in inputs] + [True, in_kernel, in_kernel]
   return plgpu.kernel(
-      functools.partial(_bwd_dq_kernel, kp=kp),
-      out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      functools.partial(_with_absent_refs, functools.partial(_bwd_dq_kernel, kp=kp), present),
+      out_type=(dq, row_stats, row_stats) if in_kernel else dq,
       scratch_types=scratch,
       grid=(t_pad // (2 * bq), h, bsz), grid_names=("qt", "h", "b"),
       num_threads=3, thread_name="wg",
       compiler_params=_common.compiler_params(),
       interpret=_common.interpret_params(kp.interpret),
-  )(q, k, v, do, lse2, delta)
+  )(*(x for x in inputs if x is not None))
 
 
 def kv_stream_smem(kp: _common.KernelParams, d: int) -> list:
@@ -414,10 +490,20 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams):
   )(q, k, v, do, lse2, delta)
 
 
+def _xla_row_stats(o, lse, do, correction):
+  """The API's preprocessing, for the paths that do not compute it in a kernel: lse with +inf
+  on fully masked rows and delta = rowsum(dO∘O) + correction [B, H, T] float32."""
+  delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32))
+  if correction is not None:
+    delta = delta + correction
+  return jnp.where(lse == -jnp.inf, jnp.inf, lse), delta
+
+
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
              config: MosaicConfig | None = None):
-  """See pallas_flash.params for the contract (lse is +inf on fully masked rows)."""
-  del o
+  """See pallas_flash.params for the contract. This backend sets BACKWARD_COMPUTES_DELTA: lse
+  is the forward's (natural log, -inf on fully masked rows) and delta only the correction -dlse
+  [B, H, T] float32, or None when lse has no cotangent."""
   if q_seg is not None or kv_seg is not None:
     raise NotImplementedError("the mosaic kernels do not support segment ids / lengths yet")
   config = config or _common.config_for(q, k, params)
@@ -426,11 +512,13 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
     # dK and dV of a 64-row tile at D = 256 need 256 f32 accumulator registers per thread,
     # more than a warpgroup has; until a D-split kernel exists, use the blockwise backward.
     from pallas_flash.xla import blockwise
+    lse, delta = _xla_row_stats(o, lse, do, delta)
     return blockwise.backward(q, k, v, q_seg, kv_seg, None, lse, do, delta, params=params)
   if config.fused_backward:
     from pallas_flash.mosaic_gpu import backward_fused
     reason = backward_fused.unsupported_reason(q, config)
     if reason is None:
+      lse, delta = _xla_row_stats(o, lse, do, delta)
       return backward_fused.backward(q, k, v, lse, do, delta, params=params, config=config)
     warnings.warn(f"fused_backward=True, using the split backward instead: {reason}",
                   stacklevel=2)
@@ -441,15 +529,32 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   t_pad, s_pad = _blocking.round_up(t, q_mult), _blocking.round_up(s, kv_mult)
   qp, dop = _blocking.pad_axis(q, 1, t_pad), _blocking.pad_axis(do, 1, t_pad)
   kpad, vpad = _blocking.pad_axis(k, 1, s_pad), _blocking.pad_axis(v, 1, s_pad)
-  # lse in log2 units so that P = exp2(S·c − lse2); padded rows get +inf (P = 0).
-  lse2 = _blocking.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
-  delta = _blocking.pad_axis(delta, 2, t_pad)
   make = functools.partial(_common.KernelParams.make, qp, kpad, params=params, t_pad=t_pad,
                            s_pad=s_pad, kv_len=s, config=config)
   kp_dq = make(block_q=config.block_q_dq, block_kv=config.block_kv_dq,
                stages=min(config.bwd_stages, s_pad // config.block_kv_dq))
   kp_dkdv = make(block_q=config.block_q_dkv, block_kv=config.block_kv_dkv,
                  stages=min(config.bwd_stages, t_pad // config.block_q_dkv))
-  dq = _dq_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dq)
+  in_kernel = config.bwd_delta_in_kernel
+  if in_kernel and dq_smem_bytes(kp_dq, in_kernel=True, correction=delta is not None) > \
+      SMEM_LIMIT_BYTES:
+    warnings.warn("bwd_delta_in_kernel=True, computing delta in XLA instead: the dQ kernel's "
+                  "O tile does not fit in shared memory with this config", stacklevel=2)
+    in_kernel = False
+  # Padded rows get lse = +inf (P = 0) and, with O and dO zero there, delta = 0.
+  if in_kernel:
+    # The dQ kernel computes lse2 and delta from O and dO (FA2's preprocessing) and hands them
+    # to the dK/dV kernel, so no XLA op runs before the kernels.
+    op = _blocking.pad_axis(o, 1, t_pad)
+    lse = _blocking.pad_axis(lse, 2, t_pad, jnp.inf)
+    if delta is not None:
+      delta = _blocking.pad_axis(delta, 2, t_pad)
+    dq, lse2, delta = _dq_call(qp, kpad, vpad, dop, op, lse, delta, kp=kp_dq)
+  else:
+    lse, delta = _xla_row_stats(o, lse, do, delta)
+    # lse in log2 units so that P = exp2(S·c − lse2).
+    lse2 = _blocking.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
+    delta = _blocking.pad_axis(delta, 2, t_pad)
+    dq = _dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq)
   dk, dv = _dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv)
   return dq[:, :t], dk[:, :s], dv[:, :s]

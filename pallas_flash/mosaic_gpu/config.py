@@ -77,6 +77,14 @@ class MosaicConfig:
       Sᵀ and dPᵀ behind dV and dK (with or without forming Pᵀ while they run, FA3's overlap)
       was tried and dropped: ptxas serialises every wgmma for lack of registers (C7512) at 232
       and at 240 (docs/mosaic.md).
+    bwd_delta_in_kernel: split backward: True: the dQ kernel also TMA-loads its O tile, computes
+      delta = rowsum(O∘dO) (float32, minus the lse cotangent) and lse in log2 units itself and
+      stores both for the dK/dV kernel, so fwd+bwd runs no XLA op besides the Mosaic kernels
+      (one more [2, block_q_dq, D] shared-memory tile: 231,552 of 232,448 B at head_dim 128
+      with block_kv_dq 128 and 2 stages; where it does not fit, the XLA path runs with a
+      warning). False: both come from XLA before the kernels (FA2's preprocessing: an extra
+      read of O and dO from HBM, ~3.5 % of fwd+bwd at 4x4096x16x128 on the H200). Same math;
+      the speed difference is unmeasured until a GPU run.
     profile_dir: debugging: when set, the forward kernel runs with Mosaic's profiler and
       writes one Perfetto/Chrome trace (`<ns>-trace.json`) per launch into this directory, one
       track per warpgroup with the kernel's named regions (wait, issue, softmax, ...);
@@ -107,6 +115,7 @@ class MosaicConfig:
   fused_dq_shared: bool = False
   fused_overlap: bool = False
   dkdv_schedule: str = "serial"
+  bwd_delta_in_kernel: bool = True
   profile_dir: str = ""
   compute_registers: int = 232
   producer_registers: int = 40

@@ -6,13 +6,15 @@ run). Async hazards are not modelled here: the GPU suite covers them.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+from pallas_flash import api
 from pallas_flash.mosaic_gpu import MosaicConfig, backward, forward
-from pallas_flash.params import AttentionParams
+from pallas_flash.params import AttentionParams, FeatureArrays
 from pallas_flash.reference import attention_reference
 from testing import kernel_case_id
 
@@ -47,6 +49,7 @@ BWD = [
     (1, 128, 128, 2, 1, 64, False, jnp.float16),
     (1, 256, 256, 2, 1, 64, True, jnp.bfloat16),
     (1, 190, 130, 2, 2, 64, True, jnp.float16),
+    (1, 130, 190, 4, 2, 128, False, jnp.bfloat16),
 ]
 
 
@@ -89,15 +92,72 @@ def test_one_stage_causal_forward_is_refused():
     forward(q, k, v, None, None, params=p, config=dataclasses.replace(SMALL, num_stages=1))
 
 
+# (bwd_delta_in_kernel, lse cotangent): the dQ kernel's own delta and lse2, with and without a
+# cotangent on lse, and the XLA preprocessing (the A/B switch) with one.
+STATS = [(True, False), (True, True), (False, True)]
+
+
+def _stats_id(c):
+  return ("kernel_delta" if c[0] else "xla_delta") + ("_dlse" if c[1] else "")
+
+
+@pytest.mark.parametrize("stats", STATS, ids=_stats_id)
 @pytest.mark.parametrize("case", BWD, ids=kernel_case_id)
-def test_gradients_match_reference(case):
+def test_gradients_match_reference(case, stats):
   b, t, s, h, kh, d, causal, dtype = case
+  delta_in_kernel, lse_cotangent = stats
   q, k, v, do = _inputs(b, t, s, h, kh, d, dtype, seed=t * s)
+  dlse = jax.random.normal(jax.random.key(t + s), (b, h, t), jnp.float32)
+  if not lse_cotangent:
+    dlse = jnp.zeros_like(dlse)
   p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
-  ro, vjp = jax.vjp(lambda *a: attention_reference(*a, None, None, params=p)[0], q, k, v)
-  o, lse = forward(q, k, v, None, None, params=p, config=SMALL)
-  delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32))
-  got = backward(q, k, v, None, None, o, lse, do, delta, params=p, config=SMALL)
-  for name, g, r in zip(("dq", "dk", "dv"), got, vjp(do)):
+  _, vjp = jax.vjp(lambda *a: attention_reference(*a, None, None, params=p), q, k, v)
+  config = dataclasses.replace(SMALL, bwd_delta_in_kernel=delta_in_kernel)
+  o, lse = forward(q, k, v, None, None, params=p, config=config)
+  # The backend contract (BACKWARD_COMPUTES_DELTA): the forward's lse and delta = -dlse or None.
+  got = backward(q, k, v, None, None, o, lse, do, -dlse if lse_cotangent else None, params=p,
+                 config=config)
+  for name, g, r in zip(("dq", "dk", "dv"), got, vjp((do, dlse))):
     assert g.shape == r.shape and g.dtype == r.dtype
     assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
+
+
+def test_fully_masked_row_contributes_nothing():
+  # The mosaic API cannot produce such a row (no segment ids); the forward would give it o = 0
+  # and lse = -inf, which the dQ kernel maps to lse2 = +inf (P = 0) as the XLA path does.
+  b, t, s, h, kh, d = 1, 128, 192, 2, 1, 64
+  q, k, v, do = _inputs(b, t, s, h, kh, d, jnp.bfloat16, seed=3)
+  p = AttentionParams(scale=d ** -0.5, is_causal=False, has_segments=False)
+  o, lse = forward(q, k, v, None, None, params=p, config=SMALL)
+  o, lse = o.at[:, 5].set(0), lse.at[:, :, 5].set(-jnp.inf)
+  got = [backward(q, k, v, None, None, o, lse, do, None, params=p,
+                  config=dataclasses.replace(SMALL, bwd_delta_in_kernel=flag))
+         for flag in (True, False)]
+  assert not jnp.any(got[0][0][:, 5])
+  for name, g, r in zip(("dq", "dk", "dv"), *got):
+    assert bool(jnp.isfinite(g.astype(jnp.float32)).all()), name
+    assert _rel(g, r) <= 1e-2, (name, _rel(g, r))
+
+
+@pytest.mark.parametrize("uses", ["o", "lse", "o_and_lse"])
+def test_api_vjp_gives_the_backend_its_contract(uses):
+  # The API's custom_vjp with this backend (BACKWARD_COMPUTES_DELTA, symbolic zeros): no lse
+  # cotangent (delta None), only an lse cotangent (dO zero), and both.
+  q, k, v, do = _inputs(1, 200, 130, 4, 2, 64, jnp.float16, seed=7)
+  p = AttentionParams(scale=0.125, is_causal=True, has_segments=False)
+
+  def loss(attention, q, k, v):
+    o, lse = attention(q, k, v)
+    terms = {"o": (o.astype(jnp.float32) * do).sum(), "lse": jnp.sin(lse).sum()}
+    return sum(terms[name] for name in terms if name in uses)
+
+  mosaic = lambda *a: api._differentiable("mosaic", p, SMALL)(  # noqa: E731
+      *a, None, None, FeatureArrays())
+  reference = lambda *a: attention_reference(*a, None, None, params=p)  # noqa: E731
+  got = jax.grad(functools.partial(loss, mosaic), argnums=(0, 1, 2))(q, k, v)
+  want = jax.grad(functools.partial(loss, reference), argnums=(0, 1, 2))(q, k, v)
+  for name, g, r in zip(("dq", "dk", "dv"), got, want):
+    if not jnp.any(r):  # dV of lse alone
+      assert not jnp.any(g), name
+    else:
+      assert _rel(g, r) <= TOL[jnp.float16][1], (name, _rel(g, r))

@@ -4,6 +4,10 @@
 memory against the sm_90 limit; PTX generation and ptxas only happen on the GPU.
 """
 
+import collections
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -11,7 +15,7 @@ from jax.sharding import use_abstract_mesh
 
 import pallas_flash
 from pallas_flash import mosaic_gpu
-from pallas_flash.mosaic_gpu import MosaicConfig
+from pallas_flash.mosaic_gpu import TUNED, MosaicConfig
 from pallas_flash.params import AttentionParams, CallInfo
 from testing import H200, export_for_h200, kernel_case_id, kernel_specs
 
@@ -52,6 +56,40 @@ def test_alternative_configs_fit_in_smem_at_hd128(config):
   fn = lambda q, k, v: pallas_flash.flash_attention(  # noqa: E731
       q, k, v, implementation="mosaic", config=config)
   export_for_h200(jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2)), q, q, q)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("in_kernel", [True, False], ids=["kernel_delta", "xla_delta"])
+def test_split_backward_is_only_the_kernels(in_kernel, causal):
+  # bwd_delta_in_kernel: the dQ kernel computes delta = rowsum(O∘dO) and lse in log2 units, so
+  # fwd+bwd at an aligned length is the three kernels and nothing else; False runs FA2's
+  # preprocessing (a dot_general over O and dO, the lse select) in XLA first.
+  q, kv = kernel_specs(1, 4096, 4096, 4, 4, 128)
+  config = dataclasses.replace(TUNED[(128, causal)], bwd_delta_in_kernel=in_kernel)
+
+  def fwd_bwd(q, k, v, do):
+    attn = lambda *a: pallas_flash.flash_attention(  # noqa: E731
+        *a, is_causal=causal, implementation="mosaic", config=config)
+    return jax.vjp(attn, q, k, v)[1](do)
+
+  text = export_for_h200(fwd_bwd, q, kv, kv, q).mlir_module()
+  ops = collections.Counter(re.findall(r"stablehlo\.(\w+)", text))
+  assert text.count("custom_call @mosaic_gpu_v2") == 3
+  if in_kernel:
+    assert set(ops) == {"custom_call"}, ops
+  else:
+    assert ops["dot_general"] == 1, ops
+
+
+def test_delta_in_kernel_falls_back_where_o_does_not_fit():
+  # 128-row dQ tiles: Q, dO and O of both warpgroups (192 KiB) leave no room for the K/V ring.
+  config = MosaicConfig(block_q_dq=128, block_kv_dq=64)
+  q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
+  fn = lambda q, k, v: pallas_flash.flash_attention(  # noqa: E731
+      q, k, v, implementation="mosaic", config=config)
+  with pytest.warns(UserWarning, match="bwd_delta_in_kernel"):
+    export_for_h200(jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2)),
+                    q, q, q)
 
 
 OVERLAP_CASES = [  # B, T, S, H, K, D, causal
