@@ -58,7 +58,8 @@ def save(results):
               f, indent=1)
 
 SWEEP = [(4, 4096, 16, 128, False), (4, 4096, 16, 128, True), (1, 16384, 16, 128, False),
-         (1, 16384, 16, 128, True), (4, 4096, 32, 64, False), (16, 1024, 16, 64, False)]
+         (1, 16384, 16, 128, True), (4, 4096, 32, 64, False), (16, 1024, 16, 64, False),
+         (16, 1024, 16, 128, False), (1, 32768, 16, 128, False)]
 
 
 def rel_err(x, ref):
@@ -205,6 +206,15 @@ def main():
                  ("overlap", MosaicConfig(fwd_intra_wg_overlap=True), fwd),
                  ("overlap_s3", MosaicConfig(fwd_intra_wg_overlap=True, num_stages=3), fwd),
                  ("overlap_kv192", MosaicConfig(fwd_intra_wg_overlap=True, block_kv=192), fwd),
+                 # One CTA per SM looping over tiles (non-causal; causal rows run the grid).
+                 ("persistent", MosaicConfig(fwd_intra_wg_overlap=True, fwd_persistent=True),
+                  fwd),
+                 ("persistent_plain", MosaicConfig(fwd_persistent=True), fwd),
+                 # Backward schedules, with the hd128 forward of the tuned table.
+                 ("bwd_batched", MosaicConfig(fwd_intra_wg_overlap=True,
+                                              dkdv_schedule="batched"), fb),
+                 ("bwd_xla_delta", MosaicConfig(fwd_intra_wg_overlap=True,
+                                                bwd_delta_in_kernel=False), fb),
                  ("bwd_s3", MosaicConfig(bwd_stages=3), fb),
                  ("dq_kv128", MosaicConfig(block_kv_dq=128), fb)]
       if args.variants:

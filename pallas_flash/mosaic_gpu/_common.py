@@ -11,7 +11,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_flash.mosaic_gpu.config import MosaicConfig, TUNED
+from pallas_flash.mosaic_gpu.config import MosaicConfig, tuned
 from pallas_flash.params import AttentionParams
 
 # Per-row vectors (m, l, lse, delta) of a wgmma accumulator tile; `COL` for its columns.
@@ -82,8 +82,7 @@ class KernelParams:
 
 
 def config_for(q, k, params: AttentionParams) -> MosaicConfig:
-  del k
-  return TUNED.get((q.shape[3], params.is_causal), MosaicConfig())
+  return tuned(q.shape[3], params.is_causal, k.shape[1])
 
 
 def sm_count() -> int:

@@ -37,6 +37,8 @@ class MosaicConfig:
       double-buffered, so the next tile's loads overlap the current tile's last steps and
       epilogue. Needs room for the second Q buffer (not at head_dim 256, where it is ignored);
       causal calls always run one CTA per tile (their launch order balances the SMs).
+      The default for non-causal calls with at most SHORT_KV_LEN keys (`tuned`): +12 % at
+      16x1024x16x128, +7 % at head_dim 64, level at 4K, 5-6 % slower at 16K-32K (H200).
     persistent_ctas: CTAs of the persistent forward; 0 = the GPU's SM count (132 on H100 SXM
       and H200). Tests set it to exercise several tiles per CTA.
     fused_backward: backward algorithm. True: one FlashAttention-3 style kernel per kv tile
@@ -72,9 +74,9 @@ class MosaicConfig:
       warpgroup. "serial": Sᵀ and dPᵀ, wait; Pᵀ, dSᵀ; dV += Pᵀ·dO, wait; dK += dSᵀ·Q, wait.
       "batched": dV and dK issued back to back with one wait (dO released as soon as dV
       retired). Both sum in the same order (bitwise equal gradients, checked on the H200).
-      "batched" measured +1.9 % fwd+bwd at 4x4096x16x128 (464.1 vs 455.2 TFLOP/s, one A/B);
-      causal unmeasured, so "serial" stays the default. Issuing the next step's
-      Sᵀ and dPᵀ behind dV and dK (with or without forming Pᵀ while they run, FA3's overlap)
+      "batched" is the head_dim 128 default: +1-2 % fwd+bwd at 4K-32K, causal and not
+      (fourth and fifth sessions, TUNED); at head_dim 64 it was 1.4 % slower. Issuing the
+      next step's Sᵀ and dPᵀ behind dV and dK (with or without forming Pᵀ while they run)
       was tried and dropped: ptxas serialises every wgmma for lack of registers (C7512) at 232
       and at 240 (docs/mosaic.md).
     bwd_delta_in_kernel: split backward: True: the dQ kernel also TMA-loads its O tile, computes
@@ -158,14 +160,35 @@ TUNED: dict[tuple[int, bool], MosaicConfig] = {
     (64, True): MosaicConfig(block_q=64, block_kv=128, num_stages=2),
     # hd128: 2 x 64-row WGs x 128 kv, 2 stages = 160 KiB SMEM (FA3's 128x128 tile), with the
     # intra-WG overlap (fourth session, same run as cuDNN: 4K 621 vs 609, 16K 616 vs 602, 4K
-    # causal 558 vs 562, 16K causal 648 vs 631; slower at hd64, so off there).
-    (128, False): MosaicConfig(block_q=64, block_kv=128, num_stages=2, fwd_intra_wg_overlap=True),
-    (128, True): MosaicConfig(block_q=64, block_kv=128, num_stages=2, fwd_intra_wg_overlap=True),
+    # causal 558 vs 562, 16K causal 648 vs 631; slower at hd64, so off there). dK/dV
+    # "batched" (fifth session, run1, fwd+bwd: 4K 461 vs 451, 4K causal 428 vs 420, 16K 495
+    # vs 486, 16K causal 473 vs 467, 32K 486 vs 482; at hd64 349 vs 354, so serial there).
+    (128, False): MosaicConfig(block_q=64, block_kv=128, num_stages=2, fwd_intra_wg_overlap=True,
+                               dkdv_schedule="batched"),
+    (128, True): MosaicConfig(block_q=64, block_kv=128, num_stages=2, fwd_intra_wg_overlap=True,
+                              dkdv_schedule="batched"),
     # hd256: a 128-row kv tile does not fit next to Q (354 KiB); 64 rows = 192 KiB.
     (256, False): MosaicConfig(block_q=64, block_kv=64, num_stages=2),
     (256, True): MosaicConfig(block_q=64, block_kv=64, num_stages=2),
 }
 
 
+# Non-causal calls with at most this many keys run the persistent forward with the plain kv
+# loop (fifth session, run1, fwd TFLOP/s, same run as cuDNN; default -> persistent plain):
+# 16x1024x16x128 485 -> 544 (cuDNN 500), 16x1024x16x64 331 -> 353 (361); level at 4K (622 ->
+# 611 with the plain loop, 622 with the overlap), slower at 16K (613 -> 576) and 32K (608 ->
+# 580). 2K is between the measured lengths (unmeasured).
+SHORT_KV_LEN = 2048
+
+
+def tuned(head_dim: int, is_causal: bool, kv_len: int) -> MosaicConfig:
+  """The tuned config of a call: TUNED[(head_dim, is_causal)], switched to the persistent
+  plain-loop forward for short non-causal calls (SHORT_KV_LEN)."""
+  config = TUNED.get((head_dim, is_causal), MosaicConfig())
+  if not is_causal and kv_len <= SHORT_KV_LEN and head_dim in (64, 128):
+    config = dataclasses.replace(config, fwd_intra_wg_overlap=False, fwd_persistent=True)
+  return config
+
+
 def default_config(info: CallInfo) -> MosaicConfig:
-  return TUNED.get((info.head_dim, info.params.is_causal), MosaicConfig())
+  return tuned(info.head_dim, info.params.is_causal, info.kv_len)

@@ -21,6 +21,7 @@ from testing import export_for_h200, kernel_case_id, kernel_specs, rel_err
 
 # The package re-exports the function `forward` under the module's name.
 forward_module = importlib.import_module("pallas_flash.mosaic_gpu.forward")
+config_module = importlib.import_module("pallas_flash.mosaic_gpu.config")
 TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
 SMALL = MosaicConfig(block_q=64, block_kv=64, num_stages=2, interpret=True, fwd_persistent=True)
 
@@ -68,6 +69,16 @@ def test_persistent_applies_only_where_it_can():
   assert forward_module.persistent_ctas(small, cfg, p) == 4
   hd256 = jax.ShapeDtypeStruct((1, 4096, 4, 256), jnp.bfloat16)
   assert forward_module.persistent_ctas(hd256, dataclasses.replace(cfg, block_kv=64), p) == 0
+
+
+def test_tuned_table_runs_short_non_causal_calls_persistent():
+  for d in (64, 128):
+    short = config_module.tuned(d, False, config_module.SHORT_KV_LEN)
+    assert short.fwd_persistent and not short.fwd_intra_wg_overlap
+    assert short.dkdv_schedule == TUNED[(d, False)].dkdv_schedule  # backward untouched
+    assert config_module.tuned(d, False, config_module.SHORT_KV_LEN + 1) == TUNED[(d, False)]
+    assert config_module.tuned(d, True, 1024) == TUNED[(d, True)]
+  assert config_module.tuned(256, False, 1024) == TUNED[(256, False)]
 
 
 def test_persistent_ctas_must_not_be_negative():
