@@ -213,7 +213,10 @@ def main():
                  # Backward schedules, with the hd128 forward of the tuned table.
                  ("bwd_batched", MosaicConfig(fwd_intra_wg_overlap=True,
                                               dkdv_schedule="batched"), fb),
+                 ("bwd_serial", MosaicConfig(fwd_intra_wg_overlap=True,
+                                             dkdv_schedule="serial"), fb),
                  ("bwd_xla_delta", MosaicConfig(fwd_intra_wg_overlap=True,
+                                                dkdv_schedule="batched",
                                                 bwd_delta_in_kernel=False), fb),
                  ("bwd_s3", MosaicConfig(bwd_stages=3), fb),
                  ("dq_kv128", MosaicConfig(block_kv_dq=128), fb)]
