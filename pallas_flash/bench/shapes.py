@@ -4,6 +4,7 @@ Tags:
   anchors  the four 16K-token shapes of shared/ANCHORS.md (the default)
   long     1 x 32768 x 16 x 128 (the 32K row of ANCHORS.md)
   quick    two anchors (seq 4K, head dim 128 and 64) for a fast look
+  short    16 x 1024 x 16 x 64 (issue 3's head-dim-64 target shape)
   cpu      tiny shapes for CPU tests and interpret mode (one length is not a block multiple)
 """
 
@@ -48,6 +49,8 @@ SHAPES: tuple[ShapeSpec, ...] = (
     _spec("b1_t16k_h16_d128", 1, 16384, 16, 128, "anchors"),
     _spec("b4_t4k_h32_d64", 4, 4096, 32, 64, "anchors", "quick"),
     _spec("b1_t32k_h16_d128", 1, 32768, 16, 128, "long"),
+    # Issue 3's head-dim-64 target shape (>= 0.9x cuDNN at 1K).
+    _spec("b16_t1k_h16_d64", 16, 1024, 16, 64, "short"),
     # The soft-cap / ALiBi / dropout rows of scripts/features_bench.py (causal there).
     _spec("b1_t8k_h16_d128", 1, 8192, 16, 128, "features"),
     _spec("cpu_t128", 1, 128, 2, 64, "cpu"),
