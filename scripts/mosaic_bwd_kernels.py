@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -31,13 +32,15 @@ import jax.numpy as jnp
 
 import pallas_flash
 from pallas_flash.bench import timing
-from pallas_flash.mosaic_gpu import _common, backward, config as mconfig
+from pallas_flash.mosaic_gpu import _common, config as mconfig
 from pallas_flash.params import AttentionParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mosaic_ptxas import parse_overrides  # noqa: E402
 
 LOG2E = math.log2(math.e)
+# The module, not the function `backward` that the package re-exports under its name.
+backward = importlib.import_module("pallas_flash.mosaic_gpu.backward")
 
 
 def kernels(b, t, h, d, causal, overrides):
