@@ -213,6 +213,11 @@ def main():
                  # Backward schedules, with the hd128 forward of the tuned table.
                  ("bwd_batched", MosaicConfig(fwd_intra_wg_overlap=True,
                                               dkdv_schedule="batched"), fb),
+                 ("bwd_pingpong", MosaicConfig(fwd_intra_wg_overlap=True,
+                                               dkdv_schedule="batched", dkdv_pingpong=True),
+                  fb),
+                 ("bwd_pingpong_serial", MosaicConfig(fwd_intra_wg_overlap=True,
+                                                      dkdv_pingpong=True), fb),
                  ("bwd_serial", MosaicConfig(fwd_intra_wg_overlap=True,
                                              dkdv_schedule="serial"), fb),
                  ("bwd_xla_delta", MosaicConfig(fwd_intra_wg_overlap=True,

@@ -46,6 +46,8 @@ VARIANTS = {
     "fwd_persistent": ("fwd", False, dict(fwd_persistent=True)),
     "bwd_split": ("fwdbwd", False, {}),
     "bwd_split_causal": ("fwdbwd", True, {}),
+    "bwd_pingpong": ("fwdbwd", False, dict(dkdv_pingpong=True)),
+    "bwd_pingpong_causal": ("fwdbwd", True, dict(dkdv_pingpong=True)),
     "bwd_fused_shared": ("fwdbwd", False, dict(fused_backward=True, fused_dq_shared=True)),
     "bwd_fused_overlap": ("fwdbwd", False, dict(fused_backward=True, fused_dq_shared=True,
                                                  fused_overlap=True)),

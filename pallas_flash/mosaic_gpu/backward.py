@@ -196,14 +196,20 @@ def _produce(num_steps, stages, streams):
 def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_scratch,
                      v_scratch, q_scratch, do_scratch, lse_scratch, delta_scratch, st_scratch,
                      kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free, do_free,
-                     lse_free, delta_free, *, kp: _common.KernelParams):
+                     lse_free, delta_free, sched, *, kp: _common.KernelParams):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   Grid (Sp / (2·block_kv), K, B); dk/dv_ref [B, Sp, K, D] float32-accumulated, stored in dtype;
   k/v_scratch [2, block_kv, D], q/do_scratch [stages, block_q, D], lse/delta_scratch
-  [stages, block_q], st_scratch [2, block_kv, block_q] (interpret only).
+  [stages, block_q], st_scratch [2, block_kv, block_q] (interpret only), sched: the
+  two-WG schedule barrier of kp.dkdv_pingpong (else None).
   Steps run over (q block i, query head g) with g minor, starting at the first q block that
   sees the CTA's keys.
+
+  Ping-pong: per step a WG issues Sᵀ, dPᵀ, syncs (handing the tensor cores to the other WG),
+  forms Pᵀ, dSᵀ, syncs again and issues dV, dK; WG 1 starts and WG 0 ends with one extra sync,
+  so WG 0's elementwise work runs while WG 1's matmuls do and vice versa (the forward's
+  schedule). Skipped steps sync twice, keeping the rounds paired.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   b, kvh, kt, wg = (lax.axis_index(n) for n in ("b", "kvh", "kt", "wg"))
@@ -229,26 +235,48 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
 
     st_smem = _at(st_scratch, wg)  # interpret mode only
 
+    def sched_sync():
+      plgpu.barrier_arrive(sched)
+      plgpu.barrier_wait(sched)
+
+    pingpong = sched_sync if kp.dkdv_pingpong else None
+
     def step(t, carry, *, masked: bool):
       dk, dv = carry
       slot = lax.rem(t, stages)
       q_smem, do_smem = _wait_streams(streams, slot)
       p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
-                                         (lambda: index(t)[0]) if masked else None, kp)
+                                         (lambda: index(t)[0]) if masked else None, kp,
+                                         handoff=pingpong)
+      if pingpong:
+        # Pin Pᵀ and dSᵀ before the barrier, so their elementwise work is not sunk past it.
+        p_t, ds_t = lax.optimization_barrier((p_t, ds_t))
+        pingpong()
       return _dk_dv_updates(dk, dv, p_t, ds_t, q_smem, do_smem, st_smem,
                             (do_free.at[slot], q_free.at[slot]), kp)
+
+    def skip_step(t, carry):
+      _skip_step(t, carry, streams=streams, stages=stages)
+      if pingpong:
+        pingpong()
+        pingpong()
+      return carry
 
     zeros = plgpu.layout_cast(jnp.zeros((bkv, kp.d), jnp.float32), plgpu.Layout.WGMMA)
     carry = (zeros, zeros)
     # Causal: q blocks before `first` do not see these keys, blocks in [first, full) cross the
     # diagonal and are masked, blocks from `full` on see every key of the tile.
     first = (_first_q_block(k0, kp) - cta_first) * g_size
-    lax.fori_loop(0, first, functools.partial(_skip_step, streams=streams, stages=stages), None)
+    if pingpong:
+      pl.when(wg == 1)(pingpong)
+    lax.fori_loop(0, first, skip_step, None)
     if kp.causal:
       full = _first_unmasked_step(k0, cta_first, kp)
       carry = lax.fori_loop(first, full, functools.partial(step, masked=True), carry)
       first = full
     dk, dv = lax.fori_loop(first, cta_steps, functools.partial(step, masked=False), carry)
+    if pingpong:
+      pl.when(wg == 0)(pingpong)
     _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, kp)
 
   @pl.when(wg == 2)
@@ -301,12 +329,14 @@ def _skip_step(t, carry, *, streams, stages: int):
   return carry
 
 
-def _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, mask_block, kp):
+def _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, mask_block, kp,
+                           handoff=None):
   """Pᵀ and dSᵀ [block_kv, block_q] float32 of one step; releases its lse and delta slots.
 
   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (SMEM operands), Pᵀ = exp2(Sᵀ·c − lse2), dSᵀ = Pᵀ∘(dPᵀ − delta).
   mask_block: None when every key of the tile is visible to the step's queries, else a
   function giving the step's q block (called only then); invisible entries of Pᵀ become 0.
+  handoff: called once both matmuls are issued (the ping-pong's schedule sync), or None.
   """
   bq, bkv = kp.block_q, kp.block_kv
   (_, lse_scratch, _, lse_free), (_, delta_scratch, _, delta_free) = streams[2:]
@@ -314,6 +344,8 @@ def _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, m
   def scores(s_ref, dp_ref):
     plgpu.wgmma(s_ref, k_smem, q_smem.T)
     plgpu.wgmma(dp_ref, v_smem, do_smem.T)
+    if handoff is not None:
+      handoff()
     return s_ref[...], dp_ref[...]
 
   s_t, dp_t = pl.run_scoped(scores, plgpu.ACC((bkv, bq), jnp.float32),
@@ -477,6 +509,7 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams):
       *kv_stream_smem(kp, d),
       plgpu.SMEM((2, bkv, bq), kp.dtype, transforms=tiles) if kp.interpret else None,
       *kv_stream_barriers(kp),
+      plgpu.Barrier(num_arrivals=2) if kp.dkdv_pingpong else None,
   ]
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
   return plgpu.kernel(

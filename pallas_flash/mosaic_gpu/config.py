@@ -79,6 +79,12 @@ class MosaicConfig:
       next step's Sᵀ and dPᵀ behind dV and dK (with or without forming Pᵀ while they run)
       was tried and dropped: ptxas serialises every wgmma for lack of registers (C7512) at 232
       and at 240 (docs/mosaic.md).
+    dkdv_pingpong: the split backward's dK/dV kernel: a two-warpgroup schedule barrier makes
+      the consumers alternate as in the forward (FA3's ping-pong): one WG's Pᵀ/dSᵀ
+      elementwise work runs while the other WG's matmuls occupy the tensor cores. Without it
+      both WGs read the same Q/dO ring slot each step and tend to run in phase, so the tensor
+      cores idle during both elementwise phases. Same summation order (bitwise equal
+      gradients). Unmeasured until a GPU run.
     bwd_delta_in_kernel: split backward: True: the dQ kernel also TMA-loads its O tile, computes
       delta = rowsum(O∘dO) (float32, minus the lse cotangent) and lse in log2 units itself and
       stores both for the dK/dV kernel, so fwd+bwd runs no XLA op besides the Mosaic kernels
@@ -117,6 +123,7 @@ class MosaicConfig:
   fused_dq_shared: bool = False
   fused_overlap: bool = False
   dkdv_schedule: str = "serial"
+  dkdv_pingpong: bool = False
   bwd_delta_in_kernel: bool = True
   profile_dir: str = ""
   compute_registers: int = 232

@@ -116,6 +116,21 @@ def test_batched_dkdv_schedule_gives_the_same_gradients(case):
     assert bool(jnp.array_equal(g, r)), name
 
 
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 4)], ids=kernel_case_id)
+def test_dkdv_pingpong_gives_the_same_gradients(case):
+  """MosaicConfig.dkdv_pingpong only adds schedule-barrier rounds: bitwise equal gradients."""
+  b, t, s, h, kh, d, causal, dtype = case
+  q, k, v, do = _inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
+
+  def run(pingpong):
+    config = dataclasses.replace(TUNED[(d, causal)], dkdv_pingpong=pingpong)
+    return _fwd_bwd(lambda *a: pallas_flash.flash_attention(
+        *a, is_causal=causal, implementation="mosaic", config=config))(q, k, v, do)
+
+  for name, g, r in zip(("o", "dq", "dk", "dv"), run(True), run(False)):
+    assert bool(jnp.array_equal(g, r)), name
+
+
 def test_lse_matches_reference():
   q, k, v, _ = _inputs(1, 1000, 1000, 4, 2, 128, jnp.bfloat16)
   p = AttentionParams(scale=128 ** -0.5, is_causal=True, has_segments=False)

@@ -49,8 +49,10 @@ def test_forward_and_grad_lower(case):
 @pytest.mark.parametrize("config", [MosaicConfig(num_stages=3), MosaicConfig(block_kv=192),
                                     MosaicConfig(bwd_stages=3, block_kv_dq=64),
                                     MosaicConfig(heads_fastest=False),
-                                    MosaicConfig(dkdv_schedule="batched")],
-                         ids=["stages3", "kv192", "bwd_stages3", "qtiles_fastest", "dkdv_batched"])
+                                    MosaicConfig(dkdv_schedule="batched"),
+                                    MosaicConfig(dkdv_pingpong=True)],
+                         ids=["stages3", "kv192", "bwd_stages3", "qtiles_fastest", "dkdv_batched",
+                              "dkdv_pingpong"])
 def test_alternative_configs_fit_in_smem_at_hd128(config):
   q = jax.ShapeDtypeStruct((1, 2048, 4, 128), jnp.float16)
   fn = lambda q, k, v: pallas_flash.flash_attention(  # noqa: E731
