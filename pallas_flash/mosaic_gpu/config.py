@@ -84,15 +84,20 @@ class MosaicConfig:
       elementwise work runs while the other WG's matmuls occupy the tensor cores. Without it
       both WGs read the same Q/dO ring slot each step and tend to run in phase, so the tensor
       cores idle during both elementwise phases. Same summation order (bitwise equal
-      gradients). Unmeasured until a GPU run.
+      gradients, checked on the H200). Measured slower, so off: the dK/dV kernel alone took
+      2.033 vs 1.899 ms at 4x4096x16x128, 1.064 vs 1.030 causal, 7.392 vs 7.190 at 16K, 3.758
+      vs 3.541 16K causal (fifth session, run6; the free-running warpgroups do not lock-step
+      in a way that costs time, or the forced alternation costs more than it hides).
     bwd_delta_in_kernel: split backward: True: the dQ kernel also TMA-loads its O tile, computes
       delta = rowsum(O∘dO) (float32, minus the lse cotangent) and lse in log2 units itself and
       stores both for the dK/dV kernel, so fwd+bwd runs no XLA op besides the Mosaic kernels
       (one more [2, block_q_dq, D] shared-memory tile: 231,552 of 232,448 B at head_dim 128
       with block_kv_dq 128 and 2 stages; where it does not fit, the XLA path runs with a
       warning). False: both come from XLA before the kernels (FA2's preprocessing: an extra
-      read of O and dO from HBM, ~3.5 % of fwd+bwd at 4x4096x16x128 on the H200). Same math;
-      the speed difference is unmeasured until a GPU run.
+      read of O and dO from HBM). Same math. On the H200 (fifth session, scripts/
+      mosaic_bwd_kernels.py, run5) the XLA pass took 0.05-0.06 ms and the in-kernel form
+      made the dQ kernel 0.016-0.06 ms slower: net -0.047 ms (1.1 % of fwd+bwd) at
+      4x4096x16x128, level (within 0.01 ms) at 4K causal and 16K causal / non-causal.
     profile_dir: debugging: when set, the forward kernel runs with Mosaic's profiler and
       writes one Perfetto/Chrome trace (`<ns>-trace.json`) per launch into this directory, one
       track per warpgroup with the kernel's named regions (wait, issue, softmax, ...);
