@@ -13,6 +13,10 @@ while P_j·V_j is still on the tensor cores (`_overlapped_kv_loop`).
 
 Causal: blocks above the diagonal are never loaded, only the blocks that cross the diagonal are
 masked, and q tiles are launched heaviest first (reversed), so the last wave holds short tiles.
+
+With MosaicConfig.fwd_persistent (non-causal) one CTA per SM loops over the tiles instead
+(`_fwd_persistent_kernel`): the same warpgroups and kv loops, with the K/V ring running on
+across tiles and Q double-buffered, so a tile's loads overlap the previous tile's end.
 """
 
 from __future__ import annotations
