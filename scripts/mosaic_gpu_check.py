@@ -218,6 +218,14 @@ def main():
                   fb),
                  ("bwd_pingpong_serial", MosaicConfig(fwd_intra_wg_overlap=True,
                                                       dkdv_pingpong=True), fb),
+                 # Registers 240/24 (less spilling in the causal dQ kernel, deviceless SASS)
+                 # and the dK/dV "overlap" schedule, which needs them.
+                 ("bwd_r240", MosaicConfig(fwd_intra_wg_overlap=True, dkdv_schedule="batched",
+                                           compute_registers=240, producer_registers=24), fb),
+                 ("bwd_overlap_r240", MosaicConfig(fwd_intra_wg_overlap=True,
+                                                   dkdv_schedule="overlap",
+                                                   compute_registers=240,
+                                                   producer_registers=24), fb),
                  ("bwd_serial", MosaicConfig(fwd_intra_wg_overlap=True,
                                              dkdv_schedule="serial"), fb),
                  ("bwd_xla_delta", MosaicConfig(fwd_intra_wg_overlap=True,

@@ -47,6 +47,8 @@ VARIANTS = {
     "bwd_split": ("fwdbwd", False, {}),
     "bwd_split_causal": ("fwdbwd", True, {}),
     "bwd_pingpong": ("fwdbwd", False, dict(dkdv_pingpong=True)),
+    "bwd_dkdv_overlap": ("fwdbwd", False, dict(dkdv_schedule="overlap")),
+    "bwd_dkdv_overlap_causal": ("fwdbwd", True, dict(dkdv_schedule="overlap")),
     "bwd_pingpong_causal": ("fwdbwd", True, dict(dkdv_pingpong=True)),
     "bwd_fused_shared": ("fwdbwd", False, dict(fused_backward=True, fused_dq_shared=True)),
     "bwd_fused_overlap": ("fwdbwd", False, dict(fused_backward=True, fused_dq_shared=True,

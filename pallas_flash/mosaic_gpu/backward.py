@@ -245,6 +245,12 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
       dk, dv = carry
       slot = lax.rem(t, stages)
       q_smem, do_smem = _wait_streams(streams, slot)
+      if kp.dkdv_schedule == "overlap" and not (kp.interpret or pingpong or masked):
+        # Unmasked steps only: the mask's iotas on top of the overlap's live registers spill
+        # inside the loop (deviceless SASS); masked steps run "batched".
+        return _overlapped_dk_dv_step(
+            dk, dv, (k_smem, v_smem, q_smem, do_smem), streams, slot, k0, None,
+            (do_free.at[slot], q_free.at[slot]), kp)
       p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
                                          (lambda: index(t)[0]) if masked else None, kp,
                                          handoff=pingpong)
@@ -371,7 +377,7 @@ def _dk_dv_updates(dk, dv, p_t, ds_t, q_smem, do_smem, st_smem, frees, kp):
   tile has retired.
   """
   do_free, q_free = frees
-  if kp.interpret or kp.dkdv_schedule == "serial":
+  if kp.interpret or kp.dkdv_schedule == "serial":  # "overlap" runs its masked steps batched
     dv = _common.accumulate(dv, p_t.astype(kp.dtype), st_smem, do_smem, kp)
     plgpu.barrier_arrive(do_free)
     dk = _common.accumulate(dk, ds_t.astype(kp.dtype), st_smem, q_smem, kp)
@@ -388,6 +394,56 @@ def _dk_dv_updates(dk, dv, p_t, ds_t, q_smem, do_smem, st_smem, frees, kp):
     plgpu.barrier_arrive(do_free)
 
   dv, dk = pl.run_state(mm)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+  plgpu.barrier_arrive(q_free)
+  return dk, dv
+
+
+def _overlapped_dk_dv_step(dk, dv, tiles, streams, slot, k0, mask_block, frees,
+                           kp: _common.KernelParams):
+  """One dK/dV step with dkdv_schedule "overlap": the elementwise work runs under matmuls.
+
+  tiles: the WG's K, V and the step's Q, dO SMEM tiles; mask_block, frees: as in
+  `_transposed_grad_tiles` and `_dk_dv_updates`. wgmma groups retire in issue order:
+
+    issue Sᵀ, dPᵀ | wait 1: Sᵀ -> Pᵀ (dPᵀ running) | issue dV += Pᵀ·dO |
+    wait 1: dPᵀ -> dSᵀ (dV running) | scope exit waits dV -> release dO |
+    issue dK += dSᵀ·Q, wait -> release Q.
+
+  Same products in the same order as "serial", so the same bits. Pᵀ stays float32 for dSᵀ
+  while its 16-bit copy is dV's register operand (a new value, not a redefinition of an
+  in-flight operand's registers: no C7513).
+  """
+  k_smem, v_smem, q_smem, do_smem = tiles
+  do_free, q_free = frees
+  bq, bkv = kp.block_q, kp.block_kv
+  (_, lse_scratch, _, lse_free), (_, delta_scratch, _, delta_free) = streams[2:]
+  acc_t = plgpu.ACC((bkv, bq), jnp.float32)
+
+  def body(refs):
+    dv_ref, dk_ref = refs
+
+    def scores(s_ref, dp_ref):
+      plgpu.wgmma(s_ref, k_smem, q_smem.T)
+      plgpu.wgmma(dp_ref, v_smem, do_smem.T)
+      lse = plgpu.load(lse_scratch.at[slot], layout=_common.COL)
+      delta = plgpu.load(delta_scratch.at[slot], layout=_common.COL)
+      plgpu.barrier_arrive(lse_free.at[slot])
+      plgpu.barrier_arrive(delta_free.at[slot])
+      s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+      p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+      if mask_block is not None:
+        visible = _common.visible(k0, mask_block() * bq, (bkv, bq), kp, transposed=True)
+        p_t = jnp.where(visible, p_t, 0.0)
+      plgpu.wgmma(dv_ref, p_t.astype(kp.dtype), do_smem)
+      dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)
+      return p_t * (dp_t - lax.broadcast_in_dim(delta, p_t.shape, [1]))
+
+    ds_t = pl.run_scoped(scores, acc_t, acc_t)
+    plgpu.wgmma_wait(0)  # dV (also covered by the scope's exit): dO is free
+    plgpu.barrier_arrive(do_free)
+    plgpu.wgmma(dk_ref, ds_t.astype(kp.dtype), q_smem)
+
+  dv, dk = pl.run_state(body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
   plgpu.barrier_arrive(q_free)
   return dk, dv
 

@@ -74,6 +74,9 @@ class MosaicConfig:
       warpgroup. "serial": Sᵀ and dPᵀ, wait; Pᵀ, dSᵀ; dV += Pᵀ·dO, wait; dK += dSᵀ·Q, wait.
       "batched": dV and dK issued back to back with one wait (dO released as soon as dV
       retired). Both sum in the same order (bitwise equal gradients, checked on the H200).
+      "overlap" (tokamax's and FA3's order): Sᵀ and dPᵀ issued together, Pᵀ formed while dPᵀ
+      runs, dV issued, dSᵀ formed while dV runs, then dK; same order of sums. Unmeasured on
+      a GPU (compiled deviceless: see docs/mosaic.md); interpret mode runs it as "serial".
       "batched" is the head_dim 128 default: +1-2 % fwd+bwd at 4K-32K, causal and not
       (fourth and fifth sessions, TUNED); at head_dim 64 it was 1.4 % slower. Issuing the
       next step's Sᵀ and dPᵀ behind dV and dK (with or without forming Pᵀ while they run)
@@ -148,8 +151,8 @@ class MosaicConfig:
     for name in ("num_stages", "bwd_stages", "fused_stages", "fused_dq_blocks"):
       if getattr(self, name) < 1:
         raise ValueError(f"MosaicConfig.{name} must be >= 1, got {getattr(self, name)}")
-    if self.dkdv_schedule not in ("serial", "batched"):
-      raise ValueError("MosaicConfig.dkdv_schedule must be 'serial' or 'batched', "
+    if self.dkdv_schedule not in ("serial", "batched", "overlap"):
+      raise ValueError("MosaicConfig.dkdv_schedule must be 'serial', 'batched' or 'overlap', "
                        f"got {self.dkdv_schedule!r}")
     for name in ("compute_registers", "producer_registers"):
       if getattr(self, name) % 8 or not 24 <= getattr(self, name) <= 256:

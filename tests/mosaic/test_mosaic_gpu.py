@@ -101,9 +101,11 @@ def test_forward_with_intra_wg_overlap(case):
   assert bool(jnp.array_equal(o, again[0])) and bool(jnp.array_equal(lse, again[1]))
 
 
+@pytest.mark.parametrize("schedule", ["batched", "overlap"])
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 4)], ids=kernel_case_id)
-def test_batched_dkdv_schedule_gives_the_same_gradients(case):
-  """MosaicConfig.dkdv_schedule="batched" only moves waits: dK and dV bitwise equal to serial."""
+def test_dkdv_schedules_give_the_same_gradients(case, schedule):
+  """MosaicConfig.dkdv_schedule "batched" and "overlap" only move waits: the same products
+  in the same order as "serial", so bitwise equal gradients."""
   b, t, s, h, kh, d, causal, dtype = case
   q, k, v, do = _inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
   def run(schedule):
@@ -111,7 +113,7 @@ def test_batched_dkdv_schedule_gives_the_same_gradients(case):
     return _fwd_bwd(lambda *a: pallas_flash.flash_attention(
         *a, is_causal=causal, implementation="mosaic", config=config))(q, k, v, do)
 
-  got, want = run("batched"), run("serial")
+  got, want = run(schedule), run("serial")
   for name, g, r in zip(("o", "dq", "dk", "dv"), got, want):
     assert bool(jnp.array_equal(g, r)), name
 
