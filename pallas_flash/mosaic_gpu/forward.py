@@ -39,6 +39,8 @@ from pallas_flash.params import MASK_VALUE, AttentionParams
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+# Steps per warpgroup that a profiled forward (MosaicConfig.profile_dir) records.
+PROFILE_STEPS = 32
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scratch,
@@ -528,7 +530,10 @@ def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0):
                 jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)),
       scratch_types=scratch,
       grid=grid, grid_names=names, num_threads=3, thread_name="wg",
-      compiler_params=_common.compiler_params(kp, most_steps),
+      # The profiler's event buffer lives in shared memory (~48 B per step-event slot over the
+      # 3 WGs): sized for at most PROFILE_STEPS steps, later events are dropped by its bounds
+      # check, so long or persistent kernels still fit.
+      compiler_params=_common.compiler_params(kp, min(most_steps, PROFILE_STEPS)),
       interpret=_common.interpret_params(kp.interpret),
   )(q, k, v)
 
