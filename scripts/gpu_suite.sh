@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call: ./scripts/gpu_suite.sh STAGE...
 # Stages: env tests mosaic-tests sweep bench long memory features fused retrieval profile ptxas
-# (PTXAS_VARIANTS: scripts/mosaic_ptxas.py variants, default all; PTXAS_SHAPE B,T,H,D). Results
+# mosaic-sweep bwd-kernels (PTXAS_VARIANTS: scripts/mosaic_ptxas.py variants, default all;
+# PTXAS_SHAPE B,T,H,D; MOSAIC_VARIANTS: mosaic_gpu_check.py --sweep variants, default the
+# backward candidates; BWD_OVERRIDES: MosaicConfig key=value for bwd-kernels). Results
 # go to $OUT (default ./gpu_out). Each stage is cut off after ${STAGE_LIMIT_S:-900} s (timeout
 # rc 124).
 set -uo pipefail
@@ -29,6 +31,9 @@ for stage in "$@"; do
              --shape ${PTXAS_SHAPE:-4,4096,16,128} \
              ${PTXAS_VARIANTS:-} && cp /tmp/pf_ptxas/ptxas/report.json '$OUT/ptxas_report.json'" ;;
     sweep) run sweep $py scripts/triton_sweep.py --json "$OUT/sweep.json" ;;
+    mosaic-sweep) run mosaic-sweep $py scripts/mosaic_gpu_check.py --out "$OUT" --skip-check --sweep \
+                    --variants "${MOSAIC_VARIANTS:-default,bwd_r240,bwd_overlap_r240}" ;;
+    bwd-kernels) run bwd-kernels $py scripts/mosaic_bwd_kernels.py --out "$OUT" ${BWD_OVERRIDES:-} ;;
     bench) run bench $py -m pallas_flash.bench --shapes "${SHAPES:-anchors}" --impl "${IMPLS:-triton,mosaic,cudnn,jax_xla}" --json "$OUT/bench.json" ;;
     long) run long $py -m pallas_flash.bench --shapes long --impl "${IMPLS:-triton,mosaic,cudnn}" --json "$OUT/bench_long.json" ;;
     memory) XLA_PYTHON_CLIENT_MEM_FRACTION=.95 run memory $py -m pallas_flash.bench --memory --impl "${MEM_IMPLS:-triton}" \
