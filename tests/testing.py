@@ -149,6 +149,25 @@ def kernel_specs(b, t, s, h, kh, d, dtype=jnp.bfloat16):
   return (jax.ShapeDtypeStruct((b, t, h, d), dtype), jax.ShapeDtypeStruct((b, s, kh, d), dtype))
 
 
+def kernel_inputs(b, t, s, h, kh, d, dtype, seed=0):
+  """Fresh random (q [B, T, H, D], k, v [B, S, K, D], do [B, T, H, D]) in dtype, for the
+  tuple-described kernel cases (B, T, S, H, K, D, ...)."""
+  ks = jax.random.split(jax.random.key(seed), 4)
+  return (jax.random.normal(ks[0], (b, t, h, d), dtype),
+          jax.random.normal(ks[1], (b, s, kh, d), dtype),
+          jax.random.normal(ks[2], (b, s, kh, d), dtype),
+          jax.random.normal(ks[3], (b, t, h, d), dtype))
+
+
+def on_hopper() -> bool:
+  """Whether the default device is a Hopper (sm_90) GPU, where the Mosaic kernels run."""
+  try:
+    dev = jax.devices()[0]
+  except RuntimeError:
+    return False
+  return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
 def kernel_case_id(case) -> str:
   """pytest id of a kernel case (B, T, S, H, K, D, causal[, dtype]), e.g.
   b1_t1000_s1100_h8:2_d64_causal_bfloat16."""

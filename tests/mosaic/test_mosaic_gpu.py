@@ -15,19 +15,11 @@ from pallas_flash import mosaic_gpu
 from pallas_flash.mosaic_gpu import TUNED
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
-from testing import kernel_case_id, rel_err
-
-
-def _on_hopper() -> bool:
-  try:
-    dev = jax.devices()[0]
-  except RuntimeError:
-    return False
-  return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+from testing import kernel_case_id, kernel_inputs, on_hopper, rel_err
 
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not _on_hopper(), reason="needs a Hopper (sm_90) GPU")]
+              pytest.mark.skipif(not on_hopper(), reason="needs a Hopper (sm_90) GPU")]
 
 TOL = {jnp.bfloat16: (1e-2, 2e-2), jnp.float16: (2e-3, 4e-3)}
 
@@ -51,14 +43,6 @@ def _rel(x, ref):
   return rel_err(x.astype(jnp.float32), ref.astype(jnp.float32))
 
 
-def _inputs(b, t, s, h, kh, d, dtype, seed=0):
-  ks = jax.random.split(jax.random.key(seed), 4)
-  return (jax.random.normal(ks[0], (b, t, h, d), dtype),
-          jax.random.normal(ks[1], (b, s, kh, d), dtype),
-          jax.random.normal(ks[2], (b, s, kh, d), dtype),
-          jax.random.normal(ks[3], (b, t, h, d), dtype))
-
-
 def _fwd_bwd(attn):
   def f(q, k, v, do):
     o, vjp = jax.vjp(attn, q, k, v)
@@ -74,7 +58,7 @@ def _mosaic(causal):
 @pytest.mark.parametrize("case", CASES, ids=kernel_case_id)
 def test_forward_and_gradients(case):
   b, t, s, h, kh, d, causal, dtype = case
-  q, k, v, do = _inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
   p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
   got = _fwd_bwd(_mosaic(causal))(q, k, v, do)
   want = _fwd_bwd(lambda *a: attention_reference(*a, None, None, params=p)[0])(q, k, v, do)
@@ -89,7 +73,7 @@ def test_forward_and_gradients(case):
 def test_forward_with_intra_wg_overlap(case):
   """MosaicConfig.fwd_intra_wg_overlap: o and lse against the reference, bit-reproducible."""
   b, t, s, h, kh, d, causal, dtype = case
-  q, k, v, _ = _inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
+  q, k, v, _ = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
   p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
   config = dataclasses.replace(TUNED[(d, causal)], fwd_intra_wg_overlap=True)
   fwd = jax.jit(lambda q, k, v: mosaic_gpu.forward(q, k, v, None, None, params=p, config=config))
@@ -107,7 +91,7 @@ def test_dkdv_schedules_give_the_same_gradients(case, schedule):
   """MosaicConfig.dkdv_schedule "batched" and "overlap" only move waits: the same products
   in the same order as "serial", so bitwise equal gradients."""
   b, t, s, h, kh, d, causal, dtype = case
-  q, k, v, do = _inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
   def run(schedule):
     config = dataclasses.replace(TUNED[(d, causal)], dkdv_schedule=schedule)
     return _fwd_bwd(lambda *a: pallas_flash.flash_attention(
@@ -122,7 +106,7 @@ def test_dkdv_schedules_give_the_same_gradients(case, schedule):
 def test_dkdv_pingpong_gives_the_same_gradients(case):
   """MosaicConfig.dkdv_pingpong only adds schedule-barrier rounds: bitwise equal gradients."""
   b, t, s, h, kh, d, causal, dtype = case
-  q, k, v, do = _inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
 
   def run(pingpong):
     config = dataclasses.replace(TUNED[(d, causal)], dkdv_pingpong=pingpong)
@@ -134,7 +118,7 @@ def test_dkdv_pingpong_gives_the_same_gradients(case):
 
 
 def test_lse_matches_reference():
-  q, k, v, _ = _inputs(1, 1000, 1000, 4, 2, 128, jnp.bfloat16)
+  q, k, v, _ = kernel_inputs(1, 1000, 1000, 4, 2, 128, jnp.bfloat16)
   p = AttentionParams(scale=128 ** -0.5, is_causal=True, has_segments=False)
   _, lse = pallas_flash.flash_attention(q, k, v, is_causal=True, implementation="mosaic",
                                         return_residuals=True)
@@ -146,7 +130,7 @@ def test_lse_matches_reference():
                          ids=["16k_causal", "32k", "16500_causal"])
 def test_large_shapes_agree_with_cudnn(t, causal):
   """Long sequences, where the materialising reference does not fit: compare with cuDNN."""
-  q, k, v, do = _inputs(1, t, t, 8, 8, 128, jnp.bfloat16, seed=t)
+  q, k, v, do = kernel_inputs(1, t, t, 8, 8, 128, jnp.bfloat16, seed=t)
   cudnn = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
       q, k, v, is_causal=causal, implementation="cudnn" if t % 128 == 0 else "xla")
   got = _fwd_bwd(_mosaic(causal))(q, k, v, do)

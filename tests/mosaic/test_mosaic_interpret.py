@@ -16,7 +16,7 @@ from pallas_flash import api
 from pallas_flash.mosaic_gpu import MosaicConfig, backward, forward
 from pallas_flash.params import AttentionParams, FeatureArrays
 from pallas_flash.reference import attention_reference
-from testing import kernel_case_id
+from testing import kernel_case_id, kernel_inputs
 
 TOL = {jnp.bfloat16: (1e-2, 2e-2), jnp.float16: (2e-3, 4e-3)}
 # 64-row kv tiles make the two consumer warpgroups of a causal CTA need different block counts
@@ -28,14 +28,6 @@ SMALL = MosaicConfig(block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=64, blo
 def _rel(x, ref):
   x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
   return float(jnp.abs(x - ref).max() / jnp.abs(ref).max())
-
-
-def _inputs(b, t, s, h, kh, d, dtype, seed):
-  ks = jax.random.split(jax.random.key(seed), 4)
-  return (jax.random.normal(ks[0], (b, t, h, d), dtype), jax.random.normal(ks[1], (b, s, kh, d),
-                                                                         dtype),
-          jax.random.normal(ks[2], (b, s, kh, d), dtype), jax.random.normal(ks[3], (b, t, h, d),
-                                                                          dtype))
 
 
 FWD = [  # B, T, S, H, K, D, causal, dtype
@@ -55,7 +47,7 @@ BWD = [
 
 def _assert_forward_matches_reference(case, config):
   b, t, s, h, kh, d, causal, dtype = case
-  q, k, v, _ = _inputs(b, t, s, h, kh, d, dtype, seed=t + s)
+  q, k, v, _ = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s)
   p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
   o, lse = forward(q, k, v, None, None, params=p, config=config)
   ro, rlse = attention_reference(q, k, v, None, None, params=p)
@@ -86,7 +78,7 @@ def test_forward_with_intra_wg_overlap_matches_reference(case):
 
 def test_one_stage_causal_forward_is_refused():
   # One ring slot deadlocks the causal idle steps (found in the interpreter): refuse it.
-  q, k, v, _ = _inputs(1, 200, 200, 2, 1, 64, jnp.bfloat16, seed=0)
+  q, k, v, _ = kernel_inputs(1, 200, 200, 2, 1, 64, jnp.bfloat16, seed=0)
   p = AttentionParams(scale=0.125, is_causal=True, has_segments=False)
   with pytest.raises(ValueError, match="num_stages=1"):
     forward(q, k, v, None, None, params=p, config=dataclasses.replace(SMALL, num_stages=1))
@@ -106,7 +98,7 @@ def _stats_id(c):
 def test_gradients_match_reference(case, stats):
   b, t, s, h, kh, d, causal, dtype = case
   delta_in_kernel, lse_cotangent = stats
-  q, k, v, do = _inputs(b, t, s, h, kh, d, dtype, seed=t * s)
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t * s)
   dlse = jax.random.normal(jax.random.key(t + s), (b, h, t), jnp.float32)
   if not lse_cotangent:
     dlse = jnp.zeros_like(dlse)
@@ -127,7 +119,7 @@ def test_dkdv_pingpong_gives_the_same_gradients(case):
   """MosaicConfig.dkdv_pingpong only adds schedule-barrier rounds (which the interpreter
   checks for pairing, including the causal skip steps): same dK, dV to the bit."""
   b, t, s, h, kh, d, causal, dtype = case
-  q, k, v, do = _inputs(b, t, s, h, kh, d, dtype, seed=t + s)
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s)
   p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
   o, lse = forward(q, k, v, None, None, params=p, config=SMALL)
   got, want = (backward(q, k, v, None, None, o, lse, do, None, params=p,
@@ -141,7 +133,7 @@ def test_fully_masked_row_contributes_nothing():
   # The mosaic API cannot produce such a row (no segment ids); the forward would give it o = 0
   # and lse = -inf, which the dQ kernel maps to lse2 = +inf (P = 0) as the XLA path does.
   b, t, s, h, kh, d = 1, 128, 192, 2, 1, 64
-  q, k, v, do = _inputs(b, t, s, h, kh, d, jnp.bfloat16, seed=3)
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, jnp.bfloat16, seed=3)
   p = AttentionParams(scale=d ** -0.5, is_causal=False, has_segments=False)
   o, lse = forward(q, k, v, None, None, params=p, config=SMALL)
   o, lse = o.at[:, 5].set(0), lse.at[:, :, 5].set(-jnp.inf)
@@ -158,7 +150,7 @@ def test_fully_masked_row_contributes_nothing():
 def test_api_vjp_gives_the_backend_its_contract(uses):
   # The API's custom_vjp with this backend (BACKWARD_COMPUTES_DELTA, symbolic zeros): no lse
   # cotangent (delta None), only an lse cotangent (dO zero), and both.
-  q, k, v, do = _inputs(1, 200, 130, 4, 2, 64, jnp.float16, seed=7)
+  q, k, v, do = kernel_inputs(1, 200, 130, 4, 2, 64, jnp.float16, seed=7)
   p = AttentionParams(scale=0.125, is_causal=True, has_segments=False)
 
   def loss(attention, q, k, v):

@@ -17,7 +17,8 @@ import pallas_flash
 from pallas_flash.mosaic_gpu import TUNED, MosaicConfig, forward
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
-from testing import export_for_h200, kernel_case_id, kernel_specs, rel_err
+from testing import (export_for_h200, kernel_case_id, kernel_inputs, kernel_specs, on_hopper,
+                     rel_err)
 
 # The package re-exports the function `forward` under the module's name.
 forward_module = importlib.import_module("pallas_flash.mosaic_gpu.forward")
@@ -33,18 +34,11 @@ CASES = [  # B, T, S, H, K, D, causal, dtype; persistent_ctas, intra-WG overlap
 ]
 
 
-def _inputs(b, t, s, h, kh, d, dtype, seed):
-  ks = jax.random.split(jax.random.key(seed), 3)
-  return (jax.random.normal(ks[0], (b, t, h, d), dtype),
-          jax.random.normal(ks[1], (b, s, kh, d), dtype),
-          jax.random.normal(ks[2], (b, s, kh, d), dtype))
-
-
 @pytest.mark.parametrize("case,ctas,overlap", CASES,
                          ids=[f"{kernel_case_id(c)}_ctas{n}{'_overlap' * o}" for c, n, o in CASES])
 def test_persistent_forward_matches_reference(case, ctas, overlap):
   b, t, s, h, kh, d, causal, dtype = case
-  q, k, v = _inputs(b, t, s, h, kh, d, dtype, seed=t + s + ctas)
+  q, k, v, _ = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + ctas)
   p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
   config = dataclasses.replace(SMALL, persistent_ctas=ctas, fwd_intra_wg_overlap=overlap)
   assert forward_module.persistent_ctas(q, config, p) == ctas  # the persistent kernel runs
@@ -105,14 +99,6 @@ def test_persistent_forward_lowers(case, overlap):
   assert text.count("mosaic_gpu") >= 1
 
 
-def _on_hopper() -> bool:
-  try:
-    dev = jax.devices()[0]
-  except RuntimeError:
-    return False
-  return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
-
-
 GPU_CASES = [  # B, T, S, H, K, D, causal, dtype
     (4, 4096, 4096, 16, 16, 128, False, jnp.bfloat16),
     (1, 16384, 16384, 16, 16, 128, False, jnp.bfloat16),
@@ -123,13 +109,13 @@ GPU_CASES = [  # B, T, S, H, K, D, causal, dtype
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _on_hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.skipif(not on_hopper(), reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("case", GPU_CASES, ids=kernel_case_id)
 def test_persistent_forward_on_gpu(case):
   """Against the f32 reference, and bitwise equal to the one-CTA-per-tile kernel (same loop,
   same order of operations per tile)."""
   b, t, s, h, kh, d, causal, dtype = case
-  q, k, v = _inputs(b, t, s, h, kh, d, dtype, seed=t)
+  q, k, v, _ = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t)
   base = TUNED[(d, causal)]
   run = lambda cfg: jax.jit(lambda q, k, v: pallas_flash.flash_attention(  # noqa: E731
       q, k, v, is_causal=causal, implementation="mosaic", config=cfg, return_residuals=True))(
