@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 import pallas_flash
 from pallas_flash.bench import timing
-from pallas_flash.mosaic_gpu import _common, config as mconfig
+from pallas_flash.mosaic_gpu import config as mconfig
 from pallas_flash.params import AttentionParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -56,8 +56,7 @@ def kernels(b, t, h, d, causal, overrides):
                                         config=config, return_residuals=True)
 
   o, lse = jax.jit(attn)(q, k, v)
-  make = _kernel_params(q, k, params, config, t)
-  kp_dq, kp_dkdv = make("dq"), make("dkdv")
+  kp_dq, kp_dkdv = backward.split_kernel_params(q, k, params, config, kv_len=t)
   lse_inf, delta = backward._xla_row_stats(o, lse, do, None)
   lse2 = lse_inf * LOG2E
   # The dK/dV kernel gets the statistics the dQ kernel computed, as in the VJP.
@@ -80,20 +79,6 @@ def kernels(b, t, h, d, causal, overrides):
       # The benchmark's convention: fwd+bwd = 3.5 x the forward's 2 products per pair.
       fwd_bwd=(jax.jit(vjp), (q, k, v, do), 7),
   )
-
-
-def _kernel_params(q, k, params, config, t):
-  """make("dq" | "dkdv") -> that kernel's KernelParams, as backward.backward builds them."""
-  def make(which):
-    if which == "dq":
-      bq, bkv = config.block_q_dq, config.block_kv_dq
-    else:
-      bq, bkv = config.block_q_dkv, config.block_kv_dkv
-    return _common.KernelParams.make(q, k, params=params, block_q=bq, block_kv=bkv,
-                                     stages=min(config.bwd_stages, t // (bkv if which == "dq"
-                                                                         else bq)),
-                                     t_pad=t, s_pad=t, kv_len=t, config=config)
-  return make
 
 
 def main():

@@ -148,6 +148,23 @@ def first_masked_block(q0, steps, kp: KernelParams):
   return lo
 
 
+def sync(barrier):
+  """Arrive on and wait for a barrier that every party arrives on once per phase (the
+  consumer warpgroups' schedule / hand-off barriers)."""
+  plgpu.barrier_arrive(barrier)
+  plgpu.barrier_wait(barrier)
+
+
+def observe_last_releases(frees, num_steps, slots: int):
+  """A ring producer's tail: waits on each free barrier array in `frees` for the releases of
+  the last `slots` of `num_steps` steps, which it never waited for to refill a slot. Every
+  waiter of an mbarrier must observe each of its phases (the interpreter checks this)."""
+  @pl.loop(jnp.maximum(num_steps - slots, 0), num_steps)
+  def _(j):
+    for free in frees:
+      plgpu.barrier_wait(free.at[lax.rem(j, slots)])
+
+
 def staged_matmul(a, a_smem, b_smem, out_shape):
   """a @ b with `a` (registers) written to SMEM first: the interpretable form of an RS wgmma."""
   a_smem[...] = a

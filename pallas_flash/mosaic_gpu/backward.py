@@ -187,10 +187,7 @@ def _produce(num_steps, stages, streams):
       plgpu.barrier_wait(free.at[slot])
       plgpu.copy_gmem_to_smem(src.at[index(j)], dst.at[slot], ready.at[slot])
 
-  @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
-  def _(j):
-    for _, _, _, free, _ in streams:
-      plgpu.barrier_wait(free.at[lax.rem(j, stages)])
+  _common.observe_last_releases([free for _, _, _, free, _ in streams], num_steps, stages)
 
 
 def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_scratch,
@@ -235,11 +232,7 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
 
     st_smem = _at(st_scratch, wg)  # interpret mode only
 
-    def sched_sync():
-      plgpu.barrier_arrive(sched)
-      plgpu.barrier_wait(sched)
-
-    pingpong = sched_sync if kp.dkdv_pingpong else None
+    pingpong = functools.partial(_common.sync, sched) if kp.dkdv_pingpong else None
 
     def step(t, carry, *, masked: bool):
       dk, dv = carry
@@ -345,7 +338,6 @@ def _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, m
   handoff: called once both matmuls are issued (the ping-pong's schedule sync), or None.
   """
   bq, bkv = kp.block_q, kp.block_kv
-  (_, lse_scratch, _, lse_free), (_, delta_scratch, _, delta_free) = streams[2:]
 
   def scores(s_ref, dp_ref):
     plgpu.wgmma(s_ref, k_smem, q_smem.T)
@@ -356,16 +348,32 @@ def _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, m
 
   s_t, dp_t = pl.run_scoped(scores, plgpu.ACC((bkv, bq), jnp.float32),
                             plgpu.ACC((bkv, bq), jnp.float32))
+  lse, delta = _step_stats(streams, slot)
+  p_t = _probs_t(s_t, lse, k0, mask_block, kp)
+  ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, s_t.shape, [1]))
+  return p_t, ds_t
+
+
+def _step_stats(streams, slot):
+  """The lse (log2 units) and delta column vectors [block_q] of ring slot `slot`, whose
+  buffers are released right after the load."""
+  (_, lse_scratch, _, lse_free), (_, delta_scratch, _, delta_free) = streams[2:]
   lse = plgpu.load(lse_scratch.at[slot], layout=_common.COL)
   delta = plgpu.load(delta_scratch.at[slot], layout=_common.COL)
   plgpu.barrier_arrive(lse_free.at[slot])
   plgpu.barrier_arrive(delta_free.at[slot])
+  return lse, delta
+
+
+def _probs_t(s_t, lse, k0, mask_block, kp: _common.KernelParams):
+  """Pᵀ = exp2(Sᵀ·c − lse2) [block_kv, block_q] with the entries the mask hides set to 0
+  (mask_block: see _transposed_grad_tiles)."""
   p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
   if mask_block is not None:
-    visible = _common.visible(k0, mask_block() * bq, (bkv, bq), kp, transposed=True)
+    visible = _common.visible(k0, mask_block() * kp.block_q, (kp.block_kv, kp.block_q), kp,
+                              transposed=True)
     p_t = jnp.where(visible, p_t, 0.0)
-  ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, s_t.shape, [1]))
-  return p_t, ds_t
+  return p_t
 
 
 def _dk_dv_updates(dk, dv, p_t, ds_t, q_smem, do_smem, st_smem, frees, kp):
@@ -415,9 +423,7 @@ def _overlapped_dk_dv_step(dk, dv, tiles, streams, slot, k0, mask_block, frees,
   """
   k_smem, v_smem, q_smem, do_smem = tiles
   do_free, q_free = frees
-  bq, bkv = kp.block_q, kp.block_kv
-  (_, lse_scratch, _, lse_free), (_, delta_scratch, _, delta_free) = streams[2:]
-  acc_t = plgpu.ACC((bkv, bq), jnp.float32)
+  acc_t = plgpu.ACC((kp.block_kv, kp.block_q), jnp.float32)
 
   def body(refs):
     dv_ref, dk_ref = refs
@@ -425,15 +431,8 @@ def _overlapped_dk_dv_step(dk, dv, tiles, streams, slot, k0, mask_block, frees,
     def scores(s_ref, dp_ref):
       plgpu.wgmma(s_ref, k_smem, q_smem.T)
       plgpu.wgmma(dp_ref, v_smem, do_smem.T)
-      lse = plgpu.load(lse_scratch.at[slot], layout=_common.COL)
-      delta = plgpu.load(delta_scratch.at[slot], layout=_common.COL)
-      plgpu.barrier_arrive(lse_free.at[slot])
-      plgpu.barrier_arrive(delta_free.at[slot])
-      s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-      p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-      if mask_block is not None:
-        visible = _common.visible(k0, mask_block() * bq, (bkv, bq), kp, transposed=True)
-        p_t = jnp.where(visible, p_t, 0.0)
+      lse, delta = _step_stats(streams, slot)
+      p_t = _probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), lse, k0, mask_block, kp)
       plgpu.wgmma(dv_ref, p_t.astype(kp.dtype), do_smem)
       dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)
       return p_t * (dp_t - lax.broadcast_in_dim(delta, p_t.shape, [1]))
@@ -588,6 +587,19 @@ def _xla_row_stats(o, lse, do, correction):
   return jnp.where(lse == -jnp.inf, jnp.inf, lse), delta
 
 
+def split_kernel_params(qp, kpad, params: AttentionParams, config: MosaicConfig, *,
+                        kv_len: int):
+  """(dQ kernel's, dK/dV kernel's) KernelParams for padded qp [B, Tp, H, D], kpad [B, Sp, K, D]
+  whose true key count is kv_len."""
+  t_pad, s_pad = qp.shape[1], kpad.shape[1]
+  make = functools.partial(_common.KernelParams.make, qp, kpad, params=params, t_pad=t_pad,
+                           s_pad=s_pad, kv_len=kv_len, config=config)
+  return (make(block_q=config.block_q_dq, block_kv=config.block_kv_dq,
+               stages=min(config.bwd_stages, s_pad // config.block_kv_dq)),
+          make(block_q=config.block_q_dkv, block_kv=config.block_kv_dkv,
+               stages=min(config.bwd_stages, t_pad // config.block_q_dkv)))
+
+
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
              config: MosaicConfig | None = None):
   """See pallas_flash.params for the contract. This backend sets BACKWARD_COMPUTES_DELTA: lse
@@ -618,12 +630,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   t_pad, s_pad = _blocking.round_up(t, q_mult), _blocking.round_up(s, kv_mult)
   qp, dop = _blocking.pad_axis(q, 1, t_pad), _blocking.pad_axis(do, 1, t_pad)
   kpad, vpad = _blocking.pad_axis(k, 1, s_pad), _blocking.pad_axis(v, 1, s_pad)
-  make = functools.partial(_common.KernelParams.make, qp, kpad, params=params, t_pad=t_pad,
-                           s_pad=s_pad, kv_len=s, config=config)
-  kp_dq = make(block_q=config.block_q_dq, block_kv=config.block_kv_dq,
-               stages=min(config.bwd_stages, s_pad // config.block_kv_dq))
-  kp_dkdv = make(block_q=config.block_q_dkv, block_kv=config.block_kv_dkv,
-                 stages=min(config.bwd_stages, t_pad // config.block_q_dkv))
+  kp_dq, kp_dkdv = split_kernel_params(qp, kpad, params, config, kv_len=s)
   in_kernel = config.bwd_delta_in_kernel
   if in_kernel and dq_smem_bytes(kp_dq, in_kernel=True, correction=delta is not None) > \
       SMEM_LIMIT_BYTES:

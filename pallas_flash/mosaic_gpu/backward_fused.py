@@ -44,8 +44,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_flash import _blocking
 from pallas_flash.mosaic_gpu import _common
 from pallas_flash.mosaic_gpu.backward import (_at, _first_q_block, _first_unmasked_step,
-                                              _load_kv_tiles, _produce_query_streams, _skip_step,
-                                              _store_dk_dv, _transposed_grad_tiles, _wait_streams,
+                                              _load_kv_tiles, _probs_t, _produce_query_streams,
+                                              _skip_step, _step_stats, _store_dk_dv,
+                                              _transposed_grad_tiles, _wait_streams,
                                               kv_stream_barriers, kv_stream_smem)
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
 from pallas_flash.params import AttentionParams
@@ -169,16 +170,6 @@ def _gradient_matmuls(dv, dk, p_t, ds_smem, q_smem, do_smem, dq_plan, p_staging,
         release_q()
 
   return pl.run_state(mm_blocked)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
-
-
-def _probs_t(s_t, lse, k0, mask_block, kp: _common.KernelParams):
-  """Pᵀ = exp2(Sᵀ·c − lse2) [block_kv, block_q] with invisible entries 0 (as in backward.py)."""
-  p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-  if mask_block is not None:
-    visible = _common.visible(k0, mask_block() * kp.block_q, (kp.block_kv, kp.block_q), kp,
-                              transposed=True)
-    p_t = jnp.where(visible, p_t, 0.0)
-  return p_t
 
 
 def _overlapped_step(dv, dk, tiles, stats, ds_smem, dq_terms, dq_shape, k0, mask_block, hooks,
@@ -334,14 +325,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       slot = lax.rem(t, stages)
       i, _ = index(t)
       q_smem, do_smem = _wait_streams(streams, slot)
-      (_, lse_scratch, _, lse_free), (_, delta_scratch, _, delta_free) = streams[2:]
-
-      def stats():
-        lse = plgpu.load(lse_scratch.at[slot], layout=_common.COL)
-        delta = plgpu.load(delta_scratch.at[slot], layout=_common.COL)
-        plgpu.barrier_arrive(lse_free.at[slot])
-        plgpu.barrier_arrive(delta_free.at[slot])
-        return lse, delta
+      stats = functools.partial(_step_stats, streams, slot)
 
       ds_smem = ds_scratch.at[lax.rem(t, 2), wg] if dq_shared else ds_scratch.at[wg]
       dq_smem = dq_scratch.at[lax.rem(t, dq_slots), wg]
@@ -349,8 +333,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
 
       def sync_ds():
         if dq_shared:  # as in `step`
-          plgpu.barrier_arrive(ds_ready)
-          plgpu.barrier_wait(ds_ready)
+          _common.sync(ds_ready)
 
       def reduce_dq(dq):
         if not kp.interpret:
@@ -385,8 +368,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
         # Both dSᵀ tiles are needed. The double buffer (by step parity) makes this the only
         # barrier: a WG overwrites a parity slot two steps later, after this barrier of the
         # step in between has seen the other WG finish reading it.
-        plgpu.barrier_arrive(ds_ready)
-        plgpu.barrier_wait(ds_ready)
+        _common.sync(ds_ready)
       if not kp.interpret:
         # The previous step's reduction must have finished reading dq_smem; a whole step of
         # matmuls has run since it was issued, so this rarely waits.
@@ -424,8 +406,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
     dk, dv = lax.fori_loop(first, cta_steps, functools.partial(step, masked=False), carry)
     if dq_shared:
       # The other WG's last dQ matmul reads this WG's K tile, about to be overwritten.
-      plgpu.barrier_arrive(kv_done)
-      plgpu.barrier_wait(kv_done)
+      _common.sync(kv_done)
     _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, kp)  # also the last dQ reduction
 
   @pl.when(wg == 2)

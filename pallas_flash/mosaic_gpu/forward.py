@@ -61,9 +61,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
 
   cta_steps = kp.kv_steps(cta_q0 + 2 * bq)
 
-  def sched_sync():
-    plgpu.barrier_arrive(sched)
-    plgpu.barrier_wait(sched)
+  sched_sync = functools.partial(_common.sync, sched)
 
   @pl.when(wg < 2)
   def _consumer():
@@ -124,11 +122,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
         plgpu.barrier_wait(v_free.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_scratch.at[slot], v_ready.at[slot])
 
-    # Observe the last releases too: every waiter of an mbarrier must see each of its phases.
-    @pl.loop(jnp.maximum(cta_steps - stages, 0), cta_steps)
-    def _(j):
-      plgpu.barrier_wait(k_free.at[lax.rem(j, stages)])
-      plgpu.barrier_wait(v_free.at[lax.rem(j, stages)])
+    _common.observe_last_releases((k_free, v_free), cta_steps, stages)
 
 
 def _store_tile(acc, m, l, o_smem, lse_smem, o_dst, lse_dst, kp: _common.KernelParams):
@@ -176,9 +170,7 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
     qt, r = lax.rem(t, nqt), lax.div(t, nqt)
     return lax.div(r, heads), lax.rem(r, heads), qt
 
-  def sched_sync():
-    plgpu.barrier_arrive(sched)
-    plgpu.barrier_wait(sched)
+  sched_sync = functools.partial(_common.sync, sched)
 
   @pl.when(wg < 2)
   def _consumer():
@@ -245,15 +237,8 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
           pl.when(i >= 1)(lambda: plgpu.barrier_wait(q_free.at[lax.rem(i + 1, 2)]))
           load_q(i + 1)
 
-    # Observe the last releases too: every waiter of an mbarrier must see each of its phases.
-    @pl.loop(jnp.maximum(tiles * steps - stages, 0), tiles * steps)
-    def _(g):
-      plgpu.barrier_wait(k_free.at[lax.rem(g, stages)])
-      plgpu.barrier_wait(v_free.at[lax.rem(g, stages)])
-
-    @pl.loop(jnp.maximum(tiles - 2, 0), tiles)
-    def _(i):
-      plgpu.barrier_wait(q_free.at[lax.rem(i, 2)])
+    _common.observe_last_releases((k_free, v_free), tiles * steps, stages)
+    _common.observe_last_releases((q_free,), tiles, 2)
 
 
 class _Barriers(NamedTuple):
@@ -287,9 +272,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
 
-  def sched_sync():
-    plgpu.barrier_arrive(bars.sched)
-    plgpu.barrier_wait(bars.sched)
+  sched_sync = functools.partial(_common.sync, bars.sched)
 
   def step(j, carry, *, masked: bool):
     acc, m, l = carry
@@ -381,9 +364,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
 
-  def sched_sync():
-    plgpu.barrier_arrive(bars.sched)
-    plgpu.barrier_wait(bars.sched)
+  sched_sync = functools.partial(_common.sync, bars.sched)
 
   def softmax(s, j, masked, m, l):
     if masked:
