@@ -181,7 +181,8 @@ def main():
   parser.add_argument("--sweep", action="store_true", help="time alternative configs too")
   parser.add_argument("--long", action="store_true", help="causal fwd+bwd at 1M tokens")
   parser.add_argument("--skip-check", action="store_true")
-  parser.add_argument("--shapes", default="", help="time only the first N shapes of BENCH")
+  parser.add_argument("--shapes", default="", help="time only the first N shapes of BENCH "
+                      "(of SWEEP with --sweep)")
   parser.add_argument("--variants", default="", help="--sweep: only these comma-separated "
                       "config names (e.g. default,overlap); `fwd:` before a name times only fwd")
   args = parser.parse_args()
@@ -226,6 +227,13 @@ def main():
                                                    dkdv_schedule="overlap",
                                                    compute_registers=240,
                                                    producer_registers=24), fb),
+                 # The single-kernel backward (FA3's split of dQ's columns), as measured in
+                 # the third session, and at 240/24 registers (fewer spills, deviceless SASS).
+                 ("bwd_fused", MosaicConfig(fwd_intra_wg_overlap=True, fused_backward=True,
+                                            fused_dq_shared=True), fb),
+                 ("bwd_fused_r240", MosaicConfig(fwd_intra_wg_overlap=True, fused_backward=True,
+                                                 fused_dq_shared=True, compute_registers=240,
+                                                 producer_registers=24), fb),
                  ("bwd_serial", MosaicConfig(fwd_intra_wg_overlap=True,
                                              dkdv_schedule="serial"), fb),
                  ("bwd_xla_delta", MosaicConfig(fwd_intra_wg_overlap=True,
@@ -239,7 +247,7 @@ def main():
           only_fwd = name.startswith("fwd:")
           wanted[name.removeprefix("fwd:")] = only_fwd
         configs = [(n, c, fwd if wanted[n] else m) for n, c, m in configs if n in wanted]
-      bench(results, SWEEP, configs)
+      bench(results, SWEEP[:int(args.shapes)] if args.shapes else SWEEP, configs)
     else:
       bench(results, BENCH[:int(args.shapes)] if args.shapes else BENCH)
   finally:
