@@ -234,6 +234,14 @@ def main():
                  ("bwd_fused_r240", MosaicConfig(fwd_intra_wg_overlap=True, fused_backward=True,
                                                  fused_dq_shared=True, compute_registers=240,
                                                  producer_registers=24), fb),
+                 # Non-causal kv tiles start at different q blocks, so the CTAs running
+                 # together reduce-add into different dQ rows (causal tiles already do).
+                 ("bwd_fused_stagger_r240", MosaicConfig(
+                     fwd_intra_wg_overlap=True, fused_backward=True, fused_dq_shared=True,
+                     fused_stagger_q=True, compute_registers=240, producer_registers=24), fb),
+                 ("bwd_fused_s3_r240", MosaicConfig(
+                     fwd_intra_wg_overlap=True, fused_backward=True, fused_dq_shared=True,
+                     fused_stages=3, compute_registers=240, producer_registers=24), fb),
                  ("bwd_serial", MosaicConfig(fwd_intra_wg_overlap=True,
                                              dkdv_schedule="serial"), fb),
                  ("bwd_xla_delta", MosaicConfig(fwd_intra_wg_overlap=True,
