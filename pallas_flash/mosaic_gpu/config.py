@@ -178,10 +178,15 @@ TUNED: dict[tuple[int, bool], MosaicConfig] = {
     # causal 558 vs 562, 16K causal 648 vs 631; slower at hd64, so off there). dK/dV
     # "batched" (fifth session, run1, fwd+bwd: 4K 461 vs 451, 4K causal 428 vs 420, 16K 495
     # vs 486, 16K causal 473 vs 467, 32K 486 vs 482; at hd64 349 vs 354, so serial there).
+    # dK/dV "overlap" at 240/24 registers for the backward too (sixth session, run1, same run:
+    # 4K 453 vs 450, 4K causal 416 vs 422, 16K 498 vs 487, 16K causal 463 vs 458; the forward
+    # with the intra-WG overlap already ran at 240/24).
     (128, False): MosaicConfig(block_q=64, block_kv=128, num_stages=2, fwd_intra_wg_overlap=True,
-                               dkdv_schedule="batched"),
+                               dkdv_schedule="overlap", compute_registers=240,
+                               producer_registers=24),
     (128, True): MosaicConfig(block_q=64, block_kv=128, num_stages=2, fwd_intra_wg_overlap=True,
-                              dkdv_schedule="batched"),
+                              dkdv_schedule="overlap", compute_registers=240,
+                              producer_registers=24),
     # hd256: a 128-row kv tile does not fit next to Q (354 KiB); 64 rows = 192 KiB.
     (256, False): MosaicConfig(block_q=64, block_kv=64, num_stages=2),
     (256, True): MosaicConfig(block_q=64, block_kv=64, num_stages=2),
