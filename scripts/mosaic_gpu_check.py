@@ -211,6 +211,11 @@ def main():
                  ("persistent", MosaicConfig(fwd_intra_wg_overlap=True, fwd_persistent=True),
                   fwd),
                  ("persistent_plain", MosaicConfig(fwd_persistent=True), fwd),
+                 # q tiles fastest: the CTAs working together share one or two heads' K/V,
+                 # which stays in L2 at 16K-32K (all 16 heads' K/V does not).
+                 ("persistent_qtiles", MosaicConfig(fwd_intra_wg_overlap=True,
+                                                    fwd_persistent=True, heads_fastest=False),
+                  fwd),
                  # Backward schedules, with the hd128 forward of the tuned table.
                  ("bwd_batched", MosaicConfig(fwd_intra_wg_overlap=True,
                                               dkdv_schedule="batched"), fb),
@@ -242,6 +247,11 @@ def main():
                  ("bwd_fused_s3_r240", MosaicConfig(
                      fwd_intra_wg_overlap=True, fused_backward=True, fused_dq_shared=True,
                      fused_stages=3, compute_registers=240, producer_registers=24), fb),
+                 # The backward kernels in the forward's launch order (heads fastest,
+                 # causal dQ tiles heaviest first), with the tuned hd128 backward.
+                 ("bwd_heads", MosaicConfig(fwd_intra_wg_overlap=True, dkdv_schedule="overlap",
+                                            compute_registers=240, producer_registers=24,
+                                            bwd_heads_fastest=True), fb),
                  ("bwd_serial", MosaicConfig(fwd_intra_wg_overlap=True,
                                              dkdv_schedule="serial"), fb),
                  ("bwd_xla_delta", MosaicConfig(fwd_intra_wg_overlap=True,

@@ -60,6 +60,8 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   b, h, qt, wg = (lax.axis_index(n) for n in ("b", "h", "qt", "wg"))
+  if kp.causal and kp.bwd_heads_fastest:
+    qt = kp.t_pad // (2 * bq) - 1 - qt  # heaviest tiles first, as in the forward
   cta_q0 = qt * (2 * bq)
 
   cta_steps = kp.kv_steps(cta_q0 + 2 * bq)
@@ -527,7 +529,7 @@ def _dq_call(q, k, v, do, o, lse, delta, *, kp: _common.KernelParams):
       functools.partial(_with_absent_refs, functools.partial(_bwd_dq_kernel, kp=kp), present),
       out_type=(dq, row_stats, row_stats) if in_kernel else dq,
       scratch_types=scratch,
-      grid=(t_pad // (2 * bq), h, bsz), grid_names=("qt", "h", "b"),
+      **_launch_order(t_pad // (2 * bq), h, bsz, ("qt", "h", "b"), kp),
       num_threads=3, thread_name="wg",
       compiler_params=_common.compiler_params(),
       interpret=_common.interpret_params(kp.interpret),
@@ -571,11 +573,20 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams):
       functools.partial(_bwd_dkdv_kernel, kp=kp),
       out_type=(kv_out, kv_out),
       scratch_types=scratch,
-      grid=(s_pad // (2 * bkv), kh, bsz), grid_names=("kt", "kvh", "b"),
+      **_launch_order(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"), kp),
       num_threads=3, thread_name="wg",
       compiler_params=_common.compiler_params(),
       interpret=_common.interpret_params(kp.interpret),
   )(q, k, v, do, lse2, delta)
+
+
+def _launch_order(tiles, heads, bsz, names, kp: _common.KernelParams) -> dict:
+  """plgpu.kernel's grid and grid_names: tiles fastest, or heads fastest with
+  kp.bwd_heads_fastest (the first grid dimension varies fastest)."""
+  tile_name, head_name, b_name = names
+  if kp.bwd_heads_fastest:
+    return dict(grid=(heads, tiles, bsz), grid_names=(head_name, tile_name, b_name))
+  return dict(grid=(tiles, heads, bsz), grid_names=names)
 
 
 def _xla_row_stats(o, lse, do, correction):

@@ -39,6 +39,12 @@ class MosaicConfig:
       causal calls always run one CTA per tile (their launch order balances the SMs).
       The default for non-causal calls with at most SHORT_KV_LEN keys (`tuned`): +12 % at
       16x1024x16x128, +7 % at head_dim 64, level at 4K, 5-6 % slower at 16K-32K (H200).
+    bwd_heads_fastest: the split backward's launch order, as heads_fastest is the forward's:
+      consecutive CTAs take the same q tile (dQ kernel) or kv tile (dK/dV kernel) of
+      consecutive heads instead of consecutive tiles of one head, and the causal dQ kernel
+      launches its heaviest q tiles (the last ones) first, an LPT order; the dK/dV kernel's
+      causal tiles are already heaviest first. Same products in the same order per tile
+      (bitwise equal gradients). Off (each kernel's tiles of one head consecutive): unmeasured.
     persistent_ctas: CTAs of the persistent forward; 0 = the GPU's SM count (132 on H100 SXM
       and H200). Tests set it to exercise several tiles per CTA.
     fused_backward: backward algorithm. True: one FlashAttention-3 style kernel per kv tile
@@ -119,6 +125,7 @@ class MosaicConfig:
   block_kv_dkv: int = 64
   bwd_stages: int = 2
   heads_fastest: bool = True
+  bwd_heads_fastest: bool = False
   fwd_intra_wg_overlap: bool = False
   fwd_persistent: bool = False
   persistent_ctas: int = 0

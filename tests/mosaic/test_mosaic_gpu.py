@@ -117,6 +117,21 @@ def test_dkdv_pingpong_gives_the_same_gradients(case):
     assert bool(jnp.array_equal(g, r)), name
 
 
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 4)], ids=kernel_case_id)
+def test_backward_launch_order_gives_the_same_gradients(case):
+  """MosaicConfig.bwd_heads_fastest only renumbers the backward's CTAs: bitwise equal."""
+  b, t, s, h, kh, d, causal, dtype = case
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
+
+  def run(flag):
+    config = dataclasses.replace(TUNED[(d, causal)], bwd_heads_fastest=flag)
+    return _fwd_bwd(lambda *a: pallas_flash.flash_attention(
+        *a, is_causal=causal, implementation="mosaic", config=config))(q, k, v, do)
+
+  for name, g, r in zip(("o", "dq", "dk", "dv"), run(True), run(False)):
+    assert bool(jnp.array_equal(g, r)), name
+
+
 def test_lse_matches_reference():
   q, k, v, _ = kernel_inputs(1, 1000, 1000, 4, 2, 128, jnp.bfloat16)
   p = AttentionParams(scale=128 ** -0.5, is_causal=True, has_segments=False)
