@@ -39,12 +39,17 @@ class MosaicConfig:
       causal calls always run one CTA per tile (their launch order balances the SMs).
       The default for non-causal calls with at most SHORT_KV_LEN keys (`tuned`): +12 % at
       16x1024x16x128, +7 % at head_dim 64, level at 4K, 5-6 % slower at 16K-32K (H200).
+      With heads_fastest=False (q tiles fastest) and the intra-WG overlap, +5 % at
+      4x4096x16x128 (the default there, MEDIUM_KV_LEN) and 6 % behind the grid at 16K.
     bwd_heads_fastest: the split backward's launch order, as heads_fastest is the forward's:
       consecutive CTAs take the same q tile (dQ kernel) or kv tile (dK/dV kernel) of
       consecutive heads instead of consecutive tiles of one head, and the causal dQ kernel
       launches its heaviest q tiles (the last ones) first, an LPT order; the dK/dV kernel's
       causal tiles are already heaviest first. Same products in the same order per tile
-      (bitwise equal gradients). Off (each kernel's tiles of one head consecutive): unmeasured.
+      (bitwise equal gradients, checked on the H200). Measured (sixth session, run4, fwd+bwd
+      TFLOP/s, same run): 4x4096x16x128 453 -> 492, causal 408 -> 449, 1x16384x16x128
+      502 -> 515, causal 471 -> 507. So on by default; False is the old order (each kernel's
+      tiles of one head consecutive).
     persistent_ctas: CTAs of the persistent forward; 0 = the GPU's SM count (132 on H100 SXM
       and H200). Tests set it to exercise several tiles per CTA.
     fused_backward: backward algorithm. True: one FlashAttention-3 style kernel per kv tile
@@ -125,7 +130,7 @@ class MosaicConfig:
   block_kv_dkv: int = 64
   bwd_stages: int = 2
   heads_fastest: bool = True
-  bwd_heads_fastest: bool = False
+  bwd_heads_fastest: bool = True
   fwd_intra_wg_overlap: bool = False
   fwd_persistent: bool = False
   persistent_ctas: int = 0
@@ -206,14 +211,24 @@ TUNED: dict[tuple[int, bool], MosaicConfig] = {
 # 611 with the plain loop, 622 with the overlap), slower at 16K (613 -> 576) and 32K (608 ->
 # 580). 2K is between the measured lengths (unmeasured).
 SHORT_KV_LEN = 2048
+# Non-causal head-dim-128 calls with more keys, up to this many, run the persistent forward
+# with the intra-WG overlap and q tiles fastest (sixth session, run4, same run, fwd TFLOP/s at
+# 4x4096x16x128: grid 609, persistent heads-fastest 603, persistent q-tiles-fastest 638,
+# cuDNN 607). At 1x16384x16x128 the grid kernel stays ahead (644 vs 605; heads-fastest
+# persistent 570): with q tiles fastest the CTAs running together share one head's K/V,
+# which stays in L2, where all 16 heads' K/V at 16K does not. 2K-4K is unmeasured between.
+MEDIUM_KV_LEN = 4096
 
 
 def tuned(head_dim: int, is_causal: bool, kv_len: int) -> MosaicConfig:
   """The tuned config of a call: TUNED[(head_dim, is_causal)], switched to the persistent
-  plain-loop forward for short non-causal calls (SHORT_KV_LEN)."""
+  forward for short non-causal calls: the plain loop up to SHORT_KV_LEN keys and, at
+  head_dim 128, the overlapped loop with q tiles fastest up to MEDIUM_KV_LEN."""
   config = TUNED.get((head_dim, is_causal), MosaicConfig())
   if not is_causal and kv_len <= SHORT_KV_LEN and head_dim in (64, 128):
     config = dataclasses.replace(config, fwd_intra_wg_overlap=False, fwd_persistent=True)
+  elif not is_causal and kv_len <= MEDIUM_KV_LEN and head_dim == 128:
+    config = dataclasses.replace(config, fwd_persistent=True, heads_fastest=False)
   return config
 
 

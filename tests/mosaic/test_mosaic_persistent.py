@@ -70,8 +70,12 @@ def test_tuned_table_runs_short_non_causal_calls_persistent():
     short = config_module.tuned(d, False, config_module.SHORT_KV_LEN)
     assert short.fwd_persistent and not short.fwd_intra_wg_overlap
     assert short.dkdv_schedule == TUNED[(d, False)].dkdv_schedule  # backward untouched
-    assert config_module.tuned(d, False, config_module.SHORT_KV_LEN + 1) == TUNED[(d, False)]
     assert config_module.tuned(d, True, 1024) == TUNED[(d, True)]
+  assert config_module.tuned(64, False, config_module.SHORT_KV_LEN + 1) == TUNED[(64, False)]
+  medium = config_module.tuned(128, False, config_module.MEDIUM_KV_LEN)
+  assert medium.fwd_persistent and medium.fwd_intra_wg_overlap and not medium.heads_fastest
+  assert medium.dkdv_schedule == TUNED[(128, False)].dkdv_schedule
+  assert config_module.tuned(128, False, config_module.MEDIUM_KV_LEN + 1) == TUNED[(128, False)]
   assert config_module.tuned(256, False, 1024) == TUNED[(256, False)]
 
 
