@@ -44,8 +44,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_flash import _blocking
 from pallas_flash.mosaic_gpu import _common
 from pallas_flash.mosaic_gpu.backward import (_at, _first_q_block, _first_unmasked_step,
-                                              _load_kv_tiles, _probs_t, _produce_query_streams,
-                                              _skip_step, _step_stats, _store_dk_dv,
+                                              _launch_order, _load_kv_tiles, _probs_t,
+                                              _produce_query_streams, _skip_step,
+                                              _step_stats, _store_dk_dv,
                                               _transposed_grad_tiles, _wait_streams,
                                               kv_stream_barriers, kv_stream_smem)
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
@@ -443,7 +444,7 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
                         dq_shared=dq_shared, overlap=overlap, dq_slots=dq_slots),
       out_type=(kv_out, kv_out),
       scratch_types=scratch,
-      grid=(s_pad // (2 * bkv), kh, bsz), grid_names=("kt", "kvh", "b"),
+      **_launch_order(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"), kp),
       num_threads=3, thread_name="wg",
       compiler_params=_common.compiler_params(),
       interpret=_common.interpret_params(kp.interpret),

@@ -41,8 +41,8 @@ class MosaicConfig:
       16x1024x16x128, +7 % at head_dim 64, level at 4K, 5-6 % slower at 16K-32K (H200).
       With heads_fastest=False (q tiles fastest) and the intra-WG overlap, +5 % at
       4x4096x16x128 (the default there, MEDIUM_KV_LEN) and 6 % behind the grid at 16K.
-    bwd_heads_fastest: the split backward's launch order, as heads_fastest is the forward's:
-      consecutive CTAs take the same q tile (dQ kernel) or kv tile (dK/dV kernel) of
+    bwd_heads_fastest: the backward kernels' launch order, as heads_fastest is the forward's:
+      consecutive CTAs take the same q tile (dQ kernel) or kv tile (dK/dV and fused kernels) of
       consecutive heads instead of consecutive tiles of one head, and the causal dQ kernel
       launches its heaviest q tiles (the last ones) first, an LPT order; the dK/dV kernel's
       causal tiles are already heaviest first. Same products in the same order per tile

@@ -162,6 +162,10 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
     (1, 190, 130, 4, 2, 128, True, jnp.float16, dict(fused_overlap=True, fused_dq_shared=True)),
     (1, 200, 260, 2, 2, 128, False, jnp.bfloat16,
      dict(fused_overlap=True, fused_dq_shared=True, fused_stagger_q=True)),
+    # The other launch order (tiles of one head consecutive; heads fastest is the default).
+    (1, 190, 130, 4, 2, 128, True, jnp.float16, dict(fused_dq_shared=True,
+                                                     bwd_heads_fastest=False)),
+    (2, 200, 260, 2, 1, 64, False, jnp.bfloat16, dict(bwd_heads_fastest=False)),
 ]
 
 
