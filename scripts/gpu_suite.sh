@@ -3,8 +3,8 @@
 # Stages: env tests mosaic-tests sweep bench long memory features fused retrieval profile ptxas
 # mosaic-sweep bwd-kernels (PTXAS_VARIANTS: scripts/mosaic_ptxas.py variants, default all;
 # PTXAS_SHAPE B,T,H,D; MOSAIC_VARIANTS: mosaic_gpu_check.py --sweep variants, default the
-# backward candidates; BWD_OVERRIDES: MosaicConfig key=value for bwd-kernels). Results
-# go to $OUT (default ./gpu_out). Each stage is cut off after ${STAGE_LIMIT_S:-900} s (timeout
+# candidates awaiting a GPU measurement; BWD_OVERRIDES: MosaicConfig key=value for
+# bwd-kernels). Results go to $OUT (default ./gpu_out). Each stage is cut off after ${STAGE_LIMIT_S:-900} s (timeout
 # rc 124).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -32,7 +32,7 @@ for stage in "$@"; do
              ${PTXAS_VARIANTS:-} && cp /tmp/pf_ptxas/ptxas/report.json '$OUT/ptxas_report.json'" ;;
     sweep) run sweep $py scripts/triton_sweep.py --json "$OUT/sweep.json" ;;
     mosaic-sweep) run mosaic-sweep $py scripts/mosaic_gpu_check.py --out "$OUT" --skip-check --sweep \
-                    --variants "${MOSAIC_VARIANTS:-default,bwd_r240,bwd_overlap_r240}" ;;
+                    --variants "${MOSAIC_VARIANTS:-default,bwd_fused_r240,fwd:persistent_plain_qtiles}" ;;
     bwd-kernels) run bwd-kernels $py scripts/mosaic_bwd_kernels.py --out "$OUT" ${BWD_OVERRIDES:-} ;;
     bench) run bench $py -m pallas_flash.bench --shapes "${SHAPES:-anchors}" --impl "${IMPLS:-triton,mosaic,cudnn,jax_xla}" --json "$OUT/bench.json" ;;
     long) run long $py -m pallas_flash.bench --shapes long --impl "${IMPLS:-triton,mosaic,cudnn}" --json "$OUT/bench_long.json" ;;

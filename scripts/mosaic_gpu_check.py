@@ -216,6 +216,8 @@ def main():
                  ("persistent_qtiles", MosaicConfig(fwd_intra_wg_overlap=True,
                                                     fwd_persistent=True, heads_fastest=False),
                   fwd),
+                 ("persistent_plain_qtiles", MosaicConfig(fwd_persistent=True,
+                                                          heads_fastest=False), fwd),
                  # Backward schedules, with the hd128 forward of the tuned table.
                  ("bwd_batched", MosaicConfig(fwd_intra_wg_overlap=True,
                                               dkdv_schedule="batched"), fb),
@@ -252,6 +254,9 @@ def main():
                  ("bwd_heads", MosaicConfig(fwd_intra_wg_overlap=True, dkdv_schedule="overlap",
                                             compute_registers=240, producer_registers=24,
                                             bwd_heads_fastest=True), fb),
+                 ("bwd_tiles", MosaicConfig(fwd_intra_wg_overlap=True, dkdv_schedule="overlap",
+                                            compute_registers=240, producer_registers=24,
+                                            bwd_heads_fastest=False), fb),
                  ("bwd_serial", MosaicConfig(fwd_intra_wg_overlap=True,
                                              dkdv_schedule="serial"), fb),
                  ("bwd_xla_delta", MosaicConfig(fwd_intra_wg_overlap=True,
