@@ -19,6 +19,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -60,12 +61,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run_metadata() -> dict:
-  """Where and when: device kind, jax version, git commit (best effort), UTC date."""
+  """Where and when: device kind, jax version, git commit (best effort), UTC date.
+
+  $PALLAS_FLASH_COMMIT names the commit when set: a `git archive` snapshot has no repository of
+  its own, and `git rev-parse` would report whatever checkout encloses it."""
+  commit = os.environ.get("PALLAS_FLASH_COMMIT", "")
   try:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            timeout=10, check=True).stdout.strip() or "unknown"
+    commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                      text=True, timeout=10, check=True).stdout.strip()
   except (OSError, subprocess.SubprocessError):
-    commit = "unknown"
+    pass
+  commit = commit or "unknown"
   dev = jax.devices()[0]
   return {"device_kind": dev.device_kind, "platform": dev.platform,
           "jax_version": jax.__version__, "git_commit": commit,
