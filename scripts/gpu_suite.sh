@@ -4,8 +4,8 @@
 # mosaic-sweep bwd-kernels (PTXAS_VARIANTS: scripts/mosaic_ptxas.py variants, default all;
 # PTXAS_SHAPE B,T,H,D; MOSAIC_VARIANTS: mosaic_gpu_check.py --sweep variants, default the
 # candidates awaiting a GPU measurement; BWD_OVERRIDES: MosaicConfig key=value for
-# bwd-kernels). Results go to $OUT (default ./gpu_out). Each stage is cut off after ${STAGE_LIMIT_S:-900} s (timeout
-# rc 124).
+# bwd-kernels). Results go to $OUT (default ./gpu_out). Each stage is cut off after
+# ${STAGE_LIMIT_S:-900} s (timeout rc 124).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false

@@ -64,7 +64,8 @@ class MosaicConfig:
       with fused_dq_shared: ~226 KiB).
     fused_stagger_q: fused backward, non-causal only: kv tile kt visits q blocks starting at
       kt (mod the count) rather than all at block 0, spreading the dQ reductions of CTAs that
-      run together over different rows (a contention hypothesis, unmeasured).
+      run together over different rows (a contention hypothesis; measured no faster, sixth
+      session: 443 vs 449 TFLOP/s fwd+bwd at 4x4096x16x128, 497 vs 497 at 16K).
     fused_dq_blocks: fused backward: dQ_part = dS·K in this many column blocks of
       head_dim / fused_dq_blocks (a multiple of 64). 1 issues it with dV and dK back to back
       (dK, dV and dQ_part accumulators all live: ~208 registers per thread at head_dim 128);
@@ -86,10 +87,12 @@ class MosaicConfig:
       "batched": dV and dK issued back to back with one wait (dO released as soon as dV
       retired). Both sum in the same order (bitwise equal gradients, checked on the H200).
       "overlap" (tokamax's and FA3's order): Sᵀ and dPᵀ issued together, Pᵀ formed while dPᵀ
-      runs, dV issued, dSᵀ formed while dV runs, then dK; same order of sums. Unmeasured on
-      a GPU (compiled deviceless: see docs/mosaic.md); interpret mode runs it as "serial".
-      "batched" is the head_dim 128 default: +1-2 % fwd+bwd at 4K-32K, causal and not
-      (fourth and fifth sessions, TUNED); at head_dim 64 it was 1.4 % slower. Issuing the
+      runs, dV issued, dSᵀ formed while dV runs, then dK; same order of sums (bitwise equal
+      gradients, checked on the H200); interpret mode runs it as "serial". Its unmasked steps
+      need 240/24 registers to compile without spills. The head_dim 128 default at 240/24
+      since the sixth session (0-2 % over "batched", TUNED); "batched" was +1-2 % over
+      "serial" at 4K-32K (fourth and fifth sessions); at head_dim 64 "batched" was 1.4 %
+      slower, so head_dim 64 stays "serial". Issuing the
       next step's Sᵀ and dPᵀ behind dV and dK (with or without forming Pᵀ while they run)
       was tried and dropped: ptxas serialises every wgmma for lack of registers (C7512) at 232
       and at 240 (docs/mosaic.md).
