@@ -11,6 +11,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 py=python3
+candidates=default,bwd_group2,bwd_group4,bwd_group8,bwd_fused_r240,fwd:persistent_plain_qtiles
+MOSAIC_VARIANTS="${MOSAIC_VARIANTS:-$candidates}"
 status=0
 run() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS
   timeout "${STAGE_LIMIT_S:-900}" "$@" 2>&1 | tee "$OUT/$name.log"; local rc=${PIPESTATUS[0]}
@@ -32,7 +34,7 @@ for stage in "$@"; do
              ${PTXAS_VARIANTS:-} && cp /tmp/pf_ptxas/ptxas/report.json '$OUT/ptxas_report.json'" ;;
     sweep) run sweep $py scripts/triton_sweep.py --json "$OUT/sweep.json" ;;
     mosaic-sweep) run mosaic-sweep $py scripts/mosaic_gpu_check.py --out "$OUT" --skip-check --sweep \
-                    --variants "${MOSAIC_VARIANTS:-default,bwd_fused_r240,fwd:persistent_plain_qtiles}" ;;
+                    --variants "$MOSAIC_VARIANTS" ;;
     bwd-kernels) run bwd-kernels $py scripts/mosaic_bwd_kernels.py --out "$OUT" ${BWD_OVERRIDES:-} ;;
     bench) run bench $py -m pallas_flash.bench --shapes "${SHAPES:-anchors}" --impl "${IMPLS:-triton,mosaic,cudnn,jax_xla}" --json "$OUT/bench.json" ;;
     long) run long $py -m pallas_flash.bench --shapes long --impl "${IMPLS:-triton,mosaic,cudnn}" --json "$OUT/bench_long.json" ;;

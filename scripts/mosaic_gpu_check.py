@@ -254,6 +254,10 @@ def main():
                  ("bwd_heads", MosaicConfig(fwd_intra_wg_overlap=True, dkdv_schedule="overlap",
                                             compute_registers=240, producer_registers=24,
                                             bwd_heads_fastest=True), fb),
+                 # Heads fastest within groups of G heads (K/V or Q/dO of G heads in flight).
+                 *((f"bwd_group{g}", MosaicConfig(
+                     fwd_intra_wg_overlap=True, dkdv_schedule="overlap", compute_registers=240,
+                     producer_registers=24, bwd_head_group=g), fb) for g in (2, 4, 8)),
                  ("bwd_tiles", MosaicConfig(fwd_intra_wg_overlap=True, dkdv_schedule="overlap",
                                             compute_registers=240, producer_registers=24,
                                             bwd_heads_fastest=False), fb),

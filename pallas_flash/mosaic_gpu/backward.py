@@ -59,7 +59,8 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
   [2, block_q, block_kv] (interpret only).
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
-  b, h, qt, wg = (lax.axis_index(n) for n in ("b", "h", "qt", "wg"))
+  b, wg = lax.axis_index("b"), lax.axis_index("wg")
+  qt, h = _tile_and_head(("qt", "h"), q_ref.shape[2], kp)
   if kp.causal and kp.bwd_heads_fastest:
     qt = kp.t_pad // (2 * bq) - 1 - qt  # heaviest tiles first, as in the forward
   cta_q0 = qt * (2 * bq)
@@ -211,7 +212,8 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
   schedule). Skipped steps sync twice, keeping the rounds paired.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
-  b, kvh, kt, wg = (lax.axis_index(n) for n in ("b", "kvh", "kt", "wg"))
+  b, wg = lax.axis_index("b"), lax.axis_index("wg")
+  kt, kvh = _tile_and_head(("kt", "kvh"), k_ref.shape[2], kp)
   cta_k0 = kt * (2 * bkv)
   cta_first = _first_q_block(cta_k0, kp)
   cta_steps = (kp.t_pad // bq - cta_first) * g_size
@@ -580,13 +582,35 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams):
   )(q, k, v, do, lse2, delta)
 
 
+def _head_group(heads: int, kp: _common.KernelParams) -> int:
+  """Heads per launch group (kp.bwd_head_group), or 0 for the plain orders."""
+  g = kp.bwd_head_group
+  return g if kp.bwd_heads_fastest and 0 < g < heads and heads % g == 0 else 0
+
+
 def _launch_order(tiles, heads, bsz, names, kp: _common.KernelParams) -> dict:
-  """plgpu.kernel's grid and grid_names: tiles fastest, or heads fastest with
-  kp.bwd_heads_fastest (the first grid dimension varies fastest)."""
+  """plgpu.kernel's grid and grid_names (the first grid dimension varies fastest): tiles
+  fastest; heads fastest with kp.bwd_heads_fastest; or, with a head group G, a flat
+  (G heads x tiles) dimension fastest and the head groups next (see _tile_and_head)."""
   tile_name, head_name, b_name = names
+  g = _head_group(heads, kp)
+  if g:
+    return dict(grid=(g * tiles, heads // g, bsz),
+                grid_names=(f"{head_name}_{tile_name}", f"{head_name}_group", b_name))
   if kp.bwd_heads_fastest:
     return dict(grid=(heads, tiles, bsz), grid_names=(head_name, tile_name, b_name))
   return dict(grid=(tiles, heads, bsz), grid_names=names)
+
+
+def _tile_and_head(names, heads: int, kp: _common.KernelParams):
+  """(tile, head) of this CTA under the grid of _launch_order(tiles, heads, .., names, kp)."""
+  tile_name, head_name = names
+  g = _head_group(heads, kp)
+  if not g:
+    return lax.axis_index(tile_name), lax.axis_index(head_name)
+  flat = lax.axis_index(f"{head_name}_{tile_name}")
+  group = lax.axis_index(f"{head_name}_group")
+  return lax.div(flat, g), group * g + lax.rem(flat, g)
 
 
 def _xla_row_stats(o, lse, do, correction):

@@ -32,6 +32,7 @@ staged through SMEM and the accumulations are scoped products added in registers
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -46,7 +47,7 @@ from pallas_flash.mosaic_gpu import _common
 from pallas_flash.mosaic_gpu.backward import (_at, _first_q_block, _first_unmasked_step,
                                               _launch_order, _load_kv_tiles, _probs_t,
                                               _produce_query_streams, _skip_step,
-                                              _step_stats, _store_dk_dv,
+                                              _step_stats, _store_dk_dv, _tile_and_head,
                                               _transposed_grad_tiles, _wait_streams,
                                               kv_stream_barriers, kv_stream_smem)
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
@@ -277,7 +278,9 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   nq = kp.t_pad // bq
-  b, kvh, kt, wg = (lax.axis_index(n) for n in ("b", "kvh", "kt", "wg"))
+  b, wg = lax.axis_index("b"), lax.axis_index("wg")
+  kt, kvh = _tile_and_head(("kt", "kvh"), k_ref.shape[2], kp)
+  assert not kp.bwd_head_group, "fused_call launches without head groups"
   cta_k0 = kt * (2 * bkv)
   cta_first = _first_q_block(cta_k0, kp)
   cta_steps = (nq - cta_first) * g_size
@@ -423,6 +426,10 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   (dq_acc [B, Tp, H, D] f32 unscaled, dk [B, Sp, K, D] scaled, dv [B, Sp, K, D])."""
   bsz, s_pad, kh, d = k.shape
   bq, bkv = kp.block_q, kp.block_kv
+  # MosaicConfig.bwd_head_group is not applied here: with fused_dq_shared, causal, the grouped
+  # launch deadlocked in the Mosaic GPU interpreter (a barrier wait; not investigated), so the
+  # fused kernel keeps the plain heads-fastest (or tiles-fastest) order.
+  kp = dataclasses.replace(kp, bwd_head_group=0)
   tiles = _common.smem_transforms(kp.dtype)
   scratch = [
       *kv_stream_smem(kp, d),

@@ -50,6 +50,13 @@ class MosaicConfig:
       TFLOP/s, same run): 4x4096x16x128 453 -> 492, causal 408 -> 449, 1x16384x16x128
       502 -> 515, causal 471 -> 507. So on by default; False is the old order (each kernel's
       tiles of one head consecutive).
+    bwd_head_group: with bwd_heads_fastest, the heads that consecutive CTAs cycle through:
+      groups of this many heads (query heads for the dQ kernel, kv heads for the dK/dV and
+      fused kernels) take all their tiles before the next group starts, so the CTAs running
+      together stream the K/V or Q/dO of G heads only (at 16K one head's K/V is 8 MiB, all 16
+      heads' 128 MiB against a 50 MiB L2). 0, or a G that does not divide the head count, means
+      all heads (the bwd_heads_fastest order). The split kernels only (the fused kernel
+      ignores it). Unmeasured.
     persistent_ctas: CTAs of the persistent forward; 0 = the GPU's SM count (132 on H100 SXM
       and H200). Tests set it to exercise several tiles per CTA.
     fused_backward: backward algorithm. True: one FlashAttention-3 style kernel per kv tile
@@ -134,6 +141,7 @@ class MosaicConfig:
   bwd_stages: int = 2
   heads_fastest: bool = True
   bwd_heads_fastest: bool = True
+  bwd_head_group: int = 0
   fwd_intra_wg_overlap: bool = False
   fwd_persistent: bool = False
   persistent_ctas: int = 0
@@ -161,6 +169,8 @@ class MosaicConfig:
       # multiple of the 128-byte swizzle width, i.e. 64 16-bit elements.
       if value < 64 or value % 64:
         raise ValueError(f"MosaicConfig.{name} must be a positive multiple of 64, got {value}")
+    if self.bwd_head_group < 0:
+      raise ValueError(f"MosaicConfig.bwd_head_group must be >= 0, got {self.bwd_head_group}")
     if self.persistent_ctas < 0:
       raise ValueError(f"MosaicConfig.persistent_ctas must be >= 0, got {self.persistent_ctas}")
     for name in ("num_stages", "bwd_stages", "fused_stages", "fused_dq_blocks"):

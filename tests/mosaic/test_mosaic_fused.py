@@ -166,6 +166,8 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
     (1, 190, 130, 4, 2, 128, True, jnp.float16, dict(fused_dq_shared=True,
                                                      bwd_heads_fastest=False)),
     (2, 200, 260, 2, 1, 64, False, jnp.bfloat16, dict(bwd_heads_fastest=False)),
+    # bwd_head_group is ignored by the fused kernel (see fused_call).
+    (1, 130, 200, 8, 4, 128, True, jnp.bfloat16, dict(fused_dq_shared=True, bwd_head_group=2)),
 ]
 
 

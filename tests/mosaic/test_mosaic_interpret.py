@@ -129,16 +129,19 @@ def test_dkdv_pingpong_gives_the_same_gradients(case):
     assert bool(jnp.array_equal(g, r)), name
 
 
+@pytest.mark.parametrize("group", [0, 1, 2], ids=["all_heads", "group1", "group2"])
 @pytest.mark.parametrize("case", BWD, ids=kernel_case_id)
-def test_backward_launch_order_gives_the_same_gradients(case):
-  """MosaicConfig.bwd_heads_fastest only renumbers the CTAs (and reverses the causal dQ
-  kernel's q tiles): every tile is still computed once, by the same products."""
+def test_backward_launch_order_gives_the_same_gradients(case, group):
+  """MosaicConfig.bwd_heads_fastest / bwd_head_group only renumber the CTAs (and reverse the
+  causal dQ kernel's q tiles): every tile is still computed once, by the same products. (A
+  group that does not divide a kernel's head count falls back to all heads.)"""
   b, t, s, h, kh, d, causal, dtype = case
   q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + 1)
   p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
   o, lse = forward(q, k, v, None, None, params=p, config=SMALL)
   got, want = (backward(q, k, v, None, None, o, lse, do, None, params=p,
-                        config=dataclasses.replace(SMALL, bwd_heads_fastest=flag))
+                        config=dataclasses.replace(SMALL, bwd_heads_fastest=flag,
+                                                   bwd_head_group=group))
                for flag in (True, False))
   for name, g, r in zip(("dq", "dk", "dv"), got, want):
     assert bool(jnp.array_equal(g, r)), name
