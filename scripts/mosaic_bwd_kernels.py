@@ -87,9 +87,11 @@ def main():
   parser.add_argument("--shapes", nargs="*", default=["4,4096,16,128", "1,16384,16,128"])
   parser.add_argument("overrides", nargs="*", help="MosaicConfig key=value")
   args = parser.parse_args()
-  overrides = parse_overrides(args.overrides)
+  # `--shapes A B key=value` puts the overrides into --shapes' list: take them back out.
+  shapes = [x for x in args.shapes if "=" not in x]
+  overrides = parse_overrides([x for x in args.shapes if "=" in x] + args.overrides)
   rows = []
-  for shape in args.shapes:
+  for shape in shapes:
     b, t, h, d = (int(x) for x in shape.split(","))
     for causal in (False, True):
       fns = kernels(b, t, h, d, causal, overrides)
