@@ -50,13 +50,13 @@ class MosaicConfig:
       TFLOP/s, same run): 4x4096x16x128 453 -> 492, causal 408 -> 449, 1x16384x16x128
       502 -> 515, causal 471 -> 507. So on by default; False is the old order (each kernel's
       tiles of one head consecutive).
-    bwd_head_group: with bwd_heads_fastest, the heads that consecutive CTAs cycle through:
-      groups of this many heads (query heads for the dQ kernel, kv heads for the dK/dV and
-      fused kernels) take all their tiles before the next group starts, so the CTAs running
+    bwd_head_group: split backward, with bwd_heads_fastest: the heads that consecutive CTAs
+      cycle through. Groups of this many heads (query heads for the dQ kernel, kv heads for
+      the dK/dV kernel) take all their tiles before the next group starts, so the CTAs running
       together stream the K/V or Q/dO of G heads only (at 16K one head's K/V is 8 MiB, all 16
       heads' 128 MiB against a 50 MiB L2). 0, or a G that does not divide the head count, means
-      all heads (the bwd_heads_fastest order). The split kernels only (the fused kernel
-      ignores it). Unmeasured.
+      all heads (the bwd_heads_fastest order). The fused kernel ignores it (backward_fused.
+      fused_call says why). Unmeasured.
     persistent_ctas: CTAs of the persistent forward; 0 = the GPU's SM count (132 on H100 SXM
       and H200). Tests set it to exercise several tiles per CTA.
     fused_backward: backward algorithm. True: one FlashAttention-3 style kernel per kv tile
