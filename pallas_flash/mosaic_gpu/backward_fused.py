@@ -427,8 +427,11 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   bsz, s_pad, kh, d = k.shape
   bq, bkv = kp.block_q, kp.block_kv
   # MosaicConfig.bwd_head_group is not applied here: with fused_dq_shared, causal, the grouped
-  # launch deadlocked in the Mosaic GPU interpreter (a barrier wait; not investigated), so the
-  # fused kernel keeps the plain heads-fastest (or tiles-fastest) order.
+  # launch deadlocked in the Mosaic GPU interpreter (two warpgroups in a barrier wait), even
+  # with one head per group, whose grid and (kt, kvh) values equal the tiles-fastest order's:
+  # taking them from axis_index directly ran, computing the same values with lax.div / rem
+  # hung. Not understood (an interpreter issue or a timing-dependent hazard in that path), so
+  # the fused kernel keeps the plain heads-fastest (or tiles-fastest) order.
   kp = dataclasses.replace(kp, bwd_head_group=0)
   tiles = _common.smem_transforms(kp.dtype)
   scratch = [
