@@ -429,8 +429,8 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   # MosaicConfig.bwd_head_group is not applied here: with fused_dq_shared, causal, the grouped
   # launch deadlocked in the Mosaic GPU interpreter (two warpgroups in a barrier wait), even
   # with one head per group, whose grid and (kt, kvh) values equal the tiles-fastest order's:
-  # taking them from axis_index directly ran, computing the same values with lax.div / rem
-  # hung. Not understood (an interpreter issue or a timing-dependent hazard in that path), so
+  # taking them from axis_index directly ran, computing the same kvh as group + rem(flat, 1)
+  # hung (kt as div(flat, 1) ran). Not understood (an interpreter issue or a timing-dependent hazard in that path), so
   # the fused kernel keeps the plain heads-fastest (or tiles-fastest) order.
   kp = dataclasses.replace(kp, bwd_head_group=0)
   tiles = _common.smem_transforms(kp.dtype)
