@@ -49,6 +49,23 @@ def test_persistent_forward_matches_reference(case, ctas, overlap):
   assert float(jnp.abs(lse - rlse).max()) <= 1e-4 * max(1.0, float(jnp.abs(rlse).max()))
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_persistent_forward_in_q_tile_order_matches_reference(overlap):
+  # heads_fastest=False: CTA c's tiles c, c + ctas, ... walk the q tiles of one head first
+  # (the default at 2049-4096 keys, config.MEDIUM_KV_LEN).
+  b, t, s, h, kh, d, causal, dtype = (2, 256, 192, 3, 1, 64, False, jnp.bfloat16)
+  q, k, v, _ = kernel_inputs(b, t, s, h, kh, d, dtype, seed=7)
+  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
+  config = dataclasses.replace(SMALL, persistent_ctas=5, fwd_intra_wg_overlap=overlap,
+                               heads_fastest=False)
+  assert forward_module.persistent_ctas(q, config, p) == 5
+  o, lse = forward(q, k, v, None, None, params=p, config=config)
+  ro, rlse = attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), None, None,
+                                 params=p)
+  assert rel_err(o.astype(jnp.float32), ro) <= TOL[dtype]
+  assert float(jnp.abs(lse - rlse).max()) <= 1e-4 * max(1.0, float(jnp.abs(rlse).max()))
+
+
 def test_persistent_applies_only_where_it_can():
   """Causal calls and head_dim 256 (no room for Q's second buffer) run one CTA per tile;
   the CTA count is capped by the tile count."""
@@ -114,13 +131,14 @@ GPU_CASES = [  # B, T, S, H, K, D, causal, dtype
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("heads_fastest", [True, False], ids=["heads", "qtiles"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=kernel_case_id)
-def test_persistent_forward_on_gpu(case):
+def test_persistent_forward_on_gpu(case, heads_fastest):
   """Against the f32 reference, and bitwise equal to the one-CTA-per-tile kernel (same loop,
-  same order of operations per tile)."""
+  same order of operations per tile), in either tile order."""
   b, t, s, h, kh, d, causal, dtype = case
   q, k, v, _ = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t)
-  base = TUNED[(d, causal)]
+  base = dataclasses.replace(TUNED[(d, causal)], heads_fastest=heads_fastest)
   run = lambda cfg: jax.jit(lambda q, k, v: pallas_flash.flash_attention(  # noqa: E731
       q, k, v, is_causal=causal, implementation="mosaic", config=cfg, return_residuals=True))(
           q, k, v)
