@@ -85,51 +85,38 @@ def test_forward_with_intra_wg_overlap(case):
   assert bool(jnp.array_equal(o, again[0])) and bool(jnp.array_equal(lse, again[1]))
 
 
+def _assert_same_fwd_bwd(case, changes, baseline):
+  """o, dq, dk, dv with TUNED + `changes` are bitwise those with TUNED + `baseline`."""
+  b, t, s, h, kh, d, causal, dtype = case
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
+
+  def run(kw):
+    config = dataclasses.replace(TUNED[(d, causal)], **kw)
+    return _fwd_bwd(lambda *a: pallas_flash.flash_attention(
+        *a, is_causal=causal, implementation="mosaic", config=config))(q, k, v, do)
+
+  for name, g, r in zip(("o", "dq", "dk", "dv"), run(changes), run(baseline)):
+    assert bool(jnp.array_equal(g, r)), name
+
+
 @pytest.mark.parametrize("schedule", ["batched", "overlap"])
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 4)], ids=kernel_case_id)
 def test_dkdv_schedules_give_the_same_gradients(case, schedule):
   """MosaicConfig.dkdv_schedule "batched" and "overlap" only move waits: the same products
   in the same order as "serial", so bitwise equal gradients."""
-  b, t, s, h, kh, d, causal, dtype = case
-  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
-  def run(schedule):
-    config = dataclasses.replace(TUNED[(d, causal)], dkdv_schedule=schedule)
-    return _fwd_bwd(lambda *a: pallas_flash.flash_attention(
-        *a, is_causal=causal, implementation="mosaic", config=config))(q, k, v, do)
-
-  got, want = run(schedule), run("serial")
-  for name, g, r in zip(("o", "dq", "dk", "dv"), got, want):
-    assert bool(jnp.array_equal(g, r)), name
+  _assert_same_fwd_bwd(case, dict(dkdv_schedule=schedule), dict(dkdv_schedule="serial"))
 
 
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 4)], ids=kernel_case_id)
 def test_dkdv_pingpong_gives_the_same_gradients(case):
   """MosaicConfig.dkdv_pingpong only adds schedule-barrier rounds: bitwise equal gradients."""
-  b, t, s, h, kh, d, causal, dtype = case
-  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
-
-  def run(pingpong):
-    config = dataclasses.replace(TUNED[(d, causal)], dkdv_pingpong=pingpong)
-    return _fwd_bwd(lambda *a: pallas_flash.flash_attention(
-        *a, is_causal=causal, implementation="mosaic", config=config))(q, k, v, do)
-
-  for name, g, r in zip(("o", "dq", "dk", "dv"), run(True), run(False)):
-    assert bool(jnp.array_equal(g, r)), name
+  _assert_same_fwd_bwd(case, dict(dkdv_pingpong=True), dict(dkdv_pingpong=False))
 
 
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 4)], ids=kernel_case_id)
 def test_backward_launch_order_gives_the_same_gradients(case):
   """MosaicConfig.bwd_heads_fastest only renumbers the backward's CTAs: bitwise equal."""
-  b, t, s, h, kh, d, causal, dtype = case
-  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
-
-  def run(flag):
-    config = dataclasses.replace(TUNED[(d, causal)], bwd_heads_fastest=flag)
-    return _fwd_bwd(lambda *a: pallas_flash.flash_attention(
-        *a, is_causal=causal, implementation="mosaic", config=config))(q, k, v, do)
-
-  for name, g, r in zip(("o", "dq", "dk", "dv"), run(True), run(False)):
-    assert bool(jnp.array_equal(g, r)), name
+  _assert_same_fwd_bwd(case, dict(bwd_heads_fastest=True), dict(bwd_heads_fastest=False))
 
 
 def test_lse_matches_reference():

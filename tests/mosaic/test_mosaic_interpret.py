@@ -114,19 +114,26 @@ def test_gradients_match_reference(case, stats):
     assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
 
 
+def _assert_same_backward(case, seed, changes, baseline):
+  """dq, dk, dv of the interpreted backward with SMALL + `changes` are bitwise those with
+  SMALL + `baseline` (same forward residuals)."""
+  b, t, s, h, kh, d, causal, dtype = case
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=seed)
+  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
+  o, lse = forward(q, k, v, None, None, params=p, config=SMALL)
+  got, want = (backward(q, k, v, None, None, o, lse, do, None, params=p,
+                        config=dataclasses.replace(SMALL, **kw))
+               for kw in (changes, baseline))
+  for name, g, r in zip(("dq", "dk", "dv"), got, want):
+    assert bool(jnp.array_equal(g, r)), name
+
+
 @pytest.mark.parametrize("case", BWD, ids=kernel_case_id)
 def test_dkdv_pingpong_gives_the_same_gradients(case):
   """MosaicConfig.dkdv_pingpong only adds schedule-barrier rounds (which the interpreter
   checks for pairing, including the causal skip steps): same dK, dV to the bit."""
-  b, t, s, h, kh, d, causal, dtype = case
-  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s)
-  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
-  o, lse = forward(q, k, v, None, None, params=p, config=SMALL)
-  got, want = (backward(q, k, v, None, None, o, lse, do, None, params=p,
-                        config=dataclasses.replace(SMALL, dkdv_pingpong=flag))
-               for flag in (True, False))
-  for name, g, r in zip(("dq", "dk", "dv"), got, want):
-    assert bool(jnp.array_equal(g, r)), name
+  _assert_same_backward(case, case[1] + case[2], dict(dkdv_pingpong=True),
+                        dict(dkdv_pingpong=False))
 
 
 @pytest.mark.parametrize("group", [0, 1, 2], ids=["all_heads", "group1", "group2"])
@@ -135,16 +142,9 @@ def test_backward_launch_order_gives_the_same_gradients(case, group):
   """MosaicConfig.bwd_heads_fastest / bwd_head_group only renumber the CTAs (and reverse the
   causal dQ kernel's q tiles): every tile is still computed once, by the same products. (A
   group that does not divide a kernel's head count falls back to all heads.)"""
-  b, t, s, h, kh, d, causal, dtype = case
-  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + 1)
-  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
-  o, lse = forward(q, k, v, None, None, params=p, config=SMALL)
-  got, want = (backward(q, k, v, None, None, o, lse, do, None, params=p,
-                        config=dataclasses.replace(SMALL, bwd_heads_fastest=flag,
-                                                   bwd_head_group=group))
-               for flag in (True, False))
-  for name, g, r in zip(("dq", "dk", "dv"), got, want):
-    assert bool(jnp.array_equal(g, r)), name
+  _assert_same_backward(case, case[1] + case[2] + 1,
+                        dict(bwd_heads_fastest=True, bwd_head_group=group),
+                        dict(bwd_heads_fastest=False, bwd_head_group=group))
 
 
 def test_fully_masked_row_contributes_nothing():
