@@ -151,6 +151,38 @@ def first_masked_block(q0, steps, kp: KernelParams):
   return lo
 
 
+def _head_group(heads: int, heads_fastest: bool, head_group: int) -> int:
+  """Heads per launch group, or 0 for the plain orders (see launch_grid)."""
+  g = head_group
+  return g if heads_fastest and 0 < g < heads and heads % g == 0 else 0
+
+
+def launch_grid(tiles, heads, bsz, names, *, heads_fastest: bool, head_group: int = 0) -> dict:
+  """plgpu.kernel's grid and grid_names for a (tile, head, batch) launch; names are the tile,
+  head and batch axis names, and the first grid dimension varies fastest. Tiles fastest;
+  heads fastest; or, with a head group G (heads fastest only, G dividing heads), a flat
+  (G heads x tiles) dimension fastest and the head groups next (see tile_and_head)."""
+  tile_name, head_name, b_name = names
+  g = _head_group(heads, heads_fastest, head_group)
+  if g:
+    return dict(grid=(g * tiles, heads // g, bsz),
+                grid_names=(f"{head_name}_{tile_name}", f"{head_name}_group", b_name))
+  if heads_fastest:
+    return dict(grid=(heads, tiles, bsz), grid_names=(head_name, tile_name, b_name))
+  return dict(grid=(tiles, heads, bsz), grid_names=names)
+
+
+def tile_and_head(names, heads: int, *, heads_fastest: bool, head_group: int = 0):
+  """(tile, head) of this CTA under the grid of launch_grid(tiles, heads, .., names, ...)."""
+  tile_name, head_name = names
+  g = _head_group(heads, heads_fastest, head_group)
+  if not g:
+    return lax.axis_index(tile_name), lax.axis_index(head_name)
+  flat = lax.axis_index(f"{head_name}_{tile_name}")
+  group = lax.axis_index(f"{head_name}_group")
+  return lax.div(flat, g), group * g + lax.rem(flat, g)
+
+
 def sync(barrier):
   """Arrive on and wait for a barrier that every party arrives on once per phase (the
   consumer warpgroups' schedule / hand-off barriers)."""

@@ -582,35 +582,17 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams):
   )(q, k, v, do, lse2, delta)
 
 
-def _head_group(heads: int, kp: _common.KernelParams) -> int:
-  """Heads per launch group (kp.bwd_head_group), or 0 for the plain orders."""
-  g = kp.bwd_head_group
-  return g if kp.bwd_heads_fastest and 0 < g < heads and heads % g == 0 else 0
-
-
 def _launch_order(tiles, heads, bsz, names, kp: _common.KernelParams) -> dict:
-  """plgpu.kernel's grid and grid_names (the first grid dimension varies fastest): tiles
-  fastest; heads fastest with kp.bwd_heads_fastest; or, with a head group G, a flat
-  (G heads x tiles) dimension fastest and the head groups next (see _tile_and_head)."""
-  tile_name, head_name, b_name = names
-  g = _head_group(heads, kp)
-  if g:
-    return dict(grid=(g * tiles, heads // g, bsz),
-                grid_names=(f"{head_name}_{tile_name}", f"{head_name}_group", b_name))
-  if kp.bwd_heads_fastest:
-    return dict(grid=(heads, tiles, bsz), grid_names=(head_name, tile_name, b_name))
-  return dict(grid=(tiles, heads, bsz), grid_names=names)
+  """The backward kernels' grid and grid_names (_common.launch_grid with the backward's
+  order: kp.bwd_heads_fastest, kp.bwd_head_group)."""
+  return _common.launch_grid(tiles, heads, bsz, names, heads_fastest=kp.bwd_heads_fastest,
+                             head_group=kp.bwd_head_group)
 
 
 def _tile_and_head(names, heads: int, kp: _common.KernelParams):
   """(tile, head) of this CTA under the grid of _launch_order(tiles, heads, .., names, kp)."""
-  tile_name, head_name = names
-  g = _head_group(heads, kp)
-  if not g:
-    return lax.axis_index(tile_name), lax.axis_index(head_name)
-  flat = lax.axis_index(f"{head_name}_{tile_name}")
-  group = lax.axis_index(f"{head_name}_group")
-  return lax.div(flat, g), group * g + lax.rem(flat, g)
+  return _common.tile_and_head(names, heads, heads_fastest=kp.bwd_heads_fastest,
+                               head_group=kp.bwd_head_group)
 
 
 def _xla_row_stats(o, lse, do, correction):

@@ -500,10 +500,9 @@ def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0):
     most_steps = kp.num_kv_blocks * -(-kp.num_q_tiles * h * bsz // persistent_ctas)
   else:
     body = functools.partial(_fwd_kernel, kp=kp)
-    if kp.heads_fastest:
-      grid, names = (h, kp.num_q_tiles, bsz), ("h", "qt", "b")
-    else:
-      grid, names = (kp.num_q_tiles, h, bsz), ("qt", "h", "b")
+    launch = _common.launch_grid(kp.num_q_tiles, h, bsz, ("qt", "h", "b"),
+                                 heads_fastest=kp.heads_fastest)
+    grid, names = launch["grid"], launch["grid_names"]
     most_steps = kp.num_kv_blocks
   return plgpu.kernel(
       body,
