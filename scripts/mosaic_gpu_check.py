@@ -175,6 +175,15 @@ def long_causal(results, t=1 << 20):
         f" finite={finite}, peak {peak:.1f} GiB", flush=True)
 
 
+def _pick(shapes, spec):
+  """`spec` "" -> all shapes; "N" -> the first N; "i,j,..." -> those indices."""
+  if not spec:
+    return shapes
+  if "," not in spec:
+    return shapes[:int(spec)]
+  return [shapes[int(i)] for i in spec.split(",")]
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -182,7 +191,7 @@ def main():
   parser.add_argument("--long", action="store_true", help="causal fwd+bwd at 1M tokens")
   parser.add_argument("--skip-check", action="store_true")
   parser.add_argument("--shapes", default="", help="time only the first N shapes of BENCH "
-                      "(of SWEEP with --sweep)")
+                      "(of SWEEP with --sweep), or those at the comma-separated indices")
   parser.add_argument("--variants", default="", help="--sweep: only these comma-separated "
                       "config names (e.g. default,overlap); `fwd:` before a name times only fwd")
   args = parser.parse_args()
@@ -274,9 +283,9 @@ def main():
           only_fwd = name.startswith("fwd:")
           wanted[name.removeprefix("fwd:")] = only_fwd
         configs = [(n, c, fwd if wanted[n] else m) for n, c, m in configs if n in wanted]
-      bench(results, SWEEP[:int(args.shapes)] if args.shapes else SWEEP, configs)
+      bench(results, _pick(SWEEP, args.shapes), configs)
     else:
-      bench(results, BENCH[:int(args.shapes)] if args.shapes else BENCH)
+      bench(results, _pick(BENCH, args.shapes))
   finally:
     save(results)
   bad = [r for r in results if r["kind"] == "check" and not r["ok"]]
