@@ -10,8 +10,8 @@ key=value MosaicConfig pairs): the forward kernel, the dQ kernel (statistics fro
 with delta / lse2 computed in the kernel), the dK/dV kernel, the XLA preprocessing the
 in-kernel form replaces, and the whole jitted VJP, each compiled ahead of time and timed as
 `pallas_flash.bench` times (median of loops of back-to-back calls). Prints milliseconds and
-the TFLOP/s of the matmuls each kernel issues (forward 2, dQ 3, dK/dV 4 tile products per
-tile pair: 2·B·H·T·S·D FLOPs each, halved when causal; fwd+bwd counted as 7, the benchmark's
+the TFLOP/s of the matmuls each kernel issues (forward 2, dQ 3, dK/dV 4, the fused backward
+(`FUSED`, opt-in, timed for comparison) 5 tile products per tile pair: 2·B·H·T·S·D FLOPs each, halved when causal; fwd+bwd counted as 7, the benchmark's
 3.5 x forward) next to the share of the fwd+bwd step,
 and writes DIR/mosaic_bwd_kernels.json. Before timing, the split kernels' dq, dk, dv are
 compared with the VJP's (same kernels, so they must agree to the bit).
@@ -41,6 +41,10 @@ from mosaic_ptxas import parse_overrides  # noqa: E402
 LOG2E = math.log2(math.e)
 # The module, not the function `backward` that the package re-exports under its name.
 backward = importlib.import_module("pallas_flash.mosaic_gpu.backward")
+backward_fused = importlib.import_module("pallas_flash.mosaic_gpu.backward_fused")
+# The single-kernel backward as last measured (sixth session's sweep variant bwd_fused_r240).
+FUSED = dict(fused_backward=True, fused_dq_shared=True, compute_registers=240,
+             producer_registers=24)
 
 
 def kernels(b, t, h, d, causal, overrides):
@@ -66,6 +70,12 @@ def kernels(b, t, h, d, causal, overrides):
   def vjp(q, k, v, do):
     return jax.vjp(lambda *a: attn(*a)[0], q, k, v)[1](do)
 
+  fused_config = dataclasses.replace(config, **FUSED)
+
+  def fused(q, k, v, lse_inf, do, delta):
+    return backward_fused.backward(q, k, v, lse_inf, do, delta, params=params,
+                                   config=fused_config)
+
   return dict(
       fwd=(jax.jit(attn), (q, k, v), 2),
       xla_preprocessing=(jax.jit(lambda o, lse, do: backward._xla_row_stats(o, lse, do, None)),
@@ -76,6 +86,8 @@ def kernels(b, t, h, d, causal, overrides):
           q, k, v, do, o, lse, None, kp=kp_dq)), (q, k, v, do, o, lse), 3),
       dkdv=(jax.jit(lambda q, k, v, do, lse2, delta: backward._dkdv_call(
           q, k, v, do, lse2, delta, kp=kp_dkdv)), (q, k, v, do, lse2_k, delta_k), 4),
+      # The fused kernel with its XLA pieces (dQ's zeroing, scaling and cast), 5 products.
+      fused_bwd=(jax.jit(fused), (q, k, v, lse_inf, do, delta), 5),
       # The benchmark's convention: fwd+bwd = 3.5 x the forward's 2 products per pair.
       fwd_bwd=(jax.jit(vjp), (q, k, v, do), 7),
   )
@@ -100,13 +112,18 @@ def main():
       dk, dv = fns["dkdv"][0](*fns["dkdv"][1])
       want = fns["fwd_bwd"][0](*fns["fwd_bwd"][1])
       same = [bool(jnp.array_equal(x, y)) for x, y in zip((dq, dk, dv), want)]
+      # The fused kernel sums dQ in another order (float32 atomics): close, not equal.
+      fused_err = [float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))
+                         / jnp.max(jnp.abs(y.astype(jnp.float32))))
+                   for x, y in zip(fns["fused_bwd"][0](*fns["fused_bwd"][1]), want)]
       pair = 2 * b * h * t * t * d * (0.5 if causal else 1.0)
       step = None
       for name, (fn, fargs, products) in fns.items():
         compiled, _ = timing.compile_step(fn, fargs)
         sec = timing.time_compiled(compiled, fargs).median_s
         row = dict(shape=[b, t, h, d], causal=causal, kernel=name, ms=sec * 1e3,
-                   bitwise_equal_to_vjp=same if name == "fwd_bwd" else None)
+                   bitwise_equal_to_vjp=same if name == "fwd_bwd" else None,
+                   rel_err_to_vjp=fused_err if name == "fused_bwd" else None)
         if products:
           row["tflops"] = pair * products / sec / 1e12
         rows.append(row)
@@ -116,7 +133,9 @@ def main():
         tf = f"{row['tflops']:6.0f} TFLOP/s" if "tflops" in row else " " * 14
         print(f"{b}x{t}x{h}x{d} causal={causal!s:5} {row['kernel']:18s} {row['ms']:8.3f} ms "
               f"{tf}  {row['share_of_fwd_bwd']:5.1%} of fwd+bwd", flush=True)
-      print(f"  split kernels bitwise equal to the VJP's dq, dk, dv: {same}", flush=True)
+      print(f"  split kernels bitwise equal to the VJP's dq, dk, dv: {same}; fused "
+            f"backward's max rel err against them: {[f'{e:.1e}' for e in fused_err]}",
+            flush=True)
   with open(os.path.join(args.out, "mosaic_bwd_kernels.json"), "w") as f:
     json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                    overrides=overrides, rows=rows), f, indent=1)

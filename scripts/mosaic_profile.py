@@ -3,13 +3,16 @@
 On the GPU machine, from the repository root:
 
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/mosaic_profile.py [--shape B,T,H,D]
-      [--causal] [--out DIR] [key=value ...]
+      [--causal] [--backward] [--out DIR] [key=value ...]
 
-runs the forward once with `MosaicConfig(profile_dir=...)` (the tuned config of the head dim,
-overridden by the key=value pairs) and prints, for the consumer and producer warpgroups, the
+runs the forward once with `MosaicConfig(profile_dir=...)` (the tuned config of the shape,
+overridden by the key=value pairs), or with --backward the backward (the forward unprofiled:
+the dK/dV kernel of the split path, or the fused kernel with fused_backward=True; the dQ
+kernel is never profiled), and prints, for the consumer and producer warpgroups, the
 share of each warpgroup's time spent in each named region of pallas_flash/mosaic_gpu/forward.py
 (exclusive of nested regions; "(none)" is time outside every region, e.g. the wait at the end
-of a run_state) and its mean length. The raw trace (Perfetto / chrome://tracing) stays in DIR.
+of a run_state) and its mean length. Only the first PROFILE_STEPS (32) steps of each
+warpgroup are recorded. The raw trace (Perfetto / chrome://tracing) stays in DIR.
 Profiling adds a timer read per region boundary, so the kernel runs slower than unprofiled:
 read the shares, not the absolute times.
 """
@@ -91,6 +94,7 @@ def main() -> None:
   parser.add_argument("overrides", nargs="*", help="MosaicConfig key=value")
   parser.add_argument("--shape", default="1,4096,16,128", help="B,T,H,D (S = T, K = H)")
   parser.add_argument("--causal", action="store_true")
+  parser.add_argument("--backward", action="store_true", help="profile the backward kernel")
   parser.add_argument("--out", default=os.environ.get("OUT") or tempfile.mkdtemp())
   args = parser.parse_args()
 
@@ -98,21 +102,29 @@ def main() -> None:
   import jax.numpy as jnp
 
   import pallas_flash
-  from pallas_flash.mosaic_gpu import TUNED, MosaicConfig
+  from pallas_flash.mosaic_gpu import backward, config as mconfig
+  from pallas_flash.params import AttentionParams
   from mosaic_ptxas import parse_overrides  # beside this script, on sys.path when run
 
   b, t, h, d = (int(x) for x in args.shape.split(","))
   kw = parse_overrides(args.overrides)
   trace_dir = os.path.abspath(os.path.join(args.out, "mosaic_profile"))
   os.makedirs(trace_dir, exist_ok=True)
-  config = dataclasses.replace(TUNED.get((d, args.causal), MosaicConfig()), **kw,
-                               profile_dir=trace_dir)
-  ks = jax.random.split(jax.random.key(0), 3)
-  q, k, v = (jax.random.normal(kk, (b, t, h, d), jnp.bfloat16) for kk in ks)
+  plain = dataclasses.replace(mconfig.tuned(d, args.causal, t), **kw)
+  config = dataclasses.replace(plain, profile_dir=trace_dir)
+  ks = jax.random.split(jax.random.key(0), 4)
+  q, k, v, do = (jax.random.normal(kk, (b, t, h, d), jnp.bfloat16) for kk in ks)
   before = set(glob.glob(os.path.join(trace_dir, "*-trace.json")))
-  o = pallas_flash.flash_attention(q, k, v, is_causal=args.causal, implementation="mosaic",
-                                   config=config)
-  jax.block_until_ready(o)
+  if args.backward:
+    o, lse = pallas_flash.flash_attention(q, k, v, is_causal=args.causal,
+                                          implementation="mosaic", config=plain,
+                                          return_residuals=True)
+    params = AttentionParams(scale=d ** -0.5, is_causal=args.causal, has_segments=False)
+    out = backward(q, k, v, None, None, o, lse, do, None, params=params, config=config)
+  else:
+    out = pallas_flash.flash_attention(q, k, v, is_causal=args.causal,
+                                       implementation="mosaic", config=config)
+  jax.block_until_ready(out)
   jax.effects_barrier()  # the trace is written by a host callback
   new = sorted(set(glob.glob(os.path.join(trace_dir, "*-trace.json"))) - before)
   if not new:
@@ -121,7 +133,8 @@ def main() -> None:
   for path in new:
     with open(path) as f:
       merge(per_wg, exclusive_times(json.load(f)["traceEvents"]))
-  print(f"{args.shape} causal={args.causal} {kw or ''} traces: {', '.join(new)}")
+  kind = "backward" if args.backward else "forward"
+  print(f"{args.shape} causal={args.causal} {kind} {kw or ''} traces: {', '.join(new)}")
   print(report(per_wg))
 
 

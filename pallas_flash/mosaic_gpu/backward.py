@@ -187,7 +187,8 @@ def _produce(num_steps, stages, streams):
   def _(j):
     slot = lax.rem(j, stages)
     for src, dst, ready, free, index in streams:
-      plgpu.barrier_wait(free.at[slot])
+      with jax.named_scope("wait_free"):
+        plgpu.barrier_wait(free.at[slot])
       plgpu.copy_gmem_to_smem(src.at[index(j)], dst.at[slot], ready.at[slot])
 
   _common.observe_last_releases([free for _, _, _, free, _ in streams], num_steps, stages)
@@ -318,8 +319,9 @@ def _load_kv_tiles(k_ref, v_ref, k_smem, v_smem, kv_ready, wg, rows):
 
 def _wait_streams(streams, slot):
   """Waits until every stream has filled `slot`; returns that slot's Q and dO tiles."""
-  for _, _, ready, _ in streams:
-    plgpu.barrier_wait(ready.at[slot])
+  with jax.named_scope("wait_q"):
+    for _, _, ready, _ in streams:
+      plgpu.barrier_wait(ready.at[slot])
   return streams[0][1].at[slot], streams[1][1].at[slot]
 
 
@@ -350,11 +352,13 @@ def _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, m
       handoff()
     return s_ref[...], dp_ref[...]
 
-  s_t, dp_t = pl.run_scoped(scores, plgpu.ACC((bkv, bq), jnp.float32),
-                            plgpu.ACC((bkv, bq), jnp.float32))
-  lse, delta = _step_stats(streams, slot)
-  p_t = _probs_t(s_t, lse, k0, mask_block, kp)
-  ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, s_t.shape, [1]))
+  with jax.named_scope("scores"):
+    s_t, dp_t = pl.run_scoped(scores, plgpu.ACC((bkv, bq), jnp.float32),
+                              plgpu.ACC((bkv, bq), jnp.float32))
+  with jax.named_scope("softmax"):
+    lse, delta = _step_stats(streams, slot)
+    p_t = _probs_t(s_t, lse, k0, mask_block, kp)
+    ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, s_t.shape, [1]))
   return p_t, ds_t
 
 
@@ -405,7 +409,8 @@ def _dk_dv_updates(dk, dv, p_t, ds_t, q_smem, do_smem, st_smem, frees, kp):
     plgpu.wgmma_wait(1)
     plgpu.barrier_arrive(do_free)
 
-  dv, dk = pl.run_state(mm)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+  with jax.named_scope("grad_mm"):
+    dv, dk = pl.run_state(mm)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
   plgpu.barrier_arrive(q_free)
   return dk, dv
 
@@ -446,7 +451,8 @@ def _overlapped_dk_dv_step(dk, dv, tiles, streams, slot, k0, mask_block, frees,
     plgpu.barrier_arrive(do_free)
     plgpu.wgmma(dk_ref, ds_t.astype(kp.dtype), q_smem)
 
-  dv, dk = pl.run_state(body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+  with jax.named_scope("overlap_step"):
+    dv, dk = pl.run_state(body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
   plgpu.barrier_arrive(q_free)
   return dk, dv
 
@@ -577,9 +583,21 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams):
       scratch_types=scratch,
       **_launch_order(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"), kp),
       num_threads=3, thread_name="wg",
-      compiler_params=_common.compiler_params(),
+      # Profiled (kp.profile_dir) for at most PROFILE_STEPS steps, as the forward; the dQ
+      # kernel never is, so that a backward's trace holds one kernel's events.
+      compiler_params=_common.compiler_params(kp, min(profile_steps(kp), PROFILE_STEPS)),
       interpret=_common.interpret_params(kp.interpret),
   )(q, k, v, do, lse2, delta)
+
+
+# Steps per warpgroup that a profiled kernel (MosaicConfig.profile_dir) records: its event
+# buffer lives in shared memory, which the fused kernel nearly fills.
+PROFILE_STEPS = 32
+
+
+def profile_steps(kp: _common.KernelParams) -> int:
+  """The most loop steps a warpgroup of a kernel that streams Q/dO runs (dK/dV, fused)."""
+  return kp.t_pad // kp.block_q * kp.group
 
 
 def _launch_order(tiles, heads, bsz, names, kp: _common.KernelParams) -> dict:

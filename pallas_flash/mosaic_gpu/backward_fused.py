@@ -44,12 +44,13 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_flash import _blocking
 from pallas_flash.mosaic_gpu import _common
-from pallas_flash.mosaic_gpu.backward import (_at, _first_q_block, _first_unmasked_step,
+from pallas_flash.mosaic_gpu.backward import (PROFILE_STEPS, _at, _first_q_block, _first_unmasked_step,
                                               _launch_order, _load_kv_tiles, _probs_t,
                                               _produce_query_streams, _skip_step,
                                               _step_stats, _store_dk_dv, _tile_and_head,
                                               _transposed_grad_tiles, _wait_streams,
-                                              kv_stream_barriers, kv_stream_smem)
+                                              kv_stream_barriers, kv_stream_smem,
+                                              profile_steps)
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
 from pallas_flash.params import AttentionParams
 
@@ -366,23 +367,28 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       # dSᵀ in SMEM serves both dK (as is) and dQ (its transposed view); wgmma reads it through
       # the async proxy, hence the fence.
       ds_smem = ds_scratch.at[lax.rem(t, 2), wg] if dq_shared else ds_scratch.at[wg]
-      ds_smem[...] = ds_t.astype(kp.dtype)
-      plgpu.commit_smem()
+      with jax.named_scope("ds_store"):
+        ds_smem[...] = ds_t.astype(kp.dtype)
+        plgpu.commit_smem()
       if dq_shared:
         # Both dSᵀ tiles are needed. The double buffer (by step parity) makes this the only
         # barrier: a WG overwrites a parity slot two steps later, after this barrier of the
         # step in between has seen the other WG finish reading it.
-        _common.sync(ds_ready)
+        with jax.named_scope("sync_ds"):
+          _common.sync(ds_ready)
       if not kp.interpret:
         # The previous step's reduction must have finished reading dq_smem; a whole step of
         # matmuls has run since it was issued, so this rarely waits.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        with jax.named_scope("wait_reduce"):
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       plan, dst = dq_plan(t)
-      dv, dk = _gradient_matmuls(
-          dv, dk, p_t.astype(kp.dtype), ds_smem, q_smem, do_smem, plan, _at(p_scratch, wg),
-          lambda: plgpu.barrier_arrive(do_free.at[slot]),
-          lambda: plgpu.barrier_arrive(q_free.at[slot]), kp)
-      _reduce_dq(dq_smem, dq_acc_ref, dst, wg, _at(dq_loaded, wg), kp)
+      with jax.named_scope("grad_mm"):
+        dv, dk = _gradient_matmuls(
+            dv, dk, p_t.astype(kp.dtype), ds_smem, q_smem, do_smem, plan, _at(p_scratch, wg),
+            lambda: plgpu.barrier_arrive(do_free.at[slot]),
+            lambda: plgpu.barrier_arrive(q_free.at[slot]), kp)
+      with jax.named_scope("reduce_dq"):
+        _reduce_dq(dq_smem, dq_acc_ref, dst, wg, _at(dq_loaded, wg), kp)
       return dk, dv
 
     zeros = plgpu.layout_cast(jnp.zeros((bkv, kp.d), jnp.float32), plgpu.Layout.WGMMA)
@@ -456,7 +462,7 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
       scratch_types=scratch,
       **_launch_order(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"), kp),
       num_threads=3, thread_name="wg",
-      compiler_params=_common.compiler_params(),
+      compiler_params=_common.compiler_params(kp, min(profile_steps(kp), PROFILE_STEPS)),
       interpret=_common.interpret_params(kp.interpret),
   )(q, k, v, do, lse2, delta, dq_acc)
   dq = jax.freeze(dq_acc)

@@ -122,10 +122,11 @@ class MosaicConfig:
       mosaic_bwd_kernels.py, run5) the XLA pass took 0.05-0.06 ms and the in-kernel form
       made the dQ kernel 0.016-0.06 ms slower: net -0.047 ms (1.1 % of fwd+bwd) at
       4x4096x16x128, level (within 0.01 ms) at 4K causal and 16K causal / non-causal.
-    profile_dir: debugging: when set, the forward kernel runs with Mosaic's profiler and
-      writes one Perfetto/Chrome trace (`<ns>-trace.json`) per launch into this directory, one
-      track per warpgroup with the kernel's named regions (wait, issue, softmax, ...);
-      `scripts/mosaic_profile.py` summarises them. Slows the kernel; never for timing.
+    profile_dir: debugging: when set, the forward, dK/dV and fused backward kernels run with
+      Mosaic's profiler and write one Perfetto/Chrome trace (`<ns>-trace.json`) per launch
+      into this directory, one track per warpgroup with the kernel's named regions (wait,
+      issue, softmax, ...); `scripts/mosaic_profile.py` summarises them. Slows the kernel;
+      never for timing.
     interpret: run in the Mosaic GPU interpreter (CPU). Also switches the register-operand wgmma
       and `run_state` accumulators, which the interpreter cannot run, to operands staged through
       shared memory and scoped accumulators: same math, slower kernel.
