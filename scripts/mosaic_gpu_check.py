@@ -255,6 +255,15 @@ def main():
                  ("bwd_fused_stagger_r240", MosaicConfig(
                      fwd_intra_wg_overlap=True, fused_backward=True, fused_dq_shared=True,
                      fused_stagger_q=True, compute_registers=240, producer_registers=24), fb),
+                 # dQ_part one step late: the two WGs no longer meet every step (seventh
+                 # session: their elementwise phases coincided in the profile).
+                 ("bwd_fused_defer_r240", MosaicConfig(
+                     fwd_intra_wg_overlap=True, fused_backward=True, fused_dq_shared=True,
+                     fused_defer_dq=True, compute_registers=240, producer_registers=24), fb),
+                 ("bwd_fused_defer_offset_r240", MosaicConfig(
+                     fwd_intra_wg_overlap=True, fused_backward=True, fused_dq_shared=True,
+                     fused_defer_dq=True, fused_offset=True, compute_registers=240,
+                     producer_registers=24), fb),
                  ("bwd_fused_s3_r240", MosaicConfig(
                      fwd_intra_wg_overlap=True, fused_backward=True, fused_dq_shared=True,
                      fused_stages=3, compute_registers=240, producer_registers=24), fb),

@@ -44,7 +44,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_flash import _blocking
 from pallas_flash.mosaic_gpu import _common
-from pallas_flash.mosaic_gpu.backward import (PROFILE_STEPS, _at, _first_q_block, _first_unmasked_step,
+from pallas_flash.mosaic_gpu.backward import (PROFILE_STEPS, _at, _dk_dv_updates, _first_q_block, _first_unmasked_step,
                                               _launch_order, _load_kv_tiles, _probs_t,
                                               _produce_query_streams, _skip_step,
                                               _step_stats, _store_dk_dv, _tile_and_head,
@@ -60,14 +60,21 @@ _SMEM_SLACK_BYTES = 1024
 
 
 def smem_bytes(d: int, block_q: int, block_kv: int, stages: int, itemsize: int = 2, *,
-               dq_shared: bool = False, dq_slots: int = 1) -> int:
+               dq_shared: bool = False, dq_slots: int = 1, defer_dq: bool = False) -> int:
   """Shared memory of one CTA: K/V of both WGs, the Q/dO/lse/delta ring, dSᵀ and dQ (f32,
   `dq_slots` buffers per WG)."""
   kv = 2 * 2 * block_kv * d * itemsize
   ring = stages * (2 * block_q * d * itemsize + 2 * block_q * 4)
-  ds = (2 if dq_shared else 1) * 2 * block_kv * block_q * itemsize
+  ds = ds_slots(dq_shared, defer_dq) * 2 * block_kv * block_q * itemsize
   dq = dq_slots * 2 * block_q * (d // 2 if dq_shared else d) * 4
   return kv + ring + ds + dq + _SMEM_SLACK_BYTES
+
+
+def ds_slots(dq_shared: bool, defer_dq: bool) -> int:
+  """dSᵀ buffers per WG: with a deferred dQ_part, a WG rewrites slot t % 4 at step t + 4, after
+  its step t + 3 saw the other WG arrive at t + 2, i.e. finish step t + 1 and its dQ_part of
+  step t, the slot's last reader; with a shared one, 2 (by step parity, see the kernel)."""
+  return 4 if defer_dq else (2 if dq_shared else 1)
 
 
 def dq_slots(d: int, config: MosaicConfig, itemsize: int = 2) -> int:
@@ -92,12 +99,18 @@ def unsupported_reason(q, config: MosaicConfig) -> str | None:
   if config.fused_dq_shared and (d % 128 or config.fused_dq_blocks != 1):
     return (f"fused_dq_shared needs head_dim a multiple of 128 (got {d}; each WG takes D/2 "
             "columns, a multiple of the 64-element swizzle width) and fused_dq_blocks 1")
+  if config.fused_defer_dq and (not config.fused_dq_shared or config.fused_overlap):
+    return (f"fused_defer_dq needs fused_dq_shared and not fused_overlap (got "
+            f"fused_dq_shared={config.fused_dq_shared}, fused_overlap={config.fused_overlap})")
+  if config.fused_offset and not config.fused_defer_dq:
+    return "fused_offset needs fused_defer_dq (it offsets the warpgroups the deferral decouples)"
   if config.fused_overlap and config.fused_dq_blocks != 1:
     return (f"fused_overlap needs fused_dq_blocks 1 (got {config.fused_dq_blocks}): it issues "
             "dQ_part as one accumulator next to dK")
   need = smem_bytes(d, config.block_q_fused, config.block_kv_fused, config.fused_stages,
                     jnp.dtype(q.dtype).itemsize, dq_shared=config.fused_dq_shared,
-                    dq_slots=dq_slots(d, config, jnp.dtype(q.dtype).itemsize))
+                    dq_slots=dq_slots(d, config, jnp.dtype(q.dtype).itemsize),
+                    defer_dq=config.fused_defer_dq)
   if need > SMEM_LIMIT_BYTES:
     return (f"needs about {need} B of shared memory (head_dim {d}, block_q_fused "
             f"{config.block_q_fused}, block_kv_fused {config.block_kv_fused}, fused_stages "
@@ -115,6 +128,16 @@ def _accumulate_smem(acc, a_smem, b_smem, kp: _common.KernelParams):
   return acc + pl.run_scoped(mm, plgpu.ACC(acc.shape, jnp.float32))
 
 
+def _dq_part(out, terms):
+  """out[...] = the sum of the a @ b products in terms (SMEM operands), one accumulator."""
+  def mm(acc_ref):
+    for a, b in terms:
+      plgpu.wgmma(acc_ref, a, b)
+    return acc_ref[...]  # waits for every wgmma in flight
+
+  out[...] = pl.run_scoped(mm, plgpu.ACC(out.shape, jnp.float32))
+
+
 def _gradient_matmuls(dv, dk, p_t, ds_smem, q_smem, do_smem, dq_plan, p_staging, release_do,
                       release_q, kp: _common.KernelParams):
   """dV += Pᵀ·dO and dK += dSᵀ·Q; dQ_part = dS·K is written to SMEM as `dq_plan` says.
@@ -123,14 +146,7 @@ def _gradient_matmuls(dv, dk, p_t, ds_smem, q_smem, do_smem, dq_plan, p_staging,
   block_q] (dSᵀ), q/do_smem [block_q, D]. dq_plan: [(out, [(a, b), ...]), ...]: each out
   [block_q, cols] f32 SMEM receives the sum of its a @ b products, one accumulator at a time.
   """
-  def dq_block(out, terms):
-    def mm(acc_ref):
-      for a, b in terms:
-        plgpu.wgmma(acc_ref, a, b)
-      return acc_ref[...]  # waits for every wgmma in flight
-
-    out[...] = pl.run_scoped(mm, plgpu.ACC(out.shape, jnp.float32))
-
+  dq_block = _dq_part
   if kp.interpret:
     dv = _common.accumulate(dv, p_t, p_staging, do_smem, kp)
     release_do()
@@ -257,8 +273,9 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                       k_scratch, v_scratch, q_scratch, do_scratch, lse_scratch, delta_scratch,
                       ds_scratch, dq_scratch, p_scratch, kv_ready, q_ready, do_ready, lse_ready,
                       delta_ready, q_free, do_free, lse_free, delta_free, dq_loaded, ds_ready,
-                      kv_done, *, kp: _common.KernelParams, stagger_q: bool, dq_blocks: int,
-                      dq_shared: bool, overlap: bool = False, dq_slots: int = 1):
+                      kv_done, ds_handoff, start, *, kp: _common.KernelParams, stagger_q: bool,
+                      dq_blocks: int, dq_shared: bool, overlap: bool = False, dq_slots: int = 1,
+                      defer_dq: bool = False, offset: bool = False):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   Grid (Sp / (2·block_kv), K, B). dq_acc_ref [B, Tp, H, D] f32 (a zeroed buffer the kernel adds
@@ -276,6 +293,12 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
 
   overlap: steps run `_overlapped_step`; dq_scratch is [dq_slots, 2, block_q, D or D/2] and
   step t stages its dQ_part in slot t % dq_slots.
+
+  defer_dq (with dq_shared): step t stores its dSᵀ in ds_scratch [4, 2, block_kv, block_q] slot
+  t % 4 and arrives on ds_handoff [2 WGs, 4] at [wg, t % 4], issues dV and dK (dSᵀ from
+  registers), then waits for the other WG's dSᵀ of step t - 1 and computes that step's
+  dQ_part; the last step's follows the loop. offset: WG 1 waits on `start` until WG 0 has
+  formed its first Pᵀ and dSᵀ.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   nq = kp.t_pad // bq
@@ -355,7 +378,47 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                                 _at(p_scratch, wg), kp)
       return dk, dv
 
+    def deferred_dq(t):
+      """dQ_part of step t: both WGs' dSᵀ of it times their K, this WG's half of D's
+      columns, reduce-added into its q rows."""
+      ds_slot = lax.rem(t, 4)
+      with jax.named_scope("sync_ds"):
+        plgpu.barrier_wait(ds_handoff.at[1 - wg, ds_slot])
+      i, h = index(t)
+      cols = pl.ds(wg * (kp.d // 2), kp.d // 2)
+      ds = ds_scratch.at[ds_slot]
+      if not kp.interpret:
+        with jax.named_scope("wait_reduce"):
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      with jax.named_scope("dq_mm"):
+        _dq_part(dq_smem, [(ds.at[w].T, k_scratch.at[w, :, cols]) for w in (wg, 1 - wg)])
+      with jax.named_scope("reduce_dq"):
+        _reduce_dq(dq_smem, dq_acc_ref, (b, pl.ds(i * bq, bq), h, cols), wg,
+                   _at(dq_loaded, wg), kp)
+
+    def deferred_step(t, carry, *, masked: bool):
+      dk, dv = carry
+      slot = lax.rem(t, stages)
+      i, _ = index(t)
+      q_smem, do_smem = _wait_streams(streams, slot)
+      p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
+                                         (lambda: i) if masked else None, kp)
+      if offset:
+        pl.when((t == 0) & (wg == 0))(lambda: plgpu.barrier_arrive(start))
+      ds16 = ds_t.astype(kp.dtype)
+      ds_slot = lax.rem(t, 4)
+      with jax.named_scope("ds_store"):
+        ds_scratch.at[ds_slot, wg][...] = ds16
+        plgpu.commit_smem()
+      plgpu.barrier_arrive(ds_handoff.at[wg, ds_slot])
+      dk, dv = _dk_dv_updates(dk, dv, p_t, ds16, q_smem, do_smem, _at(p_scratch, wg),
+                              (do_free.at[slot], q_free.at[slot]), kp)
+      pl.when(t > 0)(lambda: deferred_dq(t - 1))
+      return dk, dv
+
     def step(t, carry, *, masked: bool):
+      if defer_dq:
+        return deferred_step(t, carry, masked=masked)
       if overlap:
         return overlapped_step(t, carry, masked=masked)
       dk, dv = carry
@@ -410,10 +473,14 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       # Padded keys are zero, so their dQ_part terms vanish, unless exp2(0 − lse2) overflows
       # (rows whose scores are all far below 0): the tile holding the tail masks every step.
       full = jnp.where(k0 + bkv > kp.kv_len, cta_steps, full)
+    if offset:
+      pl.when((wg == 1) & (cta_steps > 0))(lambda: plgpu.barrier_wait(start))
     if kp.needs_mask:
       carry = lax.fori_loop(first, full, functools.partial(step, masked=True), carry)
       first = full
     dk, dv = lax.fori_loop(first, cta_steps, functools.partial(step, masked=False), carry)
+    if defer_dq:
+      pl.when(cta_steps > 0)(lambda: deferred_dq(cta_steps - 1))
     if dq_shared:
       # The other WG's last dQ matmul reads this WG's K tile, about to be overwritten.
       _common.sync(kv_done)
@@ -427,7 +494,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
 
 def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q: bool = False,
                dq_blocks: int = 1, dq_shared: bool = False, overlap: bool = False,
-               dq_slots: int = 1):
+               dq_slots: int = 1, defer_dq: bool = False, offset: bool = False):
   """Padded q/do [B, Tp, H, D], k/v [B, Sp, K, D], lse2/delta [B, H, Tp] ->
   (dq_acc [B, Tp, H, D] f32 unscaled, dk [B, Sp, K, D] scaled, dv [B, Sp, K, D])."""
   bsz, s_pad, kh, d = k.shape
@@ -442,7 +509,8 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   tiles = _common.smem_transforms(kp.dtype)
   scratch = [
       *kv_stream_smem(kp, d),
-      plgpu.SMEM((2, 2, bkv, bq) if dq_shared else (2, bkv, bq), kp.dtype, transforms=tiles),
+      plgpu.SMEM(((ds_slots(dq_shared, defer_dq),) if dq_shared else ()) + (2, bkv, bq),
+                 kp.dtype, transforms=tiles),
       plgpu.SMEM(((dq_slots,) if overlap else ()) + (2, bq, d // 2 if dq_shared else d),
                  jnp.float32, transforms=_common.smem_transforms(jnp.float32)),
       plgpu.SMEM((2, bkv, bq), kp.dtype, transforms=tiles) if kp.interpret else None,
@@ -450,6 +518,8 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
       plgpu.Barrier(num_barriers=2) if kp.interpret else None,
       plgpu.Barrier(num_arrivals=2) if dq_shared else None,
       plgpu.Barrier(num_arrivals=2) if dq_shared else None,
+      plgpu.Barrier(num_barriers=(2, 4)) if defer_dq else None,
+      plgpu.Barrier() if offset else None,
   ]
   # The kernel only adds: the zeros come from XLA (a memset) and reach the kernel as a mutable
   # input, aliased to the result.
@@ -457,7 +527,8 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
   dk, dv = plgpu.kernel(
       functools.partial(_bwd_fused_kernel, kp=kp, stagger_q=stagger_q, dq_blocks=dq_blocks,
-                        dq_shared=dq_shared, overlap=overlap, dq_slots=dq_slots),
+                        dq_shared=dq_shared, overlap=overlap, dq_slots=dq_slots,
+                        defer_dq=defer_dq, offset=offset and defer_dq),
       out_type=(kv_out, kv_out),
       scratch_types=scratch,
       **_launch_order(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"), kp),
@@ -495,6 +566,7 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
                               dq_blocks=config.fused_dq_blocks,
                               dq_shared=config.fused_dq_shared,
                               overlap=config.fused_overlap,
-                              dq_slots=dq_slots(q.shape[3], config, jnp.dtype(q.dtype).itemsize))
+                              dq_slots=dq_slots(q.shape[3], config, jnp.dtype(q.dtype).itemsize),
+                              defer_dq=config.fused_defer_dq, offset=config.fused_offset)
   dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)
   return dq, dk[:, :s], dv[:, :s]

@@ -89,6 +89,13 @@ class MosaicConfig:
       reduce-add overlaps the next step. At head_dim 128 only fused_dq_shared with 2 stages
       has room for the second dQ slot (~226 KiB of shared memory); other configurations keep
       one slot and get only the matmul overlap.
+    fused_defer_dq: fused backward with fused_dq_shared, not fused_overlap: step t issues
+      dQ_part of step t-1, so a warpgroup waits for the other's dSᵀ of the step before, not of
+      the current one, and the two may run up to a step apart instead of meeting at a barrier
+      every step (the seventh session's profile found their elementwise phases coinciding).
+      dSᵀ gets 4 slots per warpgroup (~226 KiB of shared memory at head_dim 128).
+    fused_offset: with fused_defer_dq: warpgroup 1 starts once warpgroup 0 has its first
+      Sᵀ and dPᵀ, so that one's elementwise work runs while the other's matmuls do.
     dkdv_schedule: the split backward's dK/dV kernel, per (q block, query head) step of a
       warpgroup. "serial": Sᵀ and dPᵀ, wait; Pᵀ, dSᵀ; dV += Pᵀ·dO, wait; dK += dSᵀ·Q, wait.
       "batched": dV and dK issued back to back with one wait (dO released as soon as dV
@@ -154,6 +161,8 @@ class MosaicConfig:
   fused_dq_blocks: int = 1
   fused_dq_shared: bool = False
   fused_overlap: bool = False
+  fused_defer_dq: bool = False
+  fused_offset: bool = False
   dkdv_schedule: str = "serial"
   dkdv_pingpong: bool = False
   bwd_delta_in_kernel: bool = True

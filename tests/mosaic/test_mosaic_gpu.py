@@ -12,7 +12,7 @@ import pytest
 
 import pallas_flash
 from pallas_flash import mosaic_gpu
-from pallas_flash.mosaic_gpu import TUNED
+from pallas_flash.mosaic_gpu import TUNED, backward_fused
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
 from testing import kernel_case_id, kernel_inputs, on_hopper, rel_err
@@ -117,6 +117,29 @@ def test_dkdv_pingpong_gives_the_same_gradients(case):
 def test_backward_launch_order_gives_the_same_gradients(case):
   """MosaicConfig.bwd_heads_fastest only renumbers the backward's CTAs: bitwise equal."""
   _assert_same_fwd_bwd(case, dict(bwd_heads_fastest=True), dict(bwd_heads_fastest=False))
+
+
+FUSED = dict(fused_backward=True, fused_dq_shared=True, compute_registers=240,
+             producer_registers=24)
+
+
+@pytest.mark.parametrize("changes", [{}, dict(fused_defer_dq=True),
+                                     dict(fused_defer_dq=True, fused_offset=True)],
+                         ids=["dq_shared", "defer_dq", "defer_dq_offset"])
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 3, 4, 9)], ids=kernel_case_id)
+def test_fused_backward_gradients(case, changes):
+  """The single-kernel backward (opt-in; dQ summed by float32 atomics, so compared with the
+  reference only, not bitwise run to run)."""
+  b, t, s, h, kh, d, causal, dtype = case
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d + 1)
+  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
+  config = dataclasses.replace(TUNED[(d, causal)], **FUSED, **changes)
+  assert backward_fused.unsupported_reason(q, config) is None  # no fallback to the split
+  got = _fwd_bwd(lambda *a: pallas_flash.flash_attention(
+      *a, is_causal=causal, implementation="mosaic", config=config))(q, k, v, do)
+  want = _fwd_bwd(lambda *a: attention_reference(*a, None, None, params=p)[0])(q, k, v, do)
+  for name, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
+    assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
 
 
 def test_lse_matches_reference():
