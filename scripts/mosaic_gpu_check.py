@@ -260,6 +260,10 @@ def main():
                  ("bwd_fused_defer_r240", MosaicConfig(
                      fwd_intra_wg_overlap=True, fused_backward=True, fused_dq_shared=True,
                      fused_defer_dq=True, compute_registers=240, producer_registers=24), fb),
+                 ("bwd_fused_defer_inline_r240", MosaicConfig(
+                     fwd_intra_wg_overlap=True, fused_backward=True, fused_dq_shared=True,
+                     fused_defer_dq=True, fused_defer_inline=True, compute_registers=240,
+                     producer_registers=24), fb),
                  ("bwd_fused_defer_offset_r240", MosaicConfig(
                      fwd_intra_wg_overlap=True, fused_backward=True, fused_dq_shared=True,
                      fused_defer_dq=True, fused_offset=True, compute_registers=240,

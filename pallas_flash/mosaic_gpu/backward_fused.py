@@ -102,6 +102,8 @@ def unsupported_reason(q, config: MosaicConfig) -> str | None:
   if config.fused_defer_dq and (not config.fused_dq_shared or config.fused_overlap):
     return (f"fused_defer_dq needs fused_dq_shared and not fused_overlap (got "
             f"fused_dq_shared={config.fused_dq_shared}, fused_overlap={config.fused_overlap})")
+  if config.fused_defer_inline and not config.fused_defer_dq:
+    return "fused_defer_inline needs fused_defer_dq (it is a form of the deferred dQ_part)"
   if config.fused_offset and not config.fused_defer_dq:
     return "fused_offset needs fused_defer_dq (it offsets the warpgroups the deferral decouples)"
   if config.fused_overlap and config.fused_dq_blocks != 1:
@@ -275,7 +277,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                       delta_ready, q_free, do_free, lse_free, delta_free, dq_loaded, ds_ready,
                       kv_done, ds_handoff, start, *, kp: _common.KernelParams, stagger_q: bool,
                       dq_blocks: int, dq_shared: bool, overlap: bool = False, dq_slots: int = 1,
-                      defer_dq: bool = False, offset: bool = False):
+                      defer_dq: bool | str = False, offset: bool = False):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   Grid (Sp / (2·block_kv), K, B). dq_acc_ref [B, Tp, H, D] f32 (a zeroed buffer the kernel adds
@@ -298,7 +300,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   t % 4 and arrives on ds_handoff [2 WGs, 4] at [wg, t % 4], issues dV and dK (dSᵀ from
   registers), then waits for the other WG's dSᵀ of step t - 1 and computes that step's
   dQ_part; the last step's follows the loop. offset: WG 1 waits on `start` until WG 0 has
-  formed its first Pᵀ and dSᵀ.
+  formed its first Pᵀ and dSᵀ. defer_dq "inline": as `inline_step` says.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   nq = kp.t_pad // bq
@@ -396,6 +398,67 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
         _reduce_dq(dq_smem, dq_acc_ref, (b, pl.ds(i * bq, bq), h, cols), wg,
                    _at(dq_loaded, wg), kp)
 
+    def inline_step(t, carry, *, masked: bool):
+      """defer_dq "inline": dV, dK and the previous step's dQ_part in one accumulator scope,
+      the wait for the other WG's dSᵀ between them (step 0's dQ_part reads the slot the
+      pre-arrival released and is not reduced)."""
+      dk, dv = carry
+      slot = lax.rem(t, stages)
+      i, _ = index(t)
+      q_smem, do_smem = _wait_streams(streams, slot)
+      p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
+                                         (lambda: i) if masked else None, kp)
+      if offset:
+        pl.when((t == 0) & (wg == 0))(lambda: plgpu.barrier_arrive(start))
+      ds_slot, prev_slot = lax.rem(t, 4), lax.rem(t + 3, 4)
+      ds_smem = ds_scratch.at[ds_slot, wg]
+      with jax.named_scope("ds_store"):
+        ds_smem[...] = ds_t.astype(kp.dtype)
+        plgpu.commit_smem()
+      plgpu.barrier_arrive(ds_handoff.at[wg, ds_slot])
+      prev_i, prev_h = index(jnp.maximum(t - 1, 0))
+      cols = pl.ds(wg * (kp.d // 2), kp.d // 2)
+      prev = ds_scratch.at[prev_slot]
+      terms = [(prev.at[w].T, k_scratch.at[w, :, cols]) for w in (wg, 1 - wg)]
+      release_do = lambda: plgpu.barrier_arrive(do_free.at[slot])  # noqa: E731
+      release_q = lambda: plgpu.barrier_arrive(q_free.at[slot])  # noqa: E731
+      if not kp.interpret:
+        with jax.named_scope("wait_reduce"):
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      with jax.named_scope("grad_mm"):
+        if kp.interpret:
+          dv = _common.accumulate(dv, p_t.astype(kp.dtype), _at(p_scratch, wg), do_smem, kp)
+          release_do()
+          dk = _accumulate_smem(dk, ds_smem, q_smem, kp)
+          release_q()
+          plgpu.barrier_wait(ds_handoff.at[1 - wg, prev_slot])
+          _dq_part(dq_smem, terms)
+        else:
+          p16 = p_t.astype(kp.dtype)
+
+          def mm(refs):
+            dv_ref, dk_ref, dq_ref = refs
+            plgpu.wgmma(dv_ref, p16, do_smem)
+            plgpu.wgmma(dk_ref, ds_smem, q_smem)
+            plgpu.barrier_wait(ds_handoff.at[1 - wg, prev_slot])
+            for a, b_ in terms:
+              plgpu.wgmma(dq_ref, a, b_)
+            plgpu.wgmma_wait(len(terms) + 1)
+            release_do()
+            plgpu.wgmma_wait(len(terms))
+            release_q()
+
+          zeros = plgpu.layout_cast(jnp.zeros(dq_smem.shape, jnp.float32),
+                                    plgpu.Layout.WGMMA)
+          dv, dk, dq = pl.run_state(mm)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
+                                         plgpu.ACC.init(zeros)))
+          dq_smem[...] = dq
+      with jax.named_scope("reduce_dq"):
+        pl.when(t > 0)(lambda: _reduce_dq(dq_smem, dq_acc_ref,
+                                          (b, pl.ds(prev_i * bq, bq), prev_h, cols), wg,
+                                          _at(dq_loaded, wg), kp))
+      return dk, dv
+
     def deferred_step(t, carry, *, masked: bool):
       dk, dv = carry
       slot = lax.rem(t, stages)
@@ -417,6 +480,8 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       return dk, dv
 
     def step(t, carry, *, masked: bool):
+      if defer_dq == "inline":
+        return inline_step(t, carry, masked=masked)
       if defer_dq:
         return deferred_step(t, carry, masked=masked)
       if overlap:
@@ -475,6 +540,9 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       full = jnp.where(k0 + bkv > kp.kv_len, cta_steps, full)
     if offset:
       pl.when((wg == 1) & (cta_steps > 0))(lambda: plgpu.barrier_wait(start))
+    if defer_dq == "inline":
+      # Step 0's (unreduced) dQ_part waits for the other WG's "step -1", slot 3.
+      pl.when(cta_steps > 0)(lambda: plgpu.barrier_arrive(ds_handoff.at[wg, 3]))
     if kp.needs_mask:
       carry = lax.fori_loop(first, full, functools.partial(step, masked=True), carry)
       first = full
@@ -494,7 +562,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
 
 def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q: bool = False,
                dq_blocks: int = 1, dq_shared: bool = False, overlap: bool = False,
-               dq_slots: int = 1, defer_dq: bool = False, offset: bool = False):
+               dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False):
   """Padded q/do [B, Tp, H, D], k/v [B, Sp, K, D], lse2/delta [B, H, Tp] ->
   (dq_acc [B, Tp, H, D] f32 unscaled, dk [B, Sp, K, D] scaled, dv [B, Sp, K, D])."""
   bsz, s_pad, kh, d = k.shape
@@ -567,6 +635,8 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
                               dq_shared=config.fused_dq_shared,
                               overlap=config.fused_overlap,
                               dq_slots=dq_slots(q.shape[3], config, jnp.dtype(q.dtype).itemsize),
-                              defer_dq=config.fused_defer_dq, offset=config.fused_offset)
+                              defer_dq=("inline" if config.fused_defer_inline
+                                        else config.fused_defer_dq),
+                              offset=config.fused_offset)
   dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)
   return dq, dk[:, :s], dv[:, :s]

@@ -94,6 +94,10 @@ class MosaicConfig:
       the current one, and the two may run up to a step apart instead of meeting at a barrier
       every step (the seventh session's profile found their elementwise phases coinciding).
       dSᵀ gets 4 slots per warpgroup (~226 KiB of shared memory at head_dim 128).
+    fused_defer_inline: with fused_defer_dq: dV, dK and the previous step's dQ_part are issued
+      in one accumulator scope, with the wait for the other WG's dSᵀ between them (the plain
+      form waits for dV and dK to retire before issuing dQ_part; step 0 then computes an
+      unreduced dQ_part instead of a branch).
     fused_offset: with fused_defer_dq: warpgroup 1 starts once warpgroup 0 has its first
       Sᵀ and dPᵀ, so that one's elementwise work runs while the other's matmuls do.
     dkdv_schedule: the split backward's dK/dV kernel, per (q block, query head) step of a
@@ -162,6 +166,7 @@ class MosaicConfig:
   fused_dq_shared: bool = False
   fused_overlap: bool = False
   fused_defer_dq: bool = False
+  fused_defer_inline: bool = False
   fused_offset: bool = False
   dkdv_schedule: str = "serial"
   dkdv_pingpong: bool = False
