@@ -177,7 +177,7 @@ def _canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
                   key_value_seq_lengths, query_segment_ids, key_value_segment_ids,
                   bias=None, mask=None, local_window_size=None, logits_soft_cap=None,
                   alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
-                  block_mask=None) -> _Call:
+                  block_mask=None, deterministic=False) -> _Call:
   unbatched = all(getattr(x, "ndim", None) == 3 for x in (query, key, value))
   if unbatched:
     query, key, value = (jnp.asarray(x)[None] for x in (query, key, value))
@@ -221,8 +221,11 @@ def _canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
   if block_mask is not None:
     features["block_mask_blocks"] = (block_mask.block_q, block_mask.block_kv)
     arrays = dataclasses.replace(arrays, block_mask=block_mask)
+  if not isinstance(deterministic, bool):
+    raise TypeError(f"`deterministic` must be a Python bool (static), got {deterministic!r}.")
   params = AttentionParams(scale=float(scale), is_causal=bool(is_causal),
-                           has_segments=q_seg is not None, **features)
+                           has_segments=q_seg is not None, deterministic=deterministic,
+                           **features)
   platform, cc, kind = _target_device()
   info = CallInfo(batch=b, q_len=t, kv_len=s, num_heads=h, num_kv_heads=key.shape[2],
                   head_dim=d, dtype=jnp.dtype(query.dtype), params=params, platform=platform,
@@ -344,6 +347,9 @@ def _reason(name: str, info: CallInfo, config) -> str | None:
   if missing:
     return f"{name} does not support {', '.join(sorted(missing))} yet"
   blocks = info.params.block_mask_blocks
+  if info.params.deterministic and getattr(config, "fused_backward", False):
+    return ("config.fused_backward=True sums dQ with float32 atomics in a varying order, "
+            "which deterministic=True rules out; pass fused_backward=False (the split backward)")
   if blocks is not None and config is not None and (
       (config.block_q, config.block_kv) != blocks):
     return (f"config blocks ({config.block_q}, {config.block_kv}) differ from the block_mask's "
@@ -445,7 +451,8 @@ _DEFAULTS = {"scale": None, "is_causal": False, "query_seq_lengths": None,
              "key_value_seq_lengths": None, "query_segment_ids": None,
              "key_value_segment_ids": None, "bias": None, "mask": None,
              "local_window_size": None, "logits_soft_cap": None, "alibi_slopes": None,
-             "dropout_rate": 0.0, "dropout_rng": None, "block_mask": None}
+             "dropout_rate": 0.0, "dropout_rng": None, "block_mask": None,
+             "deterministic": False}
 
 
 def _defaults(kwargs: dict) -> dict:
@@ -528,6 +535,7 @@ def flash_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     block_mask: block_sparse.BlockMask | None = None,
+    deterministic: bool = False,
     return_residuals: bool = False,
     implementation: Implementation | None = None,
     config: Any = None,
@@ -564,6 +572,11 @@ def flash_attention(
       blocks and apply the element mask on partial ones only. Replaces is_causal,
       local_window_size, segment ids, lengths and `mask` (combining them raises); its block
       sizes are the kernels' (see docs/features.md). Not supported by "mosaic".
+    deterministic: True guarantees bitwise-identical gradients run to run. Only "mosaic" needs
+      it: by default its causal head-dim-128 backward past 8K keys is the single-kernel
+      (fused) one, which sums dQ with float32 atomics in a varying order (as cuDNN's does);
+      True keeps the two-kernel split there (3-4 % slower fwd+bwd at 16K-32K on an H200,
+      docs/perf.md). Every other path is deterministic either way.
     return_residuals: also return the float32 log-sum-exp [B, H, T] (natural log, -inf for a
       query with no visible key), e.g. to merge partial attentions.
     implementation: None picks the fastest that can run the call (see `explain`); "mosaic"
@@ -582,7 +595,8 @@ def flash_attention(
                        key_value_segment_ids=key_value_segment_ids, bias=bias, mask=mask,
                        local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
                        alibi_slopes=alibi_slopes, dropout_rate=dropout_rate,
-                       dropout_rng=dropout_rng, block_mask=block_mask)
+                       dropout_rng=dropout_rng, block_mask=block_mask,
+                       deterministic=deterministic)
   name = _choose(call.info, implementation, config)
   args = (call.q, call.k, call.v, call.q_seg, call.kv_seg)
   if name == "reference":

@@ -74,6 +74,8 @@ class AttentionParams:
     has_mask: arrays.mask [B|1, H|1, T, S] bool is present.
     block_mask_blocks: (block_q, block_kv) of arrays.block_mask (a block_sparse.BlockMask),
       which then replaces causal / window / segment masking; None without a block mask.
+    deterministic: gradients must be bitwise identical run to run (backends whose fastest
+      backward sums in a varying order choose another; see flash_attention).
   """
 
   scale: float
@@ -86,6 +88,7 @@ class AttentionParams:
   has_bias: bool = False
   has_mask: bool = False
   block_mask_blocks: tuple[int, int] | None = None
+  deterministic: bool = False
 
   @property
   def features(self) -> frozenset[str]:

@@ -16,6 +16,7 @@ import pytest
 
 import pallas_flash
 from pallas_flash.mosaic_gpu import TUNED, MosaicConfig, backward, backward_fused
+from pallas_flash.mosaic_gpu import config as mconfig
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
 from testing import export_for_h200, kernel_case_id, kernel_specs
@@ -154,6 +155,41 @@ def test_config_validation(kw):
 def test_split_stays_the_default():
   assert not MosaicConfig().fused_backward
   assert not any(c.fused_backward for c in TUNED.values())
+
+
+def test_long_causal_calls_run_the_deferred_fused_backward_unless_deterministic():
+  long = mconfig.FUSED_CAUSAL_KV_LEN + 1
+  fused = mconfig.tuned(128, True, long)
+  assert fused == dataclasses.replace(TUNED[(128, True)], **mconfig.FUSED_LONG_CAUSAL)
+  q = jax.ShapeDtypeStruct((1, long, 4, 128), jnp.bfloat16)
+  assert backward_fused.unsupported_reason(q, fused) is None  # runs fused, no fallback
+  assert mconfig.tuned(128, True, long, deterministic=True) == TUNED[(128, True)]
+  for d, causal, s in ((128, True, mconfig.FUSED_CAUSAL_KV_LEN), (128, False, long),
+                       (64, True, long), (256, True, long)):
+    assert not mconfig.tuned(d, causal, s).fused_backward, (d, causal, s)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_default_long_causal_grad_lowers_fused_unless_deterministic(deterministic):
+  """With no config: forward + fused kernel (2 Mosaic calls), or forward + dQ + dK/dV (3)."""
+  t = 2 * mconfig.FUSED_CAUSAL_KV_LEN
+  q, kv = kernel_specs(1, t, t, 2, 1, 128)
+
+  def loss(q, k, v):
+    o = pallas_flash.flash_attention(q, k, v, is_causal=True, implementation="mosaic",
+                                     deterministic=deterministic)
+    return o.astype(jnp.float32).sum()
+
+  text = export_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv).mlir_module()
+  assert _mosaic_calls(text) == (3 if deterministic else 2)
+
+
+def test_deterministic_rejects_a_fused_config():
+  q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="deterministic=True"):
+    jax.eval_shape(lambda q: pallas_flash.flash_attention(
+        q, q, q, implementation="mosaic", deterministic=True,
+        config=_fused(128, False)), q)
 
 
 # Interpreter: 64-row tiles so that short sequences still give several CTAs, several steps per

@@ -143,6 +143,21 @@ def test_fused_backward_gradients(case, changes):
     assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
 
 
+def test_deterministic_long_causal_gradients_are_bitwise_reproducible():
+  """Past config.FUSED_CAUSAL_KV_LEN causal keys the default backward is the fused kernel
+  (float32 atomics); deterministic=True runs the split one, bitwise equal run to run."""
+  q, k, v, do = kernel_inputs(1, 16384, 16384, 4, 2, 128, jnp.bfloat16, seed=7)
+
+  def run(deterministic):
+    return _fwd_bwd(lambda *a: pallas_flash.flash_attention(
+        *a, is_causal=True, implementation="mosaic", deterministic=deterministic))(q, k, v, do)
+
+  first, again, fused = run(True), run(True), run(False)
+  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(first, again)), "not bit-reproducible"
+  for name, g, r in zip(("o", "dq", "dk", "dv"), fused, first):
+    assert _rel(g, r) <= 1e-2, (name, _rel(g, r))
+
+
 def test_lse_matches_reference():
   q, k, v, _ = kernel_inputs(1, 1000, 1000, 4, 2, 128, jnp.bfloat16)
   p = AttentionParams(scale=128 ** -0.5, is_causal=True, has_segments=False)
