@@ -572,11 +572,11 @@ def flash_attention(
       blocks and apply the element mask on partial ones only. Replaces is_causal,
       local_window_size, segment ids, lengths and `mask` (combining them raises); its block
       sizes are the kernels' (see docs/features.md). Not supported by "mosaic".
-    deterministic: True guarantees bitwise-identical gradients run to run. Only "mosaic" needs
-      it: by default its causal head-dim-128 backward past 8K keys is the single-kernel
-      (fused) one, which sums dQ with float32 atomics in a varying order (as cuDNN's does);
-      True keeps the two-kernel split there (3-4 % slower fwd+bwd at 16K-32K on an H200,
-      docs/perf.md). Every other path is deterministic either way.
+    deterministic: True guarantees bitwise-identical gradients run to run. Every default path
+      already gives them; True rejects a config that would not (the opt-in single-kernel
+      Mosaic backward, `MosaicConfig(fused_backward=True)`, sums dQ with float32 atomics in a
+      varying order, as cuDNN's backward does), so a future faster default of that kind
+      cannot silently change a run that asked for reproducibility.
     return_residuals: also return the float32 log-sum-exp [B, H, T] (natural log, -inf for a
       query with no visible key), e.g. to merge partial attentions.
     implementation: None picks the fastest that can run the call (see `explain`); "mosaic"

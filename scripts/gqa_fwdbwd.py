@@ -1,18 +1,20 @@
-"""Causal fwd+bwd at arbitrary (GQA) shapes: the mosaic default, deterministic=True and cuDNN.
+"""Causal fwd+bwd at arbitrary (GQA) shapes: the mosaic split and fused backwards and cuDNN.
 
 On the GPU machine, from the repository root:
 
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/gqa_fwdbwd.py [--out DIR] [B,T,H,K,D ...]
 
 The benchmark's shapes are multi-head only; the training preset h200-long runs 2x16384 tokens
-with 8 query and 4 kv heads of dimension 128. For each shape: the gradients of each
-implementation against cuDNN's (max relative error), then TFLOP/s (causal: 3.5 x the forward's
+with 8 query and 4 kv heads of dimension 128. For each shape: mosaic with the tuned config
+(the split backward, the default) and with config.FUSED_DEFERRED (the opt-in fused backward),
+and cuDNN; the gradients of each against cuDNN's (max relative error), then TFLOP/s (causal: 3.5 x the forward's
 2·B·H·T²·D) timed as `pallas_flash.bench` times. Writes DIR/gqa_fwdbwd.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -21,16 +23,20 @@ import jax.numpy as jnp
 
 import pallas_flash
 from pallas_flash.bench import timing
+from pallas_flash.mosaic_gpu import config as mconfig
 
 
-def _impls():
-  def ours(deterministic):
+def _impls(d: int, t: int):
+  def ours(config):
     return lambda q, k, v: pallas_flash.flash_attention(
-        q, k, v, is_causal=True, implementation="mosaic", deterministic=deterministic)
+        q, k, v, is_causal=True, implementation="mosaic", config=config)
 
+  split = mconfig.tuned(d, True, t)
   cudnn = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
       q, k, v, is_causal=True, implementation="cudnn")
-  return {"mosaic": ours(False), "mosaic_deterministic": ours(True), "cudnn": cudnn}
+  return {"mosaic": ours(split),
+          "mosaic_fused": ours(dataclasses.replace(split, **mconfig.FUSED_DEFERRED)),
+          "cudnn": cudnn}
 
 
 def _fwd_bwd(attn):
@@ -57,7 +63,7 @@ def main():
     q, do = (jax.random.normal(kk, (b, t, h, d), jnp.bfloat16) for kk in (ks[0], ks[3]))
     k, v = (jax.random.normal(kk, (b, t, kh, d), jnp.bfloat16) for kk in ks[1:3])
     flops = 4 * b * h * t * t * d / 2 * 3.5
-    fns = {name: _fwd_bwd(attn) for name, attn in _impls().items()}
+    fns = {name: _fwd_bwd(attn) for name, attn in _impls(d, t).items()}
     want = fns["cudnn"](q, k, v, do)
     for name, fn in fns.items():
       errs = [_rel(x, y) for x, y in zip(fn(q, k, v, do), want)]

@@ -87,7 +87,7 @@ class KernelParams:
 
 
 def config_for(q, k, params: AttentionParams) -> MosaicConfig:
-  return tuned(q.shape[3], params.is_causal, k.shape[1], deterministic=params.deterministic)
+  return tuned(q.shape[3], params.is_causal, k.shape[1])
 
 
 def sm_count() -> int:

@@ -246,30 +246,25 @@ SHORT_KV_LEN = 2048
 # persistent 570): with q tiles fastest the CTAs running together share one head's K/V,
 # which stays in L2, where all 16 heads' K/V at 16K does not. 2K-4K is unmeasured between.
 MEDIUM_KV_LEN = 4096
-# Causal head_dim 128 calls with more keys than this run the fused backward (deferred dQ_part)
-# unless deterministic: fwd+bwd +3.0 % at 16K and +4.1 % at 32K, -5 % at 8K (seventh session).
-FUSED_CAUSAL_KV_LEN = 8192
-FUSED_LONG_CAUSAL = dict(fused_backward=True, fused_dq_shared=True, fused_defer_dq=True,
-                         fused_defer_inline=True)
+# The fused backward in its fastest measured form (seventh session), opt-in: fwd+bwd +3.0 % at
+# 1x16384x16x128 and +4.1 % at 1x32768x16x128 causal over the split, but -5 % at 2x8192x16x128
+# causal and -2.6 % / -5.6 % at the training preset's 2x16384x8x128 causal (MHA / 4 kv heads),
+# so no default uses it. Its dQ sums vary run to run (float32 atomics).
+FUSED_DEFERRED = dict(fused_backward=True, fused_dq_shared=True, fused_defer_dq=True,
+                      fused_defer_inline=True, compute_registers=240, producer_registers=24)
 
 
-def tuned(head_dim: int, is_causal: bool, kv_len: int, *,
-          deterministic: bool = False) -> MosaicConfig:
+def tuned(head_dim: int, is_causal: bool, kv_len: int) -> MosaicConfig:
   """The tuned config of a call: TUNED[(head_dim, is_causal)], switched to the persistent
-  forward for short non-causal calls (the plain loop up to SHORT_KV_LEN keys and, at
-  head_dim 128, the overlapped loop with q tiles fastest up to MEDIUM_KV_LEN) and, unless
-  deterministic, to the fused backward for causal head_dim 128 calls past
-  FUSED_CAUSAL_KV_LEN keys."""
+  forward for short non-causal calls: the plain loop up to SHORT_KV_LEN keys and, at
+  head_dim 128, the overlapped loop with q tiles fastest up to MEDIUM_KV_LEN."""
   config = TUNED.get((head_dim, is_causal), MosaicConfig())
   if not is_causal and kv_len <= SHORT_KV_LEN and head_dim in (64, 128):
     config = dataclasses.replace(config, fwd_intra_wg_overlap=False, fwd_persistent=True)
   elif not is_causal and kv_len <= MEDIUM_KV_LEN and head_dim == 128:
     config = dataclasses.replace(config, fwd_persistent=True, heads_fastest=False)
-  elif is_causal and kv_len > FUSED_CAUSAL_KV_LEN and head_dim == 128 and not deterministic:
-    config = dataclasses.replace(config, **FUSED_LONG_CAUSAL)
   return config
 
 
 def default_config(info: CallInfo) -> MosaicConfig:
-  return tuned(info.head_dim, info.params.is_causal, info.kv_len,
-               deterministic=info.params.deterministic)
+  return tuned(info.head_dim, info.params.is_causal, info.kv_len)

@@ -157,31 +157,16 @@ def test_split_stays_the_default():
   assert not any(c.fused_backward for c in TUNED.values())
 
 
-def test_long_causal_calls_run_the_deferred_fused_backward_unless_deterministic():
-  long = mconfig.FUSED_CAUSAL_KV_LEN + 1
-  fused = mconfig.tuned(128, True, long)
-  assert fused == dataclasses.replace(TUNED[(128, True)], **mconfig.FUSED_LONG_CAUSAL)
-  q = jax.ShapeDtypeStruct((1, long, 4, 128), jnp.bfloat16)
-  assert backward_fused.unsupported_reason(q, fused) is None  # runs fused, no fallback
-  assert mconfig.tuned(128, True, long, deterministic=True) == TUNED[(128, True)]
-  for d, causal, s in ((128, True, mconfig.FUSED_CAUSAL_KV_LEN), (128, False, long),
-                       (64, True, long), (256, True, long)):
-    assert not mconfig.tuned(d, causal, s).fused_backward, (d, causal, s)
-
-
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_default_long_causal_grad_lowers_fused_unless_deterministic(deterministic):
-  """With no config: forward + fused kernel (2 Mosaic calls), or forward + dQ + dK/dV (3)."""
-  t = 2 * mconfig.FUSED_CAUSAL_KV_LEN
-  q, kv = kernel_specs(1, t, t, 2, 1, 128)
-
-  def loss(q, k, v):
-    o = pallas_flash.flash_attention(q, k, v, is_causal=True, implementation="mosaic",
-                                     deterministic=deterministic)
-    return o.astype(jnp.float32).sum()
-
-  text = export_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv).mlir_module()
-  assert _mosaic_calls(text) == (3 if deterministic else 2)
+def test_no_tuned_config_runs_the_fused_backward():
+  """It is opt-in (config.FUSED_DEFERRED says why): every default backward is the split,
+  bitwise reproducible."""
+  for d in (64, 128, 256):
+    for causal in (False, True):
+      for s in (1024, 4096, 16384, 65536):
+        assert not mconfig.tuned(d, causal, s).fused_backward, (d, causal, s)
+  q = jax.ShapeDtypeStruct((1, 16384, 4, 128), jnp.bfloat16)
+  fused = dataclasses.replace(TUNED[(128, True)], **mconfig.FUSED_DEFERRED)
+  assert backward_fused.unsupported_reason(q, fused) is None
 
 
 def test_deterministic_rejects_a_fused_config():
