@@ -3,7 +3,7 @@
 # Stages: env tests mosaic-tests sweep bench long memory features fused retrieval profile ptxas
 # mosaic-sweep bwd-kernels (PTXAS_VARIANTS: scripts/mosaic_ptxas.py variants, default all;
 # PTXAS_SHAPE B,T,H,D; MOSAIC_VARIANTS: mosaic_gpu_check.py --sweep variants, default the
-# candidates awaiting a GPU measurement; BWD_OVERRIDES: MosaicConfig key=value for
+# split backward against the opt-in deferred fused one; BWD_OVERRIDES: MosaicConfig key=value for
 # bwd-kernels). Results go to $OUT (default ./gpu_out). Each stage is cut off after
 # ${STAGE_LIMIT_S:-900} s (timeout rc 124).
 set -uo pipefail
@@ -11,7 +11,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 py=python3
-candidates=default,bwd_fused_r240,bwd_fused_defer_r240,bwd_fused_defer_inline_r240
+candidates=default,bwd_fused_defer_inline_r240
 MOSAIC_VARIANTS="${MOSAIC_VARIANTS:-$candidates}"
 status=0
 run() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS

@@ -47,6 +47,7 @@ KV = jnp.ones((2, 24, 2, 32), jnp.float32)
     ((Q, KV, KV), {"implementation": "xla", "config": TritonConfig()}, NotImplementedError,
      "takes a XlaConfig"),
     (("q", KV, KV), {}, TypeError, "`query` must be a jax or numpy array"),
+    ((Q, KV, KV), {"deterministic": 1}, TypeError, "`deterministic` must be a Python bool"),
 ])
 def test_bad_input_is_rejected_with_a_clear_error(args, kwargs, error, match):
   with pytest.raises(error, match=match):
@@ -133,8 +134,10 @@ def test_lse_cotangent_is_differentiated():
       assert_close_to_ref(impl, g, g_ref, 5e-5)
 
 
-def test_second_run_is_bitwise_identical():
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_second_run_is_bitwise_identical(deterministic):
   (q, k, v, do), kw = make_inputs(Case(is_causal=True, segments=True))
+  kw["deterministic"] = deterministic
   f = jax.jit(jax.grad(lambda q, k, v: (pallas_flash.flash_attention(
       q, k, v, implementation="interpret", **kw) * do).sum(), argnums=(0, 1, 2)))
   for a, b in zip(f(q, k, v), f(q, k, v)):
