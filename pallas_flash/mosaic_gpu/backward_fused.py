@@ -22,7 +22,11 @@ smaller accumulators, one 2-WG barrier per step); `fused_dq_blocks` computes dQ_
 blocks (fewer live registers); `fused_stagger_q` rotates the q-block order per kv tile;
 `fused_overlap` runs `_overlapped_step`: FA3's intra-warpgroup overlap (Pᵀ while dPᵀ runs, dV
 while dSᵀ is computed, dQ_part stored while dK runs) and a double-buffered dQ staging buffer
-where shared memory allows (`dq_slots`).
+where shared memory allows (`dq_slots`). `fused_defer_dq` (with `fused_dq_shared`) issues each
+step's dQ_part one step late, so the two WGs wait only for each other's dSᵀ of the step before
+and need not meet every step; `fused_defer_inline` issues it with dV and dK, `fused_offset`
+starts WG 1 behind WG 0. `config.FUSED_DEFERRED` is the fastest measured form (opt-in: see
+docs/perf.md, seventh session).
 
 In interpret mode (the interpreter has no TMA reductions, register-operand wgmma or `run_state`
 accumulators), each warpgroup read-modify-writes its own slice of a [2, ...] dQ buffer (grid
@@ -44,7 +48,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_flash import _blocking
 from pallas_flash.mosaic_gpu import _common
-from pallas_flash.mosaic_gpu.backward import (PROFILE_STEPS, _at, _dk_dv_updates, _first_q_block, _first_unmasked_step,
+from pallas_flash.mosaic_gpu.backward import (PROFILE_STEPS, _at, _dk_dv_updates,
+                                              _first_q_block, _first_unmasked_step,
                                               _launch_order, _load_kv_tiles, _probs_t,
                                               _produce_query_streams, _skip_step,
                                               _step_stats, _store_dk_dv, _tile_and_head,
