@@ -109,6 +109,9 @@ def unsupported_reason(q, config: MosaicConfig) -> str | None:
             f"fused_dq_shared={config.fused_dq_shared}, fused_overlap={config.fused_overlap})")
   if config.fused_defer_inline and not config.fused_defer_dq:
     return "fused_defer_inline needs fused_defer_dq (it is a form of the deferred dQ_part)"
+  if config.fused_pingpong and not (config.fused_defer_inline and not config.fused_offset):
+    return ("fused_pingpong needs fused_defer_inline (the deferred dQ_part) and not "
+            "fused_offset (it sets the warpgroups' order itself)")
   if config.fused_offset and not config.fused_defer_dq:
     return "fused_offset needs fused_defer_dq (it offsets the warpgroups the deferral decouples)"
   if config.fused_overlap and config.fused_dq_blocks != 1:
@@ -280,9 +283,10 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                       k_scratch, v_scratch, q_scratch, do_scratch, lse_scratch, delta_scratch,
                       ds_scratch, dq_scratch, p_scratch, kv_ready, q_ready, do_ready, lse_ready,
                       delta_ready, q_free, do_free, lse_free, delta_free, dq_loaded, ds_ready,
-                      kv_done, ds_handoff, start, *, kp: _common.KernelParams, stagger_q: bool,
-                      dq_blocks: int, dq_shared: bool, overlap: bool = False, dq_slots: int = 1,
-                      defer_dq: bool | str = False, offset: bool = False):
+                      kv_done, ds_handoff, start, sched, *, kp: _common.KernelParams,
+                      stagger_q: bool, dq_blocks: int, dq_shared: bool, overlap: bool = False,
+                      dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
+                      pingpong_on: bool = False):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   Grid (Sp / (2·block_kv), K, B). dq_acc_ref [B, Tp, H, D] f32 (a zeroed buffer the kernel adds
@@ -305,7 +309,8 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   t % 4 and arrives on ds_handoff [2 WGs, 4] at [wg, t % 4], issues dV and dK (dSᵀ from
   registers), then waits for the other WG's dSᵀ of step t - 1 and computes that step's
   dQ_part; the last step's follows the loop. offset: WG 1 waits on `start` until WG 0 has
-  formed its first Pᵀ and dSᵀ. defer_dq "inline": as `inline_step` says.
+  formed its first Pᵀ and dSᵀ. defer_dq "inline": as `inline_step` says; pingpong_on (with
+  it): the two WGs alternate on the tensor cores through the schedule barrier `sched`.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   nq = kp.t_pad // bq
@@ -412,7 +417,8 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       i, _ = index(t)
       q_smem, do_smem = _wait_streams(streams, slot)
       p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
-                                         (lambda: i) if masked else None, kp)
+                                         (lambda: i) if masked else None, kp,
+                                         handoff=pingpong)
       if offset:
         pl.when((t == 0) & (wg == 0))(lambda: plgpu.barrier_arrive(start))
       ds_slot, prev_slot = lax.rem(t, 4), lax.rem(t + 3, 4)
@@ -421,6 +427,13 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
         ds_smem[...] = ds_t.astype(kp.dtype)
         plgpu.commit_smem()
       plgpu.barrier_arrive(ds_handoff.at[wg, ds_slot])
+      p16 = p_t.astype(kp.dtype)
+      if pingpong:
+        # Pin Pᵀ before the barrier (so its conversion is not sunk past it), then hand the
+        # tensor cores over: this WG issues dV, dK and dQ_part while the other forms its Pᵀ.
+        p16 = lax.optimization_barrier(p16)
+        with jax.named_scope("pingpong"):
+          pingpong()
       prev_i, prev_h = index(jnp.maximum(t - 1, 0))
       cols = pl.ds(wg * (kp.d // 2), kp.d // 2)
       prev = ds_scratch.at[prev_slot]
@@ -432,15 +445,13 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       with jax.named_scope("grad_mm"):
         if kp.interpret:
-          dv = _common.accumulate(dv, p_t.astype(kp.dtype), _at(p_scratch, wg), do_smem, kp)
+          dv = _common.accumulate(dv, p16, _at(p_scratch, wg), do_smem, kp)
           release_do()
           dk = _accumulate_smem(dk, ds_smem, q_smem, kp)
           release_q()
           plgpu.barrier_wait(ds_handoff.at[1 - wg, prev_slot])
           _dq_part(dq_smem, terms)
         else:
-          p16 = p_t.astype(kp.dtype)
-
           def mm(refs):
             dv_ref, dk_ref, dq_ref = refs
             plgpu.wgmma(dv_ref, p16, do_smem)
@@ -463,6 +474,10 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                                           (b, pl.ds(prev_i * bq, bq), prev_h, cols), wg,
                                           _at(dq_loaded, wg), kp))
       return dk, dv
+
+    # fused_pingpong: the dK/dV kernel's ping-pong (backward._bwd_dkdv_kernel's docstring),
+    # two schedule syncs per step, WG 1 starting and WG 0 ending with one more.
+    pingpong = functools.partial(_common.sync, sched) if pingpong_on else None
 
     def deferred_step(t, carry, *, masked: bool):
       dk, dv = carry
@@ -548,10 +563,14 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
     if defer_dq == "inline":
       # Step 0's (unreduced) dQ_part waits for the other WG's "step -1", slot 3.
       pl.when(cta_steps > 0)(lambda: plgpu.barrier_arrive(ds_handoff.at[wg, 3]))
+    if pingpong:
+      pl.when(wg == 1)(pingpong)
     if kp.needs_mask:
       carry = lax.fori_loop(first, full, functools.partial(step, masked=True), carry)
       first = full
     dk, dv = lax.fori_loop(first, cta_steps, functools.partial(step, masked=False), carry)
+    if pingpong:
+      pl.when(wg == 0)(pingpong)
     if defer_dq:
       pl.when(cta_steps > 0)(lambda: deferred_dq(cta_steps - 1))
     if dq_shared:
@@ -567,7 +586,8 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
 
 def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q: bool = False,
                dq_blocks: int = 1, dq_shared: bool = False, overlap: bool = False,
-               dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False):
+               dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
+               pingpong: bool = False):
   """Padded q/do [B, Tp, H, D], k/v [B, Sp, K, D], lse2/delta [B, H, Tp] ->
   (dq_acc [B, Tp, H, D] f32 unscaled, dk [B, Sp, K, D] scaled, dv [B, Sp, K, D])."""
   bsz, s_pad, kh, d = k.shape
@@ -593,6 +613,7 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
       plgpu.Barrier(num_arrivals=2) if dq_shared else None,
       plgpu.Barrier(num_barriers=(2, 4)) if defer_dq else None,
       plgpu.Barrier() if offset else None,
+      plgpu.Barrier(num_arrivals=2) if pingpong else None,
   ]
   # The kernel only adds: the zeros come from XLA (a memset) and reach the kernel as a mutable
   # input, aliased to the result.
@@ -601,7 +622,8 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   dk, dv = plgpu.kernel(
       functools.partial(_bwd_fused_kernel, kp=kp, stagger_q=stagger_q, dq_blocks=dq_blocks,
                         dq_shared=dq_shared, overlap=overlap, dq_slots=dq_slots,
-                        defer_dq=defer_dq, offset=offset and defer_dq),
+                        defer_dq=defer_dq, offset=offset and defer_dq,
+                        pingpong_on=pingpong and defer_dq == "inline"),
       out_type=(kv_out, kv_out),
       scratch_types=scratch,
       **_launch_order(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"), kp),
@@ -642,6 +664,6 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
                               dq_slots=dq_slots(q.shape[3], config, jnp.dtype(q.dtype).itemsize),
                               defer_dq=("inline" if config.fused_defer_inline
                                         else config.fused_defer_dq),
-                              offset=config.fused_offset)
+                              offset=config.fused_offset, pingpong=config.fused_pingpong)
   dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)
   return dq, dk[:, :s], dv[:, :s]
