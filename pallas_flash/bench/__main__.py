@@ -97,12 +97,14 @@ def _as_tuple(out) -> tuple:
   return out if isinstance(out, tuple) else (out,)
 
 
-def _heads(x: jax.Array, n: int) -> jax.Array:
-  return x[:, :, :n]
+def _heads(xs: tuple, counts: tuple[int, ...]) -> tuple:
+  """Each x [B, T, heads, D] cut to its first `count` heads."""
+  return tuple(x[:, :, :n] for x, n in zip(xs, counts, strict=True))
 
 
 def reference_outputs(args: tuple, *, mode: str, is_causal: bool) -> tuple[jax.Array, ...]:
-  """The float32 reference's o (fwd) or (dq, dk, dv) (fwdbwd) on upcast `args` [B, T, H, D]."""
+  """The float32 reference's o (fwd) or (dq, dk, dv) (fwdbwd) on upcast `args` (q, k, v, do:
+  [B, T, H, D], k and v [B, T, K, D])."""
   step = timing.make_step("reference", mode=mode, is_causal=is_causal)
   return _as_tuple(step(*(x.astype(jnp.float32) for x in args)))
 
@@ -115,13 +117,15 @@ def check(impl: str, compiled, args: tuple, spec: shapes.ShapeSpec, *, mode: str
   Returns ({"o": err} or {"dq": .., "dk": .., "dv": ..}, label of the shape checked).
   """
   small = shapes.check_spec(spec, seq_cap=seq_cap)
-  hc, tc = small.num_heads, small.seq_len
+  hc, kc, tc = small.num_heads, small.kv_heads, small.seq_len
+  # Whole GQA groups: the first hc query heads are exactly those of the first kc kv heads.
+  arg_heads, out_heads = (hc, kc, kc, hc), ((hc,) if mode == "fwd" else (hc, kc, kc))
   if tc == spec.seq_len:  # check the benchmarked call itself, on its first heads
-    out = tuple(_heads(x, hc) for x in _as_tuple(compiled(*args)))
+    out = _heads(_as_tuple(compiled(*args)), out_heads)
   else:  # rerun the implementation on the leading slice
-    args = tuple(x[:, :tc, :hc] for x in args)
+    args = _heads(tuple(x[:, :tc] for x in args), arg_heads)
     out = _as_tuple(timing.make_step(impl, mode=mode, is_causal=is_causal)(*args))
-  small_args = tuple(_heads(x, hc) for x in args)
+  small_args = _heads(args, arg_heads)
   ref = reference(small_args)
   errs = {n: float(_rel_err(o, r)) for n, o, r in zip(_names(mode), out, ref, strict=True)}
   return errs, small.label
@@ -137,6 +141,7 @@ def run_case(impl: str, spec: shapes.ShapeSpec, args: tuple, *, mode: str, is_ca
   dtype = args[0].dtype
   row = {"kind": "speed", "mode": mode, "shape": spec.name, "label": spec.label,
          "batch": spec.batch, "seq_len": spec.seq_len, "num_heads": spec.num_heads,
+         "num_kv_heads": spec.kv_heads,
          "head_dim": spec.head_dim, "dtype": jnp.dtype(dtype).name, "causal": is_causal,
          "impl": impl, "status": "skip", "reason": None, "ms": None, "tflops": None,
          "ratio_cudnn": None, "rel_err": None, "rel_errs": None, "check_shape": None,

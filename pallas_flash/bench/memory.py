@@ -74,8 +74,7 @@ def measure(impl: str, spec: shapes.ShapeSpec, dtype, *, seed: int = 0) -> dict:
   limit = _stats().get("bytes_limit")
   try:
     step = timing.make_step(impl, mode="fwdbwd", is_causal=True)
-    struct = shapes.shape_struct(spec, dtype)
-    compiled, row["compile_s"] = timing.compile_step(step, (struct,) * 4)
+    compiled, row["compile_s"] = timing.compile_step(step, shapes.arg_structs(spec, dtype))
     row.update(estimated_peak(compiled))
     if limit and row["est_peak_bytes"] and row["est_peak_bytes"] > limit:
       row.update(status="oom", reason=f"planned {row['est_peak_bytes'] / _GIB:.1f} GiB > "

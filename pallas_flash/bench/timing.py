@@ -14,7 +14,7 @@ from collections.abc import Callable
 import jax
 
 import pallas_flash
-from pallas_flash.bench.shapes import ShapeSpec, shape_struct
+from pallas_flash.bench.shapes import ShapeSpec, kv_struct, shape_struct
 
 # pallas_flash implementations the benchmark can run, and the jax.nn baselines.
 OURS: tuple[str, ...] = ("mosaic", "triton", "xla", "interpret", "reference")
@@ -38,8 +38,8 @@ def attention_fn(impl: str, *, is_causal: bool) -> Callable:
 
 def default_impls(spec: ShapeSpec, dtype) -> list[str]:
   """Our implementations that explain() says run `spec` here, then the baselines."""
-  s = shape_struct(spec, dtype)
-  reasons = pallas_flash.explain(s, s, s).reasons
+  s, kv = shape_struct(spec, dtype), kv_struct(spec, dtype)
+  reasons = pallas_flash.explain(s, kv, kv).reasons
   ours = [n for n in ("mosaic", "triton", "xla") if reasons.get(n) is None]
   gpu = jax.devices()[0].platform == "gpu"
   return ours + (["cudnn"] if gpu else []) + ["jax_xla"]
@@ -57,13 +57,13 @@ def skip_reason(impl: str, spec: ShapeSpec, dtype, *, is_causal: bool,
     b, t, h, _ = spec.shape
     gib = b * h * t * t * 4 / 2**30
     return None if gib <= xla_cap_gib else f"score matrix {gib:.0f} GiB > {xla_cap_gib:g} GiB"
-  s = shape_struct(spec, dtype)
-  return pallas_flash.explain(s, s, s, is_causal=is_causal).reasons.get(impl)
+  s, kv = shape_struct(spec, dtype), kv_struct(spec, dtype)
+  return pallas_flash.explain(s, kv, kv, is_causal=is_causal).reasons.get(impl)
 
 
 @functools.cache
 def make_step(impl: str, *, mode: str, is_causal: bool) -> Callable:
-  """The jitted benchmark step, step(q, k, v, do), all [B, T, H, D].
+  """The jitted benchmark step, step(q, k, v, do): q, do [B, T, H, D], k, v [B, T, K, D].
 
   fwd returns o; fwdbwd returns (dq, dk, dv) = grad of sum(o * do) w.r.t. (q, k, v), i.e. the
   VJP with cotangent do (the forward runs inside it, as in training).

@@ -99,6 +99,30 @@ def test_shape_registry():
     shapes.select_shapes("nope")
 
 
+@pytest.mark.parametrize("seq_cap", [4096, 32], ids=["whole_call", "leading_slice"])
+def test_gqa_shapes_are_checked_on_whole_groups(tmp_path, seq_cap):
+  """k and v have fewer heads: the check keeps whole groups (dk, dv of a kv head sum over all
+  of its query heads), on the call itself or on a leading slice."""
+  rows = _run(tmp_path, "--shapes", "cpu_t80_gqa", "--impl", "xla,jax_xla",
+              "--check-seq-cap", str(seq_cap))
+  assert len(rows) == 2 * 2 * 2
+  for row in rows:
+    _assert_timed_and_correct(row)
+    assert row["num_kv_heads"] == 2 and row["label"] == "1x80x4x32/K2"
+    assert row["check_shape"] == f"1x{min(80, seq_cap)}x2x32/K1"
+
+
+def test_gqa_check_spec_keeps_whole_groups():
+  (train,) = shapes.select_shapes("train")
+  assert train.label == "2x16384x8x128/K4" and train.kv_shape == (2, 16384, 4, 128)
+  small = shapes.check_spec(train, seq_cap=4096)
+  assert (small.shape, small.kv_heads) == ((2, 4096, 2, 128), 1)
+  group4 = train.replace(num_kv_heads=2)
+  assert shapes.check_spec(group4, seq_cap=4096).label == "2x4096x4x128/K1"
+  mha = shapes.check_spec(shapes.select_shapes("b1_t16k_h16_d128")[0], seq_cap=4096)
+  assert mha.label == "1x4096x2x128" and mha.num_kv_heads == 0
+
+
 def test_flop_convention():
   spec = shapes.select_shapes("b4_t4k_h16_d128")[0]
   fwd = 4 * 4 * 16 * 4096 * 4096 * 128
