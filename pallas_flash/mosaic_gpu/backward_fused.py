@@ -390,6 +390,10 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                                 _at(p_scratch, wg), kp)
       return dk, dv
 
+    # fused_pingpong: the dK/dV kernel's ping-pong (backward._bwd_dkdv_kernel's docstring),
+    # two schedule syncs per step, WG 1 starting and WG 0 ending with one more.
+    pingpong = functools.partial(_common.sync, sched) if pingpong_on else None
+
     def deferred_dq(t):
       """dQ_part of step t: both WGs' dSᵀ of it times their K, this WG's half of D's
       columns, reduce-added into its q rows."""
@@ -474,10 +478,6 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                                           (b, pl.ds(prev_i * bq, bq), prev_h, cols), wg,
                                           _at(dq_loaded, wg), kp))
       return dk, dv
-
-    # fused_pingpong: the dK/dV kernel's ping-pong (backward._bwd_dkdv_kernel's docstring),
-    # two schedule syncs per step, WG 1 starting and WG 0 ending with one more.
-    pingpong = functools.partial(_common.sync, sched) if pingpong_on else None
 
     def deferred_step(t, carry, *, masked: bool):
       dk, dv = carry
