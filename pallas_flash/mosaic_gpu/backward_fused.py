@@ -149,21 +149,23 @@ def _dq_part(out, terms):
 
 
 def _gradient_matmuls(dv, dk, p_t, ds_smem, q_smem, do_smem, dq_plan, p_staging, release_do,
-                      release_q, kp: _common.KernelParams):
+                      release_q, kp: _common.KernelParams, before_dq=lambda: None):
   """dV += Pᵀ·dO and dK += dSᵀ·Q; dQ_part = dS·K is written to SMEM as `dq_plan` says.
 
   dv/dk [block_kv, D] f32, p_t [block_kv, block_q] (dtype, registers), ds_smem [block_kv,
   block_q] (dSᵀ), q/do_smem [block_q, D]. dq_plan: [(out, [(a, b), ...]), ...]: each out
   [block_q, cols] f32 SMEM receives the sum of its a @ b products, one accumulator at a time.
+  before_dq: called after dV and dK are issued, before dQ_part's operands are read (the
+  deferred dQ_part's wait for the other WG's dSᵀ).
   """
-  dq_block = _dq_part
   if kp.interpret:
     dv = _common.accumulate(dv, p_t, p_staging, do_smem, kp)
     release_do()
     dk = _accumulate_smem(dk, ds_smem, q_smem, kp)
     release_q()
+    before_dq()
     for out, terms in dq_plan:
-      dq_block(out, terms)
+      _dq_part(out, terms)
     return dv, dk
 
   if len(dq_plan) == 1:
@@ -175,6 +177,7 @@ def _gradient_matmuls(dv, dk, p_t, ds_smem, q_smem, do_smem, dq_plan, p_staging,
       # stream buffers are released as soon as the matmul reading them has retired.
       plgpu.wgmma(dv_ref, p_t, do_smem)
       plgpu.wgmma(dk_ref, ds_smem, q_smem)
+      before_dq()
       for a, b in terms:
         plgpu.wgmma(dq_ref, a, b)
       plgpu.wgmma_wait(len(terms) + 1)
@@ -192,8 +195,9 @@ def _gradient_matmuls(dv, dk, p_t, ds_smem, q_smem, do_smem, dq_plan, p_staging,
     dv_ref, dk_ref = refs
     plgpu.wgmma(dv_ref, p_t, do_smem)
     plgpu.wgmma(dk_ref, ds_smem, q_smem)
+    before_dq()
     for c, (out, terms) in enumerate(dq_plan):
-      dq_block(out, terms)
+      _dq_part(out, terms)
       if c == 0:  # dV and dK have retired too
         release_do()
         release_q()
@@ -341,17 +345,20 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
     rows = (b, pl.ds(k0, bkv), kvh)
     _load_kv_tiles(k_ref, v_ref, k_smem, v_smem, kv_ready, wg, rows)
 
+    def shared_dq_terms(ds):
+      """dq_shared: this WG's columns of D and its dQ_part's (a, b) products from both WGs'
+      dSᵀ tiles ds [2, block_kv, block_q] and K tiles."""
+      cols = pl.ds(wg * (kp.d // 2), kp.d // 2)
+      # Traced WG indices only: a literal index captured by run_state's body becomes one of
+      # its outputs, which the Mosaic lowering rejects.
+      return [(ds.at[w].T, k_scratch.at[w, :, cols]) for w in (wg, 1 - wg)], cols
+
     def dq_plan(t, dq_smem=dq_smem):
       """Where this WG's dQ_part goes (see _gradient_matmuls) and its dq_acc_ref index."""
       i, h = index(t)
       q_rows = (b, pl.ds(i * bq, bq), h)
       if dq_shared:
-        ds = ds_scratch.at[lax.rem(t, 2)]
-        half = kp.d // 2
-        cols = pl.ds(wg * half, half)
-        # Traced WG indices only: a literal index captured by run_state's body becomes one of
-        # its outputs, which the Mosaic lowering rejects.
-        terms = [(ds.at[w].T, k_scratch.at[w, :, cols]) for w in (wg, 1 - wg)]
+        terms, cols = shared_dq_terms(ds_scratch.at[lax.rem(t, 2)])
         return [(dq_smem, terms)], (*q_rows, cols)
       ds = ds_scratch.at[wg]
       if dq_blocks == 1:
@@ -401,36 +408,42 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       with jax.named_scope("sync_ds"):
         plgpu.barrier_wait(ds_handoff.at[1 - wg, ds_slot])
       i, h = index(t)
-      cols = pl.ds(wg * (kp.d // 2), kp.d // 2)
-      ds = ds_scratch.at[ds_slot]
+      terms, cols = shared_dq_terms(ds_scratch.at[ds_slot])
       if not kp.interpret:
         with jax.named_scope("wait_reduce"):
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       with jax.named_scope("dq_mm"):
-        _dq_part(dq_smem, [(ds.at[w].T, k_scratch.at[w, :, cols]) for w in (wg, 1 - wg)])
+        _dq_part(dq_smem, terms)
       with jax.named_scope("reduce_dq"):
         _reduce_dq(dq_smem, dq_acc_ref, (b, pl.ds(i * bq, bq), h, cols), wg,
                    _at(dq_loaded, wg), kp)
+
+    def deferred_tiles(t, *, masked: bool, handoff=None):
+      """A deferred step's first half: (ring slot, Q, dO, Pᵀ f32, dSᵀ in kp.dtype); this WG's
+      dSᵀ is stored in slot t % 4 and handed to the other WG (offset: WG 0's first step
+      releases WG 1). handoff: as in _transposed_grad_tiles."""
+      slot = lax.rem(t, stages)
+      i, _ = index(t)
+      q_smem, do_smem = _wait_streams(streams, slot)
+      p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
+                                         (lambda: i) if masked else None, kp, handoff=handoff)
+      if offset:
+        pl.when((t == 0) & (wg == 0))(lambda: plgpu.barrier_arrive(start))
+      ds_slot = lax.rem(t, 4)
+      ds16 = ds_t.astype(kp.dtype)
+      with jax.named_scope("ds_store"):
+        ds_scratch.at[ds_slot, wg][...] = ds16
+        plgpu.commit_smem()
+      plgpu.barrier_arrive(ds_handoff.at[wg, ds_slot])
+      return slot, q_smem, do_smem, p_t, ds16
 
     def inline_step(t, carry, *, masked: bool):
       """defer_dq "inline": dV, dK and the previous step's dQ_part in one accumulator scope,
       the wait for the other WG's dSᵀ between them (step 0's dQ_part reads the slot the
       pre-arrival released and is not reduced)."""
       dk, dv = carry
-      slot = lax.rem(t, stages)
-      i, _ = index(t)
-      q_smem, do_smem = _wait_streams(streams, slot)
-      p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
-                                         (lambda: i) if masked else None, kp,
-                                         handoff=pingpong)
-      if offset:
-        pl.when((t == 0) & (wg == 0))(lambda: plgpu.barrier_arrive(start))
-      ds_slot, prev_slot = lax.rem(t, 4), lax.rem(t + 3, 4)
-      ds_smem = ds_scratch.at[ds_slot, wg]
-      with jax.named_scope("ds_store"):
-        ds_smem[...] = ds_t.astype(kp.dtype)
-        plgpu.commit_smem()
-      plgpu.barrier_arrive(ds_handoff.at[wg, ds_slot])
+      slot, q_smem, do_smem, p_t, _ = deferred_tiles(t, masked=masked, handoff=pingpong)
+      ds_smem, prev_slot = ds_scratch.at[lax.rem(t, 4), wg], lax.rem(t + 3, 4)
       p16 = p_t.astype(kp.dtype)
       if pingpong:
         # Pin Pᵀ before the barrier (so its conversion is not sunk past it), then hand the
@@ -439,40 +452,16 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
         with jax.named_scope("pingpong"):
           pingpong()
       prev_i, prev_h = index(jnp.maximum(t - 1, 0))
-      cols = pl.ds(wg * (kp.d // 2), kp.d // 2)
-      prev = ds_scratch.at[prev_slot]
-      terms = [(prev.at[w].T, k_scratch.at[w, :, cols]) for w in (wg, 1 - wg)]
-      release_do = lambda: plgpu.barrier_arrive(do_free.at[slot])  # noqa: E731
-      release_q = lambda: plgpu.barrier_arrive(q_free.at[slot])  # noqa: E731
+      terms, cols = shared_dq_terms(ds_scratch.at[prev_slot])
       if not kp.interpret:
         with jax.named_scope("wait_reduce"):
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       with jax.named_scope("grad_mm"):
-        if kp.interpret:
-          dv = _common.accumulate(dv, p16, _at(p_scratch, wg), do_smem, kp)
-          release_do()
-          dk = _accumulate_smem(dk, ds_smem, q_smem, kp)
-          release_q()
-          plgpu.barrier_wait(ds_handoff.at[1 - wg, prev_slot])
-          _dq_part(dq_smem, terms)
-        else:
-          def mm(refs):
-            dv_ref, dk_ref, dq_ref = refs
-            plgpu.wgmma(dv_ref, p16, do_smem)
-            plgpu.wgmma(dk_ref, ds_smem, q_smem)
-            plgpu.barrier_wait(ds_handoff.at[1 - wg, prev_slot])
-            for a, b_ in terms:
-              plgpu.wgmma(dq_ref, a, b_)
-            plgpu.wgmma_wait(len(terms) + 1)
-            release_do()
-            plgpu.wgmma_wait(len(terms))
-            release_q()
-
-          zeros = plgpu.layout_cast(jnp.zeros(dq_smem.shape, jnp.float32),
-                                    plgpu.Layout.WGMMA)
-          dv, dk, dq = pl.run_state(mm)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
-                                         plgpu.ACC.init(zeros)))
-          dq_smem[...] = dq
+        dv, dk = _gradient_matmuls(
+            dv, dk, p16, ds_smem, q_smem, do_smem, [(dq_smem, terms)], _at(p_scratch, wg),
+            lambda: plgpu.barrier_arrive(do_free.at[slot]),
+            lambda: plgpu.barrier_arrive(q_free.at[slot]), kp,
+            before_dq=lambda: plgpu.barrier_wait(ds_handoff.at[1 - wg, prev_slot]))
       with jax.named_scope("reduce_dq"):
         pl.when(t > 0)(lambda: _reduce_dq(dq_smem, dq_acc_ref,
                                           (b, pl.ds(prev_i * bq, bq), prev_h, cols), wg,
@@ -481,19 +470,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
 
     def deferred_step(t, carry, *, masked: bool):
       dk, dv = carry
-      slot = lax.rem(t, stages)
-      i, _ = index(t)
-      q_smem, do_smem = _wait_streams(streams, slot)
-      p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
-                                         (lambda: i) if masked else None, kp)
-      if offset:
-        pl.when((t == 0) & (wg == 0))(lambda: plgpu.barrier_arrive(start))
-      ds16 = ds_t.astype(kp.dtype)
-      ds_slot = lax.rem(t, 4)
-      with jax.named_scope("ds_store"):
-        ds_scratch.at[ds_slot, wg][...] = ds16
-        plgpu.commit_smem()
-      plgpu.barrier_arrive(ds_handoff.at[wg, ds_slot])
+      slot, q_smem, do_smem, p_t, ds16 = deferred_tiles(t, masked=masked)
       dk, dv = _dk_dv_updates(dk, dv, p_t, ds16, q_smem, do_smem, _at(p_scratch, wg),
                               (do_free.at[slot], q_free.at[slot]), kp)
       pl.when(t > 0)(lambda: deferred_dq(t - 1))
