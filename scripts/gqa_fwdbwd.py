@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,9 @@ import jax.numpy as jnp
 import pallas_flash
 from pallas_flash.bench import timing
 from pallas_flash.mosaic_gpu import config as mconfig
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mosaic_gpu_check import fwd_bwd, rel_err  # noqa: E402
 
 
 def _impls(d: int, t: int):
@@ -39,18 +43,6 @@ def _impls(d: int, t: int):
           "cudnn": cudnn}
 
 
-def _fwd_bwd(attn):
-  def f(q, k, v, do):
-    o, vjp = jax.vjp(attn, q, k, v)
-    return (o, *vjp(do))
-  return jax.jit(f)
-
-
-def _rel(x, ref):
-  x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
-  return float(jnp.max(jnp.abs(x - ref)) / jnp.max(jnp.abs(ref)))
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -63,10 +55,10 @@ def main():
     q, do = (jax.random.normal(kk, (b, t, h, d), jnp.bfloat16) for kk in (ks[0], ks[3]))
     k, v = (jax.random.normal(kk, (b, t, kh, d), jnp.bfloat16) for kk in ks[1:3])
     flops = 4 * b * h * t * t * d / 2 * 3.5
-    fns = {name: _fwd_bwd(attn) for name, attn in _impls(d, t).items()}
+    fns = {name: jax.jit(fwd_bwd(attn)) for name, attn in _impls(d, t).items()}
     want = fns["cudnn"](q, k, v, do)
     for name, fn in fns.items():
-      errs = [_rel(x, y) for x, y in zip(fn(q, k, v, do), want)]
+      errs = [rel_err(x, y) for x, y in zip(fn(q, k, v, do), want)]
       compiled, _ = timing.compile_step(fn, (q, k, v, do))
       sec = timing.time_compiled(compiled, (q, k, v, do)).median_s
       row = dict(shape=[b, t, h, kh, d], impl=name, ms=sec * 1e3, tflops=flops / sec / 1e12,
