@@ -11,6 +11,7 @@ matmuls only: forward 4·B·H·T·S·D (halved when causal), forward+backward 3.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -214,6 +215,10 @@ def main():
                  ("s3", MosaicConfig(num_stages=3), fwd),
                  ("kv192", MosaicConfig(block_kv=192), fwd),
                  ("r240", MosaicConfig(compute_registers=240, producer_registers=24), fwd),
+                 # The tuned hd128 config with K/V multicast to 2-CTA clusters (grid kernel:
+                 # 16K-32K non-causal and every causal row).
+                 ("cluster2", dataclasses.replace(mconfig.TUNED[(128, False)], fwd_cluster=2),
+                  ("fwd", "fwdbwd")),
                  # FA3 intra-WG overlap (runs at 240/24 registers unless set otherwise).
                  ("overlap", MosaicConfig(fwd_intra_wg_overlap=True), fwd),
                  ("overlap_s3", MosaicConfig(fwd_intra_wg_overlap=True, num_stages=3), fwd),
