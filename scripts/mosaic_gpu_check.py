@@ -219,6 +219,10 @@ def main():
                  # 16K-32K non-causal and every causal row).
                  ("cluster2", dataclasses.replace(mconfig.TUNED[(128, False)], fwd_cluster=2),
                   ("fwd", "fwdbwd")),
+                 # The tuned hd128 config in the other forward launch order (heads_fastest=
+                 # False: the grid's last axis varies fastest, so this runs heads fastest).
+                 ("tuned_hf0", dataclasses.replace(mconfig.TUNED[(128, False)],
+                                                   heads_fastest=False), ("fwd", "fwdbwd")),
                  # FA3 intra-WG overlap (runs at 240/24 registers unless set otherwise).
                  ("overlap", MosaicConfig(fwd_intra_wg_overlap=True), fwd),
                  ("overlap_s3", MosaicConfig(fwd_intra_wg_overlap=True, num_stages=3), fwd),
