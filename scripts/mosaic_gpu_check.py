@@ -215,10 +215,6 @@ def main():
                  ("s3", MosaicConfig(num_stages=3), fwd),
                  ("kv192", MosaicConfig(block_kv=192), fwd),
                  ("r240", MosaicConfig(compute_registers=240, producer_registers=24), fwd),
-                 # The tuned hd128 config with K/V multicast to 2-CTA clusters (grid kernel:
-                 # 16K-32K non-causal and every causal row).
-                 ("cluster2", dataclasses.replace(mconfig.TUNED[(128, False)], fwd_cluster=2),
-                  ("fwd", "fwdbwd")),
                  # The tuned hd128 config in the other forward launch order (heads_fastest=
                  # False: the grid's last axis varies fastest, so this runs heads fastest).
                  ("tuned_hf0", dataclasses.replace(mconfig.TUNED[(128, False)],

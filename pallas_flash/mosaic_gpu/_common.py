@@ -42,7 +42,6 @@ class KernelParams:
   producer_registers: int
   interpret: bool
   intra_wg_overlap: bool = False  # forward: MosaicConfig.fwd_intra_wg_overlap
-  cluster: int = 1  # forward grid kernel: MosaicConfig.fwd_cluster
   dkdv_schedule: str = "serial"  # dK/dV kernel: MosaicConfig.dkdv_schedule
   dkdv_pingpong: bool = False  # dK/dV kernel: MosaicConfig.dkdv_pingpong
   bwd_heads_fastest: bool = False  # backward kernels: MosaicConfig.bwd_heads_fastest
@@ -81,8 +80,7 @@ class KernelParams:
         heads_fastest=config.heads_fastest,
         compute_registers=config.compute_registers,
         producer_registers=config.producer_registers, interpret=config.interpret,
-        intra_wg_overlap=config.fwd_intra_wg_overlap, cluster=config.fwd_cluster,
-        dkdv_schedule=config.dkdv_schedule,
+        intra_wg_overlap=config.fwd_intra_wg_overlap, dkdv_schedule=config.dkdv_schedule,
         dkdv_pingpong=config.dkdv_pingpong, bwd_heads_fastest=config.bwd_heads_fastest,
         bwd_head_group=config.bwd_head_group,
         profile_dir=config.profile_dir)

@@ -57,13 +57,6 @@ class MosaicConfig:
       heads' 128 MiB against a 50 MiB L2). 0, or a G that does not divide the head count, means
       all heads (the bwd_heads_fastest order). The fused kernel ignores it (backward_fused.
       fused_call says why). Unmeasured.
-    fwd_cluster: forward, the one-CTA-per-tile kernel (not the persistent one): CTAs per
-      thread-block cluster, 1 or 2. With 2, the CTAs of two adjacent q tiles of one (batch,
-      head) form a cluster and each TMA-loads half of every K/V block, multicast into both
-      CTAs' rings (FA3 does this for head_dim 128 non-causal): half the L2->SM traffic of
-      K/V, which at ~620 TFLOP/s and 128-row q tiles is ~4.8 TB/s. The ring's "free" barriers
-      then count both CTAs' consumers; under causal masking the earlier tile runs idle steps
-      up to its partner's last block, and the query length is padded to 4 x block_q.
     persistent_ctas: CTAs of the persistent forward; 0 = the GPU's SM count (132 on H100 SXM
       and H200). Tests set it to exercise several tiles per CTA.
     fused_backward: backward algorithm. True: one FlashAttention-3 style kernel per kv tile
@@ -168,7 +161,6 @@ class MosaicConfig:
   bwd_head_group: int = 0
   fwd_intra_wg_overlap: bool = False
   fwd_persistent: bool = False
-  fwd_cluster: int = 1
   persistent_ctas: int = 0
   fused_backward: bool = False
   block_q_fused: int = 64
@@ -200,8 +192,6 @@ class MosaicConfig:
         raise ValueError(f"MosaicConfig.{name} must be a positive multiple of 64, got {value}")
     if self.bwd_head_group < 0:
       raise ValueError(f"MosaicConfig.bwd_head_group must be >= 0, got {self.bwd_head_group}")
-    if self.fwd_cluster not in (1, 2):
-      raise ValueError(f"MosaicConfig.fwd_cluster must be 1 or 2, got {self.fwd_cluster}")
     if self.persistent_ctas < 0:
       raise ValueError(f"MosaicConfig.persistent_ctas must be >= 0, got {self.persistent_ctas}")
     for name in ("num_stages", "bwd_stages", "fused_stages", "fused_dq_blocks"):

@@ -53,16 +53,13 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   (interpret mode only).
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
-  b, h, pair = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("qt")
+  b, h, qt = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("qt")
   wg = lax.axis_index("wg")
   if kp.causal:
-    pair = kp.num_q_tiles // kp.cluster - 1 - pair  # heaviest tiles first
-  qt = pair * kp.cluster + (lax.axis_index("cl") if kp.cluster > 1 else 0)
+    qt = kp.num_q_tiles - 1 - qt  # heaviest tiles first
   cta_q0 = qt * (2 * bq)
-  # The ring's steps: the key blocks of the cluster's last query row, since with a cluster
-  # both CTAs issue (half of) every load.
-  cta_steps = kp.kv_steps((pair + 1) * kp.cluster * 2 * bq)
-  multicast = dict(collective_axes="cl") if kp.cluster > 1 else {}
+
+  cta_steps = kp.kv_steps(cta_q0 + 2 * bq)
 
   sched_sync = functools.partial(_common.sync, sched)
 
@@ -108,10 +105,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
 
     def load(j, slot):
       rows = (b, pl.ds(j * bkv, bkv), kvh)
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot],
-                              **multicast)
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_scratch.at[slot], v_ready.at[slot],
-                              **multicast)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_scratch.at[slot], v_ready.at[slot])
 
     for i in range(stages):
       pl.when(i < cta_steps)(functools.partial(load, i, i))
@@ -122,15 +117,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
       rows = (b, pl.ds(j * bkv, bkv), kvh)
       with jax.named_scope("wait_free"):
         plgpu.barrier_wait(k_free.at[slot])
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot],
-                              **multicast)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot])
       with jax.named_scope("wait_free"):
         plgpu.barrier_wait(v_free.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_scratch.at[slot], v_ready.at[slot],
-                              **multicast)
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_scratch.at[slot], v_ready.at[slot])
 
-    # With a cluster this also keeps the CTA alive until its partner's consumers have made
-    # their last (remote) arrivals on its free barriers.
     _common.observe_last_releases((k_free, v_free), cta_steps, stages)
 
 
@@ -487,10 +478,6 @@ def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0):
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   tiles = _common.smem_transforms(kp.dtype)
   persistent = persistent_ctas > 0
-  assert kp.cluster == 1 or (not persistent and kp.num_q_tiles % kp.cluster == 0), kp
-  # A slot is free once the consumers of every CTA its load was multicast into released it.
-  free_barrier = (functools.partial(plgpu.ClusterBarrier, collective_axes=("cl",))
-                  if kp.cluster > 1 else plgpu.Barrier)
   scratch = [
       plgpu.SMEM(((2,) if persistent else ()) + (2, bq, d), kp.dtype, transforms=tiles),
       plgpu.SMEM((stages, bkv, d), kp.dtype, transforms=tiles),
@@ -500,7 +487,8 @@ def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0):
       plgpu.Barrier(num_barriers=4 if persistent else 2),
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_barriers=stages),
-      *[free_barrier(num_arrivals=2, num_barriers=stages)] * 2,
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2),
   ]
   if persistent:
@@ -512,21 +500,16 @@ def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0):
     most_steps = kp.num_kv_blocks * -(-kp.num_q_tiles * h * bsz // persistent_ctas)
   else:
     body = functools.partial(_fwd_kernel, kp=kp)
-    # With a cluster, grid axis "qt" counts pairs of q tiles and "cl" picks one of a pair.
-    launch = _common.launch_grid(kp.num_q_tiles // kp.cluster, h, bsz, ("qt", "h", "b"),
+    launch = _common.launch_grid(kp.num_q_tiles, h, bsz, ("qt", "h", "b"),
                                  heads_fastest=kp.heads_fastest)
     grid, names = launch["grid"], launch["grid_names"]
     most_steps = kp.num_kv_blocks
-  if kp.cluster > 1:
-    cluster = dict(cluster=(kp.cluster,), cluster_names=("cl",))
-  else:
-    cluster = {}
   return plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)),
       scratch_types=scratch,
-      grid=grid, grid_names=names, num_threads=3, thread_name="wg", **cluster,
+      grid=grid, grid_names=names, num_threads=3, thread_name="wg",
       # The profiler's event buffer lives in shared memory (~48 B per step-event slot over the
       # 3 WGs): sized for at most PROFILE_STEPS steps, later events are dropped by its bounds
       # check, so long or persistent kernels still fit.
@@ -567,9 +550,7 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
   config = config or _common.config_for(q, k, params)
   b, t, h, d = q.shape
   s = k.shape[1]
-  ctas = persistent_ctas(q, config, params)
-  cluster = 1 if ctas else config.fwd_cluster
-  t_pad = _blocking.round_up(t, 2 * config.block_q * cluster)
+  t_pad = _blocking.round_up(t, 2 * config.block_q)
   s_pad = _blocking.round_up(s, config.block_kv)
   if params.is_causal and config.num_stages < 2 and s_pad > config.block_kv:
     # A warpgroup's causal idle step waits for V_j before its schedule-barrier rounds; with one
@@ -580,11 +561,10 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
       q, k, params=params, block_q=config.block_q, block_kv=config.block_kv,
       stages=min(config.num_stages, s_pad // config.block_kv), t_pad=t_pad, s_pad=s_pad,
       kv_len=s, config=config)
-  kp = dataclasses.replace(kp, cluster=cluster)
   if config.fwd_intra_wg_overlap:
     compute, producer = _registers(config)
     kp = dataclasses.replace(kp, compute_registers=compute, producer_registers=producer)
   qp = _blocking.pad_axis(q, 1, t_pad)
   kpad, vpad = _blocking.pad_axis(k, 1, s_pad), _blocking.pad_axis(v, 1, s_pad)
-  o, lse = fwd_call(qp, kpad, vpad, kp=kp, persistent_ctas=ctas)
+  o, lse = fwd_call(qp, kpad, vpad, kp=kp, persistent_ctas=persistent_ctas(q, config, params))
   return o[:, :t], lse[:, :, :t]

@@ -86,29 +86,6 @@ def test_forward_with_intra_wg_overlap(case):
   assert bool(jnp.array_equal(o, again[0])) and bool(jnp.array_equal(lse, again[1]))
 
 
-@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 3, 4, 6, 7, 9)],
-                         ids=kernel_case_id)
-def test_forward_cluster_multicast(case):
-  """MosaicConfig.fwd_cluster=2 (K/V multicast to two CTAs): o and lse against the reference,
-  and bitwise those of the one-CTA kernel (same products in the same order per tile); also
-  non-causal with a padded key tail and causal tiles whose partner needs one more block."""
-  b, t, s, h, kh, d, causal, dtype = case
-  q, k, v, _ = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
-  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
-
-  def fwd(cluster):
-    config = dataclasses.replace(TUNED[(d, causal)], fwd_cluster=cluster)
-    return jax.jit(lambda q, k, v: mosaic_gpu.forward(q, k, v, None, None, params=p,
-                                                      config=config))(q, k, v)
-
-  o, lse = fwd(2)
-  ro, rlse = attention_reference(q, k, v, None, None, params=p)
-  assert _rel(o, ro) <= TOL[dtype][0], _rel(o, ro)
-  assert float(jnp.abs(lse - rlse).max()) < 1e-3
-  o1, lse1 = fwd(1)
-  assert bool(jnp.array_equal(o, o1)) and bool(jnp.array_equal(lse, lse1))
-
-
 def _assert_same_fwd_bwd(case, changes, baseline):
   """o, dq, dk, dv with TUNED + `changes` are bitwise those with TUNED + `baseline`."""
   b, t, s, h, kh, d, causal, dtype = case
