@@ -11,7 +11,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
 py=python3
-candidates=default,bwd_fused_defer_inline_r240,bwd_fused_defer_pingpong
+candidates=default,bwd_fused_defer_inline_r240
 MOSAIC_VARIANTS="${MOSAIC_VARIANTS:-$candidates}"
 status=0
 run() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS

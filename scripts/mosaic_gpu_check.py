@@ -271,10 +271,6 @@ def main():
                      fwd_intra_wg_overlap=True, fused_backward=True, fused_dq_shared=True,
                      fused_defer_dq=True, fused_defer_inline=True, compute_registers=240,
                      producer_registers=24), fb),
-                 # ... with the WGs alternating on the tensor cores (unmeasured).
-                 ("bwd_fused_defer_pingpong", MosaicConfig(
-                     fwd_intra_wg_overlap=True, **mconfig.FUSED_DEFERRED, fused_pingpong=True),
-                  fb),
                  ("bwd_fused_defer_offset_r240", MosaicConfig(
                      fwd_intra_wg_overlap=True, fused_backward=True, fused_dq_shared=True,
                      fused_defer_dq=True, fused_offset=True, compute_registers=240,

@@ -109,9 +109,6 @@ def unsupported_reason(q, config: MosaicConfig) -> str | None:
             f"fused_dq_shared={config.fused_dq_shared}, fused_overlap={config.fused_overlap})")
   if config.fused_defer_inline and not config.fused_defer_dq:
     return "fused_defer_inline needs fused_defer_dq (it is a form of the deferred dQ_part)"
-  if config.fused_pingpong and not (config.fused_defer_inline and not config.fused_offset):
-    return ("fused_pingpong needs fused_defer_inline (the deferred dQ_part) and not "
-            "fused_offset (it sets the warpgroups' order itself)")
   if config.fused_offset and not config.fused_defer_dq:
     return "fused_offset needs fused_defer_dq (it offsets the warpgroups the deferral decouples)"
   if config.fused_overlap and config.fused_dq_blocks != 1:
@@ -287,10 +284,9 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                       k_scratch, v_scratch, q_scratch, do_scratch, lse_scratch, delta_scratch,
                       ds_scratch, dq_scratch, p_scratch, kv_ready, q_ready, do_ready, lse_ready,
                       delta_ready, q_free, do_free, lse_free, delta_free, dq_loaded, ds_ready,
-                      kv_done, ds_handoff, start, sched, *, kp: _common.KernelParams,
+                      kv_done, ds_handoff, start, *, kp: _common.KernelParams,
                       stagger_q: bool, dq_blocks: int, dq_shared: bool, overlap: bool = False,
-                      dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
-                      pingpong_on: bool = False):
+                      dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   Grid (Sp / (2·block_kv), K, B). dq_acc_ref [B, Tp, H, D] f32 (a zeroed buffer the kernel adds
@@ -313,8 +309,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   t % 4 and arrives on ds_handoff [2 WGs, 4] at [wg, t % 4], issues dV and dK (dSᵀ from
   registers), then waits for the other WG's dSᵀ of step t - 1 and computes that step's
   dQ_part; the last step's follows the loop. offset: WG 1 waits on `start` until WG 0 has
-  formed its first Pᵀ and dSᵀ. defer_dq "inline": as `inline_step` says; pingpong_on (with
-  it): the two WGs alternate on the tensor cores through the schedule barrier `sched`.
+  formed its first Pᵀ and dSᵀ. defer_dq "inline": as `inline_step` says.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   nq = kp.t_pad // bq
@@ -397,10 +392,6 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                                 _at(p_scratch, wg), kp)
       return dk, dv
 
-    # fused_pingpong: the dK/dV kernel's ping-pong (backward._bwd_dkdv_kernel's docstring),
-    # two schedule syncs per step, WG 1 starting and WG 0 ending with one more.
-    pingpong = functools.partial(_common.sync, sched) if pingpong_on else None
-
     def deferred_dq(t):
       """dQ_part of step t: both WGs' dSᵀ of it times their K, this WG's half of D's
       columns, reduce-added into its q rows."""
@@ -418,15 +409,15 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
         _reduce_dq(dq_smem, dq_acc_ref, (b, pl.ds(i * bq, bq), h, cols), wg,
                    _at(dq_loaded, wg), kp)
 
-    def deferred_tiles(t, *, masked: bool, handoff=None):
+    def deferred_tiles(t, *, masked: bool):
       """A deferred step's first half: (ring slot, Q, dO, Pᵀ f32, dSᵀ in kp.dtype); this WG's
       dSᵀ is stored in slot t % 4 and handed to the other WG (offset: WG 0's first step
-      releases WG 1). handoff: as in _transposed_grad_tiles."""
+      releases WG 1)."""
       slot = lax.rem(t, stages)
       i, _ = index(t)
       q_smem, do_smem = _wait_streams(streams, slot)
       p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
-                                         (lambda: i) if masked else None, kp, handoff=handoff)
+                                         (lambda: i) if masked else None, kp)
       if offset:
         pl.when((t == 0) & (wg == 0))(lambda: plgpu.barrier_arrive(start))
       ds_slot = lax.rem(t, 4)
@@ -442,15 +433,9 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       the wait for the other WG's dSᵀ between them (step 0's dQ_part reads the slot the
       pre-arrival released and is not reduced)."""
       dk, dv = carry
-      slot, q_smem, do_smem, p_t, _ = deferred_tiles(t, masked=masked, handoff=pingpong)
+      slot, q_smem, do_smem, p_t, _ = deferred_tiles(t, masked=masked)
       ds_smem, prev_slot = ds_scratch.at[lax.rem(t, 4), wg], lax.rem(t + 3, 4)
       p16 = p_t.astype(kp.dtype)
-      if pingpong:
-        # Pin Pᵀ before the barrier (so its conversion is not sunk past it), then hand the
-        # tensor cores over: this WG issues dV, dK and dQ_part while the other forms its Pᵀ.
-        p16 = lax.optimization_barrier(p16)
-        with jax.named_scope("pingpong"):
-          pingpong()
       prev_i, prev_h = index(jnp.maximum(t - 1, 0))
       terms, cols = shared_dq_terms(ds_scratch.at[prev_slot])
       if not kp.interpret:
@@ -540,14 +525,10 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
     if defer_dq == "inline":
       # Step 0's (unreduced) dQ_part waits for the other WG's "step -1", slot 3.
       pl.when(cta_steps > 0)(lambda: plgpu.barrier_arrive(ds_handoff.at[wg, 3]))
-    if pingpong:
-      pl.when(wg == 1)(pingpong)
     if kp.needs_mask:
       carry = lax.fori_loop(first, full, functools.partial(step, masked=True), carry)
       first = full
     dk, dv = lax.fori_loop(first, cta_steps, functools.partial(step, masked=False), carry)
-    if pingpong:
-      pl.when(wg == 0)(pingpong)
     if defer_dq:
       pl.when(cta_steps > 0)(lambda: deferred_dq(cta_steps - 1))
     if dq_shared:
@@ -563,8 +544,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
 
 def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q: bool = False,
                dq_blocks: int = 1, dq_shared: bool = False, overlap: bool = False,
-               dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
-               pingpong: bool = False):
+               dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False):
   """Padded q/do [B, Tp, H, D], k/v [B, Sp, K, D], lse2/delta [B, H, Tp] ->
   (dq_acc [B, Tp, H, D] f32 unscaled, dk [B, Sp, K, D] scaled, dv [B, Sp, K, D])."""
   bsz, s_pad, kh, d = k.shape
@@ -590,7 +570,6 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
       plgpu.Barrier(num_arrivals=2) if dq_shared else None,
       plgpu.Barrier(num_barriers=(2, 4)) if defer_dq else None,
       plgpu.Barrier() if offset else None,
-      plgpu.Barrier(num_arrivals=2) if pingpong else None,
   ]
   # The kernel only adds: the zeros come from XLA (a memset) and reach the kernel as a mutable
   # input, aliased to the result.
@@ -599,8 +578,7 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   dk, dv = plgpu.kernel(
       functools.partial(_bwd_fused_kernel, kp=kp, stagger_q=stagger_q, dq_blocks=dq_blocks,
                         dq_shared=dq_shared, overlap=overlap, dq_slots=dq_slots,
-                        defer_dq=defer_dq, offset=offset and defer_dq,
-                        pingpong_on=pingpong and defer_dq == "inline"),
+                        defer_dq=defer_dq, offset=offset and defer_dq),
       out_type=(kv_out, kv_out),
       scratch_types=scratch,
       **_launch_order(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"), kp),
@@ -641,6 +619,6 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
                               dq_slots=dq_slots(q.shape[3], config, jnp.dtype(q.dtype).itemsize),
                               defer_dq=("inline" if config.fused_defer_inline
                                         else config.fused_defer_dq),
-                              offset=config.fused_offset, pingpong=config.fused_pingpong)
+                              offset=config.fused_offset)
   dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)
   return dq, dk[:, :s], dv[:, :s]

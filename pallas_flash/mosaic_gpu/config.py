@@ -98,11 +98,6 @@ class MosaicConfig:
       in one accumulator scope, with the wait for the other WG's dSᵀ between them (the plain
       form waits for dV and dK to retire before issuing dQ_part; step 0 then computes an
       unreduced dQ_part instead of a branch).
-    fused_pingpong: with fused_defer_inline (not fused_offset): the dK/dV kernel's ping-pong
-      (`dkdv_pingpong`) in the deferred fused kernel: per step a WG issues Sᵀ and dPᵀ, syncs
-      with the other, forms Pᵀ and dSᵀ, syncs again and issues dV, dK and dQ_part, so one WG's
-      elementwise work runs under the other's matmuls (the seventh session's profile found
-      them coinciding). Unmeasured.
     fused_offset: with fused_defer_dq: warpgroup 1 starts once warpgroup 0 has its first
       Sᵀ and dPᵀ, so that one's elementwise work runs while the other's matmuls do.
     dkdv_schedule: the split backward's dK/dV kernel, per (q block, query head) step of a
@@ -172,7 +167,6 @@ class MosaicConfig:
   fused_overlap: bool = False
   fused_defer_dq: bool = False
   fused_defer_inline: bool = False
-  fused_pingpong: bool = False
   fused_offset: bool = False
   dkdv_schedule: str = "serial"
   dkdv_pingpong: bool = False
