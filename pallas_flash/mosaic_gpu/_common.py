@@ -159,17 +159,22 @@ def _head_group(heads: int, heads_fastest: bool, head_group: int) -> int:
 
 def launch_grid(tiles, heads, bsz, names, *, heads_fastest: bool, head_group: int = 0) -> dict:
   """plgpu.kernel's grid and grid_names for a (tile, head, batch) launch; names are the tile,
-  head and batch axis names, and the first grid dimension varies fastest. Tiles fastest;
-  heads fastest; or, with a head group G (heads fastest only, G dividing heads), a flat
-  (G heads x tiles) dimension fastest and the head groups next (see tile_and_head)."""
+  head and batch axis names.
+
+  The grid's *last* dimension varies fastest: Mosaic GPU reverses the grid into CUDA's
+  (x, y, z), and CTAs are dispatched x fastest. The batch axis is always last (consecutive
+  CTAs take the batch entries of one tile and head), then: tiles (heads_fastest False: all
+  tiles of a head before the next head), heads (True: one tile of every head before the
+  next tile), or, with a head group G (heads_fastest only, G dividing heads), heads within a
+  group of G, then tiles, the groups slowest (see tile_and_head)."""
   tile_name, head_name, b_name = names
   g = _head_group(heads, heads_fastest, head_group)
   if g:
-    return dict(grid=(g * tiles, heads // g, bsz),
-                grid_names=(f"{head_name}_{tile_name}", f"{head_name}_group", b_name))
+    return dict(grid=(heads // g, g * tiles, bsz),
+                grid_names=(f"{head_name}_group", f"{head_name}_{tile_name}", b_name))
   if heads_fastest:
-    return dict(grid=(heads, tiles, bsz), grid_names=(head_name, tile_name, b_name))
-  return dict(grid=(tiles, heads, bsz), grid_names=names)
+    return dict(grid=(tiles, heads, bsz), grid_names=names)
+  return dict(grid=(heads, tiles, bsz), grid_names=(head_name, tile_name, b_name))
 
 
 def tile_and_head(names, heads: int, *, heads_fastest: bool, head_group: int = 0):

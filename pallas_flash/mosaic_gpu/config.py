@@ -21,10 +21,14 @@ class MosaicConfig:
   heads of a kv head reduced in-kernel).
 
   Attributes:
-    heads_fastest: forward launch order. True: consecutive CTAs take the same q tile of
-      consecutive heads (causal tiles heaviest first, an LPT order over all heads); False:
-      consecutive CTAs take consecutive q tiles of one head. True measured 4-8 % faster
-      non-causal on the H200 (623 vs 577 TFLOP/s at 4x4096x16x128), 8 % faster causal at 16K.
+    heads_fastest: forward launch order (after the batch entries, which always vary fastest;
+      _common.launch_grid). False: consecutive CTAs take consecutive q tiles of one head (causal
+      tiles heaviest first), so the CTAs running together share one head's K/V in L2. True:
+      they take the same q tile of consecutive heads. False measured 4-8 % faster non-causal
+      on the H200 (623 vs 577 TFLOP/s at 4x4096x16x128) and 2-7 % faster causal and
+      non-causal at 16K-32K (eighth session). Before the eighth session the two values
+      selected each other's grid (the grid's last axis, not its first, varies fastest), so
+      earlier notes that credit "heads fastest" with these gains mean this order.
     fwd_intra_wg_overlap: forward, FA3's intra-warpgroup 2-stage pipelining: each consumer WG
       issues S_{j+1} = Q·K_{j+1}ᵀ together with O += P_j·V_j and runs the softmax of S_{j+1}
       while P_j·V_j is still on the tensor cores (the ping-pong between the two WGs is kept).
@@ -40,23 +44,26 @@ class MosaicConfig:
       The default for non-causal calls with at most SHORT_KV_LEN keys (`tuned`): +12 % at
       16x1024x16x128, +7 % at head_dim 64, level at 4K, 5-6 % slower at 16K-32K (H200).
       With heads_fastest=False (q tiles fastest) and the intra-WG overlap, +5 % at
-      4x4096x16x128 (the default there, MEDIUM_KV_LEN) and 6 % behind the grid at 16K.
-    bwd_heads_fastest: the backward kernels' launch order, as heads_fastest is the forward's:
-      consecutive CTAs take the same q tile (dQ kernel) or kv tile (dK/dV and fused kernels) of
-      consecutive heads instead of consecutive tiles of one head, and the causal dQ kernel
-      launches its heaviest q tiles (the last ones) first, an LPT order; the dK/dV kernel's
-      causal tiles are already heaviest first. Same products in the same order per tile
+      4x4096x16x128 (the default there, MEDIUM_KV_LEN) and 6 % behind the grid at 16K;
+      the plain-loop default up to SHORT_KV_LEN runs heads fastest (`tuned`). The persistent
+      kernel computes its tile order itself, so its heads_fastest always meant what it says.
+    bwd_heads_fastest: the backward kernels' launch order, as heads_fastest is the forward's.
+      False: consecutive CTAs take consecutive q tiles (dQ kernel) or kv tiles (dK/dV and fused
+      kernels) of one head, and the causal dQ kernel launches its heaviest q tiles (the last
+      ones) first, an LPT order (the dK/dV kernel's causal tiles are heaviest first anyway).
+      True: the same tile of consecutive heads. Same products in the same order per tile
       (bitwise equal gradients, checked on the H200). Measured (sixth session, run4, fwd+bwd
-      TFLOP/s, same run): 4x4096x16x128 453 -> 492, causal 408 -> 449, 1x16384x16x128
-      502 -> 515, causal 471 -> 507. So on by default; False is the old order (each kernel's
-      tiles of one head consecutive).
-    bwd_head_group: split backward, with bwd_heads_fastest: the heads that consecutive CTAs
-      cycle through. Groups of this many heads (query heads for the dQ kernel, kv heads for
-      the dK/dV kernel) take all their tiles before the next group starts, so the CTAs running
-      together stream the K/V or Q/dO of G heads only (at 16K one head's K/V is 8 MiB, all 16
-      heads' 128 MiB against a 50 MiB L2). 0, or a G that does not divide the head count, means
-      all heads (the bwd_heads_fastest order). The fused kernel ignores it (backward_fused.
-      fused_call says why). Unmeasured.
+      TFLOP/s, same run, True -> False): 4x4096x16x128 453 -> 492, causal 408 -> 449,
+      1x16384x16x128 502 -> 515, causal 471 -> 507, so False is the default. (Until the eighth
+      session the two values selected each other's grid, see heads_fastest; the sixth
+      session's notes call this order "heads fastest".)
+    bwd_head_group: split backward, with bwd_heads_fastest=True: heads fastest within groups
+      of this many heads (query heads for the dQ kernel, kv heads for the dK/dV kernel), which
+      take all their tiles before the next group starts, so the CTAs running together stream
+      the K/V or Q/dO of G heads only. 0, or a G that does not divide the head count, means all
+      heads. The fused kernel ignores it (backward_fused.fused_call says why). Unmeasured in
+      this form: the seventh session's "2-4 % slower" runs launched, through the grid mix-up
+      above, every group's first tile before any second tile (heads fastest, permuted).
     persistent_ctas: CTAs of the persistent forward; 0 = the GPU's SM count (132 on H100 SXM
       and H200). Tests set it to exercise several tiles per CTA.
     fused_backward: backward algorithm. True: one FlashAttention-3 style kernel per kv tile
@@ -151,8 +158,8 @@ class MosaicConfig:
   block_q_dkv: int = 64
   block_kv_dkv: int = 64
   bwd_stages: int = 2
-  heads_fastest: bool = True
-  bwd_heads_fastest: bool = True
+  heads_fastest: bool = False
+  bwd_heads_fastest: bool = False
   bwd_head_group: int = 0
   fwd_intra_wg_overlap: bool = False
   fwd_persistent: bool = False
@@ -205,7 +212,8 @@ class MosaicConfig:
 # Keyed by (head_dim, is_causal). Device NVIDIA H200, jax 0.11.2, CUDA 13, 2026-11-29; command:
 # `PYTHONPATH=. python3 scripts/mosaic_gpu_check.py --sweep` (numbers in docs/mosaic.md).
 # Swept (fwd, TFLOP/s at 4x4096x16x128 / 1x16384x16x128 / 16K causal / 4x4096x32x64):
-#   default 577/582/658/417, heads_fastest 623/612/643/432, 3 stages 568/579/655/418,
+#   default 577/582/658/417, heads_fastest 623/612/643/432 (the flag as it worked then:
+#   today's heads_fastest=False, the default), 3 stages 568/579/655/418,
 #   block_kv 192 533/608/592/397, registers 240/24 579/583/659/391.
 # Backward (fwd+bwd): block_kv_dq 128 beat 64 by 1-5 %; 3 bwd stages did not help.
 # hd256 rows are SMEM-fitting defaults, not swept.
@@ -256,13 +264,14 @@ FUSED_DEFERRED = dict(fused_backward=True, fused_dq_shared=True, fused_defer_dq=
 
 def tuned(head_dim: int, is_causal: bool, kv_len: int) -> MosaicConfig:
   """The tuned config of a call: TUNED[(head_dim, is_causal)], switched to the persistent
-  forward for short non-causal calls: the plain loop up to SHORT_KV_LEN keys and, at
-  head_dim 128, the overlapped loop with q tiles fastest up to MEDIUM_KV_LEN."""
+  forward for short non-causal calls: the plain loop with heads fastest up to SHORT_KV_LEN
+  keys and, at head_dim 128, the overlapped loop with q tiles fastest up to MEDIUM_KV_LEN."""
   config = TUNED.get((head_dim, is_causal), MosaicConfig())
   if not is_causal and kv_len <= SHORT_KV_LEN and head_dim in (64, 128):
-    config = dataclasses.replace(config, fwd_intra_wg_overlap=False, fwd_persistent=True)
+    config = dataclasses.replace(config, fwd_intra_wg_overlap=False, fwd_persistent=True,
+                                 heads_fastest=True)
   elif not is_causal and kv_len <= MEDIUM_KV_LEN and head_dim == 128:
-    config = dataclasses.replace(config, fwd_persistent=True, heads_fastest=False)
+    config = dataclasses.replace(config, fwd_persistent=True)
   return config
 
 

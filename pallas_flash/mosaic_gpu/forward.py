@@ -48,7 +48,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
                 kp: _common.KernelParams):
   """q_ref [B, Tp, H, D], k_ref/v_ref [B, Sp, K, D] (GMEM), o_ref [B, Tp, H, D], lse_ref [B, H, Tp].
 
-  Grid (q tiles, H, B), or (H, q tiles, B) with kp.heads_fastest; q_scratch [2, block_q, D],
+  Grid (H, q tiles, B), or (q tiles, H, B) with kp.heads_fastest; q_scratch [2, block_q, D],
   k/v_scratch [stages, block_kv, D], lse_scratch [2, block_q], p_scratch [2, block_q, block_kv]
   (interpret mode only).
   """

@@ -201,10 +201,10 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
     (1, 190, 130, 4, 2, 128, True, jnp.float16, dict(fused_overlap=True, fused_dq_shared=True)),
     (1, 200, 260, 2, 2, 128, False, jnp.bfloat16,
      dict(fused_overlap=True, fused_dq_shared=True, fused_stagger_q=True)),
-    # The other launch order (tiles of one head consecutive; heads fastest is the default).
+    # The other launch order (heads fastest; tiles of one head consecutive is the default).
     (1, 190, 130, 4, 2, 128, True, jnp.float16, dict(fused_dq_shared=True,
-                                                     bwd_heads_fastest=False)),
-    (2, 200, 260, 2, 1, 64, False, jnp.bfloat16, dict(bwd_heads_fastest=False)),
+                                                     bwd_heads_fastest=True)),
+    (2, 200, 260, 2, 1, 64, False, jnp.bfloat16, dict(bwd_heads_fastest=True)),
     # fused_defer_dq: dQ_part one step late through 4 dSᵀ slots (more steps than slots), the
     # last one after the loop; causal CTAs whose first WG idles; a WG started late.
     (1, 190, 130, 4, 2, 128, True, jnp.float16, dict(fused_dq_shared=True,
@@ -219,7 +219,8 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
                                                        fused_defer_dq=True,
                                                        fused_defer_inline=True)),
     # bwd_head_group is ignored by the fused kernel (see fused_call).
-    (1, 130, 200, 8, 4, 128, True, jnp.bfloat16, dict(fused_dq_shared=True, bwd_head_group=2)),
+    (1, 130, 200, 8, 4, 128, True, jnp.bfloat16, dict(fused_dq_shared=True,
+                                                      bwd_heads_fastest=True, bwd_head_group=2)),
 ]
 
 

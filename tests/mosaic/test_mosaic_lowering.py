@@ -48,15 +48,15 @@ def test_forward_and_grad_lower(case):
 
 @pytest.mark.parametrize("config", [MosaicConfig(num_stages=3), MosaicConfig(block_kv=192),
                                     MosaicConfig(bwd_stages=3, block_kv_dq=64),
-                                    MosaicConfig(heads_fastest=False),
+                                    MosaicConfig(heads_fastest=True),
                                     MosaicConfig(dkdv_schedule="batched"),
                                     MosaicConfig(dkdv_pingpong=True),
                                     MosaicConfig(dkdv_schedule="overlap", compute_registers=240,
                                                  producer_registers=24),
-                                    MosaicConfig(bwd_heads_fastest=False),
-                                    MosaicConfig(bwd_head_group=2)],
-                         ids=["stages3", "kv192", "bwd_stages3", "qtiles_fastest", "dkdv_batched",
-                              "dkdv_pingpong", "dkdv_overlap", "bwd_tiles_fastest",
+                                    MosaicConfig(bwd_heads_fastest=True),
+                                    MosaicConfig(bwd_heads_fastest=True, bwd_head_group=2)],
+                         ids=["stages3", "kv192", "bwd_stages3", "heads_fastest", "dkdv_batched",
+                              "dkdv_pingpong", "dkdv_overlap", "bwd_heads_fastest",
                               "bwd_head_group2"])
 def test_alternative_configs_fit_in_smem_at_hd128(config):
   q = jax.ShapeDtypeStruct((1, 2048, 4, 128), jnp.float16)
