@@ -54,9 +54,9 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
   [B, Tp, H, D], lse_ref natural log (-inf on fully masked rows), delta_ref the correction
   -dlse or None; the kernel computes lse2 and delta = rowsum(O∘dO) + correction and stores them
   to lse2_out/delta_out_ref [B, H, Tp] for the dK/dV kernel.
-  Grid over (Tp / (2·block_q), H, B) in _launch_order's order; dq_ref [B, Tp, H, D]; q/do/o_scratch [2, block_q, D],
-  lse/delta_scratch [2, block_q], k/v_scratch [stages, block_kv, D], ds_scratch
-  [2, block_q, block_kv] (interpret only).
+  Grid over (Tp / (2·block_q), H, B) in _launch_order's order; dq_ref [B, Tp, H, D];
+  q/do/o_scratch [2, block_q, D], lse/delta_scratch [2, block_q], k/v_scratch [stages,
+  block_kv, D], ds_scratch [2, block_q, block_kv] (interpret only).
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   b, wg = lax.axis_index("b"), lax.axis_index("wg")
@@ -200,10 +200,10 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
                      lse_free, delta_free, sched, *, kp: _common.KernelParams):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
-  Grid over (Sp / (2·block_kv), K, B) in _launch_order's order; dk/dv_ref [B, Sp, K, D] float32-accumulated, stored in dtype;
-  k/v_scratch [2, block_kv, D], q/do_scratch [stages, block_q, D], lse/delta_scratch
-  [stages, block_q], st_scratch [2, block_kv, block_q] (interpret only), sched: the
-  two-WG schedule barrier of kp.dkdv_pingpong (else None).
+  Grid over (Sp / (2·block_kv), K, B) in _launch_order's order; dk/dv_ref [B, Sp, K, D]
+  float32-accumulated, stored in dtype; k/v_scratch [2, block_kv, D], q/do_scratch [stages,
+  block_q, D], lse/delta_scratch [stages, block_q], st_scratch [2, block_kv, block_q]
+  (interpret only), sched: the two-WG schedule barrier of kp.dkdv_pingpong (else None).
   Steps run over (q block i, query head g) with g minor, starting at the first q block that
   sees the CTA's keys.
 

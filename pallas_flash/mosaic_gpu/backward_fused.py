@@ -289,14 +289,13 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                       dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
-  Grid over (Sp / (2·block_kv), K, B) in _launch_order's order. dq_acc_ref [B, Tp, H, D] f32 (a zeroed buffer the kernel adds
-  into; [2, B, Tp, H, D] in interpret mode, one slice per WG); dk/dv_ref [B, Sp, K, D].
-  k/v_scratch [2, block_kv, D], q/do_scratch [stages, block_q, D], lse/delta_scratch
-  [stages, block_q], ds_scratch [2, block_kv, block_q] (dSᵀ; [2 (step parity), 2, ...] with
-  dq_shared),
-  dq_scratch [2, block_q, D or D/2 (dq_shared)] f32, p_scratch [2, block_kv, block_q]
-  (interpret only). Steps run over (q block i, query head g) with g minor, starting at the
-  first q block that sees the CTA's keys.
+  Grid over (Sp / (2·block_kv), K, B) in _launch_order's order. dq_acc_ref [B, Tp, H, D] f32
+  (a zeroed buffer the kernel adds into; [2, B, Tp, H, D] in interpret mode, one slice per
+  WG); dk/dv_ref [B, Sp, K, D]. k/v_scratch [2, block_kv, D], q/do_scratch [stages, block_q,
+  D], lse/delta_scratch [stages, block_q], ds_scratch [2, block_kv, block_q] (dSᵀ; [2 (step
+  parity), 2, ...] with dq_shared), dq_scratch [2, block_q, D or D/2 (dq_shared)] f32,
+  p_scratch [2, block_kv, block_q] (interpret only). Steps run over (q block i, query head
+  g) with g minor, starting at the first q block that sees the CTA's keys.
 
   dq_shared: the CTA's two WGs compute one dQ_part over all 2·block_kv keys, each WG the
   product for half of D's columns from both WGs' dSᵀ (FA3's split): half the reduce-add traffic
