@@ -7,7 +7,7 @@ On the GPU machine, from the repository root:
 The benchmark's shapes are multi-head only; the training preset h200-long runs 2x16384 tokens
 with 8 query and 4 kv heads of dimension 128. For each shape: mosaic with the tuned config
 (the split backward, the default) and with config.FUSED_DEFERRED (the opt-in fused backward),
-each also with batch_slowest (suffix _bs), and cuDNN; the gradients of each against cuDNN's (max relative error), then TFLOP/s (causal:
+and cuDNN; the gradients of each against cuDNN's (max relative error), then TFLOP/s (causal:
 3.5 x the forward's 2·B·H·T²·D) timed as `pallas_flash.bench` times. Writes
 DIR/gqa_fwdbwd.json.
 """
@@ -39,11 +39,8 @@ def _impls(d: int, t: int):
   split = mconfig.tuned(d, True, t)
   cudnn = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
       q, k, v, is_causal=True, implementation="cudnn")
-  fused = dataclasses.replace(split, **mconfig.FUSED_DEFERRED)
   return {"mosaic": ours(split),
-          "mosaic_fused": ours(fused),
-          "mosaic_bs": ours(dataclasses.replace(split, batch_slowest=True)),
-          "mosaic_fused_bs": ours(dataclasses.replace(fused, batch_slowest=True)),
+          "mosaic_fused": ours(dataclasses.replace(split, **mconfig.FUSED_DEFERRED)),
           "cudnn": cudnn}
 
 

@@ -219,14 +219,6 @@ def main():
                  # run3, as "tuned_hf0" when the flag's values were swapped: 2-7 % slower).
                  ("tuned_heads", dataclasses.replace(mconfig.TUNED[(128, False)],
                                                      heads_fastest=True), ("fwd", "fwdbwd")),
-                 # One batch entry's tiles before the next's (B > 1 rows), split and fused.
-                 ("batch_slowest", dataclasses.replace(mconfig.TUNED[(128, False)],
-                                                       batch_slowest=True), ("fwd", "fwdbwd")),
-                 ("fused_bs", dataclasses.replace(mconfig.TUNED[(128, False)],
-                                                  **mconfig.FUSED_DEFERRED, batch_slowest=True),
-                  fb),
-                 ("fused", dataclasses.replace(mconfig.TUNED[(128, False)],
-                                               **mconfig.FUSED_DEFERRED), fb),
                  # FA3 intra-WG overlap (runs at 240/24 registers unless set otherwise).
                  ("overlap", MosaicConfig(fwd_intra_wg_overlap=True), fwd),
                  ("overlap_s3", MosaicConfig(fwd_intra_wg_overlap=True, num_stages=3), fwd),

@@ -46,7 +46,6 @@ class KernelParams:
   dkdv_pingpong: bool = False  # dK/dV kernel: MosaicConfig.dkdv_pingpong
   bwd_heads_fastest: bool = False  # backward kernels: MosaicConfig.bwd_heads_fastest
   bwd_head_group: int = 0  # backward kernels: MosaicConfig.bwd_head_group
-  batch_slowest: bool = False  # every grid kernel: MosaicConfig.batch_slowest
   profile_dir: str = ""  # MosaicConfig.profile_dir
 
   @property
@@ -83,7 +82,7 @@ class KernelParams:
         producer_registers=config.producer_registers, interpret=config.interpret,
         intra_wg_overlap=config.fwd_intra_wg_overlap, dkdv_schedule=config.dkdv_schedule,
         dkdv_pingpong=config.dkdv_pingpong, bwd_heads_fastest=config.bwd_heads_fastest,
-        bwd_head_group=config.bwd_head_group, batch_slowest=config.batch_slowest,
+        bwd_head_group=config.bwd_head_group,
         profile_dir=config.profile_dir)
 
 
@@ -158,8 +157,7 @@ def _head_group(heads: int, heads_fastest: bool, head_group: int) -> int:
   return g if heads_fastest and 0 < g < heads and heads % g == 0 else 0
 
 
-def launch_grid(tiles, heads, bsz, names, *, heads_fastest: bool, head_group: int = 0,
-                batch_slowest: bool = False) -> dict:
+def launch_grid(tiles, heads, bsz, names, *, heads_fastest: bool, head_group: int = 0) -> dict:
   """plgpu.kernel's grid and grid_names for a (tile, head, batch) launch; names are the tile,
   head and batch axis names.
 
@@ -168,20 +166,15 @@ def launch_grid(tiles, heads, bsz, names, *, heads_fastest: bool, head_group: in
   CTAs take the batch entries of one tile and head), then: tiles (heads_fastest False: all
   tiles of a head before the next head), heads (True: one tile of every head before the
   next tile), or, with a head group G (heads_fastest only, G dividing heads), heads within a
-  group of G, then tiles, the groups slowest (see tile_and_head). batch_slowest moves the
-  batch axis first: one batch entry's tiles and heads, in that order, before the next's."""
+  group of G, then tiles, the groups slowest (see tile_and_head)."""
   tile_name, head_name, b_name = names
   g = _head_group(heads, heads_fastest, head_group)
   if g:
-    grid, grid_names = ((heads // g, g * tiles, bsz),
-                        (f"{head_name}_group", f"{head_name}_{tile_name}", b_name))
-  elif heads_fastest:
-    grid, grid_names = (tiles, heads, bsz), names
-  else:
-    grid, grid_names = (heads, tiles, bsz), (head_name, tile_name, b_name)
-  if batch_slowest:
-    grid, grid_names = (bsz, *grid[:2]), (b_name, *grid_names[:2])
-  return dict(grid=grid, grid_names=grid_names)
+    return dict(grid=(heads // g, g * tiles, bsz),
+                grid_names=(f"{head_name}_group", f"{head_name}_{tile_name}", b_name))
+  if heads_fastest:
+    return dict(grid=(tiles, heads, bsz), grid_names=names)
+  return dict(grid=(heads, tiles, bsz), grid_names=(head_name, tile_name, b_name))
 
 
 def tile_and_head(names, heads: int, *, heads_fastest: bool, head_group: int = 0):

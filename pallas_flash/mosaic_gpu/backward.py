@@ -604,7 +604,7 @@ def _launch_order(tiles, heads, bsz, names, kp: _common.KernelParams) -> dict:
   """The backward kernels' grid and grid_names (_common.launch_grid with the backward's
   order: kp.bwd_heads_fastest, kp.bwd_head_group)."""
   return _common.launch_grid(tiles, heads, bsz, names, heads_fastest=kp.bwd_heads_fastest,
-                             head_group=kp.bwd_head_group, batch_slowest=kp.batch_slowest)
+                             head_group=kp.bwd_head_group)
 
 
 def _tile_and_head(names, heads: int, kp: _common.KernelParams):

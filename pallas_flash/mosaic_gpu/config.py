@@ -64,12 +64,6 @@ class MosaicConfig:
       heads. The fused kernel ignores it (backward_fused.fused_call says why). Unmeasured in
       this form: the seventh session's "2-4 % slower" runs launched, through the grid mix-up
       above, every group's first tile before any second tile (heads fastest, permuted).
-    batch_slowest: the grid kernels (forward, dQ, dK/dV, fused backward): launch one batch
-      entry's tiles and heads before the next batch entry's, instead of the batch entries of
-      each tile consecutively. With batch fastest, B > 1 doubles (or more) the heads' K/V,
-      Q/dO and dQ that the CTAs running together touch: at the training preset's
-      2x16384x8x128 with 4 kv heads, the fused backward's one kv head is 32 MiB of Q, dO and
-      float32 dQ against a 50 MiB L2. Same products per tile (bitwise equal results).
     persistent_ctas: CTAs of the persistent forward; 0 = the GPU's SM count (132 on H100 SXM
       and H200). Tests set it to exercise several tiles per CTA.
     fused_backward: backward algorithm. True: one FlashAttention-3 style kernel per kv tile
@@ -167,7 +161,6 @@ class MosaicConfig:
   heads_fastest: bool = False
   bwd_heads_fastest: bool = False
   bwd_head_group: int = 0
-  batch_slowest: bool = False
   fwd_intra_wg_overlap: bool = False
   fwd_persistent: bool = False
   persistent_ctas: int = 0

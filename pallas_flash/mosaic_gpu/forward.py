@@ -501,7 +501,7 @@ def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0):
   else:
     body = functools.partial(_fwd_kernel, kp=kp)
     launch = _common.launch_grid(kp.num_q_tiles, h, bsz, ("qt", "h", "b"),
-                                 heads_fastest=kp.heads_fastest, batch_slowest=kp.batch_slowest)
+                                 heads_fastest=kp.heads_fastest)
     grid, names = launch["grid"], launch["grid_names"]
     most_steps = kp.num_kv_blocks
   return plgpu.kernel(

@@ -205,8 +205,6 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
     (1, 190, 130, 4, 2, 128, True, jnp.float16, dict(fused_dq_shared=True,
                                                      bwd_heads_fastest=True)),
     (2, 200, 260, 2, 1, 64, False, jnp.bfloat16, dict(bwd_heads_fastest=True)),
-    (2, 330, 260, 4, 2, 128, True, jnp.bfloat16, dict(mconfig.FUSED_DEFERRED,
-                                                      batch_slowest=True)),
     # fused_defer_dq: dQ_part one step late through 4 dSᵀ slots (more steps than slots), the
     # last one after the loop; causal CTAs whose first WG idles; a WG started late.
     (1, 190, 130, 4, 2, 128, True, jnp.float16, dict(fused_dq_shared=True,

@@ -120,25 +120,6 @@ def test_backward_launch_order_gives_the_same_gradients(case):
   _assert_same_fwd_bwd(case, dict(bwd_heads_fastest=True), dict(bwd_heads_fastest=False))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
-@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1)], ids=kernel_case_id)
-def test_batch_slowest_gives_the_same_results(case, fused):
-  """MosaicConfig.batch_slowest only moves the grid's batch axis (two batch entries): the split
-  backward bitwise; the fused one (float32 atomics) against the reference."""
-  if not fused:
-    _assert_same_fwd_bwd(case, dict(batch_slowest=True), {})
-    return
-  b, t, s, h, kh, d, causal, dtype = case
-  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d + 2)
-  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
-  config = dataclasses.replace(TUNED[(d, causal)], **mconfig.FUSED_DEFERRED, batch_slowest=True)
-  got = _fwd_bwd(lambda *a: pallas_flash.flash_attention(
-      *a, is_causal=causal, implementation="mosaic", config=config))(q, k, v, do)
-  want = _fwd_bwd(lambda *a: attention_reference(*a, None, None, params=p)[0])(q, k, v, do)
-  for name, g, r in zip(("o", "dq", "dk", "dv"), got, want):
-    assert _rel(g, r) <= TOL[dtype][0 if name == "o" else 1], (name, _rel(g, r))
-
-
 FUSED = dict(fused_backward=True, fused_dq_shared=True, compute_registers=240,
              producer_registers=24)
 

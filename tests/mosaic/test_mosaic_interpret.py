@@ -147,25 +147,6 @@ def test_backward_launch_order_gives_the_same_gradients(case, group):
                         dict(bwd_heads_fastest=False, bwd_head_group=group))
 
 
-@pytest.mark.parametrize("heads_fastest", [False, True], ids=["tiles_fastest", "heads_fastest"])
-def test_batch_slowest_gives_the_same_results(heads_fastest):
-  """MosaicConfig.batch_slowest only moves the batch axis of the grid: forward and backward
-  bitwise those of the default order (two batch entries, causal, GQA, odd lengths)."""
-  case = (2, 200, 190, 4, 2, 64, True, jnp.bfloat16)
-  b, t, s, h, kh, d, causal, dtype = case
-  q, k, v, _ = kernel_inputs(b, t, s, h, kh, d, dtype, seed=11)
-  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
-  base = dataclasses.replace(SMALL, heads_fastest=heads_fastest, bwd_heads_fastest=heads_fastest)
-  got, want = (forward(q, k, v, None, None, params=p,
-                       config=dataclasses.replace(base, batch_slowest=flag))
-               for flag in (True, False))
-  for g, r in zip(got, want):
-    assert bool(jnp.array_equal(g, r))
-  _assert_same_backward(case, 11, dict(heads_fastest=heads_fastest,
-                                       bwd_heads_fastest=heads_fastest, batch_slowest=True),
-                        dict(heads_fastest=heads_fastest, bwd_heads_fastest=heads_fastest))
-
-
 def test_fully_masked_row_contributes_nothing():
   # The mosaic API cannot produce such a row (no segment ids); the forward would give it o = 0
   # and lse = -inf, which the dQ kernel maps to lse2 = +inf (P = 0) as the XLA path does.
