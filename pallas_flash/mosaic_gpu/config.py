@@ -23,7 +23,7 @@ class MosaicConfig:
   Attributes:
     heads_fastest: forward launch order (after the batch entries, which always vary fastest;
       _common.launch_grid). False: consecutive CTAs take consecutive q tiles of one head (causal
-      tiles heaviest first), so the CTAs running together share one head's K/V in L2. True:
+      tiles heaviest first), so the CTAs running together share one head's K/V. True:
       they take the same q tile of consecutive heads. False measured 4-8 % faster non-causal
       on the H200 (623 vs 577 TFLOP/s at 4x4096x16x128) and 2-7 % faster causal and
       non-causal at 16K-32K (eighth session). Before the eighth session the two values
