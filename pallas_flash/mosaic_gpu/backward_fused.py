@@ -391,6 +391,14 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                                 _at(p_scratch, wg), kp)
       return dk, dv
 
+    def wait_dq_staging():
+      """Waits until the previous step's reduce-add has finished reading dq_smem; a step of
+      matmuls has run since it was issued, so this rarely waits. (The interpreter's reduction
+      is synchronous.)"""
+      if not kp.interpret:
+        with jax.named_scope("wait_reduce"):
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
     def deferred_dq(t):
       """dQ_part of step t: both WGs' dSᵀ of it times their K, this WG's half of D's
       columns, reduce-added into its q rows."""
@@ -399,9 +407,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
         plgpu.barrier_wait(ds_handoff.at[1 - wg, ds_slot])
       i, h = index(t)
       terms, cols = shared_dq_terms(ds_scratch.at[ds_slot])
-      if not kp.interpret:
-        with jax.named_scope("wait_reduce"):
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      wait_dq_staging()
       with jax.named_scope("dq_mm"):
         _dq_part(dq_smem, terms)
       with jax.named_scope("reduce_dq"):
@@ -409,9 +415,9 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                    _at(dq_loaded, wg), kp)
 
     def deferred_tiles(t, *, masked: bool):
-      """A deferred step's first half: (ring slot, Q, dO, Pᵀ f32, dSᵀ in kp.dtype); this WG's
-      dSᵀ is stored in slot t % 4 and handed to the other WG (offset: WG 0's first step
-      releases WG 1)."""
+      """A deferred step's first half: (ring slot, Q, dO, Pᵀ f32, dSᵀ in kp.dtype, dSᵀ's SMEM
+      slot); this WG's dSᵀ is stored in slot t % 4 and handed to the other WG (offset: WG 0's
+      first step releases WG 1)."""
       slot = lax.rem(t, stages)
       i, _ = index(t)
       q_smem, do_smem = _wait_streams(streams, slot)
@@ -420,26 +426,24 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       if offset:
         pl.when((t == 0) & (wg == 0))(lambda: plgpu.barrier_arrive(start))
       ds_slot = lax.rem(t, 4)
-      ds16 = ds_t.astype(kp.dtype)
+      ds16, ds_smem = ds_t.astype(kp.dtype), ds_scratch.at[ds_slot, wg]
       with jax.named_scope("ds_store"):
-        ds_scratch.at[ds_slot, wg][...] = ds16
+        ds_smem[...] = ds16
         plgpu.commit_smem()
       plgpu.barrier_arrive(ds_handoff.at[wg, ds_slot])
-      return slot, q_smem, do_smem, p_t, ds16
+      return slot, q_smem, do_smem, p_t, ds16, ds_smem
 
     def inline_step(t, carry, *, masked: bool):
       """defer_dq "inline": dV, dK and the previous step's dQ_part in one accumulator scope,
       the wait for the other WG's dSᵀ between them (step 0's dQ_part reads the slot the
       pre-arrival released and is not reduced)."""
       dk, dv = carry
-      slot, q_smem, do_smem, p_t, _ = deferred_tiles(t, masked=masked)
-      ds_smem, prev_slot = ds_scratch.at[lax.rem(t, 4), wg], lax.rem(t + 3, 4)
+      slot, q_smem, do_smem, p_t, _, ds_smem = deferred_tiles(t, masked=masked)
+      prev_slot = lax.rem(t + 3, 4)
       p16 = p_t.astype(kp.dtype)
       prev_i, prev_h = index(jnp.maximum(t - 1, 0))
       terms, cols = shared_dq_terms(ds_scratch.at[prev_slot])
-      if not kp.interpret:
-        with jax.named_scope("wait_reduce"):
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      wait_dq_staging()
       with jax.named_scope("grad_mm"):
         dv, dk = _gradient_matmuls(
             dv, dk, p16, ds_smem, q_smem, do_smem, [(dq_smem, terms)], _at(p_scratch, wg),
@@ -454,7 +458,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
 
     def deferred_step(t, carry, *, masked: bool):
       dk, dv = carry
-      slot, q_smem, do_smem, p_t, ds16 = deferred_tiles(t, masked=masked)
+      slot, q_smem, do_smem, p_t, ds16, _ = deferred_tiles(t, masked=masked)
       dk, dv = _dk_dv_updates(dk, dv, p_t, ds16, q_smem, do_smem, _at(p_scratch, wg),
                               (do_free.at[slot], q_free.at[slot]), kp)
       pl.when(t > 0)(lambda: deferred_dq(t - 1))
@@ -485,11 +489,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
         # step in between has seen the other WG finish reading it.
         with jax.named_scope("sync_ds"):
           _common.sync(ds_ready)
-      if not kp.interpret:
-        # The previous step's reduction must have finished reading dq_smem; a whole step of
-        # matmuls has run since it was issued, so this rarely waits.
-        with jax.named_scope("wait_reduce"):
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      wait_dq_staging()
       plan, dst = dq_plan(t)
       with jax.named_scope("grad_mm"):
         dv, dk = _gradient_matmuls(
