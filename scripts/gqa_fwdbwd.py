@@ -6,8 +6,8 @@ On the GPU machine, from the repository root:
 
 The benchmark's shapes are multi-head only; the training preset h200-long runs 2x16384 tokens
 with 8 query and 4 kv heads of dimension 128. For each shape: mosaic with the tuned config
-(the split backward, the default), with config.FUSED_DEFERRED and config.FUSED_DQ_WARPGROUP
-(the opt-in fused backwards), and cuDNN; the gradients of each against cuDNN's (max relative error), then TFLOP/s (causal:
+(the split backward, the default) and with config.FUSED_DEFERRED (the opt-in fused backward),
+and cuDNN; the gradients of each against cuDNN's (max relative error), then TFLOP/s (causal:
 3.5 x the forward's 2·B·H·T²·D) timed as `pallas_flash.bench` times. Writes
 DIR/gqa_fwdbwd.json.
 """
@@ -41,7 +41,6 @@ def _impls(d: int, t: int):
       q, k, v, is_causal=True, implementation="cudnn")
   return {"mosaic": ours(split),
           "mosaic_fused": ours(dataclasses.replace(split, **mconfig.FUSED_DEFERRED)),
-          "mosaic_dqwg": ours(dataclasses.replace(split, **mconfig.FUSED_DQ_WARPGROUP)),
           "cudnn": cudnn}
 
 

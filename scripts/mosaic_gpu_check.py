@@ -271,9 +271,6 @@ def main():
                      fwd_intra_wg_overlap=True, fused_backward=True, fused_dq_shared=True,
                      fused_defer_dq=True, fused_defer_inline=True, compute_registers=240,
                      producer_registers=24), fb),
-                 # dQ_part in the third warpgroup (config.FUSED_DQ_WARPGROUP).
-                 ("bwd_fused_dqwg", MosaicConfig(fwd_intra_wg_overlap=True,
-                                                 **mconfig.FUSED_DQ_WARPGROUP), fb),
                  ("bwd_fused_defer_offset_r240", MosaicConfig(
                      fwd_intra_wg_overlap=True, fused_backward=True, fused_dq_shared=True,
                      fused_defer_dq=True, fused_offset=True, compute_registers=240,

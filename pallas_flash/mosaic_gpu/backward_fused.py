@@ -65,31 +65,21 @@ _SMEM_SLACK_BYTES = 1024
 
 
 def smem_bytes(d: int, block_q: int, block_kv: int, stages: int, itemsize: int = 2, *,
-               dq_shared: bool = False, dq_slots: int = 1, defer_dq: bool = False,
-               dq_warpgroup: bool = False) -> int:
+               dq_shared: bool = False, dq_slots: int = 1, defer_dq: bool = False) -> int:
   """Shared memory of one CTA: K/V of both WGs, the Q/dO/lse/delta ring, dSᵀ and dQ (f32,
-  `dq_slots` buffers per WG; with dq_warpgroup one [block_q, D] buffer)."""
+  `dq_slots` buffers per WG)."""
   kv = 2 * 2 * block_kv * d * itemsize
   ring = stages * (2 * block_q * d * itemsize + 2 * block_q * 4)
-  ds = ds_slots(dq_shared, defer_dq, dq_warpgroup) * 2 * block_kv * block_q * itemsize
+  ds = ds_slots(dq_shared, defer_dq) * 2 * block_kv * block_q * itemsize
   dq = dq_slots * 2 * block_q * (d // 2 if dq_shared else d) * 4
-  if dq_warpgroup:
-    dq = block_q * d * 4
   return kv + ring + ds + dq + _SMEM_SLACK_BYTES
 
 
-def ds_slots(dq_shared: bool, defer_dq: bool, dq_warpgroup: bool = False) -> int:
+def ds_slots(dq_shared: bool, defer_dq: bool) -> int:
   """dSᵀ buffers per WG: with a deferred dQ_part, a WG rewrites slot t % 4 at step t + 4, after
   its step t + 3 saw the other WG arrive at t + 2, i.e. finish step t + 1 and its dQ_part of
-  step t, the slot's last reader; with a shared one, 2 (by step parity, see the kernel); with
-  the dQ warpgroup, DQ_WG_DS_SLOTS (its ds_free barriers say when a slot was read)."""
-  if dq_warpgroup:
-    return DQ_WG_DS_SLOTS
+  step t, the slot's last reader; with a shared one, 2 (by step parity, see the kernel)."""
   return 4 if defer_dq else (2 if dq_shared else 1)
-
-
-# fused_dq_warpgroup: a consumer may run this many steps ahead of the dQ warpgroup.
-DQ_WG_DS_SLOTS = 2
 
 
 def dq_slots(d: int, config: MosaicConfig, itemsize: int = 2) -> int:
@@ -121,16 +111,13 @@ def unsupported_reason(q, config: MosaicConfig) -> str | None:
     return "fused_defer_inline needs fused_defer_dq (it is a form of the deferred dQ_part)"
   if config.fused_offset and not config.fused_defer_dq:
     return "fused_offset needs fused_defer_dq (it offsets the warpgroups the deferral decouples)"
-  if config.fused_dq_warpgroup and (config.fused_dq_shared or config.fused_overlap):
-    return ("fused_dq_warpgroup replaces fused_dq_shared, fused_overlap and fused_defer_dq (got "
-            f"fused_dq_shared={config.fused_dq_shared}, fused_overlap={config.fused_overlap})")
   if config.fused_overlap and config.fused_dq_blocks != 1:
     return (f"fused_overlap needs fused_dq_blocks 1 (got {config.fused_dq_blocks}): it issues "
             "dQ_part as one accumulator next to dK")
   need = smem_bytes(d, config.block_q_fused, config.block_kv_fused, config.fused_stages,
                     jnp.dtype(q.dtype).itemsize, dq_shared=config.fused_dq_shared,
                     dq_slots=dq_slots(d, config, jnp.dtype(q.dtype).itemsize),
-                    defer_dq=config.fused_defer_dq, dq_warpgroup=config.fused_dq_warpgroup)
+                    defer_dq=config.fused_defer_dq)
   if need > SMEM_LIMIT_BYTES:
     return (f"needs about {need} B of shared memory (head_dim {d}, block_q_fused "
             f"{config.block_q_fused}, block_kv_fused {config.block_kv_fused}, fused_stages "
@@ -293,17 +280,6 @@ def _reduce_dq(dq_smem, dq_acc_ref, dst, wg, dq_loaded, kp: _common.KernelParams
   plgpu.copy_smem_to_gmem(dq_smem, dq_acc_ref.at[dst], reduction_op="add")
 
 
-def _step_index(step, *, cta_first, kt, kvh, nq: int, g_size: int, stagger_q: bool):
-  """(q block, query head) of a fused CTA's step: q blocks from cta_first on, the G query heads
-  of kv head kvh minor."""
-  i = lax.div(step, g_size)
-  if stagger_q:
-    # Non-causal: CTA kt starts at q block kt, so CTAs running together reduce into
-    # different dQ rows instead of all hitting the same ones.
-    i = lax.rem(i + kt, nq)
-  return cta_first + i, kvh * g_size + lax.rem(step, g_size)
-
-
 def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_ref, dk_ref, dv_ref,
                       k_scratch, v_scratch, q_scratch, do_scratch, lse_scratch, delta_scratch,
                       ds_scratch, dq_scratch, p_scratch, kv_ready, q_ready, do_ready, lse_ready,
@@ -343,8 +319,14 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   cta_first = _first_q_block(cta_k0, kp)
   cta_steps = (nq - cta_first) * g_size
 
-  index = functools.partial(_step_index, cta_first=cta_first, kt=kt, kvh=kvh, nq=nq,
-                            g_size=g_size, stagger_q=stagger_q)
+  def index(step):
+    i = lax.div(step, g_size)
+    if stagger_q:
+      # Non-causal: CTA kt starts at q block kt, so CTAs running together reduce into
+      # different dQ rows instead of all hitting the same ones.
+      i = lax.rem(i + kt, nq)
+    return cta_first + i, kvh * g_size + lax.rem(step, g_size)
+
   streams = ((q_ref, q_scratch, q_ready, q_free), (do_ref, do_scratch, do_ready, do_free),
              (lse_ref, lse_scratch, lse_ready, lse_free),
              (delta_ref, delta_scratch, delta_ready, delta_free))
@@ -559,169 +541,9 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
     _produce_query_streams(cta_steps, stages, streams, index, b, bq)
 
 
-def _dv_dk_from_smem_ds(dv, dk, p_t, ds_smem, q_smem, do_smem, p_staging, frees,
-                        kp: _common.KernelParams):
-  """dV += Pᵀ·dO (Pᵀ [block_kv, block_q] in registers) and dK += dSᵀ·Q with dSᵀ read back
-  from ds_smem: a register dSᵀ operand next to Pᵀ, dK, dV, Sᵀ and dPᵀ makes ptxas serialise
-  every wgmma below 240 registers. Issued back to back; frees = (dO's, Q's) free barriers,
-  each arrived on once the matmul reading its tile has retired."""
-  do_free, q_free = frees
-  if kp.interpret:
-    dv = _common.accumulate(dv, p_t, p_staging, do_smem, kp)
-    plgpu.barrier_arrive(do_free)
-    dk = _accumulate_smem(dk, ds_smem, q_smem, kp)
-    plgpu.barrier_arrive(q_free)
-    return dv, dk
-
-  def mm(refs):
-    dv_ref, dk_ref = refs
-    plgpu.wgmma(dv_ref, p_t, do_smem)
-    plgpu.wgmma(dk_ref, ds_smem, q_smem)
-    plgpu.wgmma_wait(1)
-    plgpu.barrier_arrive(do_free)
-
-  dv, dk = pl.run_state(mm)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
-  plgpu.barrier_arrive(q_free)
-  return dv, dk
-
-
-def _bwd_fused_dq_wg_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_ref, dk_ref,
-                            dv_ref, k_scratch, v_scratch, q_scratch, do_scratch, lse_scratch,
-                            delta_scratch, ds_scratch, dq_scratch, p_scratch, kv_ready, q_ready,
-                            do_ready, lse_ready, delta_ready, q_free, do_free, lse_free,
-                            delta_free, dq_loaded, ds_ready, ds_free, *,
-                            kp: _common.KernelParams, stagger_q: bool, dq_blocks: int):
-  """The fused backward with dQ_part computed by the third warpgroup (fused_dq_warpgroup).
-
-  Refs as in _bwd_fused_kernel, except: ds_scratch [DQ_WG_DS_SLOTS, 2 WGs, block_kv, block_q]
-  (dSᵀ), dq_scratch [dq_blocks, block_q, D / dq_blocks] f32, dq_acc_ref [1, B, Tp, H, D] in
-  interpret mode; ds_ready [slots] (both consumer WGs arrive), ds_free [slots] (the dQ WG
-  arrives once it has read a slot).
-
-  The consumer WGs run 4 matmuls per step (Sᵀ, dPᵀ, dV, dK from the dSᵀ they hand over); the third
-  warpgroup, besides issuing the TMA loads, computes dQ_part = dS·K over the CTA's 2·block_kv
-  keys from both dSᵀ tiles (SMEM operands, in dq_blocks column blocks) and reduce-adds it. Its
-  matmuls can fill the tensor cores while the consumers do elementwise work, the consumers hold
-  no dQ accumulator, and they never wait for each other.
-  """
-  bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
-  nq = kp.t_pad // bq
-  n_ds = DQ_WG_DS_SLOTS
-  b, wg = lax.axis_index("b"), lax.axis_index("wg")
-  kt, kvh = _tile_and_head(("kt", "kvh"), k_ref.shape[2], kp)
-  cta_k0 = kt * (2 * bkv)
-  cta_first = _first_q_block(cta_k0, kp)
-  cta_steps = (nq - cta_first) * g_size
-  index = functools.partial(_step_index, cta_first=cta_first, kt=kt, kvh=kvh, nq=nq,
-                            g_size=g_size, stagger_q=stagger_q)
-  streams = ((q_ref, q_scratch, q_ready, q_free), (do_ref, do_scratch, do_ready, do_free),
-             (lse_ref, lse_scratch, lse_ready, lse_free),
-             (delta_ref, delta_scratch, delta_ready, delta_free))
-
-  @pl.when(wg < 2)
-  def _consumer():
-    plgpu.set_max_registers(kp.compute_registers, action="increase")
-    k_smem, v_smem = k_scratch.at[wg], v_scratch.at[wg]
-    k0 = cta_k0 + wg * bkv
-    rows = (b, pl.ds(k0, bkv), kvh)
-    _load_kv_tiles(k_ref, v_ref, k_smem, v_smem, kv_ready, wg, rows)
-
-    def step(t, carry, *, masked: bool):
-      dk, dv = carry
-      slot, ds_slot = lax.rem(t, stages), lax.rem(t, n_ds)
-      i, _ = index(t)
-      q_smem, do_smem = _wait_streams(streams, slot)
-      p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
-                                         (lambda: i) if masked else None, kp)
-      ds16 = ds_t.astype(kp.dtype)
-      with jax.named_scope("ds_store"):
-        # The dQ WG has read this slot n_ds steps ago, unless this is its first use.
-        pl.when(t >= n_ds)(lambda: plgpu.barrier_wait(ds_free.at[ds_slot]))
-        ds_scratch.at[ds_slot, wg][...] = ds16
-        plgpu.commit_smem()
-      plgpu.barrier_arrive(ds_ready.at[ds_slot])
-      with jax.named_scope("grad_mm"):
-        dv, dk = _dv_dk_from_smem_ds(dv, dk, p_t.astype(kp.dtype), ds_scratch.at[ds_slot, wg],
-                                     q_smem, do_smem, _at(p_scratch, wg),
-                                     (do_free.at[slot], q_free.at[slot]), kp)
-      return dk, dv
-
-    zeros = plgpu.layout_cast(jnp.zeros((bkv, kp.d), jnp.float32), plgpu.Layout.WGMMA)
-    carry, first = (zeros, zeros), 0
-    # Both WGs run every CTA step (the dQ WG needs both dSᵀ tiles): WG 1's steps before its
-    # first visible q block are masked to zero, as are the steps crossing the diagonal.
-    full = _first_unmasked_step(k0, cta_first, kp) if kp.causal else 0
-    if kp.kv_tail:
-      # As in _bwd_fused_kernel: the tile holding the padded keys masks every step.
-      full = jnp.where(k0 + bkv > kp.kv_len, cta_steps, full)
-    if kp.needs_mask:
-      carry = lax.fori_loop(0, full, functools.partial(step, masked=True), carry)
-      first = full
-    dk, dv = lax.fori_loop(first, cta_steps, functools.partial(step, masked=False), carry)
-    # The dQ WG's last matmuls read this WG's K tile, about to be overwritten by dK; they have
-    # retired once it released their dSᵀ slots.
-    _common.observe_last_releases([ds_free], cta_steps, n_ds)
-    _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, kp)
-
-  @pl.when(wg == 2)
-  def _dq_warpgroup():
-    plgpu.set_max_registers(kp.producer_registers, action="decrease")
-    rows = (lambda t: (b, pl.ds(index(t)[0] * bq, bq), index(t)[1]),
-            lambda t: (b, index(t)[1], pl.ds(index(t)[0] * bq, bq)))
-
-    def load(j):
-      slot = lax.rem(j, stages)
-      for (src, dst, ready, free), at in zip(streams, (rows[0], rows[0], rows[1], rows[1])):
-        plgpu.copy_gmem_to_smem(src.at[at(j)], dst.at[slot], ready.at[slot])
-
-    for j in range(stages):
-      pl.when(j < cta_steps)(functools.partial(load, j))
-    for w in range(2):  # both K tiles (the consumers' loads)
-      plgpu.barrier_wait(kv_ready.at[w, 0])
-    width = kp.d // dq_blocks
-
-    @pl.loop(0, cta_steps)
-    def _(t):
-      ds_slot = lax.rem(t, n_ds)
-      i, h = index(t)
-      with jax.named_scope("wait_ds"):
-        plgpu.barrier_wait(ds_ready.at[ds_slot])
-      for c in range(dq_blocks):
-        cols = pl.ds(c * width, width)
-
-        def mm(acc_ref, c=c, cols=cols):
-          for w in range(2):
-            plgpu.wgmma(acc_ref, ds_scratch.at[ds_slot, w].T, k_scratch.at[w, :, cols])
-          return acc_ref[...]  # waits for both
-
-        with jax.named_scope("dq_mm"):
-          dq = pl.run_scoped(mm, plgpu.ACC((bq, width), jnp.float32))
-        if c == dq_blocks - 1:
-          plgpu.barrier_arrive(ds_free.at[ds_slot])
-        with jax.named_scope("reduce_dq"):
-          if not kp.interpret:
-            # This block's staging buffer was last read by the reduction issued dq_blocks
-            # reductions ago.
-            plgpu.wait_smem_to_gmem(dq_blocks - 1, wait_read_only=True)
-          dq_scratch.at[c][...] = dq
-          _reduce_dq(dq_scratch.at[c], dq_acc_ref, (b, pl.ds(i * bq, bq), h, cols), 0,
-                     _at(dq_loaded, 0), kp)
-
-      @pl.when(t + stages < cta_steps)
-      def _():
-        with jax.named_scope("wait_free"):
-          for _, _, _, free in streams:
-            plgpu.barrier_wait(free.at[lax.rem(t, stages)])
-        load(t + stages)
-
-    _common.observe_last_releases([free for _, _, _, free in streams], cta_steps, stages)
-    plgpu.wait_smem_to_gmem(0)
-
-
 def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q: bool = False,
                dq_blocks: int = 1, dq_shared: bool = False, overlap: bool = False,
-               dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
-               dq_warpgroup: bool = False):
+               dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False):
   """Padded q/do [B, Tp, H, D], k/v [B, Sp, K, D], lse2/delta [B, H, Tp] ->
   (dq_acc [B, Tp, H, D] f32 unscaled, dk [B, Sp, K, D] scaled, dv [B, Sp, K, D])."""
   bsz, s_pad, kh, d = k.shape
@@ -734,9 +556,6 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   # the fused kernel keeps the plain heads-fastest (or tiles-fastest) order.
   kp = dataclasses.replace(kp, bwd_head_group=0)
   tiles = _common.smem_transforms(kp.dtype)
-  if dq_warpgroup:
-    return _dq_warpgroup_call(q, k, v, do, lse2, delta, kp=kp, stagger_q=stagger_q,
-                              dq_blocks=dq_blocks)
   scratch = [
       *kv_stream_smem(kp, d),
       plgpu.SMEM(((ds_slots(dq_shared, defer_dq),) if dq_shared else ()) + (2, bkv, bq),
@@ -772,42 +591,6 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   return dq, dk, dv
 
 
-def _dq_warpgroup_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q: bool,
-                       dq_blocks: int):
-  """fused_call for fused_dq_warpgroup (_bwd_fused_dq_wg_kernel)."""
-  bsz, s_pad, kh, d = k.shape
-  bq, bkv = kp.block_q, kp.block_kv
-  tiles = _common.smem_transforms(kp.dtype)
-  scratch = [
-      *kv_stream_smem(kp, d),
-      plgpu.SMEM((DQ_WG_DS_SLOTS, 2, bkv, bq), kp.dtype, transforms=tiles),
-      plgpu.SMEM((dq_blocks, bq, d // dq_blocks), jnp.float32,
-                 transforms=_common.smem_transforms(jnp.float32)),
-      plgpu.SMEM((2, bkv, bq), kp.dtype, transforms=tiles) if kp.interpret else None,
-      *kv_stream_barriers(kp),
-      plgpu.Barrier(num_barriers=2) if kp.interpret else None,
-      plgpu.Barrier(num_arrivals=2, num_barriers=DQ_WG_DS_SLOTS),
-      plgpu.Barrier(num_barriers=DQ_WG_DS_SLOTS),
-  ]
-  # One writer per CTA (the dQ WG); in interpret mode grid points run one after another.
-  dq_acc = jax.new_ref(jnp.zeros(((1,) if kp.interpret else ()) + q.shape, jnp.float32))
-  kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
-  dk, dv = plgpu.kernel(
-      functools.partial(_bwd_fused_dq_wg_kernel, kp=kp, stagger_q=stagger_q,
-                        dq_blocks=dq_blocks),
-      out_type=(kv_out, kv_out),
-      scratch_types=scratch,
-      **_launch_order(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"), kp),
-      num_threads=3, thread_name="wg",
-      compiler_params=_common.compiler_params(kp, min(profile_steps(kp), PROFILE_STEPS)),
-      interpret=_common.interpret_params(kp.interpret),
-  )(q, k, v, do, lse2, delta, dq_acc)
-  dq = jax.freeze(dq_acc)
-  if kp.interpret:
-    dq = dq[0]
-  return dq, dk, dv
-
-
 def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: MosaicConfig):
   """q/do [B, T, H, D], k/v [B, S, K, D], lse/delta [B, H, T] -> (dq, dk, dv) in q.dtype.
 
@@ -835,7 +618,6 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
                               dq_slots=dq_slots(q.shape[3], config, jnp.dtype(q.dtype).itemsize),
                               defer_dq=("inline" if config.fused_defer_inline
                                         else config.fused_defer_dq),
-                              offset=config.fused_offset,
-                              dq_warpgroup=config.fused_dq_warpgroup)
+                              offset=config.fused_offset)
   dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)
   return dq, dk[:, :s], dv[:, :s]

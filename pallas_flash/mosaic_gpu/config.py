@@ -107,13 +107,6 @@ class MosaicConfig:
       unreduced dQ_part instead of a branch).
     fused_offset: with fused_defer_dq: warpgroup 1 starts once warpgroup 0 has its first
       Sᵀ and dPᵀ, so that one's elementwise work runs while the other's matmuls do.
-    fused_dq_warpgroup: fused backward, instead of fused_dq_shared / fused_overlap /
-      fused_defer_dq: the third warpgroup, which issues the TMA loads, also computes dQ_part =
-      dS·K over the CTA's 2 x block_kv_fused keys (SMEM operands, in fused_dq_blocks column
-      blocks) and reduce-adds it; the consumers run Sᵀ, dPᵀ, dV and dK and hand dSᵀ over
-      through backward_fused.DQ_WG_DS_SLOTS slots, never waiting for each other. Its dQ_part accumulator
-      lives in the third warpgroup's registers: set producer_registers to hold it
-      (FUSED_DQ_WARPGROUP: 224 / 64 with fused_dq_blocks 2).
     dkdv_schedule: the split backward's dK/dV kernel, per (q block, query head) step of a
       warpgroup. "serial": Sᵀ and dPᵀ, wait; Pᵀ, dSᵀ; dV += Pᵀ·dO, wait; dK += dSᵀ·Q, wait.
       "batched": dV and dK issued back to back with one wait (dO released as soon as dV
@@ -182,7 +175,6 @@ class MosaicConfig:
   fused_defer_dq: bool = False
   fused_defer_inline: bool = False
   fused_offset: bool = False
-  fused_dq_warpgroup: bool = False
   dkdv_schedule: str = "serial"
   dkdv_pingpong: bool = False
   bwd_delta_in_kernel: bool = True
@@ -212,9 +204,13 @@ class MosaicConfig:
     for name in ("compute_registers", "producer_registers"):
       if getattr(self, name) % 8 or not 24 <= getattr(self, name) <= 256:
         raise ValueError(f"MosaicConfig.{name} must be a multiple of 8 in [24, 256]")
-    if 2 * self.compute_registers + self.producer_registers > 512:
-      raise ValueError("2 * compute_registers + producer_registers must be <= 512 "
-                       "(65,536 registers per SM / 128 threads per warpgroup)")
+    if 2 * self.compute_registers + self.producer_registers > 504:
+      # setmaxnreg only moves registers between a CTA's warps: the pool is what the launch
+      # gave 3 warpgroups, 168 each (65,536 / 384 threads, in steps of 8). Asking for more
+      # leaves a warpgroup's setmaxnreg.inc waiting forever (a hang on the GPU, which neither
+      # the interpreter nor ptxas reports).
+      raise ValueError("2 * compute_registers + producer_registers must be <= 504 (3 "
+                       "warpgroups x 168 registers per thread at launch), e.g. 240 / 24")
 
 
 # Keyed by (head_dim, is_causal). Device NVIDIA H200, jax 0.11.2, CUDA 13, 2026-11-29; command:
@@ -268,16 +264,6 @@ MEDIUM_KV_LEN = 4096
 # so no default uses it. Its dQ sums vary run to run (float32 atomics).
 FUSED_DEFERRED = dict(fused_backward=True, fused_dq_shared=True, fused_defer_dq=True,
                       fused_defer_inline=True, compute_registers=240, producer_registers=24)
-
-# The fused backward with dQ_part in the third warpgroup (ninth session), opt-in; dV and dK
-# are always issued back to back (dkdv_schedule does not apply). 224 / 64
-# registers with dQ_part in two column blocks and dK reading dSᵀ back from shared memory: the
-# one split found at which ptxas keeps every wgmma asynchronous (deviceless SASS, head_dim 128:
-# 13 spill loads per consumer step, 1 per dQ step). A 64-column dQ accumulator, a dQ
-# warpgroup of 48 or fewer registers, consumers of 216 or fewer, or dK from a register dSᵀ
-# below 224 make ptxas serialise every wgmma (C7512).
-FUSED_DQ_WARPGROUP = dict(fused_backward=True, fused_dq_warpgroup=True, fused_dq_blocks=2,
-                          compute_registers=224, producer_registers=64)
 
 
 def tuned(head_dim: int, is_causal: bool, kv_len: int) -> MosaicConfig:

@@ -80,15 +80,11 @@ def test_hd256_uses_the_blockwise_backward(causal):
                producer_registers=24)),
     (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_offset=True)),
     (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
-               compute_registers=240, producer_registers=24)),
-    (128, dict(fused_dq_warpgroup=True, fused_dq_blocks=2, compute_registers=224,
-               producer_registers=64)),
-    (64, dict(fused_dq_warpgroup=True))],
+               compute_registers=240, producer_registers=24))],
     ids=["d64_bq128", "d64_bkv128", "d64_stages3", "d64_stagger", "d128_dq_blocks2",
          "d128_regs240", "d128_dq_shared", "d128_dq_shared_stages3", "d64_overlap_stages3",
          "d128_overlap_dq_shared_stagger", "d128_overlap_dq_shared_stages3",
-         "d128_defer_dq_regs240", "d128_defer_dq_offset", "d128_defer_inline_regs240",
-         "d128_dq_wg_blocks2", "d64_dq_wg"])
+         "d128_defer_dq_regs240", "d128_defer_dq_offset", "d128_defer_inline_regs240"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fused_variants_lower(d, kw, causal):
   text = _grad_module(1, 1000, 1000, 4, 2, d, causal, _fused(d, causal, **kw))
@@ -128,10 +124,8 @@ def test_overlap_double_buffers_dq_where_it_fits(d, kw, slots):
     (dict(fused_defer_dq=True), "fused_dq_shared"),
     (dict(fused_defer_dq=True, fused_dq_shared=True, fused_overlap=True), "fused_overlap"),
     (dict(fused_offset=True, fused_dq_shared=True), "fused_defer_dq"),
-    (dict(fused_defer_inline=True, fused_dq_shared=True), "fused_defer_dq"),
-    (dict(fused_dq_warpgroup=True, fused_dq_shared=True), "fused_dq_warpgroup"),
-    (dict(fused_dq_warpgroup=True, fused_overlap=True), "fused_dq_warpgroup")])
-def test_incompatible_fused_options_are_rejected(kw, expected):
+    (dict(fused_defer_inline=True, fused_dq_shared=True), "fused_defer_dq")])
+def test_defer_dq_needs_a_shared_dq_without_overlap(kw, expected):
   q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
   assert expected in backward_fused.unsupported_reason(q, _fused(128, False, **kw))
   ok = _fused(128, False, fused_dq_shared=True, fused_defer_dq=True, fused_offset=True)
@@ -224,14 +218,6 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
     (1, 200, 260, 2, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
                                                        fused_defer_dq=True,
                                                        fused_defer_inline=True)),
-    # fused_dq_warpgroup: dQ_part in the third warpgroup, one or two column blocks, causal CTAs
-    # with idle WGs and whole CTAs without steps, kv tail, GQA, more steps than dSᵀ slots.
-    (1, 330, 260, 4, 2, 128, True, jnp.bfloat16, dict(fused_dq_warpgroup=True,
-                                                      fused_dq_blocks=2)),
-    (1, 130, 260, 2, 1, 128, True, jnp.float16, dict(fused_dq_warpgroup=True)),
-    (1, 200, 260, 2, 2, 128, False, jnp.bfloat16, dict(fused_dq_warpgroup=True,
-                                                       fused_stagger_q=True)),
-    (1, 190, 130, 8, 2, 64, True, jnp.float16, dict(fused_dq_warpgroup=True)),
     # bwd_head_group is ignored by the fused kernel (see fused_call).
     (1, 130, 200, 8, 4, 128, True, jnp.bfloat16, dict(fused_dq_shared=True,
                                                       bwd_heads_fastest=True, bwd_head_group=2)),

@@ -126,10 +126,8 @@ FUSED = dict(fused_backward=True, fused_dq_shared=True, compute_registers=240,
 
 @pytest.mark.parametrize("changes", [{}, dict(fused_defer_dq=True),
                                      dict(fused_defer_dq=True, fused_offset=True),
-                                     dict(fused_defer_dq=True, fused_defer_inline=True),
-                                     dict(fused_dq_shared=False, **mconfig.FUSED_DQ_WARPGROUP)],
-                         ids=["dq_shared", "defer_dq", "defer_dq_offset", "defer_inline",
-                              "dq_warpgroup"])
+                                     dict(fused_defer_dq=True, fused_defer_inline=True)],
+                         ids=["dq_shared", "defer_dq", "defer_dq_offset", "defer_inline"])
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 3, 4, 9)], ids=kernel_case_id)
 def test_fused_backward_gradients(case, changes):
   """The single-kernel backward (opt-in; dQ summed by float32 atomics, so compared with the
@@ -137,7 +135,7 @@ def test_fused_backward_gradients(case, changes):
   b, t, s, h, kh, d, causal, dtype = case
   q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d + 1)
   p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
-  config = dataclasses.replace(TUNED[(d, causal)], **{**FUSED, **changes})
+  config = dataclasses.replace(TUNED[(d, causal)], **FUSED, **changes)
   assert backward_fused.unsupported_reason(q, config) is None  # no fallback to the split
   got = _fwd_bwd(lambda *a: pallas_flash.flash_attention(
       *a, is_causal=causal, implementation="mosaic", config=config))(q, k, v, do)

@@ -166,6 +166,9 @@ def test_explain_shows_the_reason_for_segments():
                                       (dict(compute_registers=236), "compute_registers"),
                                       (dict(compute_registers=248, producer_registers=24),
                                        "2 \\* compute_registers"),
+                                      # 512: hangs on the GPU (setmaxnreg's pool is 3 x 168)
+                                      (dict(compute_registers=224, producer_registers=64),
+                                       "2 \\* compute_registers"),
                                       (dict(dkdv_schedule="lookahead"), "dkdv_schedule")])
 def test_bad_config_is_refused_naming_the_field(kw, field):
   with pytest.raises(ValueError, match=field):
