@@ -4,7 +4,8 @@
 # mosaic-sweep bwd-kernels (PTXAS_VARIANTS: scripts/mosaic_ptxas.py variants, default all;
 # PTXAS_SHAPE B,T,H,D; MOSAIC_VARIANTS: mosaic_gpu_check.py --sweep variants, default the
 # split backward against the opt-in deferred fused one; BWD_OVERRIDES: MosaicConfig key=value for
-# bwd-kernels). Results go to $OUT (default ./gpu_out). Each stage is cut off after
+# bwd-kernels; GPU_MARK: the tests stage's marker expression, e.g. "gpu and not fused" for the
+# default kernels' cases only; GPU_TESTS: its paths). Results go to $OUT (default ./gpu_out). Each stage is cut off after
 # ${STAGE_LIMIT_S:-900} s (timeout rc 124).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -21,7 +22,7 @@ for stage in "$@"; do
   case $stage in
     env) run env bash -c "nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv; \
            $py -c 'import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())'; git rev-parse HEAD 2>/dev/null || true" ;;
-    tests) run tests $py -m pytest -q -m gpu -n 4 -p no:cacheprovider ${GPU_TESTS:-tests} ;;
+    tests) run tests $py -m pytest -q -m "${GPU_MARK:-gpu}" -n 4 -p no:cacheprovider ${GPU_TESTS:-tests} ;;
     mosaic-tests) run mosaic-tests $py -m pytest -q -m gpu -p no:cacheprovider tests/mosaic \
                     tests/test_gpu_features.py ;;
     features) run features $py scripts/features_bench.py --json "$OUT/features.json" ;;

@@ -124,6 +124,7 @@ FUSED = dict(fused_backward=True, fused_dq_shared=True, compute_registers=240,
              producer_registers=24)
 
 
+@pytest.mark.fused
 @pytest.mark.parametrize("changes", [{}, dict(fused_defer_dq=True),
                                      dict(fused_defer_dq=True, fused_offset=True),
                                      dict(fused_defer_dq=True, fused_defer_inline=True)],
@@ -144,6 +145,7 @@ def test_fused_backward_gradients(case, changes):
     assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
 
 
+@pytest.mark.fused
 def test_deterministic_long_causal_gradients_are_bitwise_reproducible():
   """deterministic=True (the split backward) is bitwise equal run to run at 16K causal; the
   opt-in fused kernel (float32 atomics, config.FUSED_DEFERRED) agrees with it closely."""
