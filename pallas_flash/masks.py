@@ -80,6 +80,10 @@ def block_runs(owner, *, owner_block: int, other_block: int, num_other: int,
   full_hi = num_other if hi is None else div(maximum(o_first + hi + 1, 0), other_block)
   if limits is not None:
     first, last = maximum(first, limits[0]), minimum(last, limits[1])
+  # An owner that sees no other block (queries past every key under a window, say) would get
+  # first > last, even first > num_other; callers that loop over [0, first) to zero the blocks
+  # they skip (the Triton dQ kernel's dbias) would then write past the row.
+  first = minimum(first, last)
   if other_tail:
     full_hi = minimum(full_hi, num_other - 1)
   if element_mask and full_limits is None:

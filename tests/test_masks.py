@@ -34,7 +34,7 @@ def _brute(band, t, s, bq, bk, tail):
 
 @pytest.mark.parametrize("band", BANDS, ids=str)
 @pytest.mark.parametrize("t, s, bq, bk", [(64, 64, 16, 16), (70, 90, 32, 16), (50, 200, 16, 64),
-                                          (1, 1, 16, 16)])
+                                          (1, 1, 16, 16), (200, 50, 16, 16)])
 def test_block_runs_match_brute_force(band, t, s, bq, bk):
   nq, nk = -(-t // bq), -(-s // bk)
   any_, full = _brute(band, t, s, bq, bk, tail=s)
@@ -42,6 +42,8 @@ def test_block_runs_match_brute_force(band, t, s, bq, bk):
     first, full_lo, full_hi, last = (int(x) for x in masks.block_runs(
         jnp.int32(i), owner_block=bq, other_block=bk, num_other=nk, band=band,
         element_mask=False, other_tail=s % bk != 0))
+    # Also for owners that see nothing: [0, first) and [last, nk) are the skipped blocks.
+    assert 0 <= first <= full_lo <= full_hi <= last <= nk, (i, first, full_lo, full_hi, last)
     visited = np.zeros(nk, bool)
     visited[first:last] = True
     assert (visited >= any_[i]).all(), f"block {i} misses visible blocks"
