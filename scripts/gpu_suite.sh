@@ -5,8 +5,8 @@
 # PTXAS_SHAPE B,T,H,D; MOSAIC_VARIANTS: mosaic_gpu_check.py --sweep variants, default the
 # split backward against the opt-in deferred fused one; BWD_OVERRIDES: MosaicConfig key=value for
 # bwd-kernels; GPU_MARK: the tests stage's marker expression, e.g. "gpu and not fused" for the
-# default kernels' cases only; GPU_TESTS: its paths). Results go to $OUT (default ./gpu_out). Each stage is cut off after
-# ${STAGE_LIMIT_S:-900} s (timeout rc 124).
+# default kernels' cases only; GPU_TESTS: its paths). Results go to $OUT (default ./gpu_out).
+# Each stage is cut off after ${STAGE_LIMIT_S:-900} s (timeout rc 124).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
