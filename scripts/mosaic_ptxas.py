@@ -14,9 +14,9 @@ CUDA plugin and ptxas, without running them (the PTX is the same as on the GPU).
 
 Each variant runs in its own process with MOSAIC_GPU_DUMP_PTXAS / _PTX set and
 MOSAIC_GPU_DUMP_TO=DIR/ptxas/<variant>. The parent prints per kernel ptxas' spill bytes and any
-C7513 "wgmma ... serialized" warning; with --sass also the SASS (`<kernel>.sass`, needs ptxas
-and nvdisasm) and how many spill instructions sit in the loops that issue wgmmas (HGMMA), i.e.
-in the main loops rather than in set-up code. A variant is NAME or
+C7512 / C7513 "wgmma ... serialized" or C7507 "setmaxnreg ignored" warning; with --sass also
+the SASS (`<kernel>.sass`, needs ptxas and nvdisasm) and how many spill instructions sit in the
+loops that issue wgmmas (HGMMA), i.e. in the main loops rather than in set-up code. A variant is NAME or
 NAME@key=value,... (MosaicConfig overrides); without arguments every entry of VARIANTS runs.
 """
 
@@ -147,6 +147,10 @@ def _tool(name: str) -> str | None:
 
 _ADDR = re.compile(r"/\*([0-9a-f]{4,})\*/")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+# ptxas diagnostics that cost a kernel its register plan: C7507 'setmaxnreg' ignored (the whole
+# kernel then runs at the launch's registers), C7512 / C7513 wgmma serialised.
+_WARNINGS = ("C7507", "C7512", "C7513")
+
 # Predicated branches only: the unconditional ones jump back from out-of-line barrier retry
 # blocks at the end of the kernel, which are not loops.
 _BRANCH = re.compile(r"@!?U?P\d\s+BRA\s+`\((\.L_x_\d+)\)")
@@ -236,7 +240,8 @@ def main() -> None:
       text = p.read_text(errors="replace")
       kernels[p.stem] = dict(spills=[tuple(map(int, s)) for s in _SPILL.findall(text)][:1],
                              serialized=[ln.strip() for ln in text.splitlines()
-                                         if "C7513" in ln or "serializ" in ln.lower()])
+                                         if any(w in ln for w in _WARNINGS)
+                                         or "serializ" in ln.lower()])
       if args.sass and (dump / f"{p.stem}.ptx").is_file():
         kernels[p.stem]["sass"] = sass_report(dump / f"{p.stem}.ptx")
     timing = [json.loads(ln) for ln in log.splitlines() if ln.startswith('{"variant"')]
