@@ -16,8 +16,9 @@ Each variant runs in its own process with MOSAIC_GPU_DUMP_PTXAS / _PTX set and
 MOSAIC_GPU_DUMP_TO=DIR/ptxas/<variant>. The parent prints per kernel ptxas' spill bytes and any
 C7512 / C7513 "wgmma ... serialized" or C7507 "setmaxnreg ignored" warning; with --sass also
 the SASS (`<kernel>.sass`, needs ptxas and nvdisasm) and how many spill instructions sit in the
-loops that issue wgmmas (HGMMA), i.e. in the main loops rather than in set-up code. A variant is NAME or
-NAME@key=value,... (MosaicConfig overrides); without arguments every entry of VARIANTS runs.
+loops that issue wgmmas (HGMMA), i.e. in the main loops rather than in set-up code. A variant
+is NAME or NAME@key=value,... (MosaicConfig overrides); without arguments every entry of
+VARIANTS runs.
 """
 
 from __future__ import annotations
