@@ -62,7 +62,7 @@ def save(results):
 SWEEP = [(4, 4096, 16, 128, False), (4, 4096, 16, 128, True), (1, 16384, 16, 128, False),
          (1, 16384, 16, 128, True), (4, 4096, 32, 64, False), (16, 1024, 16, 64, False),
          (16, 1024, 16, 128, False), (1, 32768, 16, 128, False), (1, 32768, 16, 128, True),
-         (2, 8192, 16, 128, True)]
+         (2, 8192, 16, 128, True), (2, 16384, 8, 128, True)]
 
 
 def rel_err(x, ref):
@@ -213,6 +213,11 @@ def main():
                  ("heads", MosaicConfig(heads_fastest=True), fwd),
                  ("qtiles", MosaicConfig(heads_fastest=False), fwd),
                  ("s3", MosaicConfig(num_stages=3), fwd),
+                 # Causal q tiles lightest first (tokamax's order), plain loop at 232/40 as
+                 # tokamax's sm90 kernel, and with the tuned hd128 forward.
+                 ("light", MosaicConfig(fwd_causal_light_first=True), fwd),
+                 ("tuned_light", dataclasses.replace(mconfig.TUNED[(128, True)],
+                                                     fwd_causal_light_first=True), fwd),
                  ("kv192", MosaicConfig(block_kv=192), fwd),
                  ("r240", MosaicConfig(compute_registers=240, producer_registers=24), fwd),
                  # The tuned hd128 config in the other forward launch order (eighth session,
@@ -290,6 +295,11 @@ def main():
                  ("bwd_tiles", MosaicConfig(fwd_intra_wg_overlap=True, dkdv_schedule="overlap",
                                             compute_registers=240, producer_registers=24,
                                             bwd_heads_fastest=False), fb),
+                 ("bwd_light", dataclasses.replace(mconfig.TUNED[(128, True)],
+                                                   bwd_causal_light_first=True), fb),
+                 ("light_both", dataclasses.replace(mconfig.TUNED[(128, True)],
+                                                    fwd_causal_light_first=True,
+                                                    bwd_causal_light_first=True), fb),
                  ("bwd_serial", MosaicConfig(fwd_intra_wg_overlap=True,
                                              dkdv_schedule="serial"), fb),
                  ("bwd_xla_delta", MosaicConfig(fwd_intra_wg_overlap=True,

@@ -42,9 +42,11 @@ class KernelParams:
   producer_registers: int
   interpret: bool
   intra_wg_overlap: bool = False  # forward: MosaicConfig.fwd_intra_wg_overlap
+  causal_light_first: bool = False  # forward: MosaicConfig.fwd_causal_light_first
   dkdv_schedule: str = "serial"  # dK/dV kernel: MosaicConfig.dkdv_schedule
   dkdv_pingpong: bool = False  # dK/dV kernel: MosaicConfig.dkdv_pingpong
   bwd_heads_fastest: bool = False  # backward kernels: MosaicConfig.bwd_heads_fastest
+  bwd_causal_light_first: bool = False  # split backward: MosaicConfig.bwd_causal_light_first
   bwd_head_group: int = 0  # backward kernels: MosaicConfig.bwd_head_group
   profile_dir: str = ""  # MosaicConfig.profile_dir
 
@@ -80,8 +82,10 @@ class KernelParams:
         heads_fastest=config.heads_fastest,
         compute_registers=config.compute_registers,
         producer_registers=config.producer_registers, interpret=config.interpret,
-        intra_wg_overlap=config.fwd_intra_wg_overlap, dkdv_schedule=config.dkdv_schedule,
+        intra_wg_overlap=config.fwd_intra_wg_overlap,
+        causal_light_first=config.fwd_causal_light_first, dkdv_schedule=config.dkdv_schedule,
         dkdv_pingpong=config.dkdv_pingpong, bwd_heads_fastest=config.bwd_heads_fastest,
+        bwd_causal_light_first=config.bwd_causal_light_first,
         bwd_head_group=config.bwd_head_group,
         profile_dir=config.profile_dir)
 

@@ -61,7 +61,7 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   b, wg = lax.axis_index("b"), lax.axis_index("wg")
   qt, h = _tile_and_head(("qt", "h"), q_ref.shape[2], kp)
-  if kp.causal and not kp.bwd_heads_fastest:
+  if kp.causal and not kp.bwd_heads_fastest and not kp.bwd_causal_light_first:
     qt = kp.t_pad // (2 * bq) - 1 - qt  # heaviest tiles first, as in the forward
   cta_q0 = qt * (2 * bq)
 
@@ -215,6 +215,8 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   b, wg = lax.axis_index("b"), lax.axis_index("wg")
   kt, kvh = _tile_and_head(("kt", "kvh"), k_ref.shape[2], kp)
+  if kp.causal and not kp.bwd_heads_fastest and kp.bwd_causal_light_first:
+    kt = kp.s_pad // (2 * bkv) - 1 - kt  # the last keys see the fewest q blocks
   cta_k0 = kt * (2 * bkv)
   cta_first = _first_q_block(cta_k0, kp)
   cta_steps = (kp.t_pad // bq - cta_first) * g_size

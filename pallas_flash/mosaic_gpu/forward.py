@@ -55,7 +55,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   b, h, qt = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("qt")
   wg = lax.axis_index("wg")
-  if kp.causal:
+  if kp.causal and not kp.causal_light_first:
     qt = kp.num_q_tiles - 1 - qt  # heaviest tiles first
   cta_q0 = qt * (2 * bq)
 
