@@ -26,8 +26,6 @@ def unsupported_reason(call: CallInfo) -> str | None:
     return f"wgmma kernels take bfloat16 or float16, not {jnp.dtype(call.dtype).name}"
   if call.head_dim not in SUPPORTED_HEAD_DIMS:
     return f"head_dim {call.head_dim} is not one of {SUPPORTED_HEAD_DIMS}"
-  if call.params.has_segments:
-    return "segment ids and sequence lengths are not implemented in the mosaic kernels yet"
   return None
 
 

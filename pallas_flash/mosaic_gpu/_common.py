@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,7 @@ class KernelParams:
   bwd_causal_light_first: bool = False  # split backward: MosaicConfig.bwd_causal_light_first
   bwd_head_group: int = 0  # backward kernels: MosaicConfig.bwd_head_group
   profile_dir: str = ""  # MosaicConfig.profile_dir
+  segments: bool = False  # segment ids (or lengths folded into them) are compared
 
   @property
   def c(self) -> float:
@@ -61,7 +63,7 @@ class KernelParams:
 
   @property
   def needs_mask(self) -> bool:
-    return self.causal or self.kv_tail
+    return self.causal or self.kv_tail or self.segments
 
   def kv_steps(self, q_end):
     """Key blocks that query rows [.., q_end) see: all of them, or up to the causal diagonal."""
@@ -87,7 +89,7 @@ class KernelParams:
         dkdv_pingpong=config.dkdv_pingpong, bwd_heads_fastest=config.bwd_heads_fastest,
         bwd_causal_light_first=config.bwd_causal_light_first,
         bwd_head_group=config.bwd_head_group,
-        profile_dir=config.profile_dir)
+        profile_dir=config.profile_dir, segments=params.has_segments)
 
 
 def config_for(q, k, params: AttentionParams) -> MosaicConfig:
@@ -153,6 +155,65 @@ def first_masked_block(q0, steps, kp: KernelParams):
   if kp.kv_tail:
     lo = jnp.minimum(lo, kp.num_kv_blocks - 1)
   return lo
+
+
+class SegmentRefs(NamedTuple):
+  """A kernel's segment-id inputs (GMEM): `rows` [B, rows_pad] ids of the rows its consumer
+  warpgroups own, `cols` [B, cols_pad] ids of the blocks it streams, and `limits` [B, tiles, 4]
+  (masks.segment_block_limits of one CTA tile of rows against the streamed blocks)."""
+
+  rows: Any
+  cols: Any
+  limits: Any
+
+
+def with_segment_refs(kernel, num_inputs: int, segmented: bool):
+  """A plgpu.kernel body for `kernel(*inputs, *outputs, *scratch, seg=...)` whose call passes
+  the 3 SegmentRefs arrays after its `num_inputs` inputs when `segmented`."""
+  def body(*refs):
+    if not segmented:
+      return kernel(*refs, seg=None)
+    return kernel(*refs[:num_inputs], *refs[num_inputs + 3:],
+                  seg=SegmentRefs(*refs[num_inputs:num_inputs + 3]))
+  return body
+
+
+def segment_limits(limits, b, tile):
+  """(first, last, full_first, full_last) streamed blocks of a CTA tile: those outside
+  [first, last) share no segment id with it; in [full_first, full_last) every position of
+  both carries the tile's one id (an empty run when the tile holds several ids)."""
+  return tuple(limits[b, tile, i] for i in range(4))
+
+
+def unmasked_run(q0, steps, kp: KernelParams, *, kv0=0, full=None):
+  """[u0, u1): the steps of a WG's kv loop (step j is key block kv0 + j, rows q0..) that need
+  no mask: those before the causal diagonal and the padded tail and, with segment ids, inside
+  `full` = (full_first, full_last) of segment_limits. Without segment ids u0 is 0."""
+  u1 = first_masked_block(q0, kv0 + steps, kp) - kv0
+  if full is None:
+    return 0, u1
+  u0 = jnp.clip(full[0] - kv0, 0, steps)
+  return u0, jnp.clip(jnp.minimum(u1, full[1] - kv0), u0, steps)
+
+
+def row_ids(ids_ref, b, row0, n: int):
+  """Segment ids [n] of rows row0.. in the ROW layout (loaded from GMEM)."""
+  return plgpu.load(ids_ref.at[b, pl.ds(row0, n)], layout=ROW, optimized=False)
+
+
+def col_ids(ids_ref, b, col0, n: int):
+  """Segment ids [n] of columns col0.. in the COL layout (loaded from GMEM)."""
+  return plgpu.load(ids_ref.at[b, pl.ds(col0, n)], layout=COL, optimized=False)
+
+
+def tile_mask(row0, col0, shape, kp: KernelParams, *, transposed: bool = False, ids=None):
+  """`visible` and, with ids = (row ids [rows] ROW, col ids [cols] COL), equal segment ids."""
+  mask = visible(row0, col0, shape, kp, transposed=transposed)
+  if ids is not None:
+    rows, cols = ids
+    same = (lax.broadcast_in_dim(rows, shape, [0]) == lax.broadcast_in_dim(cols, shape, [1]))
+    mask = same if mask is None else mask & same
+  return mask
 
 
 def _head_group(heads: int, heads_fastest: bool, head_group: int) -> int:

@@ -30,7 +30,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_flash import _blocking
+from pallas_flash import _blocking, masks
 from pallas_flash.mosaic_gpu import _common
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
 from pallas_flash.params import AttentionParams
@@ -46,7 +46,7 @@ def _at(ref, i):
 def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, lse2_out_ref,
                    delta_out_ref, q_scratch, do_scratch, o_scratch, lse_scratch, delta_scratch,
                    k_scratch, v_scratch, ds_scratch, row_ready, k_ready, v_ready, k_free, v_free,
-                   *, kp: _common.KernelParams):
+                   *, kp: _common.KernelParams, seg: _common.SegmentRefs | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse/delta_ref [B, H, Tp].
 
   Two forms (absent refs are None). Statistics from XLA (o_ref, lse2_out_ref, delta_out_ref
@@ -56,7 +56,8 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
   to lse2_out/delta_out_ref [B, H, Tp] for the dK/dV kernel.
   Grid over (Tp / (2·block_q), H, B) in _launch_order's order; dq_ref [B, Tp, H, D];
   q/do/o_scratch [2, block_q, D], lse/delta_scratch [2, block_q], k/v_scratch [stages,
-  block_kv, D], ds_scratch [2, block_q, block_kv] (interpret only).
+  block_kv, D], ds_scratch [2, block_q, block_kv] (interpret only). seg: segment ids, the
+  forward's way (the CTA streams only the key blocks its tile may share an id with).
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   b, wg = lax.axis_index("b"), lax.axis_index("wg")
@@ -66,6 +67,12 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
   cta_q0 = qt * (2 * bq)
 
   cta_steps = kp.kv_steps(cta_q0 + 2 * bq)
+  kv0, full = 0, None  # the CTA's first key block (steps count from it), its full run
+  if seg is not None:
+    first, last, *full = _common.segment_limits(seg.limits, b, qt)
+    end = jnp.maximum(jnp.minimum(last, cta_steps), 1)
+    kv0 = jnp.minimum(first, end - 1)
+    cta_steps = end - kv0
 
   @pl.when(wg < 2)
   def _consumer():
@@ -101,6 +108,11 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
       plgpu.copy_smem_to_gmem(delta_smem, delta_out_ref.at[stats], commit_group=False)
       plgpu.commit_smem_to_gmem_group()
     steps = kp.kv_steps(q0 + bq)
+    ids = None
+    if seg is not None:
+      steps = jnp.clip(steps - kv0, 1, cta_steps)
+      row_seg = _common.row_ids(seg.rows, b, q0, bq)
+      ids = lambda col0: (row_seg, _common.col_ids(seg.cols, b, col0, bkv))  # noqa: E731
 
     def step(j, dq, *, masked: bool):
       slot = lax.rem(j, stages)
@@ -117,7 +129,9 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
       plgpu.barrier_arrive(v_free.at[slot])
       p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(lse2, s.shape, [0]))
       if masked:
-        p = jnp.where(_common.visible(q0, j * bkv, (bq, bkv), kp), p, 0.0)
+        col0 = (kv0 + j) * bkv
+        mask = _common.tile_mask(q0, col0, (bq, bkv), kp, ids=ids and ids(col0))
+        p = jnp.where(mask, p, 0.0)
       ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
       dq = _common.accumulate(dq, ds.astype(kp.dtype), _at(ds_scratch, wg), k_scratch.at[slot], kp)
       plgpu.barrier_arrive(k_free.at[slot])
@@ -131,11 +145,13 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
       return carry
 
     dq = plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA)
-    mask_lo = _common.first_masked_block(q0, steps, kp)
-    dq = lax.fori_loop(0, mask_lo, functools.partial(step, masked=False), dq)
+    u0, u1 = _common.unmasked_run(q0, steps, kp, kv0=kv0, full=full)
+    if seg is not None:
+      dq = lax.fori_loop(0, u0, functools.partial(step, masked=True), dq)
+    dq = lax.fori_loop(u0, u1, functools.partial(step, masked=False), dq)
     if kp.needs_mask:
-      dq = lax.fori_loop(mask_lo, steps, functools.partial(step, masked=True), dq)
-    if kp.causal:
+      dq = lax.fori_loop(u1, steps, functools.partial(step, masked=True), dq)
+    if kp.causal or seg is not None:
       lax.fori_loop(steps, cta_steps, idle_step, None)
     q_smem[...] = (dq * kp.scale).astype(kp.dtype)
     plgpu.commit_smem()
@@ -146,7 +162,7 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
   def _producer():
     plgpu.set_max_registers(kp.producer_registers, action="decrease")
     kvh = lax.div(h, kp.group)
-    rows = lambda j: (b, pl.ds(j * bkv, bkv), kvh)  # noqa: E731
+    rows = lambda j: (b, pl.ds((kv0 + j) * bkv, bkv), kvh)  # noqa: E731
     _produce(cta_steps, stages, ((k_ref, k_scratch, k_ready, k_free, rows),
                                  (v_ref, v_scratch, v_ready, v_free, rows)))
 
@@ -197,7 +213,8 @@ def _produce(num_steps, stages, streams):
 def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_scratch,
                      v_scratch, q_scratch, do_scratch, lse_scratch, delta_scratch, st_scratch,
                      kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free, do_free,
-                     lse_free, delta_free, sched, *, kp: _common.KernelParams):
+                     lse_free, delta_free, sched, *, kp: _common.KernelParams,
+                     seg: _common.SegmentRefs | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   Grid over (Sp / (2·block_kv), K, B) in _launch_order's order; dk/dv_ref [B, Sp, K, D]
@@ -211,6 +228,9 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
   forms Pᵀ, dSᵀ, syncs again and issues dV, dK; WG 1 starts and WG 0 ends with one extra sync,
   so WG 0's elementwise work runs while WG 1's matmuls do and vice versa (the forward's
   schedule). Skipped steps sync twice, keeping the rounds paired.
+
+  seg: segment ids of the key rows and of the queries, and per kv tile the hull of q blocks
+  that may share an id with it: the CTA streams only those, and masks every step.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   b, wg = lax.axis_index("b"), lax.axis_index("wg")
@@ -219,7 +239,12 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
     kt = kp.s_pad // (2 * bkv) - 1 - kt  # the last keys see the fewest q blocks
   cta_k0 = kt * (2 * bkv)
   cta_first = _first_q_block(cta_k0, kp)
-  cta_steps = (kp.t_pad // bq - cta_first) * g_size
+  cta_last = kp.t_pad // bq
+  if seg is not None:
+    first, last, full_first, full_last = _common.segment_limits(seg.limits, b, kt)
+    cta_first, cta_last = jnp.maximum(cta_first, first), jnp.minimum(cta_last, last)
+    cta_last = jnp.maximum(cta_last, cta_first)  # no q block: zero steps, dK = dV = 0
+  cta_steps = (cta_last - cta_first) * g_size
 
   def index(step):
     i = cta_first + lax.div(step, g_size)
@@ -240,6 +265,10 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
     st_smem = _at(st_scratch, wg)  # interpret mode only
 
     pingpong = functools.partial(_common.sync, sched) if kp.dkdv_pingpong else None
+    ids = None
+    if seg is not None:
+      row_seg = _common.row_ids(seg.rows, b, k0, bkv)
+      ids = lambda t: (row_seg, _common.col_ids(seg.cols, b, index(t)[0] * bq, bq))  # noqa: E731
 
     def step(t, carry, *, masked: bool):
       dk, dv = carry
@@ -253,7 +282,7 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
             (do_free.at[slot], q_free.at[slot]), kp)
       p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
                                          (lambda: index(t)[0]) if masked else None, kp,
-                                         handoff=pingpong)
+                                         handoff=pingpong, ids=ids and ids(t))
       if pingpong:
         # Pin Pᵀ and dSᵀ before the barrier, so their elementwise work is not sunk past it.
         p_t, ds_t = lax.optimization_barrier((p_t, ds_t))
@@ -273,10 +302,24 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
     # Causal: q blocks before `first` do not see these keys, blocks in [first, full) cross the
     # diagonal and are masked, blocks from `full` on see every key of the tile.
     first = (_first_q_block(k0, kp) - cta_first) * g_size
+    if seg is not None:  # cta_first may lie past this WG's first q block
+      first = jnp.clip(first, 0, cta_steps)
     if pingpong:
       pl.when(wg == 1)(pingpong)
     lax.fori_loop(0, first, skip_step, None)
-    if kp.causal:
+    if seg is not None:
+      # Ids are compared except on the q blocks wholly inside the tile's one document, and
+      # (causal) past the diagonal.
+      lo = (full_first - cta_first) * g_size
+      if kp.causal:
+        lo = jnp.maximum(lo, _first_unmasked_step(k0, cta_first, kp))
+      lo = jnp.clip(lo, first, cta_steps)
+      hi = jnp.clip((full_last - cta_first) * g_size, lo, cta_steps)
+      carry = lax.fori_loop(first, lo, functools.partial(step, masked=True), carry)
+      carry = lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
+      carry = lax.fori_loop(hi, cta_steps, functools.partial(step, masked=True), carry)
+      first = cta_steps
+    elif kp.causal:
       full = _first_unmasked_step(k0, cta_first, kp)
       carry = lax.fori_loop(first, full, functools.partial(step, masked=True), carry)
       first = full
@@ -337,13 +380,14 @@ def _skip_step(t, carry, *, streams, stages: int):
 
 
 def _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, mask_block, kp,
-                           handoff=None):
+                           handoff=None, ids=None):
   """Pᵀ and dSᵀ [block_kv, block_q] float32 of one step; releases its lse and delta slots.
 
   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (SMEM operands), Pᵀ = exp2(Sᵀ·c − lse2), dSᵀ = Pᵀ∘(dPᵀ − delta).
   mask_block: None when every key of the tile is visible to the step's queries, else a
   function giving the step's q block (called only then); invisible entries of Pᵀ become 0.
   handoff: called once both matmuls are issued (the ping-pong's schedule sync), or None.
+  ids: (key ids [block_kv] ROW, query ids [block_q] COL) of a segmented call (with mask_block).
   """
   bq, bkv = kp.block_q, kp.block_kv
 
@@ -359,7 +403,7 @@ def _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, m
                               plgpu.ACC((bkv, bq), jnp.float32))
   with jax.named_scope("softmax"):
     lse, delta = _step_stats(streams, slot)
-    p_t = _probs_t(s_t, lse, k0, mask_block, kp)
+    p_t = _probs_t(s_t, lse, k0, mask_block, kp, ids)
     ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, s_t.shape, [1]))
   return p_t, ds_t
 
@@ -375,13 +419,13 @@ def _step_stats(streams, slot):
   return lse, delta
 
 
-def _probs_t(s_t, lse, k0, mask_block, kp: _common.KernelParams):
+def _probs_t(s_t, lse, k0, mask_block, kp: _common.KernelParams, ids=None):
   """Pᵀ = exp2(Sᵀ·c − lse2) [block_kv, block_q] with the entries the mask hides set to 0
   (mask_block: see _transposed_grad_tiles)."""
   p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
   if mask_block is not None:
-    visible = _common.visible(k0, mask_block() * kp.block_q, (kp.block_kv, kp.block_q), kp,
-                              transposed=True)
+    visible = _common.tile_mask(k0, mask_block() * kp.block_q, (kp.block_kv, kp.block_q), kp,
+                                transposed=True, ids=ids)
     p_t = jnp.where(visible, p_t, 0.0)
   return p_t
 
@@ -486,12 +530,12 @@ def _produce_query_streams(cta_steps, stages, streams, index, b, bq):
                                     zip(streams, (q_rows, q_rows, stat_rows, stat_rows))))
 
 
-def _with_absent_refs(kernel, present, *refs):
+def _with_absent_refs(kernel, present, *refs, **kwargs):
   """Calls kernel with None for each ref whose entry in `present` (the kernel's inputs, then
   outputs) is False, the given refs elsewhere; scratch refs follow unchanged. Bind kernel and
   present with functools.partial to get a body for plgpu.kernel."""
   given = iter(refs)
-  return kernel(*(next(given) if p else None for p in present), *given)
+  return kernel(*(next(given) if p else None for p in present), *given, **kwargs)
 
 
 def dq_smem_bytes(kp: _common.KernelParams, *, in_kernel: bool, correction: bool) -> int:
@@ -506,10 +550,10 @@ def dq_smem_bytes(kp: _common.KernelParams, *, in_kernel: bool, correction: bool
   return rows + ring + barriers + 1024
 
 
-def _dq_call(q, k, v, do, o, lse, delta, *, kp: _common.KernelParams):
+def _dq_call(q, k, v, do, o, lse, delta, *, kp: _common.KernelParams, segs=()):
   """dQ [B, Tp, H, D], or (dQ, lse2, delta) when o is given: see _bwd_dq_kernel's two forms
   (o None: lse in log2 units and the full delta; else natural-log lse and delta the correction
-  or None)."""
+  or None). segs: () or (q_seg [B, Tp], kv_seg [B, Sp], kv limits per q tile) int32."""
   bsz, t_pad, h, d = q.shape
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   tiles = _common.smem_transforms(kp.dtype)
@@ -535,15 +579,16 @@ def _dq_call(q, k, v, do, o, lse, delta, *, kp: _common.KernelParams):
   dq = jax.ShapeDtypeStruct(q.shape, q.dtype)
   row_stats = jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)
   present = [x is not None for x in inputs] + [True, in_kernel, in_kernel]
+  body = functools.partial(_with_absent_refs, functools.partial(_bwd_dq_kernel, kp=kp), present)
   return plgpu.kernel(
-      functools.partial(_with_absent_refs, functools.partial(_bwd_dq_kernel, kp=kp), present),
+      _common.with_segment_refs(body, sum(x is not None for x in inputs), bool(segs)),
       out_type=(dq, row_stats, row_stats) if in_kernel else dq,
       scratch_types=scratch,
       **_launch_order(t_pad // (2 * bq), h, bsz, ("qt", "h", "b"), kp),
       num_threads=3, thread_name="wg",
       compiler_params=_common.compiler_params(),
       interpret=_common.interpret_params(kp.interpret),
-  )(*(x for x in inputs if x is not None))
+  )(*(x for x in inputs if x is not None), *segs)
 
 
 def kv_stream_smem(kp: _common.KernelParams, d: int) -> list:
@@ -568,7 +613,9 @@ def kv_stream_barriers(kp: _common.KernelParams) -> list:
   return [plgpu.Barrier(num_barriers=(2, 2)), *ring, *free]
 
 
-def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams):
+def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, segs=()):
+  """(dK, dV) [B, Sp, K, D]; segs: () or (kv_seg [B, Sp], q_seg [B, Tp], q limits per kv tile)
+  int32."""
   bsz, s_pad, kh, d = k.shape
   bq, bkv = kp.block_q, kp.block_kv
   tiles = _common.smem_transforms(kp.dtype)
@@ -580,7 +627,7 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams):
   ]
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
   return plgpu.kernel(
-      functools.partial(_bwd_dkdv_kernel, kp=kp),
+      _common.with_segment_refs(functools.partial(_bwd_dkdv_kernel, kp=kp), 6, bool(segs)),
       out_type=(kv_out, kv_out),
       scratch_types=scratch,
       **_launch_order(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"), kp),
@@ -589,7 +636,7 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams):
       # kernel never is, so that a backward's trace holds one kernel's events.
       compiler_params=_common.compiler_params(kp, min(profile_steps(kp), PROFILE_STEPS)),
       interpret=_common.interpret_params(kp.interpret),
-  )(q, k, v, do, lse2, delta)
+  )(q, k, v, do, lse2, delta, *segs)
 
 
 # Steps per warpgroup that a profiled kernel (MosaicConfig.profile_dir) records: its event
@@ -641,9 +688,9 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
              config: MosaicConfig | None = None):
   """See pallas_flash.params for the contract. This backend sets BACKWARD_COMPUTES_DELTA: lse
   is the forward's (natural log, -inf on fully masked rows) and delta only the correction -dlse
-  [B, H, T] float32, or None when lse has no cotangent."""
-  if q_seg is not None or kv_seg is not None:
-    raise NotImplementedError("the mosaic kernels do not support segment ids / lengths yet")
+  [B, H, T] float32, or None when lse has no cotangent. Segment ids: the split kernels load
+  only the blocks that may share an id with their tile and compare ids on each (the fused
+  kernel does not take them: it falls back to the split with a warning)."""
   config = config or _common.config_for(q, k, params)
   d = q.shape[3]
   if d > 128:
@@ -655,6 +702,8 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   if config.fused_backward:
     from pallas_flash.mosaic_gpu import backward_fused
     reason = backward_fused.unsupported_reason(q, config)
+    if reason is None and params.has_segments:
+      reason = "segment ids and lengths are compared in the split kernels only"
     if reason is None:
       lse, delta = _xla_row_stats(o, lse, do, delta)
       return backward_fused.backward(q, k, v, lse, do, delta, params=params, config=config)
@@ -668,6 +717,14 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   qp, dop = _blocking.pad_axis(q, 1, t_pad), _blocking.pad_axis(do, 1, t_pad)
   kpad, vpad = _blocking.pad_axis(k, 1, s_pad), _blocking.pad_axis(v, 1, s_pad)
   kp_dq, kp_dkdv = split_kernel_params(qp, kpad, params, config, kv_len=s)
+  dq_segs = dkdv_segs = ()
+  if params.has_segments:
+    q_seg, kv_seg = _blocking.pad_segments(q_seg, kv_seg, t_pad, s_pad)
+    kv_limits, _ = masks.segment_block_limits(q_seg, kv_seg, block_q=2 * config.block_q_dq,
+                                              block_kv=config.block_kv_dq)
+    _, q_limits = masks.segment_block_limits(q_seg, kv_seg, block_q=config.block_q_dkv,
+                                             block_kv=2 * config.block_kv_dkv)
+    dq_segs, dkdv_segs = (q_seg, kv_seg, kv_limits), (kv_seg, q_seg, q_limits)
   in_kernel = config.bwd_delta_in_kernel
   if in_kernel and dq_smem_bytes(kp_dq, in_kernel=True, correction=delta is not None) > \
       SMEM_LIMIT_BYTES:
@@ -682,12 +739,12 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
     lse = _blocking.pad_axis(lse, 2, t_pad, jnp.inf)
     if delta is not None:
       delta = _blocking.pad_axis(delta, 2, t_pad)
-    dq, lse2, delta = _dq_call(qp, kpad, vpad, dop, op, lse, delta, kp=kp_dq)
+    dq, lse2, delta = _dq_call(qp, kpad, vpad, dop, op, lse, delta, kp=kp_dq, segs=dq_segs)
   else:
     lse, delta = _xla_row_stats(o, lse, do, delta)
     # lse in log2 units so that P = exp2(S·c − lse2).
     lse2 = _blocking.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
     delta = _blocking.pad_axis(delta, 2, t_pad)
-    dq = _dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq)
-  dk, dv = _dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv)
+    dq = _dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs)
+  dk, dv = _dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs)
   return dq[:, :t], dk[:, :s], dv[:, :s]

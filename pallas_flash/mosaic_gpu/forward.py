@@ -32,7 +32,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_flash import _blocking
+from pallas_flash import _blocking, masks
 from pallas_flash.mosaic_gpu import _common
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
 from pallas_flash.params import MASK_VALUE, AttentionParams
@@ -45,12 +45,14 @@ PROFILE_STEPS = 32
 
 def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scratch,
                 lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free, v_free, sched, *,
-                kp: _common.KernelParams):
+                kp: _common.KernelParams, seg: _common.SegmentRefs | None = None):
   """q_ref [B, Tp, H, D], k_ref/v_ref [B, Sp, K, D] (GMEM), o_ref [B, Tp, H, D], lse_ref [B, H, Tp].
 
   Grid (H, q tiles, B), or (q tiles, H, B) with kp.heads_fastest; q_scratch [2, block_q, D],
   k/v_scratch [stages, block_kv, D], lse_scratch [2, block_q], p_scratch [2, block_q, block_kv]
-  (interpret mode only).
+  (interpret mode only). seg: segment ids of the rows (q) and keys, and per q tile the hull of
+  key blocks that may share an id (masks.segment_block_limits): the CTA streams only those
+  blocks, at least one, and masks every one of them.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   b, h, qt = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("qt")
@@ -60,6 +62,13 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   cta_q0 = qt * (2 * bq)
 
   cta_steps = kp.kv_steps(cta_q0 + 2 * bq)
+  kv0, full = 0, None  # the CTA's first key block (steps count from it), its full run
+  if seg is not None:
+    first, last, *full = _common.segment_limits(seg.limits, b, qt)
+    # At least one block, so that a tile whose rows see no key still runs (and writes o = 0).
+    end = jnp.maximum(jnp.minimum(last, cta_steps), 1)
+    kv0 = jnp.minimum(first, end - 1)
+    cta_steps = end - kv0
 
   sched_sync = functools.partial(_common.sync, sched)
 
@@ -69,6 +78,13 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     q_smem, lse_smem = q_scratch.at[wg], lse_scratch.at[wg]
     q0 = cta_q0 + wg * bq
     steps = kp.kv_steps(q0 + bq)
+    seg_mask = None
+    if seg is not None:
+      steps = jnp.clip(steps - kv0, 1, cta_steps)
+      row_seg = _common.row_ids(seg.rows, b, q0, bq)
+
+      def seg_mask(col0):
+        return row_seg, _common.col_ids(seg.cols, b, col0, bkv)
     with jax.named_scope("prologue"):
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_ready.at[wg])
       plgpu.barrier_wait(q_ready.at[wg])
@@ -87,9 +103,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
 
     pl.when(wg == 1)(sched_sync)
     loop = _overlapped_kv_loop if kp.intra_wg_overlap else _plain_kv_loop
+    if seg is not None:
+      loop = functools.partial(_plain_kv_loop, kv0=kv0, seg_ids=seg_mask, full=full)
     carry = loop(q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
                  _Barriers(k_ready, v_ready, k_free, v_free, sched), q0=q0, steps=steps, kp=kp)
-    if kp.causal:
+    if kp.causal or seg is not None:
       lax.fori_loop(steps, cta_steps, idle_step, None)
     pl.when(wg == 0)(sched_sync)
 
@@ -104,7 +122,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     kvh = lax.div(h, kp.group)
 
     def load(j, slot):
-      rows = (b, pl.ds(j * bkv, bkv), kvh)
+      rows = (b, pl.ds((kv0 + j) * bkv, bkv), kvh)
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_scratch.at[slot], v_ready.at[slot])
 
@@ -114,7 +132,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     @pl.loop(stages, cta_steps)
     def _(j):
       slot = lax.rem(j, stages)
-      rows = (b, pl.ds(j * bkv, bkv), kvh)
+      rows = (b, pl.ds((kv0 + j) * bkv, bkv), kvh)
       with jax.named_scope("wait_free"):
         plgpu.barrier_wait(k_free.at[slot])
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot])
@@ -263,11 +281,13 @@ def _ring(base):
 
 
 def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0, steps,
-                   kp: _common.KernelParams, base=None):
+                   kp: _common.KernelParams, base=None, kv0=0, seg_ids=None, full=None):
   """One consumer WG's kv loop, S_j then O += P_j·V_j per step -> (acc, m, l).
 
   q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
-  mode only). The caller has waited for K_0; `base`: see `_ring`.
+  mode only). The caller has waited for K_0; `base`: see `_ring`. Step j is key block kv0 + j;
+  seg_ids(col0) gives the (row, column) segment ids of the block starting at key col0, and
+  `full` the run of key blocks that share the rows' one id (_common.unmasked_run).
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
@@ -290,7 +310,9 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
     plgpu.barrier_arrive(bars.k_free.at[slot])
     with jax.named_scope("softmax"):
       if masked:
-        s = jnp.where(_common.visible(q0, j * bkv, (bq, bkv), kp), s, -jnp.inf)
+        col0 = (kv0 + j) * bkv
+        ids = None if seg_ids is None else seg_ids(col0)
+        s = jnp.where(_common.tile_mask(q0, col0, (bq, bkv), kp, ids=ids), s, -jnp.inf)
       # exp2 with softmax_scale·log2(e) folded in: m is kept in scaled log2 units, so each
       # probability is one FFMA plus one ex2. -inf scores give p = 0 without a select since
       # m starts at the finite MASK_VALUE.
@@ -328,10 +350,12 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
   carry = (plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA),
            plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), _common.ROW),
            plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _common.ROW))
-  mask_lo = _common.first_masked_block(q0, steps, kp)
-  carry = lax.fori_loop(0, mask_lo, functools.partial(step, masked=False), carry)
+  u0, u1 = _common.unmasked_run(q0, steps, kp, kv0=kv0, full=full)
+  if seg_ids is not None:
+    carry = lax.fori_loop(0, u0, functools.partial(step, masked=True), carry)
+  carry = lax.fori_loop(u0, u1, functools.partial(step, masked=False), carry)
   if kp.needs_mask:
-    carry = lax.fori_loop(mask_lo, steps, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(u1, steps, functools.partial(step, masked=True), carry)
   return carry
 
 
@@ -470,10 +494,11 @@ def _registers(config: MosaicConfig) -> tuple[int, int]:
   return regs
 
 
-def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0):
+def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0, segs=()):
   """Runs the kernel on padded q [B, Tp, H, D], k/v [B, Sp, K, D] -> (o [B, Tp, H, D], lse).
 
-  persistent_ctas > 0 (non-causal only): `_fwd_persistent_kernel` on that many CTAs."""
+  persistent_ctas > 0 (non-causal, no segments): `_fwd_persistent_kernel` on that many CTAs.
+  segs: () or the padded (q_seg [B, Tp], kv_seg [B, Sp], kv_limits [B, q tiles, 4]) int32."""
   bsz, t_pad, h, d = q.shape
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   tiles = _common.smem_transforms(kp.dtype)
@@ -499,7 +524,7 @@ def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0):
     grid, names = (persistent_ctas,), ("cta",)
     most_steps = kp.num_kv_blocks * -(-kp.num_q_tiles * h * bsz // persistent_ctas)
   else:
-    body = functools.partial(_fwd_kernel, kp=kp)
+    body = _common.with_segment_refs(functools.partial(_fwd_kernel, kp=kp), 3, bool(segs))
     launch = _common.launch_grid(kp.num_q_tiles, h, bsz, ("qt", "h", "b"),
                                  heads_fastest=kp.heads_fastest)
     grid, names = launch["grid"], launch["grid_names"]
@@ -515,7 +540,7 @@ def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0):
       # check, so long or persistent kernels still fit.
       compiler_params=_common.compiler_params(kp, min(most_steps, PROFILE_STEPS)),
       interpret=_common.interpret_params(kp.interpret),
-  )(q, k, v)
+  )(q, k, v, *segs)
 
 
 def smem_bytes(d: int, block_q: int, block_kv: int, stages: int, itemsize: int = 2, *,
@@ -533,7 +558,7 @@ def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
   length; that kernel balances them by its launch order) and Q's second buffer fits in shared
   memory (not at head_dim 256)."""
   b, t, h, d = q.shape
-  if not config.fwd_persistent or params.is_causal:
+  if not config.fwd_persistent or params.is_causal or params.has_segments:
     return 0
   if smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
                 jnp.dtype(q.dtype).itemsize, persistent=True) > SMEM_LIMIT_BYTES:
@@ -544,9 +569,9 @@ def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
 
 def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
             config: MosaicConfig | None = None):
-  """See pallas_flash.params for the contract. Segment ids are rejected by unsupported_reason."""
-  if q_seg is not None or kv_seg is not None:
-    raise NotImplementedError("the mosaic kernels do not support segment ids / lengths yet")
+  """See pallas_flash.params for the contract. With segment ids the grid kernel runs its plain
+  kv loop (no persistent form, no intra-warpgroup overlap) and masks every key block it
+  loads; only the blocks that may share an id with a q tile are loaded."""
   config = config or _common.config_for(q, k, params)
   b, t, h, d = q.shape
   s = k.shape[1]
@@ -563,8 +588,16 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
       kv_len=s, config=config)
   if config.fwd_intra_wg_overlap:
     compute, producer = _registers(config)
-    kp = dataclasses.replace(kp, compute_registers=compute, producer_registers=producer)
+    kp = dataclasses.replace(kp, compute_registers=compute, producer_registers=producer,
+                             intra_wg_overlap=not params.has_segments)
   qp = _blocking.pad_axis(q, 1, t_pad)
   kpad, vpad = _blocking.pad_axis(k, 1, s_pad), _blocking.pad_axis(v, 1, s_pad)
-  o, lse = fwd_call(qp, kpad, vpad, kp=kp, persistent_ctas=persistent_ctas(q, config, params))
+  segs = ()
+  if params.has_segments:
+    q_seg, kv_seg = _blocking.pad_segments(q_seg, kv_seg, t_pad, s_pad)
+    kv_limits, _ = masks.segment_block_limits(q_seg, kv_seg, block_q=2 * config.block_q,
+                                              block_kv=config.block_kv)
+    segs = (q_seg, kv_seg, kv_limits)
+  o, lse = fwd_call(qp, kpad, vpad, kp=kp, persistent_ctas=persistent_ctas(q, config, params),
+                    segs=segs)
   return o[:, :t], lse[:, :, :t]

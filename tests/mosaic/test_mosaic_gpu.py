@@ -184,3 +184,51 @@ def test_large_shapes_agree_with_cudnn(t, causal):
   assert _rel(got[0], want[0]) <= 1e-2
   for g, r in zip(got[1:], want[1:]):
     assert _rel(g, r) <= 3e-2
+
+
+SEGMENT_CASES = [  # B, T, S, H, K, D, causal, dtype, ids
+    (2, 4096, 4096, 8, 2, 128, True, jnp.bfloat16, "packed"),
+    (1, 2048, 2048, 4, 4, 64, False, jnp.float16, "packed"),
+    (1, 1000, 1100, 4, 2, 128, True, jnp.bfloat16, "unsorted"),
+    (2, 777, 777, 4, 4, 128, False, jnp.bfloat16, "lengths"),
+    (1, 512, 512, 2, 2, 256, True, jnp.bfloat16, "packed"),
+]
+
+
+def _segment_kwargs(case):
+  """flash_attention keyword arguments of a SEGMENT_CASES case: sorted documents (most key
+  blocks skipped), unsorted ids (none skipped) or lengths (folded into ids by the API)."""
+  b, t, s, *_, ids = case
+  key = jax.random.key(t + s)
+  if ids == "lengths":
+    lens = jnp.array([t, t // 3], jnp.int32)[:b]
+    return dict(query_seq_lengths=lens, key_value_seq_lengths=lens)
+  if ids == "unsorted":
+    kq, kk = jax.random.split(key)
+    return dict(query_segment_ids=jax.random.randint(kq, (b, t), 0, 3, jnp.int32),
+                key_value_segment_ids=jax.random.randint(kk, (b, s), 0, 3, jnp.int32))
+  starts = jnp.sort(jax.random.randint(key, (b, 5), 0, max(t, s)), axis=1)
+  docs = (jnp.arange(max(t, s))[None, :, None] >= starts[:, None, :]).sum(-1).astype(jnp.int32)
+  return dict(query_segment_ids=docs[:, :t], key_value_segment_ids=docs[:, :s])
+
+
+@pytest.mark.parametrize("case", SEGMENT_CASES,
+                         ids=lambda c: f"{kernel_case_id(c[:-1])}_{c[-1]}")
+def test_segments_forward_and_gradients(case):
+  """Segment ids and lengths on the mosaic kernels (tuned configs) against the reference, and
+  bit-reproducible."""
+  b, t, s, h, kh, d, causal, dtype, _ = case
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
+  kw = _segment_kwargs(case)
+
+  def attn(impl):
+    return lambda *a: pallas_flash.flash_attention(*a, is_causal=causal, implementation=impl,
+                                                   **kw)
+
+  got = _fwd_bwd(attn("mosaic"))(q, k, v, do)
+  want = _fwd_bwd(attn("reference"))(*(x.astype(jnp.float32) for x in (q, k, v, do)))
+  assert _rel(got[0], want[0]) <= TOL[dtype][0], _rel(got[0], want[0])
+  for name, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
+    assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
+  again = _fwd_bwd(attn("mosaic"))(q, k, v, do)
+  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again)), "not bit-reproducible"

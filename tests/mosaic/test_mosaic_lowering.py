@@ -143,7 +143,7 @@ def _info(**kw):
     (dict(compute_capability=(8, 0), device_kind="NVIDIA A100"), "needs a Hopper GPU"),
     (dict(dtype=jnp.dtype(jnp.float32)), "float32"),
     (dict(head_dim=96), "head_dim 96"),
-    (dict(params=AttentionParams(scale=1.0, is_causal=True, has_segments=True)), "segment ids"),
+    (dict(params=AttentionParams(scale=1.0, is_causal=True, has_segments=True)), None),
 ], ids=["ok", "cpu", "ampere", "f32", "hd96", "segments"])
 def test_unsupported_reason(kw, expected):
   reason = mosaic_gpu.unsupported_reason(_info(**kw))
@@ -153,12 +153,41 @@ def test_unsupported_reason(kw, expected):
     assert expected in reason
 
 
-def test_explain_shows_the_reason_for_segments():
+def test_segment_calls_run_the_mosaic_kernels():
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
   seg = jnp.zeros((1, 256), jnp.int32)
   with use_abstract_mesh(H200):
     why = pallas_flash.explain(q, q, q, query_segment_ids=seg)
-  assert "segment ids" in why.reasons["mosaic"]
+  assert why.chosen == "mosaic", why
+
+
+@pytest.mark.parametrize("case", [(2, 1000, 1000, 8, 2, 64, True), (1, 2048, 2048, 4, 4, 128, False),
+                                  (1, 777, 1025, 8, 1, 128, True)], ids=kernel_case_id)
+@pytest.mark.parametrize("kind", ["segments", "lengths"])
+def test_segmented_forward_and_grad_lower(case, kind):
+  # Segment ids (lengths are folded into them) add GMEM id loads and the hull of blocks per
+  # tile to the forward (plain loop), dQ and dK/dV kernels.
+  *shape, causal = case
+  q, kv = kernel_specs(*shape)
+  b, t, s = shape[:3]
+  if kind == "segments":
+    extra = dict(query_segment_ids=jax.ShapeDtypeStruct((b, t), jnp.int32),
+                 key_value_segment_ids=jax.ShapeDtypeStruct((b, s), jnp.int32))
+  else:
+    extra = dict(query_seq_lengths=jax.ShapeDtypeStruct((b,), jnp.int32),
+                 key_value_seq_lengths=jax.ShapeDtypeStruct((b,), jnp.int32))
+
+  def attn(q, k, v, a, c):
+    kw = dict(zip(extra, (a, c)))
+    return pallas_flash.flash_attention(q, k, v, is_causal=causal, implementation="mosaic",
+                                        config=TUNED[(shape[-1], causal)], **kw)
+
+  def grads(q, k, v, a, c):
+    return jax.grad(lambda *x: attn(*x, a, c).astype(jnp.float32).sum(),
+                    argnums=(0, 1, 2))(q, k, v)
+
+  text = export_for_h200(grads, q, kv, kv, *extra.values()).mlir_module()
+  assert text.count("mosaic_gpu") >= 3  # forward, dQ and dK/dV kernels
 
 
 @pytest.mark.parametrize("kw,field", [(dict(block_q=96), "block_q"),
