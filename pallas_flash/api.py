@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from pallas_flash import block_sparse, dropout, masks
@@ -110,7 +111,10 @@ def _check_index_array(name: str, x, shape: tuple[int, ...], fix: str):
 def _check_lengths_range(name: str, x, upper: int) -> None:
   if x is None or isinstance(x, jax.core.Tracer):
     return  # Under jit values are unknown: out-of-range lengths clip to [0, upper].
-  lo, hi = int(jnp.min(x)), int(jnp.max(x))
+  # numpy, not jnp: a concrete array closed over by a jitted function would become a tracer
+  # through jnp.min while that function is traced.
+  values = np.asarray(x)
+  lo, hi = int(values.min()), int(values.max())
   if lo < 0 or hi > upper:
     raise ValueError(f"`{name}` values must lie in [0, {upper}], got range [{lo}, {hi}].")
 

@@ -54,6 +54,25 @@ def test_bad_input_is_rejected_with_a_clear_error(args, kwargs, error, match):
     pallas_flash.flash_attention(*args, **kwargs)
 
 
+def test_concrete_lengths_closed_over_by_jit():
+  # Concrete lengths are range-checked on the host; a jitted function that closes over them
+  # must not turn that check into a traced reduction (ConcretizationTypeError).
+  lens = jnp.array([16, 5], jnp.int32)
+  kv_lens = lens + 3
+  f = jax.jit(lambda q, k, v: pallas_flash.flash_attention(
+      q, k, v, query_seq_lengths=lens, key_value_seq_lengths=kv_lens, implementation="xla"))
+  q, k, v = (jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate((Q, KV, KV)))
+  got = f(q, k, v)
+  want = pallas_flash.flash_attention(q, k, v, query_seq_lengths=lens,
+                                      key_value_seq_lengths=lens + 3, implementation="reference")
+  assert float(jnp.abs(got - want).max()) < 1e-5
+  assert bool(jnp.all(got[1, 5:] == 0))
+  too_long = lens + 1
+  with pytest.raises(ValueError, match="must lie in"):
+    jax.jit(lambda q, k, v: pallas_flash.flash_attention(
+        q, k, v, query_seq_lengths=too_long))(q, k, v)
+
+
 def test_bad_config_values():
   with pytest.raises(ValueError, match="block_q must be a power of two"):
     TritonConfig(block_q=48)
