@@ -8,7 +8,11 @@ mark) and any out-of-memory failure belong to that attention alone. Each row is 
 --json file rewritten, with "complete": false until the end) as soon as its child reports it, so a
 run cut off by an outer time limit still shows every length it reached. Data is random bytes with
 plain causal attention (no segment ids): the jax.nn baselines have no segment ids, and a dense
-document mask would make them slower for a reason that is not attention itself.
+document mask would make them slower for a reason that is not attention itself. `--documents N`
+packs N documents of random lengths into each sequence (segment ids and per-document positions,
+as packed text trains), to compare our implementations on that:
+
+  python -m train.compare throughput --attention ours --implementation triton --documents 8
 """
 
 from __future__ import annotations
@@ -35,22 +39,33 @@ def _config(args, attention: str, seq_len: int):
   cfg = PRESETS[args.preset]
   return dataclasses.replace(
       cfg, attention=attention, seq_len=seq_len, batch_size=args.batch_size, grad_accum=1,
-      segment_ids=False, task="retrieval",
+      segment_ids=args.documents > 0, task="retrieval",
       implementation=(args.implementation if attention == "ours" else None),
       steps=max(cfg.steps, args.steps + 2), warmup_steps=1)
 
 
-def _random_batch(cfg, seed: int) -> dict:
+def _random_batch(cfg, seed: int, documents: int = 0) -> dict:
+  """Random tokens [1, B, T]; with `documents`, that many packed documents of random lengths
+  per row (sorted segment ids, positions restarting at each document)."""
   import numpy as np
 
   rng = np.random.default_rng(seed)
   tok = rng.integers(0, cfg.model.vocab_size, (1, cfg.batch_size, cfg.seq_len + 1), np.int32)
-  return dict(tokens=tok[..., :-1], targets=tok[..., 1:],
-              loss_mask=np.ones(tok[..., 1:].shape, np.float32),
-              positions=np.broadcast_to(np.arange(cfg.seq_len, dtype=np.int32), tok[..., 1:].shape))
+  shape = tok[..., 1:].shape
+  pos = np.arange(cfg.seq_len, dtype=np.int32)
+  batch = dict(tokens=tok[..., :-1], targets=tok[..., 1:], loss_mask=np.ones(shape, np.float32),
+               positions=np.broadcast_to(pos, shape))
+  if documents > 1:
+    starts = np.sort(rng.choice(np.arange(1, cfg.seq_len), (*shape[:2], documents - 1),
+                                replace=False), axis=-1)
+    seg = (pos[None, None, :, None] >= starts[..., None, :]).sum(-1).astype(np.int32)
+    first = np.concatenate([np.zeros((*shape[:2], 1), np.int32), starts], -1)
+    batch.update(segment_ids=seg,
+                 positions=(pos - np.take_along_axis(first, seg, -1)).astype(np.int32))
+  return batch
 
 
-def _measure(cfg, steps: int, model=None, optimizer=None) -> dict:
+def _measure(cfg, steps: int, model=None, optimizer=None, documents: int = 0) -> dict:
   """Compiles and runs `steps` train steps; tokens/s, MFU and peak memory of this process."""
   import jax
 
@@ -63,7 +78,7 @@ def _measure(cfg, steps: int, model=None, optimizer=None) -> dict:
   if model is None:
     check_environment(cfg)
     model, optimizer = build(cfg, mesh)
-  batch = _shard_batch(_random_batch(cfg, 0), mesh, accum_axis=True)
+  batch = _shard_batch(_random_batch(cfg, 0, documents), mesh, accum_axis=True)
   t0 = time.perf_counter()
   loss = float(train_step(model, optimizer, batch)["loss"])  # compile + first step
   compile_s = time.perf_counter() - t0
@@ -84,7 +99,8 @@ def _measure(cfg, steps: int, model=None, optimizer=None) -> dict:
 
 
 def _child_throughput(args, attention: str) -> list[dict]:
-  return [_measure(_config(args, attention, args.seq_len), args.steps)]
+  return [_measure(_config(args, attention, args.seq_len), args.steps,
+                   documents=args.documents)]
 
 
 def _child_max_context(args, attention: str) -> list[dict]:
@@ -166,7 +182,8 @@ def _error_line(stderr: str | None) -> str:
 def _forward_flags(args) -> list[str]:
   flags = ["--preset", args.preset, "--seq-len", str(args.seq_len), "--steps", str(args.steps),
            "--batch-size", str(args.batch_size), "--start", str(args.start),
-           "--max", str(args.max), "--time-limit", str(args.time_limit)]
+           "--max", str(args.max), "--time-limit", str(args.time_limit),
+           "--documents", str(args.documents)]
   if args.implementation:
     flags += ["--implementation", args.implementation]
   return flags
@@ -209,6 +226,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--seq-len", type=int, default=16_384, help="throughput: tokens per sequence")
   p.add_argument("--batch-size", type=int, default=1)
   p.add_argument("--steps", type=int, default=5, help="throughput: timed steps after compile")
+  p.add_argument("--documents", type=int, default=0,
+                 help="throughput: packed documents per sequence (segment ids); 0: one stream")
   p.add_argument("--start", type=int, default=16_384, help="max-context: first length")
   p.add_argument("--max", type=int, default=1 << 20, help="max-context: last length tried")
   p.add_argument("--time-limit", type=float, default=180.0,
