@@ -216,11 +216,6 @@ def main():
                  ("heads", MosaicConfig(heads_fastest=True), fwd),
                  ("qtiles", MosaicConfig(heads_fastest=False), fwd),
                  ("s3", MosaicConfig(num_stages=3), fwd),
-                 # Causal q tiles lightest first (tokamax's order), plain loop at 232/40 as
-                 # tokamax's sm90 kernel, and with the tuned hd128 forward.
-                 ("light", MosaicConfig(fwd_causal_light_first=True), fwd),
-                 ("tuned_light", dataclasses.replace(mconfig.TUNED[(128, True)],
-                                                     fwd_causal_light_first=True), fwd),
                  ("kv192", MosaicConfig(block_kv=192), fwd),
                  ("r240", MosaicConfig(compute_registers=240, producer_registers=24), fwd),
                  # The tuned hd128 config in the other forward launch order (eighth session,
@@ -298,11 +293,6 @@ def main():
                  ("bwd_tiles", MosaicConfig(fwd_intra_wg_overlap=True, dkdv_schedule="overlap",
                                             compute_registers=240, producer_registers=24,
                                             bwd_heads_fastest=False), fb),
-                 ("bwd_light", dataclasses.replace(mconfig.TUNED[(128, True)],
-                                                   bwd_causal_light_first=True), fb),
-                 ("light_both", dataclasses.replace(mconfig.TUNED[(128, True)],
-                                                    fwd_causal_light_first=True,
-                                                    bwd_causal_light_first=True), fb),
                  ("bwd_serial", MosaicConfig(fwd_intra_wg_overlap=True,
                                              dkdv_schedule="serial"), fb),
                  ("bwd_xla_delta", MosaicConfig(fwd_intra_wg_overlap=True,

@@ -43,11 +43,9 @@ class KernelParams:
   producer_registers: int
   interpret: bool
   intra_wg_overlap: bool = False  # forward: MosaicConfig.fwd_intra_wg_overlap
-  causal_light_first: bool = False  # forward: MosaicConfig.fwd_causal_light_first
   dkdv_schedule: str = "serial"  # dK/dV kernel: MosaicConfig.dkdv_schedule
   dkdv_pingpong: bool = False  # dK/dV kernel: MosaicConfig.dkdv_pingpong
   bwd_heads_fastest: bool = False  # backward kernels: MosaicConfig.bwd_heads_fastest
-  bwd_causal_light_first: bool = False  # split backward: MosaicConfig.bwd_causal_light_first
   bwd_head_group: int = 0  # backward kernels: MosaicConfig.bwd_head_group
   profile_dir: str = ""  # MosaicConfig.profile_dir
   segments: bool = False  # segment ids (or lengths folded into them) are compared
@@ -85,9 +83,8 @@ class KernelParams:
         compute_registers=config.compute_registers,
         producer_registers=config.producer_registers, interpret=config.interpret,
         intra_wg_overlap=config.fwd_intra_wg_overlap,
-        causal_light_first=config.fwd_causal_light_first, dkdv_schedule=config.dkdv_schedule,
+        dkdv_schedule=config.dkdv_schedule,
         dkdv_pingpong=config.dkdv_pingpong, bwd_heads_fastest=config.bwd_heads_fastest,
-        bwd_causal_light_first=config.bwd_causal_light_first,
         bwd_head_group=config.bwd_head_group,
         profile_dir=config.profile_dir, segments=params.has_segments)
 

@@ -62,7 +62,7 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   b, wg = lax.axis_index("b"), lax.axis_index("wg")
   qt, h = _tile_and_head(("qt", "h"), q_ref.shape[2], kp)
-  if kp.causal and not kp.bwd_heads_fastest and not kp.bwd_causal_light_first:
+  if kp.causal and not kp.bwd_heads_fastest:
     qt = kp.t_pad // (2 * bq) - 1 - qt  # heaviest tiles first, as in the forward
   cta_q0 = qt * (2 * bq)
 
@@ -230,13 +230,12 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
   schedule). Skipped steps sync twice, keeping the rounds paired.
 
   seg: segment ids of the key rows and of the queries, and per kv tile the hull of q blocks
-  that may share an id with it: the CTA streams only those, and masks every step.
+  that may share an id with it: the CTA streams only those, and compares ids on each except
+  the q blocks wholly inside the tile's one document.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   b, wg = lax.axis_index("b"), lax.axis_index("wg")
   kt, kvh = _tile_and_head(("kt", "kvh"), k_ref.shape[2], kp)
-  if kp.causal and not kp.bwd_heads_fastest and kp.bwd_causal_light_first:
-    kt = kp.s_pad // (2 * bkv) - 1 - kt  # the last keys see the fewest q blocks
   cta_k0 = kt * (2 * bkv)
   cta_first = _first_q_block(cta_k0, kp)
   cta_last = kp.t_pad // bq
@@ -689,8 +688,9 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   """See pallas_flash.params for the contract. This backend sets BACKWARD_COMPUTES_DELTA: lse
   is the forward's (natural log, -inf on fully masked rows) and delta only the correction -dlse
   [B, H, T] float32, or None when lse has no cotangent. Segment ids: the split kernels load
-  only the blocks that may share an id with their tile and compare ids on each (the fused
-  kernel does not take them: it falls back to the split with a warning)."""
+  only the blocks that may share an id with their tile and compare ids on those not wholly
+  inside the tile's one document (the fused kernel does not take them: it falls back to the
+  split with a warning)."""
   config = config or _common.config_for(q, k, params)
   d = q.shape[3]
   if d > 128:

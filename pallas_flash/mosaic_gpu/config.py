@@ -36,8 +36,6 @@ class MosaicConfig:
       producer_registers are changed from their defaults the forward then runs at FA3's 240 / 24
       split. On in the head_dim 128 table (+2-3 % at 4K and 16K, level at 4K causal); slower at
       head_dim 64 (390 vs 434 TFLOP/s at 4x4096x32x64).
-    fwd_causal_light_first: forward, causal: launch the q tiles of a head in ascending order
-      (lightest first, as tokamax's sm90 kernel does) instead of heaviest first.
     fwd_persistent: forward, non-causal: one CTA per SM loops over the (q tile, head, batch)
       tiles instead of one CTA per tile; the K/V ring runs on across tiles and Q is
       double-buffered, so the next tile's loads overlap the current tile's last steps and
@@ -59,9 +57,6 @@ class MosaicConfig:
       1x16384x16x128 502 -> 515, causal 471 -> 507, so False is the default. (Until the eighth
       session the two values selected each other's grid, see heads_fastest; the sixth
       session's notes call this order "heads fastest".)
-    bwd_causal_light_first: split backward, causal, bwd_heads_fastest False: the dQ kernel
-      launches its q tiles and the dK/dV kernel its kv tiles lightest first (the
-      forward's fwd_causal_light_first for the backward) instead of heaviest first.
     bwd_head_group: split backward, with bwd_heads_fastest=True: heads fastest within groups
       of this many heads (query heads for the dQ kernel, kv heads for the dK/dV kernel), which
       take all their tiles before the next group starts, so the CTAs running together stream
@@ -165,10 +160,8 @@ class MosaicConfig:
   bwd_stages: int = 2
   heads_fastest: bool = False
   bwd_heads_fastest: bool = False
-  bwd_causal_light_first: bool = False
   bwd_head_group: int = 0
   fwd_intra_wg_overlap: bool = False
-  fwd_causal_light_first: bool = False
   fwd_persistent: bool = False
   persistent_ctas: int = 0
   fused_backward: bool = False

@@ -52,12 +52,13 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   k/v_scratch [stages, block_kv, D], lse_scratch [2, block_q], p_scratch [2, block_q, block_kv]
   (interpret mode only). seg: segment ids of the rows (q) and keys, and per q tile the hull of
   key blocks that may share an id (masks.segment_block_limits): the CTA streams only those
-  blocks, at least one, and masks every one of them.
+  blocks, at least one, and compares ids on each except the run of blocks that lie wholly
+  inside the tile's one document.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   b, h, qt = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("qt")
   wg = lax.axis_index("wg")
-  if kp.causal and not kp.causal_light_first:
+  if kp.causal:
     qt = kp.num_q_tiles - 1 - qt  # heaviest tiles first
   cta_q0 = qt * (2 * bq)
 
@@ -570,8 +571,9 @@ def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
 def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
             config: MosaicConfig | None = None):
   """See pallas_flash.params for the contract. With segment ids the grid kernel runs its plain
-  kv loop (no persistent form, no intra-warpgroup overlap) and masks every key block it
-  loads; only the blocks that may share an id with a q tile are loaded."""
+  kv loop (no persistent form, no intra-warpgroup overlap); only the key blocks that may share
+  an id with a q tile are loaded, and ids are compared on those that do not lie wholly inside
+  the tile's one document."""
   config = config or _common.config_for(q, k, params)
   b, t, h, d = q.shape
   s = k.shape[1]

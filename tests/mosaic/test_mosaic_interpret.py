@@ -76,11 +76,6 @@ def test_forward_with_intra_wg_overlap_matches_reference(case):
   _assert_forward_matches_reference(case, dataclasses.replace(SMALL, fwd_intra_wg_overlap=True))
 
 
-@pytest.mark.parametrize("case", [c for c in FWD if c[6]], ids=kernel_case_id)
-def test_causal_forward_in_light_first_order_matches_reference(case):
-  _assert_forward_matches_reference(case, dataclasses.replace(SMALL, fwd_causal_light_first=True))
-
-
 def test_one_stage_causal_forward_is_refused():
   # One ring slot deadlocks the causal idle steps (found in the interpreter): refuse it.
   q, k, v, _ = kernel_inputs(1, 200, 200, 2, 1, 64, jnp.bfloat16, seed=0)
@@ -150,12 +145,6 @@ def test_backward_launch_order_gives_the_same_gradients(case, group):
   _assert_same_backward(case, case[1] + case[2] + 1,
                         dict(bwd_heads_fastest=True, bwd_head_group=group),
                         dict(bwd_heads_fastest=False, bwd_head_group=group))
-
-
-@pytest.mark.parametrize("case", [c for c in BWD if c[6]], ids=kernel_case_id)
-def test_causal_backward_in_light_first_order_gives_the_same_gradients(case):
-  _assert_same_backward(case, case[1] + case[2], dict(bwd_causal_light_first=True),
-                        dict(bwd_causal_light_first=False))
 
 
 def test_fully_masked_row_contributes_nothing():
