@@ -148,7 +148,7 @@ def test_backward_launch_order_gives_the_same_gradients(case, group):
 
 
 def test_fully_masked_row_contributes_nothing():
-  # The mosaic API cannot produce such a row (no segment ids); the forward would give it o = 0
+  # Such a row (segment ids a query's keys never carry: test_mosaic_segments.py) gets o = 0
   # and lse = -inf, which the dQ kernel maps to lse2 = +inf (P = 0) as the XLA path does.
   b, t, s, h, kh, d = 1, 128, 192, 2, 1, 64
   q, k, v, do = kernel_inputs(b, t, s, h, kh, d, jnp.bfloat16, seed=3)
