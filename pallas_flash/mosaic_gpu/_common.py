@@ -82,8 +82,7 @@ class KernelParams:
         heads_fastest=config.heads_fastest,
         compute_registers=config.compute_registers,
         producer_registers=config.producer_registers, interpret=config.interpret,
-        intra_wg_overlap=config.fwd_intra_wg_overlap,
-        dkdv_schedule=config.dkdv_schedule,
+        intra_wg_overlap=config.fwd_intra_wg_overlap, dkdv_schedule=config.dkdv_schedule,
         dkdv_pingpong=config.dkdv_pingpong, bwd_heads_fastest=config.bwd_heads_fastest,
         bwd_head_group=config.bwd_head_group,
         profile_dir=config.profile_dir, segments=params.has_segments)
