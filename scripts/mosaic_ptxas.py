@@ -54,6 +54,10 @@ VARIANTS = {
     "bwd_fused_shared": ("fwdbwd", False, dict(fused_backward=True, fused_dq_shared=True)),
     "bwd_fused_overlap": ("fwdbwd", False, dict(fused_backward=True, fused_dq_shared=True,
                                                  fused_overlap=True)),
+    # Segment ids (documents of 1000 tokens): the plain forward loop and the split backward
+    # with the id loads and comparisons. `segments` is not a MosaicConfig field.
+    "fwd_segments_causal": ("fwd", True, dict(segments=True)),
+    "bwd_segments_causal": ("fwdbwd", True, dict(segments=True)),
 }
 
 
@@ -86,11 +90,14 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
 
   mode, causal, kw = variant(name)
   b, t, h, d = shape
+  segments = kw.pop("segments", False)
   config = dataclasses.replace(TUNED.get((d, causal), MosaicConfig()), **kw)
+  ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // 1000, (b, t))
+  seg = dict(query_segment_ids=ids, key_value_segment_ids=ids) if segments else {}
 
   def attn(q, k, v, impl="mosaic"):
     return pallas_flash.flash_attention(q, k, v, is_causal=causal, implementation=impl,
-                                        config=config if impl == "mosaic" else None)
+                                        config=config if impl == "mosaic" else None, **seg)
 
   def grads(q, k, v, do, impl="mosaic"):
     _, vjp = jax.vjp(lambda *a: attn(*a, impl=impl), q, k, v)

@@ -46,7 +46,7 @@ def _segments(case, key):
   """q_seg [B, T], kv_seg [B, S] int32 for the case's kind of ids."""
   b, t, s, *_, ids = case
   kq, kk = jax.random.split(key)
-  if ids == "packed":  # the same documents on both axes, scaled to each length
+  if ids == "packed":  # one document layout over max(T, S), cut to each length
     docs = random_segments(kq, b, max(t, s), num_docs=5)
     return docs[:, :t], docs[:, :s]
   if ids == "long_docs":  # [0, 320), [320, 330), [330, ...)
