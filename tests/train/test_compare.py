@@ -1,0 +1,31 @@
+"""train.compare's synthetic batches: packed documents for --documents."""
+
+import types
+
+import numpy as np
+import pytest
+
+from train.compare import _random_batch
+
+CFG = types.SimpleNamespace(model=types.SimpleNamespace(vocab_size=256), batch_size=3,
+                            seq_len=200)
+
+
+@pytest.mark.parametrize("documents", [0, 1, 7])
+def test_random_batch_packs_documents(documents):
+  batch = _random_batch(CFG, seed=documents, documents=documents)
+  shape = (1, CFG.batch_size, CFG.seq_len)
+  assert batch["tokens"].shape == batch["positions"].shape == shape
+  np.testing.assert_array_equal(batch["tokens"][..., 1:], batch["targets"][..., :-1])
+  if documents <= 1:
+    assert "segment_ids" not in batch
+    np.testing.assert_array_equal(batch["positions"][0, 1], np.arange(CFG.seq_len))
+    return
+  seg, pos = batch["segment_ids"], batch["positions"]
+  steps = np.diff(seg, axis=-1)
+  assert set(np.unique(steps)) <= {0, 1}
+  np.testing.assert_array_equal(seg[..., -1], documents - 1)  # every document non-empty
+  # positions restart at 0 at each document start and count up inside it
+  starts = np.concatenate([np.ones(shape[:2] + (1,), bool), steps == 1], -1)
+  np.testing.assert_array_equal(pos == 0, starts)
+  np.testing.assert_array_equal(np.diff(pos, axis=-1)[steps == 0], 1)
