@@ -39,7 +39,7 @@ def _config(args, attention: str, seq_len: int):
   cfg = PRESETS[args.preset]
   return dataclasses.replace(
       cfg, attention=attention, seq_len=seq_len, batch_size=args.batch_size, grad_accum=1,
-      segment_ids=args.documents > 0, task="retrieval",
+      segment_ids=args.documents > 1, task="retrieval",
       implementation=(args.implementation if attention == "ours" else None),
       steps=max(cfg.steps, args.steps + 2), warmup_steps=1)
 

@@ -161,7 +161,8 @@ def test_segment_calls_run_the_mosaic_kernels():
   assert why.chosen == "mosaic", why
 
 
-@pytest.mark.parametrize("case", [(2, 1000, 1000, 8, 2, 64, True), (1, 2048, 2048, 4, 4, 128, False),
+@pytest.mark.parametrize("case", [(2, 1000, 1000, 8, 2, 64, True),
+                                  (1, 2048, 2048, 4, 4, 128, False),
                                   (1, 777, 1025, 8, 1, 128, True)], ids=kernel_case_id)
 @pytest.mark.parametrize("kind", ["segments", "lengths"])
 def test_segmented_forward_and_grad_lower(case, kind):
