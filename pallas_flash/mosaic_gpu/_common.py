@@ -181,6 +181,24 @@ def segment_limits(limits, b, tile):
   return tuple(limits[b, tile, i] for i in range(4))
 
 
+def streamed_kv_range(seg: SegmentRefs, b, tile, cta_steps):
+  """(kv0, steps, full) of a CTA that streams key blocks (forward, dQ): its first key block,
+  how many it streams from there (the segment hull cut at the causal bound cta_steps) and its
+  full run (segment_limits). At least one block, so that a tile whose rows see no key still
+  runs and writes o = 0 / dQ = 0."""
+  first, last, *full = segment_limits(seg.limits, b, tile)
+  end = jnp.maximum(jnp.minimum(last, cta_steps), 1)
+  kv0 = jnp.minimum(first, end - 1)
+  return kv0, end - kv0, full
+
+
+def row_and_col_ids(seg: SegmentRefs, b, row0, rows: int, cols: int):
+  """ids(col0) -> (ids of rows row0.. [rows] ROW, ids of columns col0.. [cols] COL): the
+  row ids are loaded once, the column ids at each call."""
+  row_seg = row_ids(seg.rows, b, row0, rows)
+  return lambda col0: (row_seg, col_ids(seg.cols, b, col0, cols))
+
+
 def unmasked_run(q0, steps, kp: KernelParams, *, kv0=0, full=None):
   """[u0, u1): the steps of a WG's kv loop (step j is key block kv0 + j, rows q0..) that need
   no mask: those before the causal diagonal and the padded tail and, with segment ids, inside

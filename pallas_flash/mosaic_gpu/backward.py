@@ -69,10 +69,7 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
   cta_steps = kp.kv_steps(cta_q0 + 2 * bq)
   kv0, full = 0, None  # the CTA's first key block (steps count from it), its full run
   if seg is not None:
-    first, last, *full = _common.segment_limits(seg.limits, b, qt)
-    end = jnp.maximum(jnp.minimum(last, cta_steps), 1)
-    kv0 = jnp.minimum(first, end - 1)
-    cta_steps = end - kv0
+    kv0, cta_steps, full = _common.streamed_kv_range(seg, b, qt, cta_steps)
 
   @pl.when(wg < 2)
   def _consumer():
@@ -111,8 +108,7 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
     ids = None
     if seg is not None:
       steps = jnp.clip(steps - kv0, 1, cta_steps)
-      row_seg = _common.row_ids(seg.rows, b, q0, bq)
-      ids = lambda col0: (row_seg, _common.col_ids(seg.cols, b, col0, bkv))  # noqa: E731
+      ids = _common.row_and_col_ids(seg, b, q0, bq, bkv)
 
     def step(j, dq, *, masked: bool):
       slot = lax.rem(j, stages)
@@ -266,8 +262,8 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
     pingpong = functools.partial(_common.sync, sched) if kp.dkdv_pingpong else None
     ids = None
     if seg is not None:
-      row_seg = _common.row_ids(seg.rows, b, k0, bkv)
-      ids = lambda t: (row_seg, _common.col_ids(seg.cols, b, index(t)[0] * bq, bq))  # noqa: E731
+      ids_at = _common.row_and_col_ids(seg, b, k0, bkv, bq)
+      ids = lambda t: ids_at(index(t)[0] * bq)  # noqa: E731
 
     def step(t, carry, *, masked: bool):
       dk, dv = carry

@@ -65,11 +65,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   cta_steps = kp.kv_steps(cta_q0 + 2 * bq)
   kv0, full = 0, None  # the CTA's first key block (steps count from it), its full run
   if seg is not None:
-    first, last, *full = _common.segment_limits(seg.limits, b, qt)
-    # At least one block, so that a tile whose rows see no key still runs (and writes o = 0).
-    end = jnp.maximum(jnp.minimum(last, cta_steps), 1)
-    kv0 = jnp.minimum(first, end - 1)
-    cta_steps = end - kv0
+    kv0, cta_steps, full = _common.streamed_kv_range(seg, b, qt, cta_steps)
 
   sched_sync = functools.partial(_common.sync, sched)
 
@@ -79,13 +75,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     q_smem, lse_smem = q_scratch.at[wg], lse_scratch.at[wg]
     q0 = cta_q0 + wg * bq
     steps = kp.kv_steps(q0 + bq)
-    seg_mask = None
+    seg_ids = None
     if seg is not None:
       steps = jnp.clip(steps - kv0, 1, cta_steps)
-      row_seg = _common.row_ids(seg.rows, b, q0, bq)
-
-      def seg_mask(col0):
-        return row_seg, _common.col_ids(seg.cols, b, col0, bkv)
+      seg_ids = _common.row_and_col_ids(seg, b, q0, bq, bkv)
     with jax.named_scope("prologue"):
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_ready.at[wg])
       plgpu.barrier_wait(q_ready.at[wg])
@@ -105,7 +98,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     pl.when(wg == 1)(sched_sync)
     loop = _overlapped_kv_loop if kp.intra_wg_overlap else _plain_kv_loop
     if seg is not None:
-      loop = functools.partial(_plain_kv_loop, kv0=kv0, seg_ids=seg_mask, full=full)
+      loop = functools.partial(_plain_kv_loop, kv0=kv0, seg_ids=seg_ids, full=full)
     carry = loop(q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
                  _Barriers(k_ready, v_ready, k_free, v_free, sched), q0=q0, steps=steps, kp=kp)
     if kp.causal or seg is not None:
