@@ -113,9 +113,23 @@ def inputs(n: int, dtype=jnp.bfloat16):
   return tuple(jax.random.normal(key, (1, n, HEADS, HEAD_DIM), dtype) for key in keys)
 
 
-def step(impl: str, mode: str, kw: dict):
+def mosaic_config(overrides: str, seq_len: int):
+  """The tuned causal MosaicConfig at seq_len with 'key=value,...' overrides, or None."""
+  if not overrides:
+    return None
+  from pallas_flash.mosaic_gpu.config import tuned
+
+  kw = {}
+  for item in overrides.split(","):
+    key, value = item.split("=")
+    kw[key] = ({"True": True, "False": False}[value] if value in ("True", "False")
+               else int(value) if value.isdigit() else value)
+  return dataclasses.replace(tuned(HEAD_DIM, True, seq_len), **kw)
+
+
+def step(impl: str, mode: str, kw: dict, config=None):
   def attn(q, k, v):
-    return pallas_flash.flash_attention(q, k, v, implementation=impl, **kw)
+    return pallas_flash.flash_attention(q, k, v, implementation=impl, config=config, **kw)
 
   def fwd(q, k, v, do):
     del do
@@ -132,13 +146,14 @@ def rel_err(x, ref) -> float:
   return float(np.abs(x - ref).max() / max(np.abs(ref).max(), 0.05))
 
 
-def check(impl: str, cfg: Config) -> float:
+def check(impl: str, cfg: Config, overrides: str = "") -> float:
   """Worst relative error of output and gradients against the reference at cfg.check_len."""
   n = cfg.check_len
   q, k, v, do = inputs(n)
   kw = call_kwargs(cfg, n)
   up = [x.astype(jnp.float32) for x in (q, k, v, do)]
-  got = [step(impl, m, kw)(q, k, v, do) for m in ("fwd", "fwdbwd")]
+  config = mosaic_config(overrides, n)
+  got = [step(impl, m, kw, config)(q, k, v, do) for m in ("fwd", "fwdbwd")]
   want = [step("reference", m, kw)(*up) for m in ("fwd", "fwdbwd")]
   errs = [rel_err(got[0], want[0])] + [rel_err(g, w) / 2 for g, w in zip(got[1], want[1])]
   return max(errs)
@@ -155,6 +170,9 @@ def main() -> None:
                            "(include each row's baseline)")
   parser.add_argument("--tol", type=float, default=1.5e-2, help="bf16 relative error budget")
   parser.add_argument("--json", default=None)
+  parser.add_argument("--config", default="",
+                      help="--impl mosaic: 'key=value,...' overriding the tuned causal "
+                           "MosaicConfig of every row, e.g. block_kv_dq=64")
   parser.add_argument("--shrink", type=int, default=1,
                       help="divide every length by this (smoke-test the script on CPU)")
   args = parser.parse_args()
@@ -168,15 +186,16 @@ def main() -> None:
     spec = jax.ShapeDtypeStruct((1, cfg.check_len, HEADS, HEAD_DIM), jnp.bfloat16)
     reason = pallas_flash.explain(spec, spec, spec,
                                   **call_kwargs(cfg, cfg.check_len)).reasons.get(args.impl)
-    err = None if reason else check(args.impl, cfg)
+    err = None if reason else check(args.impl, cfg, args.config)
     ok = reason is None and err <= args.tol
     for mode in args.modes.split(","):
       row = dict(name=cfg.name, mode=mode, impl=args.impl, seq_len=cfg.seq_len, error=err,
                  skipped=reason or (None if ok else f"error {err:.3g} > {args.tol}"))
       if ok:
         q, k, v, do = inputs(cfg.seq_len)
-        compiled, compile_s = compile_step(step(args.impl, mode, call_kwargs(cfg, cfg.seq_len)),
-                                           (q, k, v, do))
+        config = mosaic_config(args.config, cfg.seq_len)
+        compiled, compile_s = compile_step(
+            step(args.impl, mode, call_kwargs(cfg, cfg.seq_len), config), (q, k, v, do))
         t = time_compiled(compiled, (q, k, v, do), iters=args.iters).median_s
         flops = 4 * HEADS * HEAD_DIM * cfg.pairs * (3.5 if mode == "fwdbwd" else 1.0)
         times[cfg.name, mode] = (t, cfg.pairs)
@@ -188,7 +207,7 @@ def main() -> None:
   if args.json:
     meta = dict(device_kind=jax.devices()[0].device_kind, jax=jax.__version__,
                 python=platform.python_version(), date=time.strftime("%Y-%m-%d"),
-                commit=_git_commit(), heads=HEADS, head_dim=HEAD_DIM, dtype="bfloat16")
+                commit=_git_commit(), config=args.config, heads=HEADS, head_dim=HEAD_DIM, dtype="bfloat16")
     with open(args.json, "w") as f:
       json.dump(dict(meta=meta, rows=rows), f, indent=1)
 

@@ -1,0 +1,165 @@
+"""Where a training step's GPU time goes, per kernel, for each attention side by side.
+
+On the GPU machine, from the repository root:
+
+  PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/train_step_profile.py [--attention ours cudnn]
+      [--preset h200-long] [--seq-len 16384] [--batch-size 2] [--steps 3] [--out DIR]
+
+builds the preset's model once per attention (as `python -m train.compare throughput` does),
+runs warm-up steps, then traces `--steps` steps with `jax.profiler` and sums the GPU kernels'
+time per kernel name and per category (attention, matmul, other fusions, copies/collectives),
+per step. The categories are named by pattern (KERNEL_CATEGORIES), so a kernel they miss shows
+up under "other" and in the per-kernel table, never silently. `train.compare` says how fast a
+step is; this says which kernels make the difference. The raw traces stay in DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import time
+
+# First match wins; applied to the kernel name (GPU stream events) in lower case.
+KERNEL_CATEGORIES = (
+    ("attention", r"cudnn|fmha|flash|sdpa|mosaic|_fwd_kernel|_bwd_|dkdv|attention|anonymous|body_"),
+    ("matmul", r"gemm|nvjet|cutlass|wgmma|xmma|sm90_|cublas|matmul|dot"),
+    ("copy/collective", r"memcpy|memset|copy|nccl|all[-_]?reduce|transpose"),
+    ("fusion", r"fusion|loop_|input_|reduce|convert|broadcast|select|add|multiply|exp"),
+)
+
+
+def categorise(name: str) -> str:
+  low = name.lower()
+  for category, pattern in KERNEL_CATEGORIES:
+    if re.search(pattern, low):
+      return category
+  return "other"
+
+
+def gpu_kernel_times(trace_path: str) -> dict[str, list[float]]:
+  """{kernel name: [durations in µs]} of the events on the GPU's stream lines of one
+  perfetto/chrome trace (`jax.profiler.trace(..., create_perfetto_trace=True)`).
+
+  The GPU process also carries derived lines ("XLA Ops", "XLA Modules", "Steps"), which repeat
+  the kernels' time at other granularities; only stream lines are summed."""
+  with gzip.open(trace_path, "rt") as f:
+    events = json.load(f)["traceEvents"]
+  procs, threads = {}, {}
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      procs[e["pid"]] = e["args"]["name"]
+    elif e.get("ph") == "M" and e.get("name") == "thread_name":
+      threads[(e["pid"], e["tid"])] = e["args"]["name"]
+  out = collections.defaultdict(list)
+  for e in events:
+    if e.get("ph") != "X" or "gpu" not in procs.get(e.get("pid"), "").lower():
+      continue
+    line = threads.get((e["pid"], e.get("tid")), "")
+    if "stream" not in line.lower():
+      continue
+    out[e["name"]].append(float(e.get("dur", 0.0)))
+  return dict(out)
+
+
+def line_names(trace_path: str) -> list[str]:
+  """'process / thread' of every line in the trace (printed when no GPU stream is found)."""
+  with gzip.open(trace_path, "rt") as f:
+    events = json.load(f)["traceEvents"]
+  procs = {e["pid"]: e["args"]["name"] for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  return sorted({f"{procs.get(e['pid'], e['pid'])} / {e['args']['name']}" for e in events
+                 if e.get("ph") == "M" and e.get("name") == "thread_name"})
+
+
+def profile_attention(args, attention: str, out_dir: str) -> dict:
+  """Builds the model with `attention`, warms up, traces args.steps steps; per-step times."""
+  import jax
+
+  from train import compare
+  from train.main import _shard_batch, build, check_environment, make_mesh
+  from train.step import train_step
+
+  cargs = argparse.Namespace(preset=args.preset, batch_size=args.batch_size,
+                             implementation=args.implementation if attention == "ours" else None,
+                             steps=args.steps, documents=0)
+  cfg = compare._config(cargs, attention, args.seq_len)
+  check_environment(cfg)
+  mesh = make_mesh(jax.devices())
+  model, optimizer = build(cfg, mesh)
+  batch = _shard_batch(compare._random_batch(cfg, 0), mesh, accum_axis=True)
+  for _ in range(2):  # compile, then one step so that autotuning and allocation are done
+    out = train_step(model, optimizer, batch)
+  jax.block_until_ready(out)
+  t0 = time.perf_counter()
+  for _ in range(args.steps):
+    out = train_step(model, optimizer, batch)
+  jax.block_until_ready(out)
+  wall_ms = 1e3 * (time.perf_counter() - t0) / args.steps
+  trace_dir = os.path.join(out_dir, f"trace_{attention}")
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    for _ in range(args.steps):
+      out = train_step(model, optimizer, batch)
+    jax.block_until_ready(out)
+  traces = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
+  if not traces:
+    raise SystemExit(f"no trace written under {trace_dir}")
+  kernels = gpu_kernel_times(traces[-1])
+  if not kernels:
+    print(f"[{attention}] no GPU stream events; lines in the trace:\n  "
+          + "\n  ".join(line_names(traces[-1])), flush=True)
+  per_step = {name: sum(d) / 1e3 / args.steps for name, d in kernels.items()}
+  calls = {name: len(d) / args.steps for name, d in kernels.items()}
+  return dict(attention=attention, wall_ms=wall_ms, kernel_ms=per_step, calls=calls)
+
+
+def report(results: list[dict], top: int) -> str:
+  lines = []
+  cats = [c for c, _ in KERNEL_CATEGORIES] + ["other"]
+  head = f"{'ms per step':<22}" + "".join(f"{r['attention']:>12}" for r in results)
+  lines += [head, "-" * len(head)]
+  lines.append(f"{'wall (unprofiled)':<22}" + "".join(f"{r['wall_ms']:>12.2f}" for r in results))
+  lines.append(f"{'GPU kernels, total':<22}"
+               + "".join(f"{sum(r['kernel_ms'].values()):>12.2f}" for r in results))
+  for c in cats:
+    vals = [sum(v for k, v in r["kernel_ms"].items() if categorise(k) == c) for r in results]
+    lines.append(f"{'  ' + c:<22}" + "".join(f"{v:>12.2f}" for v in vals))
+  for r in results:
+    lines += ["", f"[{r['attention']}] top {top} kernels: ms per step, calls per step, category"]
+    ranked = sorted(r["kernel_ms"].items(), key=lambda kv: -kv[1])[:top]
+    for name, ms in ranked:
+      lines.append(f"  {ms:9.3f} {r['calls'][name]:6.1f}  {categorise(name):<16}{name[:110]}")
+  return "\n".join(lines)
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--attention", nargs="+", default=["ours", "cudnn"])
+  p.add_argument("--implementation", default=None, help="pallas_flash implementation for ours")
+  p.add_argument("--preset", default="h200-long")
+  p.add_argument("--seq-len", type=int, default=16_384)
+  p.add_argument("--batch-size", type=int, default=2)
+  p.add_argument("--steps", type=int, default=3, help="traced (and timed) steps per attention")
+  p.add_argument("--top", type=int, default=25)
+  p.add_argument("--out", default=os.environ.get("OUT", "train_profile"))
+  args = p.parse_args()
+  os.makedirs(args.out, exist_ok=True)
+  results = []
+  for attention in args.attention:
+    results.append(profile_attention(args, attention, args.out))
+    print(f"[{attention}] {results[-1]['wall_ms']:.2f} ms per step (unprofiled)", flush=True)
+  text = report(results, args.top)
+  print(text, flush=True)
+  with open(os.path.join(args.out, "train_step_profile.json"), "w") as f:
+    json.dump(dict(args=vars(args), results=results), f, indent=1)
+  with open(os.path.join(args.out, "train_step_profile.txt"), "w") as f:
+    f.write(text + "\n")
+
+
+if __name__ == "__main__":
+  sys.exit(main())
