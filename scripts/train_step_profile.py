@@ -22,6 +22,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import sys
 import time
 
@@ -42,12 +43,13 @@ def categorise(name: str) -> str:
   return "other"
 
 
-def gpu_kernel_times(trace_path: str) -> dict[str, list[float]]:
-  """{kernel name: [durations in µs]} of the events on the GPU's stream lines of one
-  perfetto/chrome trace (`jax.profiler.trace(..., create_perfetto_trace=True)`).
+def read_trace(trace_path: str) -> tuple[list[tuple[float, float, str]], dict[str, list[float]]]:
+  """From one perfetto/chrome trace (`jax.profiler.trace(..., create_perfetto_trace=True)`):
+  the GPU kernels as (start µs, end µs, name), sorted, and the host's CUDA API calls as
+  {name: [durations µs]}.
 
-  The GPU process also carries derived lines ("XLA Ops", "XLA Modules", "Steps"), which repeat
-  the kernels' time at other granularities; only stream lines are summed."""
+  Kernels are the events on the GPU process's stream lines; its derived lines ("XLA Ops",
+  "XLA Modules", "Steps") repeat the same time at other granularities and are skipped."""
   with gzip.open(trace_path, "rt") as f:
     events = json.load(f)["traceEvents"]
   procs, threads = {}, {}
@@ -56,15 +58,31 @@ def gpu_kernel_times(trace_path: str) -> dict[str, list[float]]:
       procs[e["pid"]] = e["args"]["name"]
     elif e.get("ph") == "M" and e.get("name") == "thread_name":
       threads[(e["pid"], e["tid"])] = e["args"]["name"]
-  out = collections.defaultdict(list)
+  kernels, api = [], collections.defaultdict(list)
   for e in events:
-    if e.get("ph") != "X" or "gpu" not in procs.get(e.get("pid"), "").lower():
+    if e.get("ph") != "X":
       continue
-    line = threads.get((e["pid"], e.get("tid")), "")
-    if "stream" not in line.lower():
-      continue
-    out[e["name"]].append(float(e.get("dur", 0.0)))
-  return dict(out)
+    dur = float(e.get("dur", 0.0))
+    if "gpu" in procs.get(e.get("pid"), "").lower():
+      if "stream" in threads.get((e["pid"], e.get("tid")), "").lower():
+        kernels.append((float(e["ts"]), float(e["ts"]) + dur, e["name"]))
+    elif re.match(r"cu[A-Z]|cuda[A-Z]", e.get("name", "")):
+      api[e["name"]].append(dur)
+  return sorted(kernels), dict(api)
+
+
+def idle_gaps(kernels: list[tuple[float, float, str]], min_us: float = 1.0):
+  """GPU idle time between the first kernel's start and the last one's end (no kernel on any
+  stream), in µs, and {(kernel before, kernel after): [gaps µs]} for gaps of at least min_us."""
+  idle, gaps, end, last = 0.0, collections.defaultdict(list), None, None
+  for start, stop, name in kernels:
+    if end is not None and start > end:
+      idle += start - end
+      if start - end >= min_us:
+        gaps[(last, name)].append(start - end)
+    if end is None or stop >= end:
+      end, last = stop, name
+  return idle, dict(gaps)
 
 
 def line_names(trace_path: str) -> list[str]:
@@ -109,13 +127,26 @@ def profile_attention(args, attention: str, out_dir: str) -> dict:
   traces = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
   if not traces:
     raise SystemExit(f"no trace written under {trace_dir}")
-  kernels = gpu_kernel_times(traces[-1])
-  if not kernels:
+  shutil.copy(traces[-1], os.path.join(out_dir, f"{attention}.trace.json.gz"))
+  events, api = read_trace(traces[-1])
+  if not events:
     print(f"[{attention}] no GPU stream events; lines in the trace:\n  "
           + "\n  ".join(line_names(traces[-1])), flush=True)
-  per_step = {name: sum(d) / 1e3 / args.steps for name, d in kernels.items()}
-  calls = {name: len(d) / args.steps for name, d in kernels.items()}
-  return dict(attention=attention, wall_ms=wall_ms, kernel_ms=per_step, calls=calls)
+  kernels = collections.defaultdict(list)
+  for start, stop, name in events:
+    kernels[name].append(stop - start)
+  idle, gaps = idle_gaps(events)
+  n = args.steps
+  top_gaps = sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:15]
+  return dict(attention=attention, wall_ms=wall_ms,
+              kernel_ms={k: sum(d) / 1e3 / n for k, d in kernels.items()},
+              calls={k: len(d) / n for k, d in kernels.items()},
+              span_ms=(events[-1][1] - events[0][0]) / 1e3 / n if events else 0.0,
+              idle_ms=idle / 1e3 / n,
+              gaps=[dict(before=b, after=a, ms=sum(g) / 1e3 / n, count=len(g) / n,
+                         mean_us=sum(g) / len(g)) for (b, a), g in top_gaps],
+              cuda_api={k: dict(ms=sum(d) / 1e3 / n, calls=len(d) / n)
+                        for k, d in sorted(api.items(), key=lambda kv: -sum(kv[1]))[:12]})
 
 
 def report(results: list[dict], top: int) -> str:
@@ -124,6 +155,8 @@ def report(results: list[dict], top: int) -> str:
   head = f"{'ms per step':<22}" + "".join(f"{r['attention']:>12}" for r in results)
   lines += [head, "-" * len(head)]
   lines.append(f"{'wall (unprofiled)':<22}" + "".join(f"{r['wall_ms']:>12.2f}" for r in results))
+  lines.append(f"{'traced span':<22}" + "".join(f"{r['span_ms']:>12.2f}" for r in results))
+  lines.append(f"{'  GPU idle in it':<22}" + "".join(f"{r['idle_ms']:>12.2f}" for r in results))
   lines.append(f"{'GPU kernels, total':<22}"
                + "".join(f"{sum(r['kernel_ms'].values()):>12.2f}" for r in results))
   for c in cats:
@@ -134,6 +167,14 @@ def report(results: list[dict], top: int) -> str:
     ranked = sorted(r["kernel_ms"].items(), key=lambda kv: -kv[1])[:top]
     for name, ms in ranked:
       lines.append(f"  {ms:9.3f} {r['calls'][name]:6.1f}  {categorise(name):<16}{name[:110]}")
+    lines += ["", f"[{r['attention']}] largest GPU idle gaps: ms per step, gaps per step, mean µs,"
+              " kernel before -> kernel after"]
+    for g in r["gaps"]:
+      lines.append(f"  {g['ms']:9.3f} {g['count']:6.1f} {g['mean_us']:8.1f}  "
+                   f"{str(g['before'])[:60]} -> {str(g['after'])[:60]}")
+    lines += ["", f"[{r['attention']}] host CUDA API calls: ms per step, calls per step"]
+    for name, c in r["cuda_api"].items():
+      lines.append(f"  {c['ms']:9.3f} {c['calls']:8.1f}  {name[:100]}")
   return "\n".join(lines)
 
 
