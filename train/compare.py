@@ -13,6 +13,15 @@ packs N documents of random lengths into each sequence (segment ids and per-docu
 as packed text trains), to compare our implementations on that:
 
   python -m train.compare throughput --attention ours --implementation triton --documents 8
+
+A throughput step time is the steady state of a training loop: (time of 1 + N steps − time of
+1 step) / N, each run dispatched back to back and synchronised once, so the host's latency
+before the first step (NNX's graph traversal, the CUDA graph's update and launch: 25-40 ms per
+synchronised run at 16K on the H200, where a step takes ~180 ms) cancels instead of being
+spread over N steps. `--rounds R` repeats the attentions in turn (ours, cudnn, ours, cudnn,
+...), since the GPU's clock drifts with its temperature; each row records the SM clock,
+temperature and power draw after its timed steps (nvidia-smi, if present).
+`scripts/train_step_profile.py` shows where a step's GPU time goes, kernel by kernel.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ def _config(args, attention: str, seq_len: int):
       cfg, attention=attention, seq_len=seq_len, batch_size=args.batch_size, grad_accum=1,
       segment_ids=args.documents > 1, task="retrieval",
       implementation=(args.implementation if attention == "ours" else None),
-      steps=max(cfg.steps, args.steps + 2), warmup_steps=1)
+      steps=max(cfg.steps, 2 * args.steps + 4), warmup_steps=1)
 
 
 def _random_batch(cfg, seed: int, documents: int = 0) -> dict:
@@ -82,11 +91,19 @@ def _measure(cfg, steps: int, model=None, optimizer=None, documents: int = 0) ->
   t0 = time.perf_counter()
   loss = float(train_step(model, optimizer, batch)["loss"])  # compile + first step
   compile_s = time.perf_counter() - t0
-  t0 = time.perf_counter()
-  for _ in range(steps):
-    out = train_step(model, optimizer, batch)
-  jax.block_until_ready(out)
-  step_s = (time.perf_counter() - t0) / max(steps, 1)
+
+  def run(n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+      out = train_step(model, optimizer, batch)
+    jax.block_until_ready(out)
+    return time.perf_counter() - t0
+
+  if steps > 1:  # steady state: the latency before the first step cancels (module docstring)
+    one = run(1)
+    step_s = (run(1 + steps) - one) / steps
+  else:
+    step_s = run(1)
   tokens_per_s = cfg.seq_len * cfg.batch_size / step_s
   peak = metrics.peak_flops(devices[0])
   flops = cfg.model.flops_per_token(cfg.seq_len) * tokens_per_s
@@ -95,7 +112,18 @@ def _measure(cfg, steps: int, model=None, optimizer=None, documents: int = 0) ->
               batch_size=cfg.batch_size, step_ms=1e3 * step_s, tokens_per_s=tokens_per_s,
               mfu=None if peak is None else flops / (peak * len(devices)),
               peak_gib=None if mem is None else mem / 2**30, compile_s=compile_s,
-              first_loss=loss, status="ok", device=devices[0].device_kind)
+              first_loss=loss, status="ok", device=devices[0].device_kind, gpu=_gpu_state())
+
+
+def _gpu_state() -> str | None:
+  """'SM clock MHz, temperature C, power W' from nvidia-smi, or None without one."""
+  try:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,temperature.gpu,power.draw",
+                          "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() \
+      else None
 
 
 def _child_throughput(args, attention: str) -> list[dict]:
@@ -199,9 +227,10 @@ def format_row(r: dict) -> str:
   fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
   name = r["attention"] + (f"({r['implementation']})" if r.get("implementation") else "")
   return (f"{name:<18}{fmt(r.get('seq_len'), 'd'):>9}{fmt(r.get('tokens_per_s'), ',.0f'):>11}"
-          f"{fmt(r.get('mfu') and 100 * r['mfu'], '.1f'):>7}{fmt(r.get('step_ms'), '.0f'):>10}"
+          f"{fmt(r.get('mfu') and 100 * r['mfu'], '.1f'):>7}{fmt(r.get('step_ms'), '.1f'):>10}"
           f"{fmt(r.get('peak_gib'), '.2f'):>10}{fmt(r.get('compile_s'), '.1f'):>11}  "
-          f"{r['status']}{' ' + r['error'] if r.get('error') else ''}")
+          f"{r['status']}{' ' + r['error'] if r.get('error') else ''}"
+          f"{'  [GPU ' + r['gpu'] + ']' if r.get('gpu') else ''}")
 
 
 def format_table(rows: list[dict]) -> str:
@@ -225,7 +254,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--implementation", default=None, help="pallas_flash implementation for ours")
   p.add_argument("--seq-len", type=int, default=16_384, help="throughput: tokens per sequence")
   p.add_argument("--batch-size", type=int, default=1)
-  p.add_argument("--steps", type=int, default=5, help="throughput: timed steps after compile")
+  p.add_argument("--steps", type=int, default=5,
+                 help="throughput: steady-state steps timed after compile (module docstring)")
+  p.add_argument("--rounds", type=int, default=1,
+                 help="throughput: run the --attention list this many times in turn")
   p.add_argument("--documents", type=int, default=0,
                  help="throughput: packed documents per sequence (segment ids); 0: one stream")
   p.add_argument("--start", type=int, default=16_384, help="max-context: first length")
@@ -257,8 +289,9 @@ def main(argv=None) -> list[dict]:
       _write_json(args.json, args.mode, rows, complete=False)
 
   print(format_header(), flush=True)
-  for attention in args.attention:
-    _run_child(args, attention, on_row)
+  for _ in range(args.rounds if args.mode == "throughput" else 1):
+    for attention in args.attention:
+      _run_child(args, attention, on_row)
   if args.json:
     _write_json(args.json, args.mode, rows, complete=True)
   return rows

@@ -135,9 +135,10 @@ def check(impl: str, compiled, args: tuple, spec: shapes.ShapeSpec, *, mode: str
 # One row
 
 
-def run_case(impl: str, spec: shapes.ShapeSpec, args: tuple, *, mode: str, is_causal: bool,
-             opts: argparse.Namespace, reference) -> dict:
-  """Checks, then times, `impl` on one (shape, mode, causal); returns the JSON row."""
+def prepare_case(impl: str, spec: shapes.ShapeSpec, args: tuple, *, mode: str, is_causal: bool,
+                 opts: argparse.Namespace, reference) -> tuple[dict, object]:
+  """Compiles and checks `impl` on one (shape, mode, causal): its JSON row (errors filled in)
+  and the compiled step to time, or None where it is skipped or failed."""
   dtype = args[0].dtype
   row = {"kind": "speed", "mode": mode, "shape": spec.name, "label": spec.label,
          "batch": spec.batch, "seq_len": spec.seq_len, "num_heads": spec.num_heads,
@@ -150,22 +151,44 @@ def run_case(impl: str, spec: shapes.ShapeSpec, args: tuple, *, mode: str, is_ca
   row["reason"] = timing.skip_reason(impl, spec, dtype, is_causal=is_causal,
                                      xla_cap_gib=opts.xla_cap_gib)
   if row["reason"] is not None:
-    return row
+    return row, None
   try:
     step = timing.make_step(impl, mode=mode, is_causal=is_causal)
     compiled, row["compile_s"] = timing.compile_step(step, args)
     errs, row["check_shape"] = check(impl, compiled, args, spec, mode=mode, is_causal=is_causal,
                                      seq_cap=opts.check_seq_cap, reference=reference)
-    t = timing.time_compiled(compiled, args, iters=opts.iters,
-                             min_loop_s=opts.min_loop_ms / 1e3)
   except Exception as e:  # noqa: BLE001 -- one broken row must not stop the table
     row.update(status="error", reason=f"{type(e).__name__}: {str(e).strip()[:300]}")
-    return row
+    return row, None
   rel = max(errs.values())
-  row.update(rel_errs=errs, rel_err=rel, status="ok" if rel <= row["tolerance"] else "FAIL",
-             ms=t.median_s * 1e3, tflops=flops.tflops(row["flops"], t.median_s),
-             loop_ms=[s * 1e3 for s in t.loop_s], calls_per_loop=t.calls_per_loop)
-  return row
+  row.update(rel_errs=errs, rel_err=rel, status="ok" if rel <= row["tolerance"] else "FAIL")
+  return row, compiled
+
+
+def run_group(impls: list[str], spec: shapes.ShapeSpec, args: tuple, *, mode: str,
+              is_causal: bool, opts: argparse.Namespace, reference) -> list[dict]:
+  """Checks every implementation on one (shape, mode, causal), then times those that ran in
+  interleaved rounds (timing.time_interleaved); returns their JSON rows in `impls` order."""
+  prepared = [prepare_case(i, spec, args, mode=mode, is_causal=is_causal, opts=opts,
+                           reference=reference) for i in impls]
+  to_time = {row["impl"]: compiled for row, compiled in prepared if compiled is not None}
+  kw = dict(iters=opts.iters, min_loop_s=opts.min_loop_ms / 1e3)
+  try:
+    timings = timing.time_interleaved(to_time, args, **kw)
+  except Exception:  # noqa: BLE001 -- find the failing one: time each on its own
+    timings = {}
+    for row, compiled in prepared:
+      if compiled is None:
+        continue
+      try:
+        timings.update(timing.time_interleaved({row["impl"]: compiled}, args, **kw))
+      except Exception as e:  # noqa: BLE001 -- one broken row must not stop the table
+        row.update(status="error", reason=f"{type(e).__name__}: {str(e).strip()[:300]}")
+  for row, _ in prepared:
+    if (t := timings.get(row["impl"])) is not None:
+      row.update(ms=t.median_s * 1e3, tflops=flops.tflops(row["flops"], t.median_s),
+                 loop_ms=[s * 1e3 for s in t.loop_s], calls_per_loop=t.calls_per_loop)
+  return [row for row, _ in prepared]
 
 
 def _add_ratios(rows: list[dict]) -> None:
@@ -244,8 +267,8 @@ def run_speed(opts: argparse.Namespace, specs: list[shapes.ShapeSpec], impls: li
     for mode in modes:
       for is_causal in _CAUSAL[opts.causal]:
         reference = _cached_reference(mode, is_causal)
-        group = [run_case(i, spec, args, mode=mode, is_causal=is_causal, opts=opts,
-                          reference=reference) for i in impls]
+        group = run_group(impls, spec, args, mode=mode, is_causal=is_causal, opts=opts,
+                          reference=reference)
         _add_ratios(group)
         print_group(group)
         rows += group

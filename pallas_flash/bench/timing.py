@@ -1,6 +1,6 @@
 """What is timed and how: one jitted step per (implementation, mode, causal), compiled ahead of
-time so compilation is never timed, then the median of loops of back-to-back calls.
-"""
+time so compilation is never timed, then the median of loops of back-to-back calls, the
+implementations of one row taking turns loop by loop (time_interleaved)."""
 
 from __future__ import annotations
 
@@ -116,8 +116,26 @@ def time_compiled(fn: Callable, args: tuple, *, iters: int = 5,
   One warm-up call, one call to size the loops (enough calls that a loop lasts `min_loop_s`),
   then `iters` timed loops; returns their median.
   """
-  jax.block_until_ready(fn(*args))
-  estimate = _loop(fn, args, 1)
-  calls = max(1, math.ceil(min_loop_s / max(estimate, 1e-7)))
-  loops = tuple(_loop(fn, args, calls) for _ in range(iters))
-  return Timing(statistics.median(loops), loops, calls)
+  return time_interleaved({"fn": fn}, args, iters=iters, min_loop_s=min_loop_s)["fn"]
+
+
+def time_interleaved(fns: dict[str, Callable], args: tuple, *, iters: int = 5,
+                     min_loop_s: float = 0.05) -> dict[str, Timing]:
+  """Times several compiled `fn(*args)` in rounds: each round runs one loop of every fn, the
+  order rotating by one per round, and each fn's median over its `iters` loops is returned.
+
+  A GPU's clock drifts under sustained load (an H200 runs the same kernel 5-15 % slower after
+  seconds of heavy work), so timing one implementation after another would credit the drift
+  to whichever ran first; interleaved, every implementation sees the same conditions.
+  """
+  calls = {}
+  for name, fn in fns.items():
+    jax.block_until_ready(fn(*args))  # warm-up
+    estimate = _loop(fn, args, 1)
+    calls[name] = max(1, math.ceil(min_loop_s / max(estimate, 1e-7)))
+  names, loops = list(fns), {name: [] for name in fns}
+  for i in range(iters):
+    for name in names[i % len(names):] + names[:i % len(names)]:
+      loops[name].append(_loop(fns[name], args, calls[name]))
+  return {name: Timing(statistics.median(ls), tuple(ls), calls[name])
+          for name, ls in loops.items()}

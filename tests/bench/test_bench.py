@@ -6,10 +6,11 @@ import math
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import pytest
 
 from pallas_flash.bench import __main__ as bench
-from pallas_flash.bench import flops, shapes
+from pallas_flash.bench import flops, shapes, timing
 
 FAST = ["--iters", "2", "--min-loop-ms", "1"]
 META = ("device_kind", "jax_version", "git_commit", "date")
@@ -121,6 +122,41 @@ def test_gqa_check_spec_keeps_whole_groups():
   assert shapes.check_spec(group4, seq_cap=4096).label == "2x4096x4x128/K1"
   mha = shapes.check_spec(shapes.select_shapes("b1_t16k_h16_d128")[0], seq_cap=4096)
   assert mha.label == "1x4096x2x128" and mha.num_kv_heads == 0
+
+
+def test_implementations_are_timed_in_rotating_rounds():
+  log = []
+
+  def fn(name):
+    def call(x):
+      log.append(name)
+      return x + 1
+    return call
+
+  x = jnp.ones((4,))
+  out = timing.time_interleaved({n: fn(n) for n in "abc"}, (x,), iters=3, min_loop_s=0.0)
+  assert log[:6] == ["a", "a", "b", "b", "c", "c"]  # warm-up and sizing call each, in turn
+  assert log[6:] == list("abc" "bca" "cab")  # one loop each per round, order rotating
+  for name, t in out.items():
+    assert t.calls_per_loop == 1 and len(t.loop_s) == 3, name
+    assert t.median_s == sorted(t.loop_s)[1] > 0, name
+
+
+def test_a_call_failing_in_the_timing_rounds_marks_only_its_row(tmp_path, monkeypatch):
+  real = timing.time_interleaved
+
+  def boom(*args):
+    raise RuntimeError("boom")
+
+  def flaky(fns, args, **kw):  # the real rounds, with jax_xla's calls raising
+    return real({n: boom if n == "jax_xla" else f for n, f in fns.items()}, args, **kw)
+
+  monkeypatch.setattr(timing, "time_interleaved", flaky)
+  rows = _run(tmp_path, "--shapes", "cpu_t96", "--impl", "xla,jax_xla", "--mode", "fwd",
+              "--causal", "no")
+  by_impl = {r["impl"]: r for r in rows}
+  _assert_timed_and_correct(by_impl["xla"])
+  assert by_impl["jax_xla"]["status"] == "error" and "boom" in by_impl["jax_xla"]["reason"]
 
 
 def test_flop_convention():

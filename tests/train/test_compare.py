@@ -29,3 +29,16 @@ def test_random_batch_packs_documents(documents):
   starts = np.concatenate([np.ones(shape[:2] + (1,), bool), steps == 1], -1)
   np.testing.assert_array_equal(pos == 0, starts)
   np.testing.assert_array_equal(np.diff(pos, axis=-1)[steps == 0], 1)
+
+
+def test_throughput_rows_alternate_rounds_and_time_the_steady_state(capsys):
+  from train import compare
+
+  rows = compare.main(["throughput", "--preset", "cpu-demo", "--attention", "ours", "xla",
+                       "--seq-len", "128", "--batch-size", "2", "--steps", "2", "--rounds", "2"])
+  assert [r["attention"] for r in rows] == ["ours", "xla", "ours", "xla"]
+  for r in rows:
+    assert r["status"] == "ok", r
+    assert r["step_ms"] > 0 and np.isfinite(r["first_loss"]), r
+    assert r["tokens_per_s"] == pytest.approx(128 * 2 / (r["step_ms"] / 1e3)), r
+  assert capsys.readouterr().out.count("\nours ") == 2
