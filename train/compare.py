@@ -99,9 +99,11 @@ def _measure(cfg, steps: int, model=None, optimizer=None, documents: int = 0) ->
     jax.block_until_ready(out)
     return time.perf_counter() - t0
 
+  latency_s = None
   if steps > 1:  # steady state: the latency before the first step cancels (module docstring)
     one = run(1)
     step_s = (run(1 + steps) - one) / steps
+    latency_s = one - step_s  # what a synchronised step costs beyond the steady state
   else:
     step_s = run(1)
   tokens_per_s = cfg.seq_len * cfg.batch_size / step_s
@@ -112,7 +114,8 @@ def _measure(cfg, steps: int, model=None, optimizer=None, documents: int = 0) ->
               batch_size=cfg.batch_size, step_ms=1e3 * step_s, tokens_per_s=tokens_per_s,
               mfu=None if peak is None else flops / (peak * len(devices)),
               peak_gib=None if mem is None else mem / 2**30, compile_s=compile_s,
-              first_loss=loss, status="ok", device=devices[0].device_kind, gpu=_gpu_state())
+              first_loss=loss, status="ok", device=devices[0].device_kind, gpu=_gpu_state(),
+              sync_latency_ms=None if latency_s is None else 1e3 * latency_s)
 
 
 def _gpu_state() -> str | None:
