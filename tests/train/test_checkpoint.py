@@ -37,3 +37,19 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
   with pytest.raises(SystemExit, match="no checkpoint"):
     run(dataclasses.replace(TINY, out_dir=str(tmp_path), resume=True))
 
+
+
+def test_lagged_logging_records_every_step_once_in_order(tmp_path):
+  # log_every 2 logs one step behind the newest (its GPU work still queued), evaluation and
+  # checkpoint steps log everything: every step appears once, in order, before the checkpoint.
+  cfg = dataclasses.replace(TINY, out_dir=str(tmp_path), steps=9, log_every=2, eval_every=6,
+                            checkpoint_every=4)
+  out = run(cfg)
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  train = [r["step"] for r in records if r["kind"] == "train"]
+  assert train == list(range(9)) and sorted(out["train"]) == train
+  assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 6, 9]
+  # step 5 (the 6th) is logged before its evaluation, at the evaluation step
+  kinds = [(r["kind"], r["step"]) for r in records if r["kind"] in ("train", "eval")]
+  assert kinds.index(("train", 5)) < kinds.index(("eval", 6))
+  assert any("tokens_per_s" in r for r in records if r["kind"] == "train")
