@@ -117,14 +117,9 @@ def mosaic_config(overrides: str, seq_len: int):
   """The tuned causal MosaicConfig at seq_len with 'key=value,...' overrides, or None."""
   if not overrides:
     return None
-  from pallas_flash.mosaic_gpu.config import tuned
+  from pallas_flash.mosaic_gpu.config import tuned, with_overrides
 
-  kw = {}
-  for item in overrides.split(","):
-    key, value = item.split("=")
-    kw[key] = ({"True": True, "False": False}[value] if value in ("True", "False")
-               else int(value) if value.isdigit() else value)
-  return dataclasses.replace(tuned(HEAD_DIM, True, seq_len), **kw)
+  return with_overrides(tuned(HEAD_DIM, True, seq_len), overrides)
 
 
 def step(impl: str, mode: str, kw: dict, config=None):

@@ -266,6 +266,20 @@ FUSED_DEFERRED = dict(fused_backward=True, fused_dq_shared=True, fused_defer_dq=
                       fused_defer_inline=True, compute_registers=240, producer_registers=24)
 
 
+def with_overrides(config: MosaicConfig, overrides: str) -> MosaicConfig:
+  """`config` with 'key=value,...' applied (True/False, integers, else strings), e.g.
+  'fused_backward=True,block_kv_dq=64': the command-line form of dataclasses.replace."""
+  kw = {}
+  for item in filter(None, (x.strip() for x in overrides.split(","))):
+    key, sep, value = item.partition("=")
+    if not sep or key not in {f.name for f in dataclasses.fields(MosaicConfig)}:
+      raise ValueError(f"Mosaic config override {item!r}: expected key=value with a "
+                       f"MosaicConfig field as key")
+    kw[key] = ({"True": True, "False": False}[value] if value in ("True", "False")
+               else int(value) if value.lstrip("-").isdigit() else value)
+  return dataclasses.replace(config, **kw)
+
+
 def tuned(head_dim: int, is_causal: bool, kv_len: int) -> MosaicConfig:
   """The tuned config of a call: TUNED[(head_dim, is_causal)], switched to the persistent
   forward for short non-causal calls: the plain loop with heads fastest up to SHORT_KV_LEN

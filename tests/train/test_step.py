@@ -77,7 +77,10 @@ def test_two_devices_train_like_one(tmp_path):
     (["--task", "poetry"], "--task must be one of"),
     (["--attention", "cudnn"], "needs an NVIDIA GPU"),
     (["--d-model", "130"], "divisible by n_heads"),
-], ids=["preset", "gpu-preset", "implementation", "task", "cudnn", "model"])
+    (["--mosaic-config", "fused_backward=True"], "applies to --attention ours on the Mosaic"),
+    (["--implementation", "mosaic", "--mosaic-config", "fused=1"], "MosaicConfig field"),
+], ids=["preset", "gpu-preset", "implementation", "task", "cudnn", "model", "mosaic-config-xla",
+        "mosaic-config-key"])
 def test_bad_configuration_fails_at_start_with_a_clear_message(argv, message, tmp_path):
   from train.main import check_environment
 
