@@ -18,6 +18,9 @@ class ModelConfig:
     rope_theta: rotary base period (raise it for very long context).
     dtype: compute dtype ("float32" or "bfloat16"); parameters are always float32.
     remat: recompute each block in the backward pass (saves activation memory at long context).
+    remat_keeps_attention: with remat, keep the attention kernels' outputs (o and the softmax
+      statistics, B·T·H·(D·2 + 4) bytes per layer in bf16) rather than running the attention
+      forward a second time in the backward pass (models.transformer.keep_attention_outputs).
     tie_embeddings: share the input embedding with the output projection.
   """
 
@@ -30,6 +33,7 @@ class ModelConfig:
   rope_theta: float = 10_000.0
   dtype: str = "float32"
   remat: bool = False
+  remat_keeps_attention: bool = False
   tie_embeddings: bool = False
 
   def __post_init__(self):

@@ -54,9 +54,25 @@ def _call_block(block: Block, x, segment_ids, positions):
   return block(x, segment_ids, positions)
 
 
+# Primitives whose outputs are an attention forward's results and residuals: our Pallas kernels
+# (the only Pallas calls in a block's forward) and jax.nn's cuDNN forward.
+_ATTENTION_FORWARD_PRIMITIVES = ("pallas_call", "dot_product_attention_fwd_wrapper")
+
+
+def keep_attention_outputs(prim, *_, **__) -> bool:
+  """A jax.checkpoint policy: save the attention kernels' outputs, recompute everything else.
+
+  The backward of a rematerialised block then reruns its projections, norms and MLP but not
+  the attention forward, the most expensive part of a block at long context: the attention
+  backward needs only o and the softmax statistics, which this keeps (for the XLA baselines,
+  which are no single primitive, it saves nothing and the block is recomputed whole)."""
+  return prim.name in _ATTENTION_FORWARD_PRIMITIVES
+
+
 # Recomputes a block in the backward pass instead of storing its activations: at 128K tokens
 # a block's activations are tens of GB, its input only T * d_model floats.
 _call_block_remat = nnx.remat(_call_block)
+_call_block_remat_keep_attention = nnx.remat(_call_block, policy=keep_attention_outputs)
 
 
 class Transformer(nnx.Module):
@@ -87,7 +103,10 @@ class Transformer(nnx.Module):
       [B, T, vocab_size] float32 logits (the softmax runs in float32 whatever the compute dtype).
     """
     x = self.embed(tokens).astype(jnp.float32)  # [B, T, d_model]
-    call = _call_block_remat if self.config.remat else _call_block
+    call = _call_block
+    if self.config.remat:
+      call = (_call_block_remat_keep_attention if self.config.remat_keeps_attention
+              else _call_block_remat)
     for block in self.blocks:
       x = call(block, x, segment_ids, positions)
     x = self.final_norm(x)

@@ -105,7 +105,9 @@ def profile_attention(args, attention: str, out_dir: str) -> dict:
 
   cargs = argparse.Namespace(preset=args.preset, batch_size=args.batch_size,
                              implementation=args.implementation if attention == "ours" else None,
-                             steps=args.steps, documents=0)
+                             steps=args.steps, documents=0,
+                             mosaic_config=args.mosaic_config if attention == "ours" else "",
+                             remat_keeps_attention=args.remat_keeps_attention)
   cfg = compare._config(cargs, attention, args.seq_len)
   check_environment(cfg)
   mesh = make_mesh(jax.devices())
@@ -183,6 +185,9 @@ def main() -> None:
   p.add_argument("--attention", nargs="+", default=["ours", "cudnn"])
   p.add_argument("--implementation", default=None, help="pallas_flash implementation for ours")
   p.add_argument("--preset", default="h200-long")
+  p.add_argument("--mosaic-config", default="", help="ours: overrides of the tuned MosaicConfig")
+  p.add_argument("--remat-keeps-attention", action="store_true",
+                 help="the rematerialised blocks keep attention's outputs (ModelConfig)")
   p.add_argument("--seq-len", type=int, default=16_384)
   p.add_argument("--batch-size", type=int, default=2)
   p.add_argument("--steps", type=int, default=3, help="traced (and timed) steps per attention")

@@ -46,6 +46,9 @@ def _config(args, attention: str, seq_len: int):
   from train.config import PRESETS
 
   cfg = PRESETS[args.preset]
+  if args.remat_keeps_attention:
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                             remat_keeps_attention=True))
   return dataclasses.replace(
       cfg, attention=attention, seq_len=seq_len, batch_size=args.batch_size, grad_accum=1,
       segment_ids=args.documents > 1, task="retrieval",
@@ -112,7 +115,8 @@ def _measure(cfg, steps: int, model=None, optimizer=None, documents: int = 0) ->
   flops = cfg.model.flops_per_token(cfg.seq_len) * tokens_per_s
   mem = metrics.peak_memory_bytes(devices[0])
   return dict(attention=cfg.attention, implementation=cfg.implementation,
-              mosaic_config=cfg.mosaic_config or None, seq_len=cfg.seq_len,
+              mosaic_config=cfg.mosaic_config or None,
+              remat_keeps_attention=cfg.model.remat_keeps_attention, seq_len=cfg.seq_len,
               batch_size=cfg.batch_size, step_ms=1e3 * step_s, tokens_per_s=tokens_per_s,
               mfu=None if peak is None else flops / (peak * len(devices)),
               peak_gib=None if mem is None else mem / 2**30, compile_s=compile_s,
@@ -221,6 +225,8 @@ def _forward_flags(args) -> list[str]:
     flags += ["--implementation", args.implementation]
   if args.mosaic_config:
     flags += ["--mosaic-config", args.mosaic_config]
+  if args.remat_keeps_attention:
+    flags += ["--remat-keeps-attention"]
   return flags
 
 
@@ -260,6 +266,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--attention", nargs="+", default=["ours", "cudnn", "xla"])
   p.add_argument("--preset", default="h200-long")
   p.add_argument("--implementation", default=None, help="pallas_flash implementation for ours")
+  p.add_argument("--remat-keeps-attention", action="store_true",
+                 help="the rematerialised blocks keep attention's outputs (ModelConfig)")
   p.add_argument("--mosaic-config", default="",
                  help="ours on Mosaic: 'key=value,...' overrides of the tuned MosaicConfig")
   p.add_argument("--seq-len", type=int, default=16_384, help="throughput: tokens per sequence")

@@ -145,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
   add("--n-kv-heads", int, "key/value heads (GQA)")
   add("--rope-theta", float, "rotary base period")
   add("--dtype", str, "compute dtype: float32 or bfloat16")
+  p.add_argument("--remat-keeps-attention", action="store_true", default=None,
+                 help="with remat (h200 presets), keep attention's outputs instead of running "
+                      "its forward again in the backward pass")
   p.add_argument("--no-segment-ids", action="store_true",
                  help="let packed documents attend to each other (plain causal attention)")
   p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
@@ -160,7 +163,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
   if args.preset not in PRESETS:
     raise SystemExit(f"Unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}.")
   cfg = PRESETS[args.preset]
-  model_kw = {k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k) is not None}
+  model_kw = {k: getattr(args, k) for k in _MODEL_FLAGS + ("remat_keeps_attention",)
+              if getattr(args, k) is not None}
   top = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
          if f.name not in ("preset", "model", "resume", "segment_ids", "implementation")
          and getattr(args, f.name, None) is not None}

@@ -45,7 +45,7 @@ def check_environment(cfg: TrainConfig) -> None:
 
 
 # ModelConfig fields that change how the model computes, not what its parameters mean.
-_COMPUTE_ONLY_FIELDS = ("dtype", "remat")
+_COMPUTE_ONLY_FIELDS = ("dtype", "remat", "remat_keeps_attention")
 
 
 def check_init_from(cfg: TrainConfig) -> None:

@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -65,6 +66,27 @@ def test_remat_gives_the_same_gradients():
     model = _model(dataclasses.replace(TINY, remat=remat), seed=seed)
     g = nnx.grad(lambda m: jnp.mean(m(tok) ** 2))(model)
     grads.append(jax.tree.leaves(nnx.state(g, nnx.Param)))
+  for a, b in zip(*grads):
+    assert rel_err(a, b) < 1e-5
+
+
+def test_remat_keeping_attention_saves_the_kernel_outputs_with_the_same_gradients(capsys):
+  # Pallas kernels in the interpreter: the policy keeps each layer's pallas_call outputs (o
+  # and the log-sum-exp) as residuals, so the backward pass does not rerun that forward.
+  seed = np.random.randint(1 << 30)
+  tok = _tokens(seed, t=64)
+  grads, kept = [], []
+  for keep in (False, True):
+    cfg = dataclasses.replace(TINY, remat=True, remat_keeps_attention=keep)
+    model = Transformer(cfg, attention_fn=make_attention("ours", implementation="interpret"),
+                        rngs=nnx.Rngs(seed))
+    graph, params = nnx.split(model)
+    jax.ad_checkpoint.print_saved_residuals(
+        lambda p: jnp.mean(nnx.merge(graph, p)(tok) ** 2), params)  # noqa: B023
+    kept.append(capsys.readouterr().out.count("output of pallas_call"))
+    g = nnx.grad(lambda m: jnp.mean(m(tok) ** 2))(model)
+    grads.append(jax.tree.leaves(nnx.state(g, nnx.Param)))
+  assert kept == [0, 2 * TINY.n_layers], kept
   for a, b in zip(*grads):
     assert rel_err(a, b) < 1e-5
 
