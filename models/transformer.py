@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import pallas_flash
 from models.config import ModelConfig
 from pallas_flash.flax import AttentionFn, FlashMultiHeadAttention
 
@@ -54,19 +55,20 @@ def _call_block(block: Block, x, segment_ids, positions):
   return block(x, segment_ids, positions)
 
 
-# Primitives whose outputs are an attention forward's results and residuals: our Pallas kernels
-# (the only Pallas calls in a block's forward) and jax.nn's cuDNN forward.
-_ATTENTION_FORWARD_PRIMITIVES = ("pallas_call", "dot_product_attention_fwd_wrapper")
+def _cudnn_attention_forward(prim, *_, **__) -> bool:
+  """jax.nn's cuDNN forward primitive, whose outputs are o and the softmax statistics."""
+  return prim.name == "dot_product_attention_fwd_wrapper"
 
 
-def keep_attention_outputs(prim, *_, **__) -> bool:
-  """A jax.checkpoint policy: save the attention kernels' outputs, recompute everything else.
-
-  The backward of a rematerialised block then reruns its projections, norms and MLP but not
-  the attention forward, the most expensive part of a block at long context: the attention
-  backward needs only o and the softmax statistics, which this keeps (for the XLA baselines,
-  which are no single primitive, it saves nothing and the block is recomputed whole)."""
-  return prim.name in _ATTENTION_FORWARD_PRIMITIVES
+# A jax.checkpoint policy: save the attention forward's outputs, recompute everything else. The
+# backward of a rematerialised block then reruns its projections, norms and MLP but not the
+# attention forward, the most expensive part of a block at long context, since the attention
+# backward needs only o and the softmax statistics besides q, k, v. Ours names them
+# (pallas_flash.CHECKPOINT_NAME, any implementation); jax.nn's cuDNN path is matched by its
+# primitive; the materialising XLA baseline has neither and is recomputed whole.
+keep_attention_outputs = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.save_only_these_names(pallas_flash.CHECKPOINT_NAME),
+    _cudnn_attention_forward)
 
 
 # Recomputes a block in the backward pass instead of storing its activations: at 128K tokens

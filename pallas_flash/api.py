@@ -12,6 +12,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from pallas_flash import block_sparse, dropout, masks
@@ -469,6 +470,12 @@ def _defaults(kwargs: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 # The differentiable core
 
+# The name (jax.ad_checkpoint.checkpoint_name) of the forward's o and lse, the residuals the
+# backward needs besides the inputs: `jax.checkpoint(f, policy=
+# jax.checkpoint_policies.save_only_these_names(CHECKPOINT_NAME))` keeps them, so that a
+# rematerialised block recomputes its projections but not its attention forward.
+CHECKPOINT_NAME = "pallas_flash.attention"
+
 
 @functools.cache
 def _differentiable(name: str, params: AttentionParams, config) -> Callable:
@@ -491,7 +498,8 @@ def _differentiable(name: str, params: AttentionParams, config) -> Callable:
   def attention_fwd(*primals):
     # symbolic_zeros: each leaf comes as CustomVJPPrimal(value, perturbed).
     q, k, v, q_seg, kv_seg, arrays = custom_vjp_primal_tree_values(primals)
-    o, lse = backend.forward(q, k, v, q_seg, kv_seg, **kw(arrays))
+    o, lse = checkpoint_name(backend.forward(q, k, v, q_seg, kv_seg, **kw(arrays)),
+                             CHECKPOINT_NAME)
     return (o, lse), (q, k, v, q_seg, kv_seg, arrays, o, lse)
 
   def attention_bwd(res, cotangents):

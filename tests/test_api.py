@@ -161,3 +161,24 @@ def test_second_run_is_bitwise_identical(deterministic):
       q, k, v, implementation="interpret", **kw) * do).sum(), argnums=(0, 1, 2)))
   for a, b in zip(f(q, k, v), f(q, k, v)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_checkpoint_name_lets_remat_keep_o_and_lse(impl, capsys):
+  import jax.ad_checkpoint
+
+  keys = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 2)
+  x = jax.random.normal(keys[0], (1, 64, 2, 32), jnp.float32)
+  w = jax.random.normal(keys[1], (32, 32), jnp.float32) / 6
+
+  def f(w):
+    q = x @ w
+    o = pallas_flash.flash_attention(q, x, x, is_causal=True, implementation=impl)
+    return jnp.sum(jnp.sin(o))
+
+  policy = jax.checkpoint_policies.save_only_these_names(pallas_flash.CHECKPOINT_NAME)
+  kept = jax.checkpoint(f, policy=policy)
+  jax.ad_checkpoint.print_saved_residuals(kept, w)
+  saved = capsys.readouterr().out
+  assert saved.count(f"named '{pallas_flash.CHECKPOINT_NAME}'") == 2, saved  # o and lse
+  np.testing.assert_allclose(jax.grad(kept)(w), jax.grad(f)(w), rtol=1e-5, atol=1e-6)
