@@ -186,8 +186,8 @@ def main() -> None:
   p.add_argument("--implementation", default=None, help="pallas_flash implementation for ours")
   p.add_argument("--preset", default="h200-long")
   p.add_argument("--mosaic-config", default="", help="ours: overrides of the tuned MosaicConfig")
-  p.add_argument("--remat-keeps-attention", action="store_true",
-                 help="the rematerialised blocks keep attention's outputs (ModelConfig)")
+  p.add_argument("--remat-keeps-attention", action=argparse.BooleanOptionalAction, default=None,
+                 help="the rematerialised blocks keep attention's outputs (default: preset's)")
   p.add_argument("--seq-len", type=int, default=16_384)
   p.add_argument("--batch-size", type=int, default=2)
   p.add_argument("--steps", type=int, default=3, help="traced (and timed) steps per attention")

@@ -46,9 +46,9 @@ def _config(args, attention: str, seq_len: int):
   from train.config import PRESETS
 
   cfg = PRESETS[args.preset]
-  if args.remat_keeps_attention:
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
-                                                             remat_keeps_attention=True))
+  if args.remat_keeps_attention is not None:
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, remat_keeps_attention=args.remat_keeps_attention))
   return dataclasses.replace(
       cfg, attention=attention, seq_len=seq_len, batch_size=args.batch_size, grad_accum=1,
       segment_ids=args.documents > 1, task="retrieval",
@@ -225,8 +225,9 @@ def _forward_flags(args) -> list[str]:
     flags += ["--implementation", args.implementation]
   if args.mosaic_config:
     flags += ["--mosaic-config", args.mosaic_config]
-  if args.remat_keeps_attention:
-    flags += ["--remat-keeps-attention"]
+  if args.remat_keeps_attention is not None:
+    flags += ["--remat-keeps-attention" if args.remat_keeps_attention
+              else "--no-remat-keeps-attention"]
   return flags
 
 
@@ -266,8 +267,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--attention", nargs="+", default=["ours", "cudnn", "xla"])
   p.add_argument("--preset", default="h200-long")
   p.add_argument("--implementation", default=None, help="pallas_flash implementation for ours")
-  p.add_argument("--remat-keeps-attention", action="store_true",
-                 help="the rematerialised blocks keep attention's outputs (ModelConfig)")
+  p.add_argument("--remat-keeps-attention", action=argparse.BooleanOptionalAction, default=None,
+                 help="the rematerialised blocks keep attention's outputs (ModelConfig; "
+                      "default: the preset's)")
   p.add_argument("--mosaic-config", default="",
                  help="ours on Mosaic: 'key=value,...' overrides of the tuned MosaicConfig")
   p.add_argument("--seq-len", type=int, default=16_384, help="throughput: tokens per sequence")

@@ -87,11 +87,13 @@ PRESETS: dict[str, TrainConfig] = {
         model=ModelConfig(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2),
         batch_size=4),
     # ~124M parameters at 16K context in bf16 on one H200 with our kernels. head_dim 128 and
-    # GQA 8:4; blocks are recomputed in the backward pass so 128K+ tokens fit.
+    # GQA 8:4; blocks are recomputed in the backward pass so 128K+ tokens fit, all but their
+    # attention forward, whose outputs are kept (+0.7 GiB at 2x16K, a 13 % shorter step).
     "h200-long": TrainConfig(
         preset="h200-long",
         model=ModelConfig(d_model=1024, n_layers=12, n_heads=8, n_kv_heads=4, d_ff=2304,
-                          rope_theta=500_000.0, dtype="bfloat16", remat=True),
+                          rope_theta=500_000.0, dtype="bfloat16", remat=True,
+                          remat_keeps_attention=True),
         seq_len=16_384, batch_size=2, steps=400, warmup_steps=40, lr=1e-3,
         implementation=None, eval_every=100, eval_batches=2, log_every=5,
         checkpoint_every=200, out_dir="runs/h200-long", corpus_mb=32.0),
@@ -145,9 +147,9 @@ def _parser() -> argparse.ArgumentParser:
   add("--n-kv-heads", int, "key/value heads (GQA)")
   add("--rope-theta", float, "rotary base period")
   add("--dtype", str, "compute dtype: float32 or bfloat16")
-  p.add_argument("--remat-keeps-attention", action="store_true", default=None,
-                 help="with remat (h200 presets), keep attention's outputs instead of running "
-                      "its forward again in the backward pass")
+  p.add_argument("--remat-keeps-attention", action=argparse.BooleanOptionalAction, default=None,
+                 help="with remat (h200-long), keep attention's outputs instead of running its "
+                      "forward again in the backward pass (default: the preset's)")
   p.add_argument("--no-segment-ids", action="store_true",
                  help="let packed documents attend to each other (plain causal attention)")
   p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
