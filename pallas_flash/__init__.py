@@ -10,7 +10,8 @@ from pallas_flash.reference import attention_reference
 from pallas_flash.triton import TritonConfig
 from pallas_flash.xla import XlaConfig
 
-__all__ = ["CHECKPOINT_NAME", "IMPLEMENTATIONS", "BlockMask", "CausalMask", "Explanation", "FlashMultiHeadAttention",
-           "LocalMask", "MosaicConfig", "PrefixLMMask", "SegmentMask", "TritonConfig", "XlaConfig",
+__all__ = ["CHECKPOINT_NAME", "IMPLEMENTATIONS", "BlockMask", "CausalMask", "Explanation",
+           "FlashMultiHeadAttention", "LocalMask", "MosaicConfig", "PrefixLMMask", "SegmentMask",
+           "TritonConfig", "XlaConfig",
            "attention_reference", "block_sparse", "dropout", "explain", "flash_attention",
            "flash_attention_fn", "make_attention_fn", "masks"]

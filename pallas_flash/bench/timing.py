@@ -124,8 +124,8 @@ def time_interleaved(fns: dict[str, Callable], args: tuple, *, iters: int = 5,
   """Times several compiled `fn(*args)` in rounds: each round runs one loop of every fn, the
   order rotating by one per round, and each fn's median over its `iters` loops is returned.
 
-  A GPU's clock drifts under sustained load (an H200 runs the same kernel 5-15 % slower after
-  seconds of heavy work), so timing one implementation after another would credit the drift
+  A GPU's clock drifts under sustained load (an H200 at its power limit runs the same kernel
+  10-20 % slower within a second of heavy work), so timing one implementation after another would credit the drift
   to whichever ran first; interleaved, every implementation sees the same conditions.
   """
   calls = {}
