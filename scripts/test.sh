@@ -4,4 +4,5 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/setup.sh"
 cd "$root"
-exec .venv/bin/python -m pytest -q "$@"
+# --durations: the slowest tests, so that a suite creeping towards CI's budget shows where.
+exec .venv/bin/python -m pytest -q --durations=15 "$@"
