@@ -38,10 +38,9 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     run(dataclasses.replace(TINY, out_dir=str(tmp_path), resume=True))
 
 
-
 def test_lagged_logging_records_every_step_once_in_order(tmp_path):
-  # log_every 2 logs one step behind the newest (its GPU work still queued), evaluation and
-  # checkpoint steps log everything: every step appears once, in order, before the checkpoint.
+  # log_every 2 logs one step behind the newest (its device work still queued); evaluation and
+  # checkpoint steps (6; 4, 8) and the last log everything: every step appears once, in order.
   cfg = dataclasses.replace(TINY, out_dir=str(tmp_path), steps=9, log_every=2, eval_every=6,
                             checkpoint_every=4)
   out = run(cfg)
