@@ -19,11 +19,15 @@ import argparse
 import json
 import math
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
 
 from pallas_flash.bench import flops, shapes, timing
+
+sys.path.insert(0, os.path.dirname(__file__))
+import mosaic_gpu_check as mgc  # noqa: E402  (the shared error helper)
 
 
 def main() -> None:
@@ -37,7 +41,7 @@ def main() -> None:
   p.add_argument("--impls", default="mosaic,cudnn", help="ours, then the baseline")
   p.add_argument("--out", default=os.environ.get("OUT", "."))
   args = p.parse_args()
-  sms = jax.devices()[0].core_count if hasattr(jax.devices()[0], "core_count") else 132
+  sms = getattr(jax.devices()[0], "core_count", 132)  # SMs; 132 on H100 / H200
   impls = args.impls.split(",")
   rows = []
   for h in (int(x) for x in args.heads.split(",")):
@@ -51,9 +55,7 @@ def main() -> None:
                for impl in impls}
       compiled = {impl: timing.compile_step(s, (q, k, v, do))[0] for impl, s in steps.items()}
       outs = {impl: jax.tree.leaves(c(q, k, v, do)) for impl, c in compiled.items()}
-      err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
-                      / jnp.max(jnp.abs(b.astype(jnp.float32))))
-                for a, b in zip(outs[impls[0]], outs[impls[1]]))
+      err = max(mgc.rel_err(a, b) for a, b in zip(outs[impls[0]], outs[impls[1]]))
       del outs
       t = timing.time_interleaved(compiled, (q, k, v, do), iters=args.iters)
       f = flops.attention_flops(spec, is_causal=args.causal, mode=mode)

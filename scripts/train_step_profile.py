@@ -43,13 +43,8 @@ def categorise(name: str) -> str:
   return "other"
 
 
-def read_trace(trace_path: str) -> tuple[list[tuple[float, float, str]], dict[str, list[float]]]:
-  """From one perfetto/chrome trace (`jax.profiler.trace(..., create_perfetto_trace=True)`):
-  the GPU kernels as (start µs, end µs, name), sorted, and the host's CUDA API calls as
-  {name: [durations µs]}.
-
-  Kernels are the events on the GPU process's stream lines; its derived lines ("XLA Ops",
-  "XLA Modules", "Steps") repeat the same time at other granularities and are skipped."""
+def _load(trace_path: str) -> tuple[list[dict], dict, dict]:
+  """A perfetto/chrome trace's events, {pid: process name}, {(pid, tid): thread name}."""
   with gzip.open(trace_path, "rt") as f:
     events = json.load(f)["traceEvents"]
   procs, threads = {}, {}
@@ -58,6 +53,17 @@ def read_trace(trace_path: str) -> tuple[list[tuple[float, float, str]], dict[st
       procs[e["pid"]] = e["args"]["name"]
     elif e.get("ph") == "M" and e.get("name") == "thread_name":
       threads[(e["pid"], e["tid"])] = e["args"]["name"]
+  return events, procs, threads
+
+
+def read_trace(trace_path: str) -> tuple[list[tuple[float, float, str]], dict[str, list[float]]]:
+  """From one perfetto/chrome trace (`jax.profiler.trace(..., create_perfetto_trace=True)`):
+  the GPU kernels as (start µs, end µs, name), sorted, and the host's CUDA API calls as
+  {name: [durations µs]}.
+
+  Kernels are the events on the GPU process's stream lines; its derived lines ("XLA Ops",
+  "XLA Modules", "Steps") repeat the same time at other granularities and are skipped."""
+  events, procs, threads = _load(trace_path)
   kernels, api = [], collections.defaultdict(list)
   for e in events:
     if e.get("ph") != "X":
@@ -87,12 +93,8 @@ def idle_gaps(kernels: list[tuple[float, float, str]], min_us: float = 1.0):
 
 def line_names(trace_path: str) -> list[str]:
   """'process / thread' of every line in the trace (printed when no GPU stream is found)."""
-  with gzip.open(trace_path, "rt") as f:
-    events = json.load(f)["traceEvents"]
-  procs = {e["pid"]: e["args"]["name"] for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  return sorted({f"{procs.get(e['pid'], e['pid'])} / {e['args']['name']}" for e in events
-                 if e.get("ph") == "M" and e.get("name") == "thread_name"})
+  _, procs, threads = _load(trace_path)
+  return sorted(f"{procs.get(pid, pid)} / {name}" for (pid, _), name in threads.items())
 
 
 def profile_attention(args, attention: str, out_dir: str) -> dict:
