@@ -66,6 +66,19 @@ class MosaicConfig:
       above, every group's first tile before any second tile (heads fastest, permuted).
     persistent_ctas: CTAs of the persistent forward; 0 = the GPU's SM count (132 on H100 SXM
       and H200). Tests set it to exercise several tiles per CTA.
+    fwd_split_tail: forward, non-causal, one CTA per tile (not persistent, no segment ids):
+      the tiles of the last, partly filled wave are split along the keys. With N tiles and W
+      CTAs per wave, the first N - (N mod W) tiles in launch order run one CTA each; each of
+      the N mod W others runs as `parts` CTAs that stream consecutive shares of its key blocks
+      and write a float32 partial (o, lse), merged by XLA afterwards (forward.combine_tail).
+      At 1x16384x16x128 (2048 tiles = 15.5 waves of 132) the last half wave otherwise leaves
+      half the SMs idle for one tile's time (~3 %, eleventh session: 33 heads ran 3 % faster
+      per FLOP than 32). Needs room for a [2, block_q, D] float32 staging tile (not at head_dim
+      256 with 2 stages; ignored there).
+    tail_parts: fwd_split_tail: CTAs per tail tile; 0 = `forward.tail_parts`' choice (the
+      fewest rounds of parts, counting ~2 key blocks of fixed cost per part).
+    wave_ctas: fwd_split_tail: CTAs per wave it plans for; 0 = the GPU's SM count (one
+      forward CTA per SM fits in shared memory). Tests set it to split small grids.
     fused_backward: backward algorithm. True: one FlashAttention-3 style kernel per kv tile
       (backward_fused.py: 5 tile matmuls per tile pair instead of 7, dK/dV in registers, dQ
       summed into a float32 buffer by TMA reduce-add), so dQ is not bitwise reproducible run to
@@ -164,6 +177,9 @@ class MosaicConfig:
   fwd_intra_wg_overlap: bool = False
   fwd_persistent: bool = False
   persistent_ctas: int = 0
+  fwd_split_tail: bool = False
+  tail_parts: int = 0
+  wave_ctas: int = 0
   fused_backward: bool = False
   block_q_fused: int = 64
   block_kv_fused: int = 64
@@ -193,8 +209,9 @@ class MosaicConfig:
         raise ValueError(f"MosaicConfig.{name} must be a positive multiple of 64, got {value}")
     if self.bwd_head_group < 0:
       raise ValueError(f"MosaicConfig.bwd_head_group must be >= 0, got {self.bwd_head_group}")
-    if self.persistent_ctas < 0:
-      raise ValueError(f"MosaicConfig.persistent_ctas must be >= 0, got {self.persistent_ctas}")
+    for name in ("persistent_ctas", "tail_parts", "wave_ctas"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"MosaicConfig.{name} must be >= 0, got {getattr(self, name)}")
     for name in ("num_stages", "bwd_stages", "fused_stages", "fused_dq_blocks"):
       if getattr(self, name) < 1:
         raise ValueError(f"MosaicConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -223,7 +240,11 @@ class MosaicConfig:
 # hd256 rows are SMEM-fitting defaults, not swept.
 TUNED: dict[tuple[int, bool], MosaicConfig] = {
     # hd64: 3 stages measured equal to 2 (418 vs 417); kept 2 (less SMEM).
-    (64, False): MosaicConfig(block_q=64, block_kv=128, num_stages=2),
+    # Non-causal (hd64 and hd128): the last wave split along the keys (fwd_split_tail; twelfth
+    # session, s12 run2, fwd TFLOP/s, grid -> split, same run as cuDNN: 1x16384x16x128
+    # 602 -> 615 (cuDNN 612), 1x32768x16x128 604 -> 618 (616), 2x16384x8x128 with 4 kv heads
+    # 603 -> 606-611 (620); the cost model leaves 8K unsplit, where it gained nothing).
+    (64, False): MosaicConfig(block_q=64, block_kv=128, num_stages=2, fwd_split_tail=True),
     (64, True): MosaicConfig(block_q=64, block_kv=128, num_stages=2),
     # hd128: 2 x 64-row WGs x 128 kv, 2 stages = 160 KiB SMEM (FA3's 128x128 tile), with the
     # intra-WG overlap (fourth session, same run as cuDNN: 4K 621 vs 609, 16K 616 vs 602, 4K
@@ -235,7 +256,7 @@ TUNED: dict[tuple[int, bool], MosaicConfig] = {
     # with the intra-WG overlap already ran at 240/24).
     (128, False): MosaicConfig(block_q=64, block_kv=128, num_stages=2, fwd_intra_wg_overlap=True,
                                dkdv_schedule="overlap", compute_registers=240,
-                               producer_registers=24),
+                               producer_registers=24, fwd_split_tail=True),
     (128, True): MosaicConfig(block_q=64, block_kv=128, num_stages=2, fwd_intra_wg_overlap=True,
                               dkdv_schedule="overlap", compute_registers=240,
                               producer_registers=24),

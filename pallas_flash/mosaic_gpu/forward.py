@@ -17,6 +17,10 @@ masked, and q tiles are launched heaviest first (reversed), so the last wave hol
 With MosaicConfig.fwd_persistent (non-causal) one CTA per SM loops over the tiles instead
 (`_fwd_persistent_kernel`): the same warpgroups and kv loops, with the K/V ring running on
 across tiles and Q double-buffered, so a tile's loads overlap the previous tile's end.
+
+With MosaicConfig.fwd_split_tail (non-causal grid kernel) the tiles of the last, partly filled
+wave run as several CTAs each, every one streaming a share of the key blocks (`TailSplit`);
+their float32 partial (o, lse) are merged by `combine_tail`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import functools
 import math
 from typing import Any, NamedTuple
 
+import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -43,9 +48,51 @@ LN2 = math.log(2.0)
 PROFILE_STEPS = 32
 
 
+@dataclasses.dataclass(frozen=True)
+class TailSplit:
+  """How the non-causal grid forward splits its last wave (MosaicConfig.fwd_split_tail).
+
+  Tiles are numbered in launch order (`coords`); the first `main` run one CTA each, and each
+  later one runs as `parts` CTAs, part p streaming key blocks [p·n / parts, (p+1)·n / parts)
+  of its n. The CTA after the main ones with index u is part u mod parts of tile
+  main + u // parts, and writes its partial (o, lse) to row u of the partial outputs.
+  """
+
+  tiles: int
+  main: int
+  parts: int
+  batch: int
+  heads: int
+  num_q_tiles: int
+  heads_fastest: bool
+
+  @property
+  def ctas(self) -> int:
+    return self.main + (self.tiles - self.main) * self.parts
+
+  def coords(self, t, div=lax.div, rem=lax.rem):
+    """(b, h, q tile) of tile t: batch fastest, then q tiles (heads_fastest: heads), as
+    launch_grid's grid dispatches them."""
+    b, r = rem(t, self.batch), div(t, self.batch)
+    if self.heads_fastest:
+      return b, rem(r, self.heads), div(r, self.heads)
+    return b, div(r, self.num_q_tiles), rem(r, self.num_q_tiles)
+
+
+class _SplitRefs(NamedTuple):
+  """A split-tail kernel's extra operands: o_part [parts total, 2, block_q, D] and lse_part
+  [parts total, 2, block_q] float32 (GMEM), o32_scratch [2, block_q, D] float32 (SMEM)."""
+
+  split: TailSplit
+  o_part: Any
+  lse_part: Any
+  o32_scratch: Any
+
+
 def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scratch,
                 lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free, v_free, sched, *,
-                kp: _common.KernelParams, seg: _common.SegmentRefs | None = None):
+                kp: _common.KernelParams, seg: _common.SegmentRefs | None = None,
+                tail: _SplitRefs | None = None):
   """q_ref [B, Tp, H, D], k_ref/v_ref [B, Sp, K, D] (GMEM), o_ref [B, Tp, H, D], lse_ref [B, H, Tp].
 
   Grid (H, q tiles, B), or (q tiles, H, B) with kp.heads_fastest; q_scratch [2, block_q, D],
@@ -53,11 +100,21 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   (interpret mode only). seg: segment ids of the rows (q) and keys, and per q tile the hull of
   key blocks that may share an id (masks.segment_block_limits): the CTA streams only those
   blocks, at least one, and compares ids on each except the run of blocks that lie wholly
-  inside the tile's one document.
+  inside the tile's one document. tail (non-causal, no seg): a one-dimensional grid of
+  tail.split.ctas CTAs in the same launch order, see TailSplit.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
-  b, h, qt = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("qt")
   wg = lax.axis_index("wg")
+  is_part = part_row = None
+  if tail is None:
+    b, h, qt = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("qt")
+  else:
+    split = tail.split
+    u = lax.axis_index("t") - split.main
+    is_part = u >= 0
+    part_row = jnp.maximum(u, 0)
+    b, h, qt = split.coords(jnp.where(is_part, split.main + lax.div(part_row, split.parts),
+                                      lax.axis_index("t")))
   if kp.causal:
     qt = kp.num_q_tiles - 1 - qt  # heaviest tiles first
   cta_q0 = qt * (2 * bq)
@@ -66,6 +123,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   kv0, full = 0, None  # the CTA's first key block (steps count from it), its full run
   if seg is not None:
     kv0, cta_steps, full = _common.streamed_kv_range(seg, b, qt, cta_steps)
+  if tail is not None:
+    n, p = kp.num_kv_blocks, lax.rem(part_row, split.parts)
+    kv0 = jnp.where(is_part, lax.div(p * n, split.parts), 0)
+    cta_steps = jnp.where(is_part, lax.div((p + 1) * n, split.parts), n) - kv0
 
   sched_sync = functools.partial(_common.sync, sched)
 
@@ -79,6 +140,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     if seg is not None:
       steps = jnp.clip(steps - kv0, 1, cta_steps)
       seg_ids = _common.row_and_col_ids(seg, b, q0, bq, bkv)
+    if tail is not None:
+      steps = cta_steps
     with jax.named_scope("prologue"):
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_ready.at[wg])
       plgpu.barrier_wait(q_ready.at[wg])
@@ -99,6 +162,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     loop = _overlapped_kv_loop if kp.intra_wg_overlap else _plain_kv_loop
     if seg is not None:
       loop = functools.partial(_plain_kv_loop, kv0=kv0, seg_ids=seg_ids, full=full)
+    elif tail is not None:
+      loop = functools.partial(loop, kv0=kv0)
     carry = loop(q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
                  _Barriers(k_ready, v_ready, k_free, v_free, sched), q0=q0, steps=steps, kp=kp)
     if kp.causal or seg is not None:
@@ -106,8 +171,16 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     pl.when(wg == 0)(sched_sync)
 
     with jax.named_scope("epilogue"):
-      _store_tile(*carry, q_smem, lse_smem, o_ref.at[b, pl.ds(q0, bq), h],
-                  lse_ref.at[b, h, pl.ds(q0, bq)], kp)
+      store = functools.partial(_store_tile, *carry, q_smem, lse_smem,
+                                o_ref.at[b, pl.ds(q0, bq), h], lse_ref.at[b, h, pl.ds(q0, bq)],
+                                kp)
+      if tail is None:
+        store()
+      else:
+        pl.when(~is_part)(store)
+        pl.when(is_part)(functools.partial(
+            _store_tile, *carry, tail.o32_scratch.at[wg], lse_smem,
+            tail.o_part.at[part_row, wg], tail.lse_part.at[part_row, wg], kp))
       plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 2)
@@ -139,11 +212,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
 
 def _store_tile(acc, m, l, o_smem, lse_smem, o_dst, lse_dst, kp: _common.KernelParams):
   """Normalises one WG's tile and starts its TMA stores: O = acc / l [block_q, D] through
-  o_smem (the WG's Q buffer, free once its last Q·Kᵀ retired), lse (natural log) through
-  lse_smem. The caller waits for the stores."""
+  o_smem (the WG's Q buffer, free once its last Q·Kᵀ retired; a split tail's part: a float32
+  buffer), lse (natural log) through lse_smem. The caller waits for the stores."""
   empty = l == 0.0  # only with segment ids: no visible key at all
   inv_l = 1.0 / jnp.where(empty, 1.0, l)
-  o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(kp.dtype)
+  o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_smem.dtype)
   lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(o_smem, o_dst, commit_group=False)
@@ -368,7 +441,7 @@ def _softmax(s, m, l, kp: _common.KernelParams):
 
 
 def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0, steps,
-                        kp: _common.KernelParams, base=None):
+                        kp: _common.KernelParams, base=None, kv0=0):
   """One consumer WG's kv loop with FA3's intra-warpgroup 2-stage pipeline -> (acc, m, l).
 
   q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
@@ -377,7 +450,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
   softmax while P_j·V_j is still in flight; O is rescaled once that has retired. The last P·V
   follows the loop. Each matmul pair sits between the same two schedule-barrier rounds per
   block as in the plain loop, so the two WGs still alternate (ping-pong) and the idle steps of
-  a causal CTA are unchanged. `base`: see `_ring`.
+  a causal CTA are unchanged. `base`: see `_ring`; step j is key block kv0 + j.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
@@ -386,7 +459,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
 
   def softmax(s, j, masked, m, l):
     if masked:
-      s = jnp.where(_common.visible(q0, j * bkv, (bq, bkv), kp), s, -jnp.inf)
+      s = jnp.where(_common.visible(q0, (kv0 + j) * bkv, (bq, bkv), kp), s, -jnp.inf)
     return _softmax(s, m, l, kp)
 
   def qk(s_ref):  # K_0 is ready: the caller waited for it
@@ -461,7 +534,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
       return lax.optimization_barrier((acc, p16, m, l))
 
   if kp.needs_mask:
-    split = jnp.maximum(_common.first_masked_block(q0, steps, kp) - 1, 0)
+    split = jnp.maximum(_common.first_masked_block(q0, kv0 + steps, kp) - kv0 - 1, 0)
     carry = lax.fori_loop(0, split, functools.partial(step, masked=False), carry)
     carry = lax.fori_loop(split, steps - 1, functools.partial(step, masked=True), carry)
   else:
@@ -488,11 +561,14 @@ def _registers(config: MosaicConfig) -> tuple[int, int]:
   return regs
 
 
-def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0, segs=()):
+def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0, segs=(),
+             split: TailSplit | None = None):
   """Runs the kernel on padded q [B, Tp, H, D], k/v [B, Sp, K, D] -> (o [B, Tp, H, D], lse).
 
   persistent_ctas > 0 (non-causal, no segments): `_fwd_persistent_kernel` on that many CTAs.
-  segs: () or the padded (q_seg [B, Tp], kv_seg [B, Sp], kv_limits [B, q tiles, 4]) int32."""
+  segs: () or the padded (q_seg [B, Tp], kv_seg [B, Sp], kv_limits [B, q tiles, 4]) int32.
+  split (non-causal, no segments, not persistent): the split tail; the result is then
+  (o, lse, o_part, lse_part) with the tail tiles of o and lse unwritten (`combine_tail`)."""
   bsz, t_pad, h, d = q.shape
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   tiles = _common.smem_transforms(kp.dtype)
@@ -510,7 +586,24 @@ def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0, seg
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2),
   ]
-  if persistent:
+  out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+              jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)]
+  if split is not None:
+    assert not (kp.causal or persistent or segs), "the split tail is for the non-causal grid"
+    rows = (split.tiles - split.main) * split.parts
+    out_type += [jax.ShapeDtypeStruct((rows, 2, bq, d), jnp.float32),
+                 jax.ShapeDtypeStruct((rows, 2, bq), jnp.float32)]
+    scratch.append(plgpu.SMEM((2, bq, d), jnp.float32,
+                              transforms=_common.smem_transforms(jnp.float32)))
+
+    def body(q_ref, k_ref, v_ref, o_ref, lse_ref, o_part, lse_part, *scratch_refs):
+      *scratch_refs, o32 = scratch_refs
+      _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch_refs, kp=kp,
+                  tail=_SplitRefs(split, o_part, lse_part, o32))
+
+    grid, names = (split.ctas,), ("t",)
+    most_steps = kp.num_kv_blocks
+  elif persistent:
     assert not kp.causal, "the persistent forward is non-causal only"
     scratch.append(plgpu.Barrier(num_arrivals=2, num_barriers=2))
     body = functools.partial(_fwd_persistent_kernel, kp=kp, ctas=persistent_ctas, heads=h,
@@ -525,8 +618,7 @@ def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0, seg
     most_steps = kp.num_kv_blocks
   return plgpu.kernel(
       body,
-      out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
-                jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)),
+      out_type=tuple(out_type),
       scratch_types=scratch,
       grid=grid, grid_names=names, num_threads=3, thread_name="wg",
       # The profiler's event buffer lives in shared memory (~48 B per step-event slot over the
@@ -538,11 +630,84 @@ def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0, seg
 
 
 def smem_bytes(d: int, block_q: int, block_kv: int, stages: int, itemsize: int = 2, *,
-               persistent: bool = False) -> int:
+               persistent: bool = False, split_tail: bool = False) -> int:
   """Shared memory of one forward CTA: Q (double-buffered when persistent), the K/V ring and
-  lse, plus ~1 KiB of barriers and alignment."""
+  lse, plus ~1 KiB of barriers and alignment (and the split tail's float32 o staging)."""
   q = (2 if persistent else 1) * 2 * block_q * d * itemsize
-  return q + 2 * stages * block_kv * d * itemsize + 2 * block_q * 4 + 1024
+  staging = 2 * block_q * d * 4 if split_tail else 0
+  return q + 2 * stages * block_kv * d * itemsize + 2 * block_q * 4 + 1024 + staging
+
+
+# tail_parts' cost model, in the time of one key-block step at head_dim 128: the fixed cost
+# of a CTA (prologue, epilogue, the partial's store) and of the merge (an XLA pass over the
+# partials and the scatter into o). Fitted to the twelfth session's H200 runs (s12 run2): at
+# 1x16384x16x128 9 parts gained 2.1 %, 5 1.6 %, 3 0.9 %, 17 0.4 %; at 1x8192x16x128 (100
+# tiles in the last wave of 7.8) 5 parts gained nothing.
+PART_OVERHEAD_BLOCKS = 3.0
+MERGE_OVERHEAD_BLOCKS = 6.0
+MAX_TAIL_PARTS = 64
+
+
+def tail_parts(tiles: int, kv_blocks: int, wave: int) -> int:
+  """How many CTAs each tile of the last wave runs as (1: no split).
+
+  tiles: tiles of the launch; kv_blocks: key blocks per tile; wave: CTAs running at once.
+  Unsplit, the r = tiles mod wave tiles of the last wave take one tile's time, kv_blocks +
+  PART_OVERHEAD_BLOCKS; as `parts` CTAs each they run in ceil(r·parts / wave) rounds of
+  kv_blocks / parts + PART_OVERHEAD_BLOCKS, plus MERGE_OVERHEAD_BLOCKS. Returns the parts (at
+  most kv_blocks, so that every part streams a block) that minimise that, if it is less."""
+  r = tiles % wave
+  if not r:
+    return 1
+  best, best_cost = 1, kv_blocks + PART_OVERHEAD_BLOCKS
+  for parts in range(2, min(kv_blocks, MAX_TAIL_PARTS) + 1):
+    rounds = -(-r * parts // wave)
+    cost = rounds * (kv_blocks / parts + PART_OVERHEAD_BLOCKS) + MERGE_OVERHEAD_BLOCKS
+    if cost < best_cost:
+      best, best_cost = parts, cost
+  return best
+
+
+def tail_split(q, config: MosaicConfig, params: AttentionParams, kv_blocks: int,
+               persistent: bool) -> TailSplit | None:
+  """The split tail of a call with q [B, T, H, D], or None where it does not apply (not
+  config.fwd_split_tail, causal, segment ids, the persistent kernel, no room for the float32
+  staging tile, or no split that pays)."""
+  b, t, h, d = q.shape
+  if (not config.fwd_split_tail or params.is_causal or params.has_segments or persistent
+      or smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
+                    jnp.dtype(q.dtype).itemsize, split_tail=True) > SMEM_LIMIT_BYTES):
+    return None
+  num_q_tiles = _blocking.round_up(t, 2 * config.block_q) // (2 * config.block_q)
+  tiles = b * h * num_q_tiles
+  wave = config.wave_ctas or _common.sm_count()
+  parts = min(config.tail_parts, kv_blocks) or tail_parts(tiles, kv_blocks, wave)
+  if parts < 2 or not tiles % wave:
+    return None
+  return TailSplit(tiles=tiles, main=tiles - tiles % wave, parts=parts, batch=b, heads=h,
+                   num_q_tiles=num_q_tiles, heads_fastest=config.heads_fastest)
+
+
+def combine_tail(o, lse, o_part, lse_part, split: TailSplit):
+  """o [B, Tp, H, D], lse [B, H, Tp] with the split tail's tiles merged in from its parts:
+  o_part [tail tiles · parts, 2, block_q, D], lse_part [.., 2, block_q] float32, each part
+  normalised over its own keys, so o = Σ exp(lse_p − lse) o_p with lse = logsumexp_p lse_p."""
+  r, parts = split.tiles - split.main, split.parts
+  rows_per_tile = o_part.shape[1] * o_part.shape[2]
+  o_part = o_part.reshape(r, parts, rows_per_tile, o_part.shape[-1])
+  lse_part = lse_part.reshape(r, parts, rows_per_tile)
+  m = lse_part.max(axis=1)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  w = jnp.exp(lse_part - m[:, None])
+  total = w.sum(axis=1)
+  o_tail = (w[..., None] * o_part).sum(axis=1) / jnp.where(total == 0, 1.0, total)[..., None]
+  lse_tail = jnp.where(total == 0, -jnp.inf, m + jnp.log(total))
+  b, h, qt = split.coords(np.arange(split.main, split.tiles), div=np.floor_divide,
+                          rem=np.remainder)
+  rows = qt[:, None] * rows_per_tile + np.arange(rows_per_tile)
+  o = o.at[b[:, None], rows, h[:, None]].set(o_tail.astype(o.dtype), unique_indices=True)
+  lse = lse.at[b[:, None], h[:, None], rows].set(lse_tail, unique_indices=True)
+  return o, lse
 
 
 def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
@@ -593,6 +758,8 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
     kv_limits, _ = masks.segment_block_limits(q_seg, kv_seg, block_q=2 * config.block_q,
                                               block_kv=config.block_kv)
     segs = (q_seg, kv_seg, kv_limits)
-  o, lse = fwd_call(qp, kpad, vpad, kp=kp, persistent_ctas=persistent_ctas(q, config, params),
-                    segs=segs)
+  ctas = persistent_ctas(q, config, params)
+  split = tail_split(q, config, params, kp.num_kv_blocks, ctas > 0)
+  out = fwd_call(qp, kpad, vpad, kp=kp, persistent_ctas=ctas, segs=segs, split=split)
+  o, lse = out if split is None else combine_tail(*out, split)
   return o[:, :t], lse[:, :, :t]
