@@ -76,7 +76,7 @@ class MosaicConfig:
       per FLOP than 32). Needs room for a [2, block_q, D] float32 staging tile (not at head_dim
       256 with 2 stages; ignored there).
     tail_parts: fwd_split_tail: CTAs per tail tile; 0 = `forward.tail_parts`' choice (the
-      fewest rounds of parts, counting ~2 key blocks of fixed cost per part).
+      cheapest in its cost model: rounds of parts, plus fixed costs per part and merge).
     wave_ctas: fwd_split_tail: CTAs per wave it plans for; 0 = the GPU's SM count (one
       forward CTA per SM fits in shared memory). Tests set it to split small grids.
     fused_backward: backward algorithm. True: one FlashAttention-3 style kernel per kv tile
@@ -243,7 +243,8 @@ TUNED: dict[tuple[int, bool], MosaicConfig] = {
     # Non-causal (hd64 and hd128): the last wave split along the keys (fwd_split_tail; twelfth
     # session, s12 run2, fwd TFLOP/s, grid -> split, same run as cuDNN: 1x16384x16x128
     # 602 -> 615 (cuDNN 612), 1x32768x16x128 604 -> 618 (616), 2x16384x8x128 with 4 kv heads
-    # 603 -> 606-611 (620); the cost model leaves 8K unsplit, where it gained nothing).
+    # 603 -> 606-611 (620); run3: 4x4096x32x64 416 -> 429 (440); the cost model leaves 8K
+    # unsplit, where it gained nothing).
     (64, False): MosaicConfig(block_q=64, block_kv=128, num_stages=2, fwd_split_tail=True),
     (64, True): MosaicConfig(block_q=64, block_kv=128, num_stages=2),
     # hd128: 2 x 64-row WGs x 128 kv, 2 stages = 160 KiB SMEM (FA3's 128x128 tile), with the
