@@ -57,11 +57,9 @@ def check_forced(rows):
     cfg = dataclasses.replace(mconfig.tuned(d, False, s), fwd_persistent=False,
                               fwd_split_tail=True, wave_ctas=wave, heads_fastest=hf,
                               tail_parts=parts)
-    split = forward_module.tail_split(
-        q, cfg, AttentionParams(scale=d ** -0.5, is_causal=False, has_segments=False),
-        -(-s // cfg.block_kv), False)
-    o, lse = run(cfg, q, k, v)
     p = AttentionParams(scale=d ** -0.5, is_causal=False, has_segments=False)
+    split = forward_module.tail_split(q, cfg, p, -(-s // cfg.block_kv), False)
+    o, lse = run(cfg, q, k, v)
     ro, rlse = jax.jit(lambda q, k, v: attention_reference(q, k, v, None, None, params=p))(
         *(x.astype(jnp.float32) for x in (q, k, v)))
     row = dict(check="forced", shape=[b, t, s, h, kh, d], dtype=jnp.dtype(dtype).name,

@@ -32,13 +32,9 @@ import mosaic_gpu_check as mgc  # noqa: E402  (rel_err)
 
 
 def _steady(fn, args, calls: int) -> float:
+  """Seconds per call of back-to-back calls, after a warm-up call."""
   jax.block_until_ready(fn(*args))
-  t0 = time.perf_counter()
-  out = None
-  for _ in range(calls):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - t0) / calls
+  return timing.seconds_per_call(fn, args, calls)
 
 
 def _synced(fn, args, calls: int, gap_s: float) -> tuple[float, float]:

@@ -99,7 +99,7 @@ class Timing:
   calls_per_loop: int
 
 
-def _loop(fn: Callable, args: tuple, calls: int) -> float:
+def seconds_per_call(fn: Callable, args: tuple, calls: int) -> float:
   """Seconds per call of `calls` back-to-back calls, synchronised once at the end."""
   start = time.perf_counter()
   out = None
@@ -131,11 +131,11 @@ def time_interleaved(fns: dict[str, Callable], args: tuple, *, iters: int = 5,
   calls = {}
   for name, fn in fns.items():
     jax.block_until_ready(fn(*args))  # warm-up
-    estimate = _loop(fn, args, 1)
+    estimate = seconds_per_call(fn, args, 1)
     calls[name] = max(1, math.ceil(min_loop_s / max(estimate, 1e-7)))
   names, loops = list(fns), {name: [] for name in fns}
   for i in range(iters):
     for name in names[i % len(names):] + names[:i % len(names)]:
-      loops[name].append(_loop(fns[name], args, calls[name]))
+      loops[name].append(seconds_per_call(fns[name], args, calls[name]))
   return {name: Timing(statistics.median(ls), tuple(ls), calls[name])
           for name, ls in loops.items()}
