@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 import warnings
 
 import jax
@@ -31,7 +32,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_flash import _blocking, masks
-from pallas_flash.mosaic_gpu import _common
+from pallas_flash.mosaic_gpu import _common, split_tail
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
 from pallas_flash.params import AttentionParams
 
@@ -46,7 +47,8 @@ def _at(ref, i):
 def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, lse2_out_ref,
                    delta_out_ref, q_scratch, do_scratch, o_scratch, lse_scratch, delta_scratch,
                    k_scratch, v_scratch, ds_scratch, row_ready, k_ready, v_ready, k_free, v_free,
-                   *, kp: _common.KernelParams, seg: _common.SegmentRefs | None = None):
+                   *, kp: _common.KernelParams, seg: _common.SegmentRefs | None = None,
+                   tail: _PartRefs | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse/delta_ref [B, H, Tp].
 
   Two forms (absent refs are None). Statistics from XLA (o_ref, lse2_out_ref, delta_out_ref
@@ -57,11 +59,18 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
   Grid over (Tp / (2·block_q), H, B) in _launch_order's order; dq_ref [B, Tp, H, D];
   q/do/o_scratch [2, block_q, D], lse/delta_scratch [2, block_q], k/v_scratch [stages,
   block_kv, D], ds_scratch [2, block_q, block_kv] (interpret only). seg: segment ids, the
-  forward's way (the CTA streams only the key blocks its tile may share an id with).
+  forward's way (the CTA streams only the key blocks its tile may share an id with). tail
+  (non-causal, no seg): the split tail's one-dimensional grid; a part streams its share of
+  the key blocks and writes dQ·scale in float32 to tail.parts[0][part row, wg].
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
-  b, wg = lax.axis_index("b"), lax.axis_index("wg")
-  qt, h = _tile_and_head(("qt", "h"), q_ref.shape[2], kp)
+  wg = lax.axis_index("wg")
+  is_part = part_row = None
+  if tail is None:
+    b = lax.axis_index("b")
+    qt, h = _tile_and_head(("qt", "h"), q_ref.shape[2], kp)
+  else:
+    is_part, part_row, (b, h, qt) = tail.split.this_cta()
   if kp.causal and not kp.bwd_heads_fastest:
     qt = kp.t_pad // (2 * bq) - 1 - qt  # heaviest tiles first, as in the forward
   cta_q0 = qt * (2 * bq)
@@ -70,6 +79,9 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
   kv0, full = 0, None  # the CTA's first key block (steps count from it), its full run
   if seg is not None:
     kv0, cta_steps, full = _common.streamed_kv_range(seg, b, qt, cta_steps)
+  if tail is not None:
+    kv0, kv_end = tail.split.bounds(is_part, part_row, cta_steps)
+    cta_steps = kv_end - kv0
 
   @pl.when(wg < 2)
   def _consumer():
@@ -101,14 +113,23 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
       lse_smem[...] = lse2
       delta_smem[...] = delta
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(lse_smem, lse2_out_ref.at[stats], commit_group=False)
-      plgpu.copy_smem_to_gmem(delta_smem, delta_out_ref.at[stats], commit_group=False)
-      plgpu.commit_smem_to_gmem_group()
+
+      def store_stats():
+        plgpu.copy_smem_to_gmem(lse_smem, lse2_out_ref.at[stats], commit_group=False)
+        plgpu.copy_smem_to_gmem(delta_smem, delta_out_ref.at[stats], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+
+      if tail is None:
+        store_stats()
+      else:  # every part of a tile computes the same rows' statistics; its first stores them
+        pl.when(lax.rem(part_row, tail.split.parts) == 0)(store_stats)
     steps = kp.kv_steps(q0 + bq)
     ids = None
     if seg is not None:
       steps = jnp.clip(steps - kv0, 1, cta_steps)
       ids = _common.row_and_col_ids(seg, b, q0, bq, bkv)
+    if tail is not None:
+      steps = cta_steps
 
     def step(j, dq, *, masked: bool):
       slot = lax.rem(j, stages)
@@ -149,9 +170,17 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
       dq = lax.fori_loop(u1, steps, functools.partial(step, masked=True), dq)
     if kp.causal or seg is not None:
       lax.fori_loop(steps, cta_steps, idle_step, None)
-    q_smem[...] = (dq * kp.scale).astype(kp.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+
+    def store_dq():
+      q_smem[...] = (dq * kp.scale).astype(kp.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+
+    if tail is None:
+      store_dq()
+    else:
+      pl.when(~is_part)(store_dq)
+      pl.when(is_part)(lambda: _store_part(tail.parts[0].at[part_row, wg], dq * kp.scale))
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 2)
@@ -161,6 +190,21 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
     rows = lambda j: (b, pl.ds((kv0 + j) * bkv, bkv), kvh)  # noqa: E731
     _produce(cta_steps, stages, ((k_ref, k_scratch, k_ready, k_free, rows),
                                  (v_ref, v_scratch, v_ready, v_free, rows)))
+
+
+class _PartRefs(NamedTuple):
+  """A split-tail kernel's partial outputs (GMEM, float32): dQ's [rows, 2, block_q, D], or
+  dK's and dV's [rows, 2, block_kv, D], one row per tail CTA (split_tail.TailSplit)."""
+
+  split: split_tail.TailSplit
+  parts: tuple
+
+
+def _store_part(dst, acc):
+  """Stores a warpgroup's float32 accumulator [rows, D] straight from registers to its
+  partial's GMEM rows: no shared memory is left for a float32 staging tile (the dQ kernel
+  uses 231,552 of 232,448 B), and a part stores once."""
+  dst[...] = acc
 
 
 def _dq_row_stats(lse_smem, correction_smem, o_smem, do_smem):
@@ -210,7 +254,7 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
                      v_scratch, q_scratch, do_scratch, lse_scratch, delta_scratch, st_scratch,
                      kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free, do_free,
                      lse_free, delta_free, sched, *, kp: _common.KernelParams,
-                     seg: _common.SegmentRefs | None = None):
+                     seg: _common.SegmentRefs | None = None, tail: _PartRefs | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   Grid over (Sp / (2·block_kv), K, B) in _launch_order's order; dk/dv_ref [B, Sp, K, D]
@@ -228,10 +272,19 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
   seg: segment ids of the key rows and of the queries, and per kv tile the hull of q blocks
   that may share an id with it: the CTA streams only those, and compares ids on each except
   the q blocks wholly inside the tile's one document.
+
+  tail (non-causal, no seg): the split tail's one-dimensional grid; a part
+  streams its share of the tile's steps and writes dK·scale and dV in float32 to
+  tail.parts[0 / 1][part row, wg].
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
-  b, wg = lax.axis_index("b"), lax.axis_index("wg")
-  kt, kvh = _tile_and_head(("kt", "kvh"), k_ref.shape[2], kp)
+  wg = lax.axis_index("wg")
+  is_part = part_row = None
+  if tail is None:
+    b = lax.axis_index("b")
+    kt, kvh = _tile_and_head(("kt", "kvh"), k_ref.shape[2], kp)
+  else:
+    is_part, part_row, (b, kvh, kt) = tail.split.this_cta()
   cta_k0 = kt * (2 * bkv)
   cta_first = _first_q_block(cta_k0, kp)
   cta_last = kp.t_pad // bq
@@ -240,8 +293,13 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
     cta_first, cta_last = jnp.maximum(cta_first, first), jnp.minimum(cta_last, last)
     cta_last = jnp.maximum(cta_last, cta_first)  # no q block: zero steps, dK = dV = 0
   cta_steps = (cta_last - cta_first) * g_size
+  step0 = 0  # a tail part's first step
+  if tail is not None:
+    step0, step_end = tail.split.bounds(is_part, part_row, cta_steps)
+    cta_steps = step_end - step0
 
   def index(step):
+    step = step + step0
     i = cta_first + lax.div(step, g_size)
     return i, kvh * g_size + lax.rem(step, g_size)
 
@@ -321,7 +379,16 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
     dk, dv = lax.fori_loop(first, cta_steps, functools.partial(step, masked=False), carry)
     if pingpong:
       pl.when(wg == 0)(pingpong)
-    _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, kp)
+    store = functools.partial(_store_dk_dv, dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, kp)
+    if tail is None:
+      store()
+    else:
+      pl.when(~is_part)(store)
+
+      @pl.when(is_part)
+      def _():
+        _store_part(tail.parts[0].at[part_row, wg], dk * kp.scale)
+        _store_part(tail.parts[1].at[part_row, wg], dv)
 
   @pl.when(wg == 2)
   def _producer():
@@ -545,10 +612,13 @@ def dq_smem_bytes(kp: _common.KernelParams, *, in_kernel: bool, correction: bool
   return rows + ring + barriers + 1024
 
 
-def _dq_call(q, k, v, do, o, lse, delta, *, kp: _common.KernelParams, segs=()):
+def _dq_call(q, k, v, do, o, lse, delta, *, kp: _common.KernelParams, segs=(),
+             split: split_tail.TailSplit | None = None):
   """dQ [B, Tp, H, D], or (dQ, lse2, delta) when o is given: see _bwd_dq_kernel's two forms
   (o None: lse in log2 units and the full delta; else natural-log lse and delta the correction
-  or None). segs: () or (q_seg [B, Tp], kv_seg [B, Sp], kv limits per q tile) int32."""
+  or None). segs: () or (q_seg [B, Tp], kv_seg [B, Sp], kv limits per q tile) int32.
+  split (no segs): the split tail; dQ then comes back with the tail tiles summed in from
+  their parts."""
   bsz, t_pad, h, d = q.shape
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   tiles = _common.smem_transforms(kp.dtype)
@@ -573,17 +643,42 @@ def _dq_call(q, k, v, do, o, lse, delta, *, kp: _common.KernelParams, segs=()):
   ]
   dq = jax.ShapeDtypeStruct(q.shape, q.dtype)
   row_stats = jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)
+  out_type = [dq, row_stats, row_stats] if in_kernel else [dq]
   present = [x is not None for x in inputs] + [True, in_kernel, in_kernel]
-  body = functools.partial(_with_absent_refs, functools.partial(_bwd_dq_kernel, kp=kp), present)
-  return plgpu.kernel(
-      _common.with_segment_refs(body, sum(x is not None for x in inputs), bool(segs)),
-      out_type=(dq, row_stats, row_stats) if in_kernel else dq,
+  kernel = functools.partial(_with_absent_refs, functools.partial(_bwd_dq_kernel, kp=kp), present)
+  body = _common.with_segment_refs(kernel, sum(present) - len(out_type), bool(segs))
+  launch = _launch_order(t_pad // (2 * bq), h, bsz, ("qt", "h", "b"), kp)
+  if split is not None:
+    body, launch = _split_body(kernel, split, sum(present), 1), _split_launch(split)
+    out_type.append(jax.ShapeDtypeStruct((split.tail_tiles * split.parts, 2, bq, d),
+                                         jnp.float32))
+  out = plgpu.kernel(
+      body,
+      out_type=tuple(out_type),
       scratch_types=scratch,
-      **_launch_order(t_pad // (2 * bq), h, bsz, ("qt", "h", "b"), kp),
+      **launch,
       num_threads=3, thread_name="wg",
       compiler_params=_common.compiler_params(),
       interpret=_common.interpret_params(kp.interpret),
   )(*(x for x in inputs if x is not None), *segs)
+  if split is not None:
+    *out, dq_part = out
+    out[0] = split_tail.sum_parts(out[0], dq_part, split)
+  return tuple(out) if in_kernel else out[0]
+
+
+def _split_body(kernel, split: split_tail.TailSplit, refs: int, parts: int):
+  """A plgpu.kernel body calling `kernel` under a split tail: the first `refs` refs (inputs
+  and outputs) as given, the next `parts` (the partial outputs) as tail=_PartRefs, then the
+  scratch."""
+  def body(*all_refs):
+    return kernel(*all_refs[:refs], *all_refs[refs + parts:],
+                  tail=_PartRefs(split, all_refs[refs:refs + parts]))
+  return body
+
+
+def _split_launch(split: split_tail.TailSplit) -> dict:
+  return dict(grid=(split.ctas,), grid_names=("t",))
 
 
 def kv_stream_smem(kp: _common.KernelParams, d: int) -> list:
@@ -608,9 +703,10 @@ def kv_stream_barriers(kp: _common.KernelParams) -> list:
   return [plgpu.Barrier(num_barriers=(2, 2)), *ring, *free]
 
 
-def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, segs=()):
+def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, segs=(),
+               split: split_tail.TailSplit | None = None):
   """(dK, dV) [B, Sp, K, D]; segs: () or (kv_seg [B, Sp], q_seg [B, Tp], q limits per kv tile)
-  int32."""
+  int32. split (no segs): the split tail, its tiles summed in from their parts."""
   bsz, s_pad, kh, d = k.shape
   bq, bkv = kp.block_q, kp.block_kv
   tiles = _common.smem_transforms(kp.dtype)
@@ -621,17 +717,29 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, segs=()):
       plgpu.Barrier(num_arrivals=2) if kp.dkdv_pingpong else None,
   ]
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
-  return plgpu.kernel(
-      _common.with_segment_refs(functools.partial(_bwd_dkdv_kernel, kp=kp), 6, bool(segs)),
-      out_type=(kv_out, kv_out),
+  out_type = [kv_out, kv_out]
+  kernel = functools.partial(_bwd_dkdv_kernel, kp=kp)
+  body = _common.with_segment_refs(kernel, 6, bool(segs))
+  launch = _launch_order(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"), kp)
+  if split is not None:
+    body, launch = _split_body(kernel, split, 8, 2), _split_launch(split)
+    out_type += [jax.ShapeDtypeStruct((split.tail_tiles * split.parts, 2, bkv, d),
+                                      jnp.float32)] * 2
+  out = plgpu.kernel(
+      body,
+      out_type=tuple(out_type),
       scratch_types=scratch,
-      **_launch_order(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"), kp),
+      **launch,
       num_threads=3, thread_name="wg",
       # Profiled (kp.profile_dir) for at most PROFILE_STEPS steps, as the forward; the dQ
       # kernel never is, so that a backward's trace holds one kernel's events.
       compiler_params=_common.compiler_params(kp, min(profile_steps(kp), PROFILE_STEPS)),
       interpret=_common.interpret_params(kp.interpret),
   )(q, k, v, do, lse2, delta, *segs)
+  if split is None:
+    return out
+  dk, dv, dk_part, dv_part = out
+  return split_tail.sum_parts(dk, dk_part, split), split_tail.sum_parts(dv, dv_part, split)
 
 
 # Steps per warpgroup that a profiled kernel (MosaicConfig.profile_dir) records: its event
@@ -679,6 +787,56 @@ def split_kernel_params(qp, kpad, params: AttentionParams, config: MosaicConfig,
                stages=min(config.bwd_stages, t_pad // config.block_q_dkv)))
 
 
+def step_cost(products: int, rows: int, cols: int) -> float:
+  """A kernel step of `products` tile matmuls of rows x cols (x D) in forward key-block steps
+  (2 products of 128 x 128), split_tail's cost unit: the dQ kernel's step (3 products of
+  128 query rows x 128 keys) is 1.5, the dK/dV kernel's (4 of 128 keys x 64 queries) 1.0."""
+  return products * rows * cols / (2 * 128 * 128)
+
+
+def tail_splits(kp_dq, kp_dkdv, batch: int, heads: int, kv_heads: int,
+                params: AttentionParams, config: MosaicConfig):
+  """(dQ kernel's, dK/dV kernel's) split tail (MosaicConfig.bwd_split_tail), each None where
+  it does not apply (causal, segment ids, a head group's launch order) or no split pays."""
+  kernels = config.bwd_split_tail.split(",")
+  if params.is_causal or params.has_segments:
+    return None, None
+
+  def plan(name, kp, tiles, heads, steps, cost, merged):
+    if name not in kernels or _common._head_group(heads, kp.bwd_heads_fastest,
+                                                   kp.bwd_head_group):
+      return None  # TailSplit.coords decodes the plain orders only
+    return split_tail.plan(tiles, heads, batch, steps, heads_fastest=kp.bwd_heads_fastest,
+                           config=config, step_cost=cost,
+                           merge_cost=merged * split_tail.MERGE_OVERHEAD_BLOCKS)
+
+  dq = plan("dq", kp_dq, kp_dq.t_pad // (2 * kp_dq.block_q), heads, kp_dq.num_kv_blocks,
+            step_cost(3, 2 * kp_dq.block_q, kp_dq.block_kv), 1)
+  dkdv = plan("dkdv", kp_dkdv, kp_dkdv.s_pad // (2 * kp_dkdv.block_kv), kv_heads,
+              kp_dkdv.t_pad // kp_dkdv.block_q * kp_dkdv.group,
+              step_cost(4, 2 * kp_dkdv.block_kv, kp_dkdv.block_q), 2)
+  return dq, dkdv
+
+
+def padded_lengths(t: int, s: int, config: MosaicConfig) -> tuple[int, int]:
+  """(T, S) padded for the split backward: one length serves both kernels, a multiple of both
+  CTA heights and both tiles."""
+  q_mult = math.lcm(2 * config.block_q_dq, config.block_q_dkv)
+  kv_mult = math.lcm(2 * config.block_kv_dkv, config.block_kv_dq)
+  return _blocking.round_up(t, q_mult), _blocking.round_up(s, kv_mult)
+
+
+def planned_tail_splits(q, k, params: AttentionParams, config: MosaicConfig):
+  """The (dQ, dK/dV) split tails the split backward runs for q [B, T, H, D], k [B, S, K, D]
+  (arrays or jax.ShapeDtypeStruct)."""
+  (b, t, h, d), (s, kh) = q.shape, k.shape[1:3]
+  t_pad, s_pad = padded_lengths(t, s, config)
+  kps = split_kernel_params(jax.ShapeDtypeStruct((b, t_pad, h, d), q.dtype),
+                            jax.ShapeDtypeStruct((b, s_pad, kh, d), k.dtype), params, config,
+                            kv_len=s)
+  return tail_splits(*kps, b, h, kh, params, config)
+
+
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
              config: MosaicConfig | None = None):
   """See pallas_flash.params for the contract. This backend sets BACKWARD_COMPUTES_DELTA: lse
@@ -706,13 +864,12 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
     warnings.warn(f"fused_backward=True, using the split backward instead: {reason}",
                   stacklevel=2)
   t, s = q.shape[1], k.shape[1]
-  # One padded length serves both kernels: multiples of both CTA heights and both tiles.
-  q_mult = math.lcm(2 * config.block_q_dq, config.block_q_dkv)
-  kv_mult = math.lcm(2 * config.block_kv_dkv, config.block_kv_dq)
-  t_pad, s_pad = _blocking.round_up(t, q_mult), _blocking.round_up(s, kv_mult)
+  t_pad, s_pad = padded_lengths(t, s, config)
   qp, dop = _blocking.pad_axis(q, 1, t_pad), _blocking.pad_axis(do, 1, t_pad)
   kpad, vpad = _blocking.pad_axis(k, 1, s_pad), _blocking.pad_axis(v, 1, s_pad)
   kp_dq, kp_dkdv = split_kernel_params(qp, kpad, params, config, kv_len=s)
+  dq_split, dkdv_split = tail_splits(kp_dq, kp_dkdv, q.shape[0], q.shape[2], k.shape[2],
+                                     params, config)
   dq_segs = dkdv_segs = ()
   if params.has_segments:
     q_seg, kv_seg = _blocking.pad_segments(q_seg, kv_seg, t_pad, s_pad)
@@ -735,12 +892,15 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
     lse = _blocking.pad_axis(lse, 2, t_pad, jnp.inf)
     if delta is not None:
       delta = _blocking.pad_axis(delta, 2, t_pad)
-    dq, lse2, delta = _dq_call(qp, kpad, vpad, dop, op, lse, delta, kp=kp_dq, segs=dq_segs)
+    dq, lse2, delta = _dq_call(qp, kpad, vpad, dop, op, lse, delta, kp=kp_dq, segs=dq_segs,
+                               split=dq_split)
   else:
     lse, delta = _xla_row_stats(o, lse, do, delta)
     # lse in log2 units so that P = exp2(S·c − lse2).
     lse2 = _blocking.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
     delta = _blocking.pad_axis(delta, 2, t_pad)
-    dq = _dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs)
-  dk, dv = _dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs)
+    dq = _dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs,
+                  split=dq_split)
+  dk, dv = _dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs,
+                      split=dkdv_split)
   return dq[:, :t], dk[:, :s], dv[:, :s]

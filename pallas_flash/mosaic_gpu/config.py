@@ -75,10 +75,18 @@ class MosaicConfig:
       half the SMs idle for one tile's time (~3 %, eleventh session: 33 heads ran 3 % faster
       per FLOP than 32). Needs room for a [2, block_q, D] float32 staging tile (not at head_dim
       256 with 2 stages; ignored there).
-    tail_parts: fwd_split_tail: CTAs per tail tile; 0 = `forward.tail_parts`' choice (the
-      cheapest in its cost model: rounds of parts, plus fixed costs per part and merge).
-    wave_ctas: fwd_split_tail: CTAs per wave it plans for; 0 = the GPU's SM count (one
-      forward CTA per SM fits in shared memory). Tests set it to split small grids.
+    bwd_split_tail: the split backward's kernels named here ("dq", "dkdv", or "dq,dkdv"; ""
+      none), non-causal, no segment ids: the same split of each kernel's last wave
+      (split_tail.py), along its streamed axis: a
+      dQ tile's parts stream shares of its key blocks, a dK/dV tile's shares of its (q block,
+      query head) steps, and each stores its float32 partial gradient straight from
+      registers (the dQ kernel has no shared memory left for a staging tile); XLA sums the
+      parts. Deterministic (a fixed order), but not bitwise the unsplit kernels' sums.
+    tail_parts: fwd_split_tail / bwd_split_tail: CTAs per tail tile of every split kernel; 0 =
+      `split_tail.tail_parts`' choice per kernel (the cheapest in its cost model: rounds of
+      parts, plus fixed costs per part and merge).
+    wave_ctas: fwd_split_tail / bwd_split_tail: CTAs per wave they plan for; 0 = the GPU's SM
+      count (each of these kernels runs one CTA per SM). Tests set it to split small grids.
     fused_backward: backward algorithm. True: one FlashAttention-3 style kernel per kv tile
       (backward_fused.py: 5 tile matmuls per tile pair instead of 7, dK/dV in registers, dQ
       summed into a float32 buffer by TMA reduce-add), so dQ is not bitwise reproducible run to
@@ -178,6 +186,7 @@ class MosaicConfig:
   fwd_persistent: bool = False
   persistent_ctas: int = 0
   fwd_split_tail: bool = False
+  bwd_split_tail: str = ""
   tail_parts: int = 0
   wave_ctas: int = 0
   fused_backward: bool = False
@@ -215,6 +224,10 @@ class MosaicConfig:
     for name in ("num_stages", "bwd_stages", "fused_stages", "fused_dq_blocks"):
       if getattr(self, name) < 1:
         raise ValueError(f"MosaicConfig.{name} must be >= 1, got {getattr(self, name)}")
+    if not set(filter(None, self.bwd_split_tail.split(","))) <= {"dq", "dkdv"}:
+      raise ValueError("MosaicConfig.bwd_split_tail names the split backward kernels whose "
+                       f"last wave is split: 'dq', 'dkdv' or 'dq,dkdv', got "
+                       f"{self.bwd_split_tail!r}")
     if self.dkdv_schedule not in ("serial", "batched", "overlap"):
       raise ValueError("MosaicConfig.dkdv_schedule must be 'serial', 'batched' or 'overlap', "
                        f"got {self.dkdv_schedule!r}")

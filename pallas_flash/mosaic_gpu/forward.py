@@ -19,7 +19,7 @@ With MosaicConfig.fwd_persistent (non-causal) one CTA per SM loops over the tile
 across tiles and Q double-buffered, so a tile's loads overlap the previous tile's end.
 
 With MosaicConfig.fwd_split_tail (non-causal grid kernel) the tiles of the last, partly filled
-wave run as several CTAs each, every one streaming a share of the key blocks (`TailSplit`);
+wave run as several CTAs each, every one streaming a share of the key blocks (split_tail.py);
 their float32 partial (o, lse) are merged by `combine_tail`.
 """
 
@@ -39,6 +39,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_flash import _blocking, masks
 from pallas_flash.mosaic_gpu import _common
+from pallas_flash.mosaic_gpu import split_tail
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
 from pallas_flash.params import MASK_VALUE, AttentionParams
 
@@ -48,42 +49,11 @@ LN2 = math.log(2.0)
 PROFILE_STEPS = 32
 
 
-@dataclasses.dataclass(frozen=True)
-class TailSplit:
-  """How the non-causal grid forward splits its last wave (MosaicConfig.fwd_split_tail).
-
-  Tiles are numbered in launch order (`coords`); the first `main` run one CTA each, and each
-  later one runs as `parts` CTAs, part p streaming key blocks [p·n / parts, (p+1)·n / parts)
-  of its n. The CTA after the main ones with index u is part u mod parts of tile
-  main + u // parts, and writes its partial (o, lse) to row u of the partial outputs.
-  """
-
-  tiles: int
-  main: int
-  parts: int
-  batch: int
-  heads: int
-  num_q_tiles: int
-  heads_fastest: bool
-
-  @property
-  def ctas(self) -> int:
-    return self.main + (self.tiles - self.main) * self.parts
-
-  def coords(self, t, div=lax.div, rem=lax.rem):
-    """(b, h, q tile) of tile t: batch fastest, then q tiles (heads_fastest: heads), as
-    launch_grid's grid dispatches them."""
-    b, r = rem(t, self.batch), div(t, self.batch)
-    if self.heads_fastest:
-      return b, rem(r, self.heads), div(r, self.heads)
-    return b, div(r, self.num_q_tiles), rem(r, self.num_q_tiles)
-
-
 class _SplitRefs(NamedTuple):
   """A split-tail kernel's extra operands: o_part [parts total, 2, block_q, D] and lse_part
   [parts total, 2, block_q] float32 (GMEM), o32_scratch [2, block_q, D] float32 (SMEM)."""
 
-  split: TailSplit
+  split: split_tail.TailSplit
   o_part: Any
   lse_part: Any
   o32_scratch: Any
@@ -101,7 +71,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   key blocks that may share an id (masks.segment_block_limits): the CTA streams only those
   blocks, at least one, and compares ids on each except the run of blocks that lie wholly
   inside the tile's one document. tail (non-causal, no seg): a one-dimensional grid of
-  tail.split.ctas CTAs in the same launch order, see TailSplit.
+  tail.split.ctas CTAs in the same launch order, see split_tail.TailSplit.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   wg = lax.axis_index("wg")
@@ -109,12 +79,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   if tail is None:
     b, h, qt = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("qt")
   else:
-    split = tail.split
-    u = lax.axis_index("t") - split.main
-    is_part = u >= 0
-    part_row = jnp.maximum(u, 0)
-    b, h, qt = split.coords(jnp.where(is_part, split.main + lax.div(part_row, split.parts),
-                                      lax.axis_index("t")))
+    is_part, part_row, (b, h, qt) = tail.split.this_cta()
   if kp.causal:
     qt = kp.num_q_tiles - 1 - qt  # heaviest tiles first
   cta_q0 = qt * (2 * bq)
@@ -124,9 +89,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   if seg is not None:
     kv0, cta_steps, full = _common.streamed_kv_range(seg, b, qt, cta_steps)
   if tail is not None:
-    n, p = kp.num_kv_blocks, lax.rem(part_row, split.parts)
-    kv0 = jnp.where(is_part, lax.div(p * n, split.parts), 0)
-    cta_steps = jnp.where(is_part, lax.div((p + 1) * n, split.parts), n) - kv0
+    kv0, kv_end = tail.split.bounds(is_part, part_row, kp.num_kv_blocks)
+    cta_steps = kv_end - kv0
 
   sched_sync = functools.partial(_common.sync, sched)
 
@@ -562,7 +526,7 @@ def _registers(config: MosaicConfig) -> tuple[int, int]:
 
 
 def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0, segs=(),
-             split: TailSplit | None = None):
+             split: split_tail.TailSplit | None = None):
   """Runs the kernel on padded q [B, Tp, H, D], k/v [B, Sp, K, D] -> (o [B, Tp, H, D], lse).
 
   persistent_ctas > 0 (non-causal, no segments): `_fwd_persistent_kernel` on that many CTAs.
@@ -630,69 +594,34 @@ def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0, seg
 
 
 def smem_bytes(d: int, block_q: int, block_kv: int, stages: int, itemsize: int = 2, *,
-               persistent: bool = False, split_tail: bool = False) -> int:
+               persistent: bool = False, tail_staging: bool = False) -> int:
   """Shared memory of one forward CTA: Q (double-buffered when persistent), the K/V ring and
   lse, plus ~1 KiB of barriers and alignment (and the split tail's float32 o staging)."""
   q = (2 if persistent else 1) * 2 * block_q * d * itemsize
-  staging = 2 * block_q * d * 4 if split_tail else 0
+  staging = 2 * block_q * d * 4 if tail_staging else 0
   return q + 2 * stages * block_kv * d * itemsize + 2 * block_q * 4 + 1024 + staging
 
 
-# tail_parts' cost model, in the time of one key-block step at head_dim 128: the fixed cost
-# of a CTA (prologue, epilogue, the partial's store) and of the merge (an XLA pass over the
-# partials and the scatter into o). Fitted to the twelfth session's H200 runs (s12 run2): at
-# 1x16384x16x128 9 parts gained 2.1 %, 5 1.6 %, 3 0.9 %, 17 0.4 %; at 1x8192x16x128 (100
-# tiles in the last wave of 7.8) 5 parts gained nothing.
-PART_OVERHEAD_BLOCKS = 3.0
-MERGE_OVERHEAD_BLOCKS = 6.0
-MAX_TAIL_PARTS = 64
-
-
-def tail_parts(tiles: int, kv_blocks: int, wave: int) -> int:
-  """How many CTAs each tile of the last wave runs as (1: no split).
-
-  tiles: tiles of the launch; kv_blocks: key blocks per tile; wave: CTAs running at once.
-  Unsplit, the r = tiles mod wave tiles of the last wave take one tile's time, kv_blocks +
-  PART_OVERHEAD_BLOCKS; as `parts` CTAs each they run in ceil(r·parts / wave) rounds of
-  kv_blocks / parts + PART_OVERHEAD_BLOCKS, plus MERGE_OVERHEAD_BLOCKS. Returns the parts (at
-  most kv_blocks, so that every part streams a block) that minimise that, if it is less."""
-  r = tiles % wave
-  if not r:
-    return 1
-  best, best_cost = 1, kv_blocks + PART_OVERHEAD_BLOCKS
-  for parts in range(2, min(kv_blocks, MAX_TAIL_PARTS) + 1):
-    rounds = -(-r * parts // wave)
-    cost = rounds * (kv_blocks / parts + PART_OVERHEAD_BLOCKS) + MERGE_OVERHEAD_BLOCKS
-    if cost < best_cost:
-      best, best_cost = parts, cost
-  return best
-
-
 def tail_split(q, config: MosaicConfig, params: AttentionParams, kv_blocks: int,
-               persistent: bool) -> TailSplit | None:
+               persistent: bool) -> split_tail.TailSplit | None:
   """The split tail of a call with q [B, T, H, D], or None where it does not apply (not
   config.fwd_split_tail, causal, segment ids, the persistent kernel, no room for the float32
   staging tile, or no split that pays)."""
   b, t, h, d = q.shape
   if (not config.fwd_split_tail or params.is_causal or params.has_segments or persistent
       or smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
-                    jnp.dtype(q.dtype).itemsize, split_tail=True) > SMEM_LIMIT_BYTES):
+                    jnp.dtype(q.dtype).itemsize, tail_staging=True) > SMEM_LIMIT_BYTES):
     return None
   num_q_tiles = _blocking.round_up(t, 2 * config.block_q) // (2 * config.block_q)
-  tiles = b * h * num_q_tiles
-  wave = config.wave_ctas or _common.sm_count()
-  parts = min(config.tail_parts, kv_blocks) or tail_parts(tiles, kv_blocks, wave)
-  if parts < 2 or not tiles % wave:
-    return None
-  return TailSplit(tiles=tiles, main=tiles - tiles % wave, parts=parts, batch=b, heads=h,
-                   num_q_tiles=num_q_tiles, heads_fastest=config.heads_fastest)
+  return split_tail.plan(num_q_tiles, h, b, kv_blocks, heads_fastest=config.heads_fastest,
+                         config=config)
 
 
-def combine_tail(o, lse, o_part, lse_part, split: TailSplit):
+def combine_tail(o, lse, o_part, lse_part, split: split_tail.TailSplit):
   """o [B, Tp, H, D], lse [B, H, Tp] with the split tail's tiles merged in from its parts:
   o_part [tail tiles · parts, 2, block_q, D], lse_part [.., 2, block_q] float32, each part
   normalised over its own keys, so o = Σ exp(lse_p − lse) o_p with lse = logsumexp_p lse_p."""
-  r, parts = split.tiles - split.main, split.parts
+  r, parts = split.tail_tiles, split.parts
   rows_per_tile = o_part.shape[1] * o_part.shape[2]
   o_part = o_part.reshape(r, parts, rows_per_tile, o_part.shape[-1])
   lse_part = lse_part.reshape(r, parts, rows_per_tile)
@@ -702,10 +631,9 @@ def combine_tail(o, lse, o_part, lse_part, split: TailSplit):
   total = w.sum(axis=1)
   o_tail = (w[..., None] * o_part).sum(axis=1) / jnp.where(total == 0, 1.0, total)[..., None]
   lse_tail = jnp.where(total == 0, -jnp.inf, m + jnp.log(total))
-  b, h, qt = split.coords(np.arange(split.main, split.tiles), div=np.floor_divide,
-                          rem=np.remainder)
+  o = split_tail.set_tiles(o, o_tail, split)
+  b, h, qt = split.tail_coords()
   rows = qt[:, None] * rows_per_tile + np.arange(rows_per_tile)
-  o = o.at[b[:, None], rows, h[:, None]].set(o_tail.astype(o.dtype), unique_indices=True)
   lse = lse.at[b[:, None], h[:, None], rows].set(lse_tail, unique_indices=True)
   return o, lse
 

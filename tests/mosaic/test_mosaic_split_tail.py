@@ -1,8 +1,9 @@
-"""The split tail of the non-causal Mosaic forward (MosaicConfig.fwd_split_tail).
+"""The split tail of the non-causal Mosaic forward and split backward (MosaicConfig.
+fwd_split_tail, bwd_split_tail; split_tail.py).
 
 On CPU: the cost model and where the split applies, the launch order it decodes, the merge of
-partial results against the reference, the kernel's math in the Mosaic GPU interpreter (each
-case in a subprocess with a time limit, see INTERPRET_CASES), and its lowering for an H200.
+partial results against the reference, the kernels' math in the Mosaic GPU interpreter (each
+case in a subprocess with a time limit, see INTERPRET_CASES), and their lowering for an H200.
 On a Hopper GPU (marker `gpu`): forced splits against the float32 reference.
 """
 
@@ -21,28 +22,29 @@ import pytest
 
 import pallas_flash
 from pallas_flash.mosaic_gpu import TUNED, MosaicConfig
-from pallas_flash.mosaic_gpu import _common
+from pallas_flash.mosaic_gpu import _common, split_tail
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
 from testing import (export_for_h200, kernel_case_id, kernel_inputs, kernel_specs, on_hopper,
                      rel_err)
 
 forward_module = importlib.import_module("pallas_flash.mosaic_gpu.forward")
+backward_module = importlib.import_module("pallas_flash.mosaic_gpu.backward")
 NON_CAUSAL = AttentionParams(scale=0.125, is_causal=False, has_segments=False)
 TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
 
 
 def test_tail_parts_cost_model():
   # 16 heads x 16K: 2048 tiles of 128 key blocks, 68 in the last wave of 132.
-  assert forward_module.tail_parts(2048, 128, 132) == 7
+  assert split_tail.tail_parts(2048, 128, 132) == 7
   # 32K: 4 tiles in the 32nd wave; as many parts as fill the SMs once.
-  assert forward_module.tail_parts(4096, 256, 132) == 33
+  assert split_tail.tail_parts(4096, 256, 132) == 33
   # 8K: 100 tiles of 64 blocks in the last wave; no split pays for its merge (s12 run2).
-  assert forward_module.tail_parts(1024, 64, 132) == 1
-  assert forward_module.tail_parts(132 * 5, 128, 132) == 1  # whole waves
+  assert split_tail.tail_parts(1024, 64, 132) == 1
+  assert split_tail.tail_parts(132 * 5, 128, 132) == 1  # whole waves
   for tiles, blocks in itertools.product((3, 100, 133, 1000), (1, 2, 7, 500)):
-    parts = forward_module.tail_parts(tiles, blocks, 132)
-    assert 1 <= parts <= min(max(blocks, 1), forward_module.MAX_TAIL_PARTS)
+    parts = split_tail.tail_parts(tiles, blocks, 132)
+    assert 1 <= parts <= min(max(blocks, 1), split_tail.MAX_TAIL_PARTS)
 
 
 def test_tail_split_applies_only_where_it_can():
@@ -76,8 +78,8 @@ def test_tail_split_coords_follow_the_launch_order(heads_fastest):
   launch = _common.launch_grid(nqt, h, b, ("qt", "h", "b"), heads_fastest=heads_fastest)
   order = [dict(zip(launch["grid_names"], idx))
            for idx in itertools.product(*(range(n) for n in launch["grid"]))]
-  split = forward_module.TailSplit(tiles=b * h * nqt, main=0, parts=2, batch=b, heads=h,
-                                   num_q_tiles=nqt, heads_fastest=heads_fastest)
+  split = split_tail.TailSplit(tiles=b * h * nqt, main=0, parts=2, batch=b, heads=h,
+                                   num_tiles=nqt, heads_fastest=heads_fastest)
   got = split.coords(np.arange(b * h * nqt), div=np.floor_divide, rem=np.remainder)
   assert [tuple(map(int, x)) for x in zip(*got)] == [(o["b"], o["h"], o["qt"]) for o in order]
 
@@ -104,8 +106,8 @@ def test_combine_tail_merges_parts_into_the_unsplit_result():
   b, t, s, h, d, block_q = 2, 256, 300, 3, 32, 64
   q, k, v, _ = kernel_inputs(b, t, s, h, h, d, jnp.float32, seed=3)
   params = AttentionParams(scale=d ** -0.5, is_causal=False, has_segments=False)
-  split = forward_module.TailSplit(tiles=b * h * 2, main=7, parts=3, batch=b, heads=h,
-                                   num_q_tiles=2, heads_fastest=False)
+  split = split_tail.TailSplit(tiles=b * h * 2, main=7, parts=3, batch=b, heads=h,
+                                   num_tiles=2, heads_fastest=False)
   ro, rlse = attention_reference(q, k, v, None, None, params=params)
   o_part, lse_part = _partials(q, k, v, split, block_q, [(0, 17), (17, 200), (200, s)], params)
   tail = np.zeros((b, t, h), bool)
@@ -210,3 +212,165 @@ def test_split_tail_forward_on_gpu(case):
       *(x.astype(jnp.float32) for x in (q, k, v)))
   assert rel_err(o.astype(jnp.float32), ro) <= TOL[dtype]
   assert float(jnp.abs(lse - rlse).max()) <= 1e-3
+
+
+# The backward (bwd_split_tail): the dQ kernel's tiles split along their key blocks, the dK/dV
+# kernel's along their (q block, query head) steps; XLA sums the float32 partial gradients.
+
+
+def _bwd_splits(shape, config, params=NON_CAUSAL):
+  q, kv = kernel_specs(*shape[:6])
+  return backward_module.planned_tail_splits(q, kv, params, config)
+
+
+def _summary(split):
+  return split and (split.tiles, split.main, split.parts)
+
+
+def test_backward_step_cost_in_forward_steps():
+  assert backward_module.step_cost(3, 128, 128) == 1.5  # dQ: S, dP, dQ of 128 x 128
+  assert backward_module.step_cost(4, 128, 64) == 1.0  # dK/dV: Sᵀ, dPᵀ, dV, dK of 128 x 64
+
+
+def test_backward_tail_splits_apply_only_where_they_can():
+  both = dataclasses.replace(TUNED[(128, False)], bwd_split_tail="dq,dkdv")
+  mha = (1, 16384, 16384, 16, 16, 128)
+  assert [_summary(x) for x in _bwd_splits(mha, both)] == [(2048, 1980, 9)] * 2
+  # Four kv heads: the dK/dV kernel's 1024 tiles of 512 steps each (2 query heads per step's
+  # q block), 100 in the last wave.
+  assert [_summary(x) for x in _bwd_splits((2, 16384, 16384, 8, 4, 128), both)] == \
+      [(2048, 1980, 9), (1024, 924, 9)]
+  dq_only = dataclasses.replace(both, bwd_split_tail="dq")
+  assert _bwd_splits(mha, dq_only)[1] is None and _bwd_splits(mha, dq_only)[0] is not None
+  assert _bwd_splits(mha, dataclasses.replace(both, bwd_split_tail="")) == (None, None)
+  for params in (dataclasses.replace(NON_CAUSAL, is_causal=True),
+                 dataclasses.replace(NON_CAUSAL, has_segments=True)):
+    assert _bwd_splits(mha, both, params) == (None, None)
+  grouped = dataclasses.replace(both, bwd_heads_fastest=True, bwd_head_group=4)
+  assert _bwd_splits(mha, grouped) == (None, None)  # coords decode the plain orders only
+  heads = _bwd_splits(mha, dataclasses.replace(both, bwd_heads_fastest=True))
+  assert all(x.heads_fastest for x in heads)
+  assert _bwd_splits((1, 16384, 16384, 33, 33, 128), both) == (None, None)  # 32 waves
+  with pytest.raises(ValueError, match="bwd_split_tail"):
+    MosaicConfig(bwd_split_tail="dk")
+
+
+def test_sum_parts_sets_each_tail_tile_to_its_parts_sum():
+  b, rows, h, d, r_tile = 2, 256, 3, 16, 64  # 2 x 2 x 64 rows per tile
+  split = split_tail.TailSplit(tiles=b * h * 2, main=5, parts=3, batch=b, heads=h,
+                               num_tiles=2, heads_fastest=True)
+  x = jax.random.normal(jax.random.key(0), (b, rows, h, d), jnp.float32)
+  part = jax.random.normal(jax.random.key(1), (split.tail_tiles * 3, 2, r_tile, d), jnp.float32)
+  tail = np.zeros((b, rows, h), bool)
+  for bi, hi, ti in zip(*split.tail_coords()):
+    tail[bi, ti * 2 * r_tile:(ti + 1) * 2 * r_tile, hi] = True
+  got = split_tail.sum_parts(jnp.where(tail[..., None], jnp.nan, x), part, split)
+  want = part.reshape(split.tail_tiles, 3, 2 * r_tile, d).sum(axis=1)
+  b_idx, h_idx, t_idx = split.tail_coords()
+  for i, (bi, hi, ti) in enumerate(zip(b_idx, h_idx, t_idx)):
+    np.testing.assert_array_equal(got[bi, ti * 2 * r_tile:(ti + 1) * 2 * r_tile, hi], want[i])
+  assert bool(jnp.array_equal(got[~tail], x[~tail]))
+
+
+# (B, T, S, H, K, D, dtype, config overrides), run like INTERPRET_CASES: dQ and dK/dV tails
+# split with main CTAs before them or none, GQA, padded keys, uneven parts, the statistics
+# computed in XLA.
+BWD_INTERPRET_CASES = [
+    (1, 128, 256, 3, 3, 64, jnp.bfloat16, dict(wave_ctas=4, tail_parts=2)),
+    (1, 200, 333, 4, 2, 64, jnp.float16, dict(wave_ctas=3, tail_parts=3)),
+    (1, 256, 128, 2, 2, 64, jnp.bfloat16, dict(wave_ctas=3, tail_parts=4,
+                                               bwd_delta_in_kernel=False)),
+]
+_BWD_INTERPRET_SCRIPT = """
+import json, sys
+import jax, jax.numpy as jnp
+from pallas_flash.mosaic_gpu import MosaicConfig, backward, forward
+from pallas_flash.params import AttentionParams
+from pallas_flash.reference import attention_reference
+from testing import kernel_inputs, rel_err
+b, t, s, h, kh, d, dtype, kw = json.loads(sys.argv[1])
+dtype = jnp.dtype(dtype)
+small = dict(block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=64, block_q_dkv=64,
+             block_kv_dkv=64, interpret=True)
+q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + h)
+p = AttentionParams(scale=d ** -0.5, is_causal=False, has_segments=False)
+o, lse = forward(q, k, v, None, None, params=p, config=MosaicConfig(**small))
+got = backward(q, k, v, None, None, o, lse, do, None, params=p,
+               config=MosaicConfig(bwd_split_tail="dq,dkdv", **small, **kw))
+f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+_, vjp = jax.vjp(lambda *a: attention_reference(*a, None, None, params=p)[0], *f32[:3])
+print(json.dumps({n: rel_err(g.astype(jnp.float32), r)
+                  for n, g, r in zip(("dq", "dk", "dv"), got, vjp(f32[3]))}))
+"""
+
+
+@pytest.mark.parametrize("case", BWD_INTERPRET_CASES,
+                         ids=[f"{kernel_case_id((*c[:6], False, c[6]))}_{i}"
+                              for i, c in enumerate(BWD_INTERPRET_CASES)])
+def test_split_tail_backward_in_interpreter(case):
+  *shape, dtype, kw = case
+  small = MosaicConfig(block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=64, block_q_dkv=64,
+                       block_kv_dkv=64, bwd_split_tail="dq,dkdv", **kw)
+  splits = _bwd_splits(shape, small)
+  assert all(x is not None and x.parts >= 2 for x in splits)  # both kernels do split
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
+  arg = json.dumps([*shape, jnp.dtype(dtype).name, kw])
+  done = subprocess.run([sys.executable, "-c", _BWD_INTERPRET_SCRIPT, arg], env=env, cwd=root,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  errs = json.loads(done.stdout.strip().splitlines()[-1])
+  assert all(e <= 2 * TOL[dtype] for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("case", [(1, 16384, 16384, 16, 16, 128, False),
+                                  (2, 16384, 16384, 8, 4, 128, False),
+                                  (4, 4096, 4096, 32, 32, 64, False)], ids=kernel_case_id)
+def test_split_tail_backward_lowers(case):
+  *shape, causal = case
+  q, kv = kernel_specs(*shape)
+  config = dataclasses.replace(TUNED[(shape[-1], False)], bwd_split_tail="dq,dkdv")
+  assert all(x is not None for x in _bwd_splits(shape, config))
+  fn = lambda q, k, v: pallas_flash.flash_attention(  # noqa: E731
+      q, k, v, is_causal=causal, implementation="mosaic", config=config)
+  grads = jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+  assert export_for_h200(grads, q, kv, kv).mlir_module().count("mosaic_gpu") >= 3
+
+
+# B, T, S, H, K, D, dtype, config overrides (as scripts/bwd_split_tail_bench.py's FORCED).
+BWD_GPU_CASES = [
+    (3, 1000, 1100, 5, 1, 128, jnp.float16, dict(wave_ctas=7)),
+    (2, 777, 1025, 4, 4, 64, jnp.bfloat16, dict(wave_ctas=5)),
+    (1, 4096, 4096, 3, 3, 128, jnp.bfloat16, dict(wave_ctas=20, bwd_heads_fastest=True,
+                                                   tail_parts=3)),
+    (2, 300, 5000, 8, 2, 128, jnp.bfloat16, dict(wave_ctas=7, tail_parts=11,
+                                                  bwd_delta_in_kernel=False)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_hopper(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("case", BWD_GPU_CASES,
+                         ids=[f"{kernel_case_id((*c[:6], False, c[6]))}_{i}"
+                              for i, c in enumerate(BWD_GPU_CASES)])
+def test_split_tail_backward_on_gpu(case):
+  """Forced splits of both backward kernels against the float32 reference's gradients, and
+  bitwise equal run to run (the parts are summed in a fixed order)."""
+  b, t, s, h, kh, d, dtype, kw = case
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s)
+  cfg = dataclasses.replace(TUNED[(d, False)], bwd_split_tail="dq,dkdv", **kw)
+  p = AttentionParams(scale=d ** -0.5, is_causal=False, has_segments=False)
+  assert all(x is not None for x in _bwd_splits((b, t, s, h, kh, d), cfg, p))
+
+  def attn(q, k, v):
+    return pallas_flash.flash_attention(q, k, v, implementation="mosaic", config=cfg)
+
+  step = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
+  got = step(q, k, v, do)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+  ref = jax.jit(lambda q, k, v, do: jax.vjp(
+      lambda *a: attention_reference(*a, None, None, params=p)[0], q, k, v)[1](do))(*f32)
+  for name, g, r in zip(("dq", "dk", "dv"), got, ref):
+    assert rel_err(g.astype(jnp.float32), r) <= 2 * TOL[dtype], name
+  again = step(q, k, v, do)
+  assert all(bool(jnp.array_equal(a, g)) for a, g in zip(again, got))
