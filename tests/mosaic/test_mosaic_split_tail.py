@@ -277,7 +277,7 @@ def test_sum_parts_sets_each_tail_tile_to_its_parts_sum():
 # computed in XLA.
 BWD_INTERPRET_CASES = [
     (1, 128, 256, 3, 3, 64, jnp.bfloat16, dict(wave_ctas=4, tail_parts=2)),
-    (1, 200, 333, 4, 2, 64, jnp.float16, dict(wave_ctas=3, tail_parts=3)),
+    (1, 200, 333, 4, 2, 64, jnp.float16, dict(wave_ctas=5, tail_parts=3)),
     (1, 256, 128, 2, 2, 64, jnp.bfloat16, dict(wave_ctas=3, tail_parts=4,
                                                bwd_delta_in_kernel=False)),
 ]
@@ -339,8 +339,8 @@ def test_split_tail_backward_lowers(case):
 
 # B, T, S, H, K, D, dtype, config overrides (as scripts/bwd_split_tail_bench.py's FORCED).
 BWD_GPU_CASES = [
-    (3, 1000, 1100, 5, 1, 128, jnp.float16, dict(wave_ctas=7)),
-    (2, 777, 1025, 4, 4, 64, jnp.bfloat16, dict(wave_ctas=5)),
+    (3, 1000, 1100, 5, 1, 128, jnp.float16, dict(wave_ctas=7, tail_parts=4)),
+    (2, 777, 1025, 4, 4, 64, jnp.bfloat16, dict(wave_ctas=5, tail_parts=3)),
     (1, 4096, 4096, 3, 3, 128, jnp.bfloat16, dict(wave_ctas=20, bwd_heads_fastest=True,
                                                    tail_parts=3)),
     (2, 300, 5000, 8, 2, 128, jnp.bfloat16, dict(wave_ctas=7, tail_parts=11,
