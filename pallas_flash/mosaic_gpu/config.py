@@ -82,6 +82,9 @@ class MosaicConfig:
       query head) steps, and each stores its float32 partial gradient straight from
       registers (the dQ kernel has no shared memory left for a staging tile); XLA sums the
       parts. Deterministic (a fixed order), but not bitwise the unsplit kernels' sums.
+      Off in every tuned config: on the H200 (thirteenth session, fwd+bwd) "dq" moved
+      -0.9 % to +1.0 %, within noise, and "dq,dkdv" -2.6 % to +1.6 % (the split dK/dV
+      kernel spills inside its loop at 240 registers).
     tail_parts: fwd_split_tail / bwd_split_tail: CTAs per tail tile of every split kernel; 0 =
       `split_tail.tail_parts`' choice per kernel (the cheapest in its cost model: rounds of
       parts, plus fixed costs per part and merge).
