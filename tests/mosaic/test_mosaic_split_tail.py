@@ -152,6 +152,19 @@ print(json.dumps(dict(o_err=rel_err(o.astype(jnp.float32), ro),
 """
 
 
+def _interpret_in_subprocess(script, case):
+  """The errors dict that `script` prints for (B, T, S, H, K, D, dtype, overrides) `case`,
+  run in its own Python with a time limit (an interpreter hang fails the test)."""
+  *shape, dtype, kw = case
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
+  arg = json.dumps([*shape, jnp.dtype(dtype).name, kw])
+  done = subprocess.run([sys.executable, "-c", script, arg], env=env, cwd=root,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("case", INTERPRET_CASES,
                          ids=[f"{kernel_case_id((*c[:6], False, c[6]))}_{i}"
                               for i, c in enumerate(INTERPRET_CASES)])
@@ -161,13 +174,7 @@ def test_split_tail_forward_in_interpreter(case):
   cfg = MosaicConfig(block_q=64, block_kv=64, fwd_split_tail=True, **kw)
   split = forward_module.tail_split(q, cfg, NON_CAUSAL, -(-shape[2] // 64), False)
   assert split is not None and split.parts >= 2  # the case does split
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
-  arg = json.dumps([*shape, jnp.dtype(dtype).name, kw])
-  done = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT, arg], env=env, cwd=root,
-                        capture_output=True, text=True, timeout=300)
-  assert done.returncode == 0, done.stderr[-3000:]
-  errs = json.loads(done.stdout.strip().splitlines()[-1])
+  errs = _interpret_in_subprocess(_INTERPRET_SCRIPT, case)
   assert errs["o_err"] <= TOL[dtype], errs
   assert errs["lse_err"] <= 1e-3, errs
 
@@ -313,13 +320,7 @@ def test_split_tail_backward_in_interpreter(case):
                        block_kv_dkv=64, bwd_split_tail="dq,dkdv", **kw)
   splits = _bwd_splits(shape, small)
   assert all(x is not None and x.parts >= 2 for x in splits)  # both kernels do split
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
-  arg = json.dumps([*shape, jnp.dtype(dtype).name, kw])
-  done = subprocess.run([sys.executable, "-c", _BWD_INTERPRET_SCRIPT, arg], env=env, cwd=root,
-                        capture_output=True, text=True, timeout=300)
-  assert done.returncode == 0, done.stderr[-3000:]
-  errs = json.loads(done.stdout.strip().splitlines()[-1])
+  errs = _interpret_in_subprocess(_BWD_INTERPRET_SCRIPT, case)
   assert all(e <= 2 * TOL[dtype] for e in errs.values()), errs
 
 
