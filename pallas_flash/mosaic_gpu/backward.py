@@ -275,7 +275,10 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
 
   tail (non-causal, no seg): the split tail's one-dimensional grid; a part
   streams its share of the tile's steps and writes dK·scale and dV in float32 to
-  tail.parts[0 / 1][part row, wg].
+  tail.parts[0 / 1][part row, wg]. The parts divide the steps evenly (tail_splits), so that
+  the main CTAs and the parts each run a loop of static length (see the end of _consumer):
+  with one loop over a dynamic step count ptxas kept 11 words in local memory at 240
+  registers, stored and reloaded every step; now 1 (deviceless SASS, 1x16384x16x128).
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   wg = lax.axis_index("wg")
@@ -295,8 +298,10 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
   cta_steps = (cta_last - cta_first) * g_size
   step0 = 0  # a tail part's first step
   if tail is not None:
-    step0, step_end = tail.split.bounds(is_part, part_row, cta_steps)
-    cta_steps = step_end - step0
+    tile_steps = cta_steps
+    part_steps = _even_share(cta_steps, tail.split.parts)
+    step0 = lax.rem(part_row, tail.split.parts) * part_steps
+    cta_steps = jnp.where(is_part, part_steps, cta_steps)
 
   def index(step):
     step = step + step0
@@ -376,19 +381,35 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
       full = _first_unmasked_step(k0, cta_first, kp)
       carry = lax.fori_loop(first, full, functools.partial(step, masked=True), carry)
       first = full
-    dk, dv = lax.fori_loop(first, cta_steps, functools.partial(step, masked=False), carry)
-    if pingpong:
-      pl.when(wg == 0)(pingpong)
-    store = functools.partial(_store_dk_dv, dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, kp)
-    if tail is None:
-      store()
-    else:
-      pl.when(~is_part)(store)
 
-      @pl.when(is_part)
-      def _():
-        _store_part(tail.parts[0].at[part_row, wg], dk * kp.scale)
-        _store_part(tail.parts[1].at[part_row, wg], dv)
+    def last_steps(end):
+      dk, dv = lax.fori_loop(first, end, functools.partial(step, masked=False), carry)
+      if pingpong:
+        pl.when(wg == 0)(pingpong)
+      return dk, dv
+
+    if tail is None:
+      dk, dv = last_steps(cta_steps)
+      _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, kp)
+    else:
+      # Non-causal (first = 0): the main CTAs and the parts each loop a static step count,
+      # in the two branches of a cond (nothing of one branch is live in the other's loop),
+      # and each rederives its outputs' coordinates from the CTA index after its loop rather
+      # than holding those above through it (ptxas kept them in local memory, reloaded
+      # every step; the unsplit kernel rereads its grid indices).
+      def main():
+        dk, dv = last_steps(tile_steps)
+        b_, kvh_, kt_ = tail.split.coords(lax.axis_index("t"))
+        rows_ = (b_, pl.ds(kt_ * (2 * bkv) + wg * bkv, bkv), kvh_)
+        _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows_, kp)
+
+      def part():
+        dk, dv = last_steps(part_steps)
+        row = lax.axis_index("t") - tail.split.main
+        _store_part(tail.parts[0].at[row, wg], dk * kp.scale)
+        _store_part(tail.parts[1].at[row, wg], dv)
+
+      lax.cond(is_part, part, main)
 
   @pl.when(wg == 2)
   def _producer():
@@ -399,6 +420,15 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
 # Pieces of the dK/dV kernel that the fused backward (backward_fused.py) shares. A WG owns
 # block_kv key rows (K, V resident in SMEM) and streams, per (q block, query head) step, Q, dO,
 # lse and delta through `streams`: four (gmem ref, smem ring, ready, free) tuples in that order.
+
+
+def _even_share(steps: int, parts: int) -> int:
+  """Steps per part when `parts` CTAs share a tile's static `steps` (tail_splits lets the
+  dK/dV kernel split only where they divide)."""
+  if not isinstance(steps, int) or steps % parts:
+    raise ValueError(f"a split dK/dV tile needs a static step count that its {parts} parts "
+                     f"divide, got {steps}")
+  return steps // parts
 
 
 def _first_q_block(k0, kp: _common.KernelParams):
@@ -802,19 +832,19 @@ def tail_splits(kp_dq, kp_dkdv, batch: int, heads: int, kv_heads: int,
   if params.is_causal or params.has_segments:
     return None, None
 
-  def plan(name, kp, tiles, heads, steps, cost, merged):
+  def plan(name, kp, tiles, heads, steps, cost, merged, even=False):
     if name not in kernels or _common._head_group(heads, kp.bwd_heads_fastest,
                                                    kp.bwd_head_group):
       return None  # TailSplit.coords decodes the plain orders only
     return split_tail.plan(tiles, heads, batch, steps, heads_fastest=kp.bwd_heads_fastest,
                            config=config, step_cost=cost,
-                           merge_cost=merged * split_tail.MERGE_OVERHEAD_BLOCKS)
+                           merge_cost=merged * split_tail.MERGE_OVERHEAD_BLOCKS, even=even)
 
   dq = plan("dq", kp_dq, kp_dq.t_pad // (2 * kp_dq.block_q), heads, kp_dq.num_kv_blocks,
             step_cost(3, 2 * kp_dq.block_q, kp_dq.block_kv), 1)
   dkdv = plan("dkdv", kp_dkdv, kp_dkdv.s_pad // (2 * kp_dkdv.block_kv), kv_heads,
               kp_dkdv.t_pad // kp_dkdv.block_q * kp_dkdv.group,
-              step_cost(4, 2 * kp_dkdv.block_kv, kp_dkdv.block_q), 2)
+              step_cost(4, 2 * kp_dkdv.block_kv, kp_dkdv.block_q), 2, even=True)
   return dq, dkdv
 
 

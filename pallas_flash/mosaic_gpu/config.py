@@ -78,13 +78,15 @@ class MosaicConfig:
     bwd_split_tail: the split backward's kernels named here ("dq", "dkdv", or "dq,dkdv"; ""
       none), non-causal, no segment ids: the same split of each kernel's last wave
       (split_tail.py), along its streamed axis: a
-      dQ tile's parts stream shares of its key blocks, a dK/dV tile's shares of its (q block,
-      query head) steps, and each stores its float32 partial gradient straight from
+      dQ tile's parts stream shares of its key blocks, a dK/dV tile's equal shares of its
+      (q block, query head) steps (the parts divide them, so that its loops have static
+      lengths), and each stores its float32 partial gradient straight from
       registers (the dQ kernel has no shared memory left for a staging tile); XLA sums the
       parts. Deterministic (a fixed order), but not bitwise the unsplit kernels' sums.
       Off in every tuned config: on the H200 (thirteenth session, fwd+bwd) "dq" moved
-      -0.9 % to +1.0 %, within noise, and "dq,dkdv" -2.6 % to +1.6 % (the split dK/dV
-      kernel spills inside its loop at 240 registers).
+      -0.9 % to +1.0 %, within noise, and "dq,dkdv" -2.6 % to +1.6 %, when the split
+      dK/dV kernel still reloaded 11 spilled words per step at 240 registers (1 since the
+      fourteenth session).
     tail_parts: fwd_split_tail / bwd_split_tail: CTAs per tail tile of every split kernel; 0 =
       `split_tail.tail_parts`' choice per kernel (the cheapest in its cost model: rounds of
       parts, plus fixed costs per part and merge).

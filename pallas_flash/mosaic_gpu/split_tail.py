@@ -89,7 +89,7 @@ class TailSplit:
 
 
 def tail_parts(tiles: int, steps: int, wave: int, *, step_cost: float = 1.0,
-               merge_cost: float = MERGE_OVERHEAD_BLOCKS) -> int:
+               merge_cost: float = MERGE_OVERHEAD_BLOCKS, even: bool = False) -> int:
   """How many CTAs each tile of the last wave runs as (1: no split).
 
   tiles: tiles of the launch; steps: steps per tile, each costing `step_cost` forward
@@ -97,13 +97,16 @@ def tail_parts(tiles: int, steps: int, wave: int, *, step_cost: float = 1.0,
   the r = tiles mod wave tiles of the last wave take one tile's time, c = steps·step_cost +
   PART_OVERHEAD_BLOCKS; as `parts` CTAs each they run in ceil(r·parts / wave) rounds of
   c' = steps·step_cost / parts + PART_OVERHEAD_BLOCKS, plus merge_cost. Returns the parts (at
-  most `steps`, so that every part streams one) that minimise that, if it is less."""
+  most `steps`, so that every part streams one; with `even`, only divisors of `steps`) that
+  minimise that, if it is less."""
   r = tiles % wave
   if not r:
     return 1
   work = steps * step_cost
   best, best_cost = 1, work + PART_OVERHEAD_BLOCKS
   for parts in range(2, min(steps, MAX_TAIL_PARTS) + 1):
+    if even and steps % parts:
+      continue
     rounds = -(-r * parts // wave)
     cost = rounds * (work / parts + PART_OVERHEAD_BLOCKS) + merge_cost
     if cost < best_cost:
@@ -113,14 +116,18 @@ def tail_parts(tiles: int, steps: int, wave: int, *, step_cost: float = 1.0,
 
 def plan(num_tiles: int, heads: int, batch: int, steps: int, *, heads_fastest: bool,
          config: MosaicConfig, step_cost: float = 1.0,
-         merge_cost: float = MERGE_OVERHEAD_BLOCKS) -> TailSplit | None:
+         merge_cost: float = MERGE_OVERHEAD_BLOCKS, even: bool = False) -> TailSplit | None:
   """The split of a launch of batch · heads · num_tiles tiles of `steps` steps, or None where
   none pays (whole waves, or the cost model's choice is 1). config.tail_parts forces the parts
-  (capped at `steps`) and config.wave_ctas the wave (0: the GPU's SM count)."""
+  (capped at `steps`; with `even`, the largest divisor of `steps` up to it) and
+  config.wave_ctas the wave (0: the GPU's SM count)."""
   tiles = batch * heads * num_tiles
   wave = config.wave_ctas or _common.sm_count()
-  parts = (min(config.tail_parts, steps) or
-           tail_parts(tiles, steps, wave, step_cost=step_cost, merge_cost=merge_cost))
+  forced = min(config.tail_parts, steps)
+  while even and forced > 1 and steps % forced:
+    forced -= 1
+  parts = forced or tail_parts(tiles, steps, wave, step_cost=step_cost, merge_cost=merge_cost,
+                               even=even)
   if parts < 2 or not tiles % wave:
     return None
   return TailSplit(tiles=tiles, main=tiles - tiles % wave, parts=parts, batch=batch,

@@ -34,6 +34,15 @@ NON_CAUSAL = AttentionParams(scale=0.125, is_causal=False, has_segments=False)
 TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
 
 
+def test_tail_parts_even_divides_the_steps():
+  # (tiles, steps): the cost model's parts, and its cheapest divisor of the steps.
+  for tiles, steps, free, even in ((2048, 256, 9, 16), (2048, 128, 7, 8), (2048, 96, 5, 3),
+                                   (200, 7, 1, 1)):
+    assert split_tail.tail_parts(tiles, steps, 132) == free
+    assert split_tail.tail_parts(tiles, steps, 132, even=True) == even
+    assert steps % even == 0
+
+
 def test_tail_parts_cost_model():
   # 16 heads x 16K: 2048 tiles of 128 key blocks, 68 in the last wave of 132.
   assert split_tail.tail_parts(2048, 128, 132) == 7
@@ -242,11 +251,15 @@ def test_backward_step_cost_in_forward_steps():
 def test_backward_tail_splits_apply_only_where_they_can():
   both = dataclasses.replace(TUNED[(128, False)], bwd_split_tail="dq,dkdv")
   mha = (1, 16384, 16384, 16, 16, 128)
-  assert [_summary(x) for x in _bwd_splits(mha, both)] == [(2048, 1980, 9)] * 2
+  # The dK/dV kernel's parts divide its 256 steps per tile (its loops have static lengths).
+  assert [_summary(x) for x in _bwd_splits(mha, both)] == [(2048, 1980, 9), (2048, 1980, 16)]
   # Four kv heads: the dK/dV kernel's 1024 tiles of 512 steps each (2 query heads per step's
   # q block), 100 in the last wave.
   assert [_summary(x) for x in _bwd_splits((2, 16384, 16384, 8, 4, 128), both)] == \
-      [(2048, 1980, 9), (1024, 924, 9)]
+      [(2048, 1980, 9), (1024, 924, 16)]
+  # Forced parts: the dK/dV kernel takes the largest divisor of its steps up to them.
+  forced = dataclasses.replace(both, tail_parts=11)
+  assert [x.parts for x in _bwd_splits(mha, forced)] == [11, 8]
   dq_only = dataclasses.replace(both, bwd_split_tail="dq")
   assert _bwd_splits(mha, dq_only)[1] is None and _bwd_splits(mha, dq_only)[0] is not None
   assert _bwd_splits(mha, dataclasses.replace(both, bwd_split_tail="")) == (None, None)
@@ -280,8 +293,8 @@ def test_sum_parts_sets_each_tail_tile_to_its_parts_sum():
 
 
 # (B, T, S, H, K, D, dtype, config overrides), run like INTERPRET_CASES: dQ and dK/dV tails
-# split with main CTAs before them or none, GQA, padded keys, uneven parts, the statistics
-# computed in XLA.
+# split with main CTAs before them or none, GQA, padded keys, forced parts that the dK/dV
+# kernel rounds down to a divisor of its steps (3 -> 2), the statistics computed in XLA.
 BWD_INTERPRET_CASES = [
     (1, 128, 256, 3, 3, 64, jnp.bfloat16, dict(wave_ctas=4, tail_parts=2)),
     (1, 200, 333, 4, 2, 64, jnp.float16, dict(wave_ctas=5, tail_parts=3)),
