@@ -6,8 +6,8 @@ On the GPU machine, from the repository root:
       [--shapes 1x16384x16x128,...] [--variants dq,dkdv,dq+dkdv] [--parts 0]
 
 First checks forced splits (wave_ctas) of both backward kernels on small shapes against the
-float32 reference's gradients (odd lengths, padded keys, GQA, float16, both launch orders,
-the XLA statistics path), then per timed shape (non-causal) the VJP of the tuned config
+float32 reference's gradients (the GPU test's cases: odd lengths, padded keys, GQA, float16,
+both launch orders, the XLA statistics path), then per timed shape (non-causal) the VJP of the tuned config
 ("default": no backward split unless the table has it), of each variant ("dq", "dkdv",
 "dq+dkdv": the kernels split) and cuDNN: the gradients against "default" and run to run
 (bitwise), then TFLOP/s in interleaved rounds (bench.timing.time_interleaved). Rows go to
@@ -27,25 +27,18 @@ import jax
 import jax.numpy as jnp
 
 import pallas_flash
-from pallas_flash.bench import flops, shapes, timing
+from pallas_flash.bench import shapes, variants
 from pallas_flash.mosaic_gpu import config as mconfig
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
 
-sys.path.insert(0, os.path.dirname(__file__))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(__file__), os.path.join(_ROOT, "tests")]
 import mosaic_gpu_check as mgc  # noqa: E402  (rel_err, inputs)
+# Small grids whose last waves are split: the GPU test's cases.
+from mosaic.test_mosaic_split_tail import BWD_GPU_CASES as FORCED  # noqa: E402
 
 backward_module = importlib.import_module("pallas_flash.mosaic_gpu.backward")
-
-# B, T, S, H, K, D, dtype, config overrides: small grids whose last waves are split.
-FORCED = [
-    (3, 1000, 1100, 5, 1, 128, jnp.float16, dict(wave_ctas=7, tail_parts=4)),
-    (2, 777, 1025, 4, 4, 64, jnp.bfloat16, dict(wave_ctas=5, tail_parts=3)),
-    (1, 4096, 4096, 3, 3, 128, jnp.bfloat16, dict(wave_ctas=20, bwd_heads_fastest=True,
-                                                   tail_parts=3)),
-    (2, 300, 5000, 8, 2, 128, jnp.bfloat16, dict(wave_ctas=7, tail_parts=11,
-                                                  bwd_delta_in_kernel=False)),
-]
 
 
 def vjp_fn(cfg):
@@ -73,38 +66,23 @@ def check_forced(rows):
     print(json.dumps(row), flush=True)
 
 
-def bench_shape(name, variants, parts, iters, rows):
-  b, t, h, d = (int(x) for x in name.split("x")[:4])
-  kh = int(name.split("x")[4]) if name.count("x") == 4 else h
-  spec = shapes.ShapeSpec(name=name, batch=b, seq_len=t, num_heads=h, head_dim=d,
-                          num_kv_heads=kh)
+def bench_shape(name, names, parts, iters, rows):
+  spec = variants.parse_shape(name)
+  t, d = spec.seq_len, spec.head_dim
   q, k, v, do = shapes.make_inputs(spec, jnp.bfloat16, 0)
   tuned = mconfig.tuned(d, False, t)
   base = dataclasses.replace(tuned, bwd_split_tail="")
   configs = {"default": tuned, "unsplit": base}
-  for var in variants:
+  for var in names:
     configs[var] = dataclasses.replace(base, bwd_split_tail=var.replace("+", ","),
                                        tail_parts=parts)
   p = AttentionParams(scale=d ** -0.5, is_causal=False, has_segments=False)
   info = {n: [x and x.parts for x in backward_module.planned_tail_splits(q, k, p, c)]
           for n, c in configs.items()}
   fns = {n: vjp_fn(c) for n, c in configs.items()}
-  fns["cudnn"] = timing.make_step("cudnn", mode="fwdbwd", is_causal=False)
-  compiled = {n: timing.compile_step(f, (q, k, v, do))[0] for n, f in fns.items()}
-  outs = {n: jax.tree.leaves(c(q, k, v, do)) for n, c in compiled.items()}
-  errs = {n: max(mgc.rel_err(a, r) for a, r in zip(o, outs["unsplit"]))
-          for n, o in outs.items()}
-  again = {n: all(bool(jnp.array_equal(a, r)) for a, r in
-                  zip(jax.tree.leaves(compiled[n](q, k, v, do)), outs[n]))
-           for n in configs}
-  del outs
-  tm = timing.time_interleaved(compiled, (q, k, v, do), iters=iters)
-  f = flops.attention_flops(spec, is_causal=False, mode="fwdbwd")
-  row = dict(shape=name, mode="fwdbwd", parts=info, err_vs_unsplit=errs,
-             bitwise_run_to_run=again,
-             tflops={n: round(flops.tflops(f, x.median_s), 1) for n, x in tm.items()})
-  row["ratio_vs_cudnn"] = {n: round(v / row["tflops"]["cudnn"], 3)
-                           for n, v in row["tflops"].items()}
+  row = dict(shape=name, mode="fwdbwd", parts=info,
+             **variants.compare(fns, (q, k, v, do), spec, mode="fwdbwd", is_causal=False,
+                                baseline="unsplit", iters=iters))
   rows.append(row)
   print(json.dumps(row), flush=True)
 

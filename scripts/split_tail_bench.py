@@ -6,8 +6,8 @@ On the GPU machine, from the repository root:
       [--shapes 1x16384x16x128,...] [--fwdbwd]
 
 First checks the split kernel against the float32 reference on small shapes whose tail is
-forced (wave_ctas) to split (odd lengths, padded keys, GQA, float16, both launch orders) and on
-each timed shape against the unsplit kernel and cuDNN; then times the forward of each shape in
+forced (wave_ctas) to split (the GPU test's cases: odd lengths, padded keys, GQA, float16,
+both launch orders) and on each timed shape against the unsplit kernel and cuDNN; then times the forward of each shape in
 interleaved rounds (bench.timing.time_interleaved): the tuned config as it is ("default"), the
 grid kernel without the split ("grid"), with it for each --parts value (0: the cost model's
 choice, "split") and cuDNN; --fwdbwd adds the same for the VJP. Rows go to stdout and $OUT/split_tail.json.
@@ -26,24 +26,18 @@ import jax
 import jax.numpy as jnp
 
 import pallas_flash
-from pallas_flash.bench import flops, shapes, timing
+from pallas_flash.bench import shapes, variants
 from pallas_flash.mosaic_gpu import config as mconfig
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
 
-sys.path.insert(0, os.path.dirname(__file__))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(__file__), os.path.join(_ROOT, "tests")]
 import mosaic_gpu_check as mgc  # noqa: E402  (rel_err, inputs)
+# Small grids whose last wave is split: the GPU test's cases.
+from mosaic.test_mosaic_split_tail import GPU_CASES as FORCED  # noqa: E402
 
 forward_module = importlib.import_module("pallas_flash.mosaic_gpu.forward")
-
-# B, T, S, H, K, D, dtype, wave_ctas, heads_fastest, tail_parts (0: the cost model's):
-# small grids whose last wave is split.
-FORCED = [
-    (3, 1000, 1100, 5, 1, 128, jnp.float16, 7, False, 0),
-    (2, 777, 1025, 4, 4, 64, jnp.bfloat16, 5, False, 0),
-    (1, 4096, 4096, 3, 3, 128, jnp.bfloat16, 20, True, 3),
-    (2, 300, 5000, 8, 2, 128, jnp.bfloat16, 7, False, 11),
-]
 
 
 def run(cfg, q, k, v):
@@ -73,10 +67,8 @@ def check_forced(rows):
 
 
 def bench_shape(name, parts_list, fwdbwd, iters, rows):
-  b, t, h, d = (int(x) for x in name.split("x")[:4])
-  kh = int(name.split("x")[4]) if name.count("x") == 4 else h
-  spec = shapes.ShapeSpec(name=name, batch=b, seq_len=t, num_heads=h, head_dim=d,
-                          num_kv_heads=kh)
+  spec = variants.parse_shape(name)
+  t, d = spec.seq_len, spec.head_dim
   q, k, v, do = shapes.make_inputs(spec, jnp.bfloat16, 0)
   tuned = mconfig.tuned(d, False, t)
   grid = dataclasses.replace(tuned, fwd_persistent=False, fwd_split_tail=False)
@@ -97,20 +89,9 @@ def bench_shape(name, parts_list, fwdbwd, iters, rows):
         fns[n] = jax.jit(lambda q, k, v, do, attn=attn: attn(q, k, v))
       else:
         fns[n] = jax.jit(lambda q, k, v, do, attn=attn: jax.vjp(attn, q, k, v)[1](do))
-    fns["cudnn"] = timing.make_step("cudnn", mode=mode, is_causal=False)
-    compiled = {n: timing.compile_step(f, (q, k, v, do))[0] for n, f in fns.items()}
-    outs = {n: jax.tree.leaves(c(q, k, v, do)) for n, c in compiled.items()}
-    errs = {n: max(mgc.rel_err(a, r) for a, r in zip(o, outs["grid"]))
-            for n, o in outs.items()}
-    del outs
-    tm = timing.time_interleaved(compiled, (q, k, v, do), iters=iters)
-    f = flops.attention_flops(spec, is_causal=False, mode=mode)
-    row = dict(shape=name, mode=mode,
-               parts={n: s and s.parts for n, s in info.items()},
-               err_vs_grid=errs,
-               tflops={n: round(flops.tflops(f, x.median_s), 1) for n, x in tm.items()})
-    row["ratio_vs_cudnn"] = {n: round(v / row["tflops"]["cudnn"], 3)
-                             for n, v in row["tflops"].items()}
+    row = dict(shape=name, mode=mode, parts={n: s and s.parts for n, s in info.items()},
+               **variants.compare(fns, (q, k, v, do), spec, mode=mode, is_causal=False,
+                                  baseline="grid", iters=iters))
     rows.append(row)
     print(json.dumps(row), flush=True)
   del q, k, v, do

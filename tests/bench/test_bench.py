@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_flash.bench import __main__ as bench
-from pallas_flash.bench import flops, shapes, timing
+from pallas_flash.bench import flops, shapes, timing, variants
 
 FAST = ["--iters", "2", "--min-loop-ms", "1"]
 META = ("device_kind", "jax_version", "git_commit", "date")
@@ -157,6 +157,15 @@ def test_a_call_failing_in_the_timing_rounds_marks_only_its_row(tmp_path, monkey
   by_impl = {r["impl"]: r for r in rows}
   _assert_timed_and_correct(by_impl["xla"])
   assert by_impl["jax_xla"]["status"] == "error" and "boom" in by_impl["jax_xla"]["reason"]
+
+
+def test_variant_shapes_parse_with_optional_kv_heads():
+  spec = variants.parse_shape("2x16384x8x128x4")
+  assert (spec.batch, spec.seq_len, spec.num_heads, spec.head_dim, spec.num_kv_heads) == \
+      (2, 16384, 8, 128, 4)
+  assert variants.parse_shape("1x4096x16x64").num_kv_heads == 16
+  with pytest.raises(ValueError, match="BxTxHxD"):
+    variants.parse_shape("4096x16x64")
 
 
 def test_flop_convention():
