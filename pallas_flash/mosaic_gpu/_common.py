@@ -45,6 +45,7 @@ class KernelParams:
   intra_wg_overlap: bool = False  # forward: MosaicConfig.fwd_intra_wg_overlap
   dkdv_schedule: str = "serial"  # dK/dV kernel: MosaicConfig.dkdv_schedule
   dkdv_pingpong: bool = False  # dK/dV kernel: MosaicConfig.dkdv_pingpong
+  dkdv_fold_stats: bool = False  # dK/dV kernel: MosaicConfig.dkdv_fold_stats
   bwd_heads_fastest: bool = False  # backward kernels: MosaicConfig.bwd_heads_fastest
   bwd_head_group: int = 0  # backward kernels: MosaicConfig.bwd_head_group
   profile_dir: str = ""  # MosaicConfig.profile_dir
@@ -83,7 +84,8 @@ class KernelParams:
         compute_registers=config.compute_registers,
         producer_registers=config.producer_registers, interpret=config.interpret,
         intra_wg_overlap=config.fwd_intra_wg_overlap, dkdv_schedule=config.dkdv_schedule,
-        dkdv_pingpong=config.dkdv_pingpong, bwd_heads_fastest=config.bwd_heads_fastest,
+        dkdv_pingpong=config.dkdv_pingpong, dkdv_fold_stats=config.dkdv_fold_stats,
+        bwd_heads_fastest=config.bwd_heads_fastest,
         bwd_head_group=config.bwd_head_group,
         profile_dir=config.profile_dir, segments=params.has_segments)
 

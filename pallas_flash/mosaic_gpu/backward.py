@@ -570,6 +570,8 @@ def _overlapped_dk_dv_step(dk, dv, tiles, streams, slot, k0, mask_block, frees,
   """
   k_smem, v_smem, q_smem, do_smem = tiles
   do_free, q_free = frees
+  if kp.dkdv_fold_stats and mask_block is None:
+    return _folded_dk_dv_step(dk, dv, tiles, streams, slot, frees, kp)
   acc_t = plgpu.ACC((kp.block_kv, kp.block_q), jnp.float32)
 
   def body(refs):
@@ -591,6 +593,35 @@ def _overlapped_dk_dv_step(dk, dv, tiles, streams, slot, k0, mask_block, frees,
 
   with jax.named_scope("overlap_step"):
     dv, dk = pl.run_state(body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+  plgpu.barrier_arrive(q_free)
+  return dk, dv
+
+
+def _folded_dk_dv_step(dk, dv, tiles, streams, slot, frees, kp: _common.KernelParams):
+  """An unmasked "overlap" step with MosaicConfig.dkdv_fold_stats: the same order of issues
+  and waits, with Sᵀ starting from -lse2/c and dPᵀ from -delta, so that lse and delta are
+  spent before the matmuls are issued."""
+  k_smem, v_smem, q_smem, do_smem = tiles
+  do_free, q_free = frees
+  shape = (kp.block_kv, kp.block_q)
+  lse, delta = _step_stats(streams, slot)
+  s0 = lax.broadcast_in_dim(lse * (-1.0 / kp.c), shape, [1])
+  dp0 = lax.broadcast_in_dim(-delta, shape, [1])
+
+  def body(refs):
+    dv_ref, dk_ref, s_ref, dp_ref = refs
+    plgpu.wgmma(s_ref, k_smem, q_smem.T)
+    plgpu.wgmma(dp_ref, v_smem, do_smem.T)
+    p_t = jnp.exp2(plgpu.wgmma_accumulator_load(s_ref, wait_n=1) * kp.c)
+    plgpu.wgmma(dv_ref, p_t.astype(kp.dtype), do_smem)
+    ds_t = p_t * plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)
+    plgpu.wgmma_wait(0)  # dV: dO is free
+    plgpu.barrier_arrive(do_free)
+    plgpu.wgmma(dk_ref, ds_t.astype(kp.dtype), q_smem)
+
+  with jax.named_scope("folded_step"):
+    dv, dk, _, _ = pl.run_state(body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
+                                       plgpu.ACC.init(s0), plgpu.ACC.init(dp0)))
   plgpu.barrier_arrive(q_free)
   return dk, dv
 

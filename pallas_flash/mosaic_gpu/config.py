@@ -156,6 +156,17 @@ class MosaicConfig:
       2.033 vs 1.899 ms at 4x4096x16x128, 1.064 vs 1.030 causal, 7.392 vs 7.190 at 16K, 3.758
       vs 3.541 16K causal (fifth session, run6; the free-running warpgroups do not lock-step
       in a way that costs time, or the forced alternation costs more than it hides).
+    dkdv_fold_stats: the split backward's dK/dV kernel, the "overlap" schedule's unmasked
+      steps: the Sᵀ and dPᵀ accumulators start from -lse2/c and -delta (broadcast along their
+      rows) instead of zero, so that Pᵀ = exp2(c·Sᵀ) and dSᵀ = Pᵀ∘dPᵀ, and a step's lse and
+      delta (32 registers per thread at 64-row tiles) are consumed before its matmuls are
+      issued instead of held while they run. Removes the causal kernel's in-loop spills
+      (deviceless SASS at 2x16384x8x128: 15 loads / 11 stores per unmasked step -> 0) but
+      puts the accumulators' initialisation between a step's wait and its first wgmma, and
+      is no faster: on the H200 (fourteenth session, fwd+bwd, two runs) -1.9 / -2.2 % at
+      the training shape causal (2x16384x8x128, 4 kv heads), +1.2 % at 32K non-causal, within
+      +-1 % elsewhere. Off everywhere. The float32 sums differ in their last bits from the
+      unfolded form (deterministic still).
     bwd_delta_in_kernel: split backward: True: the dQ kernel also TMA-loads its O tile, computes
       delta = rowsum(O∘dO) (float32, minus the lse cotangent) and lse in log2 units itself and
       stores both for the dK/dV kernel, so fwd+bwd runs no XLA op besides the Mosaic kernels
@@ -207,6 +218,7 @@ class MosaicConfig:
   fused_offset: bool = False
   dkdv_schedule: str = "serial"
   dkdv_pingpong: bool = False
+  dkdv_fold_stats: bool = False
   bwd_delta_in_kernel: bool = True
   profile_dir: str = ""
   compute_registers: int = 232

@@ -114,6 +114,25 @@ def test_dkdv_pingpong_gives_the_same_gradients(case):
   _assert_same_fwd_bwd(case, dict(dkdv_pingpong=True), dict(dkdv_pingpong=False))
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] == 128], ids=kernel_case_id)
+def test_dkdv_fold_stats_gradients(case):
+  """MosaicConfig.dkdv_fold_stats starts the dK/dV kernel's Sᵀ and dPᵀ accumulators from
+  -lse2/c and -delta: other float32 roundings, so checked against the reference (and run to
+  run), not bitwise against the unfolded kernel."""
+  b, t, s, h, kh, d, causal, dtype = case
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d + 1)
+  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
+  config = dataclasses.replace(TUNED[(d, causal)], dkdv_fold_stats=True)
+  assert config.dkdv_schedule == "overlap"  # the steps the fold applies to
+  attn = _fwd_bwd(lambda *a: pallas_flash.flash_attention(
+      *a, is_causal=causal, implementation="mosaic", config=config))
+  got = attn(q, k, v, do)
+  want = _fwd_bwd(lambda *a: attention_reference(*a, None, None, params=p)[0])(q, k, v, do)
+  for name, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
+    assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
+  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(got, attn(q, k, v, do)))
+
+
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 4)], ids=kernel_case_id)
 def test_backward_launch_order_gives_the_same_gradients(case):
   """MosaicConfig.bwd_heads_fastest only renumbers the backward's CTAs: bitwise equal."""

@@ -53,11 +53,13 @@ def test_forward_and_grad_lower(case):
                                     MosaicConfig(dkdv_pingpong=True),
                                     MosaicConfig(dkdv_schedule="overlap", compute_registers=240,
                                                  producer_registers=24),
+                                    MosaicConfig(dkdv_schedule="overlap", compute_registers=240,
+                                                 producer_registers=24, dkdv_fold_stats=True),
                                     MosaicConfig(bwd_heads_fastest=True),
                                     MosaicConfig(bwd_heads_fastest=True, bwd_head_group=2)],
                          ids=["stages3", "kv192", "bwd_stages3", "heads_fastest", "dkdv_batched",
-                              "dkdv_pingpong", "dkdv_overlap", "bwd_heads_fastest",
-                              "bwd_head_group2"])
+                              "dkdv_pingpong", "dkdv_overlap", "dkdv_fold_stats",
+                              "bwd_heads_fastest", "bwd_head_group2"])
 def test_alternative_configs_fit_in_smem_at_hd128(config):
   q = jax.ShapeDtypeStruct((1, 2048, 4, 128), jnp.float16)
   fn = lambda q, k, v: pallas_flash.flash_attention(  # noqa: E731

@@ -1,0 +1,87 @@
+"""MosaicConfig variants against the tuned config and cuDNN, on the GPU.
+
+On the GPU machine, from the repository root:
+
+  PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/config_ab.py
+      --variant fold:dkdv_fold_stats=True [--variant name:k=v,k=v ...]
+      [--shapes 2x16384x8x128x4,...] [--causal yes,no] [--mode fwdbwd] [--iters 7]
+
+Per shape, causality and mode: the tuned config ("default"), each variant (the tuned config
+with its overrides) and cuDNN, compared with "default" (max relative error) and with their
+own second run (bitwise), then timed in interleaved rounds (bench.variants.compare). The
+variants' correctness against the float32 reference is the GPU tests' job. Rows go to stdout
+and $OUT/config_ab.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+import pallas_flash
+from pallas_flash.bench import shapes, variants
+from pallas_flash.mosaic_gpu import config as mconfig
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+  """"name:k=v,k=v" -> (name, overrides), values parsed as Python literals where they are."""
+  name, _, items = text.partition(":")
+  out = {}
+  for item in filter(None, items.split(",")):
+    key, value = item.split("=")
+    try:
+      out[key] = json.loads(value.lower() if value in ("True", "False") else value)
+    except json.JSONDecodeError:
+      out[key] = value
+  return name, out
+
+
+def step(cfg, causal: bool, mode: str):
+  def attn(q, k, v):
+    return pallas_flash.flash_attention(q, k, v, is_causal=causal, implementation="mosaic",
+                                        config=cfg)
+  if mode == "fwd":
+    return jax.jit(lambda q, k, v, do: attn(q, k, v))
+  return jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--variant", action="append", required=True, help="name:key=value,...")
+  ap.add_argument("--shapes", default="2x16384x8x128x4,1x16384x16x128,4x4096x16x128")
+  ap.add_argument("--causal", default="yes,no")
+  ap.add_argument("--mode", default="fwdbwd")
+  ap.add_argument("--iters", type=int, default=7)
+  ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  args = ap.parse_args()
+  named = [parse_variant(v) for v in args.variant]
+  rows = []
+  try:
+    for name in args.shapes.split(","):
+      spec = variants.parse_shape(name)
+      inputs = shapes.make_inputs(spec, jnp.bfloat16, 0)
+      for causal in (c == "yes" for c in args.causal.split(",")):
+        tuned = mconfig.tuned(spec.head_dim, causal, spec.seq_len)
+        configs = {"default": tuned,
+                   **{n: dataclasses.replace(tuned, **kw) for n, kw in named}}
+        for mode in args.mode.split(","):
+          fns = {n: step(c, causal, mode) for n, c in configs.items()}
+          row = dict(shape=name, causal=causal, mode=mode,
+                     variants={n: kw for n, kw in named},
+                     **variants.compare(fns, inputs, spec, mode=mode, is_causal=causal,
+                                        baseline="default", iters=args.iters))
+          rows.append(row)
+          print(json.dumps(row), flush=True)
+      del inputs
+  finally:
+    with open(os.path.join(args.out, "config_ab.json"), "w") as fh:
+      json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+  main()
