@@ -4,12 +4,14 @@ On the GPU machine, from the repository root:
 
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/config_ab.py
       --variant fold:dkdv_fold_stats=True [--variant name:k=v,k=v ...]
-      [--shapes 2x16384x8x128x4,...] [--causal yes,no] [--mode fwdbwd] [--iters 7]
+      [--shapes 2x16384x8x128x4,...] [--causal yes,no] [--mode fwdbwd] [--iters 8]
+      [--orders balanced,rotating]
 
 Per shape, causality and mode: the tuned config ("default"), each variant (the tuned config
 with its overrides) and cuDNN, compared with "default" (max relative error) and with their
-own second run (bitwise), then timed in interleaved rounds (bench.variants.compare). The
-variants' correctness against the float32 reference is the GPU tests' job. Rows go to stdout
+own second run (bitwise), then timed in interleaved rounds (bench.variants.compare), once per
+round order in --orders (bench.timing.round_orders; a variant without overrides, "twin:",
+measures the method's noise). The variants' correctness against the float32 reference is the GPU tests' job. Rows go to stdout
 and $OUT/config_ab.json.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 
@@ -56,7 +59,8 @@ def main() -> None:
   ap.add_argument("--shapes", default="2x16384x8x128x4,1x16384x16x128,4x4096x16x128")
   ap.add_argument("--causal", default="yes,no")
   ap.add_argument("--mode", default="fwdbwd")
-  ap.add_argument("--iters", type=int, default=7)
+  ap.add_argument("--iters", type=int, default=8)
+  ap.add_argument("--orders", default="balanced")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
   named = [parse_variant(v) for v in args.variant]
@@ -69,12 +73,12 @@ def main() -> None:
         tuned = mconfig.tuned(spec.head_dim, causal, spec.seq_len)
         configs = {"default": tuned,
                    **{n: dataclasses.replace(tuned, **kw) for n, kw in named}}
-        for mode in args.mode.split(","):
+        for mode, order in itertools.product(args.mode.split(","), args.orders.split(",")):
           fns = {n: step(c, causal, mode) for n, c in configs.items()}
-          row = dict(shape=name, causal=causal, mode=mode,
+          row = dict(shape=name, causal=causal, mode=mode, order=order,
                      variants={n: kw for n, kw in named},
                      **variants.compare(fns, inputs, spec, mode=mode, is_causal=causal,
-                                        baseline="default", iters=args.iters))
+                                        baseline="default", iters=args.iters, order=order))
           rows.append(row)
           print(json.dumps(row), flush=True)
       del inputs

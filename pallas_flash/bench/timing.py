@@ -119,14 +119,39 @@ def time_compiled(fn: Callable, args: tuple, *, iters: int = 5,
   return time_interleaved({"fn": fn}, args, iters=iters, min_loop_s=min_loop_s)["fn"]
 
 
+def round_orders(n: int, order: str = "balanced") -> list[list[int]]:
+  """The orders in which rounds of time_interleaved run n fns, used in turn.
+
+  "balanced": a Williams design. Over its n rounds (2n for odd n) every fn runs at every
+  position equally often and directly after every other fn equally often. "rotating": the
+  order shifted by one per round, which keeps each fn's predecessor: whichever fn follows
+  the hottest one (cuDNN's kernels, say) then runs at a lower clock every round.
+  """
+  if order == "rotating":
+    return [[(i + r) % n for i in range(n)] for r in range(n)]
+  if order != "balanced":
+    raise ValueError(f"order must be 'balanced' or 'rotating', got {order!r}")
+  first, lo, hi = [0], 1, n - 1
+  while lo <= hi:  # 0, 1, n-1, 2, n-2, ...
+    first.append(lo)
+    lo += 1
+    if lo <= hi:
+      first.append(hi)
+      hi -= 1
+  rows = [[(i + r) % n for i in first[:n]] for r in range(n)]
+  return rows + ([row[::-1] for row in rows] if n % 2 and n > 1 else [])
+
+
 def time_interleaved(fns: dict[str, Callable], args: tuple, *, iters: int = 5,
-                     min_loop_s: float = 0.05) -> dict[str, Timing]:
-  """Times several compiled `fn(*args)` in rounds: each round runs one loop of every fn, the
-  order rotating by one per round, and each fn's median over its `iters` loops is returned.
+                     min_loop_s: float = 0.05, order: str = "balanced") -> dict[str, Timing]:
+  """Times several compiled `fn(*args)` in rounds: each round runs one loop of every fn, in
+  the order of round_orders(len(fns), order)'s next row, and each fn's median over its
+  `iters` loops is returned (the design is balanced over a multiple of its length).
 
   A GPU's clock drifts under sustained load (an H200 at its power limit runs the same kernel
-  10-20 % slower within a second of heavy work), so timing one implementation after another would credit the drift
-  to whichever ran first; interleaved, every implementation sees the same conditions.
+  10-20 % slower within a second of heavy work), so timing one implementation after another
+  would credit the drift to whichever ran first; interleaved, every implementation sees the
+  same conditions, and in a balanced order the same predecessors.
   """
   calls = {}
   for name, fn in fns.items():
@@ -134,8 +159,9 @@ def time_interleaved(fns: dict[str, Callable], args: tuple, *, iters: int = 5,
     estimate = seconds_per_call(fn, args, 1)
     calls[name] = max(1, math.ceil(min_loop_s / max(estimate, 1e-7)))
   names, loops = list(fns), {name: [] for name in fns}
+  rows = round_orders(len(names), order)
   for i in range(iters):
-    for name in names[i % len(names):] + names[:i % len(names)]:
-      loops[name].append(seconds_per_call(fns[name], args, calls[name]))
+    for j in rows[i % len(rows)]:
+      loops[names[j]].append(seconds_per_call(fns[names[j]], args, calls[names[j]]))
   return {name: Timing(statistics.median(ls), tuple(ls), calls[name])
           for name, ls in loops.items()}

@@ -1,8 +1,10 @@
 """End-to-end tests of `python -m pallas_flash.bench` on CPU at tiny shapes: they assert on the
 JSON rows (never on speed)."""
 
+import collections
 import json
 import math
+import statistics
 import subprocess
 import sys
 
@@ -124,7 +126,21 @@ def test_gqa_check_spec_keeps_whole_groups():
   assert mha.label == "1x4096x2x128" and mha.num_kv_heads == 0
 
 
-def test_implementations_are_timed_in_rotating_rounds():
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_balanced_round_orders(n):
+  rows = timing.round_orders(n)
+  assert len(rows) == (2 * n if n % 2 and n > 1 else n)
+  assert all(sorted(row) == list(range(n)) for row in rows)
+  for i in range(n):  # every fn at every position equally often
+    assert len({sum(row[p] == i for row in rows) for p in range(n)}) == 1
+  follows = collections.Counter((a, b) for row in rows for a, b in zip(row, row[1:]))
+  assert len(set(follows.values())) <= 1 and len(follows) == n * (n - 1)  # every pair, equally
+  rotating = timing.round_orders(n, "rotating")
+  # each fn always follows the same one: n ordered pairs of the n·(n-1)
+  assert len({(a, b) for row in rotating for a, b in zip(row, row[1:])}) == (n if n > 1 else 0)
+
+
+def test_implementations_are_timed_in_balanced_rounds():
   log = []
 
   def fn(name):
@@ -134,12 +150,13 @@ def test_implementations_are_timed_in_rotating_rounds():
     return call
 
   x = jnp.ones((4,))
-  out = timing.time_interleaved({n: fn(n) for n in "abc"}, (x,), iters=3, min_loop_s=0.0)
+  out = timing.time_interleaved({n: fn(n) for n in "abc"}, (x,), iters=6, min_loop_s=0.0)
   assert log[:6] == ["a", "a", "b", "b", "c", "c"]  # warm-up and sizing call each, in turn
-  assert log[6:] == list("abc" "bca" "cab")  # one loop each per round, order rotating
+  rounds = ["".join(log[6 + 3 * i:9 + 3 * i]) for i in range(6)]
+  assert rounds == ["abc", "bca", "cab", "cba", "acb", "bac"]  # one loop each per round
   for name, t in out.items():
-    assert t.calls_per_loop == 1 and len(t.loop_s) == 3, name
-    assert t.median_s == sorted(t.loop_s)[1] > 0, name
+    assert t.calls_per_loop == 1 and len(t.loop_s) == 6, name
+    assert t.median_s == statistics.median(t.loop_s) > 0, name
 
 
 def test_a_call_failing_in_the_timing_rounds_marks_only_its_row(tmp_path, monkeypatch):
