@@ -5,7 +5,7 @@ On the GPU machine, from the repository root:
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/config_ab.py
       --variant fold:dkdv_fold_stats=True [--variant name:k=v,k=v ...]
       [--shapes 2x16384x8x128x4,...] [--causal yes,no] [--mode fwdbwd] [--iters 8]
-      [--orders balanced,rotating]
+      [--orders balanced,rotating] [--min-loop-ms 50]
 
 Per shape, causality and mode: the tuned config ("default"), each variant (the tuned config
 with its overrides) and cuDNN, compared with "default" (max relative error) and with their
@@ -61,6 +61,7 @@ def main() -> None:
   ap.add_argument("--mode", default="fwdbwd")
   ap.add_argument("--iters", type=int, default=8)
   ap.add_argument("--orders", default="balanced")
+  ap.add_argument("--min-loop-ms", type=float, default=50.0)
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
   named = [parse_variant(v) for v in args.variant]
@@ -76,9 +77,11 @@ def main() -> None:
         for mode, order in itertools.product(args.mode.split(","), args.orders.split(",")):
           fns = {n: step(c, causal, mode) for n, c in configs.items()}
           row = dict(shape=name, causal=causal, mode=mode, order=order,
+                     min_loop_ms=args.min_loop_ms,
                      variants={n: kw for n, kw in named},
                      **variants.compare(fns, inputs, spec, mode=mode, is_causal=causal,
-                                        baseline="default", iters=args.iters, order=order))
+                                        baseline="default", iters=args.iters, order=order,
+                                        min_loop_s=args.min_loop_ms / 1e3))
           rows.append(row)
           print(json.dumps(row), flush=True)
       del inputs

@@ -27,12 +27,13 @@ def _rel_err(x, ref) -> float:
 
 
 def compare(steps: dict[str, Callable], args: tuple, spec: shapes.ShapeSpec, *, mode: str,
-            is_causal: bool, baseline: str, iters: int = 7, order: str = "balanced") -> dict:
+            is_causal: bool, baseline: str, iters: int = 7, order: str = "balanced",
+            min_loop_s: float = 0.05) -> dict:
   """steps: name -> jitted fn(q, k, v, do) of mode "fwd" or "fwdbwd"; cuDNN's is added.
 
   Compiles each, compares its outputs with `baseline`'s (max relative error, cuDNN's too) and
   with its own second run (bitwise), then times all of them interleaved
-  (timing.time_interleaved, rounds in `order`). Returns err_vs_<baseline>,
+  (timing.time_interleaved, rounds in `order`, loops of at least `min_loop_s`). Returns err_vs_<baseline>,
   bitwise_run_to_run, tflops and ratio_vs_cudnn, each a dict by name.
   """
   steps = {**steps, "cudnn": timing.make_step("cudnn", mode=mode, is_causal=is_causal)}
@@ -44,7 +45,8 @@ def compare(steps: dict[str, Callable], args: tuple, spec: shapes.ShapeSpec, *, 
                   for a, r in zip(jax.tree.leaves(compiled[n](*args)), outs[n], strict=True))
            for n in outs}
   del outs
-  times = timing.time_interleaved(compiled, args, iters=iters, order=order)
+  times = timing.time_interleaved(compiled, args, iters=iters, order=order,
+                                  min_loop_s=min_loop_s)
   f = flops.attention_flops(spec, is_causal=is_causal, mode=mode)
   rate = {n: round(flops.tflops(f, x.median_s), 1) for n, x in times.items()}
   return {f"err_vs_{baseline}": errs, "bitwise_run_to_run": again, "tflops": rate,
