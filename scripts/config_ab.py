@@ -18,7 +18,6 @@ and $OUT/config_ab.json.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import os
@@ -29,19 +28,6 @@ import jax.numpy as jnp
 import pallas_flash
 from pallas_flash.bench import shapes, variants
 from pallas_flash.mosaic_gpu import config as mconfig
-
-
-def parse_variant(text: str) -> tuple[str, dict]:
-  """"name:k=v,k=v" -> (name, overrides), values parsed as Python literals where they are."""
-  name, _, items = text.partition(":")
-  out = {}
-  for item in filter(None, items.split(",")):
-    key, value = item.split("=")
-    try:
-      out[key] = json.loads(value.lower() if value in ("True", "False") else value)
-    except json.JSONDecodeError:
-      out[key] = value
-  return name, out
 
 
 def step(cfg, causal: bool, mode: str):
@@ -64,7 +50,7 @@ def main() -> None:
   ap.add_argument("--min-loop-ms", type=float, default=50.0)
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
-  named = [parse_variant(v) for v in args.variant]
+  named = [v.partition(":")[::2] for v in args.variant]  # (name, "k=v,...")
   rows = []
   try:
     for name in args.shapes.split(","):
@@ -73,7 +59,7 @@ def main() -> None:
       for causal in (c == "yes" for c in args.causal.split(",")):
         tuned = mconfig.tuned(spec.head_dim, causal, spec.seq_len)
         configs = {"default": tuned,
-                   **{n: dataclasses.replace(tuned, **kw) for n, kw in named}}
+                   **{n: mconfig.with_overrides(tuned, kw) for n, kw in named}}
         for mode, order in itertools.product(args.mode.split(","), args.orders.split(",")):
           fns = {n: step(c, causal, mode) for n, c in configs.items()}
           row = dict(shape=name, causal=causal, mode=mode, order=order,
