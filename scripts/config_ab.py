@@ -11,7 +11,8 @@ Per shape, causality and mode: the tuned config ("default"), each variant (the t
 with its overrides) and cuDNN, compared with "default" (max relative error) and with their
 own second run (bitwise), then timed in interleaved rounds (bench.variants.compare), once per
 round order in --orders (bench.timing.round_orders; a variant without overrides, "twin:",
-measures the method's noise). The variants' correctness against the float32 reference is the GPU tests' job. Rows go to stdout
+measures the method's noise). Overrides are config.with_overrides' "key=value,...". The
+variants' correctness against the float32 reference is the GPU tests' job. Rows go to stdout
 and $OUT/config_ab.json.
 """
 
