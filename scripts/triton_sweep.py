@@ -30,6 +30,14 @@ BWD = [dict(block_q_dkv=a, block_kv_dkv=b, block_q_dq=c, block_kv_dq=d, num_warp
                                  (32, 128, 128, 32, 4, 2), (64, 64, 64, 64, 8, 2),
                                  (64, 64, 64, 64, 4, 3), (64, 64, 64, 64, 8, 3))]
 BWD_EXTRA = BWD[5:]  # --bwd-extra: only the variants added after the first sweep
+# --bwd-d256: head dim 256 (the Mosaic backend's backward there, fourteenth session), where a
+# 64x64 tile pair's float32 dK and dV already take 2 x 64 x 256 x 4 bytes.
+BWD_D256 = [dict(block_q_dkv=a, block_kv_dkv=b, block_q_dq=c, block_kv_dq=d, num_warps_bwd=w,
+                 num_stages_bwd=st)
+            for a, b, c, d, w, st in ((32, 32, 32, 32, 4, 2), (32, 32, 32, 32, 4, 1),
+                                      (32, 64, 64, 32, 4, 2), (32, 64, 64, 32, 8, 2),
+                                      (32, 64, 64, 32, 4, 1), (64, 64, 64, 64, 8, 1),
+                                      (16, 64, 64, 16, 4, 2), (64, 32, 32, 64, 4, 2))]
 
 
 FWD_SHORT = [FWD[i] for i in (4, 0, 1, 7)]
@@ -62,8 +70,9 @@ def main():
   parser.add_argument("--causal", default="both", choices=("yes", "no", "both"))
   parser.add_argument("--short", action="store_true", help="the pruned forward config list")
   parser.add_argument("--bwd-extra", action="store_true", help="only BWD_EXTRA backward configs")
+  parser.add_argument("--bwd-d256", action="store_true", help="the BWD_D256 backward configs")
   args = parser.parse_args()
-  specs = {s.name: s for s in shapes.select_shapes("anchors,features")}
+  specs = {s.name: s for s in shapes.SHAPES}
   causals = {"yes": (True,), "no": (False,), "both": (False, True)}[args.causal]
   rows = []
   for name in args.shapes.split(","):
@@ -74,7 +83,7 @@ def main():
           base = default_config(spec.head_dim, causal, jnp.bfloat16,
                                 feature=None if feature == "plain" else feature)
           variants = ((FWD_SHORT if args.short else FWD) if mode == "fwd" else
-                      BWD_EXTRA if args.bwd_extra else BWD)
+                      BWD_D256 if args.bwd_d256 else BWD_EXTRA if args.bwd_extra else BWD)
           for v in variants:
             cfg = dataclasses.replace(base, **v)
             try:
