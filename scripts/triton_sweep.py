@@ -37,7 +37,12 @@ BWD_D256 = [dict(block_q_dkv=a, block_kv_dkv=b, block_q_dq=c, block_kv_dq=d, num
             for a, b, c, d, w, st in ((32, 32, 32, 32, 4, 2), (32, 32, 32, 32, 4, 1),
                                       (32, 64, 64, 32, 4, 2), (32, 64, 64, 32, 8, 2),
                                       (32, 64, 64, 32, 4, 1), (64, 64, 64, 64, 8, 1),
-                                      (16, 64, 64, 16, 4, 2), (64, 32, 32, 64, 4, 2))]
+                                      (16, 64, 64, 16, 4, 2), (64, 32, 32, 64, 4, 2),
+                                      # run7's best was the last: more of its kind.
+                                      (64, 32, 32, 64, 8, 2), (64, 32, 32, 64, 4, 3),
+                                      (128, 32, 32, 128, 4, 2), (128, 32, 32, 128, 8, 2),
+                                      (64, 16, 16, 64, 4, 2), (128, 16, 16, 128, 4, 2))]
+BWD_D256_MORE = BWD_D256[8:]  # --bwd-d256 --bwd-extra
 
 
 FWD_SHORT = [FWD[i] for i in (4, 0, 1, 7)]
@@ -69,7 +74,8 @@ def main():
   parser.add_argument("--features", default="plain", help=f"comma list of {sorted(FEATURES)}")
   parser.add_argument("--causal", default="both", choices=("yes", "no", "both"))
   parser.add_argument("--short", action="store_true", help="the pruned forward config list")
-  parser.add_argument("--bwd-extra", action="store_true", help="only BWD_EXTRA backward configs")
+  parser.add_argument("--bwd-extra", action="store_true",
+                      help="only BWD_EXTRA (with --bwd-d256: BWD_D256_MORE) backward configs")
   parser.add_argument("--bwd-d256", action="store_true", help="the BWD_D256 backward configs")
   args = parser.parse_args()
   specs = {s.name: s for s in shapes.SHAPES}
@@ -83,7 +89,8 @@ def main():
           base = default_config(spec.head_dim, causal, jnp.bfloat16,
                                 feature=None if feature == "plain" else feature)
           variants = ((FWD_SHORT if args.short else FWD) if mode == "fwd" else
-                      BWD_D256 if args.bwd_d256 else BWD_EXTRA if args.bwd_extra else BWD)
+                      (BWD_D256_MORE if args.bwd_extra else BWD_D256) if args.bwd_d256 else
+                      BWD_EXTRA if args.bwd_extra else BWD)
           for v in variants:
             cfg = dataclasses.replace(base, **v)
             try:
