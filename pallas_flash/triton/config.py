@@ -63,12 +63,21 @@ TUNED: dict[tuple[int, bool, int], TritonConfig] = {
     # Backward rows are first guesses (fwd+bwd already 0.7x+ cuDNN), not swept.
     (128, False, 2): TritonConfig(block_q=128, block_kv=128, num_warps=8, num_stages=3),
     (128, True, 2): TritonConfig(block_q=128, block_kv=128, num_warps=8, num_stages=3),
-    # Heuristic: at D=256 a 128-row accumulator spills; halve the tiles.
+    # D=256: forward heuristic (a 128-row accumulator spills; halved tiles). Backward swept on
+    # one H200, 2026-12-01 (the Mosaic backend's backward at this head dim):
+    # `scripts/triton_sweep.py --mode fwdbwd --bwd-d256 [--bwd-extra] --shapes b4_t4k_h8_d256`
+    # (docs/results/2026-12-01-s14/run7-8), fwd+bwd TFLOP/s non-causal | causal, blocks
+    # q_dkv x kv_dkv / q_dq x kv_dq, warps, stages:
+    #   64x32/32x64 4w 2st 234.0 | 209.2   128x32/32x128 4w 2st 214.0 | 188.9
+    #   64x32/32x64 4w 3st 207.3 | 186.6   64x64/64x64 8w 1st  192.0 | 144.0
+    #   32x32/32x32 4w 2st 181.7 | 171.4 (the heuristic before)   32x64/64x32 4w 2st 120.4 | 119.0
+    # Each kernel owns 32 rows and streams 64: its float32 accumulators are what a D=256
+    # tile pair fills first.
     (256, False, 2): TritonConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2,
-                                  block_q_dkv=32, block_kv_dkv=32, block_q_dq=32,
-                                  block_kv_dq=32),
+                                  block_q_dkv=64, block_kv_dkv=32, block_q_dq=32,
+                                  block_kv_dq=64),
     (256, True, 2): TritonConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2,
-                                 block_q_dkv=32, block_kv_dkv=32, block_q_dq=32, block_kv_dq=32),
+                                 block_q_dkv=64, block_kv_dkv=32, block_q_dq=32, block_kv_dq=64),
 }
 
 
