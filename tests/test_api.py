@@ -80,6 +80,16 @@ def test_bad_config_values():
     pallas_flash.XlaConfig(block_kv=0)
 
 
+def test_triton_default_tiles_by_head_dim_and_dtype():
+  from pallas_flash.triton import config as tconfig
+  swept = tconfig.default_config(256, True, jnp.bfloat16)  # the H200 sweep's D = 256 tiles
+  assert (swept.block_q_dkv, swept.block_kv_dkv, swept.block_q_dq, swept.block_kv_dq) == \
+      (64, 32, 32, 64)
+  for d in (128, 256):  # float32: the halved tiles (the swept ones stream 64-row f32 tiles)
+    assert tconfig.default_config(d, False, jnp.float32) == tconfig.WIDE_FLOAT32
+  assert tconfig.default_config(128, False, jnp.float16) == tconfig.TUNED[(128, False, 2)]
+
+
 def test_explain_on_cpu():
   ex = pallas_flash.explain(Q, KV, KV, is_causal=True)
   assert ex.chosen == "xla"

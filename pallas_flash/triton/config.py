@@ -81,6 +81,11 @@ TUNED: dict[tuple[int, bool, int], TritonConfig] = {
 }
 
 
+# float32 at D >= 128 (unswept): halved tiles everywhere.
+WIDE_FLOAT32 = TritonConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2, block_q_dkv=32,
+                            block_kv_dkv=32, block_q_dq=32, block_kv_dq=32)
+
+
 # Forward tiles for calls whose per-element work differs from plain attention, keyed by
 # (feature, head_dim_padded, is_causal, dtype itemsize); the backward keeps TUNED's (its sweep
 # with the feature on picked the same backward tiles). Measured on one H200, 2026-11-29,
@@ -111,8 +116,11 @@ def default_config(head_dim_padded: int, is_causal: bool, dtype,
   if key in TUNED:
     override = FEATURE_TUNED.get((feature, *key))
     return dataclasses.replace(TUNED[key], **override) if override else TUNED[key]
-  # float32 tiles take twice the registers and shared memory of 16-bit ones.
-  if head_dim_padded >= 256 or itemsize == 4 and head_dim_padded >= 128:
+  # float32 tiles take twice the registers and shared memory of 16-bit ones: the small tiles
+  # that D = 256 used before its sweep (whose 64-row streamed tiles would double again).
+  if itemsize == 4 and head_dim_padded >= 128:
+    return WIDE_FLOAT32
+  if head_dim_padded >= 256:
     return TUNED[(256, is_causal, 2)]
   if head_dim_padded <= 64:
     return TUNED[(64, is_causal, 2)]
