@@ -923,6 +923,13 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   config = config or _common.config_for(q, k, params)
   d = q.shape[3]
   if d > 128:
+    if config.wide_backward == "mosaic":
+      from pallas_flash.mosaic_gpu import backward_wide
+      reason = backward_wide.unsupported_reason(q, params)
+      if reason is None:
+        return backward_wide.backward(q, k, v, o, lse, do, delta, params=params, config=config)
+      warnings.warn(f"wide_backward='mosaic', using the Triton backward instead: {reason}",
+                    stacklevel=2)
     return _wide_head_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
                                config=config)
   if config.fused_backward:

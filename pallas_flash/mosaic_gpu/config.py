@@ -167,6 +167,12 @@ class MosaicConfig:
       the training shape causal (2x16384x8x128, 4 kv heads), +1.2 % at 32K non-causal, within
       +-1 % elsewhere. Off everywhere. The float32 sums differ in their last bits from the
       unfolded form (deterministic still).
+    wide_backward: the backward at head_dim 256, where the split kernels do not fit: "triton"
+      (the default: Pallas' Triton backward kernels, 0.59-0.61x cuDNN fwd+bwd on the H200 at
+      4x4096x8x256, fourteenth session) or "mosaic" (backward_wide.py: a dK/dV kernel whose
+      two warpgroups split the tile's products by role, and the dQ kernel with a one-slot
+      K/V ring; checked in the Mosaic GPU interpreter and compiled for the H200 without a
+      GPU, not yet run on one). Calls with segment ids take "triton".
     bwd_delta_in_kernel: split backward: True: the dQ kernel also TMA-loads its O tile, computes
       delta = rowsum(O∘dO) (float32, minus the lse cotangent) and lse in log2 units itself and
       stores both for the dK/dV kernel, so fwd+bwd runs no XLA op besides the Mosaic kernels
@@ -219,6 +225,7 @@ class MosaicConfig:
   dkdv_schedule: str = "serial"
   dkdv_pingpong: bool = False
   dkdv_fold_stats: bool = False
+  wide_backward: str = "triton"
   bwd_delta_in_kernel: bool = True
   profile_dir: str = ""
   compute_registers: int = 232
@@ -245,6 +252,9 @@ class MosaicConfig:
       raise ValueError("MosaicConfig.bwd_split_tail names the split backward kernels whose "
                        f"last wave is split: 'dq', 'dkdv' or 'dq,dkdv', got "
                        f"{self.bwd_split_tail!r}")
+    if self.wide_backward not in ("triton", "mosaic"):
+      raise ValueError("MosaicConfig.wide_backward must be 'triton' or 'mosaic', got "
+                       f"{self.wide_backward!r}")
     if self.dkdv_schedule not in ("serial", "batched", "overlap"):
       raise ValueError("MosaicConfig.dkdv_schedule must be 'serial', 'batched' or 'overlap', "
                        f"got {self.dkdv_schedule!r}")

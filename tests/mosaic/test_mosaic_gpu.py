@@ -133,6 +133,25 @@ def test_dkdv_fold_stats_gradients(case):
   assert all(bool(jnp.array_equal(a, b)) for a, b in zip(got, attn(q, k, v, do)))
 
 
+@pytest.mark.parametrize("case", [(2, 1000, 1100, 4, 2, 256, True, jnp.bfloat16),
+                                  (1, 777, 777, 4, 1, 256, False, jnp.float16),
+                                  (1, 4096, 4096, 8, 8, 256, True, jnp.bfloat16)],
+                         ids=kernel_case_id)
+def test_head_dim_256_mosaic_backward(case):
+  """MosaicConfig(wide_backward="mosaic") against the reference and run to run."""
+  b, t, s, h, kh, d, causal, dtype = case
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
+  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
+  config = dataclasses.replace(TUNED[(d, causal)], wide_backward="mosaic")
+  attn = _fwd_bwd(lambda *a: pallas_flash.flash_attention(
+      *a, is_causal=causal, implementation="mosaic", config=config))
+  got = attn(q, k, v, do)
+  want = _fwd_bwd(lambda *a: attention_reference(*a, None, None, params=p)[0])(q, k, v, do)
+  for name, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
+    assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
+  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(got, attn(q, k, v, do)))
+
+
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 4)], ids=kernel_case_id)
 def test_backward_launch_order_gives_the_same_gradients(case):
   """MosaicConfig.bwd_heads_fastest only renumbers the backward's CTAs: bitwise equal."""

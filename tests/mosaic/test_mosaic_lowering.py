@@ -193,6 +193,19 @@ def test_segmented_forward_and_grad_lower(case, kind):
   assert text.count("mosaic_gpu") >= 3  # forward, dQ and dK/dV kernels
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_dim_256_mosaic_backward_lowers(causal):
+  """MosaicConfig(wide_backward="mosaic"): the head-dim-256 dQ and role-split dK/dV kernels
+  compile for an H200 (shared memory, registers) next to the forward; GQA, odd length."""
+  q, kv = kernel_specs(2, 1000, 1000, 4, 2, 256)
+  config = dataclasses.replace(TUNED[(256, causal)], wide_backward="mosaic")
+  fn = lambda q, k, v: pallas_flash.flash_attention(  # noqa: E731
+      q, k, v, is_causal=causal, implementation="mosaic", config=config)
+  grads = jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+  text = export_for_h200(grads, q, kv, kv).mlir_module()
+  assert text.count("mosaic_gpu") >= 3 and "pallas_flash_bwd_dq" not in text  # no Triton
+
+
 @pytest.mark.parametrize("kw,field", [(dict(block_q=96), "block_q"),
                                       (dict(bwd_stages=0), "bwd_stages"),
                                       (dict(compute_registers=236), "compute_registers"),
@@ -201,7 +214,8 @@ def test_segmented_forward_and_grad_lower(case, kind):
                                       # 512: hangs on the GPU (setmaxnreg's pool is 3 x 168)
                                       (dict(compute_registers=224, producer_registers=64),
                                        "2 \\* compute_registers"),
-                                      (dict(dkdv_schedule="lookahead"), "dkdv_schedule")])
+                                      (dict(dkdv_schedule="lookahead"), "dkdv_schedule"),
+                                      (dict(wide_backward="xla"), "wide_backward")])
 def test_bad_config_is_refused_naming_the_field(kw, field):
   with pytest.raises(ValueError, match=field):
     MosaicConfig(**kw)
