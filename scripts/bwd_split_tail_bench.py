@@ -5,13 +5,13 @@ On the GPU machine, from the repository root:
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/bwd_split_tail_bench.py
       [--shapes 1x16384x16x128,...] [--variants dq,dkdv,dq+dkdv] [--parts 0]
 
-First checks forced splits (wave_ctas) of both backward kernels on small shapes against the
-float32 reference's gradients (the GPU test's cases: odd lengths, padded keys, GQA, float16,
-both launch orders, the XLA statistics path), then per timed shape (non-causal) the VJP of the tuned config
-("default": no backward split unless the table has it), of each variant ("dq", "dkdv",
-"dq+dkdv": the kernels split) and cuDNN: the gradients against "default" and run to run
-(bitwise), then TFLOP/s in interleaved rounds (bench.timing.time_interleaved). Rows go to
-stdout and $OUT/bwd_split_tail.json.
+First checks forced splits (wave_ctas) of both backward kernels on small shapes against the float32
+reference's gradients (the GPU test's cases: odd lengths, padded keys, GQA, float16, both launch
+orders, the XLA statistics path), then per timed shape (non-causal) the VJP of the tuned config
+("default": no backward split unless the table has it), of each variant ("dq", "dkdv", "dq+dkdv":
+the kernels split) and cuDNN: the gradients against "default" and run to run (bitwise), then TFLOP/s
+in interleaved rounds (bench.timing.time_interleaved). Rows go to stdout and
+$OUT/bwd_split_tail.json.
 """
 
 from __future__ import annotations

@@ -5,12 +5,13 @@ On the GPU machine, from the repository root:
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/split_tail_bench.py [--parts 0,5,9,17]
       [--shapes 1x16384x16x128,...] [--fwdbwd]
 
-First checks the split kernel against the float32 reference on small shapes whose tail is
-forced (wave_ctas) to split (the GPU test's cases: odd lengths, padded keys, GQA, float16,
-both launch orders) and on each timed shape against the unsplit kernel and cuDNN; then times the forward of each shape in
-interleaved rounds (bench.timing.time_interleaved): the tuned config as it is ("default"), the
-grid kernel without the split ("grid"), with it for each --parts value (0: the cost model's
-choice, "split") and cuDNN; --fwdbwd adds the same for the VJP. Rows go to stdout and $OUT/split_tail.json.
+First checks the split kernel against the float32 reference on small shapes whose tail is forced
+(wave_ctas) to split (the GPU test's cases: odd lengths, padded keys, GQA, float16, both launch
+orders) and on each timed shape against the unsplit kernel and cuDNN; then times the forward of each
+shape in interleaved rounds (bench.timing.time_interleaved): the tuned config as it is ("default"),
+the grid kernel without the split ("grid"), with it for each --parts value (0: the cost model's
+choice, "split") and cuDNN; --fwdbwd adds the same for the VJP. Rows go to stdout and
+$OUT/split_tail.json.
 """
 
 from __future__ import annotations

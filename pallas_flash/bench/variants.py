@@ -31,10 +31,10 @@ def compare(steps: dict[str, Callable], args: tuple, spec: shapes.ShapeSpec, *, 
             min_loop_s: float = 0.05) -> dict:
   """steps: name -> jitted fn(q, k, v, do) of mode "fwd" or "fwdbwd"; cuDNN's is added.
 
-  Compiles each, compares its outputs with `baseline`'s (max relative error, cuDNN's too) and
-  with its own second run (bitwise), then times all of them interleaved
-  (timing.time_interleaved, rounds in `order`, loops of at least `min_loop_s`). Returns err_vs_<baseline>,
-  bitwise_run_to_run, tflops and ratio_vs_cudnn, each a dict by name.
+  Compiles each, compares its outputs with `baseline`'s (max relative error, cuDNN's too) and with
+  its own second run (bitwise), then times all of them interleaved (timing.time_interleaved, rounds
+  in `order`, loops of at least `min_loop_s`). Returns err_vs_<baseline>, bitwise_run_to_run, tflops
+  and ratio_vs_cudnn, each a dict by name.
   """
   steps = {**steps, "cudnn": timing.make_step("cudnn", mode=mode, is_causal=is_causal)}
   compiled = {n: timing.compile_step(f, args)[0] for n, f in steps.items()}

@@ -63,10 +63,10 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
                        kp: _common.KernelParams):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
-  Grid over (Sp / block_kv, K, B) in the backward's launch order; dk/dv_ref [B, Sp, K, D].
-  k/v_smem [block_kv, D], q/do_scratch [stages, block_q, D], lse/delta_scratch [stages,
-  block_q], p_scratch [2, block_kv, block_q] (Pᵀ from WG 0 to WG 1, slot t % 2 at step t;
-  p_ready / p_free [2] hand each slot over and back), st_scratch [block_kv, block_q] (dSᵀ staging, interpret only). Steps run over
+  Grid over (Sp / block_kv, K, B) in the backward's launch order; dk/dv_ref [B, Sp, K, D]. k/v_smem
+  [block_kv, D], q/do_scratch [stages, block_q, D], lse/delta_scratch [stages, block_q], p_scratch
+  [2, block_kv, block_q] (Pᵀ from WG 0 to WG 1, slot t % 2 at step t; p_ready / p_free [2] hand each
+  slot over and back), st_scratch [block_kv, block_q] (dSᵀ staging, interpret only). Steps run over
   (q block, query head) with the head minor, from the first q block that sees the keys.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
