@@ -6,9 +6,7 @@ import pytest
 from jax.sharding import use_abstract_mesh
 
 import pallas_flash
-from testing import H200, export_for_h200
-
-TRITON_CALL = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+from testing import H200, TRITON_CALL, export_for_h200
 
 
 def _export(fn, *specs):

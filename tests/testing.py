@@ -137,6 +137,11 @@ H200 = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=Abstract
     device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
 
 
+# The Triton kernels' custom call, which jax.export will not serialise unless told: exports of
+# Triton calls (and of the Mosaic backend at head dim 256, whose backward is Triton's) pass it.
+TRITON_CALL = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+
+
 def export_for_h200(fn, *specs, disabled_checks=()) -> jax.export.Exported:
   """jax.export of jit(fn) for CUDA at the abstract `H200`."""
   with use_abstract_mesh(H200):
