@@ -132,11 +132,7 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
     for pslot in range(2):  # each slot's last release, not waited for above: every phase of
       plgpu.barrier_wait(p_free.at[pslot])  # an mbarrier must be observed
 
-    # Only this role reads K: its tile stages dV.
-    k_smem[...] = dv.astype(kp.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_smem, dv_ref.at[rows])
-    plgpu.wait_smem_to_gmem(0)
+    _store_through(dv, k_smem, dv_ref.at[rows], kp)  # only this role reads K
 
   @pl.when(wg == 1)
   def _ds_role():
@@ -162,16 +158,21 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
 
     dk = plgpu.layout_cast(jnp.zeros((bkv, kp.d), jnp.float32), plgpu.Layout.WGMMA)
     dk = lax.fori_loop(0, cta_steps, step, dk)
-    # Only this role reads V: its tile stages dK.
-    v_smem[...] = (dk * kp.scale).astype(kp.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(v_smem, dk_ref.at[rows])
-    plgpu.wait_smem_to_gmem(0)
+    _store_through(dk * kp.scale, v_smem, dk_ref.at[rows], kp)  # only this role reads V
 
   @pl.when(wg == 2)
   def _producer():
     plgpu.set_max_registers(kp.producer_registers, action="decrease")
     _produce_query_streams(cta_steps, stages, streams, index, b, bq)
+
+
+def _store_through(acc, smem, dst, kp: _common.KernelParams):
+  """Stores a float32 accumulator [block_kv, D] to GMEM `dst` in kp.dtype, staged through
+  `smem` (a tile this warpgroup alone has finished reading), and waits for the copy."""
+  smem[...] = acc.astype(kp.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(smem, dst)
+  plgpu.wait_smem_to_gmem(0)
 
 
 def _scores(acc_ref, rows_smem, cols_smem):

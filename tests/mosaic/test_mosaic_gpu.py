@@ -114,16 +114,13 @@ def test_dkdv_pingpong_gives_the_same_gradients(case):
   _assert_same_fwd_bwd(case, dict(dkdv_pingpong=True), dict(dkdv_pingpong=False))
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[5] == 128], ids=kernel_case_id)
-def test_dkdv_fold_stats_gradients(case):
-  """MosaicConfig.dkdv_fold_stats starts the dK/dV kernel's Sᵀ and dPᵀ accumulators from
-  -lse2/c and -delta: other float32 roundings, so checked against the reference (and run to
-  run), not bitwise against the unfolded kernel."""
+def _assert_config_gradients(case, seed_offset, **changes):
+  """Gradients with TUNED + `changes` against the reference, and bitwise run to run (for
+  changes that sum in another order than the tuned kernels, so not bitwise theirs)."""
   b, t, s, h, kh, d, causal, dtype = case
-  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d + 1)
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d + seed_offset)
   p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
-  config = dataclasses.replace(TUNED[(d, causal)], dkdv_fold_stats=True)
-  assert config.dkdv_schedule == "overlap"  # the steps the fold applies to
+  config = dataclasses.replace(TUNED[(d, causal)], **changes)
   attn = _fwd_bwd(lambda *a: pallas_flash.flash_attention(
       *a, is_causal=causal, implementation="mosaic", config=config))
   got = attn(q, k, v, do)
@@ -131,6 +128,16 @@ def test_dkdv_fold_stats_gradients(case):
   for name, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
     assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
   assert all(bool(jnp.array_equal(a, b)) for a, b in zip(got, attn(q, k, v, do)))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] == 128], ids=kernel_case_id)
+def test_dkdv_fold_stats_gradients(case):
+  """MosaicConfig.dkdv_fold_stats starts the dK/dV kernel's Sᵀ and dPᵀ accumulators from
+  -lse2/c and -delta: other float32 roundings, so checked against the reference (and run to
+  run), not bitwise against the unfolded kernel."""
+  d, causal = case[5], case[6]
+  assert TUNED[(d, causal)].dkdv_schedule == "overlap"  # the steps the fold applies to
+  _assert_config_gradients(case, 1, dkdv_fold_stats=True)
 
 
 @pytest.mark.parametrize("case", [(2, 1000, 1100, 4, 2, 256, True, jnp.bfloat16),
@@ -139,17 +146,7 @@ def test_dkdv_fold_stats_gradients(case):
                          ids=kernel_case_id)
 def test_head_dim_256_mosaic_backward(case):
   """MosaicConfig(wide_backward="mosaic") against the reference and run to run."""
-  b, t, s, h, kh, d, causal, dtype = case
-  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
-  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
-  config = dataclasses.replace(TUNED[(d, causal)], wide_backward="mosaic")
-  attn = _fwd_bwd(lambda *a: pallas_flash.flash_attention(
-      *a, is_causal=causal, implementation="mosaic", config=config))
-  got = attn(q, k, v, do)
-  want = _fwd_bwd(lambda *a: attention_reference(*a, None, None, params=p)[0])(q, k, v, do)
-  for name, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
-    assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
-  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(got, attn(q, k, v, do)))
+  _assert_config_gradients(case, 0, wide_backward="mosaic")
 
 
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 4)], ids=kernel_case_id)

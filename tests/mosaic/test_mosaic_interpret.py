@@ -114,24 +114,30 @@ def test_gradients_match_reference(case, stats):
     assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
 
 
-@pytest.mark.parametrize("case", [(1, 96, 130, 2, 1, 256, True, jnp.bfloat16),
-                                  (2, 70, 64, 2, 2, 256, False, jnp.float16)], ids=kernel_case_id)
-def test_head_dim_256_backward_runs_the_triton_kernels(case):
-  """D = 256 has no Mosaic backward kernel: the backend runs Triton's (interpreted here), with
-  the contract's raw lse and -dlse, against the reference's gradients (lse from the
-  reference: the Mosaic forward at D = 256 is the GPU suite's)."""
+def _assert_wide_backward_matches_reference(case, config):
+  """The backend's backward at D = 256 with `config`, given the reference's o and lse (the
+  Mosaic forward at D = 256 is the GPU suite's) and a cotangent on lse, against the
+  reference's gradients. Returns the backward's jaxpr as text."""
   b, t, s, h, kh, d, causal, dtype = case
   q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s)
   dlse = jax.random.normal(jax.random.key(t), (b, h, t), jnp.float32)
   p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
   (o, lse), vjp = jax.vjp(lambda *a: attention_reference(*a, None, None, params=p), q, k, v)
-  run = functools.partial(backward, params=p, config=SMALL)
-  jaxpr = str(jax.make_jaxpr(run)(q, k, v, None, None, o, lse, do, -dlse))
-  assert "pallas_flash_bwd_dkdv" in jaxpr and "pallas_flash_bwd_dq" in jaxpr
-  got = run(q, k, v, None, None, o, lse, do, -dlse)
-  for name, g, r in zip(("dq", "dk", "dv"), got, vjp((do, dlse))):
+  run = functools.partial(backward, params=p, config=config)
+  args = (q, k, v, None, None, o, lse, do, -dlse)  # the contract's raw lse and -dlse
+  for name, g, r in zip(("dq", "dk", "dv"), run(*args), vjp((do, dlse))):
     assert g.shape == r.shape and g.dtype == r.dtype
     assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
+  return str(jax.make_jaxpr(run)(*args))
+
+
+@pytest.mark.parametrize("case", [(1, 96, 130, 2, 1, 256, True, jnp.bfloat16),
+                                  (2, 70, 64, 2, 2, 256, False, jnp.float16)], ids=kernel_case_id)
+def test_head_dim_256_backward_runs_the_triton_kernels(case):
+  """D = 256 has no default Mosaic backward kernel: the backend runs Triton's (interpreted
+  here)."""
+  jaxpr = _assert_wide_backward_matches_reference(case, SMALL)
+  assert "pallas_flash_bwd_dkdv" in jaxpr and "pallas_flash_bwd_dq" in jaxpr
 
 
 WIDE = [  # B, T, S, H, K, D, causal, dtype: padded rows and keys, GQA, T != S, one token
@@ -146,18 +152,8 @@ WIDE = [  # B, T, S, H, K, D, causal, dtype: padded rows and keys, GQA, T != S, 
 @pytest.mark.parametrize("case", WIDE, ids=kernel_case_id)
 def test_head_dim_256_mosaic_backward_matches_reference(case):
   """MosaicConfig(wide_backward="mosaic"): the role-split dK/dV kernel (one warpgroup forms
-  Pᵀ and dV, the other dSᵀ from its Pᵀ and dK) and the dQ kernel at D = 256, against the
-  reference's gradients, with a cotangent on lse."""
-  b, t, s, h, kh, d, causal, dtype = case
-  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s)
-  dlse = jax.random.normal(jax.random.key(t), (b, h, t), jnp.float32)
-  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
-  (o, lse), vjp = jax.vjp(lambda *a: attention_reference(*a, None, None, params=p), q, k, v)
-  config = dataclasses.replace(SMALL, wide_backward="mosaic")
-  got = backward(q, k, v, None, None, o, lse, do, -dlse, params=p, config=config)
-  for name, g, r in zip(("dq", "dk", "dv"), got, vjp((do, dlse))):
-    assert g.shape == r.shape and g.dtype == r.dtype
-    assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
+  Pᵀ and dV, the other dSᵀ from its Pᵀ and dK) and the dQ kernel at D = 256."""
+  _assert_wide_backward_matches_reference(case, dataclasses.replace(SMALL, wide_backward="mosaic"))
 
 
 def _assert_same_backward(case, seed, changes, baseline):
