@@ -15,13 +15,13 @@ as packed text trains), to compare our implementations on that:
   python -m train.compare throughput --attention ours --implementation triton --documents 8
 
 A throughput step time is the steady state of a training loop: (time of 1 + N steps − time of
-1 step) / N (`steady_step_seconds`: minima over up to three attempts, as host noise can push a
-single difference below zero), each run dispatched back to back and synchronised once, so the host's latency
+1 step) / N, each run dispatched back to back and synchronised once, so the host's latency
 before the first step (NNX's graph traversal, the CUDA graph's update and launch: 25-40 ms per
 synchronised run at 16K on the H200, where a step takes ~180 ms) cancels instead of being
-spread over N steps. `--rounds R` repeats the attentions in turn (ours, cudnn, ours, cudnn,
-...), since the GPU's clock drifts with its temperature; each row records the SM clock,
-temperature and power draw after its timed steps (nvidia-smi, if present).
+spread over N steps (`steady_step_seconds`: minima over up to three attempts, since host noise
+can push a single difference below zero). `--rounds R` repeats the attentions in turn (ours,
+cudnn, ours, cudnn, ...), since the GPU's clock drifts with its temperature; each row records
+the SM clock, temperature and power draw after its timed steps (nvidia-smi, if present).
 `scripts/train_step_profile.py` shows where a step's GPU time goes, kernel by kernel.
 """
 
