@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, NamedTuple
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -124,8 +126,41 @@ def compiler_params(kp: KernelParams | None = None, steps: int = 0):
                               profile_bounds_check=True)
 
 
+# The Mosaic GPU interpreter runs each warpgroup of a CTA as its own XLA:CPU computation, whose
+# barrier waits block inside host callbacks. XLA's concurrency-optimised schedule lets those
+# callbacks run on XLA's intra-op thread pool (one thread per core): on a 2-core machine two
+# consumer warpgroups waiting for their first K/V tile hold both threads, and the producer's
+# computation, which would issue that copy, never gets one. The launch deadlocks with no CPU
+# in use (the "interpreter hangs" of the twelfth to fourteenth sessions). XLA reads the flag
+# when its CPU client starts, so it must be in XLA_FLAGS before JAX's first computation.
+INTERPRET_XLA_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+_warned_interpret_flag = False
+
+
+def with_interpret_xla_flag(xla_flags: str) -> str:
+  """XLA_FLAGS with INTERPRET_XLA_FLAG added (unchanged when the option is already set)."""
+  if INTERPRET_XLA_FLAG.split("=")[0] in xla_flags:
+    return xla_flags
+  return f"{xla_flags} {INTERPRET_XLA_FLAG}".strip()
+
+
 def interpret_params(interpret: bool):
-  return plgpu.InterpretGPUParams() if interpret else None
+  """plgpu.InterpretGPUParams for the Mosaic GPU interpreter, or None to compile for a GPU.
+
+  Warns once when XLA_FLAGS lacks INTERPRET_XLA_FLAG, without which some launches deadlock.
+  """
+  global _warned_interpret_flag
+  if not interpret:
+    return None
+  flags = os.environ.get("XLA_FLAGS", "")
+  if not _warned_interpret_flag and with_interpret_xla_flag(flags) != flags:
+    _warned_interpret_flag = True
+    warnings.warn(
+        "The Mosaic GPU interpreter can deadlock on machines with few cores unless XLA's "
+        "concurrency-optimised CPU schedule is off: start Python with XLA_FLAGS containing "
+        f"{INTERPRET_XLA_FLAG} (the test suite's conftest.py sets it).", RuntimeWarning,
+        stacklevel=2)
+  return plgpu.InterpretGPUParams()
 
 
 def visible(row0, col0, shape, kp: KernelParams, *, transposed: bool = False):

@@ -552,8 +552,9 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   # launch deadlocked in the Mosaic GPU interpreter (two warpgroups in a barrier wait), even
   # with one head per group, whose grid and (kt, kvh) values equal the tiles-fastest order's:
   # taking them from axis_index directly ran, computing the same kvh as group + rem(flat, 1)
-  # hung (kt as div(flat, 1) ran). Not understood (an interpreter issue or a timing-dependent hazard in that path), so
-  # the fused kernel keeps the plain heads-fastest (or tiles-fastest) order.
+  # hung (kt as div(flat, 1) ran). That was before the suite set _common.INTERPRET_XLA_FLAG,
+  # the cause of the interpreter's other such deadlocks (not retried), so the fused kernel
+  # keeps the plain heads-fastest (or tiles-fastest) order.
   kp = dataclasses.replace(kp, bwd_head_group=0)
   tiles = _common.smem_transforms(kp.dtype)
   scratch = [

@@ -124,9 +124,9 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
     dv = plgpu.layout_cast(jnp.zeros((bkv, kp.d), jnp.float32), plgpu.Layout.WGMMA)
     # Causal: the CTA's first q block holds key k0 (no step is skipped) and every step is
     # masked: past the diagonal the mask is all true. One loop, not a masked and an unmasked
-    # one: with two loops of dynamic bounds here the Mosaic GPU interpreter hung (as in
-    # docs/mosaic.md's split-tail launches); the masks' compares are cheap beside the step's
-    # two 256-deep products.
+    # one: with two loops of dynamic bounds here the Mosaic GPU interpreter hung, before the
+    # suite set _common.INTERPRET_XLA_FLAG (the split-tail launches' cause; not retried); the
+    # masks' compares are cheap beside the step's two 256-deep products.
     dv = lax.fori_loop(0, cta_steps, functools.partial(step, masked=kp.causal), dv)
 
     for pslot in range(2):  # each slot's last release, not waited for above: every phase of

@@ -7,13 +7,15 @@ run). Async hazards are not modelled here: the GPU suite covers them.
 
 import dataclasses
 import functools
+import os
+import warnings
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from pallas_flash import api
-from pallas_flash.mosaic_gpu import MosaicConfig, backward, forward
+from pallas_flash.mosaic_gpu import MosaicConfig, _common, backward, forward
 from pallas_flash.params import AttentionParams, FeatureArrays
 from pallas_flash.reference import attention_reference
 from testing import kernel_case_id, kernel_inputs
@@ -228,3 +230,23 @@ def test_api_vjp_gives_the_backend_its_contract(uses):
       assert not jnp.any(g), name
     else:
       assert _rel(g, r) <= TOL[jnp.float16][1], (name, _rel(g, r))
+
+
+def test_the_suite_runs_the_interpreter_with_its_xla_flag():
+  """conftest.py put the flag in XLA_FLAGS (without it some launches deadlock on 2 cores)."""
+  assert _common.INTERPRET_XLA_FLAG in os.environ["XLA_FLAGS"].split()
+
+
+def test_the_interpreter_warns_once_without_its_xla_flag(monkeypatch):
+  monkeypatch.setattr(_common, "_warned_interpret_flag", False)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+  with pytest.warns(RuntimeWarning, match="concurrency_optimized_scheduler=false"):
+    assert _common.interpret_params(True) is not None
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert _common.interpret_params(True) is not None  # once per process
+    monkeypatch.setattr(_common, "_warned_interpret_flag", False)
+    monkeypatch.setenv("XLA_FLAGS", _common.with_interpret_xla_flag("--xla_force_host_platform_"
+                                                                     "device_count=2"))
+    assert _common.interpret_params(True) is not None  # flag present: silent
+    assert _common.interpret_params(False) is None
