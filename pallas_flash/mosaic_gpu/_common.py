@@ -321,16 +321,20 @@ def observe_last_releases(frees, num_steps, slots: int):
       plgpu.barrier_wait(free.at[lax.rem(j, slots)])
 
 
-def staged_matmul(a, a_smem, b_smem, out_shape):
-  """a @ b with `a` (registers) written to SMEM first: the interpretable form of an RS wgmma."""
-  a_smem[...] = a
-  plgpu.commit_smem()
-
+def smem_matmul(a_smem, b_smem, out_shape):
+  """a_smem @ b_smem [out_shape] float32, both operands in SMEM (returns once it is done)."""
   def mm(acc_ref):
     plgpu.wgmma(acc_ref, a_smem, b_smem)
     return acc_ref[...]
 
   return pl.run_scoped(mm, plgpu.ACC(out_shape, jnp.float32))
+
+
+def staged_matmul(a, a_smem, b_smem, out_shape):
+  """a @ b with `a` (registers) written to SMEM first: the interpretable form of an RS wgmma."""
+  a_smem[...] = a
+  plgpu.commit_smem()
+  return smem_matmul(a_smem, b_smem, out_shape)
 
 
 def accumulate(acc, a, a_smem, b_smem, kp: KernelParams):

@@ -128,11 +128,7 @@ def unsupported_reason(q, config: MosaicConfig) -> str | None:
 def _accumulate_smem(acc, a_smem, b_smem, kp: _common.KernelParams):
   """acc + a_smem @ b_smem with both operands in SMEM (interpretable form; the GPU path folds
   this into `_gradient_matmuls`)."""
-  def mm(acc_ref):
-    plgpu.wgmma(acc_ref, a_smem, b_smem)
-    return acc_ref[...]
-
-  return acc + pl.run_scoped(mm, plgpu.ACC(acc.shape, jnp.float32))
+  return acc + _common.smem_matmul(a_smem, b_smem, acc.shape)
 
 
 def _dq_part(out, terms):

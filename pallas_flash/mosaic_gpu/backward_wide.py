@@ -84,7 +84,6 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
   streams = ((q_ref, q_scratch, q_ready, q_free), (do_ref, do_scratch, do_ready, do_free),
              (lse_ref, lse_scratch, lse_ready, lse_free),
              (delta_ref, delta_scratch, delta_ready, delta_free))
-  acc_t = plgpu.ACC((bkv, bq), jnp.float32)
 
   def release(slot, names):
     for stream in names:
@@ -99,7 +98,7 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
     def step(t, dv, *, masked: bool):
       slot, pslot = lax.rem(t, stages), lax.rem(t, 2)
       q_smem, do_smem = _wait_streams(streams, slot)
-      s_t = pl.run_scoped(lambda s_ref: _scores(s_ref, k_smem, q_smem), acc_t)
+      s_t = _common.smem_matmul(k_smem, q_smem.T, (bkv, bq))
       lse = plgpu.load(lse_scratch.at[slot], layout=_common.COL)
       release(slot, streams[2:])  # lse read; delta is the other role's
       p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
@@ -115,7 +114,7 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
       plgpu.commit_smem()
       plgpu.barrier_arrive(p_ready.at[pslot])
       if kp.interpret:  # Pᵀ is in shared memory already: an SMEM-operand wgmma
-        dv = dv + pl.run_scoped(lambda a: _mm(a, p_smem, do_smem), plgpu.ACC(dv.shape))
+        dv = dv + _common.smem_matmul(p_smem, do_smem, dv.shape)
       else:
         dv = _common.accumulate(dv, p16, None, do_smem, kp)
       release(slot, streams[:2])
@@ -145,7 +144,7 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
     def step(t, dk):
       slot, pslot = lax.rem(t, stages), lax.rem(t, 2)
       q_smem, do_smem = _wait_streams(streams, slot)
-      dp_t = pl.run_scoped(lambda dp_ref: _scores(dp_ref, v_smem, do_smem), acc_t)
+      dp_t = _common.smem_matmul(v_smem, do_smem.T, (bkv, bq))
       delta = plgpu.load(delta_scratch.at[slot], layout=_common.COL)
       release(slot, streams[2:])
       plgpu.barrier_wait(p_ready.at[pslot])
@@ -173,17 +172,6 @@ def _store_through(acc, smem, dst, kp: _common.KernelParams):
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(smem, dst)
   plgpu.wait_smem_to_gmem(0)
-
-
-def _scores(acc_ref, rows_smem, cols_smem):
-  """acc = rows · colsᵀ (both [.., D] in shared memory)."""
-  plgpu.wgmma(acc_ref, rows_smem, cols_smem.T)
-  return acc_ref[...]
-
-
-def _mm(acc_ref, a_smem, b_smem):
-  plgpu.wgmma(acc_ref, a_smem, b_smem)
-  return acc_ref[...]
 
 
 def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams):
