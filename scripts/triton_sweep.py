@@ -23,25 +23,26 @@ FWD = [dict(block_q=bq, block_kv=bk, num_warps=w, num_stages=st)
        for bq, bk, w, st in ((128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 64, 4, 4),
                              (128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 3), (64, 64, 4, 3),
                              (64, 128, 4, 3), (128, 32, 4, 3))]
-BWD = [dict(block_q_dkv=a, block_kv_dkv=b, block_q_dq=c, block_kv_dq=d, num_warps_bwd=w,
-            num_stages_bwd=st)
-       for a, b, c, d, w, st in ((64, 64, 64, 64, 4, 2), (32, 64, 64, 32, 4, 2),
-                                 (64, 128, 128, 64, 8, 2), (32, 128, 128, 32, 8, 2),
-                                 (32, 128, 128, 32, 4, 2), (64, 64, 64, 64, 8, 2),
-                                 (64, 64, 64, 64, 4, 3), (64, 64, 64, 64, 8, 3))]
+
+
+def _bwd(*tiles):
+  """(block_q_dkv, block_kv_dkv, block_q_dq, block_kv_dq, warps, stages) -> config overrides."""
+  return [dict(block_q_dkv=a, block_kv_dkv=b, block_q_dq=c, block_kv_dq=d, num_warps_bwd=w,
+               num_stages_bwd=st) for a, b, c, d, w, st in tiles]
+
+
+BWD = _bwd((64, 64, 64, 64, 4, 2), (32, 64, 64, 32, 4, 2), (64, 128, 128, 64, 8, 2),
+           (32, 128, 128, 32, 8, 2), (32, 128, 128, 32, 4, 2), (64, 64, 64, 64, 8, 2),
+           (64, 64, 64, 64, 4, 3), (64, 64, 64, 64, 8, 3))
 BWD_EXTRA = BWD[5:]  # --bwd-extra: only the variants added after the first sweep
 # --bwd-d256: head dim 256 (the Mosaic backend's backward there, fourteenth session), where a
 # 64x64 tile pair's float32 dK and dV already take 2 x 64 x 256 x 4 bytes.
-BWD_D256 = [dict(block_q_dkv=a, block_kv_dkv=b, block_q_dq=c, block_kv_dq=d, num_warps_bwd=w,
-                 num_stages_bwd=st)
-            for a, b, c, d, w, st in ((32, 32, 32, 32, 4, 2), (32, 32, 32, 32, 4, 1),
-                                      (32, 64, 64, 32, 4, 2), (32, 64, 64, 32, 8, 2),
-                                      (32, 64, 64, 32, 4, 1), (64, 64, 64, 64, 8, 1),
-                                      (16, 64, 64, 16, 4, 2), (64, 32, 32, 64, 4, 2),
-                                      # run7's best was the last: more of its kind.
-                                      (64, 32, 32, 64, 8, 2), (64, 32, 32, 64, 4, 3),
-                                      (128, 32, 32, 128, 4, 2), (128, 32, 32, 128, 8, 2),
-                                      (64, 16, 16, 64, 4, 2), (128, 16, 16, 128, 4, 2))]
+BWD_D256 = _bwd((32, 32, 32, 32, 4, 2), (32, 32, 32, 32, 4, 1), (32, 64, 64, 32, 4, 2),
+                (32, 64, 64, 32, 8, 2), (32, 64, 64, 32, 4, 1), (64, 64, 64, 64, 8, 1),
+                (16, 64, 64, 16, 4, 2), (64, 32, 32, 64, 4, 2),
+                # run7's best was the last: more of its kind.
+                (64, 32, 32, 64, 8, 2), (64, 32, 32, 64, 4, 3), (128, 32, 32, 128, 4, 2),
+                (128, 32, 32, 128, 8, 2), (64, 16, 16, 64, 4, 2), (128, 16, 16, 128, 4, 2))
 BWD_D256_MORE = BWD_D256[8:]  # --bwd-d256 --bwd-extra
 
 
