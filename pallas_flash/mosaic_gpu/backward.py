@@ -928,8 +928,9 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
       reason = backward_wide.unsupported_reason(q, params)
       if reason is None:
         return backward_wide.backward(q, k, v, o, lse, do, delta, params=params, config=config)
-      warnings.warn(f"wide_backward='mosaic', using the Triton backward instead: {reason}",
-                    stacklevel=2)
+      if not params.has_segments:  # segment ids take Triton's kernels by design (config.py)
+        warnings.warn(f"wide_backward='mosaic', using the Triton backward instead: {reason}",
+                      stacklevel=2)
     return _wide_head_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
                                config=config)
   if config.fused_backward:

@@ -167,12 +167,13 @@ class MosaicConfig:
       the training shape causal (2x16384x8x128, 4 kv heads), +1.2 % at 32K non-causal, within
       +-1 % elsewhere. Off everywhere. The float32 sums differ in their last bits from the
       unfolded form (deterministic still).
-    wide_backward: the backward at head_dim 256, where the split kernels do not fit: "triton"
-      (the default: Pallas' Triton backward kernels, 0.59-0.61x cuDNN fwd+bwd on the H200 at
-      4x4096x8x256, fourteenth session) or "mosaic" (backward_wide.py: a dK/dV kernel whose
-      two warpgroups split the tile's products by role, and the dQ kernel with a one-slot
-      K/V ring; checked in the Mosaic GPU interpreter and compiled for the H200 without a
-      GPU, not yet run on one). Calls with segment ids take "triton".
+    wide_backward: the backward at head_dim 256, where the split kernels do not fit: "mosaic"
+      (the default; backward_wide.py: a dK/dV kernel whose two warpgroups split the tile's
+      products by role, and the dQ kernel with a one-slot K/V ring) or "triton" (Pallas'
+      Triton backward kernels). On the H200 at 4x4096x8x256, fwd+bwd (sixteenth session,
+      run1, same run as cuDNN): "mosaic" 375 / 398 TFLOP/s causal / not (0.99 / 0.94x
+      cuDNN), "triton" 223 / 242 (0.59 / 0.57x). Calls with segment ids or lengths take
+      "triton" either way (the D = 256 Mosaic kernels do not compare ids).
     bwd_delta_in_kernel: split backward: True: the dQ kernel also TMA-loads its O tile, computes
       delta = rowsum(O∘dO) (float32, minus the lse cotangent) and lse in log2 units itself and
       stores both for the dK/dV kernel, so fwd+bwd runs no XLA op besides the Mosaic kernels
@@ -225,7 +226,7 @@ class MosaicConfig:
   dkdv_schedule: str = "serial"
   dkdv_pingpong: bool = False
   dkdv_fold_stats: bool = False
-  wide_backward: str = "triton"
+  wide_backward: str = "mosaic"
   bwd_delta_in_kernel: bool = True
   profile_dir: str = ""
   compute_registers: int = 232

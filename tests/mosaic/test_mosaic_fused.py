@@ -63,10 +63,13 @@ def test_fused_grad_lowers_as_one_backward_kernel(case, overlap):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_hd256_uses_the_triton_backward(causal):
-  # No default Mosaic backward at head_dim 256 (registers), fused or split: the Mosaic forward
-  # and Triton's backward kernels.
+def test_hd256_runs_the_wide_backward(causal):
+  # No fused kernel at head_dim 256 (registers): fused_backward=True runs the wide backward's
+  # dQ and dK/dV kernels, or Triton's with wide_backward="triton".
   text = _grad_module(1, 512, 512, 8, 2, 256, causal, _fused(256, causal))
+  assert _mosaic_calls(text) == 3 and "pallas_flash_bwd_dq" not in text
+  text = _grad_module(1, 512, 512, 8, 2, 256, causal,
+                      _fused(256, causal, wide_backward="triton"))
   assert _mosaic_calls(text) == 1
   assert "pallas_flash_bwd_dq" in text and "pallas_flash_bwd_dkdv" in text
 

@@ -136,9 +136,10 @@ def _assert_wide_backward_matches_reference(case, config):
 @pytest.mark.parametrize("case", [(1, 96, 130, 2, 1, 256, True, jnp.bfloat16),
                                   (2, 70, 64, 2, 2, 256, False, jnp.float16)], ids=kernel_case_id)
 def test_head_dim_256_backward_runs_the_triton_kernels(case):
-  """D = 256 has no default Mosaic backward kernel: the backend runs Triton's (interpreted
-  here)."""
-  jaxpr = _assert_wide_backward_matches_reference(case, SMALL)
+  """MosaicConfig(wide_backward="triton"): the backend runs Triton's kernels at D = 256
+  (interpreted here)."""
+  jaxpr = _assert_wide_backward_matches_reference(
+      case, dataclasses.replace(SMALL, wide_backward="triton"))
   assert "pallas_flash_bwd_dkdv" in jaxpr and "pallas_flash_bwd_dq" in jaxpr
 
 
@@ -153,9 +154,11 @@ WIDE = [  # B, T, S, H, K, D, causal, dtype: padded rows and keys, GQA, T != S, 
 
 @pytest.mark.parametrize("case", WIDE, ids=kernel_case_id)
 def test_head_dim_256_mosaic_backward_matches_reference(case):
-  """MosaicConfig(wide_backward="mosaic"): the role-split dK/dV kernel (one warpgroup forms
-  Pᵀ and dV, the other dSᵀ from its Pᵀ and dK) and the dQ kernel at D = 256."""
-  _assert_wide_backward_matches_reference(case, dataclasses.replace(SMALL, wide_backward="mosaic"))
+  """The default backward at D = 256 (wide_backward="mosaic"): the role-split dK/dV kernel
+  (one warpgroup forms Pᵀ and dV, the other dSᵀ from its Pᵀ and dK) and the dQ kernel."""
+  assert SMALL.wide_backward == "mosaic"
+  jaxpr = _assert_wide_backward_matches_reference(case, SMALL)
+  assert "pallas_flash_bwd_dq" not in jaxpr  # no Triton kernel
 
 
 def _assert_same_backward(case, seed, changes, baseline):
