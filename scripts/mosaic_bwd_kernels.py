@@ -15,7 +15,8 @@ the TFLOP/s of the matmuls each kernel issues (forward 2, dQ 3, dK/dV 4, the fus
 each, halved when causal; fwd+bwd counted as 7, the benchmark's 3.5 x forward) next to the
 share of the fwd+bwd step,
 and writes DIR/mosaic_bwd_kernels.json. Before timing, the split kernels' dq, dk, dv are
-compared with the VJP's (same kernels, so they must agree to the bit).
+compared with the VJP's (same kernels, so they must agree to the bit). At head dim 256 the
+kernels are backward_wide's (its dQ kernel takes the statistics from XLA; no fused kernel).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ LOG2E = math.log2(math.e)
 # The module, not the function `backward` that the package re-exports under its name.
 backward = importlib.import_module("pallas_flash.mosaic_gpu.backward")
 backward_fused = importlib.import_module("pallas_flash.mosaic_gpu.backward_fused")
+backward_wide = importlib.import_module("pallas_flash.mosaic_gpu.backward_wide")
 # The single-kernel backward in its fastest measured form (opt-in), timed for comparison.
 FUSED = mconfig.FUSED_DEFERRED
 
@@ -61,16 +63,18 @@ def kernels(b, t, h, d, causal, overrides):
                                         config=config, return_residuals=True)
 
   o, lse = jax.jit(attn)(q, k, v)
+
+  def vjp(q, k, v, do):
+    return jax.vjp(lambda *a: attn(*a)[0], q, k, v)[1](do)
+
+  if d > 128:
+    return wide_kernels(q, k, v, do, o, lse, params, config, attn, vjp)
   kp_dq, kp_dkdv = backward.split_kernel_params(q, k, params, config, kv_len=t)
   lse_inf, delta = backward._xla_row_stats(o, lse, do, None)
   lse2 = lse_inf * LOG2E
   # The dK/dV kernel gets the statistics the dQ kernel computed, as in the VJP.
   _, lse2_k, delta_k = jax.jit(lambda *a: backward._dq_call(*a, None, kp=kp_dq))(
       q, k, v, do, o, lse)
-
-  def vjp(q, k, v, do):
-    return jax.vjp(lambda *a: attn(*a)[0], q, k, v)[1](do)
-
   fused_config = dataclasses.replace(config, **FUSED)
 
   def fused(q, k, v, lse_inf, do, delta):
@@ -94,6 +98,24 @@ def kernels(b, t, h, d, causal, overrides):
   )
 
 
+def wide_kernels(q, k, v, do, o, lse, params, config, attn, vjp):
+  """kernels() at head dim 256: backward_wide's dQ and role-split dK/dV kernels (statistics
+  from XLA, as that backward runs them); no fused kernel."""
+  lse_inf, delta = backward._xla_row_stats(o, lse, do, None)
+  lse2 = lse_inf * LOG2E
+  kp_dq, kp_dkdv = backward_wide.kernel_params(q, k, params, config, kv_len=q.shape[1])
+  return dict(
+      fwd=(jax.jit(attn), (q, k, v), 2),
+      xla_preprocessing=(jax.jit(lambda o, lse, do: backward._xla_row_stats(o, lse, do, None)),
+                         (o, lse, do), None),
+      dq_xla_stats=(jax.jit(lambda q, k, v, do, lse2, delta: backward._dq_call(
+          q, k, v, do, None, lse2, delta, kp=kp_dq)), (q, k, v, do, lse2, delta), 3),
+      dkdv=(jax.jit(lambda q, k, v, do, lse2, delta: backward_wide._dkdv_call(
+          q, k, v, do, lse2, delta, kp=kp_dkdv)), (q, k, v, do, lse2, delta), 4),
+      fwd_bwd=(jax.jit(vjp), (q, k, v, do), 7),
+  )
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -109,12 +131,16 @@ def main():
     for causal in (False, True):
       fns = kernels(b, t, h, d, causal, overrides)
       # The split kernels are the VJP's own: their results must be bitwise the VJP's.
-      dq = fns["dq_in_kernel"][0](*fns["dq_in_kernel"][1])[0]
+      if "dq_in_kernel" in fns:
+        dq = fns["dq_in_kernel"][0](*fns["dq_in_kernel"][1])[0]  # (dq, lse2, delta)
+      else:
+        dq = fns["dq_xla_stats"][0](*fns["dq_xla_stats"][1])
       dk, dv = fns["dkdv"][0](*fns["dkdv"][1])
       want = fns["fwd_bwd"][0](*fns["fwd_bwd"][1])
       same = [bool(jnp.array_equal(x, y)) for x, y in zip((dq, dk, dv), want)]
       # The fused kernel sums dQ in another order (float32 atomics): close, not equal.
-      fused_err = [rel_err(x, y) for x, y in zip(fns["fused_bwd"][0](*fns["fused_bwd"][1]), want)]
+      fused_err = ([rel_err(x, y) for x, y in zip(fns["fused_bwd"][0](*fns["fused_bwd"][1]),
+                                                   want)] if "fused_bwd" in fns else [])
       pair = 2 * b * h * t * t * d * (0.5 if causal else 1.0)
       step = None
       for name, (fn, fargs, products) in fns.items():

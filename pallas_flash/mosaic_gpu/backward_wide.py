@@ -207,26 +207,36 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams):
   )(q, k, v, do, lse2, delta)
 
 
+def padded_lengths(t: int, s: int) -> tuple[int, int]:
+  """(T, S) padded to these kernels' tiles (a dQ CTA takes 2 x BLOCK_Q rows)."""
+  return _blocking.round_up(t, 2 * BLOCK_Q), _blocking.round_up(s, BLOCK_KV)
+
+
+def kernel_params(qp, kpad, params: AttentionParams, config: MosaicConfig, *, kv_len: int):
+  """(dQ, dK/dV) KernelParams for padded qp [B, Tp, H, D], kpad [B, Sp, K, D] (arrays or
+  jax.ShapeDtypeStruct) with kv_len real keys."""
+  # FA3's register split: a dQ warpgroup holds a 128-register accumulator beside S and dP.
+  config = dataclasses.replace(config, compute_registers=240, producer_registers=24)
+  make = functools.partial(_common.KernelParams.make, qp, kpad, params=params,
+                           t_pad=qp.shape[1], s_pad=kpad.shape[1], kv_len=kv_len, config=config)
+  kp_dq = make(block_q=BLOCK_Q, block_kv=BLOCK_KV_DQ, stages=DQ_STAGES)
+  kp_dkdv = make(block_q=BLOCK_Q, block_kv=BLOCK_KV,
+                 stages=min(config.bwd_stages, qp.shape[1] // BLOCK_Q))
+  return tuple(dataclasses.replace(x, bwd_head_group=0) for x in (kp_dq, kp_dkdv))
+
+
 def backward(q, k, v, o, lse, do, delta, *, params: AttentionParams, config: MosaicConfig):
   """q/do [B, T, H, D] (D = 256), k/v [B, S, K, D], lse as the forward returned it, delta the
   correction -dlse or None (backward.py's contract) -> (dq, dk, dv)."""
   t, s = q.shape[1], k.shape[1]
-  t_pad = _blocking.round_up(t, 2 * BLOCK_Q)
-  s_pad = _blocking.round_up(s, BLOCK_KV)
+  t_pad, s_pad = padded_lengths(t, s)
   qp, dop = _blocking.pad_axis(q, 1, t_pad), _blocking.pad_axis(do, 1, t_pad)
   kpad, vpad = _blocking.pad_axis(k, 1, s_pad), _blocking.pad_axis(v, 1, s_pad)
   lse, delta = _xla_row_stats(o, lse, do, delta)
   # Padded rows: lse2 = +inf (P = 0), delta = 0.
   lse2 = _blocking.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
   delta = _blocking.pad_axis(delta, 2, t_pad)
-  # FA3's register split: a dQ warpgroup holds a 128-register accumulator beside S and dP.
-  config = dataclasses.replace(config, compute_registers=240, producer_registers=24)
-  make = functools.partial(_common.KernelParams.make, qp, kpad, params=params, t_pad=t_pad,
-                           s_pad=s_pad, kv_len=s, config=config)
-  kp_dq = make(block_q=BLOCK_Q, block_kv=BLOCK_KV_DQ, stages=DQ_STAGES)
-  kp_dkdv = make(block_q=BLOCK_Q, block_kv=BLOCK_KV,
-                 stages=min(config.bwd_stages, t_pad // BLOCK_Q))
-  kp_dq, kp_dkdv = (dataclasses.replace(x, bwd_head_group=0) for x in (kp_dq, kp_dkdv))
+  kp_dq, kp_dkdv = kernel_params(qp, kpad, params, config, kv_len=s)
   dq = _dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq)
   dk, dv = _dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv)
   return dq[:, :t], dk[:, :s], dv[:, :s]
