@@ -52,11 +52,17 @@ class KernelParams:
   bwd_head_group: int = 0  # backward kernels: MosaicConfig.bwd_head_group
   profile_dir: str = ""  # MosaicConfig.profile_dir
   segments: bool = False  # segment ids (or lengths folded into them) are compared
+  v_stages: int = 0  # dQ kernel: depth of the V ring where it differs from K's (0: stages)
 
   @property
   def c(self) -> float:
     """softmax_scale·log2(e): scores times c are in log2 units for exp2."""
     return self.scale * math.log2(math.e)
+
+  @property
+  def dq_v_stages(self) -> int:
+    """The dQ kernel's V ring depth (its K ring has `stages`)."""
+    return self.v_stages or self.stages
 
   @property
   def kv_tail(self) -> bool:

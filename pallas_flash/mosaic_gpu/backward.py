@@ -63,7 +63,7 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
   (non-causal, no seg): the split tail's one-dimensional grid; a part streams its share of
   the key blocks and writes dQ·scale in float32 to tail.parts[0][part row, wg].
   """
-  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
+  bq, bkv, stages, v_stages = kp.block_q, kp.block_kv, kp.stages, kp.dq_v_stages
   wg = lax.axis_index("wg")
   is_part = part_row = None
   if tail is None:
@@ -133,17 +133,21 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
 
     def step(j, dq, *, masked: bool):
       slot = lax.rem(j, stages)
+      vslot = slot if v_stages == stages else lax.rem(j, v_stages)
       plgpu.barrier_wait(k_ready.at[slot])
-      plgpu.barrier_wait(v_ready.at[slot])
+      if v_stages == stages:
+        plgpu.barrier_wait(v_ready.at[vslot])
 
       def scores(s_ref, dp_ref):
         plgpu.wgmma(s_ref, q_smem, k_scratch.at[slot].T)
-        plgpu.wgmma(dp_ref, do_smem, v_scratch.at[slot].T)
+        if v_stages != stages:  # a shallower V ring: its load gets until Sᵀ is issued
+          plgpu.barrier_wait(v_ready.at[vslot])
+        plgpu.wgmma(dp_ref, do_smem, v_scratch.at[vslot].T)
         return s_ref[...], dp_ref[...]
 
       s, dp = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32),
                             plgpu.ACC((bq, bkv), jnp.float32))
-      plgpu.barrier_arrive(v_free.at[slot])
+      plgpu.barrier_arrive(v_free.at[vslot])
       p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(lse2, s.shape, [0]))
       if masked:
         col0 = (kv0 + j) * bkv
@@ -155,8 +159,8 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
       return dq
 
     def idle_step(j, carry):
-      slot = lax.rem(j, stages)
-      for ready_, free_ in ((k_ready, k_free), (v_ready, v_free)):
+      for ready_, free_, n in ((k_ready, k_free, stages), (v_ready, v_free, v_stages)):
+        slot = lax.rem(j, n)
         plgpu.barrier_wait(ready_.at[slot])
         plgpu.barrier_arrive(free_.at[slot])
       return carry
@@ -188,8 +192,8 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
     plgpu.set_max_registers(kp.producer_registers, action="decrease")
     kvh = lax.div(h, kp.group)
     rows = lambda j: (b, pl.ds((kv0 + j) * bkv, bkv), kvh)  # noqa: E731
-    _produce(cta_steps, stages, ((k_ref, k_scratch, k_ready, k_free, rows),
-                                 (v_ref, v_scratch, v_ready, v_free, rows)))
+    _produce(cta_steps, stages if v_stages == stages else (stages, v_stages),
+             ((k_ref, k_scratch, k_ready, k_free, rows), (v_ref, v_scratch, v_ready, v_free, rows)))
 
 
 class _PartRefs(NamedTuple):
@@ -227,11 +231,15 @@ def _dq_row_stats(lse_smem, correction_smem, o_smem, do_smem):
 
 def _produce(num_steps, stages, streams):
   """Producer loop: TMA step j of every (gmem, smem ring, ready, free, index) stream into slot
-  j % stages, where index(j) gives the gmem slice.
+  j % stages, where index(j) gives the gmem slice (stages: one depth for all streams, or a
+  tuple of one per stream).
 
   A slot is refilled once its free barrier completed; the last releases are observed as well,
   since every waiter of an mbarrier must see each of its phases.
   """
+  if not isinstance(stages, int):
+    return _produce_rings(num_steps, stages, streams)
+
   def load(j, slot):
     for src, dst, ready, _, index in streams:
       plgpu.copy_gmem_to_smem(src.at[index(j)], dst.at[slot], ready.at[slot])
@@ -248,6 +256,21 @@ def _produce(num_steps, stages, streams):
       plgpu.copy_gmem_to_smem(src.at[index(j)], dst.at[slot], ready.at[slot])
 
   _common.observe_last_releases([free for _, _, _, free, _ in streams], num_steps, stages)
+
+
+def _produce_rings(num_steps, depths, streams):
+  """_produce with a ring depth per stream: step j of a stream of depth n waits for the
+  release of step j - n (from j = n on), in stream order, so a shallow ring's wait holds back
+  the deeper rings' next loads only once they are a step ahead."""
+  @pl.loop(0, num_steps)
+  def _(j):
+    for n, (src, dst, ready, free, index) in zip(depths, streams):
+      slot = lax.rem(j, n)
+      pl.when(j >= n)(lambda: plgpu.barrier_wait(free.at[slot]))
+      plgpu.copy_gmem_to_smem(src.at[index(j)], dst.at[slot], ready.at[slot])
+
+  for n, stream in zip(depths, streams):
+    _common.observe_last_releases([stream[3]], num_steps, n)
 
 
 def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_scratch,
@@ -668,8 +691,9 @@ def dq_smem_bytes(kp: _common.KernelParams, *, in_kernel: bool, correction: bool
   without the O tile at head_dim 128, block_q 64, block_kv 128, 2 stages)."""
   itemsize = jnp.dtype(kp.dtype).itemsize
   rows = (3 if in_kernel else 2) * 2 * kp.block_q * kp.d * itemsize + 2 * 2 * kp.block_q * 4
-  ring = 2 * kp.stages * kp.block_kv * kp.d * itemsize
-  barriers = 8 * (2 * (3 + (correction or not in_kernel) + in_kernel) + 4 * kp.stages)
+  slots = kp.stages + kp.dq_v_stages
+  ring = slots * kp.block_kv * kp.d * itemsize
+  barriers = 8 * (2 * (3 + (correction or not in_kernel) + in_kernel) + 2 * slots)
   return rows + ring + barriers + 1024
 
 
@@ -693,14 +717,14 @@ def _dq_call(q, k, v, do, o, lse, delta, *, kp: _common.KernelParams, segs=(),
       plgpu.SMEM((2, bq), jnp.float32),
       plgpu.SMEM((2, bq), jnp.float32),
       plgpu.SMEM((stages, bkv, d), kp.dtype, transforms=tiles),
-      plgpu.SMEM((stages, bkv, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((kp.dq_v_stages, bkv, d), kp.dtype, transforms=tiles),
       plgpu.SMEM((2, bq, bkv), kp.dtype, transforms=tiles) if kp.interpret else None,
       # One per row load of a WG: Q, dO, lse, then delta and O where given.
       plgpu.Barrier(num_barriers=(2, 3 + (delta is not None) + in_kernel)),
       plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=kp.dq_v_stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=kp.dq_v_stages),
   ]
   dq = jax.ShapeDtypeStruct(q.shape, q.dtype)
   row_stats = jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)

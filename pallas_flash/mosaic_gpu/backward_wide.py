@@ -40,11 +40,15 @@ from pallas_flash.mosaic_gpu.config import MosaicConfig
 from pallas_flash.params import AttentionParams
 
 # Key rows of a dK/dV CTA (both warpgroups) and query rows per step; key rows per dQ step
-# and the dQ kernel's K/V ring depth: at D = 256 its Q and dO tiles (2 warpgroups x 64 rows)
-# take 128 KiB, so one 64-key K/V slot (64 KiB) fits beside them and two do not (32-key
-# tiles would, but a wgmma's contraction over keys needs multiples of 64 with 128-byte
-# swizzled K rows).
-BLOCK_KV, BLOCK_Q, BLOCK_KV_DQ, DQ_STAGES = 64, 64, 64, 1
+# and the dQ kernel's K and V ring depths: at D = 256 its Q and dO tiles (2 warpgroups x 64
+# rows) take 128 KiB, so two 64-key K slots and one V slot (32 KiB each) fit beside them
+# (231,536 of 232,448 B) and two of each do not (32-key tiles would, but a wgmma's
+# contraction over keys needs multiples of 64 with 128-byte swizzled K rows). K is read by
+# the step's first and last products, V only by dPᵀ: with two K slots the next K loads during
+# a whole step, the next V from dPᵀ on; with one of each (the first form) the next K's load
+# waited for the step's last product, and the dQ kernel ran at 371 TFLOP/s against the dK/dV
+# kernel's 601 (sixteenth session, run4, 4x4096x8x256).
+BLOCK_KV, BLOCK_Q, BLOCK_KV_DQ, DQ_K_STAGES, DQ_V_STAGES = 64, 64, 64, 2, 1
 
 
 def unsupported_reason(q, params: AttentionParams) -> str | None:
@@ -219,7 +223,8 @@ def kernel_params(qp, kpad, params: AttentionParams, config: MosaicConfig, *, kv
   config = dataclasses.replace(config, compute_registers=240, producer_registers=24)
   make = functools.partial(_common.KernelParams.make, qp, kpad, params=params,
                            t_pad=qp.shape[1], s_pad=kpad.shape[1], kv_len=kv_len, config=config)
-  kp_dq = make(block_q=BLOCK_Q, block_kv=BLOCK_KV_DQ, stages=DQ_STAGES)
+  kp_dq = dataclasses.replace(make(block_q=BLOCK_Q, block_kv=BLOCK_KV_DQ, stages=DQ_K_STAGES),
+                              v_stages=DQ_V_STAGES)
   kp_dkdv = make(block_q=BLOCK_Q, block_kv=BLOCK_KV,
                  stages=min(config.bwd_stages, qp.shape[1] // BLOCK_Q))
   return tuple(dataclasses.replace(x, bwd_head_group=0) for x in (kp_dq, kp_dkdv))
