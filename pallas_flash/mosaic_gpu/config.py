@@ -171,9 +171,10 @@ class MosaicConfig:
       (the default; backward_wide.py: a dK/dV kernel whose two warpgroups split the tile's
       products by role, and the dQ kernel with a one-slot K/V ring) or "triton" (Pallas'
       Triton backward kernels). On the H200 at 4x4096x8x256, fwd+bwd (sixteenth session,
-      run1, same run as cuDNN): "mosaic" 375 / 398 TFLOP/s causal / not (0.99 / 0.94x
-      cuDNN), "triton" 223 / 242 (0.59 / 0.57x). Calls with segment ids or lengths take
-      "triton" either way (the D = 256 Mosaic kernels do not compare ids).
+      same runs as cuDNN): "triton" 223 / 242 TFLOP/s causal / not (0.59 / 0.57x cuDNN,
+      run1), "mosaic" 375 / 398 (0.99 / 0.94x, run1) with one K/V slot in its dQ kernel and
+      395 / 431 (1.09 / 1.05x, run5) with two K slots. Calls with segment ids or lengths
+      take "triton" either way (the D = 256 Mosaic kernels do not compare ids).
     bwd_delta_in_kernel: split backward: True: the dQ kernel also TMA-loads its O tile, computes
       delta = rowsum(O∘dO) (float32, minus the lse cotangent) and lse in log2 units itself and
       stores both for the dK/dV kernel, so fwd+bwd runs no XLA op besides the Mosaic kernels
