@@ -16,7 +16,9 @@ each, halved when causal; fwd+bwd counted as 7, the benchmark's 3.5 x forward) n
 share of the fwd+bwd step,
 and writes DIR/mosaic_bwd_kernels.json. Before timing, the split kernels' dq, dk, dv are
 compared with the VJP's (same kernels, so they must agree to the bit). At head dim 256 the
-kernels are backward_wide's (its dQ kernel takes the statistics from XLA; no fused kernel).
+kernels are backward_wide's (no fused kernel): their dQ kernel takes the row statistics from
+XLA, which this script computes in a jit of its own, so dq and dk (which use delta) may differ
+from the VJP's in the last bits; dv must still be equal.
 """
 
 from __future__ import annotations

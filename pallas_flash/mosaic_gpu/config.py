@@ -169,8 +169,8 @@ class MosaicConfig:
       unfolded form (deterministic still).
     wide_backward: the backward at head_dim 256, where the split kernels do not fit: "mosaic"
       (the default; backward_wide.py: a dK/dV kernel whose two warpgroups split the tile's
-      products by role, and the dQ kernel with a one-slot K/V ring) or "triton" (Pallas'
-      Triton backward kernels). On the H200 at 4x4096x8x256, fwd+bwd (sixteenth session,
+      products by role, and the dQ kernel with two K slots and one V slot) or "triton"
+      (Pallas' Triton backward kernels). On the H200 at 4x4096x8x256, fwd+bwd (sixteenth session,
       same runs as cuDNN): "triton" 223 / 242 TFLOP/s causal / not (0.59 / 0.57x cuDNN,
       run1), "mosaic" 375 / 398 (0.99 / 0.94x, run1) with one K/V slot in its dQ kernel and
       395 / 431 (1.09 / 1.05x, run5) with two K slots. Calls with segment ids or lengths
