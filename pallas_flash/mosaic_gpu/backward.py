@@ -924,12 +924,13 @@ def planned_tail_splits(q, k, params: AttentionParams, config: MosaicConfig):
 
 def _wide_head_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *,
                         params: AttentionParams, config: MosaicConfig):
-  """The backward at D > 128, which these kernels do not cover: dK and dV of a 64-row tile at
-  D = 256 need 256 float32 accumulator registers per thread, more than a warpgroup has.
-  Runs the Triton backward kernels instead (Pallas' Triton lowering, which takes D up to 256,
-  on any GPU this backend runs on; in its interpreter when the Mosaic kernels are
-  interpreted): on the H200 they took 2.4-3.4x less time than the blockwise XLA backward
-  used before (fourteenth session, 4x4096x8x256). Same contract, deterministic."""
+  """The backward at D > 128 where backward_wide's kernels do not run (segment ids, or
+  wide_backward="triton"): the split kernels here do not cover it (dK and dV of a 64-row tile
+  at D = 256 need 256 float32 accumulator registers per thread, more than a warpgroup has).
+  Runs the Triton backward kernels (Pallas' Triton lowering, which takes D up to 256, on any
+  GPU this backend runs on; in its interpreter when the Mosaic kernels are interpreted):
+  0.57-0.61x cuDNN fwd+bwd on the H200 at 4x4096x8x256 (backward_wide's: 1.05-1.09x). Same
+  contract, deterministic."""
   from pallas_flash import triton as triton_backend
   lse, delta = _xla_row_stats(o, lse, do, delta)
   return triton_backend.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
