@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_flash
+from pallas_flash.bench import checks
 from pallas_flash.mosaic_gpu import MosaicConfig
 from pallas_flash.mosaic_gpu import config as mconfig
 from pallas_flash.params import AttentionParams
@@ -68,9 +69,8 @@ SWEEP = [(4, 4096, 16, 128, False), (4, 4096, 16, 128, True), (1, 16384, 16, 128
          (1, 32768, 8, 128, True), (1, 16384, 32, 128, True)]
 
 
-def rel_err(x, ref):
-  x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
-  return float(jnp.max(jnp.abs(x - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30))
+def rel_err(x, ref) -> float:
+  return float(checks.rel_err(x, ref))
 
 
 def inputs(b, t, s, h, kh, d, dtype, seed=0):

@@ -27,7 +27,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from pallas_flash.bench import flops, memory, shapes, timing
+from pallas_flash.bench import checks, flops, memory, shapes, timing
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 # max|x - ref| / max|ref| above which a row is FAIL (outputs and gradients alike).
@@ -82,13 +82,6 @@ def run_metadata() -> dict:
 # Correctness
 
 
-@jax.jit
-def _rel_err(x: jax.Array, ref: jax.Array) -> jax.Array:
-  """max|x - ref| / max|ref| in float32."""
-  ref = ref.astype(jnp.float32)
-  return jnp.max(jnp.abs(x.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref))
-
-
 def _names(mode: str) -> tuple[str, ...]:
   return ("o",) if mode == "fwd" else ("dq", "dk", "dv")
 
@@ -127,7 +120,7 @@ def check(impl: str, compiled, args: tuple, spec: shapes.ShapeSpec, *, mode: str
     out = _as_tuple(timing.make_step(impl, mode=mode, is_causal=is_causal)(*args))
   small_args = _heads(args, arg_heads)
   ref = reference(small_args)
-  errs = {n: float(_rel_err(o, r)) for n, o, r in zip(_names(mode), out, ref, strict=True)}
+  errs = {n: float(checks.rel_err(o, r)) for n, o, r in zip(_names(mode), out, ref, strict=True)}
   return errs, small.label
 
 

@@ -8,7 +8,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_flash.bench import flops, shapes, timing
+from pallas_flash.bench import checks, flops, shapes, timing
 
 
 def parse_shape(name: str) -> shapes.ShapeSpec:
@@ -19,11 +19,6 @@ def parse_shape(name: str) -> shapes.ShapeSpec:
   b, t, h, d = dims[:4]
   return shapes.ShapeSpec(name=name, batch=b, seq_len=t, num_heads=h, head_dim=d,
                           num_kv_heads=dims[4] if len(dims) == 5 else h)
-
-
-def _rel_err(x, ref) -> float:
-  x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
-  return float(jnp.max(jnp.abs(x - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30))
 
 
 def compare(steps: dict[str, Callable], args: tuple, spec: shapes.ShapeSpec, *, mode: str,
@@ -39,7 +34,7 @@ def compare(steps: dict[str, Callable], args: tuple, spec: shapes.ShapeSpec, *, 
   steps = {**steps, "cudnn": timing.make_step("cudnn", mode=mode, is_causal=is_causal)}
   compiled = {n: timing.compile_step(f, args)[0] for n, f in steps.items()}
   outs = {n: jax.tree.leaves(c(*args)) for n, c in compiled.items()}
-  errs = {n: max(_rel_err(a, r) for a, r in zip(o, outs[baseline], strict=True))
+  errs = {n: max(float(checks.rel_err(a, r)) for a, r in zip(o, outs[baseline], strict=True))
           for n, o in outs.items()}
   again = {n: all(bool(jnp.array_equal(a, r))
                   for a, r in zip(jax.tree.leaves(compiled[n](*args)), outs[n], strict=True))
