@@ -69,53 +69,41 @@ def kernels(b, t, h, d, causal, overrides):
   def vjp(q, k, v, do):
     return jax.vjp(lambda *a: attn(*a)[0], q, k, v)[1](do)
 
+  lse_inf, delta = backward._xla_row_stats(o, lse, do, None)
+  lse2 = lse_inf * LOG2E
+  fns = dict(
+      fwd=(jax.jit(attn), (q, k, v), 2),
+      xla_preprocessing=(jax.jit(lambda o, lse, do: backward._xla_row_stats(o, lse, do, None)),
+                         (o, lse, do), None))
   if d > 128:
-    return wide_kernels(q, k, v, do, o, lse, params, config, attn, vjp)
-  kp_dq, kp_dkdv = backward.split_kernel_params(q, k, params, config, kv_len=t)
-  lse_inf, delta = backward._xla_row_stats(o, lse, do, None)
-  lse2 = lse_inf * LOG2E
-  # The dK/dV kernel gets the statistics the dQ kernel computed, as in the VJP.
-  _, lse2_k, delta_k = jax.jit(lambda *a: backward._dq_call(*a, None, kp=kp_dq))(
-      q, k, v, do, o, lse)
-  fused_config = dataclasses.replace(config, **FUSED)
+    # backward_wide's kernels: its dQ kernel takes the statistics from XLA; no fused kernel.
+    kp_dq, kp_dkdv = backward_wide.kernel_params(q, k, params, config, kv_len=t)
+    dkdv_call, dkdv_stats = backward_wide._dkdv_call, (lse2, delta)
+  else:
+    kp_dq, kp_dkdv = backward.split_kernel_params(q, k, params, config, kv_len=t)
+    # The dK/dV kernel gets the statistics the dQ kernel computed, as in the VJP.
+    _, lse2_k, delta_k = jax.jit(lambda *a: backward._dq_call(*a, None, kp=kp_dq))(
+        q, k, v, do, o, lse)
+    dkdv_call, dkdv_stats = backward._dkdv_call, (lse2_k, delta_k)
+  fns["dq_xla_stats"] = (jax.jit(lambda q, k, v, do, lse2, delta: backward._dq_call(
+      q, k, v, do, None, lse2, delta, kp=kp_dq)), (q, k, v, do, lse2, delta), 3)
+  if d <= 128:
+    fns["dq_in_kernel"] = (jax.jit(lambda q, k, v, do, o, lse: backward._dq_call(
+        q, k, v, do, o, lse, None, kp=kp_dq)), (q, k, v, do, o, lse), 3)
+  fns["dkdv"] = (jax.jit(lambda q, k, v, do, lse2, delta: dkdv_call(
+      q, k, v, do, lse2, delta, kp=kp_dkdv)), (q, k, v, do, *dkdv_stats), 4)
+  if d <= 128:
+    fused_config = dataclasses.replace(config, **FUSED)
 
-  def fused(q, k, v, lse_inf, do, delta):
-    return backward_fused.backward(q, k, v, lse_inf, do, delta, params=params,
-                                   config=fused_config)
+    def fused(q, k, v, lse_inf, do, delta):
+      return backward_fused.backward(q, k, v, lse_inf, do, delta, params=params,
+                                     config=fused_config)
 
-  return dict(
-      fwd=(jax.jit(attn), (q, k, v), 2),
-      xla_preprocessing=(jax.jit(lambda o, lse, do: backward._xla_row_stats(o, lse, do, None)),
-                         (o, lse, do), None),
-      dq_xla_stats=(jax.jit(lambda q, k, v, do, lse2, delta: backward._dq_call(
-          q, k, v, do, None, lse2, delta, kp=kp_dq)), (q, k, v, do, lse2, delta), 3),
-      dq_in_kernel=(jax.jit(lambda q, k, v, do, o, lse: backward._dq_call(
-          q, k, v, do, o, lse, None, kp=kp_dq)), (q, k, v, do, o, lse), 3),
-      dkdv=(jax.jit(lambda q, k, v, do, lse2, delta: backward._dkdv_call(
-          q, k, v, do, lse2, delta, kp=kp_dkdv)), (q, k, v, do, lse2_k, delta_k), 4),
-      # The fused kernel with its XLA pieces (dQ's zeroing, scaling and cast), 5 products.
-      fused_bwd=(jax.jit(fused), (q, k, v, lse_inf, do, delta), 5),
-      # The benchmark's convention: fwd+bwd = 3.5 x the forward's 2 products per pair.
-      fwd_bwd=(jax.jit(vjp), (q, k, v, do), 7),
-  )
-
-
-def wide_kernels(q, k, v, do, o, lse, params, config, attn, vjp):
-  """kernels() at head dim 256: backward_wide's dQ and role-split dK/dV kernels (statistics
-  from XLA, as that backward runs them); no fused kernel."""
-  lse_inf, delta = backward._xla_row_stats(o, lse, do, None)
-  lse2 = lse_inf * LOG2E
-  kp_dq, kp_dkdv = backward_wide.kernel_params(q, k, params, config, kv_len=q.shape[1])
-  return dict(
-      fwd=(jax.jit(attn), (q, k, v), 2),
-      xla_preprocessing=(jax.jit(lambda o, lse, do: backward._xla_row_stats(o, lse, do, None)),
-                         (o, lse, do), None),
-      dq_xla_stats=(jax.jit(lambda q, k, v, do, lse2, delta: backward._dq_call(
-          q, k, v, do, None, lse2, delta, kp=kp_dq)), (q, k, v, do, lse2, delta), 3),
-      dkdv=(jax.jit(lambda q, k, v, do, lse2, delta: backward_wide._dkdv_call(
-          q, k, v, do, lse2, delta, kp=kp_dkdv)), (q, k, v, do, lse2, delta), 4),
-      fwd_bwd=(jax.jit(vjp), (q, k, v, do), 7),
-  )
+    # The fused kernel with its XLA pieces (dQ's zeroing, scaling and cast), 5 products.
+    fns["fused_bwd"] = (jax.jit(fused), (q, k, v, lse_inf, do, delta), 5)
+  # The benchmark's convention: fwd+bwd = 3.5 x the forward's 2 products per pair.
+  fns["fwd_bwd"] = (jax.jit(vjp), (q, k, v, do), 7)
+  return fns
 
 
 def main():
