@@ -192,8 +192,8 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
     plgpu.set_max_registers(kp.producer_registers, action="decrease")
     kvh = lax.div(h, kp.group)
     rows = lambda j: (b, pl.ds((kv0 + j) * bkv, bkv), kvh)  # noqa: E731
-    _produce(cta_steps, stages if v_stages == stages else (stages, v_stages),
-             ((k_ref, k_scratch, k_ready, k_free, rows), (v_ref, v_scratch, v_ready, v_free, rows)))
+    _produce(cta_steps, (stages, v_stages), ((k_ref, k_scratch, k_ready, k_free, rows),
+                                             (v_ref, v_scratch, v_ready, v_free, rows)))
 
 
 class _PartRefs(NamedTuple):
@@ -238,7 +238,9 @@ def _produce(num_steps, stages, streams):
   since every waiter of an mbarrier must see each of its phases.
   """
   if not isinstance(stages, int):
-    return _produce_rings(num_steps, stages, streams)
+    if len(set(stages)) > 1:
+      return _produce_rings(num_steps, stages, streams)
+    stages = stages[0]
 
   def load(j, slot):
     for src, dst, ready, _, index in streams:
