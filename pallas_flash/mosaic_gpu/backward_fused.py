@@ -65,14 +65,13 @@ _SMEM_SLACK_BYTES = 1024
 
 
 def smem_bytes(d: int, block_q: int, block_kv: int, stages: int, itemsize: int = 2, *,
-               dq_shared: bool = False, dq_slots: int = 1, defer_dq: bool = False,
-               dq_atomic: bool = False) -> int:
+               dq_shared: bool = False, dq_slots: int = 1, defer_dq: bool = False) -> int:
   """Shared memory of one CTA: K/V of both WGs, the Q/dO/lse/delta ring, dSᵀ and dQ (f32,
-  `dq_slots` buffers per WG; none when dQ_part is added from registers, `dq_atomic`)."""
+  `dq_slots` buffers per WG)."""
   kv = 2 * 2 * block_kv * d * itemsize
   ring = stages * (2 * block_q * d * itemsize + 2 * block_q * 4)
   ds = ds_slots(dq_shared, defer_dq) * 2 * block_kv * block_q * itemsize
-  dq = 0 if dq_atomic else dq_slots * 2 * block_q * (d // 2 if dq_shared else d) * 4
+  dq = dq_slots * 2 * block_q * (d // 2 if dq_shared else d) * 4
   return kv + ring + ds + dq + _SMEM_SLACK_BYTES
 
 
@@ -115,14 +114,10 @@ def unsupported_reason(q, config: MosaicConfig) -> str | None:
   if config.fused_overlap and config.fused_dq_blocks != 1:
     return (f"fused_overlap needs fused_dq_blocks 1 (got {config.fused_dq_blocks}): it issues "
             "dQ_part as one accumulator next to dK")
-  if config.fused_dq_atomic and (config.fused_overlap or config.fused_dq_blocks != 1):
-    return (f"fused_dq_atomic needs fused_dq_blocks 1 and not fused_overlap (got "
-            f"{config.fused_dq_blocks}, {config.fused_overlap}): those stage dQ_part in "
-            "shared memory for a TMA reduction")
   need = smem_bytes(d, config.block_q_fused, config.block_kv_fused, config.fused_stages,
                     jnp.dtype(q.dtype).itemsize, dq_shared=config.fused_dq_shared,
                     dq_slots=dq_slots(d, config, jnp.dtype(q.dtype).itemsize),
-                    defer_dq=config.fused_defer_dq, dq_atomic=config.fused_dq_atomic)
+                    defer_dq=config.fused_defer_dq)
   if need > SMEM_LIMIT_BYTES:
     return (f"needs about {need} B of shared memory (head_dim {d}, block_q_fused "
             f"{config.block_q_fused}, block_kv_fused {config.block_kv_fused}, fused_stages "
@@ -136,35 +131,25 @@ def _accumulate_smem(acc, a_smem, b_smem, kp: _common.KernelParams):
   return acc + _common.smem_matmul(a_smem, b_smem, acc.shape)
 
 
-def _dq_value(shape, terms):
-  """The sum of the a @ b products in terms (SMEM operands), one float32 accumulator of
-  `shape`, as a WGMMA-layout value."""
+def _dq_part(out, terms):
+  """out[...] = the sum of the a @ b products in terms (SMEM operands), one accumulator."""
   def mm(acc_ref):
     for a, b in terms:
       plgpu.wgmma(acc_ref, a, b)
     return acc_ref[...]  # waits for every wgmma in flight
 
-  return pl.run_scoped(mm, plgpu.ACC(shape, jnp.float32))
-
-
-def _dq_part(out, terms):
-  """out[...] = the sum of the a @ b products in terms (SMEM operands), one accumulator."""
-  out[...] = _dq_value(out.shape, terms)
+  out[...] = pl.run_scoped(mm, plgpu.ACC(out.shape, jnp.float32))
 
 
 def _gradient_matmuls(dv, dk, p_t, ds_smem, q_smem, do_smem, dq_plan, p_staging, release_do,
-                      release_q, kp: _common.KernelParams, before_dq=lambda: None, *,
-                      ds_regs=None, emit_dq=None):
+                      release_q, kp: _common.KernelParams, before_dq=lambda: None):
   """dV += Pᵀ·dO and dK += dSᵀ·Q; dQ_part = dS·K is written to SMEM as `dq_plan` says.
 
   dv/dk [block_kv, D] f32, p_t [block_kv, block_q] (dtype, registers), ds_smem [block_kv,
   block_q] (dSᵀ), q/do_smem [block_q, D]. dq_plan: [(out, [(a, b), ...]), ...]: each out
   [block_q, cols] f32 SMEM receives the sum of its a @ b products, one accumulator at a time.
   before_dq: called after dV and dK are issued, before dQ_part's operands are read (the
-  deferred dQ_part's wait for the other WG's dSᵀ). ds_regs: dSᵀ in registers (kp.dtype), dK's
-  operand in place of ds_smem (a third less shared-memory traffic for that product). emit_dq:
-  with one plan entry, takes the dQ_part value instead of writing it to the entry's out (on
-  the GPU; the interpreter passes it out's contents after the write).
+  deferred dQ_part's wait for the other WG's dSᵀ).
   """
   if kp.interpret:
     dv = _common.accumulate(dv, p_t, p_staging, do_smem, kp)
@@ -174,8 +159,6 @@ def _gradient_matmuls(dv, dk, p_t, ds_smem, q_smem, do_smem, dq_plan, p_staging,
     before_dq()
     for out, terms in dq_plan:
       _dq_part(out, terms)
-      if emit_dq is not None:
-        emit_dq(out[...])
     return dv, dk
 
   if len(dq_plan) == 1:
@@ -186,7 +169,7 @@ def _gradient_matmuls(dv, dk, p_t, ds_smem, q_smem, do_smem, dq_plan, p_staging,
       # Issued back to back so the tensor cores never wait on this warpgroup between them; the
       # stream buffers are released as soon as the matmul reading them has retired.
       plgpu.wgmma(dv_ref, p_t, do_smem)
-      plgpu.wgmma(dk_ref, ds_smem if ds_regs is None else ds_regs, q_smem)
+      plgpu.wgmma(dk_ref, ds_smem, q_smem)
       before_dq()
       for a, b in terms:
         plgpu.wgmma(dq_ref, a, b)
@@ -195,14 +178,10 @@ def _gradient_matmuls(dv, dk, p_t, ds_smem, q_smem, do_smem, dq_plan, p_staging,
       plgpu.wgmma_wait(len(terms))
       release_q()
 
-    shape = terms[0][0].shape[0], terms[0][1].shape[1]
-    zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+    zeros = plgpu.layout_cast(jnp.zeros(out.shape, jnp.float32), plgpu.Layout.WGMMA)
     dv, dk, dq = pl.run_state(mm)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
                                    plgpu.ACC.init(zeros)))
-    if emit_dq is None:
-      out[...] = dq
-    else:
-      emit_dq(dq)
+    out[...] = dq
     return dv, dk
 
   def mm_blocked(refs):
@@ -303,8 +282,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                       delta_ready, q_free, do_free, lse_free, delta_free, dq_loaded, ds_ready,
                       kv_done, ds_handoff, start, *, kp: _common.KernelParams,
                       stagger_q: bool, dq_blocks: int, dq_shared: bool, overlap: bool = False,
-                      dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
-                      dq_atomic: bool = False, dk_rs: bool = False):
+                      dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   Grid over (Sp / (2·block_kv), K, B) in _launch_order's order. dq_acc_ref [B, Tp, H, D] f32
@@ -327,11 +305,6 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   registers), then waits for the other WG's dSᵀ of step t - 1 and computes that step's
   dQ_part; the last step's follows the loop. offset: WG 1 waits on `start` until WG 0 has
   formed its first Pᵀ and dSᵀ. defer_dq "inline": as `inline_step` says.
-
-  dq_atomic (not overlap): dQ_part is added into dq_acc_ref from registers (`red.global.add`),
-  so dq_scratch is None on the GPU: no staging store and no TMA read of it, a sixth of the
-  CTA's shared-memory traffic per step (docs/mosaic.md's estimate). The interpreter, which has
-  no atomics, keeps the staged read-modify-write. dk_rs: dK += dSᵀ·Q takes dSᵀ from registers.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   nq = kp.t_pad // bq
@@ -357,13 +330,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   @pl.when(wg < 2)
   def _consumer():
     plgpu.set_max_registers(kp.compute_registers, action="increase")
-    k_smem, v_smem = k_scratch.at[wg], v_scratch.at[wg]
-    dq_smem = None if dq_scratch is None else dq_scratch.at[wg]
-    # dQ_part added from registers into dq rows (b, rows, h, cols): the GPU's float32 atomics.
-    atomic = dq_atomic and not kp.interpret
-
-    def add_dq(dst):
-      return lambda dq: plgpu.atomic_add(dq_acc_ref.at[dst], dq)
+    k_smem, v_smem, dq_smem = k_scratch.at[wg], v_scratch.at[wg], dq_scratch.at[wg]
     k0 = cta_k0 + wg * bkv
     rows = (b, pl.ds(k0, bkv), kvh)
     _load_kv_tiles(k_ref, v_ref, k_smem, v_smem, kv_ready, wg, rows)
@@ -436,16 +403,12 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
         plgpu.barrier_wait(ds_handoff.at[1 - wg, ds_slot])
       i, h = index(t)
       terms, cols = shared_dq_terms(ds_scratch.at[ds_slot])
-      dst = (b, pl.ds(i * bq, bq), h, cols)
-      if atomic:
-        with jax.named_scope("dq_mm"):
-          add_dq(dst)(_dq_value((bq, kp.d // 2), terms))
-        return
       wait_dq_staging()
       with jax.named_scope("dq_mm"):
         _dq_part(dq_smem, terms)
       with jax.named_scope("reduce_dq"):
-        _reduce_dq(dq_smem, dq_acc_ref, dst, wg, _at(dq_loaded, wg), kp)
+        _reduce_dq(dq_smem, dq_acc_ref, (b, pl.ds(i * bq, bq), h, cols), wg,
+                   _at(dq_loaded, wg), kp)
 
     def deferred_tiles(t, *, masked: bool):
       """A deferred step's first half: (ring slot, Q, dO, Pᵀ f32, dSᵀ in kp.dtype, dSᵀ's SMEM
@@ -471,28 +434,22 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       the wait for the other WG's dSᵀ between them (step 0's dQ_part reads the slot the
       pre-arrival released and is not reduced)."""
       dk, dv = carry
-      slot, q_smem, do_smem, p_t, ds16, ds_smem = deferred_tiles(t, masked=masked)
+      slot, q_smem, do_smem, p_t, _, ds_smem = deferred_tiles(t, masked=masked)
       prev_slot = lax.rem(t + 3, 4)
       p16 = p_t.astype(kp.dtype)
       prev_i, prev_h = index(jnp.maximum(t - 1, 0))
       terms, cols = shared_dq_terms(ds_scratch.at[prev_slot])
-      dst = (b, pl.ds(prev_i * bq, bq), prev_h, cols)
-      emit = None
-      if atomic:
-        emit = lambda dq: pl.when(t > 0)(lambda: add_dq(dst)(dq))
-      else:
-        wait_dq_staging()
+      wait_dq_staging()
       with jax.named_scope("grad_mm"):
         dv, dk = _gradient_matmuls(
             dv, dk, p16, ds_smem, q_smem, do_smem, [(dq_smem, terms)], _at(p_scratch, wg),
             lambda: plgpu.barrier_arrive(do_free.at[slot]),
             lambda: plgpu.barrier_arrive(q_free.at[slot]), kp,
-            before_dq=lambda: plgpu.barrier_wait(ds_handoff.at[1 - wg, prev_slot]),
-            ds_regs=ds16 if dk_rs else None, emit_dq=emit)
-      if not atomic:
-        with jax.named_scope("reduce_dq"):
-          pl.when(t > 0)(lambda: _reduce_dq(dq_smem, dq_acc_ref, dst, wg,
-                                            _at(dq_loaded, wg), kp))
+            before_dq=lambda: plgpu.barrier_wait(ds_handoff.at[1 - wg, prev_slot]))
+      with jax.named_scope("reduce_dq"):
+        pl.when(t > 0)(lambda: _reduce_dq(dq_smem, dq_acc_ref,
+                                          (b, pl.ds(prev_i * bq, bq), prev_h, cols), wg,
+                                          _at(dq_loaded, wg), kp))
       return dk, dv
 
     def deferred_step(t, carry, *, masked: bool):
@@ -519,9 +476,8 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       # dSᵀ in SMEM serves both dK (as is) and dQ (its transposed view); wgmma reads it through
       # the async proxy, hence the fence.
       ds_smem = ds_scratch.at[lax.rem(t, 2), wg] if dq_shared else ds_scratch.at[wg]
-      ds16 = ds_t.astype(kp.dtype)
       with jax.named_scope("ds_store"):
-        ds_smem[...] = ds16
+        ds_smem[...] = ds_t.astype(kp.dtype)
         plgpu.commit_smem()
       if dq_shared:
         # Both dSᵀ tiles are needed. The double buffer (by step parity) makes this the only
@@ -529,18 +485,15 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
         # step in between has seen the other WG finish reading it.
         with jax.named_scope("sync_ds"):
           _common.sync(ds_ready)
-      if not atomic:
-        wait_dq_staging()
+      wait_dq_staging()
       plan, dst = dq_plan(t)
       with jax.named_scope("grad_mm"):
         dv, dk = _gradient_matmuls(
             dv, dk, p_t.astype(kp.dtype), ds_smem, q_smem, do_smem, plan, _at(p_scratch, wg),
             lambda: plgpu.barrier_arrive(do_free.at[slot]),
-            lambda: plgpu.barrier_arrive(q_free.at[slot]), kp,
-            ds_regs=ds16 if dk_rs else None, emit_dq=add_dq(dst) if atomic else None)
-      if not atomic:
-        with jax.named_scope("reduce_dq"):
-          _reduce_dq(dq_smem, dq_acc_ref, dst, wg, _at(dq_loaded, wg), kp)
+            lambda: plgpu.barrier_arrive(q_free.at[slot]), kp)
+      with jax.named_scope("reduce_dq"):
+        _reduce_dq(dq_smem, dq_acc_ref, dst, wg, _at(dq_loaded, wg), kp)
       return dk, dv
 
     zeros = plgpu.layout_cast(jnp.zeros((bkv, kp.d), jnp.float32), plgpu.Layout.WGMMA)
@@ -586,8 +539,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
 
 def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q: bool = False,
                dq_blocks: int = 1, dq_shared: bool = False, overlap: bool = False,
-               dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
-               dq_atomic: bool = False, dk_rs: bool = False):
+               dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False):
   """Padded q/do [B, Tp, H, D], k/v [B, Sp, K, D], lse2/delta [B, H, Tp] ->
   (dq_acc [B, Tp, H, D] f32 unscaled, dk [B, Sp, K, D] scaled, dv [B, Sp, K, D])."""
   bsz, s_pad, kh, d = k.shape
@@ -605,7 +557,6 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
       *kv_stream_smem(kp, d),
       plgpu.SMEM(((ds_slots(dq_shared, defer_dq),) if dq_shared else ()) + (2, bkv, bq),
                  kp.dtype, transforms=tiles),
-      None if dq_atomic and not kp.interpret else
       plgpu.SMEM(((dq_slots,) if overlap else ()) + (2, bq, d // 2 if dq_shared else d),
                  jnp.float32, transforms=_common.smem_transforms(jnp.float32)),
       plgpu.SMEM((2, bkv, bq), kp.dtype, transforms=tiles) if kp.interpret else None,
@@ -623,8 +574,7 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   dk, dv = plgpu.kernel(
       functools.partial(_bwd_fused_kernel, kp=kp, stagger_q=stagger_q, dq_blocks=dq_blocks,
                         dq_shared=dq_shared, overlap=overlap, dq_slots=dq_slots,
-                        defer_dq=defer_dq, offset=offset and defer_dq,
-                        dq_atomic=dq_atomic, dk_rs=dk_rs),
+                        defer_dq=defer_dq, offset=offset and defer_dq),
       out_type=(kv_out, kv_out),
       scratch_types=scratch,
       **_launch_order(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"), kp),
@@ -665,7 +615,6 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
                               dq_slots=dq_slots(q.shape[3], config, jnp.dtype(q.dtype).itemsize),
                               defer_dq=("inline" if config.fused_defer_inline
                                         else config.fused_defer_dq),
-                              offset=config.fused_offset,
-                              dq_atomic=config.fused_dq_atomic, dk_rs=config.fused_dk_rs)
+                              offset=config.fused_offset)
   dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)
   return dq, dk[:, :s], dv[:, :s]

@@ -133,13 +133,6 @@ class MosaicConfig:
       unreduced dQ_part instead of a branch).
     fused_offset: with fused_defer_dq: warpgroup 1 starts once warpgroup 0 has its first
       Sᵀ and dPᵀ, so that one's elementwise work runs while the other's matmuls do.
-    fused_dq_atomic: fused backward, not fused_overlap, fused_dq_blocks 1: dQ_part is added
-      into the float32 dQ buffer from registers (`plgpu.atomic_add`, one `red.global.add.f32`
-      per element) instead of being stored to shared memory and TMA reduce-added: no staging
-      buffer (32 KiB at head_dim 128) and ~17 % less shared-memory traffic per CTA step,
-      against 32 scalar reductions per thread per step through L1 to L2.
-    fused_dk_rs: fused backward: dK += dSᵀ·Q takes dSᵀ from registers (as the split dK/dV
-      kernel does) rather than from the shared-memory copy dQ_part reads.
     dkdv_schedule: the split backward's dK/dV kernel, per (q block, query head) step of a
       warpgroup. "serial": Sᵀ and dPᵀ, wait; Pᵀ, dSᵀ; dV += Pᵀ·dO, wait; dK += dSᵀ·Q, wait.
       "batched": dV and dK issued back to back with one wait (dO released as soon as dV
@@ -231,8 +224,6 @@ class MosaicConfig:
   fused_defer_dq: bool = False
   fused_defer_inline: bool = False
   fused_offset: bool = False
-  fused_dq_atomic: bool = False
-  fused_dk_rs: bool = False
   dkdv_schedule: str = "serial"
   dkdv_pingpong: bool = False
   dkdv_fold_stats: bool = False

@@ -86,16 +86,11 @@ def test_hd256_runs_the_wide_backward(causal):
                producer_registers=24)),
     (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_offset=True)),
     (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
-               compute_registers=240, producer_registers=24)),
-    (128, dict(fused_dq_shared=True, fused_dq_atomic=True, fused_dk_rs=True)),
-    (64, dict(fused_dq_atomic=True, fused_dk_rs=True, fused_stages=3)),
-    (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
-               fused_dq_atomic=True, fused_dk_rs=True))],
+               compute_registers=240, producer_registers=24))],
     ids=["d64_bq128", "d64_bkv128", "d64_stages3", "d64_stagger", "d128_dq_blocks2",
          "d128_regs240", "d128_dq_shared", "d128_dq_shared_stages3", "d64_overlap_stages3",
          "d128_overlap_dq_shared_stagger", "d128_overlap_dq_shared_stages3",
-         "d128_defer_dq_regs240", "d128_defer_dq_offset", "d128_defer_inline_regs240",
-         "d128_dq_atomic_dk_rs", "d64_dq_atomic_dk_rs_stages3", "d128_defer_inline_atomic_rs"])
+         "d128_defer_dq_regs240", "d128_defer_dq_offset", "d128_defer_inline_regs240"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fused_variants_lower(d, kw, causal):
   text = _grad_module(1, 1000, 1000, 4, 2, d, causal, _fused(d, causal, **kw))
@@ -141,19 +136,6 @@ def test_defer_dq_needs_a_shared_dq_without_overlap(kw, expected):
   assert expected in backward_fused.unsupported_reason(q, _fused(128, False, **kw))
   ok = _fused(128, False, fused_dq_shared=True, fused_defer_dq=True, fused_offset=True)
   assert backward_fused.unsupported_reason(q, ok) is None
-
-
-def test_dq_atomic_needs_the_staging_free_forms():
-  q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
-  for kw in (dict(fused_overlap=True), dict(fused_dq_blocks=2)):
-    reason = backward_fused.unsupported_reason(q, _fused(128, False, fused_dq_atomic=True, **kw))
-    assert "fused_dq_atomic" in reason, kw
-
-
-def test_dq_atomic_frees_the_staging_buffer():
-  kw = dict(dq_shared=True)
-  assert (backward_fused.smem_bytes(128, 64, 64, 2, **kw)
-          - backward_fused.smem_bytes(128, 64, 64, 2, dq_atomic=True, **kw)) == 2 * 64 * 64 * 4
 
 
 def test_overlap_needs_one_dq_block():
@@ -242,14 +224,6 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
     (1, 200, 260, 2, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
                                                        fused_defer_dq=True,
                                                        fused_defer_inline=True)),
-    # dQ_part added from registers (the interpreter keeps the staged read-modify-write, but
-    # takes the value through the same hand-off) and dK from registers.
-    (1, 190, 130, 4, 2, 128, True, jnp.float16, dict(fused_dq_shared=True, fused_dq_atomic=True,
-                                                     fused_dk_rs=True)),
-    (1, 200, 260, 2, 1, 64, False, jnp.bfloat16, dict(fused_dq_atomic=True)),
-    (1, 330, 260, 2, 1, 128, True, jnp.bfloat16, dict(fused_dq_shared=True, fused_defer_dq=True,
-                                                      fused_defer_inline=True,
-                                                      fused_dq_atomic=True)),
     # bwd_head_group is ignored by the fused kernel (see fused_call).
     (1, 130, 200, 8, 4, 128, True, jnp.bfloat16, dict(fused_dq_shared=True,
                                                       bwd_heads_fastest=True, bwd_head_group=2)),

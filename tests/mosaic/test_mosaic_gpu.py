@@ -162,13 +162,8 @@ FUSED = dict(fused_backward=True, fused_dq_shared=True, compute_registers=240,
 @pytest.mark.fused
 @pytest.mark.parametrize("changes", [{}, dict(fused_defer_dq=True),
                                      dict(fused_defer_dq=True, fused_offset=True),
-                                     dict(fused_defer_dq=True, fused_defer_inline=True),
-                                     dict(fused_dq_atomic=True, fused_dk_rs=True),
-                                     dict(fused_defer_dq=True, fused_defer_inline=True,
-                                          fused_dq_atomic=True, fused_dk_rs=True),
-                                     dict(fused_defer_dq=True, fused_dq_atomic=True)],
-                         ids=["dq_shared", "defer_dq", "defer_dq_offset", "defer_inline",
-                              "atomic_rs", "defer_inline_atomic_rs", "defer_dq_atomic"])
+                                     dict(fused_defer_dq=True, fused_defer_inline=True)],
+                         ids=["dq_shared", "defer_dq", "defer_dq_offset", "defer_inline"])
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 3, 4, 9)], ids=kernel_case_id)
 def test_fused_backward_gradients(case, changes):
   """The single-kernel backward (opt-in; dQ summed by float32 atomics, so compared with the
