@@ -926,8 +926,8 @@ def planned_tail_splits(q, k, params: AttentionParams, config: MosaicConfig):
 
 def _wide_head_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *,
                         params: AttentionParams, config: MosaicConfig):
-  """The backward at D > 128 where backward_wide's kernels do not run (segment ids, or
-  wide_backward="triton"): the split kernels here do not cover it (dK and dV of a 64-row tile
+  """The backward at D > 128 with wide_backward="triton" (backward_wide's kernels are the
+  default): the split kernels here do not cover it (dK and dV of a 64-row tile
   at D = 256 need 256 float32 accumulator registers per thread, more than a warpgroup has).
   Runs the Triton backward kernels (Pallas' Triton lowering, which takes D up to 256, on any
   GPU this backend runs on; in its interpreter when the Mosaic kernels are interpreted):
@@ -954,10 +954,10 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
       from pallas_flash.mosaic_gpu import backward_wide
       reason = backward_wide.unsupported_reason(q, params)
       if reason is None:
-        return backward_wide.backward(q, k, v, o, lse, do, delta, params=params, config=config)
-      if not params.has_segments:  # segment ids take Triton's kernels by design (config.py)
-        warnings.warn(f"wide_backward='mosaic', using the Triton backward instead: {reason}",
-                      stacklevel=2)
+        return backward_wide.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
+                                      config=config)
+      warnings.warn(f"wide_backward='mosaic', using the Triton backward instead: {reason}",
+                    stacklevel=2)
     return _wide_head_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
                                config=config)
   if config.fused_backward:

@@ -11,7 +11,9 @@ warpgroup needs only K and the "dS" warpgroup only V. dSᵀ uses the 16-bit Pᵀ
 at D <= 128 uses float32 Pᵀ), which adds one 16-bit rounding to dSᵀ before its own.
 
 The dQ kernel is backward.py's, with two K slots and one V slot (see DQ_K_STAGES) and the row
-statistics from XLA. No segment ids (those calls keep the Triton backward).
+statistics from XLA. Segment ids (and lengths, folded into them): as in the split kernels, a
+CTA streams only the blocks that may share an id with its tile; here every step of a
+segmented call compares ids (the "P" role masks Pᵀ, which the "dS" role then uses).
 
 On the H200 at 4x4096x8x256 (sixteenth session, fwd+bwd, same run as cuDNN): 431 / 395 TFLOP/s
 non-causal / causal, 1.05x / 1.09x cuDNN; Triton's backward kernels gave 0.57-0.59x. Deviceless
@@ -31,7 +33,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_flash import _blocking
+from pallas_flash import _blocking, masks
 from pallas_flash.mosaic_gpu import _common
 from pallas_flash.mosaic_gpu.backward import (LOG2E, _dq_call, _first_q_block, _launch_order,
                                               _produce_query_streams, _tile_and_head,
@@ -53,8 +55,7 @@ BLOCK_KV, BLOCK_Q, BLOCK_KV_DQ, DQ_K_STAGES, DQ_V_STAGES = 64, 64, 64, 2, 1
 
 def unsupported_reason(q, params: AttentionParams) -> str | None:
   """Why this backward cannot run a call (the caller then runs the Triton backward)."""
-  if params.has_segments:
-    return "segment ids and lengths are not compared in the head-dim-256 kernels"
+  del params  # every feature the Mosaic backend takes
   if q.shape[3] != 256:
     return f"head_dim {q.shape[3]}: these kernels are for 256"
   return None
@@ -64,22 +65,31 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
                        v_smem, q_scratch, do_scratch, lse_scratch, delta_scratch, p_scratch,
                        st_scratch, kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free,
                        do_free, lse_free, delta_free, p_ready, p_free, *,
-                       kp: _common.KernelParams):
+                       kp: _common.KernelParams, seg: _common.SegmentRefs | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   Grid over (Sp / block_kv, K, B) in the backward's launch order; dk/dv_ref [B, Sp, K, D]. k/v_smem
   [block_kv, D], q/do_scratch [stages, block_q, D], lse/delta_scratch [stages, block_q], p_scratch
   [2, block_kv, block_q] (Pᵀ from WG 0 to WG 1, slot t % 2 at step t; p_ready / p_free [2] hand each
   slot over and back), st_scratch [block_kv, block_q] (dSᵀ staging, interpret only). Steps run over
-  (q block, query head) with the head minor, from the first q block that sees the keys.
+  (q block, query head) with the head minor, from the first q block that sees the keys. seg: the
+  keys' and queries' segment ids and per kv tile the hull of q blocks that may share an id with
+  it (backward.py's split dK/dV kernel's); the CTA streams only those and masks every step.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   wg = lax.axis_index("wg")
   b = lax.axis_index("b")
   kt, kvh = _tile_and_head(("kt", "kvh"), k_ref.shape[2], kp)
   k0 = kt * bkv
-  cta_first = _first_q_block(k0, kp)
-  cta_steps = (kp.t_pad // bq - cta_first) * g_size
+  cta_first, cta_last = _first_q_block(k0, kp), kp.t_pad // bq
+  ids = None
+  if seg is not None:
+    first, last, _, _ = _common.segment_limits(seg.limits, b, kt)
+    cta_first, cta_last = jnp.maximum(cta_first, first), jnp.minimum(cta_last, last)
+    cta_last = jnp.maximum(cta_last, cta_first)  # no q block: zero steps, dK = dV = 0
+    ids_at = _common.row_and_col_ids(seg, b, k0, bkv, bq)
+    ids = lambda t: ids_at(index(t)[0] * bq)  # noqa: E731
+  cta_steps = (cta_last - cta_first) * g_size
   rows = (b, pl.ds(k0, bkv), kvh)
 
   def index(step):
@@ -107,7 +117,8 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
       release(slot, streams[2:])  # lse read; delta is the other role's
       p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
       if masked:
-        visible = _common.tile_mask(k0, index(t)[0] * bq, (bkv, bq), kp, transposed=True)
+        visible = _common.tile_mask(k0, index(t)[0] * bq, (bkv, bq), kp, transposed=True,
+                                    ids=ids and ids(t))
         p_t = jnp.where(visible, p_t, 0.0)
       p16 = p_t.astype(kp.dtype)
       p_smem = p_scratch.at[pslot]
@@ -130,7 +141,8 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
     # one: with two loops of dynamic bounds here the Mosaic GPU interpreter hung, before the
     # suite set _common.INTERPRET_XLA_FLAG (the split-tail launches' cause; not retried); the
     # masks' compares are cheap beside the step's two 256-deep products.
-    dv = lax.fori_loop(0, cta_steps, functools.partial(step, masked=kp.causal), dv)
+    dv = lax.fori_loop(0, cta_steps, functools.partial(step, masked=kp.causal or bool(ids)),
+                       dv)
 
     for pslot in range(2):  # each slot's last release, not waited for above: every phase of
       plgpu.barrier_wait(p_free.at[pslot])  # an mbarrier must be observed
@@ -178,8 +190,9 @@ def _store_through(acc, smem, dst, kp: _common.KernelParams):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams):
-  """(dK, dV) [B, Sp, K, D] of padded q/do [B, Tp, H, D], k/v [B, Sp, K, D]."""
+def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, segs=()):
+  """(dK, dV) [B, Sp, K, D] of padded q/do [B, Tp, H, D], k/v [B, Sp, K, D]; segs: () or
+  (kv_seg [B, Sp], q_seg [B, Tp], q limits per kv tile) int32."""
   bsz, s_pad, kh, d = k.shape
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   tiles = _common.smem_transforms(kp.dtype)
@@ -201,14 +214,14 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams):
   ]
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
   return plgpu.kernel(
-      functools.partial(_dkdv_roles_kernel, kp=kp),
+      _common.with_segment_refs(functools.partial(_dkdv_roles_kernel, kp=kp), 6, bool(segs)),
       out_type=(kv_out, kv_out),
       scratch_types=scratch,
       **_launch_order(s_pad // bkv, kh, bsz, ("kt", "kvh", "b"), kp),
       num_threads=3, thread_name="wg",
       compiler_params=_common.compiler_params(kp),
       interpret=_common.interpret_params(kp.interpret),
-  )(q, k, v, do, lse2, delta)
+  )(q, k, v, do, lse2, delta, *segs)
 
 
 def padded_lengths(t: int, s: int) -> tuple[int, int]:
@@ -230,9 +243,11 @@ def kernel_params(qp, kpad, params: AttentionParams, config: MosaicConfig, *, kv
   return tuple(dataclasses.replace(x, bwd_head_group=0) for x in (kp_dq, kp_dkdv))
 
 
-def backward(q, k, v, o, lse, do, delta, *, params: AttentionParams, config: MosaicConfig):
-  """q/do [B, T, H, D] (D = 256), k/v [B, S, K, D], lse as the forward returned it, delta the
-  correction -dlse or None (backward.py's contract) -> (dq, dk, dv)."""
+def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
+             config: MosaicConfig):
+  """q/do [B, T, H, D] (D = 256), k/v [B, S, K, D], q/kv_seg [B, T] / [B, S] int32 or None, lse
+  as the forward returned it, delta the correction -dlse or None (backward.py's contract) ->
+  (dq, dk, dv)."""
   t, s = q.shape[1], k.shape[1]
   t_pad, s_pad = padded_lengths(t, s)
   qp, dop = _blocking.pad_axis(q, 1, t_pad), _blocking.pad_axis(do, 1, t_pad)
@@ -242,6 +257,13 @@ def backward(q, k, v, o, lse, do, delta, *, params: AttentionParams, config: Mos
   lse2 = _blocking.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
   delta = _blocking.pad_axis(delta, 2, t_pad)
   kp_dq, kp_dkdv = kernel_params(qp, kpad, params, config, kv_len=s)
-  dq = _dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq)
-  dk, dv = _dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv)
+  dq_segs = dkdv_segs = ()
+  if params.has_segments:
+    q_seg, kv_seg = _blocking.pad_segments(q_seg, kv_seg, t_pad, s_pad)
+    kv_limits, _ = masks.segment_block_limits(q_seg, kv_seg, block_q=2 * BLOCK_Q,
+                                              block_kv=BLOCK_KV_DQ)
+    _, q_limits = masks.segment_block_limits(q_seg, kv_seg, block_q=BLOCK_Q, block_kv=BLOCK_KV)
+    dq_segs, dkdv_segs = (q_seg, kv_seg, kv_limits), (kv_seg, q_seg, q_limits)
+  dq = _dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs)
+  dk, dv = _dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs)
   return dq[:, :t], dk[:, :s], dv[:, :s]

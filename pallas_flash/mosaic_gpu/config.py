@@ -173,8 +173,8 @@ class MosaicConfig:
       (Pallas' Triton backward kernels). On the H200 at 4x4096x8x256, fwd+bwd (sixteenth session,
       same runs as cuDNN): "triton" 223 / 242 TFLOP/s causal / not (0.59 / 0.57x cuDNN,
       run1), "mosaic" 375 / 398 (0.99 / 0.94x, run1) with one K/V slot in its dQ kernel and
-      395 / 431 (1.09 / 1.05x, run5) with two K slots. Calls with segment ids or lengths
-      take "triton" either way (the D = 256 Mosaic kernels do not compare ids).
+      395 / 431 (1.09 / 1.05x, run5) with two K slots. Segment ids and lengths run on both
+      (the Mosaic kernels compare ids since the seventeenth session).
     bwd_delta_in_kernel: split backward: True: the dQ kernel also TMA-loads its O tile, computes
       delta = rowsum(O∘dO) (float32, minus the lse cotangent) and lse in log2 units itself and
       stores both for the dK/dV kernel, so fwd+bwd runs no XLA op besides the Mosaic kernels

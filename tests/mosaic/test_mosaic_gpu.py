@@ -227,6 +227,8 @@ SEGMENT_CASES = [  # B, T, S, H, K, D, causal, dtype, ids
     (1, 1000, 1100, 4, 2, 128, True, jnp.bfloat16, "unsorted"),
     (2, 777, 777, 4, 4, 128, False, jnp.bfloat16, "lengths"),
     (1, 512, 512, 2, 2, 256, True, jnp.bfloat16, "packed"),
+    (1, 1000, 1100, 4, 2, 256, False, jnp.float16, "unsorted"),
+    (2, 777, 777, 4, 4, 256, True, jnp.bfloat16, "lengths"),
 ]
 
 

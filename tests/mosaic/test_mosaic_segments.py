@@ -33,6 +33,10 @@ CASES = [  # B, T, S, H, K, D, causal, dtype, ids
     # Documents longer than a tile: blocks wholly inside one document skip the id test.
     (1, 640, 640, 2, 2, 64, True, jnp.bfloat16, "long_docs"),
     (2, 576, 576, 2, 1, 64, False, jnp.float16, "long_docs"),
+    # Head dim 256: backward_wide.py's dQ and role-split dK/dV kernels.
+    (1, 320, 320, 2, 1, 256, True, jnp.bfloat16, "packed"),
+    (1, 256, 320, 4, 2, 256, False, jnp.float16, "unmatched"),
+    (1, 200, 200, 2, 2, 256, True, jnp.float16, "unsorted"),
 ]
 
 
