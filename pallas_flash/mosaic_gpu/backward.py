@@ -949,15 +949,11 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   split with a warning)."""
   config = config or _common.config_for(q, k, params)
   d = q.shape[3]
-  if d > 128:
+  if d > 128:  # 256, the one wider head dim the backend takes
     if config.wide_backward == "mosaic":
       from pallas_flash.mosaic_gpu import backward_wide
-      reason = backward_wide.unsupported_reason(q, params)
-      if reason is None:
-        return backward_wide.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
-                                      config=config)
-      warnings.warn(f"wide_backward='mosaic', using the Triton backward instead: {reason}",
-                    stacklevel=2)
+      return backward_wide.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
+                                    config=config)
     return _wide_head_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
                                config=config)
   if config.fused_backward:

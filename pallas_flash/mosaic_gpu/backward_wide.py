@@ -53,14 +53,6 @@ from pallas_flash.params import AttentionParams
 BLOCK_KV, BLOCK_Q, BLOCK_KV_DQ, DQ_K_STAGES, DQ_V_STAGES = 64, 64, 64, 2, 1
 
 
-def unsupported_reason(q, params: AttentionParams) -> str | None:
-  """Why this backward cannot run a call (the caller then runs the Triton backward)."""
-  del params  # every feature the Mosaic backend takes
-  if q.shape[3] != 256:
-    return f"head_dim {q.shape[3]}: these kernels are for 256"
-  return None
-
-
 def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_smem,
                        v_smem, q_scratch, do_scratch, lse_scratch, delta_scratch, p_scratch,
                        st_scratch, kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free,
@@ -141,8 +133,8 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
     # one: with two loops of dynamic bounds here the Mosaic GPU interpreter hung, before the
     # suite set _common.INTERPRET_XLA_FLAG (the split-tail launches' cause; not retried); the
     # masks' compares are cheap beside the step's two 256-deep products.
-    dv = lax.fori_loop(0, cta_steps, functools.partial(step, masked=kp.causal or bool(ids)),
-                       dv)
+    masked = kp.causal or seg is not None
+    dv = lax.fori_loop(0, cta_steps, functools.partial(step, masked=masked), dv)
 
     for pslot in range(2):  # each slot's last release, not waited for above: every phase of
       plgpu.barrier_wait(p_free.at[pslot])  # an mbarrier must be observed
