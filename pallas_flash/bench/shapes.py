@@ -70,8 +70,8 @@ SHAPES: tuple[ShapeSpec, ...] = (
     # The h200-long preset's attention (train/config.py): the shape the training step runs,
     # where the anchors' B=1, H=16 rows have ranked backward variants differently.
     _spec("b2_t16k_h8_k4_d128", 2, 16384, 8, 128, "train", kv_heads=4),
-    # Head dim 256 (Gemma's), 16K tokens per call like the anchors: the Mosaic forward, and
-    # a backward that is not a Mosaic kernel at this head dim (mosaic_gpu/backward.py).
+    # Head dim 256 (Gemma's), 16K tokens per call like the anchors: the Mosaic forward and
+    # backward_wide.py's backward kernels.
     _spec("b4_t4k_h8_d256", 4, 4096, 8, 256, "d256"),
     _spec("cpu_t128", 1, 128, 2, 64, "cpu"),
     _spec("cpu_t96", 2, 96, 2, 32, "cpu"),

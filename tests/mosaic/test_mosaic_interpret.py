@@ -116,6 +116,21 @@ def test_gradients_match_reference(case, stats):
     assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
 
 
+@pytest.mark.parametrize("case", [c for c in BWD if c[5] == 64], ids=kernel_case_id)
+def test_dkdv_kernel_with_128_row_query_tiles_matches_reference(case):
+  """block_q_dkv=128 (the tuned head-dim-64 non-causal dK/dV tiles): Sᵀ and dPᵀ of 64 keys x
+  128 queries per warpgroup, padded rows and causal masking included."""
+  b, t, s, h, kh, d, causal, dtype = case
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t * s + 1)
+  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
+  _, vjp = jax.vjp(lambda *a: attention_reference(*a, None, None, params=p)[0], q, k, v)
+  config = dataclasses.replace(SMALL, block_q_dkv=128)
+  o, lse = forward(q, k, v, None, None, params=p, config=config)
+  got = backward(q, k, v, None, None, o, lse, do, None, params=p, config=config)
+  for name, g, r in zip(("dq", "dk", "dv"), got, vjp(do)):
+    assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
+
+
 def _assert_wide_backward_matches_reference(case, config):
   """The backend's backward at D = 256 with `config`, given the reference's o and lse (the
   Mosaic forward at D = 256 is the GPU suite's) and a cotangent on lse, against the

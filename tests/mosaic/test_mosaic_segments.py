@@ -102,6 +102,19 @@ def test_gradients_with_segments_match_reference(case):
     assert _rel(g, r) <= TOL[case[7]][1], (name, _rel(g, r))
 
 
+@pytest.mark.parametrize("case", [CASES[1], CASES[5]], ids=_case_id)
+def test_gradients_with_segments_and_128_row_dkdv_tiles(case):
+  """block_q_dkv=128 (head dim 64's tuned non-causal dK/dV tiles): the q-block hull and the
+  unmasked runs of a kv tile counted in 128-row blocks."""
+  (q, k, v, do), segs, p = _setup(case)
+  config = dataclasses.replace(SMALL, block_q_dkv=128)
+  _, vjp = jax.vjp(lambda *a: attention_reference(*a, *segs, params=p)[0], q, k, v)
+  o, lse = forward(q, k, v, *segs, params=p, config=config)
+  got = backward(q, k, v, *segs, o, lse, do, None, params=p, config=config)
+  for name, g, r in zip(("dq", "dk", "dv"), got, vjp(do)):
+    assert _rel(g, r) <= TOL[case[7]][1], (name, _rel(g, r))
+
+
 def test_lengths_folded_by_the_api_match_reference():
   """Sequence lengths reach the kernels as segment ids (api._fold_lengths): padded queries get
   zeros and no gradient, padded keys no weight."""
