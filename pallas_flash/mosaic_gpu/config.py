@@ -287,12 +287,16 @@ TUNED: dict[tuple[int, bool], MosaicConfig] = {
     # 602 -> 615 (cuDNN 612), 1x32768x16x128 604 -> 618 (616), 2x16384x8x128 with 4 kv heads
     # 603 -> 606-611 (620); run3: 4x4096x32x64 416 -> 429 (440); the cost model leaves 8K
     # unsplit, where it gained nothing).
-    # hd64 non-causal: the dK/dV kernel streams 128-row q tiles (its dK and dV take only 64
+    # hd64 non-causal: 256-key forward tiles (S of 64 x 256 per warpgroup fits beside a
+    # 64-register O at hd64; seventeenth session, run8, fwd TFLOP/s, same run as cuDNN, 128 ->
+    # 256 keys: 4x4096x32x64 428 -> 453 (cuDNN 444), 1x16384x32x64 447 -> 486 (454),
+    # 16x1024x16x64 395 -> 413 (378); 192 keys was slower everywhere, 64 slower causal).
+    # And the dK/dV kernel streams 128-row q tiles (its dK and dV take only 64
     # registers at hd64, so Sᵀ and dPᵀ fit at 64 x 128 per warpgroup: less shared-memory
     # traffic per product; seventeenth session, run5, fwd+bwd, same run as cuDNN, bitwise equal
     # gradients: 4x4096x32x64 368 -> 393 (cuDNN 415), 16x1024x16x64 324 -> 342 (321); causal
     # level, +2 % at 4K and -1 % at 1K, so not there).
-    (64, False): MosaicConfig(block_q=64, block_kv=128, num_stages=2, fwd_split_tail=True,
+    (64, False): MosaicConfig(block_q=64, block_kv=256, num_stages=2, fwd_split_tail=True,
                               block_q_dkv=128),
     (64, True): MosaicConfig(block_q=64, block_kv=128, num_stages=2),
     # hd128: 2 x 64-row WGs x 128 kv, 2 stages = 160 KiB SMEM (FA3's 128x128 tile), with the

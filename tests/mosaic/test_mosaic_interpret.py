@@ -78,6 +78,17 @@ def test_forward_with_intra_wg_overlap_matches_reference(case):
   _assert_forward_matches_reference(case, dataclasses.replace(SMALL, fwd_intra_wg_overlap=True))
 
 
+@pytest.mark.parametrize("case", [(1, 300, 520, 2, 1, 64, False, jnp.bfloat16),
+                                  (2, 64, 100, 2, 2, 64, False, jnp.float16)], ids=kernel_case_id)
+def test_forward_with_256_key_tiles_matches_reference(case):
+  """block_kv=256 (head dim 64's tuned non-causal forward tiles), padded keys in the last
+  tile; the persistent kernel (short calls) with the same tiles too."""
+  config = dataclasses.replace(SMALL, block_kv=256)
+  _assert_forward_matches_reference(case, config)
+  _assert_forward_matches_reference(case, dataclasses.replace(config, fwd_persistent=True,
+                                                              heads_fastest=True))
+
+
 def test_one_stage_causal_forward_is_refused():
   # One ring slot deadlocks the causal idle steps (found in the interpreter): refuse it.
   q, k, v, _ = kernel_inputs(1, 200, 200, 2, 1, 64, jnp.bfloat16, seed=0)
