@@ -924,6 +924,21 @@ def planned_tail_splits(q, k, params: AttentionParams, config: MosaicConfig):
   return tail_splits(*kps, b, h, kh, params, config)
 
 
+def segment_inputs(q_seg, kv_seg, t_pad: int, s_pad: int, *, dq_tiles: tuple[int, int],
+                   dkdv_tiles: tuple[int, int]):
+  """(dQ kernel's, dK/dV kernel's) segment inputs: the ids padded to t_pad / s_pad and the
+  hull of blocks each CTA tile may share an id with (masks.segment_block_limits).
+
+  dq_tiles: (query rows per dQ CTA, keys per step); dkdv_tiles: (query rows per step, keys per
+  dK/dV CTA)."""
+  q_seg, kv_seg = _blocking.pad_segments(q_seg, kv_seg, t_pad, s_pad)
+  kv_limits, _ = masks.segment_block_limits(q_seg, kv_seg, block_q=dq_tiles[0],
+                                            block_kv=dq_tiles[1])
+  _, q_limits = masks.segment_block_limits(q_seg, kv_seg, block_q=dkdv_tiles[0],
+                                           block_kv=dkdv_tiles[1])
+  return (q_seg, kv_seg, kv_limits), (kv_seg, q_seg, q_limits)
+
+
 def _wide_head_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *,
                         params: AttentionParams, config: MosaicConfig):
   """The backward at D > 128 with wide_backward="triton" (backward_wide's kernels are the
@@ -975,12 +990,9 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
                                      params, config)
   dq_segs = dkdv_segs = ()
   if params.has_segments:
-    q_seg, kv_seg = _blocking.pad_segments(q_seg, kv_seg, t_pad, s_pad)
-    kv_limits, _ = masks.segment_block_limits(q_seg, kv_seg, block_q=2 * config.block_q_dq,
-                                              block_kv=config.block_kv_dq)
-    _, q_limits = masks.segment_block_limits(q_seg, kv_seg, block_q=config.block_q_dkv,
-                                             block_kv=2 * config.block_kv_dkv)
-    dq_segs, dkdv_segs = (q_seg, kv_seg, kv_limits), (kv_seg, q_seg, q_limits)
+    dq_segs, dkdv_segs = segment_inputs(
+        q_seg, kv_seg, t_pad, s_pad, dq_tiles=(2 * config.block_q_dq, config.block_kv_dq),
+        dkdv_tiles=(config.block_q_dkv, 2 * config.block_kv_dkv))
   in_kernel = config.bwd_delta_in_kernel
   if in_kernel and dq_smem_bytes(kp_dq, in_kernel=True, correction=delta is not None) > \
       SMEM_LIMIT_BYTES:

@@ -33,10 +33,11 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_flash import _blocking, masks
+from pallas_flash import _blocking
 from pallas_flash.mosaic_gpu import _common
 from pallas_flash.mosaic_gpu.backward import (LOG2E, _dq_call, _first_q_block, _launch_order,
                                               _produce_query_streams, _tile_and_head,
+                                              segment_inputs,
                                               _wait_streams, _xla_row_stats)
 from pallas_flash.mosaic_gpu.config import MosaicConfig
 from pallas_flash.params import AttentionParams
@@ -80,7 +81,7 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
     cta_first, cta_last = jnp.maximum(cta_first, first), jnp.minimum(cta_last, last)
     cta_last = jnp.maximum(cta_last, cta_first)  # no q block: zero steps, dK = dV = 0
     ids_at = _common.row_and_col_ids(seg, b, k0, bkv, bq)
-    ids = lambda t: ids_at(index(t)[0] * bq)  # noqa: E731
+    ids = lambda t: ids_at(index(t)[0] * bq)  # noqa: E731  (index: below)
   cta_steps = (cta_last - cta_first) * g_size
   rows = (b, pl.ds(k0, bkv), kvh)
 
@@ -251,11 +252,9 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   kp_dq, kp_dkdv = kernel_params(qp, kpad, params, config, kv_len=s)
   dq_segs = dkdv_segs = ()
   if params.has_segments:
-    q_seg, kv_seg = _blocking.pad_segments(q_seg, kv_seg, t_pad, s_pad)
-    kv_limits, _ = masks.segment_block_limits(q_seg, kv_seg, block_q=2 * BLOCK_Q,
-                                              block_kv=BLOCK_KV_DQ)
-    _, q_limits = masks.segment_block_limits(q_seg, kv_seg, block_q=BLOCK_Q, block_kv=BLOCK_KV)
-    dq_segs, dkdv_segs = (q_seg, kv_seg, kv_limits), (kv_seg, q_seg, q_limits)
+    dq_segs, dkdv_segs = segment_inputs(q_seg, kv_seg, t_pad, s_pad,
+                                        dq_tiles=(2 * BLOCK_Q, BLOCK_KV_DQ),
+                                        dkdv_tiles=(BLOCK_Q, BLOCK_KV))
   dq = _dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs)
   dk, dv = _dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs)
   return dq[:, :t], dk[:, :s], dv[:, :s]

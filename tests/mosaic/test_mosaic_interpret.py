@@ -106,18 +106,16 @@ def _stats_id(c):
   return ("kernel_delta" if c[0] else "xla_delta") + ("_dlse" if c[1] else "")
 
 
-@pytest.mark.parametrize("stats", STATS, ids=_stats_id)
-@pytest.mark.parametrize("case", BWD, ids=kernel_case_id)
-def test_gradients_match_reference(case, stats):
+def _assert_gradients_match_reference(case, config, *, lse_cotangent: bool):
+  """The interpreted forward and backward with `config` against the reference's gradients,
+  with or without a cotangent on lse."""
   b, t, s, h, kh, d, causal, dtype = case
-  delta_in_kernel, lse_cotangent = stats
   q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t * s)
   dlse = jax.random.normal(jax.random.key(t + s), (b, h, t), jnp.float32)
   if not lse_cotangent:
     dlse = jnp.zeros_like(dlse)
   p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
   _, vjp = jax.vjp(lambda *a: attention_reference(*a, None, None, params=p), q, k, v)
-  config = dataclasses.replace(SMALL, bwd_delta_in_kernel=delta_in_kernel)
   o, lse = forward(q, k, v, None, None, params=p, config=config)
   # The backend contract (BACKWARD_COMPUTES_DELTA): the forward's lse and delta = -dlse or None.
   got = backward(q, k, v, None, None, o, lse, do, -dlse if lse_cotangent else None, params=p,
@@ -127,19 +125,21 @@ def test_gradients_match_reference(case, stats):
     assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
 
 
+@pytest.mark.parametrize("stats", STATS, ids=_stats_id)
+@pytest.mark.parametrize("case", BWD, ids=kernel_case_id)
+def test_gradients_match_reference(case, stats):
+  delta_in_kernel, lse_cotangent = stats
+  _assert_gradients_match_reference(
+      case, dataclasses.replace(SMALL, bwd_delta_in_kernel=delta_in_kernel),
+      lse_cotangent=lse_cotangent)
+
+
 @pytest.mark.parametrize("case", [c for c in BWD if c[5] == 64], ids=kernel_case_id)
 def test_dkdv_kernel_with_128_row_query_tiles_matches_reference(case):
   """block_q_dkv=128 (the tuned head-dim-64 non-causal dK/dV tiles): Sᵀ and dPᵀ of 64 keys x
   128 queries per warpgroup, padded rows and causal masking included."""
-  b, t, s, h, kh, d, causal, dtype = case
-  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t * s + 1)
-  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
-  _, vjp = jax.vjp(lambda *a: attention_reference(*a, None, None, params=p)[0], q, k, v)
-  config = dataclasses.replace(SMALL, block_q_dkv=128)
-  o, lse = forward(q, k, v, None, None, params=p, config=config)
-  got = backward(q, k, v, None, None, o, lse, do, None, params=p, config=config)
-  for name, g, r in zip(("dq", "dk", "dv"), got, vjp(do)):
-    assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
+  _assert_gradients_match_reference(case, dataclasses.replace(SMALL, block_q_dkv=128),
+                                    lse_cotangent=False)
 
 
 def _assert_wide_backward_matches_reference(case, config):
