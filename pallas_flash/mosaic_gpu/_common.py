@@ -45,6 +45,7 @@ class KernelParams:
   producer_registers: int
   interpret: bool
   intra_wg_overlap: bool = False  # forward: MosaicConfig.fwd_intra_wg_overlap
+  q_registers: bool = False  # forward: MosaicConfig.fwd_q_registers
   dkdv_schedule: str = "serial"  # dK/dV kernel: MosaicConfig.dkdv_schedule
   dkdv_pingpong: bool = False  # dK/dV kernel: MosaicConfig.dkdv_pingpong
   dkdv_fold_stats: bool = False  # dK/dV kernel: MosaicConfig.dkdv_fold_stats
@@ -91,7 +92,8 @@ class KernelParams:
         heads_fastest=config.heads_fastest,
         compute_registers=config.compute_registers,
         producer_registers=config.producer_registers, interpret=config.interpret,
-        intra_wg_overlap=config.fwd_intra_wg_overlap, dkdv_schedule=config.dkdv_schedule,
+        intra_wg_overlap=config.fwd_intra_wg_overlap, q_registers=config.fwd_q_registers,
+        dkdv_schedule=config.dkdv_schedule,
         dkdv_pingpong=config.dkdv_pingpong, dkdv_fold_stats=config.dkdv_fold_stats,
         bwd_heads_fastest=config.bwd_heads_fastest,
         bwd_head_group=config.bwd_head_group,

@@ -36,6 +36,12 @@ class MosaicConfig:
       producer_registers are changed from their defaults the forward then runs at FA3's 240 / 24
       split. On in the head_dim 128 table (+2-3 % at 4K and 16K, level at 4K causal); slower at
       head_dim 64 (390 vs 434 TFLOP/s at 4x4096x32x64).
+    fwd_q_registers: forward: each consumer warpgroup loads its Q tile into registers once
+      (32 registers per thread at 64 x 128) and issues S = Q·Kᵀ with Q as the register operand,
+      so the tensor cores read only K from shared memory (per step at head_dim 128, 64 x 128
+      tiles: 80 instead of 96 KiB of operand reads per warpgroup, beside the 64 KiB of K/V that
+      TMA writes per CTA). Same products, same order: bitwise equal outputs. Interpret mode
+      keeps Q in shared memory (the interpreter has no register-operand wgmma).
     fwd_persistent: forward, non-causal: one CTA per SM loops over the (q tile, head, batch)
       tiles instead of one CTA per tile; the K/V ring runs on across tiles and Q is
       double-buffered, so the next tile's loads overlap the current tile's last steps and
@@ -207,6 +213,7 @@ class MosaicConfig:
   bwd_heads_fastest: bool = False
   bwd_head_group: int = 0
   fwd_intra_wg_overlap: bool = False
+  fwd_q_registers: bool = False
   fwd_persistent: bool = False
   persistent_ctas: int = 0
   fwd_split_tail: bool = False

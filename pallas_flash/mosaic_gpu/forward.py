@@ -322,6 +322,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
+  q_op = _q_operand(q_smem, kp)
 
   sched_sync = functools.partial(_common.sync, bars.sched)
 
@@ -331,7 +332,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
 
     def qk(s_ref):
       with jax.named_scope("issue"):
-        plgpu.wgmma(s_ref, q_smem, k_scratch.at[slot].T)
+        plgpu.wgmma(s_ref, q_op, k_scratch.at[slot].T)
       with jax.named_scope("handoff"):
         sched_sync()  # hand the tensor cores to the other WG while S is computed
       with jax.named_scope("wait_s"):
@@ -390,6 +391,14 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
   return carry
 
 
+def _q_operand(q_smem, kp: _common.KernelParams):
+  """S = Q·Kᵀ's Q operand: the SMEM tile, or with kp.q_registers its [block_q, D] register copy
+  (the WGMMA layout of a register A operand), loaded once per tile."""
+  if kp.q_registers and not kp.interpret:
+    return plgpu.load(q_smem, layout=plgpu.Layout.WGMMA)
+  return q_smem
+
+
 def _softmax(s, m, l, kp: _common.KernelParams):
   """Online softmax (FA2 Alg. 1) of one score tile s [block_q, block_kv] f32.
 
@@ -420,6 +429,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
   ring = _ring(base)
 
   sched_sync = functools.partial(_common.sync, bars.sched)
+  q_op = _q_operand(q_smem, kp)
 
   def softmax(s, j, masked, m, l):
     if masked:
@@ -427,7 +437,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
     return _softmax(s, m, l, kp)
 
   def qk(s_ref):  # K_0 is ready: the caller waited for it
-    plgpu.wgmma(s_ref, q_smem, k_scratch.at[ring(0, stages)].T)
+    plgpu.wgmma(s_ref, q_op, k_scratch.at[ring(0, stages)].T)
     sched_sync()
     return s_ref[...]
 
@@ -452,7 +462,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
 
     def scores_and_softmax(s_ref, issue_pv):
       with jax.named_scope("issue"):
-        plgpu.wgmma(s_ref, q_smem, k_scratch.at[nxt].T)  # S_{j+1}
+        plgpu.wgmma(s_ref, q_op, k_scratch.at[nxt].T)  # S_{j+1}
         issue_pv()  # P_j·V_j, queued behind it
       with jax.named_scope("handoff"):
         sched_sync()  # hand the tensor cores to the other WG
