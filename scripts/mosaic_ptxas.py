@@ -186,6 +186,44 @@ def wgmma_loops(sass: str) -> list[tuple[int, int]]:
   return loops
 
 
+# A wgmma whose A operand is registers: HGMMA.<shape> <acc>, R<a>, gdesc[...]... (4 registers
+# per k-step). Its B operand is transposed (".tnspB") for P·V-style products and not for the
+# S = Q·Kᵀ-style ones, whose A operand is loop-invariant (a tile loaded before the loop).
+_HGMMA_RS = re.compile(r"HGMMA\.\S+ R\d+, R(\d+), gdesc\[[^\]]*\](\.tnspB)?")
+# The first register an instruction writes ("OP Rd, ..."), and how many (.64: two).
+_WRITE = re.compile(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s+R(\d+)\b")
+_ARITH = ("FFMA", "FADD", "FMUL", "MUFU", "F2FP", "FSEL", "FMNMX", "HADD2", "HMUL2", "HFMA2")
+
+
+def invariant_operand_writes(sass: str, loops) -> int:
+  """Register-operand wgmmas, in the loops that issue wgmmas, whose A operand (untransposed B:
+  an S = Q·Kᵀ-style product, its A loaded before the loop) was last written, going back
+  around the loop, by arithmetic rather than by a load or move: ptxas gave the operand's
+  registers to another value while the loop still reads them, a miscompile (the forward's
+  plain loop with MosaicConfig.fwd_q_registers, see forward._q_operand). A reload from a
+  spill slot is not counted. Expected 0."""
+  rows = [(int(m.group(1), 16), ln) for ln in sass.splitlines() if (m := _ADDR.search(ln))]
+  bad = 0
+  for lo, hi in loops:
+    body = [ln for a, ln in rows if lo <= a <= hi]
+    writes = []  # per instruction: (opcode, registers written)
+    for ln in body:
+      m = _WRITE.search(ln)
+      width = 2 if m and ".64" in m.group(1) else 4 if m and m.group(1).startswith("LDSM") else 1
+      writes.append((m.group(1), {int(m.group(2)) + k for k in range(width)}) if m and
+                    not m.group(1).startswith(("HGMMA", "ST", "SYNCS", "RED")) else ("", set()))
+    for n, ln in enumerate(body):
+      if not (m := _HGMMA_RS.search(ln)) or m.group(2):
+        continue
+      for reg in range(int(m.group(1)), int(m.group(1)) + 4):
+        for k in range(1, len(body) + 1):  # backwards around the loop
+          op, regs = writes[n - k]
+          if reg in regs:
+            bad += op.startswith(_ARITH)
+            break
+  return bad
+
+
 def sass_report(ptx: pathlib.Path) -> str:
   """Assembles ptx with ptxas, disassembles it to ptx.with_suffix('.sass') and counts the
   spill loads / stores inside the loops that issue wgmmas."""
@@ -203,7 +241,8 @@ def sass_report(ptx: pathlib.Path) -> str:
             and any(lo <= int(m.group(1), 16) <= hi for lo, hi in loops)]
   return (f"{len(loops)} wgmma loops, {sum('HGMMA' in ln for ln in inside)} HGMMA in them; "
           f"spill loads / stores in them: {sum('LDL' in ln for ln in inside)} / "
-          f"{sum('STL' in ln for ln in inside)}")
+          f"{sum('STL' in ln for ln in inside)}; writes to loop-invariant wgmma register "
+          f"operands: {invariant_operand_writes(sass, loops)}")
 
 
 def main() -> None:

@@ -36,12 +36,17 @@ class MosaicConfig:
       producer_registers are changed from their defaults the forward then runs at FA3's 240 / 24
       split. On in the head_dim 128 table (+2-3 % at 4K and 16K, level at 4K causal); slower at
       head_dim 64 (390 vs 434 TFLOP/s at 4x4096x32x64).
-    fwd_q_registers: forward: each consumer warpgroup loads its Q tile into registers once
-      (32 registers per thread at 64 x 128) and issues S = Q·Kᵀ with Q as the register operand,
-      so the tensor cores read only K from shared memory (per step at head_dim 128, 64 x 128
-      tiles: 80 instead of 96 KiB of operand reads per warpgroup, beside the 64 KiB of K/V that
-      TMA writes per CTA). Same products, same order: bitwise equal outputs. Interpret mode
-      keeps Q in shared memory (the interpreter has no register-operand wgmma).
+    fwd_q_registers: forward with fwd_intra_wg_overlap: each consumer warpgroup loads its Q
+      tile into registers once per tile (32 registers per thread at 64 x 128) and issues
+      S = Q·Kᵀ with Q as the register operand, so the tensor cores read only K from shared
+      memory (per step at head_dim 128, 64 x 128 tiles: 80 instead of 96 KiB of operand reads
+      per warpgroup, beside the 64 KiB of K/V that TMA writes per CTA). Same products, same
+      order: bitwise equal outputs. On in the head_dim 128 table (eighteenth session, run1,
+      fwd TFLOP/s, same run as cuDNN, bitwise equal: 4x4096x16x128 583 -> 592, causal 523 ->
+      522, 1x16384x16x128 597 -> 603, causal 589 -> 599, 1x32768x16x128 607 -> 612, causal
+      602 -> 606, 2x16384x8x128 with 4 kv heads 592 -> 601, causal 589 -> 600). Ignored by the
+      plain loop, where ptxas miscompiles it (forward._q_operand), and in interpret mode (no
+      register-operand wgmma there).
     fwd_persistent: forward, non-causal: one CTA per SM loops over the (q tile, head, batch)
       tiles instead of one CTA per tile; the K/V ring runs on across tiles and Q is
       double-buffered, so the next tile's loads overlap the current tile's last steps and
@@ -314,12 +319,15 @@ TUNED: dict[tuple[int, bool], MosaicConfig] = {
     # dK/dV "overlap" at 240/24 registers for the backward too (sixth session, run1, same run:
     # 4K 453 vs 450, 4K causal 416 vs 422, 16K 498 vs 487, 16K causal 463 vs 458; the forward
     # with the intra-WG overlap already ran at 240/24).
+    # And Q as the register operand of S = Q·Kᵀ (fwd_q_registers; eighteenth session, run1:
+    # +0.9 to +1.9 % forward, level at 4K causal).
     (128, False): MosaicConfig(block_q=64, block_kv=128, num_stages=2, fwd_intra_wg_overlap=True,
-                               dkdv_schedule="overlap", compute_registers=240,
-                               producer_registers=24, fwd_split_tail=True),
+                               fwd_q_registers=True, dkdv_schedule="overlap",
+                               compute_registers=240, producer_registers=24,
+                               fwd_split_tail=True),
     (128, True): MosaicConfig(block_q=64, block_kv=128, num_stages=2, fwd_intra_wg_overlap=True,
-                              dkdv_schedule="overlap", compute_registers=240,
-                              producer_registers=24),
+                              fwd_q_registers=True, dkdv_schedule="overlap",
+                              compute_registers=240, producer_registers=24),
     # hd256: a 128-row kv tile does not fit next to Q (354 KiB); 64 rows = 192 KiB.
     (256, False): MosaicConfig(block_q=64, block_kv=64, num_stages=2),
     (256, True): MosaicConfig(block_q=64, block_kv=64, num_stages=2),

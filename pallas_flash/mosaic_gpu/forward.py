@@ -322,7 +322,6 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
-  q_op = _q_operand(q_smem, kp)
 
   sched_sync = functools.partial(_common.sync, bars.sched)
 
@@ -332,7 +331,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
 
     def qk(s_ref):
       with jax.named_scope("issue"):
-        plgpu.wgmma(s_ref, q_op, k_scratch.at[slot].T)
+        plgpu.wgmma(s_ref, q_smem, k_scratch.at[slot].T)
       with jax.named_scope("handoff"):
         sched_sync()  # hand the tensor cores to the other WG while S is computed
       with jax.named_scope("wait_s"):
@@ -392,8 +391,13 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
 
 
 def _q_operand(q_smem, kp: _common.KernelParams):
-  """S = Q·Kᵀ's Q operand: the SMEM tile, or with kp.q_registers its [block_q, D] register copy
-  (the WGMMA layout of a register A operand), loaded once per tile."""
+  """The overlapped loop's Q operand of S = Q·Kᵀ: the SMEM tile, or with kp.q_registers its
+  [block_q, D] register copy (the WGMMA layout of a register A operand), loaded once per tile.
+
+  Not in the plain loop: there ptxas (CUDA 13.0) gives P's registers to Q's copy while the loop
+  still needs it (SASS: P packed into the registers the next step's S = Q·Kᵀ reads; the H200
+  returned wrong outputs at 16x1024x16x128), where in the overlapped loop, whose P·V is in flight
+  beside S = Q·Kᵀ, it keeps them apart (scripts/mosaic_ptxas.py reports such writes)."""
   if kp.q_registers and not kp.interpret:
     return plgpu.load(q_smem, layout=plgpu.Layout.WGMMA)
   return q_smem

@@ -108,6 +108,17 @@ def test_dkdv_schedules_give_the_same_gradients(case, schedule):
   _assert_same_fwd_bwd(case, dict(dkdv_schedule=schedule), dict(dkdv_schedule="serial"))
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] == 128], ids=kernel_case_id)
+def test_q_registers_give_the_same_outputs(case):
+  """MosaicConfig.fwd_q_registers only moves the forward's Q operand from shared memory into
+  registers (the overlapped loop of the head-dim-128 table): bitwise equal outputs. Also the
+  guard against the ptxas miscompile that keeps it out of the plain loop (forward._q_operand):
+  with tails, float16, GQA and T = 113, whose registers ptxas lays out differently."""
+  d, causal = case[5], case[6]
+  assert TUNED[(d, causal)].fwd_intra_wg_overlap
+  _assert_same_fwd_bwd(case, dict(fwd_q_registers=True), dict(fwd_q_registers=False))
+
+
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 4)], ids=kernel_case_id)
 def test_dkdv_pingpong_gives_the_same_gradients(case):
   """MosaicConfig.dkdv_pingpong only adds schedule-barrier rounds: bitwise equal gradients."""
