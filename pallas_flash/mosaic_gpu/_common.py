@@ -119,12 +119,15 @@ def sm_count() -> int:
 TMA_ROWS = 8
 
 
-def operand_rows(n: int, n_pad: int, interpret: bool) -> int:
+def operand_rows(n: int, n_pad: int, interpret: bool, static_rows: int) -> int:
   """The length the kernels' [B, N, H, D] GMEM operands (true length n, tiles covering n_pad)
-  are padded to: n_pad for the interpreter, whose copies are clamped slices, else n rounded
-  up to TMA_ROWS, since TMA reads the rows past the end as zeros and drops stores past it
-  (padding to n_pad cost XLA copies of q, k, v and o: ~20 % of the forward at 1x5000x16x128)."""
-  return n_pad if interpret else _blocking.round_up(n, TMA_ROWS)
+  are padded to: n rounded up to TMA_ROWS, since TMA reads the rows past the end as zeros
+  and drops stores past it (padding to n_pad cost XLA copies of q, k, v and o: ~20 % of the
+  forward at 1x5000x16x128); but n_pad for the interpreter, whose copies are clamped slices,
+  and where that would end inside the first `static_rows` rows: the producers load their
+  first `stages` blocks at Python-int offsets, which Pallas checks against the length."""
+  rows = _blocking.round_up(n, TMA_ROWS)
+  return n_pad if interpret or rows < static_rows else rows
 
 
 def smem_transforms(dtype):

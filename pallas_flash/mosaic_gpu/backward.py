@@ -988,12 +988,12 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
                   stacklevel=2)
   t, s = q.shape[1], k.shape[1]
   t_pad, s_pad = padded_lengths(t, s, config)
-  t_in = _common.operand_rows(t, t_pad, config.interpret)
-  s_in = _common.operand_rows(s, s_pad, config.interpret)
+  kp_dq, kp_dkdv = split_kernel_params(q, k, params, config, kv_len=s, t_pad=t_pad,
+                                       s_pad=s_pad)
+  t_in = _common.operand_rows(t, t_pad, config.interpret, kp_dkdv.stages * kp_dkdv.block_q)
+  s_in = _common.operand_rows(s, s_pad, config.interpret, kp_dq.stages * kp_dq.block_kv)
   qp, dop, op = (_blocking.pad_axis(x, 1, t_in) for x in (q, do, o))
   kpad, vpad = _blocking.pad_axis(k, 1, s_in), _blocking.pad_axis(v, 1, s_in)
-  kp_dq, kp_dkdv = split_kernel_params(qp, kpad, params, config, kv_len=s, t_pad=t_pad,
-                                       s_pad=s_pad)
   dq_split, dkdv_split = tail_splits(kp_dq, kp_dkdv, q.shape[0], q.shape[2], k.shape[2],
                                      params, config)
   dq_segs = dkdv_segs = ()

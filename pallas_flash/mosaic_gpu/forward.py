@@ -702,8 +702,8 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
     compute, producer = _registers(config)
     kp = dataclasses.replace(kp, compute_registers=compute, producer_registers=producer,
                              intra_wg_overlap=not params.has_segments)
-  t_in = _common.operand_rows(t, t_pad, config.interpret)
-  s_in = _common.operand_rows(s, s_pad, config.interpret)
+  t_in = _common.operand_rows(t, t_pad, config.interpret, 0)
+  s_in = _common.operand_rows(s, s_pad, config.interpret, kp.stages * kp.block_kv)
   qp = _blocking.pad_axis(q, 1, t_in)
   kpad, vpad = _blocking.pad_axis(k, 1, s_in), _blocking.pad_axis(v, 1, s_in)
   segs = ()

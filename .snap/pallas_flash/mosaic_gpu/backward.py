@@ -701,12 +701,14 @@ def dq_smem_bytes(kp: _common.KernelParams, *, in_kernel: bool, correction: bool
 
 def _dq_call(q, k, v, do, o, lse, delta, *, kp: _common.KernelParams, segs=(),
              split: split_tail.TailSplit | None = None):
-  """dQ [B, Tp, H, D], or (dQ, lse2, delta) when o is given: see _bwd_dq_kernel's two forms
+  """dQ [B, T, H, D], or (dQ, lse2, delta) when o is given: see _bwd_dq_kernel's two forms
   (o None: lse in log2 units and the full delta; else natural-log lse and delta the correction
-  or None). segs: () or (q_seg [B, Tp], kv_seg [B, Sp], kv limits per q tile) int32.
-  split (no segs): the split tail; dQ then comes back with the tail tiles summed in from
+  or None). q, do, o [B, T, H, D] and k, v [B, S, K, D] padded as _common.operand_rows says;
+  lse, delta and the lse2 and delta it returns [B, H, Tp]. segs: () or (q_seg [B, Tp], kv_seg [B, Sp], kv limits per q tile)
+  int32. split (no segs): the split tail; dQ then comes back with the tail tiles summed in from
   their parts."""
-  bsz, t_pad, h, d = q.shape
+  bsz, _, h, d = q.shape
+  t_pad = kp.t_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   tiles = _common.smem_transforms(kp.dtype)
   in_kernel = o is not None
@@ -792,9 +794,12 @@ def kv_stream_barriers(kp: _common.KernelParams) -> list:
 
 def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, segs=(),
                split: split_tail.TailSplit | None = None):
-  """(dK, dV) [B, Sp, K, D]; segs: () or (kv_seg [B, Sp], q_seg [B, Tp], q limits per kv tile)
-  int32. split (no segs): the split tail, its tiles summed in from their parts."""
-  bsz, s_pad, kh, d = k.shape
+  """(dK, dV) [B, S, K, D] for q, do [B, T, H, D] and k, v [B, S, K, D], T and S padded as
+  _common.operand_rows says; lse2, delta [B, H, Tp]. segs: () or (kv_seg
+  [B, Sp], q_seg [B, Tp], q limits per kv tile) int32. split (no segs): the split tail, its
+  tiles summed in from their parts."""
+  bsz, _, kh, d = k.shape
+  s_pad = kp.s_pad
   bq, bkv = kp.block_q, kp.block_kv
   tiles = _common.smem_transforms(kp.dtype)
   scratch = [
@@ -862,10 +867,10 @@ def _xla_row_stats(o, lse, do, correction):
 
 
 def split_kernel_params(qp, kpad, params: AttentionParams, config: MosaicConfig, *,
-                        kv_len: int):
-  """(dQ kernel's, dK/dV kernel's) KernelParams for padded qp [B, Tp, H, D], kpad [B, Sp, K, D]
-  whose true key count is kv_len."""
-  t_pad, s_pad = qp.shape[1], kpad.shape[1]
+                        kv_len: int, t_pad: int | None = None, s_pad: int | None = None):
+  """(dQ kernel's, dK/dV kernel's) KernelParams for qp [B, T, H, D], kpad [B, S, K, D] whose true
+  key count is kv_len, padded to t_pad / s_pad (by default their lengths: padded arrays)."""
+  t_pad, s_pad = t_pad or qp.shape[1], s_pad or kpad.shape[1]
   make = functools.partial(_common.KernelParams.make, qp, kpad, params=params, t_pad=t_pad,
                            s_pad=s_pad, kv_len=kv_len, config=config)
   return (make(block_q=config.block_q_dq, block_kv=config.block_kv_dq,
@@ -983,9 +988,12 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
                   stacklevel=2)
   t, s = q.shape[1], k.shape[1]
   t_pad, s_pad = padded_lengths(t, s, config)
-  qp, dop = _blocking.pad_axis(q, 1, t_pad), _blocking.pad_axis(do, 1, t_pad)
-  kpad, vpad = _blocking.pad_axis(k, 1, s_pad), _blocking.pad_axis(v, 1, s_pad)
-  kp_dq, kp_dkdv = split_kernel_params(qp, kpad, params, config, kv_len=s)
+  t_in = _common.operand_rows(t, t_pad, config.interpret)
+  s_in = _common.operand_rows(s, s_pad, config.interpret)
+  qp, dop, op = (_blocking.pad_axis(x, 1, t_in) for x in (q, do, o))
+  kpad, vpad = _blocking.pad_axis(k, 1, s_in), _blocking.pad_axis(v, 1, s_in)
+  kp_dq, kp_dkdv = split_kernel_params(qp, kpad, params, config, kv_len=s, t_pad=t_pad,
+                                       s_pad=s_pad)
   dq_split, dkdv_split = tail_splits(kp_dq, kp_dkdv, q.shape[0], q.shape[2], k.shape[2],
                                      params, config)
   dq_segs = dkdv_segs = ()
@@ -1003,7 +1011,6 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   if in_kernel:
     # The dQ kernel computes lse2 and delta from O and dO (FA2's preprocessing) and hands them
     # to the dK/dV kernel, so no XLA op runs before the kernels.
-    op = _blocking.pad_axis(o, 1, t_pad)
     lse = _blocking.pad_axis(lse, 2, t_pad, jnp.inf)
     if delta is not None:
       delta = _blocking.pad_axis(delta, 2, t_pad)

@@ -547,13 +547,16 @@ def _registers(config: MosaicConfig) -> tuple[int, int]:
 
 def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0, segs=(),
              split: split_tail.TailSplit | None = None):
-  """Runs the kernel on padded q [B, Tp, H, D], k/v [B, Sp, K, D] -> (o [B, Tp, H, D], lse).
+  """Runs the kernel on q [B, T, H, D], k/v [B, S, K, D] -> (o [B, T, H, D], lse [B, H, Tp]),
+  T and S padded as _common.operand_rows says (up to kp.t_pad and kp.s_pad, or less: TMA
+  reads rows past the end as zeros and drops stores past it); lse always has kp.t_pad rows.
 
   persistent_ctas > 0 (non-causal, no segments): `_fwd_persistent_kernel` on that many CTAs.
   segs: () or the padded (q_seg [B, Tp], kv_seg [B, Sp], kv_limits [B, q tiles, 4]) int32.
   split (non-causal, no segments, not persistent): the split tail; the result is then
   (o, lse, o_part, lse_part) with the tail tiles of o and lse unwritten (`combine_tail`)."""
-  bsz, t_pad, h, d = q.shape
+  bsz, _, h, d = q.shape
+  t_pad = kp.t_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   tiles = _common.smem_transforms(kp.dtype)
   persistent = persistent_ctas > 0
@@ -638,7 +641,8 @@ def tail_split(q, config: MosaicConfig, params: AttentionParams, kv_blocks: int,
 
 
 def combine_tail(o, lse, o_part, lse_part, split: split_tail.TailSplit):
-  """o [B, Tp, H, D], lse [B, H, Tp] with the split tail's tiles merged in from its parts:
+  """o [B, T or Tp, H, D], lse [B, H, Tp] with the split tail's tiles merged in from its parts
+  (rows past o's end dropped):
   o_part [tail tiles · parts, 2, block_q, D], lse_part [.., 2, block_q] float32, each part
   normalised over its own keys, so o = Σ exp(lse_p − lse) o_p with lse = logsumexp_p lse_p."""
   r, parts = split.tail_tiles, split.parts
@@ -698,8 +702,10 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
     compute, producer = _registers(config)
     kp = dataclasses.replace(kp, compute_registers=compute, producer_registers=producer,
                              intra_wg_overlap=not params.has_segments)
-  qp = _blocking.pad_axis(q, 1, t_pad)
-  kpad, vpad = _blocking.pad_axis(k, 1, s_pad), _blocking.pad_axis(v, 1, s_pad)
+  t_in = _common.operand_rows(t, t_pad, config.interpret)
+  s_in = _common.operand_rows(s, s_pad, config.interpret)
+  qp = _blocking.pad_axis(q, 1, t_in)
+  kpad, vpad = _blocking.pad_axis(k, 1, s_in), _blocking.pad_axis(v, 1, s_in)
   segs = ()
   if params.has_segments:
     q_seg, kv_seg = _blocking.pad_segments(q_seg, kv_seg, t_pad, s_pad)

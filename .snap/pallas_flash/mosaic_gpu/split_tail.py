@@ -136,11 +136,13 @@ def plan(num_tiles: int, heads: int, batch: int, steps: int, *, heads_fastest: b
 
 def set_tiles(x, values, split: TailSplit):
   """x [B, R, H, D] with the rows of each split tile replaced: values [tail_tiles, rows, D],
-  a tile's rows being rows·tile .. rows·(tile + 1) - 1 of head h and batch entry b."""
+  a tile's rows being rows·tile .. rows·(tile + 1) - 1 of head h and batch entry b; rows past
+  R (an unpadded x) are dropped."""
   b, h, tile = split.tail_coords()
   rows_per_tile = values.shape[1]
   rows = tile[:, None] * rows_per_tile + np.arange(rows_per_tile)
-  return x.at[b[:, None], rows, h[:, None]].set(values.astype(x.dtype), unique_indices=True)
+  return x.at[b[:, None], rows, h[:, None]].set(values.astype(x.dtype), unique_indices=True,
+                                                 mode="drop")
 
 
 def sum_parts(x, part, split: TailSplit):

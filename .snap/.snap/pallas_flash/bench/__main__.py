@@ -1,0 +1,323 @@
+"""Benchmark: correctness against the float32 reference, then TFLOP/s next to cuDNN and XLA.
+
+Usage (from the repository root; see docs/perf.md for how numbers are produced):
+
+  python -m pallas_flash.bench                                  # anchors, default impls
+  python -m pallas_flash.bench --impl triton,mosaic,cudnn,jax_xla --json bench.json
+  python -m pallas_flash.bench --memory --impl mosaic --max-seq 1048576
+  python -m pallas_flash.bench --shapes cpu --impl xla,reference --iters 2   # on a CPU
+
+Implementations: mosaic, triton, xla (blockwise), interpret, reference (pallas_flash), cudnn and
+jax_xla (jax.nn.dot_product_attention with implementation="cudnn" / "xla", materialising).
+Every row is checked before it is timed; a row whose relative error exceeds the dtype's
+tolerance is marked FAIL but still timed and printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from pallas_flash.bench import checks, flops, memory, shapes, timing
+
+DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
+# max|x - ref| / max|ref| above which a row is FAIL (outputs and gradients alike).
+TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}
+_CAUSAL = {"both": (False, True), "no": (False,), "yes": (True,)}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="python -m pallas_flash.bench", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--impl", default=None, help=f"comma list of {timing.ALL_IMPLS}; default: "
+                 "what explain() says runs here among mosaic,triton,xla, plus cudnn, jax_xla")
+  p.add_argument("--shapes", default="anchors", help=f"tags {sorted(shapes.TAGS)} or names")
+  p.add_argument("--mode", default="fwd,fwdbwd", help="comma list of fwd, fwdbwd")
+  p.add_argument("--causal", default="both", choices=sorted(_CAUSAL))
+  p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+  p.add_argument("--iters", type=int, default=5, help="timed loops (median is reported)")
+  p.add_argument("--min-loop-ms", type=float, default=50.0, help="minimum duration of a loop")
+  p.add_argument("--check-seq-cap", type=int, default=4096,
+                 help="longest sequence checked against the reference (see shapes.check_spec)")
+  p.add_argument("--xla-cap-gib", type=float, default=32.0,
+                 help="skip jax_xla where its B*H*T*T*4-byte score matrix exceeds this")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--json", default=None, metavar="FILE", help="write all rows as JSON")
+  p.add_argument("--memory", action="store_true", help="memory mode (causal fwd+bwd, B=1)")
+  p.add_argument("--start-seq", type=int, default=1024, help="memory mode: first length")
+  p.add_argument("--max-seq", type=int, default=1 << 20, help="memory mode: longest length")
+  p.add_argument("--heads", type=int, default=shapes.MEMORY_HEADS, help="memory mode: H")
+  p.add_argument("--head-dim", type=int, default=shapes.MEMORY_HEAD_DIM, help="memory mode: D")
+  return p.parse_args(argv)
+
+
+def run_metadata() -> dict:
+  """Where and when: device kind, jax version, git commit (best effort), UTC date.
+
+  $PALLAS_FLASH_COMMIT names the commit when set: a `git archive` snapshot has no repository of
+  its own, and `git rev-parse` would report whatever checkout encloses it."""
+  commit = os.environ.get("PALLAS_FLASH_COMMIT", "")
+  try:
+    commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                      text=True, timeout=10, check=True).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    pass
+  commit = commit or "unknown"
+  dev = jax.devices()[0]
+  return {"device_kind": dev.device_kind, "platform": dev.platform,
+          "jax_version": jax.__version__, "git_commit": commit,
+          "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Correctness
+
+
+def _names(mode: str) -> tuple[str, ...]:
+  return ("o",) if mode == "fwd" else ("dq", "dk", "dv")
+
+
+def _as_tuple(out) -> tuple:
+  return out if isinstance(out, tuple) else (out,)
+
+
+def _heads(xs: tuple, counts: tuple[int, ...]) -> tuple:
+  """Each x [B, T, heads, D] cut to its first `count` heads."""
+  return tuple(x[:, :, :n] for x, n in zip(xs, counts, strict=True))
+
+
+def reference_outputs(args: tuple, *, mode: str, is_causal: bool) -> tuple[jax.Array, ...]:
+  """The float32 reference's o (fwd) or (dq, dk, dv) (fwdbwd) on upcast `args` (q, k, v, do:
+  [B, T, H, D], k and v [B, T, K, D])."""
+  step = timing.make_step("reference", mode=mode, is_causal=is_causal)
+  return _as_tuple(step(*(x.astype(jnp.float32) for x in args)))
+
+
+def check(impl: str, compiled, args: tuple, spec: shapes.ShapeSpec, *, mode: str,
+          is_causal: bool, seq_cap: int, reference) -> tuple[dict[str, float], str]:
+  """Relative error per output of `impl` on the check shape (shapes.check_spec's rule).
+
+  `reference(check_args)` returns the reference outputs (cached by the caller per group).
+  Returns ({"o": err} or {"dq": .., "dk": .., "dv": ..}, label of the shape checked).
+  """
+  small = shapes.check_spec(spec, seq_cap=seq_cap)
+  hc, kc, tc = small.num_heads, small.kv_heads, small.seq_len
+  # Whole GQA groups: the first hc query heads are exactly those of the first kc kv heads.
+  arg_heads, out_heads = (hc, kc, kc, hc), ((hc,) if mode == "fwd" else (hc, kc, kc))
+  if tc == spec.seq_len:  # check the benchmarked call itself, on its first heads
+    out = _heads(_as_tuple(compiled(*args)), out_heads)
+  else:  # rerun the implementation on the leading slice
+    args = _heads(tuple(x[:, :tc] for x in args), arg_heads)
+    out = _as_tuple(timing.make_step(impl, mode=mode, is_causal=is_causal)(*args))
+  small_args = _heads(args, arg_heads)
+  ref = reference(small_args)
+  errs = {n: float(checks.rel_err(o, r)) for n, o, r in zip(_names(mode), out, ref, strict=True)}
+  return errs, small.label
+
+
+# ---------------------------------------------------------------------------------------------
+# One row
+
+
+def prepare_case(impl: str, spec: shapes.ShapeSpec, args: tuple, *, mode: str, is_causal: bool,
+                 opts: argparse.Namespace, reference) -> tuple[dict, object]:
+  """Compiles and checks `impl` on one (shape, mode, causal): its JSON row (errors filled in)
+  and the compiled step to time, or None where it is skipped or failed."""
+  dtype = args[0].dtype
+  row = {"kind": "speed", "mode": mode, "shape": spec.name, "label": spec.label,
+         "batch": spec.batch, "seq_len": spec.seq_len, "num_heads": spec.num_heads,
+         "num_kv_heads": spec.kv_heads,
+         "head_dim": spec.head_dim, "dtype": jnp.dtype(dtype).name, "causal": is_causal,
+         "impl": impl, "status": "skip", "reason": None, "ms": None, "tflops": None,
+         "ratio_cudnn": None, "rel_err": None, "rel_errs": None, "check_shape": None,
+         "tolerance": TOLERANCE[jnp.dtype(dtype).name], "compile_s": None,
+         "flops": flops.attention_flops(spec, is_causal=is_causal, mode=mode)}
+  row["reason"] = timing.skip_reason(impl, spec, dtype, is_causal=is_causal,
+                                     xla_cap_gib=opts.xla_cap_gib)
+  if row["reason"] is not None:
+    return row, None
+  try:
+    step = timing.make_step(impl, mode=mode, is_causal=is_causal)
+    compiled, row["compile_s"] = timing.compile_step(step, args)
+    errs, row["check_shape"] = check(impl, compiled, args, spec, mode=mode, is_causal=is_causal,
+                                     seq_cap=opts.check_seq_cap, reference=reference)
+  except Exception as e:  # noqa: BLE001 -- one broken row must not stop the table
+    row.update(status="error", reason=f"{type(e).__name__}: {str(e).strip()[:300]}")
+    return row, None
+  rel = max(errs.values())
+  row.update(rel_errs=errs, rel_err=rel, status="ok" if rel <= row["tolerance"] else "FAIL")
+  return row, compiled
+
+
+def run_group(impls: list[str], spec: shapes.ShapeSpec, args: tuple, *, mode: str,
+              is_causal: bool, opts: argparse.Namespace, reference) -> list[dict]:
+  """Checks every implementation on one (shape, mode, causal), then times those that ran in
+  interleaved rounds (timing.time_interleaved); returns their JSON rows in `impls` order."""
+  prepared = [prepare_case(i, spec, args, mode=mode, is_causal=is_causal, opts=opts,
+                           reference=reference) for i in impls]
+  to_time = {row["impl"]: compiled for row, compiled in prepared if compiled is not None}
+  kw = dict(iters=opts.iters, min_loop_s=opts.min_loop_ms / 1e3)
+  try:
+    timings = timing.time_interleaved(to_time, args, **kw)
+  except Exception:  # noqa: BLE001 -- find the failing one: time each on its own
+    timings = {}
+    for row, compiled in prepared:
+      if compiled is None:
+        continue
+      try:
+        timings.update(timing.time_interleaved({row["impl"]: compiled}, args, **kw))
+      except Exception as e:  # noqa: BLE001 -- one broken row must not stop the table
+        row.update(status="error", reason=f"{type(e).__name__}: {str(e).strip()[:300]}")
+  for row, _ in prepared:
+    if (t := timings.get(row["impl"])) is not None:
+      row.update(ms=t.median_s * 1e3, tflops=flops.tflops(row["flops"], t.median_s),
+                 loop_ms=[s * 1e3 for s in t.loop_s], calls_per_loop=t.calls_per_loop)
+  return [row for row, _ in prepared]
+
+
+def _add_ratios(rows: list[dict]) -> None:
+  """ratio_cudnn = tflops / cuDNN's tflops on the same (mode, shape, causal)."""
+  base = next((r["tflops"] for r in rows if r["impl"] == "cudnn" and r["tflops"]), None)
+  for r in rows:
+    if base and r["tflops"]:
+      r["ratio_cudnn"] = r["tflops"] / base
+
+
+# ---------------------------------------------------------------------------------------------
+# Printing
+
+
+def _fmt(x, spec: str, none: str = "-") -> str:
+  return none if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def print_group(rows: list[dict]) -> None:
+  r0 = rows[0]
+  print(f"\n{r0['mode']} {r0['shape']} ({r0['label']}) causal={'yes' if r0['causal'] else 'no'}"
+        f" {r0['dtype']}  {r0['flops']:.3e} FLOP")
+  print(f"  {'impl':<10}{'status':<7}{'ms':>10}{'TFLOP/s':>9}{'/cuDNN':>8}{'rel_err':>9}"
+        f"{'compile_s':>10}  check")
+  for r in rows:
+    print(f"  {r['impl']:<10}{r['status']:<7}{_fmt(r['ms'], '.3f'):>10}"
+          f"{flops.format_tflops(r['tflops']):>9}{_fmt(r['ratio_cudnn'], '.2f'):>8}"
+          f"{_fmt(r['rel_err'], '.1e'):>9}{_fmt(r['compile_s'], '.1f'):>10}  "
+          f"{r['check_shape'] or r['reason'] or ''}", flush=True)
+
+
+def _cell(r: dict) -> str:
+  if r["status"] in ("skip", "error"):
+    return r["status"]
+  ratio = f" ({r['ratio_cudnn']:.2f})" if r["ratio_cudnn"] else ""
+  cell = flops.format_tflops(r["tflops"]) + ratio
+  return cell + ("!" if r["status"] == "FAIL" else "")
+
+
+def print_summary(rows: list[dict], impls: list[str]) -> None:
+  """TFLOP/s (ratio to cuDNN) per (mode, shape, causal) and implementation; ! marks FAIL."""
+  print("\nSummary: TFLOP/s (ratio to cuDNN); ! = FAIL (rel_err above tolerance)")
+  print(f"| mode | B×T×H×D | causal | {' | '.join(impls)} |")
+  print("|---|---|---|" + "---|" * len(impls))
+  groups: dict[tuple, dict[str, dict]] = {}
+  for r in rows:
+    groups.setdefault((r["mode"], r["label"], r["causal"]), {})[r["impl"]] = r
+  for (mode, label, causal), by_impl in groups.items():
+    cells = [_cell(by_impl[i]) if i in by_impl else "" for i in impls]
+    print(f"| {mode} | {label} | {'yes' if causal else 'no'} | {' | '.join(cells)} |")
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+
+
+def _impls(opts: argparse.Namespace, first: shapes.ShapeSpec, dtype) -> list[str]:
+  if opts.impl is None:
+    return timing.default_impls(first, dtype)
+  impls = [i.strip() for i in opts.impl.split(",") if i.strip()]
+  unknown = set(impls) - set(timing.ALL_IMPLS)
+  if unknown:
+    raise SystemExit(f"Unknown implementations {sorted(unknown)}; choose from "
+                     f"{timing.ALL_IMPLS}.")
+  return impls
+
+
+def run_speed(opts: argparse.Namespace, specs: list[shapes.ShapeSpec], impls: list[str],
+              dtype, on_group=lambda rows: None) -> list[dict]:
+  """All rows of the speed table, printing each (mode, shape, causal) group as it finishes and
+  passing the rows so far to `on_group`."""
+  modes = [m.strip() for m in opts.mode.split(",") if m.strip()]
+  rows = []
+  for spec in specs:
+    args = shapes.make_inputs(spec, dtype, opts.seed)
+    for mode in modes:
+      for is_causal in _CAUSAL[opts.causal]:
+        reference = _cached_reference(mode, is_causal)
+        group = run_group(impls, spec, args, mode=mode, is_causal=is_causal, opts=opts,
+                          reference=reference)
+        _add_ratios(group)
+        print_group(group)
+        rows += group
+        on_group(rows)
+    del args
+  return rows
+
+
+def _cached_reference(mode: str, is_causal: bool):
+  """reference(args) for one group: computed once, reused by every implementation."""
+  cache: dict[tuple, tuple] = {}
+
+  def reference(args: tuple) -> tuple:
+    key = tuple(x.shape for x in args)
+    if key not in cache:
+      cache[key] = reference_outputs(args, mode=mode, is_causal=is_causal)
+    return cache[key]
+
+  return reference
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+  opts = parse_args(argv)
+  start = time.perf_counter()
+  dtype = DTYPES[opts.dtype]
+  meta = run_metadata()
+  print(" ".join(f"{k}={v}" for k, v in meta.items()))
+  if opts.memory:
+    specs = shapes.memory_specs(start=opts.start_seq, max_seq=opts.max_seq, heads=opts.heads,
+                                head_dim=opts.head_dim)
+    if not specs:
+      raise SystemExit(f"--start-seq {opts.start_seq} exceeds --max-seq {opts.max_seq}.")
+    impls = _impls(opts, specs[0], dtype)
+    rows = memory.run_memory(impls, specs, dtype, seed=opts.seed)
+    memory.print_memory(rows)
+  else:
+    specs = shapes.select_shapes(opts.shapes)
+    impls = _impls(opts, specs[0], dtype)
+    # Rewritten after every group, so that a run cut off by a time limit keeps what it measured.
+    rows = run_speed(opts, specs, impls, dtype, on_group=lambda r: _write_json(opts, r, meta))
+    print_summary(rows, impls)
+  rows = _write_json(opts, rows, meta)
+  if opts.json:
+    print(f"\nwrote {len(rows)} rows to {opts.json}")
+  print(f"total {time.perf_counter() - start:.0f} s")
+  return rows
+
+
+def _write_json(opts: argparse.Namespace, rows: list[dict], meta: dict) -> list[dict]:
+  """The rows with the run's metadata, also written to --json when given."""
+  rows = [{**r, **meta} for r in rows]
+  if opts.json:
+    with open(opts.json, "w") as f:
+      json.dump(rows, f, indent=1)
+  return rows
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,0 +1,37 @@
+"""FLOP counts, by the convention of shared/ANCHORS.md and the FlashAttention benchmarks.
+
+Only the matrix work counts: the forward does two matmuls of 2*B*H*T*S*D each (q.k^T and p.v),
+so 4*B*H*T*S*D, halved when causal (the exact causal count is a little over half; the
+convention ignores that so numbers compare across papers). The backward does 2.5x the forward's
+matmuls, so forward+backward is 3.5x the forward.
+"""
+
+from __future__ import annotations
+
+from pallas_flash.bench.shapes import ShapeSpec
+
+MODES: tuple[str, ...] = ("fwd", "fwdbwd")
+_MODE_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5}
+
+
+def attention_flops(spec: ShapeSpec, *, is_causal: bool, mode: str) -> float:
+  """Matmul FLOPs of one call on `spec` (self-attention: S = T)."""
+  if mode not in _MODE_FACTOR:
+    raise ValueError(f"Unknown mode {mode!r}; choose one of {MODES}.")
+  b, t, h, d = spec.shape
+  forward = 4.0 * b * h * t * t * d
+  if is_causal:
+    forward /= 2
+  return forward * _MODE_FACTOR[mode]
+
+
+def tflops(flops: float, seconds: float) -> float:
+  """TFLOP/s (10^12 FLOP per second)."""
+  return flops / seconds / 1e12
+
+
+def format_tflops(x: float | None) -> str:
+  """TFLOP/s for tables: whole numbers on a GPU, significant digits for tiny CPU runs."""
+  if x is None:
+    return "-"
+  return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 1 else f"{x:.2g}"

@@ -1,0 +1,243 @@
+"""An `attention_fn` for Flax's own attention layers that runs the flash kernels.
+
+`flax.nnx.MultiHeadAttention(attention_fn=...)` and `flax.linen.MultiHeadDotProductAttention(
+attention_fn=...)` call it exactly like `flax.nnx.dot_product_attention`. Calls run on the kernels
+of `pallas_flash.flash_attention`, including a dense `bias` or boolean `mask` and dropout with
+`broadcast_dropout=False`. Three things fall back to Flax's dense attention, with a one-time
+warning naming why: dropout with `broadcast_dropout=True` (Flax's default: one [T, S] dropout mask
+shared by every batch element and head; the kernels draw an independent mask per (batch, head,
+row, column) from a hash and cannot share one), sowing attention weights (`sow_weights=True`;
+the kernels never form them) and linen's custom einsum arguments.
+
+A dense `bias` or `mask` runs in the kernels without storing [B, H, T, S] probabilities, but it
+is still a T x S input (and the bias gradient a T x S output). A causal mask built with
+`make_causal_mask` is never recognised as causal (it is a traced array), so it costs a dense mask
+read and disables block skipping: pass `is_causal=True` to the layer call or use
+`make_attention_fn(is_causal=True)` and drop the mask for the cheapest path.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_flash.api import flash_attention
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+  """Warns once per distinct reason per process (cleared in tests with `_warn_once.cache_clear`)."""
+  warnings.warn(
+      f"pallas_flash attention_fn falls back to dense (materialising) attention: {reason}. "
+      "This uses O(T*S) memory.", stacklevel=4)
+
+
+def _dropout_active(dropout_rate, deterministic) -> bool:
+  return dropout_rate > 0.0 and not deterministic
+
+
+def _fallback_reason(*, dropout_rate, deterministic, broadcast_dropout, module,
+                     linen_only) -> str | None:
+  """Why a call cannot run on the flash kernels, or None when it can."""
+  if _dropout_active(dropout_rate, deterministic) and broadcast_dropout:
+    return (f"attention dropout (dropout_rate={dropout_rate}) with broadcast_dropout=True shares "
+            "one [T, S] dropout mask over batch and heads, while the kernels draw an independent "
+            "mask per (batch, head, row, column); pass broadcast_dropout=False to the layer to "
+            "run dropout in the kernels")
+  if module is not None:
+    return "attention weights are sown (sow_weights=True) and the kernels never form them"
+  if linen_only:
+    return f"custom einsum arguments {sorted(linen_only)} were given"
+  return None
+
+
+def _promote(query, key, value, dtype):
+  """Casts q/k/v to one dtype as Flax's promote_dtype does: `dtype`, else their result type."""
+  dtype = dtype or jnp.result_type(query, key, value)
+  return tuple(jnp.asarray(x, dtype) for x in (query, key, value))
+
+
+def _flatten_batch(x: jax.Array) -> jax.Array:
+  """[batch..., L, H, D] -> [prod(batch...), L, H, D] (rank 3 gets a batch of 1)."""
+  return x.reshape(math.prod(x.shape[:-3]), *x.shape[-3:])
+
+
+def _flatten_dense(name: str, x, batch_shape: tuple[int, ...]):
+  """A Flax bias/mask, broadcastable to [batch..., H, T, S], as [prod(batch...)|1, H|1, T|1, S|1].
+
+  Batch axes that are all 1 stay one broadcast axis (the kernels read one copy); batch axes that
+  are only partly broadcast are expanded to `batch_shape` before flattening, so the flattened
+  index matches the one q/k/v get from `_flatten_batch`.
+  """
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if name == "mask" and x.dtype != jnp.bool_:  # Flax's make_attention_mask gives float 0/1
+    x = x != 0  # as jnp.where(mask, ...) reads it
+  n = len(batch_shape)
+  if x.ndim > n + 3:
+    raise ValueError(f"`{name}` of shape {x.shape} has more axes than [batch..., heads, q_len, "
+                     f"kv_len] with batch {batch_shape}.")
+  x = x.reshape((1,) * (n + 3 - x.ndim) + x.shape)
+  lead, tail = x.shape[:n], x.shape[n:]
+  if any(a not in (1, b) for a, b in zip(lead, batch_shape)):
+    raise ValueError(f"`{name}` of shape {x.shape} does not broadcast over batch {batch_shape}.")
+  if all(a == 1 for a in lead):
+    return x.reshape(1, *tail)
+  return jnp.broadcast_to(x, batch_shape + tail).reshape(math.prod(batch_shape), *tail)
+
+
+def _dense(query, key, value, *, kwargs: dict, linen_kw: dict, module, is_causal: bool):
+  """Flax's own dense attention: linen's when the call came from linen, else nnx's."""
+  from flax import linen, nnx  # local: importing pallas_flash must not require flax
+
+  from_linen = isinstance(module, linen.Module) or any(
+      v is not None for k, v in linen_kw.items() if k != "force_fp32_for_softmax")
+  if from_linen:  # linen's dot_product_attention has no is_causal: express it as a mask
+    if is_causal:
+      kwargs["mask"] = _and_mask(kwargs["mask"], _causal_mask(query.shape[-3], key.shape[-3]))
+    return linen.dot_product_attention(query, key, value, module=module, **kwargs, **linen_kw)
+  return nnx.dot_product_attention(query, key, value, module=module, is_causal=is_causal,
+                                   **kwargs)
+
+
+def flash_attention_fn(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any = None,
+    precision: Any = None,
+    module: Any = None,
+    is_causal: bool = False,
+    force_fp32_for_softmax: bool = False,
+    qk_attn_weights_einsum: Any = None,
+    attn_weights_value_einsum: Any = None,
+    *,
+    scale: float | None = None,
+    implementation: str | None = None,
+    config: Any = None,
+    query_segment_ids: jax.Array | None = None,
+    key_value_segment_ids: jax.Array | None = None,
+) -> jax.Array:
+  """Drop-in `attention_fn` for `nnx.MultiHeadAttention` and `linen.MultiHeadDotProductAttention`.
+
+  Every argument named like `flax.nnx.dot_product_attention`'s (linen filters the keywords it
+  passes by this signature, so they are all spelled out) means what it means there. The
+  keyword-only ones configure the kernels; bind them with `make_attention_fn`.
+
+  Args:
+    query: [batch..., T, H, D]; key, value: [batch..., S, K, D] with H % K == 0.
+    bias, mask: broadcastable to [batch..., H, T, S] (`mask` boolean, True = attend); run in
+      the kernels (bias differentiable). A row whose mask hides every key gets zeros here, where
+      Flax's dense attention averages all values.
+    dropout_rate, deterministic, dropout_rng, broadcast_dropout: active dropout (rate > 0 and
+      not deterministic) runs in the kernels when broadcast_dropout=False (an independent mask
+      per batch, head, row and column, as Flax draws it then, but from a hash of dropout_rng, so
+      not Flax's bits); broadcast_dropout=True falls back to dense attention.
+    dtype: compute dtype q/k/v are cast to (Flax semantics); default their result type.
+    precision: used by the dense fallback only (the kernels accumulate in float32).
+    module: a module to sow attention weights into; forces the dense fallback.
+    is_causal: causal masking (nnx passes it through from `MultiHeadAttention.__call__`).
+    force_fp32_for_softmax: accepted for linen; the kernels' softmax is always float32.
+    qk_attn_weights_einsum, attn_weights_value_einsum: linen hooks; force the dense fallback.
+    scale: softmax scale, default 1/sqrt(D).
+    implementation, config: passed to `pallas_flash.flash_attention`.
+    query_segment_ids, key_value_segment_ids: [batch..., T] / [batch..., S] packed-document ids.
+
+  Returns:
+    [batch..., T, H, D] in the compute dtype.
+  """
+  query, key, value = _promote(query, key, value, dtype)
+  linen_only = {n for n, v in (("qk_attn_weights_einsum", qk_attn_weights_einsum),
+                               ("attn_weights_value_einsum", attn_weights_value_einsum))
+                if v is not None}
+  reason = _fallback_reason(dropout_rate=dropout_rate, deterministic=deterministic,
+                            broadcast_dropout=broadcast_dropout, module=module,
+                            linen_only=linen_only)
+  if reason is not None:
+    _warn_once(reason)
+    if query_segment_ids is not None:
+      mask = _and_mask(mask, _segment_mask(query_segment_ids, key_value_segment_ids))
+    if scale is not None:  # Flax's dense attention scales by 1/sqrt(D): fold the difference in q
+      query = query * jnp.asarray(scale * math.sqrt(query.shape[-1]), query.dtype)
+    kwargs = dict(bias=bias, mask=mask, broadcast_dropout=broadcast_dropout,
+                  dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+                  deterministic=deterministic, dtype=dtype, precision=precision)
+    linen_kw = dict(force_fp32_for_softmax=force_fp32_for_softmax,
+                    qk_attn_weights_einsum=qk_attn_weights_einsum,
+                    attn_weights_value_einsum=attn_weights_value_einsum)
+    return _dense(query, key, value, kwargs=kwargs, linen_kw=linen_kw, module=module,
+                  is_causal=is_causal)
+  batch_shape = query.shape[:-3]
+  q, k, v = map(_flatten_batch, (query, key, value))
+  q_seg, kv_seg = (None if s is None else jnp.asarray(s).reshape(-1, s.shape[-1])
+                   for s in (query_segment_ids, key_value_segment_ids))
+  dropout_kw = {}
+  if _dropout_active(dropout_rate, deterministic):
+    dropout_kw = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+  out = flash_attention(q, k, v, _flatten_dense("bias", bias, batch_shape),
+                        _flatten_dense("mask", mask, batch_shape), scale=scale,
+                        is_causal=is_causal, query_segment_ids=q_seg,
+                        key_value_segment_ids=kv_seg, implementation=implementation,
+                        config=config, **dropout_kw)
+  return out.reshape(*batch_shape, *out.shape[-3:])
+
+
+def _causal_mask(t: int, s: int) -> jax.Array:
+  """[1, 1, T, S] top-left causal mask, as jax.nn.dot_product_attention defines it."""
+  return (jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])[None, None]
+
+
+def _and_mask(mask, other):
+  return other if mask is None else jnp.logical_and(mask, other)
+
+
+def _segment_mask(q_seg, kv_seg):
+  """Dense [batch..., 1, T, S] form of segment ids [batch..., T] / [batch..., S]."""
+  kv_seg = q_seg if kv_seg is None else kv_seg
+  return (q_seg[..., :, None] == kv_seg[..., None, :])[..., None, :, :]
+
+
+def make_attention_fn(*, is_causal: bool | None = None, scale: float | None = None,
+                      implementation: str | None = None, config: Any = None):
+  """`flash_attention_fn` with kernel options bound, ready for `attention_fn=`.
+
+  Args:
+    is_causal: force causal masking on every call (for layers whose caller cannot pass
+      `is_causal`, such as linen's); None keeps the per-call value.
+    scale: softmax scale, default 1/sqrt(D).
+    implementation, config: passed to `pallas_flash.flash_attention`.
+
+  Returns:
+    A function with `flax.nnx.dot_product_attention`'s signature.
+  """
+  kernel_kw = dict(scale=scale, implementation=implementation, config=config)
+  bound_causal = is_causal
+  if is_causal is None:
+    return functools.partial(flash_attention_fn, **kernel_kw)
+
+  @functools.wraps(flash_attention_fn)
+  def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+                   dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
+                   precision=None, module=None, force_fp32_for_softmax=False,
+                   qk_attn_weights_einsum=None, attn_weights_value_einsum=None,
+                   is_causal=None):
+    del is_causal  # the bound value wins over the caller's
+    return flash_attention_fn(
+        query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
+        deterministic, dtype, precision, module, bound_causal, force_fp32_for_softmax,
+        qk_attn_weights_einsum, attn_weights_value_einsum, **kernel_kw)
+
+  del attention_fn.__wrapped__  # inspect.signature must see this wrapper's parameters (linen)
+  return attention_fn

@@ -1,0 +1,206 @@
+"""A native NNX multi-head attention layer on the flash kernels.
+
+Parameters are named and shaped like `flax.nnx.MultiHeadAttention`'s (`query`, `key`, `value`:
+`LinearGeneral` kernels [in, H|K, D] and biases [H|K, D]; `out`: kernel [H, D, out], bias [out]),
+so `nnx.update(flax_layer, nnx.state(flash_layer, nnx.Param))` moves weights either way.
+What it adds over `nnx.MultiHeadAttention(attention_fn=...)`: segment ids for packed documents,
+per-document rotary positions, the structured masks and logit transforms the kernels compute
+without any T x S array (`local_window_size`, `logits_soft_cap`, `alibi_slopes`) and the kernel
+`implementation`/`config`, all as constructor arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallas_flash.api import flash_attention
+from pallas_flash.flax.rotary import apply_rotary
+
+# The signature every attention function this layer calls must have (pallas_flash.flash_attention
+# has it; models/ wraps jax.nn.dot_product_attention to it for baselines):
+#   fn(query [B, T, H, D], key [B, S, K, D], value [B, S, K, D], *, is_causal: bool,
+#      query_segment_ids: [B, T] | None, key_value_segment_ids: [B, S] | None) -> [B, T, H, D]
+# plus, only when the layer sets them, `local_window_size`, `logits_soft_cap` and `alibi_slopes`
+# keywords as `pallas_flash.flash_attention` takes them.
+AttentionFn = Callable[..., jax.Array]
+
+
+def alibi_slopes(num_heads: int) -> tuple[float, ...]:
+  """The ALiBi paper's slopes: 2**(-8 (h + 1) / H) for a power-of-two H; otherwise those of the
+  nearest smaller power of two n followed by every other slope of 2n (Press et al., 2022)."""
+  def geometric(n):
+    return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+  n = 2 ** int(math.floor(math.log2(num_heads)))
+  slopes = geometric(n) + geometric(2 * n)[0::2][:num_heads - n]
+  return tuple(slopes)
+
+
+class FlashMultiHeadAttention(nnx.Module):
+  """Multi-head (GQA/MQA) attention: q/k/v projections, rotary, flash attention, out projection.
+
+  Attributes:
+    num_heads: H query heads; num_kv_heads: K key/value heads (H % K == 0).
+    head_dim: D = qkv_features // num_heads.
+    is_causal: default causality of `__call__`.
+    rope_theta: rotary base period, or None for no rotary embedding.
+    local_window_size, logits_soft_cap: as passed to the constructor (None: unused).
+    alibi: the per-head ALiBi slopes as a tuple of floats, or None.
+  """
+
+  def __init__(
+      self,
+      num_heads: int,
+      in_features: int,
+      qkv_features: int | None = None,
+      out_features: int | None = None,
+      num_kv_heads: int | None = None,
+      *,
+      is_causal: bool = False,
+      rope_theta: float | None = None,
+      local_window_size: int | tuple[int, int] | None = None,
+      logits_soft_cap: float | None = None,
+      alibi: bool | Sequence[float] | None = None,
+      use_bias: bool = True,
+      dtype: Any = None,
+      param_dtype: Any = jnp.float32,
+      kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
+      out_kernel_init: nnx.Initializer | None = None,
+      bias_init: nnx.Initializer = nnx.initializers.zeros_init(),
+      kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+      out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+      implementation: str | None = None,
+      config: Any = None,
+      attention_fn: AttentionFn | None = None,
+      rngs: nnx.Rngs,
+  ):
+    """Builds the projections.
+
+    Args:
+      num_heads, in_features, qkv_features, out_features, num_kv_heads, use_bias, dtype,
+        param_dtype, kernel_init, out_kernel_init, bias_init, kernel_metadata,
+        out_kernel_metadata: as in `nnx.MultiHeadAttention` (`dtype` is the compute dtype,
+        e.g. bfloat16 over float32 parameters; metadata carries sharding annotations).
+      is_causal: default for `__call__`.
+      rope_theta: apply rotary embeddings to q and k with this base period (None: none).
+      local_window_size: sliding-window attention, as `pallas_flash.flash_attention` takes it:
+        an int w (= (w, w)) or (left, right); query i sees keys i - left .. i + right (with
+        causal masking, (W - 1, 0) is a causal window of W tokens). Key blocks outside the
+        window are skipped.
+      logits_soft_cap: c > 0 caps each scaled logit s to c * tanh(s / c) (Gemma 2).
+      alibi: ALiBi position bias -slope[h] * |i - j| on the logits, computed in the kernels:
+        True for `alibi_slopes(num_heads)`, or one slope per query head (fixed, not trained).
+      implementation, config: passed to `pallas_flash.flash_attention`.
+      attention_fn: replaces `pallas_flash.flash_attention` (same keyword signature, see
+        `AttentionFn`); `implementation`/`config` are then not used.
+      rngs: parameter initialisation.
+    """
+    qkv_features = qkv_features or in_features
+    num_kv_heads = num_kv_heads or num_heads
+    if qkv_features % num_heads:
+      raise ValueError(f"qkv_features ({qkv_features}) must be divisible by num_heads "
+                       f"({num_heads}).")
+    if num_heads % num_kv_heads:
+      raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads "
+                       f"({num_kv_heads}).")
+    self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+    self.head_dim = qkv_features // num_heads
+    if rope_theta is not None and self.head_dim % 2:
+      raise ValueError(f"Rotary embeddings need an even head_dim, got {self.head_dim}.")
+    self.in_features = in_features
+    self.is_causal, self.rope_theta = is_causal, rope_theta
+    if alibi is True:
+      alibi = alibi_slopes(num_heads)
+    elif alibi is False:
+      alibi = None
+    if alibi is not None:
+      alibi = tuple(float(x) for x in alibi)
+      if len(alibi) != num_heads:
+        raise ValueError(f"`alibi` needs one slope per query head ({num_heads}), got "
+                         f"{len(alibi)}.")
+    if isinstance(local_window_size, list):
+      local_window_size = tuple(local_window_size)
+    # Static Python values (tuples, floats): part of the module's structure, not its state.
+    self.local_window_size, self.logits_soft_cap = local_window_size, logits_soft_cap
+    self.alibi = alibi
+    self.attention_fn = attention_fn or functools.partial(
+        flash_attention, implementation=implementation, config=config)
+    linear = functools.partial(
+        nnx.LinearGeneral, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
+        bias_init=bias_init, use_bias=use_bias, kernel_metadata=kernel_metadata, rngs=rngs)
+    self.query = linear(in_features, out_features=(num_heads, self.head_dim))
+    self.key = linear(in_features, out_features=(num_kv_heads, self.head_dim))
+    self.value = linear(in_features, out_features=(num_kv_heads, self.head_dim))
+    self.out = nnx.LinearGeneral(
+        in_features=(num_heads, self.head_dim), out_features=out_features or in_features,
+        axis=(-2, -1), dtype=dtype, param_dtype=param_dtype,
+        kernel_init=out_kernel_init or kernel_init, bias_init=bias_init, use_bias=use_bias,
+        kernel_metadata=out_kernel_metadata or kernel_metadata, rngs=rngs)
+
+  def __call__(
+      self,
+      inputs_q: jax.Array,
+      inputs_kv: jax.Array | None = None,
+      *,
+      segment_ids: jax.Array | None = None,
+      kv_segment_ids: jax.Array | None = None,
+      positions: jax.Array | None = None,
+      kv_positions: jax.Array | None = None,
+      is_causal: bool | None = None,
+  ) -> jax.Array:
+    """Attends from `inputs_q` to `inputs_kv` (self-attention when None).
+
+    Args:
+      inputs_q: [B, T, in_features]; inputs_kv: [B, S, in_features] or None.
+      segment_ids: [B, T] int32 document ids; a query sees only keys of its document.
+      kv_segment_ids: [B, S]; defaults to segment_ids (self-attention).
+      positions: [B, T] rotary positions, default arange(T) (pass per-document positions for
+        packed sequences); kv_positions: [B, S], default `positions` for self-attention.
+      is_causal: overrides the constructor's default.
+
+    Returns:
+      [B, T, out_features] in the compute dtype.
+    """
+    self_attention = inputs_kv is None
+    inputs_kv = inputs_q if self_attention else inputs_kv
+    query = self.query(inputs_q)  # [B, T, H, D]
+    key = self.key(inputs_kv)  # [B, S, K, D]
+    value = self.value(inputs_kv)  # [B, S, K, D]
+    if self.rope_theta is not None:
+      query, key = self._rotate(query, key, positions, kv_positions, self_attention)
+    if segment_ids is not None and kv_segment_ids is None:
+      kv_segment_ids = segment_ids
+    x = self.attention_fn(
+        query, key, value, is_causal=self.is_causal if is_causal is None else is_causal,
+        query_segment_ids=segment_ids, key_value_segment_ids=kv_segment_ids,
+        **self._feature_kwargs())  # [B, T, H, D]
+    return self.out(x)
+
+  def _feature_kwargs(self) -> dict:
+    """The optional attention features this layer uses (none: a plain AttentionFn suffices)."""
+    kw = {}
+    if self.local_window_size is not None:
+      kw["local_window_size"] = self.local_window_size
+    if self.logits_soft_cap is not None:
+      kw["logits_soft_cap"] = self.logits_soft_cap
+    if self.alibi is not None:
+      kw["alibi_slopes"] = jnp.asarray(self.alibi, jnp.float32)
+    return kw
+
+  def _rotate(self, query, key, positions, kv_positions, self_attention: bool):
+    """Rotary embeddings on q [B, T, H, D] and k [B, S, K, D]."""
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(query.shape[-3]), query.shape[:-2])
+    if kv_positions is None:
+      kv_positions = positions if self_attention else jnp.broadcast_to(
+          jnp.arange(key.shape[-3]), key.shape[:-2])
+    return (apply_rotary(query, positions, theta=self.rope_theta),
+            apply_rotary(key, kv_positions, theta=self.rope_theta))

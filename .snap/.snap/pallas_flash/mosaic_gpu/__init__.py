@@ -1,0 +1,33 @@
+"""Hopper (sm_90) FlashAttention kernels in Pallas Mosaic GPU: TMA, wgmma, warp specialisation."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_flash.mosaic_gpu.backward import backward
+from pallas_flash.mosaic_gpu.config import TUNED, MosaicConfig, default_config
+from pallas_flash.mosaic_gpu.forward import forward
+from pallas_flash.params import CallInfo
+
+CONFIG_TYPE = MosaicConfig
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# `backward` takes the forward's lse and only the lse cotangent's correction as delta, and
+# computes rowsum(O∘dO) itself, in the dQ kernel (see pallas_flash.params).
+BACKWARD_COMPUTES_DELTA = True
+
+
+def unsupported_reason(call: CallInfo) -> str | None:
+  """Why the Mosaic GPU kernels cannot run `call`, or None when they can."""
+  cc = call.compute_capability
+  if call.platform != "gpu" or cc is None or cc[0] != 9:
+    cc = "" if cc is None else f" (compute capability {cc[0]}.{cc[1]})"
+    return f"needs a Hopper GPU (sm_90), this is {call.platform} {call.device_kind!r}{cc}"
+  if jnp.dtype(call.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"wgmma kernels take bfloat16 or float16, not {jnp.dtype(call.dtype).name}"
+  if call.head_dim not in SUPPORTED_HEAD_DIMS:
+    return f"head_dim {call.head_dim} is not one of {SUPPORTED_HEAD_DIMS}"
+  return None
+
+
+__all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "MosaicConfig", "TUNED", "backward",
+           "default_config", "forward", "unsupported_reason"]

@@ -1,0 +1,356 @@
+"""Pieces shared by the Mosaic GPU forward and backward kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, NamedTuple
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_flash.mosaic_gpu.config import MosaicConfig, tuned
+from pallas_flash.params import AttentionParams
+
+# Per-row vectors (m, l, lse, delta) of a wgmma accumulator tile; `COL` for its columns.
+ROW = plgpu.Layout.WGMMA.reduce(1)
+COL = plgpu.Layout.WGMMA.reduce(0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelParams:
+  """Everything a kernel body needs statically (shapes after padding, blocks, masking)."""
+
+  dtype: jnp.dtype
+  d: int
+  group: int  # G = H // K
+  block_q: int
+  block_kv: int
+  stages: int
+  num_q_tiles: int  # forward: tiles of 2 * block_q rows
+  num_kv_blocks: int
+  t_pad: int
+  s_pad: int
+  kv_len: int  # true S: keys >= kv_len are padding
+  q_len: int  # true T
+  causal: bool
+  scale: float
+  heads_fastest: bool
+  compute_registers: int
+  producer_registers: int
+  interpret: bool
+  intra_wg_overlap: bool = False  # forward: MosaicConfig.fwd_intra_wg_overlap
+  q_registers: bool = False  # forward: MosaicConfig.fwd_q_registers
+  dkdv_schedule: str = "serial"  # dK/dV kernel: MosaicConfig.dkdv_schedule
+  dkdv_pingpong: bool = False  # dK/dV kernel: MosaicConfig.dkdv_pingpong
+  dkdv_fold_stats: bool = False  # dK/dV kernel: MosaicConfig.dkdv_fold_stats
+  bwd_heads_fastest: bool = False  # backward kernels: MosaicConfig.bwd_heads_fastest
+  bwd_head_group: int = 0  # backward kernels: MosaicConfig.bwd_head_group
+  profile_dir: str = ""  # MosaicConfig.profile_dir
+  segments: bool = False  # segment ids (or lengths folded into them) are compared
+  v_stages: int = 0  # dQ kernel: depth of the V ring where it differs from K's (0: stages)
+
+  @property
+  def c(self) -> float:
+    """softmax_scale·log2(e): scores times c are in log2 units for exp2."""
+    return self.scale * math.log2(math.e)
+
+  @property
+  def dq_v_stages(self) -> int:
+    """The dQ kernel's V ring depth (its K ring has `stages`)."""
+    return self.v_stages or self.stages
+
+  @property
+  def kv_tail(self) -> bool:
+    return self.kv_len != self.s_pad
+
+  @property
+  def needs_mask(self) -> bool:
+    return self.causal or self.kv_tail or self.segments
+
+  def kv_steps(self, q_end):
+    """Key blocks that query rows [.., q_end) see: all of them, or up to the causal diagonal."""
+    if not self.causal:
+      return self.num_kv_blocks
+    return jnp.minimum(self.num_kv_blocks, lax.div(q_end + self.block_kv - 1, self.block_kv))
+
+  @staticmethod
+  def make(q, k, *, params: AttentionParams, block_q: int, block_kv: int, stages: int,
+           t_pad: int, s_pad: int, kv_len: int, config: MosaicConfig,
+           q_tile_rows: int | None = None) -> KernelParams:
+    return KernelParams(
+        dtype=jnp.dtype(q.dtype), d=q.shape[3], group=q.shape[2] // k.shape[2],
+        block_q=block_q, block_kv=block_kv, stages=stages,
+        num_q_tiles=t_pad // (q_tile_rows or 2 * block_q), num_kv_blocks=s_pad // block_kv,
+        t_pad=t_pad, s_pad=s_pad, kv_len=kv_len, q_len=q.shape[1], causal=params.is_causal,
+        scale=params.scale,
+        heads_fastest=config.heads_fastest,
+        compute_registers=config.compute_registers,
+        producer_registers=config.producer_registers, interpret=config.interpret,
+        intra_wg_overlap=config.fwd_intra_wg_overlap, q_registers=config.fwd_q_registers,
+        dkdv_schedule=config.dkdv_schedule,
+        dkdv_pingpong=config.dkdv_pingpong, dkdv_fold_stats=config.dkdv_fold_stats,
+        bwd_heads_fastest=config.bwd_heads_fastest,
+        bwd_head_group=config.bwd_head_group,
+        profile_dir=config.profile_dir, segments=params.has_segments)
+
+
+def config_for(q, k, params: AttentionParams) -> MosaicConfig:
+  return tuned(q.shape[3], params.is_causal, k.shape[1])
+
+
+def sm_count() -> int:
+  """Streaming multiprocessors of the local GPU; 132 (H100 SXM, H200) where none is visible,
+  as when lowering for an abstract device."""
+  try:
+    return jax.local_devices(backend="gpu")[0].core_count
+  except Exception:  # no GPU backend here (CPU, interpret mode, deviceless lowering)
+    return 132
+
+
+def smem_transforms(dtype):
+  """Tiling + 128-byte swizzle that wgmma and TMA expect for 16-bit [rows, D] tiles."""
+  itemsize = jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128))
+
+
+def compiler_params(kp: KernelParams | None = None, steps: int = 0):
+  """kp: the kernel's parameters (only kp.profile_dir is read); steps: the most loop steps a
+  warpgroup runs, to size the profiler's event buffer."""
+  # approx_math: exp2 -> ex2.approx.ftz.f32, log2 -> lg2.approx (one MUFU op each).
+  # reduction_scratch_bytes=0: only per-row reductions (inside a warp) are used, and the 2 KiB
+  # it would reserve is what lets 3 stages or 192-row kv tiles fit at head_dim 128.
+  if kp is None or not kp.profile_dir:
+    return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
+  # Up to ~8 named regions (16 events) per step and warpgroup; the bounds check truncates a
+  # trace rather than overrunning the buffer if that is ever too few.
+  return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
+                              profile_space=16 * steps + 64, profile_dir=kp.profile_dir,
+                              profile_bounds_check=True)
+
+
+# The Mosaic GPU interpreter runs each warpgroup of a CTA as its own XLA:CPU computation, whose
+# barrier waits block inside host callbacks. XLA's concurrency-optimised schedule lets those
+# callbacks run on XLA's intra-op thread pool (one thread per core): on a 2-core machine two
+# consumer warpgroups waiting for their first K/V tile hold both threads, and the producer's
+# computation, which would issue that copy, never gets one. The launch deadlocks with no CPU
+# in use (the "interpreter hangs" of the twelfth to fourteenth sessions). XLA reads the flag
+# when its CPU client starts, so it must be in XLA_FLAGS before JAX's first computation.
+INTERPRET_XLA_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+_warned_interpret_flag = False
+
+
+def with_interpret_xla_flag(xla_flags: str) -> str:
+  """XLA_FLAGS with INTERPRET_XLA_FLAG added (unchanged when the option is already set)."""
+  if INTERPRET_XLA_FLAG.split("=")[0] in xla_flags:
+    return xla_flags
+  return f"{xla_flags} {INTERPRET_XLA_FLAG}".strip()
+
+
+def interpret_params(interpret: bool):
+  """plgpu.InterpretGPUParams for the Mosaic GPU interpreter, or None to compile for a GPU.
+
+  Warns once when XLA_FLAGS lacks INTERPRET_XLA_FLAG, without which some launches deadlock.
+  """
+  global _warned_interpret_flag
+  if not interpret:
+    return None
+  flags = os.environ.get("XLA_FLAGS", "")
+  if not _warned_interpret_flag and with_interpret_xla_flag(flags) != flags:
+    _warned_interpret_flag = True
+    warnings.warn(
+        "The Mosaic GPU interpreter can deadlock on machines with few cores unless XLA's "
+        "concurrency-optimised CPU schedule is off: start Python with XLA_FLAGS containing "
+        f"{INTERPRET_XLA_FLAG} (the test suite's conftest.py sets it).", RuntimeWarning,
+        stacklevel=2)
+  return plgpu.InterpretGPUParams()
+
+
+def visible(row0, col0, shape, kp: KernelParams, *, transposed: bool = False):
+  """[rows, cols] bool: which keys each query sees (causal and padded-key tail).
+
+  Rows are queries and columns keys; with `transposed`, rows are keys and columns queries.
+  """
+  r = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
+  c = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + col0
+  qi, kj = (c, r) if transposed else (r, c)
+  mask = None
+  if kp.causal:
+    mask = qi >= kj
+  if kp.kv_tail:
+    tail = kj < kp.kv_len
+    mask = tail if mask is None else mask & tail
+  return mask
+
+
+def first_masked_block(q0, steps, kp: KernelParams):
+  """First kv block that rows [q0, q0 + block_q) must mask; blocks before it are all visible."""
+  lo = steps
+  if kp.causal:
+    lo = jnp.minimum(lo, lax.div(q0, kp.block_kv))
+  if kp.kv_tail:
+    lo = jnp.minimum(lo, kp.num_kv_blocks - 1)
+  return lo
+
+
+class SegmentRefs(NamedTuple):
+  """A kernel's segment-id inputs (GMEM): `rows` [B, rows_pad] ids of the rows its consumer
+  warpgroups own, `cols` [B, cols_pad] ids of the blocks it streams, and `limits` [B, tiles, 4]
+  (masks.segment_block_limits of one CTA tile of rows against the streamed blocks)."""
+
+  rows: Any
+  cols: Any
+  limits: Any
+
+
+def with_segment_refs(kernel, num_inputs: int, segmented: bool):
+  """A plgpu.kernel body for `kernel(*inputs, *outputs, *scratch, seg=...)` whose call passes
+  the 3 SegmentRefs arrays after its `num_inputs` inputs when `segmented`."""
+  def body(*refs):
+    if not segmented:
+      return kernel(*refs, seg=None)
+    return kernel(*refs[:num_inputs], *refs[num_inputs + 3:],
+                  seg=SegmentRefs(*refs[num_inputs:num_inputs + 3]))
+  return body
+
+
+def segment_limits(limits, b, tile):
+  """(first, last, full_first, full_last) streamed blocks of a CTA tile: those outside
+  [first, last) share no segment id with it; in [full_first, full_last) every position of
+  both carries the tile's one id (an empty run when the tile holds several ids)."""
+  return tuple(limits[b, tile, i] for i in range(4))
+
+
+def streamed_kv_range(seg: SegmentRefs, b, tile, cta_steps):
+  """(kv0, steps, full) of a CTA that streams key blocks (forward, dQ): its first key block,
+  how many it streams from there (the segment hull cut at the causal bound cta_steps) and its
+  full run (segment_limits). At least one block, so that a tile whose rows see no key still
+  runs and writes o = 0 / dQ = 0."""
+  first, last, *full = segment_limits(seg.limits, b, tile)
+  end = jnp.maximum(jnp.minimum(last, cta_steps), 1)
+  kv0 = jnp.minimum(first, end - 1)
+  return kv0, end - kv0, full
+
+
+def row_and_col_ids(seg: SegmentRefs, b, row0, rows: int, cols: int):
+  """ids(col0) -> (ids of rows row0.. [rows] ROW, ids of columns col0.. [cols] COL): the
+  row ids are loaded once, the column ids at each call."""
+  row_seg = row_ids(seg.rows, b, row0, rows)
+  return lambda col0: (row_seg, col_ids(seg.cols, b, col0, cols))
+
+
+def unmasked_run(q0, steps, kp: KernelParams, *, kv0=0, full=None):
+  """[u0, u1): the steps of a WG's kv loop (step j is key block kv0 + j, rows q0..) that need
+  no mask: those before the causal diagonal and the padded tail and, with segment ids, inside
+  `full` = (full_first, full_last) of segment_limits. Without segment ids u0 is 0."""
+  u1 = first_masked_block(q0, kv0 + steps, kp) - kv0
+  if full is None:
+    return 0, u1
+  u0 = jnp.clip(full[0] - kv0, 0, steps)
+  return u0, jnp.clip(jnp.minimum(u1, full[1] - kv0), u0, steps)
+
+
+def row_ids(ids_ref, b, row0, n: int):
+  """Segment ids [n] of rows row0.. in the ROW layout (loaded from GMEM)."""
+  return plgpu.load(ids_ref.at[b, pl.ds(row0, n)], layout=ROW, optimized=False)
+
+
+def col_ids(ids_ref, b, col0, n: int):
+  """Segment ids [n] of columns col0.. in the COL layout (loaded from GMEM)."""
+  return plgpu.load(ids_ref.at[b, pl.ds(col0, n)], layout=COL, optimized=False)
+
+
+def tile_mask(row0, col0, shape, kp: KernelParams, *, transposed: bool = False, ids=None):
+  """`visible` and, with ids = (row ids [rows] ROW, col ids [cols] COL), equal segment ids."""
+  mask = visible(row0, col0, shape, kp, transposed=transposed)
+  if ids is not None:
+    rows, cols = ids
+    same = (lax.broadcast_in_dim(rows, shape, [0]) == lax.broadcast_in_dim(cols, shape, [1]))
+    mask = same if mask is None else mask & same
+  return mask
+
+
+def _head_group(heads: int, heads_fastest: bool, head_group: int) -> int:
+  """Heads per launch group, or 0 for the plain orders (see launch_grid)."""
+  g = head_group
+  return g if heads_fastest and 0 < g < heads and heads % g == 0 else 0
+
+
+def launch_grid(tiles, heads, bsz, names, *, heads_fastest: bool, head_group: int = 0) -> dict:
+  """plgpu.kernel's grid and grid_names for a (tile, head, batch) launch; names are the tile,
+  head and batch axis names.
+
+  The grid's *last* dimension varies fastest: Mosaic GPU reverses the grid into CUDA's
+  (x, y, z), and CTAs are dispatched x fastest. The batch axis is always last (consecutive
+  CTAs take the batch entries of one tile and head), then: tiles (heads_fastest False: all
+  tiles of a head before the next head), heads (True: one tile of every head before the
+  next tile), or, with a head group G (heads_fastest only, G dividing heads), heads within a
+  group of G, then tiles, the groups slowest (see tile_and_head)."""
+  tile_name, head_name, b_name = names
+  g = _head_group(heads, heads_fastest, head_group)
+  if g:
+    return dict(grid=(heads // g, g * tiles, bsz),
+                grid_names=(f"{head_name}_group", f"{head_name}_{tile_name}", b_name))
+  if heads_fastest:
+    return dict(grid=(tiles, heads, bsz), grid_names=names)
+  return dict(grid=(heads, tiles, bsz), grid_names=(head_name, tile_name, b_name))
+
+
+def tile_and_head(names, heads: int, *, heads_fastest: bool, head_group: int = 0):
+  """(tile, head) of this CTA under the grid of launch_grid(tiles, heads, .., names, ...)."""
+  tile_name, head_name = names
+  g = _head_group(heads, heads_fastest, head_group)
+  if not g:
+    return lax.axis_index(tile_name), lax.axis_index(head_name)
+  flat = lax.axis_index(f"{head_name}_{tile_name}")
+  group = lax.axis_index(f"{head_name}_group")
+  return lax.div(flat, g), group * g + lax.rem(flat, g)
+
+
+def sync(barrier):
+  """Arrive on and wait for a barrier that every party arrives on once per phase (the
+  consumer warpgroups' schedule / hand-off barriers)."""
+  plgpu.barrier_arrive(barrier)
+  plgpu.barrier_wait(barrier)
+
+
+def observe_last_releases(frees, num_steps, slots: int):
+  """A ring producer's tail: waits on each free barrier array in `frees` for the releases of
+  the last `slots` of `num_steps` steps, which it never waited for to refill a slot. Every
+  waiter of an mbarrier must observe each of its phases (the interpreter checks this)."""
+  @pl.loop(jnp.maximum(num_steps - slots, 0), num_steps)
+  def _(j):
+    for free in frees:
+      plgpu.barrier_wait(free.at[lax.rem(j, slots)])
+
+
+def smem_matmul(a_smem, b_smem, out_shape):
+  """a_smem @ b_smem [out_shape] float32, both operands in SMEM (returns once it is done)."""
+  def mm(acc_ref):
+    plgpu.wgmma(acc_ref, a_smem, b_smem)
+    return acc_ref[...]
+
+  return pl.run_scoped(mm, plgpu.ACC(out_shape, jnp.float32))
+
+
+def staged_matmul(a, a_smem, b_smem, out_shape):
+  """a @ b with `a` (registers) written to SMEM first: the interpretable form of an RS wgmma."""
+  a_smem[...] = a
+  plgpu.commit_smem()
+  return smem_matmul(a_smem, b_smem, out_shape)
+
+
+def accumulate(acc, a, a_smem, b_smem, kp: KernelParams):
+  """acc += a @ b_smem, through a register-operand wgmma (GPU) or SMEM staging (interpret)."""
+  if kp.interpret:
+    return acc + staged_matmul(a, a_smem, b_smem, acc.shape)
+
+  def mm(acc_ref):
+    plgpu.wgmma(acc_ref, a, b_smem)
+
+  return pl.run_state(mm)(plgpu.ACC.init(acc))

@@ -1,0 +1,620 @@
+"""FlashAttention-3 style backward for Hopper: one Pallas Mosaic GPU kernel per KV tile.
+
+The kernel is `backward._bwd_dkdv_kernel` plus dQ. A CTA has 2 consumer warpgroups, each owning
+`block_kv_fused` key rows (K, V resident in SMEM, dK and dV accumulated in registers), and a TMA
+producer warpgroup streaming Q, dO, lse and delta of every (q block, query head of the kv head)
+pair. Per step a consumer does 5 tile matmuls instead of the split backward's 7:
+
+  Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ                      (SMEM operands)
+  Pᵀ = exp2(Sᵀ·c − lse·log2e), dSᵀ = Pᵀ∘(dPᵀ − delta)
+  dV += Pᵀ·dO                                 (Pᵀ from registers)
+  dK += dSᵀ·Q,  dQ_part = dS·K                (dSᵀ written once to SMEM; dQ reads its transposed
+                                               view, since register operands cannot be transposed)
+
+dQ_part (float32) goes through SMEM and is TMA reduce-added (`reduction_op="add"`) into a
+float32 dQ buffer in HBM; XLA then applies softmax_scale and casts. The float32 atomics make dQ's
+summation order, and so its last bits, vary run to run; `backward.py`'s split path is the
+bitwise reproducible one.
+
+Options (MosaicConfig): `fused_dq_shared` lets the two consumer WGs share one dQ_part per step,
+each computing half of D's columns from both dSᵀ tiles (FA3's split: half the reduce traffic,
+smaller accumulators, one 2-WG barrier per step); `fused_dq_blocks` computes dQ_part in column
+blocks (fewer live registers); `fused_stagger_q` rotates the q-block order per kv tile;
+`fused_overlap` runs `_overlapped_step`: FA3's intra-warpgroup overlap (Pᵀ while dPᵀ runs, dV
+while dSᵀ is computed, dQ_part stored while dK runs) and a double-buffered dQ staging buffer
+where shared memory allows (`dq_slots`). `fused_defer_dq` (with `fused_dq_shared`) issues each
+step's dQ_part one step late, so the two WGs wait only for each other's dSᵀ of the step before
+and need not meet every step; `fused_defer_inline` issues it with dV and dK, `fused_offset`
+starts WG 1 behind WG 0. `config.FUSED_DEFERRED` is the fastest measured form (opt-in: see
+docs/perf.md, seventh session).
+
+In interpret mode (the interpreter has no TMA reductions, register-operand wgmma or `run_state`
+accumulators), each warpgroup read-modify-writes its own slice of a [2, ...] dQ buffer (grid
+points run one after another there, so only the two warpgroups of a CTA could collide), Pᵀ is
+staged through SMEM and the accumulations are scoped products added in registers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_flash import _blocking
+from pallas_flash.mosaic_gpu import _common
+from pallas_flash.mosaic_gpu.backward import (PROFILE_STEPS, _at, _dk_dv_updates,
+                                              _first_q_block, _first_unmasked_step,
+                                              _launch_order, _load_kv_tiles, _probs_t,
+                                              _produce_query_streams, _skip_step,
+                                              _step_stats, _store_dk_dv, _tile_and_head,
+                                              _transposed_grad_tiles, _wait_streams,
+                                              kv_stream_barriers, kv_stream_smem,
+                                              profile_steps)
+from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
+from pallas_flash.params import AttentionParams
+
+LOG2E = math.log2(math.e)
+# Barriers and alignment padding on top of the buffers counted below (Mosaic measured 288-736 B).
+_SMEM_SLACK_BYTES = 1024
+
+
+def smem_bytes(d: int, block_q: int, block_kv: int, stages: int, itemsize: int = 2, *,
+               dq_shared: bool = False, dq_slots: int = 1, defer_dq: bool = False) -> int:
+  """Shared memory of one CTA: K/V of both WGs, the Q/dO/lse/delta ring, dSᵀ and dQ (f32,
+  `dq_slots` buffers per WG)."""
+  kv = 2 * 2 * block_kv * d * itemsize
+  ring = stages * (2 * block_q * d * itemsize + 2 * block_q * 4)
+  ds = ds_slots(dq_shared, defer_dq) * 2 * block_kv * block_q * itemsize
+  dq = dq_slots * 2 * block_q * (d // 2 if dq_shared else d) * 4
+  return kv + ring + ds + dq + _SMEM_SLACK_BYTES
+
+
+def ds_slots(dq_shared: bool, defer_dq: bool) -> int:
+  """dSᵀ buffers per WG: with a deferred dQ_part, a WG rewrites slot t % 4 at step t + 4, after
+  its step t + 3 saw the other WG arrive at t + 2, i.e. finish step t + 1 and its dQ_part of
+  step t, the slot's last reader; with a shared one, 2 (by step parity, see the kernel)."""
+  return 4 if defer_dq else (2 if dq_shared else 1)
+
+
+def dq_slots(d: int, config: MosaicConfig, itemsize: int = 2) -> int:
+  """dQ_part staging buffers per WG: 2 (double-buffered) with fused_overlap where they fit
+  in shared memory, else 1."""
+  if not config.fused_overlap:
+    return 1
+  two = smem_bytes(d, config.block_q_fused, config.block_kv_fused, config.fused_stages,
+                   itemsize, dq_shared=config.fused_dq_shared, dq_slots=2)
+  return 2 if two <= SMEM_LIMIT_BYTES else 1
+
+
+def unsupported_reason(q, config: MosaicConfig) -> str | None:
+  """Why the fused kernel cannot run q [B, T, H, D] with `config`, or None when it can."""
+  d = q.shape[3]
+  if d > 128:
+    return (f"head_dim {d}: dK, dV and dQ_part of a 64-row tile need more than the 232 "
+            "accumulator registers a warpgroup has")
+  if d % (64 * config.fused_dq_blocks):
+    return (f"fused_dq_blocks {config.fused_dq_blocks}: head_dim {d} does not split into "
+            "column blocks of a multiple of 64 (the 128-byte swizzle width)")
+  if config.fused_dq_shared and (d % 128 or config.fused_dq_blocks != 1):
+    return (f"fused_dq_shared needs head_dim a multiple of 128 (got {d}; each WG takes D/2 "
+            "columns, a multiple of the 64-element swizzle width) and fused_dq_blocks 1")
+  if config.fused_defer_dq and (not config.fused_dq_shared or config.fused_overlap):
+    return (f"fused_defer_dq needs fused_dq_shared and not fused_overlap (got "
+            f"fused_dq_shared={config.fused_dq_shared}, fused_overlap={config.fused_overlap})")
+  if config.fused_defer_inline and not config.fused_defer_dq:
+    return "fused_defer_inline needs fused_defer_dq (it is a form of the deferred dQ_part)"
+  if config.fused_offset and not config.fused_defer_dq:
+    return "fused_offset needs fused_defer_dq (it offsets the warpgroups the deferral decouples)"
+  if config.fused_overlap and config.fused_dq_blocks != 1:
+    return (f"fused_overlap needs fused_dq_blocks 1 (got {config.fused_dq_blocks}): it issues "
+            "dQ_part as one accumulator next to dK")
+  need = smem_bytes(d, config.block_q_fused, config.block_kv_fused, config.fused_stages,
+                    jnp.dtype(q.dtype).itemsize, dq_shared=config.fused_dq_shared,
+                    dq_slots=dq_slots(d, config, jnp.dtype(q.dtype).itemsize),
+                    defer_dq=config.fused_defer_dq)
+  if need > SMEM_LIMIT_BYTES:
+    return (f"needs about {need} B of shared memory (head_dim {d}, block_q_fused "
+            f"{config.block_q_fused}, block_kv_fused {config.block_kv_fused}, fused_stages "
+            f"{config.fused_stages}) > {SMEM_LIMIT_BYTES} B")
+  return None
+
+
+def _accumulate_smem(acc, a_smem, b_smem, kp: _common.KernelParams):
+  """acc + a_smem @ b_smem with both operands in SMEM (interpretable form; the GPU path folds
+  this into `_gradient_matmuls`)."""
+  return acc + _common.smem_matmul(a_smem, b_smem, acc.shape)
+
+
+def _dq_part(out, terms):
+  """out[...] = the sum of the a @ b products in terms (SMEM operands), one accumulator."""
+  def mm(acc_ref):
+    for a, b in terms:
+      plgpu.wgmma(acc_ref, a, b)
+    return acc_ref[...]  # waits for every wgmma in flight
+
+  out[...] = pl.run_scoped(mm, plgpu.ACC(out.shape, jnp.float32))
+
+
+def _gradient_matmuls(dv, dk, p_t, ds_smem, q_smem, do_smem, dq_plan, p_staging, release_do,
+                      release_q, kp: _common.KernelParams, before_dq=lambda: None):
+  """dV += Pᵀ·dO and dK += dSᵀ·Q; dQ_part = dS·K is written to SMEM as `dq_plan` says.
+
+  dv/dk [block_kv, D] f32, p_t [block_kv, block_q] (dtype, registers), ds_smem [block_kv,
+  block_q] (dSᵀ), q/do_smem [block_q, D]. dq_plan: [(out, [(a, b), ...]), ...]: each out
+  [block_q, cols] f32 SMEM receives the sum of its a @ b products, one accumulator at a time.
+  before_dq: called after dV and dK are issued, before dQ_part's operands are read (the
+  deferred dQ_part's wait for the other WG's dSᵀ).
+  """
+  if kp.interpret:
+    dv = _common.accumulate(dv, p_t, p_staging, do_smem, kp)
+    release_do()
+    dk = _accumulate_smem(dk, ds_smem, q_smem, kp)
+    release_q()
+    before_dq()
+    for out, terms in dq_plan:
+      _dq_part(out, terms)
+    return dv, dk
+
+  if len(dq_plan) == 1:
+    (out, terms), = dq_plan
+
+    def mm(refs):
+      dv_ref, dk_ref, dq_ref = refs
+      # Issued back to back so the tensor cores never wait on this warpgroup between them; the
+      # stream buffers are released as soon as the matmul reading them has retired.
+      plgpu.wgmma(dv_ref, p_t, do_smem)
+      plgpu.wgmma(dk_ref, ds_smem, q_smem)
+      before_dq()
+      for a, b in terms:
+        plgpu.wgmma(dq_ref, a, b)
+      plgpu.wgmma_wait(len(terms) + 1)
+      release_do()
+      plgpu.wgmma_wait(len(terms))
+      release_q()
+
+    zeros = plgpu.layout_cast(jnp.zeros(out.shape, jnp.float32), plgpu.Layout.WGMMA)
+    dv, dk, dq = pl.run_state(mm)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
+                                   plgpu.ACC.init(zeros)))
+    out[...] = dq
+    return dv, dk
+
+  def mm_blocked(refs):
+    dv_ref, dk_ref = refs
+    plgpu.wgmma(dv_ref, p_t, do_smem)
+    plgpu.wgmma(dk_ref, ds_smem, q_smem)
+    before_dq()
+    for c, (out, terms) in enumerate(dq_plan):
+      _dq_part(out, terms)
+      if c == 0:  # dV and dK have retired too
+        release_do()
+        release_q()
+
+  return pl.run_state(mm_blocked)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+
+
+def _overlapped_step(dv, dk, tiles, stats, ds_smem, dq_terms, dq_shape, k0, mask_block, hooks,
+                     p_staging, kp: _common.KernelParams):
+  """One fused_overlap step: all five matmuls with FA3's intra-warpgroup overlap.
+
+  tiles: this step's (k, v, q, do) SMEM tiles; stats: () -> (lse2, delta) column vectors
+  (read while Sᵀ and dPᵀ run). wgmma groups retire in issue order, so a wait for "all but
+  the newest n" retires exactly the older ones:
+
+    issue Sᵀ, dPᵀ | wait 1: Sᵀ -> Pᵀ | issue dV += Pᵀ·dO | wait 1: dPᵀ -> dSᵀ -> SMEM
+    issue dQ_part = dS·K (dq_terms), dK += dSᵀ·Q | wait 1: dV, dQ_part -> release dO,
+    reduce_dq(dQ_part) while dK runs | wait 0 (run_state exit) -> release Q.
+
+  hooks: (sync_ds, reduce_dq, release_do, release_q). Interpret mode keeps the order but its
+  matmuls are synchronous (dV through p_staging, dK through SMEM operands).
+  """
+  k_smem, v_smem, q_smem, do_smem = tiles
+  sync_ds, reduce_dq, release_do, release_q = hooks
+  acc_t = plgpu.ACC((kp.block_kv, kp.block_q), jnp.float32)
+
+  def grads(dv_mm, dk_mm):
+    def scores(s_ref, dp_ref):
+      plgpu.wgmma(s_ref, k_smem, q_smem.T)
+      plgpu.wgmma(dp_ref, v_smem, do_smem.T)
+      lse, delta = stats()
+      p_t = _probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), lse, k0, mask_block, kp)
+      dv_out = dv_mm(p_t.astype(kp.dtype))
+      dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)
+      return dv_out, p_t * (dp_t - lax.broadcast_in_dim(delta, p_t.shape, [1]))
+
+    dv_out, ds_t = pl.run_scoped(scores, acc_t, acc_t)
+    # dSᵀ in SMEM serves dK (as is) and dQ (its transposed view); wgmma reads it through the
+    # async proxy, hence the fence.
+    ds_smem[...] = ds_t.astype(kp.dtype)
+    plgpu.commit_smem()
+    sync_ds()
+
+    def dq_mm(dq_ref):
+      for a, b in dq_terms:
+        plgpu.wgmma(dq_ref, a, b)
+      dk_out = dk_mm()
+      dq = plgpu.wgmma_accumulator_load(dq_ref, wait_n=1)
+      release_do()
+      reduce_dq(dq)
+      return dk_out
+
+    # A scoped accumulator, so dQ_part's zeros take registers only from here on.
+    return dv_out, pl.run_scoped(dq_mm, plgpu.ACC(dq_shape, jnp.float32))
+
+  if kp.interpret:
+    dv, dk = grads(lambda p_t: _common.accumulate(dv, p_t, p_staging, do_smem, kp),
+                   lambda: _accumulate_smem(dk, ds_smem, q_smem, kp))
+  else:
+    def body(refs):
+      dv_ref, dk_ref = refs
+      grads(lambda p_t: plgpu.wgmma(dv_ref, p_t, do_smem),
+            lambda: plgpu.wgmma(dk_ref, ds_smem, q_smem))
+
+    dv, dk = pl.run_state(body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+  release_q()
+  return dv, dk
+
+
+def _reduce_dq(dq_smem, dq_acc_ref, dst, wg, dq_loaded, kp: _common.KernelParams):
+  """Adds dq_smem [block_q, cols] f32 (a dQ_part just written) into dq_acc_ref[dst]."""
+  plgpu.commit_smem()
+  if kp.interpret:
+    dst = dq_acc_ref.at[(wg, *dst)]
+    part = dq_smem[...]
+    plgpu.copy_gmem_to_smem(dst, dq_smem, dq_loaded)
+    plgpu.barrier_wait(dq_loaded)
+    dq_smem[...] = dq_smem[...] + part
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dq_smem, dst)
+    plgpu.wait_smem_to_gmem(0)
+    return
+  plgpu.copy_smem_to_gmem(dq_smem, dq_acc_ref.at[dst], reduction_op="add")
+
+
+def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_ref, dk_ref, dv_ref,
+                      k_scratch, v_scratch, q_scratch, do_scratch, lse_scratch, delta_scratch,
+                      ds_scratch, dq_scratch, p_scratch, kv_ready, q_ready, do_ready, lse_ready,
+                      delta_ready, q_free, do_free, lse_free, delta_free, dq_loaded, ds_ready,
+                      kv_done, ds_handoff, start, *, kp: _common.KernelParams,
+                      stagger_q: bool, dq_blocks: int, dq_shared: bool, overlap: bool = False,
+                      dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False):
+  """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
+
+  Grid over (Sp / (2·block_kv), K, B) in _launch_order's order. dq_acc_ref [B, Tp, H, D] f32
+  (a zeroed buffer the kernel adds into; [2, B, Tp, H, D] in interpret mode, one slice per
+  WG); dk/dv_ref [B, Sp, K, D]. k/v_scratch [2, block_kv, D], q/do_scratch [stages, block_q,
+  D], lse/delta_scratch [stages, block_q], ds_scratch [2, block_kv, block_q] (dSᵀ; [2 (step
+  parity), 2, ...] with dq_shared), dq_scratch [2, block_q, D or D/2 (dq_shared)] f32,
+  p_scratch [2, block_kv, block_q] (interpret only). Steps run over (q block i, query head
+  g) with g minor, starting at the first q block that sees the CTA's keys.
+
+  dq_shared: the CTA's two WGs compute one dQ_part over all 2·block_kv keys, each WG the
+  product for half of D's columns from both WGs' dSᵀ (FA3's split): half the reduce-add traffic
+  and a [block_q, D/2] accumulator, for one 2-WG barrier per step.
+
+  overlap: steps run `_overlapped_step`; dq_scratch is [dq_slots, 2, block_q, D or D/2] and
+  step t stages its dQ_part in slot t % dq_slots.
+
+  defer_dq (with dq_shared): step t stores its dSᵀ in ds_scratch [4, 2, block_kv, block_q] slot
+  t % 4 and arrives on ds_handoff [2 WGs, 4] at [wg, t % 4], issues dV and dK (dSᵀ from
+  registers), then waits for the other WG's dSᵀ of step t - 1 and computes that step's
+  dQ_part; the last step's follows the loop. offset: WG 1 waits on `start` until WG 0 has
+  formed its first Pᵀ and dSᵀ. defer_dq "inline": as `inline_step` says.
+  """
+  bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
+  nq = kp.t_pad // bq
+  b, wg = lax.axis_index("b"), lax.axis_index("wg")
+  kt, kvh = _tile_and_head(("kt", "kvh"), k_ref.shape[2], kp)
+  assert not kp.bwd_head_group, "fused_call launches without head groups"
+  cta_k0 = kt * (2 * bkv)
+  cta_first = _first_q_block(cta_k0, kp)
+  cta_steps = (nq - cta_first) * g_size
+
+  def index(step):
+    i = lax.div(step, g_size)
+    if stagger_q:
+      # Non-causal: CTA kt starts at q block kt, so CTAs running together reduce into
+      # different dQ rows instead of all hitting the same ones.
+      i = lax.rem(i + kt, nq)
+    return cta_first + i, kvh * g_size + lax.rem(step, g_size)
+
+  streams = ((q_ref, q_scratch, q_ready, q_free), (do_ref, do_scratch, do_ready, do_free),
+             (lse_ref, lse_scratch, lse_ready, lse_free),
+             (delta_ref, delta_scratch, delta_ready, delta_free))
+
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(kp.compute_registers, action="increase")
+    k_smem, v_smem, dq_smem = k_scratch.at[wg], v_scratch.at[wg], dq_scratch.at[wg]
+    k0 = cta_k0 + wg * bkv
+    rows = (b, pl.ds(k0, bkv), kvh)
+    _load_kv_tiles(k_ref, v_ref, k_smem, v_smem, kv_ready, wg, rows)
+
+    def shared_dq_terms(ds):
+      """dq_shared: this WG's columns of D and its dQ_part's (a, b) products from both WGs'
+      dSᵀ tiles ds [2, block_kv, block_q] and K tiles."""
+      cols = pl.ds(wg * (kp.d // 2), kp.d // 2)
+      # Traced WG indices only: a literal index captured by run_state's body becomes one of
+      # its outputs, which the Mosaic lowering rejects.
+      return [(ds.at[w].T, k_scratch.at[w, :, cols]) for w in (wg, 1 - wg)], cols
+
+    def dq_plan(t, dq_smem=dq_smem):
+      """Where this WG's dQ_part goes (see _gradient_matmuls) and its dq_acc_ref index."""
+      i, h = index(t)
+      q_rows = (b, pl.ds(i * bq, bq), h)
+      if dq_shared:
+        terms, cols = shared_dq_terms(ds_scratch.at[lax.rem(t, 2)])
+        return [(dq_smem, terms)], (*q_rows, cols)
+      ds = ds_scratch.at[wg]
+      if dq_blocks == 1:
+        return [(dq_smem, [(ds.T, k_smem)])], q_rows
+      width = kp.d // dq_blocks
+      blocks = [pl.ds(c * width, width) for c in range(dq_blocks)]
+      return [(dq_smem.at[:, c], [(ds.T, k_smem.at[:, c])]) for c in blocks], q_rows
+
+    def overlapped_step(t, carry, *, masked: bool):
+      dk, dv = carry
+      slot = lax.rem(t, stages)
+      i, _ = index(t)
+      q_smem, do_smem = _wait_streams(streams, slot)
+      stats = functools.partial(_step_stats, streams, slot)
+
+      ds_smem = ds_scratch.at[lax.rem(t, 2), wg] if dq_shared else ds_scratch.at[wg]
+      dq_smem = dq_scratch.at[lax.rem(t, dq_slots), wg]
+      [(out, terms)], dst = dq_plan(t, dq_smem)
+
+      def sync_ds():
+        if dq_shared:  # as in `step`
+          _common.sync(ds_ready)
+
+      def reduce_dq(dq):
+        if not kp.interpret:
+          # The reduction that last read this slot was issued dq_slots steps ago; with 2 slots
+          # the previous step's may still be reading the other one.
+          plgpu.wait_smem_to_gmem(dq_slots - 1, wait_read_only=True)
+        out[...] = dq
+        _reduce_dq(out, dq_acc_ref, dst, wg, _at(dq_loaded, wg), kp)
+
+      hooks = (sync_ds, reduce_dq, lambda: plgpu.barrier_arrive(do_free.at[slot]),
+               lambda: plgpu.barrier_arrive(q_free.at[slot]))
+      dv, dk = _overlapped_step(dv, dk, (k_smem, v_smem, q_smem, do_smem), stats, ds_smem,
+                                terms, out.shape, k0, (lambda: i) if masked else None, hooks,
+                                _at(p_scratch, wg), kp)
+      return dk, dv
+
+    def wait_dq_staging():
+      """Waits until the previous step's reduce-add has finished reading dq_smem; a step of
+      matmuls has run since it was issued, so this rarely waits. (The interpreter's reduction
+      is synchronous.)"""
+      if not kp.interpret:
+        with jax.named_scope("wait_reduce"):
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    def deferred_dq(t):
+      """dQ_part of step t: both WGs' dSᵀ of it times their K, this WG's half of D's
+      columns, reduce-added into its q rows."""
+      ds_slot = lax.rem(t, 4)
+      with jax.named_scope("sync_ds"):
+        plgpu.barrier_wait(ds_handoff.at[1 - wg, ds_slot])
+      i, h = index(t)
+      terms, cols = shared_dq_terms(ds_scratch.at[ds_slot])
+      wait_dq_staging()
+      with jax.named_scope("dq_mm"):
+        _dq_part(dq_smem, terms)
+      with jax.named_scope("reduce_dq"):
+        _reduce_dq(dq_smem, dq_acc_ref, (b, pl.ds(i * bq, bq), h, cols), wg,
+                   _at(dq_loaded, wg), kp)
+
+    def deferred_tiles(t, *, masked: bool):
+      """A deferred step's first half: (ring slot, Q, dO, Pᵀ f32, dSᵀ in kp.dtype, dSᵀ's SMEM
+      slot); this WG's dSᵀ is stored in slot t % 4 and handed to the other WG (offset: WG 0's
+      first step releases WG 1)."""
+      slot = lax.rem(t, stages)
+      i, _ = index(t)
+      q_smem, do_smem = _wait_streams(streams, slot)
+      p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
+                                         (lambda: i) if masked else None, kp)
+      if offset:
+        pl.when((t == 0) & (wg == 0))(lambda: plgpu.barrier_arrive(start))
+      ds_slot = lax.rem(t, 4)
+      ds16, ds_smem = ds_t.astype(kp.dtype), ds_scratch.at[ds_slot, wg]
+      with jax.named_scope("ds_store"):
+        ds_smem[...] = ds16
+        plgpu.commit_smem()
+      plgpu.barrier_arrive(ds_handoff.at[wg, ds_slot])
+      return slot, q_smem, do_smem, p_t, ds16, ds_smem
+
+    def inline_step(t, carry, *, masked: bool):
+      """defer_dq "inline": dV, dK and the previous step's dQ_part in one accumulator scope,
+      the wait for the other WG's dSᵀ between them (step 0's dQ_part reads the slot the
+      pre-arrival released and is not reduced)."""
+      dk, dv = carry
+      slot, q_smem, do_smem, p_t, _, ds_smem = deferred_tiles(t, masked=masked)
+      prev_slot = lax.rem(t + 3, 4)
+      p16 = p_t.astype(kp.dtype)
+      prev_i, prev_h = index(jnp.maximum(t - 1, 0))
+      terms, cols = shared_dq_terms(ds_scratch.at[prev_slot])
+      wait_dq_staging()
+      with jax.named_scope("grad_mm"):
+        dv, dk = _gradient_matmuls(
+            dv, dk, p16, ds_smem, q_smem, do_smem, [(dq_smem, terms)], _at(p_scratch, wg),
+            lambda: plgpu.barrier_arrive(do_free.at[slot]),
+            lambda: plgpu.barrier_arrive(q_free.at[slot]), kp,
+            before_dq=lambda: plgpu.barrier_wait(ds_handoff.at[1 - wg, prev_slot]))
+      with jax.named_scope("reduce_dq"):
+        pl.when(t > 0)(lambda: _reduce_dq(dq_smem, dq_acc_ref,
+                                          (b, pl.ds(prev_i * bq, bq), prev_h, cols), wg,
+                                          _at(dq_loaded, wg), kp))
+      return dk, dv
+
+    def deferred_step(t, carry, *, masked: bool):
+      dk, dv = carry
+      slot, q_smem, do_smem, p_t, ds16, _ = deferred_tiles(t, masked=masked)
+      dk, dv = _dk_dv_updates(dk, dv, p_t, ds16, q_smem, do_smem, _at(p_scratch, wg),
+                              (do_free.at[slot], q_free.at[slot]), kp)
+      pl.when(t > 0)(lambda: deferred_dq(t - 1))
+      return dk, dv
+
+    def step(t, carry, *, masked: bool):
+      if defer_dq == "inline":
+        return inline_step(t, carry, masked=masked)
+      if defer_dq:
+        return deferred_step(t, carry, masked=masked)
+      if overlap:
+        return overlapped_step(t, carry, masked=masked)
+      dk, dv = carry
+      slot = lax.rem(t, stages)
+      i, _ = index(t)
+      q_smem, do_smem = _wait_streams(streams, slot)
+      p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
+                                         (lambda: i) if masked else None, kp)
+      # dSᵀ in SMEM serves both dK (as is) and dQ (its transposed view); wgmma reads it through
+      # the async proxy, hence the fence.
+      ds_smem = ds_scratch.at[lax.rem(t, 2), wg] if dq_shared else ds_scratch.at[wg]
+      with jax.named_scope("ds_store"):
+        ds_smem[...] = ds_t.astype(kp.dtype)
+        plgpu.commit_smem()
+      if dq_shared:
+        # Both dSᵀ tiles are needed. The double buffer (by step parity) makes this the only
+        # barrier: a WG overwrites a parity slot two steps later, after this barrier of the
+        # step in between has seen the other WG finish reading it.
+        with jax.named_scope("sync_ds"):
+          _common.sync(ds_ready)
+      wait_dq_staging()
+      plan, dst = dq_plan(t)
+      with jax.named_scope("grad_mm"):
+        dv, dk = _gradient_matmuls(
+            dv, dk, p_t.astype(kp.dtype), ds_smem, q_smem, do_smem, plan, _at(p_scratch, wg),
+            lambda: plgpu.barrier_arrive(do_free.at[slot]),
+            lambda: plgpu.barrier_arrive(q_free.at[slot]), kp)
+      with jax.named_scope("reduce_dq"):
+        _reduce_dq(dq_smem, dq_acc_ref, dst, wg, _at(dq_loaded, wg), kp)
+      return dk, dv
+
+    zeros = plgpu.layout_cast(jnp.zeros((bkv, kp.d), jnp.float32), plgpu.Layout.WGMMA)
+    carry = (zeros, zeros)
+    # Causal: q blocks before `first` do not see these keys, blocks in [first, full) cross the
+    # diagonal and are masked, blocks from `full` on see every key of the tile. With dq_shared
+    # both WGs run every CTA step (the other WG needs this one's dSᵀ), the ones before `first`
+    # masked to zero.
+    if dq_shared:
+      first = jnp.zeros((), jnp.int32)
+    else:
+      first = (_first_q_block(k0, kp) - cta_first) * g_size
+      lax.fori_loop(0, first, functools.partial(_skip_step, streams=streams, stages=stages),
+                    None)
+    full = first
+    if kp.causal:
+      full = _first_unmasked_step(k0, cta_first, kp)
+    if kp.kv_tail:
+      # Padded keys are zero, so their dQ_part terms vanish, unless exp2(0 − lse2) overflows
+      # (rows whose scores are all far below 0): the tile holding the tail masks every step.
+      full = jnp.where(k0 + bkv > kp.kv_len, cta_steps, full)
+    if offset:
+      pl.when((wg == 1) & (cta_steps > 0))(lambda: plgpu.barrier_wait(start))
+    if defer_dq == "inline":
+      # Step 0's (unreduced) dQ_part waits for the other WG's "step -1", slot 3.
+      pl.when(cta_steps > 0)(lambda: plgpu.barrier_arrive(ds_handoff.at[wg, 3]))
+    if kp.needs_mask:
+      carry = lax.fori_loop(first, full, functools.partial(step, masked=True), carry)
+      first = full
+    dk, dv = lax.fori_loop(first, cta_steps, functools.partial(step, masked=False), carry)
+    if defer_dq:
+      pl.when(cta_steps > 0)(lambda: deferred_dq(cta_steps - 1))
+    if dq_shared:
+      # The other WG's last dQ matmul reads this WG's K tile, about to be overwritten.
+      _common.sync(kv_done)
+    _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, kp)  # also the last dQ reduction
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(kp.producer_registers, action="decrease")
+    _produce_query_streams(cta_steps, stages, streams, index, b, bq)
+
+
+def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q: bool = False,
+               dq_blocks: int = 1, dq_shared: bool = False, overlap: bool = False,
+               dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False):
+  """Padded q/do [B, Tp, H, D], k/v [B, Sp, K, D], lse2/delta [B, H, Tp] ->
+  (dq_acc [B, Tp, H, D] f32 unscaled, dk [B, Sp, K, D] scaled, dv [B, Sp, K, D])."""
+  bsz, s_pad, kh, d = k.shape
+  bq, bkv = kp.block_q, kp.block_kv
+  # MosaicConfig.bwd_head_group is not applied here: with fused_dq_shared, causal, the grouped
+  # launch deadlocked in the Mosaic GPU interpreter (two warpgroups in a barrier wait), even
+  # with one head per group, whose grid and (kt, kvh) values equal the tiles-fastest order's:
+  # taking them from axis_index directly ran, computing the same kvh as group + rem(flat, 1)
+  # hung (kt as div(flat, 1) ran). That was before the suite set _common.INTERPRET_XLA_FLAG,
+  # the cause of the interpreter's other such deadlocks (not retried), so the fused kernel
+  # keeps the plain heads-fastest (or tiles-fastest) order.
+  kp = dataclasses.replace(kp, bwd_head_group=0)
+  tiles = _common.smem_transforms(kp.dtype)
+  scratch = [
+      *kv_stream_smem(kp, d),
+      plgpu.SMEM(((ds_slots(dq_shared, defer_dq),) if dq_shared else ()) + (2, bkv, bq),
+                 kp.dtype, transforms=tiles),
+      plgpu.SMEM(((dq_slots,) if overlap else ()) + (2, bq, d // 2 if dq_shared else d),
+                 jnp.float32, transforms=_common.smem_transforms(jnp.float32)),
+      plgpu.SMEM((2, bkv, bq), kp.dtype, transforms=tiles) if kp.interpret else None,
+      *kv_stream_barriers(kp),
+      plgpu.Barrier(num_barriers=2) if kp.interpret else None,
+      plgpu.Barrier(num_arrivals=2) if dq_shared else None,
+      plgpu.Barrier(num_arrivals=2) if dq_shared else None,
+      plgpu.Barrier(num_barriers=(2, 4)) if defer_dq else None,
+      plgpu.Barrier() if offset else None,
+  ]
+  # The kernel only adds: the zeros come from XLA (a memset) and reach the kernel as a mutable
+  # input, aliased to the result.
+  dq_acc = jax.new_ref(jnp.zeros(((2,) if kp.interpret else ()) + q.shape, jnp.float32))
+  kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
+  dk, dv = plgpu.kernel(
+      functools.partial(_bwd_fused_kernel, kp=kp, stagger_q=stagger_q, dq_blocks=dq_blocks,
+                        dq_shared=dq_shared, overlap=overlap, dq_slots=dq_slots,
+                        defer_dq=defer_dq, offset=offset and defer_dq),
+      out_type=(kv_out, kv_out),
+      scratch_types=scratch,
+      **_launch_order(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"), kp),
+      num_threads=3, thread_name="wg",
+      compiler_params=_common.compiler_params(kp, min(profile_steps(kp), PROFILE_STEPS)),
+      interpret=_common.interpret_params(kp.interpret),
+  )(q, k, v, do, lse2, delta, dq_acc)
+  dq = jax.freeze(dq_acc)
+  if kp.interpret:
+    dq = dq.sum(0)
+  return dq, dk, dv
+
+
+def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: MosaicConfig):
+  """q/do [B, T, H, D], k/v [B, S, K, D], lse/delta [B, H, T] -> (dq, dk, dv) in q.dtype.
+
+  lse is +inf on fully masked rows (see pallas_flash.params); callers check
+  `unsupported_reason` first.
+  """
+  t, s = q.shape[1], k.shape[1]
+  bq, bkv = config.block_q_fused, config.block_kv_fused
+  t_pad, s_pad = _blocking.round_up(t, bq), _blocking.round_up(s, 2 * bkv)
+  qp, dop = _blocking.pad_axis(q, 1, t_pad), _blocking.pad_axis(do, 1, t_pad)
+  kpad, vpad = _blocking.pad_axis(k, 1, s_pad), _blocking.pad_axis(v, 1, s_pad)
+  # lse in log2 units so that P = exp2(S·c − lse2); padded rows get +inf (P = 0, so their dS,
+  # dQ_part rows and contributions to dK/dV are 0).
+  lse2 = _blocking.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
+  delta = _blocking.pad_axis(delta, 2, t_pad)
+  kp = _common.KernelParams.make(
+      qp, kpad, params=params, block_q=bq, block_kv=bkv,
+      stages=min(config.fused_stages, t_pad // bq), t_pad=t_pad, s_pad=s_pad, kv_len=s,
+      config=config, q_tile_rows=bq)
+  dq_acc, dk, dv = fused_call(qp, kpad, vpad, dop, lse2, delta, kp=kp,
+                              stagger_q=config.fused_stagger_q and not params.is_causal,
+                              dq_blocks=config.fused_dq_blocks,
+                              dq_shared=config.fused_dq_shared,
+                              overlap=config.fused_overlap,
+                              dq_slots=dq_slots(q.shape[3], config, jnp.dtype(q.dtype).itemsize),
+                              defer_dq=("inline" if config.fused_defer_inline
+                                        else config.fused_defer_dq),
+                              offset=config.fused_offset)
+  dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)
+  return dq, dk[:, :s], dv[:, :s]

@@ -1,0 +1,260 @@
+"""The Mosaic backward at head dim 256 (MosaicConfig.wide_backward="mosaic", the default).
+
+At D = 256 a warpgroup cannot hold both float32 dK and dV of a 64-row key tile (256 registers
+per thread), so the dK/dV kernel splits the work by role instead of by keys: both consumer
+warpgroups of a CTA own the same 64 keys. The "P" warpgroup holds dV, computes
+Sᵀ = K·Qᵀ, Pᵀ = exp2(Sᵀ·c − lse2) and dV += Pᵀ·dO, and hands its 16-bit Pᵀ to the "dS"
+warpgroup through a two-slot shared-memory buffer; the "dS" warpgroup holds dK, computes
+dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − δ) and dK += dSᵀ·Q. Each product is computed once (4 per tile
+pair, as the head-dim-128 kernel's), each warpgroup holds one 128-register accumulator, the "P"
+warpgroup needs only K and the "dS" warpgroup only V. dSᵀ uses the 16-bit Pᵀ (the split kernel
+at D <= 128 uses float32 Pᵀ), which adds one 16-bit rounding to dSᵀ before its own.
+
+The dQ kernel is backward.py's, with two K slots and one V slot (see DQ_K_STAGES) and the row
+statistics from XLA. Segment ids (and lengths, folded into them): as in the split kernels, a
+CTA streams only the blocks that may share an id with its tile; here every step of a
+segmented call compares ids (the "P" role masks Pᵀ, which the "dS" role then uses).
+
+On the H200 at 4x4096x8x256 (sixteenth session, fwd+bwd, same run as cuDNN): 431 / 395 TFLOP/s
+non-causal / causal, 1.05x / 1.09x cuDNN; Triton's backward kernels gave 0.57-0.59x. Deviceless
+SASS (`scripts/mosaic_ptxas.py --deviceless --sass --shape 4,4096,8,256
+"bwd_split@wide_backward=mosaic"`): the dK/dV kernel spills nothing; the dQ kernel reloads 43
+spilled words per step (104 causal) at 240 registers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_flash import _blocking
+from pallas_flash.mosaic_gpu import _common
+from pallas_flash.mosaic_gpu.backward import (LOG2E, _dq_call, _first_q_block, _launch_order,
+                                              _produce_query_streams, _tile_and_head,
+                                              segment_inputs,
+                                              _wait_streams, _xla_row_stats)
+from pallas_flash.mosaic_gpu.config import MosaicConfig
+from pallas_flash.params import AttentionParams
+
+# Key rows of a dK/dV CTA (both warpgroups) and query rows per step; key rows per dQ step
+# and the dQ kernel's K and V ring depths: at D = 256 its Q and dO tiles (2 warpgroups x 64
+# rows) take 128 KiB, so two 64-key K slots and one V slot (32 KiB each) fit beside them
+# (231,536 of 232,448 B) and two of each do not (32-key tiles would, but a wgmma's
+# contraction over keys needs multiples of 64 with 128-byte swizzled K rows). K is read by
+# the step's first and last products, V only by dPᵀ: with two K slots the next K loads during
+# a whole step, the next V from dPᵀ on; with one of each (the first form) the next K's load
+# waited for the step's last product, and the dQ kernel ran at 371 TFLOP/s against the dK/dV
+# kernel's 601 (sixteenth session, run4, 4x4096x8x256).
+BLOCK_KV, BLOCK_Q, BLOCK_KV_DQ, DQ_K_STAGES, DQ_V_STAGES = 64, 64, 64, 2, 1
+
+
+def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_smem,
+                       v_smem, q_scratch, do_scratch, lse_scratch, delta_scratch, p_scratch,
+                       st_scratch, kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free,
+                       do_free, lse_free, delta_free, p_ready, p_free, *,
+                       kp: _common.KernelParams, seg: _common.SegmentRefs | None = None):
+  """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
+
+  Grid over (Sp / block_kv, K, B) in the backward's launch order; dk/dv_ref [B, Sp, K, D]. k/v_smem
+  [block_kv, D], q/do_scratch [stages, block_q, D], lse/delta_scratch [stages, block_q], p_scratch
+  [2, block_kv, block_q] (Pᵀ from WG 0 to WG 1, slot t % 2 at step t; p_ready / p_free [2] hand each
+  slot over and back), st_scratch [block_kv, block_q] (dSᵀ staging, interpret only). Steps run over
+  (q block, query head) with the head minor, from the first q block that sees the keys. seg: the
+  keys' and queries' segment ids and per kv tile the hull of q blocks that may share an id with
+  it (backward.py's split dK/dV kernel's); the CTA streams only those and masks every step.
+  """
+  bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
+  wg = lax.axis_index("wg")
+  b = lax.axis_index("b")
+  kt, kvh = _tile_and_head(("kt", "kvh"), k_ref.shape[2], kp)
+  k0 = kt * bkv
+  cta_first, cta_last = _first_q_block(k0, kp), kp.t_pad // bq
+  ids = None
+  if seg is not None:
+    first, last, _, _ = _common.segment_limits(seg.limits, b, kt)
+    cta_first, cta_last = jnp.maximum(cta_first, first), jnp.minimum(cta_last, last)
+    cta_last = jnp.maximum(cta_last, cta_first)  # no q block: zero steps, dK = dV = 0
+    ids_at = _common.row_and_col_ids(seg, b, k0, bkv, bq)
+    ids = lambda t: ids_at(index(t)[0] * bq)  # noqa: E731  (index: below)
+  cta_steps = (cta_last - cta_first) * g_size
+  rows = (b, pl.ds(k0, bkv), kvh)
+
+  def index(step):
+    return cta_first + lax.div(step, g_size), kvh * g_size + lax.rem(step, g_size)
+
+  streams = ((q_ref, q_scratch, q_ready, q_free), (do_ref, do_scratch, do_ready, do_free),
+             (lse_ref, lse_scratch, lse_ready, lse_free),
+             (delta_ref, delta_scratch, delta_ready, delta_free))
+
+  def release(slot, names):
+    for stream in names:
+      plgpu.barrier_arrive(stream[3].at[slot])
+
+  @pl.when(wg == 0)
+  def _p_role():
+    plgpu.set_max_registers(kp.compute_registers, action="increase")
+    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[0])
+    plgpu.barrier_wait(kv_ready.at[0])
+
+    def step(t, dv, *, masked: bool):
+      slot, pslot = lax.rem(t, stages), lax.rem(t, 2)
+      q_smem, do_smem = _wait_streams(streams, slot)
+      s_t = _common.smem_matmul(k_smem, q_smem.T, (bkv, bq))
+      lse = plgpu.load(lse_scratch.at[slot], layout=_common.COL)
+      release(slot, streams[2:])  # lse read; delta is the other role's
+      p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+      if masked:
+        visible = _common.tile_mask(k0, index(t)[0] * bq, (bkv, bq), kp, transposed=True,
+                                    ids=ids and ids(t))
+        p_t = jnp.where(visible, p_t, 0.0)
+      p16 = p_t.astype(kp.dtype)
+      p_smem = p_scratch.at[pslot]
+      # The slot's previous Pᵀ (two steps ago) must have been read by the dS role, which
+      # released both slots once before its first step.
+      plgpu.barrier_wait(p_free.at[pslot])
+      p_smem[...] = p16
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(p_ready.at[pslot])
+      if kp.interpret:  # Pᵀ is in shared memory already: an SMEM-operand wgmma
+        dv = dv + _common.smem_matmul(p_smem, do_smem, dv.shape)
+      else:
+        dv = _common.accumulate(dv, p16, None, do_smem, kp)
+      release(slot, streams[:2])
+      return dv
+
+    dv = plgpu.layout_cast(jnp.zeros((bkv, kp.d), jnp.float32), plgpu.Layout.WGMMA)
+    # Causal: the CTA's first q block holds key k0 (no step is skipped) and every step is
+    # masked: past the diagonal the mask is all true. One loop, not a masked and an unmasked
+    # one: with two loops of dynamic bounds here the Mosaic GPU interpreter hung, before the
+    # suite set _common.INTERPRET_XLA_FLAG (the split-tail launches' cause; not retried); the
+    # masks' compares are cheap beside the step's two 256-deep products.
+    masked = kp.causal or seg is not None
+    dv = lax.fori_loop(0, cta_steps, functools.partial(step, masked=masked), dv)
+
+    for pslot in range(2):  # each slot's last release, not waited for above: every phase of
+      plgpu.barrier_wait(p_free.at[pslot])  # an mbarrier must be observed
+
+    _store_through(dv, k_smem, dv_ref.at[rows], kp)  # only this role reads K
+
+  @pl.when(wg == 1)
+  def _ds_role():
+    plgpu.set_max_registers(kp.compute_registers, action="increase")
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[1])
+    for pslot in range(2):  # both Pᵀ slots start free
+      plgpu.barrier_arrive(p_free.at[pslot])
+    plgpu.barrier_wait(kv_ready.at[1])
+
+    def step(t, dk):
+      slot, pslot = lax.rem(t, stages), lax.rem(t, 2)
+      q_smem, do_smem = _wait_streams(streams, slot)
+      dp_t = _common.smem_matmul(v_smem, do_smem.T, (bkv, bq))
+      delta = plgpu.load(delta_scratch.at[slot], layout=_common.COL)
+      release(slot, streams[2:])
+      plgpu.barrier_wait(p_ready.at[pslot])
+      p_t = plgpu.load(p_scratch.at[pslot], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+      plgpu.barrier_arrive(p_free.at[pslot])
+      ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+      dk = _common.accumulate(dk, ds_t.astype(kp.dtype), st_scratch, q_smem, kp)
+      release(slot, streams[:2])
+      return dk
+
+    dk = plgpu.layout_cast(jnp.zeros((bkv, kp.d), jnp.float32), plgpu.Layout.WGMMA)
+    dk = lax.fori_loop(0, cta_steps, step, dk)
+    _store_through(dk * kp.scale, v_smem, dk_ref.at[rows], kp)  # only this role reads V
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(kp.producer_registers, action="decrease")
+    _produce_query_streams(cta_steps, stages, streams, index, b, bq)
+
+
+def _store_through(acc, smem, dst, kp: _common.KernelParams):
+  """Stores a float32 accumulator [block_kv, D] to GMEM `dst` in kp.dtype, staged through
+  `smem` (a tile this warpgroup alone has finished reading), and waits for the copy."""
+  smem[...] = acc.astype(kp.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(smem, dst)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, segs=()):
+  """(dK, dV) [B, Sp, K, D] of padded q/do [B, Tp, H, D], k/v [B, Sp, K, D]; segs: () or
+  (kv_seg [B, Sp], q_seg [B, Tp], q limits per kv tile) int32."""
+  bsz, s_pad, kh, d = k.shape
+  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
+  tiles = _common.smem_transforms(kp.dtype)
+  ring = [plgpu.Barrier(num_barriers=stages) for _ in range(4)]
+  free = [plgpu.Barrier(num_arrivals=2, num_barriers=stages) for _ in range(4)]
+  scratch = [
+      plgpu.SMEM((bkv, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((bkv, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((stages, bq, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((stages, bq, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((stages, bq), jnp.float32),
+      plgpu.SMEM((stages, bq), jnp.float32),
+      plgpu.SMEM((2, bkv, bq), kp.dtype, transforms=tiles),
+      plgpu.SMEM((bkv, bq), kp.dtype, transforms=tiles) if kp.interpret else None,
+      plgpu.Barrier(num_barriers=2),
+      *ring, *free,
+      plgpu.Barrier(num_barriers=2),
+      plgpu.Barrier(num_barriers=2),
+  ]
+  kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
+  return plgpu.kernel(
+      _common.with_segment_refs(functools.partial(_dkdv_roles_kernel, kp=kp), 6, bool(segs)),
+      out_type=(kv_out, kv_out),
+      scratch_types=scratch,
+      **_launch_order(s_pad // bkv, kh, bsz, ("kt", "kvh", "b"), kp),
+      num_threads=3, thread_name="wg",
+      compiler_params=_common.compiler_params(kp),
+      interpret=_common.interpret_params(kp.interpret),
+  )(q, k, v, do, lse2, delta, *segs)
+
+
+def padded_lengths(t: int, s: int) -> tuple[int, int]:
+  """(T, S) padded to these kernels' tiles (a dQ CTA takes 2 x BLOCK_Q rows)."""
+  return _blocking.round_up(t, 2 * BLOCK_Q), _blocking.round_up(s, BLOCK_KV)
+
+
+def kernel_params(qp, kpad, params: AttentionParams, config: MosaicConfig, *, kv_len: int):
+  """(dQ, dK/dV) KernelParams for padded qp [B, Tp, H, D], kpad [B, Sp, K, D] (arrays or
+  jax.ShapeDtypeStruct) with kv_len real keys."""
+  # FA3's register split: a dQ warpgroup holds a 128-register accumulator beside S and dP.
+  config = dataclasses.replace(config, compute_registers=240, producer_registers=24)
+  make = functools.partial(_common.KernelParams.make, qp, kpad, params=params,
+                           t_pad=qp.shape[1], s_pad=kpad.shape[1], kv_len=kv_len, config=config)
+  kp_dq = dataclasses.replace(make(block_q=BLOCK_Q, block_kv=BLOCK_KV_DQ, stages=DQ_K_STAGES),
+                              v_stages=DQ_V_STAGES)
+  kp_dkdv = make(block_q=BLOCK_Q, block_kv=BLOCK_KV,
+                 stages=min(config.bwd_stages, qp.shape[1] // BLOCK_Q))
+  return tuple(dataclasses.replace(x, bwd_head_group=0) for x in (kp_dq, kp_dkdv))
+
+
+def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
+             config: MosaicConfig):
+  """q/do [B, T, H, D] (D = 256), k/v [B, S, K, D], q/kv_seg [B, T] / [B, S] int32 or None, lse
+  as the forward returned it, delta the correction -dlse or None (backward.py's contract) ->
+  (dq, dk, dv)."""
+  t, s = q.shape[1], k.shape[1]
+  t_pad, s_pad = padded_lengths(t, s)
+  qp, dop = _blocking.pad_axis(q, 1, t_pad), _blocking.pad_axis(do, 1, t_pad)
+  kpad, vpad = _blocking.pad_axis(k, 1, s_pad), _blocking.pad_axis(v, 1, s_pad)
+  lse, delta = _xla_row_stats(o, lse, do, delta)
+  # Padded rows: lse2 = +inf (P = 0), delta = 0.
+  lse2 = _blocking.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
+  delta = _blocking.pad_axis(delta, 2, t_pad)
+  kp_dq, kp_dkdv = kernel_params(qp, kpad, params, config, kv_len=s)
+  dq_segs = dkdv_segs = ()
+  if params.has_segments:
+    dq_segs, dkdv_segs = segment_inputs(q_seg, kv_seg, t_pad, s_pad,
+                                        dq_tiles=(2 * BLOCK_Q, BLOCK_KV_DQ),
+                                        dkdv_tiles=(BLOCK_Q, BLOCK_KV))
+  dq = _dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs)
+  dk, dv = _dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs)
+  return dq[:, :t], dk[:, :s], dv[:, :s]

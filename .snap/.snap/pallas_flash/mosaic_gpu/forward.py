@@ -1,0 +1,713 @@
+"""FlashAttention-3 style forward for Hopper as a Pallas Mosaic GPU kernel.
+
+One CTA = 3 warpgroups. WG 2 is the producer: it TMA-loads K/V tiles into a `num_stages`-slot
+shared-memory ring ("ready" mbarriers, refilled once both consumers arrived on "free"). WGs 0 and
+1 each own `block_q` query rows and run S = Q·Kᵀ and O += P·V on the tensor cores (wgmma), with
+the online softmax (FA2 Alg. 1) in registers between them. A two-party "schedule" barrier makes
+the consumers alternate: one WG's softmax runs while the other WG's matmuls occupy the tensor
+cores (FA3 §3.1 ping-pong).
+
+With MosaicConfig.fwd_intra_wg_overlap each consumer also pipelines its own two matmuls (FA3
+§3.2): S_{j+1} = Q·K_{j+1}ᵀ is issued together with O += P_j·V_j, and the softmax of S_{j+1} runs
+while P_j·V_j is still on the tensor cores (`_overlapped_kv_loop`).
+
+Causal: blocks above the diagonal are never loaded, only the blocks that cross the diagonal are
+masked, and q tiles are launched heaviest first (reversed), so the last wave holds short tiles.
+
+With MosaicConfig.fwd_persistent (non-causal) one CTA per SM loops over the tiles instead
+(`_fwd_persistent_kernel`): the same warpgroups and kv loops, with the K/V ring running on
+across tiles and Q double-buffered, so a tile's loads overlap the previous tile's end.
+
+With MosaicConfig.fwd_split_tail (non-causal grid kernel) the tiles of the last, partly filled
+wave run as several CTAs each, every one streaming a share of the key blocks (split_tail.py);
+their float32 partial (o, lse) are merged by `combine_tail`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_flash import _blocking, masks
+from pallas_flash.mosaic_gpu import _common
+from pallas_flash.mosaic_gpu import split_tail
+from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
+from pallas_flash.params import MASK_VALUE, AttentionParams
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# Steps per warpgroup that a profiled forward (MosaicConfig.profile_dir) records.
+PROFILE_STEPS = 32
+
+
+class _SplitRefs(NamedTuple):
+  """A split-tail kernel's extra operands: o_part [parts total, 2, block_q, D] and lse_part
+  [parts total, 2, block_q] float32 (GMEM), o32_scratch [2, block_q, D] float32 (SMEM)."""
+
+  split: split_tail.TailSplit
+  o_part: Any
+  lse_part: Any
+  o32_scratch: Any
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scratch,
+                lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free, v_free, sched, *,
+                kp: _common.KernelParams, seg: _common.SegmentRefs | None = None,
+                tail: _SplitRefs | None = None):
+  """q_ref [B, Tp, H, D], k_ref/v_ref [B, Sp, K, D] (GMEM), o_ref [B, Tp, H, D], lse_ref [B, H, Tp].
+
+  Grid (H, q tiles, B), or (q tiles, H, B) with kp.heads_fastest; q_scratch [2, block_q, D],
+  k/v_scratch [stages, block_kv, D], lse_scratch [2, block_q], p_scratch [2, block_q, block_kv]
+  (interpret mode only). seg: segment ids of the rows (q) and keys, and per q tile the hull of
+  key blocks that may share an id (masks.segment_block_limits): the CTA streams only those
+  blocks, at least one, and compares ids on each except the run of blocks that lie wholly
+  inside the tile's one document. tail (non-causal, no seg): a one-dimensional grid of
+  tail.split.ctas CTAs in the same launch order, see split_tail.TailSplit.
+  """
+  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
+  wg = lax.axis_index("wg")
+  is_part = part_row = None
+  if tail is None:
+    b, h, qt = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("qt")
+  else:
+    is_part, part_row, (b, h, qt) = tail.split.this_cta()
+  if kp.causal:
+    qt = kp.num_q_tiles - 1 - qt  # heaviest tiles first
+  cta_q0 = qt * (2 * bq)
+
+  cta_steps = kp.kv_steps(cta_q0 + 2 * bq)
+  kv0, full = 0, None  # the CTA's first key block (steps count from it), its full run
+  if seg is not None:
+    kv0, cta_steps, full = _common.streamed_kv_range(seg, b, qt, cta_steps)
+  if tail is not None:
+    kv0, kv_end = tail.split.bounds(is_part, part_row, kp.num_kv_blocks)
+    cta_steps = kv_end - kv0
+
+  sched_sync = functools.partial(_common.sync, sched)
+
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(kp.compute_registers, action="increase")
+    q_smem, lse_smem = q_scratch.at[wg], lse_scratch.at[wg]
+    q0 = cta_q0 + wg * bq
+    steps = kp.kv_steps(q0 + bq)
+    seg_ids = None
+    if seg is not None:
+      steps = jnp.clip(steps - kv0, 1, cta_steps)
+      seg_ids = _common.row_and_col_ids(seg, b, q0, bq, bkv)
+    if tail is not None:
+      steps = cta_steps
+    with jax.named_scope("prologue"):
+      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_ready.at[wg])
+      plgpu.barrier_wait(q_ready.at[wg])
+      plgpu.barrier_wait(k_ready.at[0])  # steps >= 1 always
+
+    def idle_step(j, carry):
+      # A WG with fewer causal blocks keeps the shared ring and schedule barrier in lock-step.
+      slot = lax.rem(j, stages)
+      plgpu.barrier_wait(k_ready.at[slot])
+      plgpu.barrier_arrive(k_free.at[slot])
+      plgpu.barrier_wait(v_ready.at[slot])
+      plgpu.barrier_arrive(v_free.at[slot])
+      sched_sync()
+      sched_sync()
+      return carry
+
+    pl.when(wg == 1)(sched_sync)
+    loop = _overlapped_kv_loop if kp.intra_wg_overlap else _plain_kv_loop
+    if seg is not None:
+      loop = functools.partial(_plain_kv_loop, kv0=kv0, seg_ids=seg_ids, full=full)
+    elif tail is not None:
+      loop = functools.partial(loop, kv0=kv0)
+    carry = loop(q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
+                 _Barriers(k_ready, v_ready, k_free, v_free, sched), q0=q0, steps=steps, kp=kp)
+    if kp.causal or seg is not None:
+      lax.fori_loop(steps, cta_steps, idle_step, None)
+    pl.when(wg == 0)(sched_sync)
+
+    with jax.named_scope("epilogue"):
+      store = functools.partial(_store_tile, *carry, q_smem, lse_smem,
+                                o_ref.at[b, pl.ds(q0, bq), h], lse_ref.at[b, h, pl.ds(q0, bq)],
+                                kp)
+      if tail is None:
+        store()
+      else:
+        pl.when(~is_part)(store)
+        pl.when(is_part)(functools.partial(
+            _store_tile, *carry, tail.o32_scratch.at[wg], lse_smem,
+            tail.o_part.at[part_row, wg], tail.lse_part.at[part_row, wg], kp))
+      plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(kp.producer_registers, action="decrease")
+    kvh = lax.div(h, kp.group)
+
+    def load(j, slot):
+      rows = (b, pl.ds((kv0 + j) * bkv, bkv), kvh)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_scratch.at[slot], v_ready.at[slot])
+
+    for i in range(stages):
+      pl.when(i < cta_steps)(functools.partial(load, i, i))
+
+    @pl.loop(stages, cta_steps)
+    def _(j):
+      slot = lax.rem(j, stages)
+      rows = (b, pl.ds((kv0 + j) * bkv, bkv), kvh)
+      with jax.named_scope("wait_free"):
+        plgpu.barrier_wait(k_free.at[slot])
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot])
+      with jax.named_scope("wait_free"):
+        plgpu.barrier_wait(v_free.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_scratch.at[slot], v_ready.at[slot])
+
+    _common.observe_last_releases((k_free, v_free), cta_steps, stages)
+
+
+def _store_tile(acc, m, l, o_smem, lse_smem, o_dst, lse_dst, kp: _common.KernelParams):
+  """Normalises one WG's tile and starts its TMA stores: O = acc / l [block_q, D] through
+  o_smem (the WG's Q buffer, free once its last Q·Kᵀ retired; a split tail's part: a float32
+  buffer), lse (natural log) through lse_smem. The caller waits for the stores."""
+  empty = l == 0.0  # only with segment ids: no visible key at all
+  inv_l = 1.0 / jnp.where(empty, 1.0, l)
+  o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_smem.dtype)
+  lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_smem, o_dst, commit_group=False)
+  plgpu.copy_smem_to_gmem(lse_smem, lse_dst, commit_group=False)
+  plgpu.commit_smem_to_gmem_group()
+
+
+def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scratch,
+                           lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free, v_free,
+                           sched, q_free, *, kp: _common.KernelParams, ctas: int, heads: int,
+                           batch: int):
+  """The non-causal forward as a persistent kernel: `ctas` CTAs (one per SM) loop over the
+  (q tile, head, batch) tiles, CTA c taking tiles c, c + ctas, ...
+
+  Same warpgroups, ring and kv loops as `_fwd_kernel`, but the ring runs on across tiles, so
+  the producer loads the next tile's first K/V blocks while the consumers finish a tile, and Q
+  is double-buffered by tile parity: the producer loads tile i+1's Q during tile i (as soon
+  as tile i-1 released its buffer), so a tile starts without waiting for a load. What a CTA
+  launch paid per tile (Q and first K/V latency, launch, drain) is paid once per CTA.
+
+  q_scratch [2 (tile parity), 2 (WG), block_q, D]; q_ready [4] indexed parity·2 + WG (TMA
+  arrivals); q_free [2] (2 arrivals: both WGs stored that parity's tile and the TMA has read
+  its O out of the buffer). Other operands as in `_fwd_kernel`.
+  """
+  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
+  nqt, steps = kp.num_q_tiles, kp.num_kv_blocks  # non-causal: every tile sees every key block
+  cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
+  tiles = lax.div(nqt * heads * batch - cta + ctas - 1, ctas)  # >= 1: ctas <= tile count
+
+  def coords(i):
+    """(b, h, q tile) of this CTA's i-th tile, in the launch order of `_fwd_kernel`."""
+    t = cta + i * ctas
+    if kp.heads_fastest:
+      h, r = lax.rem(t, heads), lax.div(t, heads)
+      return lax.div(r, nqt), h, lax.rem(r, nqt)
+    qt, r = lax.rem(t, nqt), lax.div(t, nqt)
+    return lax.div(r, heads), lax.rem(r, heads), qt
+
+  sched_sync = functools.partial(_common.sync, sched)
+
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(kp.compute_registers, action="increase")
+    loop = _overlapped_kv_loop if kp.intra_wg_overlap else _plain_kv_loop
+    bars = _Barriers(k_ready, v_ready, k_free, v_free, sched)
+
+    @pl.loop(0, tiles)
+    def _tile(i):
+      b, h, qt = coords(i)
+      parity = lax.rem(i, 2)
+      q_smem = q_scratch.at[parity, wg]
+      q0 = qt * (2 * bq) + wg * bq
+      with jax.named_scope("prologue"):
+        plgpu.barrier_wait(q_ready.at[parity * 2 + wg])
+        plgpu.barrier_wait(k_ready.at[lax.rem(i * steps, stages)])
+      pl.when(wg == 1)(sched_sync)
+      carry = loop(q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
+                   bars, q0=q0, steps=steps, kp=kp, base=i * steps)
+      pl.when(wg == 0)(sched_sync)
+      with jax.named_scope("epilogue"):
+        _store_tile(*carry, q_smem, lse_scratch.at[wg], o_ref.at[b, pl.ds(q0, bq), h],
+                    lse_ref.at[b, h, pl.ds(q0, bq)], kp)
+        # The buffer takes tile i+2's Q next; lse_scratch is rewritten by the next tile.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      plgpu.barrier_arrive(q_free.at[parity])
+
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(kp.producer_registers, action="decrease")
+
+    def load_q(i):
+      b, h, qt = coords(i)
+      parity = lax.rem(i, 2)
+      for w in range(2):
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(qt * (2 * bq) + w * bq, bq), h],
+                                q_scratch.at[parity, w], q_ready.at[parity * 2 + w])
+
+    load_q(0)
+
+    @pl.loop(0, tiles)
+    def _tile(i):
+      b, h, _ = coords(i)
+      kvh = lax.div(h, kp.group)
+
+      @pl.loop(0, steps)
+      def _step(j):
+        g = i * steps + j  # the ring's step
+        slot = lax.rem(g, stages)
+        rows = (b, pl.ds(j * bkv, bkv), kvh)
+        with jax.named_scope("wait_free"):
+          pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot])
+        with jax.named_scope("wait_free"):
+          pl.when(g >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_scratch.at[slot], v_ready.at[slot])
+
+        # Tile i+1's Q, once the ring holds tile i's first blocks: issuing those needed tile
+        # i-1's last blocks consumed, so tile i-1's release of the buffer is close.
+        @pl.when((j == stages - 1) & (i + 1 < tiles))
+        def _():
+          pl.when(i >= 1)(lambda: plgpu.barrier_wait(q_free.at[lax.rem(i + 1, 2)]))
+          load_q(i + 1)
+
+    _common.observe_last_releases((k_free, v_free), tiles * steps, stages)
+    _common.observe_last_releases((q_free,), tiles, 2)
+
+
+class _Barriers(NamedTuple):
+  """The consumer side of the K/V ring and the two-WG schedule barrier."""
+
+  k_ready: Any
+  v_ready: Any
+  k_free: Any
+  v_free: Any
+  sched: Any
+
+
+def _ring(base):
+  """slot(j): the K/V ring slot of a tile's kv step j when the tile's first step is the
+  ring's step `base` (None: 0, the non-persistent kernel)."""
+  def slot(j, stages):
+    if base is None:
+      return 0 if isinstance(j, int) and j == 0 else lax.rem(j, stages)
+    return lax.rem(base + j, stages)
+
+  return slot
+
+
+def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0, steps,
+                   kp: _common.KernelParams, base=None, kv0=0, seg_ids=None, full=None):
+  """One consumer WG's kv loop, S_j then O += P_j·V_j per step -> (acc, m, l).
+
+  q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
+  mode only). The caller has waited for K_0; `base`: see `_ring`. Step j is key block kv0 + j;
+  seg_ids(col0) gives the (row, column) segment ids of the block starting at key col0, and
+  `full` the run of key blocks that share the rows' one id (_common.unmasked_run).
+  """
+  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
+  ring = _ring(base)
+
+  sched_sync = functools.partial(_common.sync, bars.sched)
+
+  def step(j, carry, *, masked: bool):
+    acc, m, l = carry
+    slot = ring(j, stages)
+
+    def qk(s_ref):
+      with jax.named_scope("issue"):
+        plgpu.wgmma(s_ref, q_smem, k_scratch.at[slot].T)
+      with jax.named_scope("handoff"):
+        sched_sync()  # hand the tensor cores to the other WG while S is computed
+      with jax.named_scope("wait_s"):
+        return s_ref[...]
+
+    s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+    plgpu.barrier_arrive(bars.k_free.at[slot])
+    with jax.named_scope("softmax"):
+      if masked:
+        col0 = (kv0 + j) * bkv
+        ids = None if seg_ids is None else seg_ids(col0)
+        s = jnp.where(_common.tile_mask(q0, col0, (bq, bkv), kp, ids=ids), s, -jnp.inf)
+      # exp2 with softmax_scale·log2(e) folded in: m is kept in scaled log2 units, so each
+      # probability is one FFMA plus one ex2. -inf scores give p = 0 without a select since
+      # m starts at the finite MASK_VALUE.
+      m_new = jnp.maximum(m, s.max(axis=1) * kp.c)
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      l = l * alpha + p.sum(axis=1)
+      p16 = p.astype(kp.dtype)
+      # Pin the softmax before the barrier so that it overlaps the other WG's matmuls.
+      acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+    with jax.named_scope("wait_kv"):
+      plgpu.barrier_arrive(bars.sched)
+      plgpu.barrier_wait(bars.v_ready.at[slot])
+      plgpu.barrier_wait(bars.sched)
+
+    def wait_next_k():
+      @pl.when(j + 1 < steps)
+      def _():
+        plgpu.barrier_wait(bars.k_ready.at[ring(j + 1, stages)])
+
+    if kp.interpret:
+      acc = acc + _common.staged_matmul(p16, p_smem, v_scratch.at[slot], (bq, kp.d))
+      wait_next_k()
+    else:
+      def pv(acc_ref):
+        with jax.named_scope("issue"):
+          plgpu.wgmma(acc_ref, p16, v_scratch.at[slot])  # P from registers (RS wgmma)
+        with jax.named_scope("wait_kv"):
+          wait_next_k()  # overlaps the PV wgmma
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(bars.v_free.at[slot])
+    return acc, m_new, l
+
+  carry = (plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA),
+           plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), _common.ROW),
+           plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _common.ROW))
+  u0, u1 = _common.unmasked_run(q0, steps, kp, kv0=kv0, full=full)
+  if seg_ids is not None:
+    carry = lax.fori_loop(0, u0, functools.partial(step, masked=True), carry)
+  carry = lax.fori_loop(u0, u1, functools.partial(step, masked=False), carry)
+  if kp.needs_mask:
+    carry = lax.fori_loop(u1, steps, functools.partial(step, masked=True), carry)
+  return carry
+
+
+def _q_operand(q_smem, kp: _common.KernelParams):
+  """The overlapped loop's Q operand of S = Q·Kᵀ: the SMEM tile, or with kp.q_registers its
+  [block_q, D] register copy (the WGMMA layout of a register A operand), loaded once per tile.
+
+  Not in the plain loop: there ptxas (CUDA 13.0) gives P's registers to Q's copy while the loop
+  still needs it (SASS: P packed into the registers the next step's S = Q·Kᵀ reads; the H200
+  returned wrong outputs at 16x1024x16x128), where in the overlapped loop, whose P·V is in flight
+  beside S = Q·Kᵀ, it keeps them apart (scripts/mosaic_ptxas.py reports such writes)."""
+  if kp.q_registers and not kp.interpret:
+    return plgpu.load(q_smem, layout=plgpu.Layout.WGMMA)
+  return q_smem
+
+
+def _softmax(s, m, l, kp: _common.KernelParams):
+  """Online softmax (FA2 Alg. 1) of one score tile s [block_q, block_kv] f32.
+
+  m, l [block_q]: running row max (scaled log2 units) and row sum. Returns (p [block_q,
+  block_kv] float32, m_new, l_new, alpha), alpha = exp2(m - m_new) being the factor that brings
+  O from m to m_new. p stays float32: the caller converts it once no wgmma reads P any more.
+  """
+  m_new = jnp.maximum(m, s.max(axis=1) * kp.c)
+  alpha = jnp.exp2(m - m_new)
+  p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+  l = l * alpha + p.sum(axis=1)
+  return p, m_new, l, alpha
+
+
+def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0, steps,
+                        kp: _common.KernelParams, base=None, kv0=0):
+  """One consumer WG's kv loop with FA3's intra-warpgroup 2-stage pipeline -> (acc, m, l).
+
+  q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
+  mode only). S_0 is computed before the loop; step j issues S_{j+1} = Q·K_{j+1}ᵀ and then
+  O += P_j·V_j, waits for S_{j+1} alone (`wgmma_accumulator_load(wait_n=1)`) and runs its
+  softmax while P_j·V_j is still in flight; O is rescaled once that has retired. The last P·V
+  follows the loop. Each matmul pair sits between the same two schedule-barrier rounds per
+  block as in the plain loop, so the two WGs still alternate (ping-pong) and the idle steps of
+  a causal CTA are unchanged. `base`: see `_ring`; step j is key block kv0 + j.
+  """
+  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
+  ring = _ring(base)
+
+  sched_sync = functools.partial(_common.sync, bars.sched)
+  q_op = _q_operand(q_smem, kp)
+
+  def softmax(s, j, masked, m, l):
+    if masked:
+      s = jnp.where(_common.visible(q0, (kv0 + j) * bkv, (bq, bkv), kp), s, -jnp.inf)
+    return _softmax(s, m, l, kp)
+
+  def qk(s_ref):  # K_0 is ready: the caller waited for it
+    plgpu.wgmma(s_ref, q_op, k_scratch.at[ring(0, stages)].T)
+    sched_sync()
+    return s_ref[...]
+
+  s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+  plgpu.barrier_arrive(bars.k_free.at[ring(0, stages)])
+  # Block 0 is masked whenever any block can be: exact where it is not needed, and one tile.
+  p, m, l, _ = softmax(
+      s, 0, kp.needs_mask, plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32),
+                                             _common.ROW),
+      plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _common.ROW))
+  acc = plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA)
+  carry = lax.optimization_barrier((acc, p.astype(kp.dtype), m, l))
+
+  def step(j, carry, *, masked: bool):
+    acc, p16, m, l = carry  # acc is scaled to m; p16 = P_j is not in it yet
+    slot, nxt = ring(j, stages), ring(j + 1, stages)
+    with jax.named_scope("wait_kv"):
+      plgpu.barrier_arrive(bars.sched)
+      plgpu.barrier_wait(bars.k_ready.at[nxt])
+      plgpu.barrier_wait(bars.v_ready.at[slot])
+      plgpu.barrier_wait(bars.sched)
+
+    def scores_and_softmax(s_ref, issue_pv):
+      with jax.named_scope("issue"):
+        plgpu.wgmma(s_ref, q_op, k_scratch.at[nxt].T)  # S_{j+1}
+        issue_pv()  # P_j·V_j, queued behind it
+      with jax.named_scope("handoff"):
+        sched_sync()  # hand the tensor cores to the other WG
+      with jax.named_scope("wait_s"):
+        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P_j·V_j keeps running
+      plgpu.barrier_arrive(bars.k_free.at[nxt])
+      with jax.named_scope("softmax"):
+        return softmax(s, j + 1, masked, m, l)
+
+    if kp.interpret:  # P staged through SMEM, P_j·V_j into its own accumulator
+      p_smem[...] = p16
+      plgpu.commit_smem()
+
+      def scoped(s_ref, pv_ref):
+        out = scores_and_softmax(
+            s_ref, lambda: plgpu.wgmma(pv_ref, p_smem, v_scratch.at[slot]))
+        return out, pv_ref[...]
+
+      (p, m, l, alpha), pv = pl.run_scoped(scoped, plgpu.ACC((bq, bkv), jnp.float32),
+                                           plgpu.ACC((bq, kp.d), jnp.float32))
+      acc = acc + pv
+    else:
+      def state(refs):
+        # The softmax results leave through plain refs: run_state returns only its state, and
+        # exiting it waits for every wgmma (here P_j·V_j, after the softmax has been issued).
+        s_ref, o_ref, p_ref, m_ref, l_ref, alpha_ref = refs
+        out = scores_and_softmax(
+            s_ref, lambda: plgpu.wgmma(o_ref, p16, v_scratch.at[slot]))  # RS wgmma
+        p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = out
+
+      s0 = plgpu.layout_cast(jnp.zeros((bq, bkv), jnp.float32), plgpu.Layout.WGMMA)
+      _, acc, p, m, l, alpha = pl.run_state(state)(
+          (plgpu.ACC.init(s0), plgpu.ACC.init(acc), s0, m, l, m))
+      # P_{j+1} is written in kp.dtype only now that P_j·V_j has retired: P's registers are the
+      # loop-carried operand of that wgmma, and redefining them while it is in flight makes
+      # ptxas serialise every wgmma of the kernel (C7513; FA3 converts after wait<0> too).
+      p = lax.optimization_barrier(p)
+    plgpu.barrier_arrive(bars.v_free.at[slot])
+    with jax.named_scope("rescale"):
+      p16 = p.astype(kp.dtype)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      # Pin the softmax and the rescale before the next barrier round (see the plain loop).
+      return lax.optimization_barrier((acc, p16, m, l))
+
+  if kp.needs_mask:
+    # Non-causal, the key tail is the only mask, and every step takes it: with the masked
+    # last step after an unmasked loop, ptxas serialised every wgmma of the kernel (C7512;
+    # 382 TFLOP/s against cuDNN's 550 at 1x5000x16x128); one masked loop keeps the overlap
+    # (a comparison per key and a select per score each step).
+    split = 0
+    if kp.causal:
+      split = jnp.maximum(_common.first_masked_block(q0, kv0 + steps, kp) - kv0 - 1, 0)
+    carry = lax.fori_loop(0, split, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(split, steps - 1, functools.partial(step, masked=True), carry)
+  else:
+    carry = lax.fori_loop(0, steps - 1, functools.partial(step, masked=False), carry)
+
+  acc, p16, m, l = carry
+  last = ring(steps - 1, stages)
+  plgpu.barrier_arrive(bars.sched)
+  plgpu.barrier_wait(bars.v_ready.at[last])
+  plgpu.barrier_wait(bars.sched)
+  acc = _common.accumulate(acc, p16, p_smem, v_scratch.at[last], kp)
+  plgpu.barrier_arrive(bars.v_free.at[last])
+  return acc, m, l
+
+
+def _registers(config: MosaicConfig) -> tuple[int, int]:
+  """(consumer, producer) setmaxnreg of the forward. The intra-WG overlap keeps two steps' S,
+  P and O live, so it takes FA3's 240 / 24 split unless the config sets its own."""
+  regs = (config.compute_registers, config.producer_registers)
+  defaults = {f.name: f.default for f in dataclasses.fields(MosaicConfig)}
+  if config.fwd_intra_wg_overlap and regs == (defaults["compute_registers"],
+                                              defaults["producer_registers"]):
+    return 240, 24
+  return regs
+
+
+def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0, segs=(),
+             split: split_tail.TailSplit | None = None):
+  """Runs the kernel on padded q [B, Tp, H, D], k/v [B, Sp, K, D] -> (o [B, Tp, H, D], lse).
+
+  persistent_ctas > 0 (non-causal, no segments): `_fwd_persistent_kernel` on that many CTAs.
+  segs: () or the padded (q_seg [B, Tp], kv_seg [B, Sp], kv_limits [B, q tiles, 4]) int32.
+  split (non-causal, no segments, not persistent): the split tail; the result is then
+  (o, lse, o_part, lse_part) with the tail tiles of o and lse unwritten (`combine_tail`)."""
+  bsz, t_pad, h, d = q.shape
+  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
+  tiles = _common.smem_transforms(kp.dtype)
+  persistent = persistent_ctas > 0
+  scratch = [
+      plgpu.SMEM(((2,) if persistent else ()) + (2, bq, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((stages, bkv, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((stages, bkv, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((2, bq), jnp.float32),
+      plgpu.SMEM((2, bq, bkv), kp.dtype, transforms=tiles) if kp.interpret else None,
+      plgpu.Barrier(num_barriers=4 if persistent else 2),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2),
+  ]
+  out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+              jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)]
+  if split is not None:
+    assert not (kp.causal or persistent or segs), "the split tail is for the non-causal grid"
+    rows = (split.tiles - split.main) * split.parts
+    out_type += [jax.ShapeDtypeStruct((rows, 2, bq, d), jnp.float32),
+                 jax.ShapeDtypeStruct((rows, 2, bq), jnp.float32)]
+    scratch.append(plgpu.SMEM((2, bq, d), jnp.float32,
+                              transforms=_common.smem_transforms(jnp.float32)))
+
+    def body(q_ref, k_ref, v_ref, o_ref, lse_ref, o_part, lse_part, *scratch_refs):
+      *scratch_refs, o32 = scratch_refs
+      _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch_refs, kp=kp,
+                  tail=_SplitRefs(split, o_part, lse_part, o32))
+
+    grid, names = (split.ctas,), ("t",)
+    most_steps = kp.num_kv_blocks
+  elif persistent:
+    assert not kp.causal, "the persistent forward is non-causal only"
+    scratch.append(plgpu.Barrier(num_arrivals=2, num_barriers=2))
+    body = functools.partial(_fwd_persistent_kernel, kp=kp, ctas=persistent_ctas, heads=h,
+                             batch=bsz)
+    grid, names = (persistent_ctas,), ("cta",)
+    most_steps = kp.num_kv_blocks * -(-kp.num_q_tiles * h * bsz // persistent_ctas)
+  else:
+    body = _common.with_segment_refs(functools.partial(_fwd_kernel, kp=kp), 3, bool(segs))
+    launch = _common.launch_grid(kp.num_q_tiles, h, bsz, ("qt", "h", "b"),
+                                 heads_fastest=kp.heads_fastest)
+    grid, names = launch["grid"], launch["grid_names"]
+    most_steps = kp.num_kv_blocks
+  return plgpu.kernel(
+      body,
+      out_type=tuple(out_type),
+      scratch_types=scratch,
+      grid=grid, grid_names=names, num_threads=3, thread_name="wg",
+      # The profiler's event buffer lives in shared memory (~48 B per step-event slot over the
+      # 3 WGs): sized for at most PROFILE_STEPS steps, later events are dropped by its bounds
+      # check, so long or persistent kernels still fit.
+      compiler_params=_common.compiler_params(kp, min(most_steps, PROFILE_STEPS)),
+      interpret=_common.interpret_params(kp.interpret),
+  )(q, k, v, *segs)
+
+
+def smem_bytes(d: int, block_q: int, block_kv: int, stages: int, itemsize: int = 2, *,
+               persistent: bool = False, tail_staging: bool = False) -> int:
+  """Shared memory of one forward CTA: Q (double-buffered when persistent), the K/V ring and
+  lse, plus ~1 KiB of barriers and alignment (and the split tail's float32 o staging)."""
+  q = (2 if persistent else 1) * 2 * block_q * d * itemsize
+  staging = 2 * block_q * d * 4 if tail_staging else 0
+  return q + 2 * stages * block_kv * d * itemsize + 2 * block_q * 4 + 1024 + staging
+
+
+def tail_split(q, config: MosaicConfig, params: AttentionParams, kv_blocks: int,
+               persistent: bool) -> split_tail.TailSplit | None:
+  """The split tail of a call with q [B, T, H, D], or None where it does not apply (not
+  config.fwd_split_tail, causal, segment ids, the persistent kernel, no room for the float32
+  staging tile, or no split that pays)."""
+  b, t, h, d = q.shape
+  if (not config.fwd_split_tail or params.is_causal or params.has_segments or persistent
+      or smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
+                    jnp.dtype(q.dtype).itemsize, tail_staging=True) > SMEM_LIMIT_BYTES):
+    return None
+  num_q_tiles = _blocking.round_up(t, 2 * config.block_q) // (2 * config.block_q)
+  return split_tail.plan(num_q_tiles, h, b, kv_blocks, heads_fastest=config.heads_fastest,
+                         config=config)
+
+
+def combine_tail(o, lse, o_part, lse_part, split: split_tail.TailSplit):
+  """o [B, Tp, H, D], lse [B, H, Tp] with the split tail's tiles merged in from its parts:
+  o_part [tail tiles · parts, 2, block_q, D], lse_part [.., 2, block_q] float32, each part
+  normalised over its own keys, so o = Σ exp(lse_p − lse) o_p with lse = logsumexp_p lse_p."""
+  r, parts = split.tail_tiles, split.parts
+  rows_per_tile = o_part.shape[1] * o_part.shape[2]
+  o_part = o_part.reshape(r, parts, rows_per_tile, o_part.shape[-1])
+  lse_part = lse_part.reshape(r, parts, rows_per_tile)
+  m = lse_part.max(axis=1)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  w = jnp.exp(lse_part - m[:, None])
+  total = w.sum(axis=1)
+  o_tail = (w[..., None] * o_part).sum(axis=1) / jnp.where(total == 0, 1.0, total)[..., None]
+  lse_tail = jnp.where(total == 0, -jnp.inf, m + jnp.log(total))
+  o = split_tail.set_tiles(o, o_tail, split)
+  b, h, qt = split.tail_coords()
+  rows = qt[:, None] * rows_per_tile + np.arange(rows_per_tile)
+  lse = lse.at[b[:, None], h[:, None], rows].set(lse_tail, unique_indices=True)
+  return o, lse
+
+
+def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
+  """CTAs of the persistent forward for q [B, T, H, D] (0: run the one-CTA-per-tile kernel).
+
+  Persistent only where it applies: config.fwd_persistent, non-causal (causal tiles differ in
+  length; that kernel balances them by its launch order) and Q's second buffer fits in shared
+  memory (not at head_dim 256)."""
+  b, t, h, d = q.shape
+  if not config.fwd_persistent or params.is_causal or params.has_segments:
+    return 0
+  if smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
+                jnp.dtype(q.dtype).itemsize, persistent=True) > SMEM_LIMIT_BYTES:
+    return 0
+  tiles = b * h * (_blocking.round_up(t, 2 * config.block_q) // (2 * config.block_q))
+  return min(tiles, config.persistent_ctas or _common.sm_count())
+
+
+def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
+            config: MosaicConfig | None = None):
+  """See pallas_flash.params for the contract. With segment ids the grid kernel runs its plain
+  kv loop (no persistent form, no intra-warpgroup overlap); only the key blocks that may share
+  an id with a q tile are loaded, and ids are compared on those that do not lie wholly inside
+  the tile's one document."""
+  config = config or _common.config_for(q, k, params)
+  b, t, h, d = q.shape
+  s = k.shape[1]
+  t_pad = _blocking.round_up(t, 2 * config.block_q)
+  s_pad = _blocking.round_up(s, config.block_kv)
+  if params.is_causal and config.num_stages < 2 and s_pad > config.block_kv:
+    # A warpgroup's causal idle step waits for V_j before its schedule-barrier rounds; with one
+    # slot V_j loads only after the other WG frees V_{j-1}, which it does after such a round.
+    raise ValueError("MosaicConfig.num_stages=1 deadlocks the causal mosaic forward when there "
+                     "is more than one key block; use num_stages >= 2 (the tuned configs use 2)")
+  kp = _common.KernelParams.make(
+      q, k, params=params, block_q=config.block_q, block_kv=config.block_kv,
+      stages=min(config.num_stages, s_pad // config.block_kv), t_pad=t_pad, s_pad=s_pad,
+      kv_len=s, config=config)
+  if config.fwd_intra_wg_overlap:
+    compute, producer = _registers(config)
+    kp = dataclasses.replace(kp, compute_registers=compute, producer_registers=producer,
+                             intra_wg_overlap=not params.has_segments)
+  qp = _blocking.pad_axis(q, 1, t_pad)
+  kpad, vpad = _blocking.pad_axis(k, 1, s_pad), _blocking.pad_axis(v, 1, s_pad)
+  segs = ()
+  if params.has_segments:
+    q_seg, kv_seg = _blocking.pad_segments(q_seg, kv_seg, t_pad, s_pad)
+    kv_limits, _ = masks.segment_block_limits(q_seg, kv_seg, block_q=2 * config.block_q,
+                                              block_kv=config.block_kv)
+    segs = (q_seg, kv_seg, kv_limits)
+  ctas = persistent_ctas(q, config, params)
+  split = tail_split(q, config, params, kp.num_kv_blocks, ctas > 0)
+  out = fwd_call(qp, kpad, vpad, kp=kp, persistent_ctas=ctas, segs=segs, split=split)
+  o, lse = out if split is None else combine_tail(*out, split)
+  return o[:, :t], lse[:, :, :t]

@@ -1,0 +1,165 @@
+"""Static description of one attention call, shared by every backend.
+
+Shape letters (used in every docstring of the package):
+  B batch, T query length, S key/value length, H query heads, K key/value heads,
+  G = H // K query heads per key/value head, D head dim.
+
+Backend contract (each of `xla`, `triton`, `mosaic_gpu` provides these):
+
+  forward(q, k, v, q_seg, kv_seg, *, params, config[, arrays]) -> (o, lse)
+    q [B, T, H, D], k/v [B, S, K, D], q_seg [B, T] int32 | None, kv_seg [B, S] int32 | None
+    o [B, T, H, D] in q.dtype; lse [B, H, T] float32, natural log, -inf on fully masked rows.
+    lse is that of the softmax before dropout.
+
+  backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params, config[, arrays])
+      -> (dq, dk, dv), or (dq, dk, dv, dbias) when params.has_bias
+    lse has +inf (not -inf) on fully masked rows, so exp(s - lse) is 0 there without a select;
+    delta [B, H, T] float32 = rowsum(do * o) - dlse, computed by the API in XLA.
+    A backend whose module sets BACKWARD_COMPUTES_DELTA = True (mosaic_gpu: it does this in a
+    kernel, saving XLA's extra pass over O and dO) instead gets lse as forward returned it
+    (-inf on fully masked rows) and delta = -dlse, or None when lse has no cotangent, and
+    computes rowsum(do * o) itself.
+    dbias has the shape of arrays.bias (summed over its broadcast batch / head axes).
+
+  unsupported_reason(call: CallInfo) -> str | None
+  SUPPORTED_FEATURES: frozenset[str] (optional): the names in `FEATURES` the backend implements;
+    a backend without it runs only the core (causal, segment ids, lengths). The API rejects calls
+    using any other feature before asking `unsupported_reason`, and passes `arrays=` only to
+    calls that use a feature.
+
+Logits are computed in this order (FlashAttention-2's softcap/ALiBi order; bias as jax.nn):
+  s = scale * q·kᵀ;  s = c·tanh(s / c) (soft cap);  s += -slope_h·|i - j| (ALiBi);  s += bias;
+  then masking, softmax, dropout on the probabilities (kept ones scaled by 1 / (1 - rate)).
+
+Masking is one rule for every backend: key j is visible to query i iff
+q_seg[i] == kv_seg[j] (when segment ids are given), j <= i (when causal),
+i - left <= j <= i + right (with local_window=(left, right)), mask[b, h, i, j] (dense mask) and
+block_mask.mask_fn (a block-sparse mask, which excludes causal, window and segment ids).
+Sequence lengths are folded into the segment ids by the API (see api._fold_lengths).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+# Finite stand-in for -inf in masked scores: exp(MASK_VALUE - m) underflows to 0, while
+# MASK_VALUE - MASK_VALUE stays 0 rather than the NaN that (-inf) - (-inf) gives.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+# Segment ids given to padded positions: distinct from each other so that a padded query never
+# matches a padded key, and far from the small non-negative ids users pass.
+Q_PAD_SEGMENT = -(2**31)
+KV_PAD_SEGMENT = -(2**31) + 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionParams:
+  """What every backend needs to know statically about a call.
+
+  Attributes:
+    scale: softmax scale applied to q·kᵀ.
+    is_causal: query i sees keys 0..i (top-left alignment, as jax.nn.dot_product_attention).
+    has_segments: q_seg / kv_seg arrays are present and must be compared.
+    local_window: (left, right): query i sees keys i - left .. i + right (jax.nn's
+      local_window_size); None for no window.
+    logits_soft_cap: c in c·tanh(s / c), or None.
+    has_alibi: arrays.alibi_slopes [H] float32 is present.
+    dropout_rate: probability of dropping an attention probability; 0 for no dropout (then
+      arrays.dropout_seed is None).
+    has_bias: arrays.bias [B|1, H|1, T, S] is present (differentiable).
+    has_mask: arrays.mask [B|1, H|1, T, S] bool is present.
+    block_mask_blocks: (block_q, block_kv) of arrays.block_mask (a block_sparse.BlockMask),
+      which then replaces causal / window / segment masking; None without a block mask.
+    deterministic: gradients must be bitwise identical run to run (backends whose fastest
+      backward sums in a varying order choose another; see flash_attention).
+  """
+
+  scale: float
+  is_causal: bool
+  has_segments: bool
+  local_window: tuple[int, int] | None = None
+  logits_soft_cap: float | None = None
+  has_alibi: bool = False
+  dropout_rate: float = 0.0
+  has_bias: bool = False
+  has_mask: bool = False
+  block_mask_blocks: tuple[int, int] | None = None
+  deterministic: bool = False
+
+  @property
+  def features(self) -> frozenset[str]:
+    """The names (from `FEATURES`) of the optional features this call uses."""
+    used = {"local_window_size": self.local_window is not None,
+            "logits_soft_cap": self.logits_soft_cap is not None,
+            "alibi_slopes": self.has_alibi, "dropout": self.dropout_rate > 0.0,
+            "bias": self.has_bias, "mask": self.has_mask,
+            "block_mask": self.block_mask_blocks is not None}
+    return frozenset(name for name, on in used.items() if on)
+
+  @property
+  def band(self) -> tuple[int | None, int | None]:
+    """(lo, hi): key j is visible to query i only if lo <= j - i <= hi; None is unbounded.
+
+    Combines causal masking (hi = 0) and the local window (lo = -left, hi = right).
+    """
+    lo = hi = None
+    if self.local_window is not None:
+      lo, hi = -self.local_window[0], self.local_window[1]
+    if self.is_causal:
+      hi = 0 if hi is None else min(hi, 0)
+    return lo, hi
+
+  @property
+  def has_element_mask(self) -> bool:
+    """Whether masks depend on data (segments, dense mask): no block can skip the mask test."""
+    return self.has_segments or self.has_mask
+
+
+# The optional features a backend may declare in SUPPORTED_FEATURES.
+FEATURES = frozenset({"local_window_size", "logits_soft_cap", "alibi_slopes", "dropout", "bias",
+                      "mask", "block_mask"})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FeatureArrays:
+  """The array inputs of optional features; unused ones are None (no pytree leaves).
+
+  Attributes:
+    bias: [B|1, H|1, T, S] additive logits bias (any float dtype); differentiable.
+    mask: [B|1, H|1, T, S] bool, True where a query may see a key.
+    alibi_slopes: [H] float32 per-head ALiBi slopes (not differentiated).
+    dropout_seed: [2] int32, the dropout hash's seed (derived from `dropout_rng`).
+    block_mask: a `pallas_flash.BlockMask` (a pytree of int tables and the mask function).
+  """
+
+  bias: jax.Array | None = None
+  mask: jax.Array | None = None
+  alibi_slopes: jax.Array | None = None
+  dropout_seed: jax.Array | None = None
+  block_mask: Any = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CallInfo:
+  """Shapes, dtype, features and target device of a call: what `explain` reasons about."""
+
+  batch: int
+  q_len: int
+  kv_len: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  dtype: jnp.dtype
+  params: AttentionParams
+  platform: str  # "cpu", "gpu", ...
+  compute_capability: tuple[int, int] | None  # (9, 0) on Hopper; None off-GPU or unknown
+  device_kind: str
+
+  @property
+  def group_size(self) -> int:
+    return self.num_heads // self.num_kv_heads

@@ -1,0 +1,308 @@
+"""ptxas' view of the Mosaic GPU kernels: registers, spills and wgmma serialisation per variant.
+
+On the GPU machine, from the repository root:
+
+  PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/mosaic_ptxas.py [--out DIR] [VARIANT ...]
+
+compiles each variant, checks it against the reference and times it briefly. On a machine
+without a GPU, after `./scripts/setup_deviceless.sh`:
+
+  .venv/bin/python scripts/mosaic_ptxas.py --deviceless --sass [VARIANT ...]
+
+compiles the same kernels for a described H200 (scripts/h200_target_config.txtpb) through jax's
+CUDA plugin and ptxas, without running them (the PTX is the same as on the GPU).
+
+Each variant runs in its own process with MOSAIC_GPU_DUMP_PTXAS / _PTX set and
+MOSAIC_GPU_DUMP_TO=DIR/ptxas/<variant>. The parent prints per kernel ptxas' spill bytes and any
+C7512 / C7513 "wgmma ... serialized" or C7507 "setmaxnreg ignored" warning; with --sass also
+the SASS (`<kernel>.sass`, needs ptxas and nvdisasm) and how many spill instructions sit in the
+loops that issue wgmmas (HGMMA), i.e. in the main loops rather than in set-up code. A variant
+is NAME or NAME@key=value,... (MosaicConfig overrides); without arguments every entry of
+VARIANTS runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+AOT_DIR = ROOT / ".cuda-aot"  # scripts/setup_deviceless.sh installs the toolchain here
+TARGET_CONFIG = ROOT / "scripts" / "h200_target_config.txtpb"
+
+# name -> (mode, causal, MosaicConfig keyword arguments). bf16, shape from --shape.
+VARIANTS = {
+    "fwd": ("fwd", False, {}),
+    "fwd_causal": ("fwd", True, {}),
+    "fwd_plain": ("fwd", False, dict(fwd_intra_wg_overlap=False)),
+    "fwd_overlap": ("fwd", False, dict(fwd_intra_wg_overlap=True)),
+    "fwd_overlap_causal": ("fwd", True, dict(fwd_intra_wg_overlap=True)),
+    "fwd_persistent": ("fwd", False, dict(fwd_persistent=True)),
+    "bwd_split": ("fwdbwd", False, {}),
+    "bwd_split_causal": ("fwdbwd", True, {}),
+    "bwd_pingpong": ("fwdbwd", False, dict(dkdv_pingpong=True)),
+    "bwd_dkdv_overlap": ("fwdbwd", False, dict(dkdv_schedule="overlap")),
+    "bwd_dkdv_overlap_causal": ("fwdbwd", True, dict(dkdv_schedule="overlap")),
+    "bwd_pingpong_causal": ("fwdbwd", True, dict(dkdv_pingpong=True)),
+    "bwd_fused_shared": ("fwdbwd", False, dict(fused_backward=True, fused_dq_shared=True)),
+    "bwd_fused_overlap": ("fwdbwd", False, dict(fused_backward=True, fused_dq_shared=True,
+                                                 fused_overlap=True)),
+    # Segment ids (documents of 1000 tokens): the plain forward loop and the split backward
+    # with the id loads and comparisons. `segments` is not a MosaicConfig field.
+    "fwd_segments_causal": ("fwd", True, dict(segments=True)),
+    "bwd_segments_causal": ("fwdbwd", True, dict(segments=True)),
+}
+
+
+def parse_overrides(items) -> dict:
+  """MosaicConfig overrides from 'key=value' strings: ints, True/False or strings."""
+  kw = {}
+  for item in items:
+    key, value = item.split("=")
+    kw[key] = ({"True": True, "False": False}[value] if value in ("True", "False")
+               else int(value) if value.isdigit() else value)
+  return kw
+
+
+def variant(spec: str) -> tuple[str, bool, dict]:
+  """'NAME' or 'NAME@key=value,...' (MosaicConfig overrides, see parse_overrides)."""
+  name, _, extra = spec.partition("@")
+  mode, causal, kw = VARIANTS[name]
+  return mode, causal, {**kw, **parse_overrides(filter(None, extra.split(",")))}
+
+
+def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> None:
+  """Compiles one variant (in the dumping process); on a GPU also checks and times it."""
+  import time
+
+  import jax
+  import jax.numpy as jnp
+
+  import pallas_flash
+  from pallas_flash.mosaic_gpu import TUNED, MosaicConfig
+
+  mode, causal, kw = variant(name)
+  b, t, h, d = shape
+  segments = kw.pop("segments", False)
+  config = dataclasses.replace(TUNED.get((d, causal), MosaicConfig()), **kw)
+  ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // 1000, (b, t))
+  seg = dict(query_segment_ids=ids, key_value_segment_ids=ids) if segments else {}
+
+  def attn(q, k, v, impl="mosaic"):
+    return pallas_flash.flash_attention(q, k, v, is_causal=causal, implementation=impl,
+                                        config=config if impl == "mosaic" else None, **seg)
+
+  def grads(q, k, v, do, impl="mosaic"):
+    _, vjp = jax.vjp(lambda *a: attn(*a, impl=impl), q, k, v)
+    return vjp(do)
+
+  fn = attn if mode == "fwd" else grads
+  nargs = 3 if mode == "fwd" else 4
+  if deviceless:
+    from jax.experimental import topologies
+    from jax.sharding import (AbstractDevice, AbstractMesh, AxisType, NamedSharding,
+                              PartitionSpec, use_abstract_mesh)
+    topo = topologies.get_topology_desc(platform="cuda", topology_name="",
+                                        target_config=TARGET_CONFIG.read_text(),
+                                        topology="1x1x1")
+    sharding = NamedSharding(topologies.make_mesh(topo, (1,), ("x",)), PartitionSpec())
+    spec = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sharding)
+    # pallas_flash picks and sizes kernels for the abstract device, as in the lowering tests.
+    h200 = AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    with use_abstract_mesh(h200):
+      traced = jax.jit(fn).trace(*[spec] * nargs)
+    traced.lower(lowering_platforms=("cuda",)).compile()
+    print(json.dumps(dict(variant=name, compiled=True)), flush=True)
+    return
+
+  ks = jax.random.split(jax.random.key(0), 4)
+  args = [jax.random.normal(kk, shape, jnp.bfloat16) for kk in ks][:nargs]
+  f = jax.jit(fn)
+  out = jax.block_until_ready(f(*args))
+  want = fn(*(x.astype(jnp.float32) for x in args), impl="reference")
+  errs = [float(jnp.max(jnp.abs(x.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))
+          for x, r in zip(jax.tree.leaves(out), jax.tree.leaves(want))]
+  for _ in range(2):
+    jax.block_until_ready(f(*args))
+  t0 = time.perf_counter()
+  for _ in range(reps):
+    out = f(*args)
+  jax.block_until_ready(out)
+  ms = (time.perf_counter() - t0) / reps * 1e3
+  flops = 4 * b * h * t * t * d * (0.5 if causal else 1.0) * (3.5 if mode == "fwdbwd" else 1.0)
+  print(json.dumps(dict(variant=name, ms=ms, tflops=flops / ms / 1e9, max_rel_err=max(errs))),
+        flush=True)
+
+
+_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def _tool(name: str) -> str | None:
+  for cand in (AOT_DIR / "nvidia" / "cu13" / "bin" / name,
+               pathlib.Path(os.environ.get("MOSAIC_GPU_CUDA_ROOT", "/nonexistent")) / "bin" / name):
+    if cand.is_file():
+      return str(cand)
+  return shutil.which(name)
+
+
+_ADDR = re.compile(r"/\*([0-9a-f]{4,})\*/")
+_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+# ptxas diagnostics that cost a kernel its register plan: C7507 'setmaxnreg' ignored (the whole
+# kernel then runs at the launch's registers), C7512 / C7513 wgmma serialised.
+_WARNINGS = ("C7507", "C7512", "C7513")
+
+# Predicated branches only: the unconditional ones jump back from out-of-line barrier retry
+# blocks at the end of the kernel, which are not loops.
+_BRANCH = re.compile(r"@!?U?P\d\s+BRA\s+`\((\.L_x_\d+)\)")
+
+
+def wgmma_loops(sass: str) -> list[tuple[int, int]]:
+  """(first, last) instruction addresses of the loops (backward branches) that issue a wgmma
+  (HGMMA): the kernel's main loops, as opposed to set-up code and barrier spin loops."""
+  labels, instrs, pending = {}, [], []
+  for ln in sass.splitlines():
+    if m := _LABEL.match(ln):
+      pending.append(m.group(1))
+    elif m := _ADDR.search(ln):
+      addr = int(m.group(1), 16)
+      labels.update({name: addr for name in pending})
+      pending = []
+      instrs.append((addr, ln))
+  loops = []
+  for addr, ln in instrs:
+    m = _BRANCH.search(ln)
+    if m and labels.get(m.group(1), addr + 1) <= addr:
+      lo = labels[m.group(1)]
+      if any(lo <= a <= addr and "HGMMA" in text for a, text in instrs):
+        loops.append((lo, addr))
+  return loops
+
+
+# A wgmma whose A operand is registers: HGMMA.<shape> <acc>, R<a>, gdesc[...]... (4 registers
+# per k-step). Its B operand is transposed (".tnspB") for P·V-style products and not for the
+# S = Q·Kᵀ-style ones, whose A operand is loop-invariant (a tile loaded before the loop).
+_HGMMA_RS = re.compile(r"HGMMA\.\S+ R\d+, R(\d+), gdesc\[[^\]]*\](\.tnspB)?")
+# The first register an instruction writes ("OP Rd, ..."), and how many (.64: two).
+_WRITE = re.compile(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s+R(\d+)\b")
+_ARITH = ("FFMA", "FADD", "FMUL", "MUFU", "F2FP", "FSEL", "FMNMX", "HADD2", "HMUL2", "HFMA2")
+
+
+def invariant_operand_writes(sass: str, loops) -> int:
+  """Register-operand wgmmas, in the loops that issue wgmmas, whose A operand (untransposed B:
+  an S = Q·Kᵀ-style product, its A loaded before the loop) was last written, going back
+  around the loop, by arithmetic rather than by a load or move: ptxas gave the operand's
+  registers to another value while the loop still reads them, a miscompile (the forward's
+  plain loop with MosaicConfig.fwd_q_registers, see forward._q_operand). A reload from a
+  spill slot is not counted. Expected 0."""
+  rows = [(int(m.group(1), 16), ln) for ln in sass.splitlines() if (m := _ADDR.search(ln))]
+  bad = 0
+  for lo, hi in loops:
+    body = [ln for a, ln in rows if lo <= a <= hi]
+    writes = []  # per instruction: (opcode, registers written)
+    for ln in body:
+      m = _WRITE.search(ln)
+      width = 2 if m and ".64" in m.group(1) else 4 if m and m.group(1).startswith("LDSM") else 1
+      writes.append((m.group(1), {int(m.group(2)) + k for k in range(width)}) if m and
+                    not m.group(1).startswith(("HGMMA", "ST", "SYNCS", "RED")) else ("", set()))
+    for n, ln in enumerate(body):
+      if not (m := _HGMMA_RS.search(ln)) or m.group(2):
+        continue
+      for reg in range(int(m.group(1)), int(m.group(1)) + 4):
+        for k in range(1, len(body) + 1):  # backwards around the loop
+          op, regs = writes[n - k]
+          if reg in regs:
+            bad += op.startswith(_ARITH)
+            break
+  return bad
+
+
+def sass_report(ptx: pathlib.Path) -> str:
+  """Assembles ptx with ptxas, disassembles it to ptx.with_suffix('.sass') and counts the
+  spill loads / stores inside the loops that issue wgmmas."""
+  ptxas, nvdisasm = _tool("ptxas"), _tool("nvdisasm")
+  if not (ptxas and nvdisasm):
+    return "no SASS (ptxas or nvdisasm not found; scripts/setup_deviceless.sh installs both)"
+  cubin = ptx.with_suffix(".cubin")
+  subprocess.run([ptxas, "-arch=sm_90a", "-o", str(cubin), str(ptx)], check=True,
+                 capture_output=True)
+  sass = subprocess.run([nvdisasm, "-c", str(cubin)], check=True, capture_output=True,
+                        text=True).stdout
+  ptx.with_suffix(".sass").write_text(sass)
+  loops = wgmma_loops(sass)
+  inside = [ln for ln in sass.splitlines() if (m := _ADDR.search(ln))
+            and any(lo <= int(m.group(1), 16) <= hi for lo, hi in loops)]
+  return (f"{len(loops)} wgmma loops, {sum('HGMMA' in ln for ln in inside)} HGMMA in them; "
+          f"spill loads / stores in them: {sum('LDL' in ln for ln in inside)} / "
+          f"{sum('STL' in ln for ln in inside)}; writes to loop-invariant wgmma register "
+          f"operands: {invariant_operand_writes(sass, loops)}")
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("variants", nargs="*", default=list(VARIANTS))
+  parser.add_argument("--out", default=os.environ.get("OUT", "."))
+  parser.add_argument("--shape", default="1,4096,16,128", help="B,T,H,D (S = T, K = H)")
+  parser.add_argument("--deviceless", action="store_true",
+                      help="compile for a described H200 without a GPU (no check, no timing)")
+  parser.add_argument("--sass", action="store_true", help="also write and summarise SASS")
+  parser.add_argument("--reps", type=int, default=20, help="timed back-to-back calls (GPU)")
+  parser.add_argument("--child", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  shape = tuple(int(x) for x in args.shape.split(","))
+  if args.child:
+    child(args.child, shape, args.deviceless, args.reps)
+    return
+  out = pathlib.Path(args.out) / "ptxas"
+  path = [str(ROOT), os.environ.get("PYTHONPATH", "")]
+  extra = {}
+  if args.deviceless:
+    if not (AOT_DIR / "jax_plugins").is_dir():
+      sys.exit("--deviceless needs jax's CUDA plugin and ptxas: run ./scripts/setup_deviceless.sh")
+    path.insert(0, str(AOT_DIR))
+    # No GPU, so no CUDA or cuDNN runtime to check the plugin's constraints against.
+    extra["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+  report = {}
+  for name in args.variants:
+    dump = out / re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+    shutil.rmtree(dump, ignore_errors=True)
+    dump.mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)), **extra,
+               MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=str(dump))
+    cmd = [sys.executable, __file__, "--child", name, "--shape", args.shape, "--reps",
+           str(args.reps)]
+    proc = subprocess.run(cmd + ["--deviceless"] * args.deviceless, env=env,
+                          capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    (dump / "log.txt").write_text(log)
+    kernels = {}
+    for p in sorted(dump.glob("*.ptxas")):  # one file per kernel
+      text = p.read_text(errors="replace")
+      kernels[p.stem] = dict(spills=[tuple(map(int, s)) for s in _SPILL.findall(text)][:1],
+                             serialized=[ln.strip() for ln in text.splitlines()
+                                         if any(w in ln for w in _WARNINGS)
+                                         or "serializ" in ln.lower()])
+      if args.sass and (dump / f"{p.stem}.ptx").is_file():
+        kernels[p.stem]["sass"] = sass_report(dump / f"{p.stem}.ptx")
+    timing = [json.loads(ln) for ln in log.splitlines() if ln.startswith('{"variant"')]
+    report[name] = dict(rc=proc.returncode, kernels=kernels, result=timing)
+    print(f"{name}: rc={proc.returncode} {timing}", flush=True)
+    if proc.returncode:
+      print("    " + "\n    ".join(log.strip().splitlines()[-5:]), flush=True)
+    for kernel, k in kernels.items():
+      print(f"    {kernel}: spill stores/loads {k['spills']}"
+            + (f"; {k['sass']}" if "sass" in k else ""), flush=True)
+      for ln in k["serialized"]:
+        print(f"      {ln[:200]}", flush=True)
+  (out / "report.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+  main()

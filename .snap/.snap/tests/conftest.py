@@ -1,0 +1,30 @@
+"""Shared pytest set-up: GPU tests skip themselves on machines without an NVIDIA GPU, and the
+Mosaic GPU interpreter gets the XLA flag without which it can deadlock (_common.py says why)."""
+
+import os
+
+import jax
+import pytest
+
+from pallas_flash.mosaic_gpu import _common
+
+# Before any test computes (XLA reads XLA_FLAGS when its CPU client starts); subprocesses that
+# the tests start inherit it.
+os.environ["XLA_FLAGS"] = _common.with_interpret_xla_flag(os.environ.get("XLA_FLAGS", ""))
+
+
+def _has_gpu() -> bool:
+  try:
+    return jax.default_backend() == "gpu"
+  except RuntimeError:
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  if _has_gpu():
+    return
+  skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)

@@ -1,0 +1,273 @@
+"""The Flax attention_fn: equal to Flax's own attention on the kernels (dense bias and mask,
+unbroadcast dropout included), dense fallback with a warning for the rest."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen, nnx
+
+from pallas_flash.flax import attention_fn as attention_fn_lib
+from pallas_flash.flax import flash_attention_fn, make_attention_fn
+
+TOL = 2e-5  # float32 on CPU: relative to the largest reference magnitude
+
+
+def rel_err(x, ref, floor: float = 1e-30) -> float:
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  return float(np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), floor))
+
+
+def assert_close(x, ref, tol=TOL, what="", floor: float = 1e-30):
+  err = rel_err(x, ref, floor)
+  assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g}"
+
+
+def assert_trees_close(tree, ref, tol=TOL):
+  """Leaf-wise relative error; a leaf's scale is at least 10% of the tree's largest gradient.
+
+  The floor matters for gradients that are analytically zero (the key-projection bias adds the
+  same logit to every key, which softmax ignores): there both sides are rounding noise, which
+  reached 2.1e-5 of a 1% floor in CI (1.7e-5 at most over 40 seeds), so the floor is 10%.
+  """
+  floor = 1e-1 * max(float(np.max(np.abs(np.asarray(b)))) for b in jax.tree.leaves(ref))
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(ref)):
+    assert_close(a, b, tol, jax.tree_util.keystr(path), floor)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings():
+  attention_fn_lib._warn_once.cache_clear()
+  yield
+
+
+def _nnx_pair(seed, attention_fn, **kw):
+  make = lambda fn: nnx.MultiHeadAttention(  # noqa: E731
+      num_heads=4, in_features=32, qkv_features=32, num_kv_heads=2, decode=False,
+      attention_fn=fn, rngs=nnx.Rngs(seed), **kw)
+  return make(attention_fn), make(nnx.dot_product_attention)
+
+
+def _nnx_loss_and_grads(layer, x, cot, **call_kw):
+  def loss(m):
+    return jnp.sum(m(x, **call_kw) * cot)
+  out = layer(x, **call_kw)
+  return out, nnx.grad(loss)(layer)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_nnx_multihead_attention_matches_flax(is_causal):
+  seed = np.random.randint(1 << 30)
+  ours, theirs = _nnx_pair(seed, make_attention_fn(implementation="xla"))
+  x = jax.random.normal(jax.random.key(seed), (2, 40, 32))
+  cot = jax.random.normal(jax.random.key(seed + 1), (2, 40, 32))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # the flash path must not warn
+    out, grads = _nnx_loss_and_grads(ours, x, cot, is_causal=is_causal)
+  ref, ref_grads = _nnx_loss_and_grads(theirs, x, cot, is_causal=is_causal)
+  assert_close(out, ref, what="output")
+  assert_trees_close(nnx.state(grads, nnx.Param), nnx.state(ref_grads, nnx.Param))
+
+
+def test_linen_multihead_attention_matches_flax_causal_mask():
+  seed = np.random.randint(1 << 30)
+  x = jax.random.normal(jax.random.key(seed), (2, 24, 16))
+  make = lambda fn: linen.MultiHeadDotProductAttention(  # noqa: E731
+      num_heads=2, qkv_features=16, attention_fn=fn, deterministic=True)
+  ours, theirs = make(make_attention_fn(is_causal=True, implementation="xla")), \
+      make(linen.dot_product_attention)
+  params = theirs.init(jax.random.key(seed), x, mask=linen.make_causal_mask(x[..., 0]))
+  mask = linen.make_causal_mask(x[..., 0])
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    out, vjp = jax.vjp(lambda p: ours.apply(p, x), params)
+  ref, ref_vjp = jax.vjp(lambda p: theirs.apply(p, x, mask=mask), params)
+  assert_close(out, ref, what="output")
+  cot = jax.random.normal(jax.random.key(seed + 1), out.shape)
+  assert_trees_close(vjp(cot), ref_vjp(cot))
+
+
+def _qkv(seed, b=2, t=20, h=4, k=2, d=8):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(keys[0], (b, t, h, d)), jax.random.normal(keys[1], (b, t, k, d)),
+          jax.random.normal(keys[2], (b, t, k, d)))
+
+
+def _assert_matches_flax(fn, ref_fn, args, what, argnums):
+  """Outputs and the gradients of a random projection of them, relative to the reference's."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # the kernels path must not warn
+    out, vjp = jax.vjp(fn, *args)
+  ref, ref_vjp = jax.vjp(ref_fn, *args)
+  assert out.shape == ref.shape
+  assert_close(out, ref, what=f"{what} output")
+  cot = jax.random.normal(jax.random.key(np.random.randint(1 << 30)), out.shape)
+  grads, ref_grads = vjp(cot), ref_vjp(cot)
+  for i in argnums:
+    assert_close(grads[i], ref_grads[i], what=f"{what} grad {i}")
+
+
+def _mask(seed, shape):
+  """A random boolean mask in which every query sees at least one key (key 0), as Flax's dense
+  attention gives a fully masked row the mean of all values where the kernels give zeros."""
+  return jax.random.bernoulli(jax.random.key(seed), 0.7, shape).at[..., 0].set(True)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(2, 1, 20, 20), (2, 4, 20, 20), (20, 20), (1, 4, 1, 20)],
+                         ids=["b1ts", "bhts", "ts", "1h1s"])
+def test_dense_mask_runs_kernels_and_matches_flax(shape, is_causal):
+  seed = np.random.randint(1 << 30)
+  q, k, v = _qkv(seed)
+  mask = _mask(seed + 1, shape)
+  fn = lambda q, k, v: flash_attention_fn(q, k, v, mask=mask, is_causal=is_causal,  # noqa: E731
+                                          implementation="xla")
+  ref_fn = lambda q, k, v: nnx.dot_product_attention(  # noqa: E731
+      q, k, v, mask=jnp.broadcast_to(mask, (2, 4, 20, 20)), is_causal=is_causal)
+  _assert_matches_flax(fn, ref_fn, (q, k, v), f"mask{shape}", argnums=(0, 1, 2))
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 20, 20), (1, 4, 20, 20), (2, 1, 1, 20), (20, 20)],
+                         ids=["bhts", "1hts", "b11s", "ts"])
+def test_dense_bias_runs_kernels_and_matches_flax(shape):
+  seed = np.random.randint(1 << 30)
+  q, k, v = _qkv(seed)
+  bias = jax.random.normal(jax.random.key(seed + 1), shape)
+  mask = _mask(seed + 2, (2, 1, 20, 20))
+  fn = lambda q, k, v, bias: flash_attention_fn(q, k, v, bias, mask,  # noqa: E731
+                                                implementation="xla")
+  ref_fn = lambda q, k, v, bias: nnx.dot_product_attention(q, k, v, bias, mask)  # noqa: E731
+  _assert_matches_flax(fn, ref_fn, (q, k, v, bias), f"bias{shape}", argnums=(0, 1, 2, 3))
+
+
+def test_bias_and_mask_with_extra_batch_dims():
+  """[2, 3] batch dims flatten alike for q/k/v, a partly broadcast mask and a broadcast bias."""
+  seed = np.random.randint(1 << 30)
+  q, k, v = (x.reshape(2, 3, *x.shape[1:]) for x in _qkv(seed, b=6))  # [2, 3, T, H, D]
+  mask = _mask(seed + 1, (2, 1, 1, 20, 20))  # per first batch axis, shared by the second
+  bias = jax.random.normal(jax.random.key(seed + 2), (3, 4, 20, 20))  # per second batch axis
+  fn = lambda q, k, v, bias: flash_attention_fn(q, k, v, bias, mask,  # noqa: E731
+                                                implementation="xla")
+  full = (2, 3, 4, 20, 20)  # Flax hands several batch axes to jax.nn, which needs them full
+  ref_fn = lambda q, k, v, bias: nnx.dot_product_attention(  # noqa: E731
+      q, k, v, jnp.broadcast_to(bias, full), jnp.broadcast_to(mask, full))
+  _assert_matches_flax(fn, ref_fn, (q, k, v, bias), "batch dims", argnums=(0, 1, 2, 3))
+
+
+def test_nnx_layer_with_padding_mask_runs_kernels():
+  """nnx.MultiHeadAttention with a float make_attention_mask padding mask, plus is_causal."""
+  seed = np.random.randint(1 << 30)
+  ours, theirs = _nnx_pair(seed, make_attention_fn(implementation="xla"))
+  x = jax.random.normal(jax.random.key(seed), (2, 40, 32))
+  cot = jax.random.normal(jax.random.key(seed + 1), (2, 40, 32))
+  valid = jnp.arange(40)[None] < jnp.array([[40], [27]])
+  mask = nnx.make_attention_mask(valid, valid)  # float32 [2, 1, 40, 40]
+  mask = jnp.maximum(mask, jnp.eye(40))  # padded queries see themselves (no empty rows)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    out, grads = _nnx_loss_and_grads(ours, x, cot, mask=mask, is_causal=True)
+  ref, ref_grads = _nnx_loss_and_grads(theirs, x, cot, mask=mask, is_causal=True)
+  assert_close(out, ref, what="output")
+  assert_trees_close(nnx.state(grads, nnx.Param), nnx.state(ref_grads, nnx.Param))
+
+
+def _dense_with_keep_mask(q, k, v, mask, keep, rate):
+  """Flax's dense attention (GQA by repeating k/v heads) with a given dropout keep mask."""
+  rep = q.shape[-2] // k.shape[-2]
+  k, v = (jnp.repeat(x, rep, axis=-2) for x in (k, v))
+  logits = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
+  p = jax.nn.softmax(jnp.where(mask, logits, jnp.finfo(logits.dtype).min), axis=-1)
+  return jnp.einsum("bhts,bshd->bthd", p * keep / (1.0 - rate), v)
+
+
+def test_dropout_without_broadcast_runs_kernels():
+  """broadcast_dropout=False: an independent mask per (b, h, i, j), which is the kernels' hash."""
+  from pallas_flash import dropout
+
+  seed = np.random.randint(1 << 30)
+  q, k, v = _qkv(seed)
+  rate, rng = 0.3, jax.random.key(seed + 1)
+  mask = _mask(seed + 2, (2, 1, 20, 20))
+  fn = lambda q, k, v: flash_attention_fn(  # noqa: E731
+      q, k, v, mask=mask, dropout_rng=rng, dropout_rate=rate, broadcast_dropout=False,
+      implementation="xla")
+  keep = dropout.keep_mask(dropout.seed_from_rng(rng), 2, 4, 20, 20, rate)
+  assert 0.5 < float(jnp.mean(keep)) < 0.9
+  ref_fn = lambda q, k, v: _dense_with_keep_mask(q, k, v, mask, keep, rate)  # noqa: E731
+  _assert_matches_flax(fn, ref_fn, (q, k, v), "dropout", argnums=(0, 1, 2))
+  # deterministic=True switches dropout off, as in Flax
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    off = flash_attention_fn(q, k, v, mask=mask, dropout_rng=rng, dropout_rate=rate,
+                             broadcast_dropout=False, deterministic=True, implementation="xla")
+  assert_close(off, nnx.dot_product_attention(q, k, v, mask=mask), what="deterministic")
+
+
+def test_nnx_layer_dropout_without_broadcast_runs_kernels():
+  seed = np.random.randint(1 << 30)
+  layer = nnx.MultiHeadAttention(
+      num_heads=4, in_features=32, num_kv_heads=2, decode=False, dropout_rate=0.2,
+      broadcast_dropout=False, attention_fn=make_attention_fn(implementation="xla"),
+      rngs=nnx.Rngs(seed))
+  x = jax.random.normal(jax.random.key(seed), (2, 24, 32))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    a = layer(x, deterministic=False, is_causal=True)
+    b = layer(x, deterministic=False, is_causal=True)  # the next dropout key
+    c = layer(x, deterministic=True, is_causal=True)
+  assert np.all(np.isfinite(np.asarray(a)))
+  assert np.max(np.abs(np.asarray(a - b))) > 1e-3 and np.max(np.abs(np.asarray(a - c))) > 1e-3
+
+
+def test_broadcast_dropout_falls_back_with_one_warning():
+  """Flax's default broadcast_dropout=True shares one mask over batch and heads: dense path."""
+  q, k, v = _qkv(np.random.randint(1 << 30))
+  kw = dict(dropout_rate=0.5, deterministic=False, dropout_rng=jax.random.key(1),
+            bias=jax.random.normal(jax.random.key(0), (2, 4, 20, 20)))
+  with pytest.warns(UserWarning, match="broadcast_dropout") as record:
+    out = flash_attention_fn(q, k, v, **kw)
+    flash_attention_fn(q, k, v, **kw)
+  assert len([w for w in record if "falls back" in str(w.message)]) == 1
+  assert_close(out, nnx.dot_product_attention(q, k, v, **kw), what="broadcast dropout")
+
+
+@pytest.mark.filterwarnings(r"ignore:Using 'Module.sow\(\)' outside:DeprecationWarning")
+def test_sow_weights_falls_back_to_flax():
+  seed = np.random.randint(1 << 30)
+  ours, theirs = _nnx_pair(seed, make_attention_fn(implementation="xla"))
+  x = jax.random.normal(jax.random.key(seed), (2, 16, 32))
+  with pytest.warns(UserWarning, match="sow_weights"):
+    out = ours(x, sow_weights=True)
+  assert_close(out, theirs(x, sow_weights=True), what="sown")
+  assert nnx.state(ours, nnx.Intermediate)  # the weights were sown
+
+
+def test_custom_einsum_falls_back_to_flax():
+  q, k, v = _qkv(np.random.randint(1 << 30), k=4)
+  einsum = lambda *a, **kw: jnp.einsum(*a, **kw)  # noqa: E731
+  with pytest.warns(UserWarning, match="einsum"):
+    out = flash_attention_fn(q, k, v, qk_attn_weights_einsum=einsum,
+                             attn_weights_value_einsum=einsum)
+  ref = linen.dot_product_attention(q, k, v, qk_attn_weights_einsum=einsum,
+                                    attn_weights_value_einsum=einsum)
+  assert_close(out, ref, what="einsum")
+
+
+def test_segment_ids_and_batch_dims_match_dense_mask():
+  seed = np.random.randint(1 << 30)
+  q, k, v = (x.reshape(2, 1, *x.shape[1:]) for x in _qkv(seed))  # [2, 1, T, H, D]
+  seg = jnp.cumsum(jax.random.bernoulli(jax.random.key(seed), 0.15, (2, 1, 20)), -1)
+  out = flash_attention_fn(q, k, v, is_causal=True, implementation="xla",
+                           query_segment_ids=seg.astype(jnp.int32))
+  mask = (seg[..., :, None] == seg[..., None, :])[..., None, :, :]
+  ref = nnx.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+  assert out.shape == q.shape
+  assert_close(out, ref, what="segments")
+
+
+def test_unknown_keyword_is_an_error():
+  q, k, v = _qkv(0)
+  with pytest.raises(TypeError):
+    flash_attention_fn(q, k, v, input_positions=jnp.arange(20))

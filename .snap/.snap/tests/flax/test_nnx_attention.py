@@ -1,0 +1,121 @@
+"""FlashMultiHeadAttention against nnx.MultiHeadAttention on the same weights."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pallas_flash.flax import FlashMultiHeadAttention, apply_rotary
+
+TOL = 2e-5
+
+
+def assert_close(x, ref, tol=TOL, what="", floor=1e-30):
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  err = float(np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), floor))
+  assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g}"
+
+
+def assert_grads_close(grads, ref):
+  """Leaf-wise. The key bias's gradient is analytically zero (softmax ignores a per-query
+  constant), so what remains is rounding of other gradients' size: the floor, 10% of the largest
+  gradient, measures it on their scale rather than on its own ~0."""
+  floor = 1e-1 * max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref))
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref)):
+    assert_close(a, b, what=jax.tree_util.keystr(path), floor=floor)
+
+
+def _layers(seed, *, heads=4, kv_heads=2, rope=False):
+  ours = FlashMultiHeadAttention(heads, 32, num_kv_heads=kv_heads, implementation="xla",
+                                 rope_theta=10_000.0 if rope else None, rngs=nnx.Rngs(seed))
+  attention_fn = functools.partial(nnx.dot_product_attention_with_rope, rope=nnx.RoPE()) \
+      if rope else nnx.dot_product_attention
+  theirs = nnx.MultiHeadAttention(heads, 32, num_kv_heads=kv_heads, decode=False,
+                                  attention_fn=attention_fn, rngs=nnx.Rngs(seed + 1))
+  nnx.update(theirs, nnx.state(ours, nnx.Param))  # weights move over by name
+  return ours, theirs
+
+
+def _out_and_grads(layer, x, cot, **kw):
+  return layer(x, **kw), nnx.state(nnx.grad(lambda m: jnp.sum(m(x, **kw) * cot))(layer),
+                                   nnx.Param)
+
+
+def test_parameters_named_and_shaped_like_nnx():
+  ours, theirs = _layers(0)
+  shapes = lambda m: jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(m, nnx.Param)))  # noqa
+  assert shapes(ours) == shapes(theirs)
+
+
+@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_matches_nnx_multihead_attention(heads, kv_heads, rope):
+  seed = np.random.randint(1 << 30)
+  ours, theirs = _layers(seed, heads=heads, kv_heads=kv_heads, rope=rope)
+  x = jax.random.normal(jax.random.key(seed), (2, 48, 32))
+  cot = jax.random.normal(jax.random.key(seed + 1), (2, 48, 32))
+  out, grads = _out_and_grads(ours, x, cot, is_causal=True)
+  ref, ref_grads = _out_and_grads(theirs, x, cot, is_causal=True)
+  assert_close(out, ref, what="output")
+  assert_grads_close(grads, ref_grads)
+
+
+def test_rotary_matches_nnx_rope():
+  seed = np.random.randint(1 << 30)
+  x = jax.random.normal(jax.random.key(seed), (2, 16, 3, 8))
+  pos = jnp.broadcast_to(jnp.arange(16), (2, 16))
+  ref = jax.vmap(nnx.RoPE(), in_axes=-2, out_axes=-2)(x)
+  assert_close(apply_rotary(x, pos), ref, what="rotary")
+
+
+def test_packed_documents_do_not_see_each_other():
+  """A packed row gives each document exactly the output it gets alone (positions restart)."""
+  seed = np.random.randint(1 << 30)
+  layer = FlashMultiHeadAttention(4, 32, num_kv_heads=2, is_causal=True, rope_theta=1e4,
+                                  implementation="xla", rngs=nnx.Rngs(seed))
+  a, b = (jax.random.normal(jax.random.key(seed + i), (1, n, 32)) for i, n in ((1, 19), (2, 13)))
+  packed = jnp.concatenate([a, b], axis=1)
+  seg = jnp.concatenate([jnp.zeros(19, jnp.int32), jnp.ones(13, jnp.int32)])[None]
+  pos = jnp.concatenate([jnp.arange(19), jnp.arange(13)])[None]
+  out = layer(packed, segment_ids=seg, positions=pos)
+  assert_close(out[:, :19], layer(a), what="first document")
+  assert_close(out[:, 19:], layer(b), what="second document")
+  leaky = layer(packed, positions=pos)  # without segment ids the second document sees the first
+  assert np.max(np.abs(np.asarray(leaky[:, 19:] - out[:, 19:]))) > 1e-3
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("features", [
+    dict(local_window_size=(7, 3)),
+    dict(logits_soft_cap=2.0),
+    dict(alibi=True),
+    dict(local_window_size=5, logits_soft_cap=3.0, alibi=(0.5, 0.25, 0.125, 0.0625)),
+], ids=["window", "softcap", "alibi", "all"])
+def test_features_match_reference(features, is_causal):
+  """Window, soft cap and ALiBi reach the kernels: xla matches the materialising reference, and
+  the output differs from the same layer without them."""
+  seed = np.random.randint(1 << 30)
+  make = lambda impl, **kw: FlashMultiHeadAttention(  # noqa: E731
+      4, 32, num_kv_heads=2, is_causal=is_causal, rope_theta=1e4, implementation=impl,
+      rngs=nnx.Rngs(seed), **kw)
+  ours, ref_layer, plain = make("xla", **features), make("reference", **features), make("xla")
+  # large weights make logits big enough for the soft cap to matter
+  x = 4.0 * jax.random.normal(jax.random.key(seed), (2, 40, 32))
+  cot = jax.random.normal(jax.random.key(seed + 1), (2, 40, 32))
+  out, grads = _out_and_grads(ours, x, cot)
+  ref, ref_grads = _out_and_grads(ref_layer, x, cot)
+  assert_close(out, ref, what="output")
+  assert_grads_close(grads, ref_grads)
+  assert np.max(np.abs(np.asarray(plain(x) - out))) > 1e-3 * np.max(np.abs(np.asarray(ref)))
+
+
+def test_alibi_slopes_schedule():
+  from pallas_flash.flax import alibi_slopes
+
+  assert alibi_slopes(8) == tuple(2.0 ** (-(h + 1)) for h in range(8))
+  assert alibi_slopes(6) == alibi_slopes(4) + tuple(2.0 ** (-(2 * h + 1)) for h in range(2))
+  with pytest.raises(ValueError, match="one slope per query head"):
+    FlashMultiHeadAttention(4, 32, alibi=(0.5, 0.25), rngs=nnx.Rngs(0))

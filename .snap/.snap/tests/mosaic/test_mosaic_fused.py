@@ -1,0 +1,268 @@
+"""The fused (FlashAttention-3 style) Mosaic GPU backward on CPU: CUDA lowering and interpreter.
+
+Lowering (`jax.export` for CUDA, sm_90) checks tracing, layouts, the TMA reduce-add and shared
+memory; the interpreter checks the math, indexing, GQA and causal skipping against the float32
+reference. Neither sees async hazards, register spills or the atomics' timing: the GPU script
+scripts/fused_bwd_check.py does.
+"""
+
+import collections
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_flash
+from pallas_flash.mosaic_gpu import TUNED, MosaicConfig, backward, backward_fused
+from pallas_flash.mosaic_gpu import config as mconfig
+from pallas_flash.params import AttentionParams
+from pallas_flash.reference import attention_reference
+from testing import TRITON_CALL, export_for_h200, kernel_case_id, kernel_specs
+
+
+def _mosaic_calls(text: str) -> int:
+  return collections.Counter(re.findall(r"custom_call @(\w+)", text))["mosaic_gpu_v2"]
+
+
+def _grad_module(b, t, s, h, kh, d, causal, config) -> str:
+  q, kv = kernel_specs(b, t, s, h, kh, d)
+
+  def loss(q, k, v):
+    o = pallas_flash.flash_attention(q, k, v, is_causal=causal, implementation="mosaic",
+                                     config=config)
+    return o.astype(jnp.float32).sum()
+
+  return export_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv,
+                         disabled_checks=[TRITON_CALL]).mlir_module()
+
+
+def _fused(d, causal, **kw) -> MosaicConfig:
+  return dataclasses.replace(TUNED[(d, causal)], fused_backward=True, **kw)
+
+
+LOWER = [  # B, T, S, H, K, D, causal
+    (2, 1024, 1024, 8, 2, 64, False),
+    (1, 300, 300, 8, 2, 64, True),
+    (2, 1024, 1024, 8, 2, 128, True),
+    (1, 300, 300, 8, 2, 128, False),
+    (1, 4096, 4096, 16, 16, 128, False),
+]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
+@pytest.mark.parametrize("case", LOWER, ids=kernel_case_id)
+def test_fused_grad_lowers_as_one_backward_kernel(case, overlap):
+  b, t, s, h, kh, d, causal = case
+  text = _grad_module(b, t, s, h, kh, d, causal, _fused(d, causal, fused_overlap=overlap))
+  # Forward + fused backward; the split backward would add a third kernel.
+  assert _mosaic_calls(text) == 2
+  # The zeroed float32 dQ buffer is passed by reference and aliased to a kernel output.
+  assert "output_operand_aliases" in text
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hd256_runs_the_wide_backward(causal):
+  # No fused kernel at head_dim 256 (registers): fused_backward=True runs the wide backward's
+  # dQ and dK/dV kernels, or Triton's with wide_backward="triton".
+  text = _grad_module(1, 512, 512, 8, 2, 256, causal, _fused(256, causal))
+  assert _mosaic_calls(text) == 3 and "pallas_flash_bwd_dq" not in text
+  text = _grad_module(1, 512, 512, 8, 2, 256, causal,
+                      _fused(256, causal, wide_backward="triton"))
+  assert _mosaic_calls(text) == 1
+  assert "pallas_flash_bwd_dq" in text and "pallas_flash_bwd_dkdv" in text
+
+
+@pytest.mark.parametrize("d,kw", [
+    (64, dict(block_q_fused=128)), (64, dict(block_kv_fused=128)), (64, dict(fused_stages=3)),
+    (64, dict(fused_stagger_q=True)), (128, dict(fused_dq_blocks=2)),
+    (128, dict(compute_registers=240, producer_registers=24)), (128, dict(fused_dq_shared=True)),
+    (128, dict(fused_dq_shared=True, fused_stages=3)),
+    (64, dict(fused_overlap=True, fused_stages=3)),
+    (128, dict(fused_overlap=True, fused_dq_shared=True, fused_stagger_q=True)),
+    (128, dict(fused_overlap=True, fused_dq_shared=True, fused_stages=3)),
+    (128, dict(fused_dq_shared=True, fused_defer_dq=True, compute_registers=240,
+               producer_registers=24)),
+    (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_offset=True)),
+    (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
+               compute_registers=240, producer_registers=24))],
+    ids=["d64_bq128", "d64_bkv128", "d64_stages3", "d64_stagger", "d128_dq_blocks2",
+         "d128_regs240", "d128_dq_shared", "d128_dq_shared_stages3", "d64_overlap_stages3",
+         "d128_overlap_dq_shared_stagger", "d128_overlap_dq_shared_stages3",
+         "d128_defer_dq_regs240", "d128_defer_dq_offset", "d128_defer_inline_regs240"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fused_variants_lower(d, kw, causal):
+  text = _grad_module(1, 1000, 1000, 4, 2, d, causal, _fused(d, causal, **kw))
+  assert _mosaic_calls(text) == 2
+
+
+def test_too_much_smem_falls_back_to_split_with_a_warning():
+  config = _fused(128, False, fused_stages=3)
+  assert "shared memory" in backward_fused.unsupported_reason(
+      jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16), config)
+  with pytest.warns(UserWarning, match="using the split backward"):
+    text = _grad_module(1, 1024, 1024, 4, 2, 128, False, config)
+  assert _mosaic_calls(text) == 3
+
+
+@pytest.mark.parametrize("d,stages", [(64, 2), (64, 3), (128, 2)])
+def test_smem_estimate_fits(d, stages):
+  q = jax.ShapeDtypeStruct((1, 1024, 4, d), jnp.bfloat16)
+  assert backward_fused.unsupported_reason(q, _fused(d, False, fused_stages=stages)) is None
+
+
+@pytest.mark.parametrize("d,kw,slots", [
+    (64, dict(), 2), (64, dict(fused_stages=3), 2),
+    # head_dim 128: a second [block_q, D] f32 slot per WG (64 KiB) does not fit next to the
+    # rest (~210 KiB); with fused_dq_shared the slots are [block_q, D/2] and 2 stages fit.
+    (128, dict(), 1), (128, dict(fused_dq_shared=True), 2),
+    (128, dict(fused_dq_shared=True, fused_stages=3), 1)])
+def test_overlap_double_buffers_dq_where_it_fits(d, kw, slots):
+  q = jax.ShapeDtypeStruct((1, 1024, 4, d), jnp.bfloat16)
+  config = _fused(d, False, fused_overlap=True, **kw)
+  assert backward_fused.dq_slots(d, config) == slots
+  assert backward_fused.unsupported_reason(q, config) is None
+  assert backward_fused.dq_slots(d, dataclasses.replace(config, fused_overlap=False)) == 1
+
+
+@pytest.mark.parametrize("kw,expected", [
+    (dict(fused_defer_dq=True), "fused_dq_shared"),
+    (dict(fused_defer_dq=True, fused_dq_shared=True, fused_overlap=True), "fused_overlap"),
+    (dict(fused_offset=True, fused_dq_shared=True), "fused_defer_dq"),
+    (dict(fused_defer_inline=True, fused_dq_shared=True), "fused_defer_dq")])
+def test_defer_dq_needs_a_shared_dq_without_overlap(kw, expected):
+  q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
+  assert expected in backward_fused.unsupported_reason(q, _fused(128, False, **kw))
+  ok = _fused(128, False, fused_dq_shared=True, fused_defer_dq=True, fused_offset=True)
+  assert backward_fused.unsupported_reason(q, ok) is None
+
+
+def test_overlap_needs_one_dq_block():
+  q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
+  config = _fused(128, False, fused_overlap=True, fused_dq_blocks=2)
+  assert "fused_overlap" in backward_fused.unsupported_reason(q, config)
+
+
+@pytest.mark.parametrize("kw,expected", [
+    (dict(fused_dq_blocks=2), "fused_dq_blocks"), (dict(fused_dq_shared=True), "fused_dq_shared")])
+def test_dq_column_splits_need_64_wide_blocks(kw, expected):
+  q = jax.ShapeDtypeStruct((1, 1024, 4, 64), jnp.bfloat16)
+  assert expected in backward_fused.unsupported_reason(q, _fused(64, False, **kw))
+
+
+@pytest.mark.parametrize("kw", [dict(block_q_fused=96), dict(block_kv_fused=0),
+                                dict(fused_stages=0), dict(fused_dq_blocks=0)])
+def test_config_validation(kw):
+  with pytest.raises(ValueError):
+    MosaicConfig(**kw)
+
+
+def test_split_stays_the_default():
+  assert not MosaicConfig().fused_backward
+  assert not any(c.fused_backward for c in TUNED.values())
+
+
+def test_no_tuned_config_runs_the_fused_backward():
+  """It is opt-in (config.FUSED_DEFERRED says why): every default backward is the split,
+  bitwise reproducible."""
+  for d in (64, 128, 256):
+    for causal in (False, True):
+      for s in (1024, 4096, 16384, 65536):
+        assert not mconfig.tuned(d, causal, s).fused_backward, (d, causal, s)
+  q = jax.ShapeDtypeStruct((1, 16384, 4, 128), jnp.bfloat16)
+  fused = dataclasses.replace(TUNED[(128, True)], **mconfig.FUSED_DEFERRED)
+  assert backward_fused.unsupported_reason(q, fused) is None
+
+
+def test_deterministic_rejects_a_fused_config():
+  q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="deterministic=True"):
+    jax.eval_shape(lambda q: pallas_flash.flash_attention(
+        q, q, q, implementation="mosaic", deterministic=True,
+        config=_fused(128, False)), q)
+
+
+# Interpreter: 64-row tiles so that short sequences still give several CTAs, several steps per
+# ring slot, causal idle steps and kv-tail masking.
+SMALL = MosaicConfig(block_q=64, block_kv=64, block_q_fused=64, block_kv_fused=64,
+                     num_stages=2, fused_stages=2, fused_backward=True, interpret=True)
+TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
+INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
+    (1, 192, 192, 8, 2, 64, True, jnp.bfloat16, {}),
+    (1, 190, 130, 2, 2, 64, True, jnp.float16, {}),
+    # Keys past the last query are never seen: whole CTAs run no step and store zeros.
+    (1, 130, 260, 2, 1, 64, True, jnp.float16, {}),
+    (1, 200, 260, 2, 1, 64, False, jnp.bfloat16, dict(fused_stagger_q=True)),
+    (1, 130, 200, 4, 1, 128, False, jnp.float16, {}),
+    (2, 200, 200, 2, 1, 128, True, jnp.bfloat16, dict(fused_dq_blocks=2)),
+    (1, 190, 130, 4, 2, 128, True, jnp.float16, dict(fused_dq_shared=True)),
+    (1, 130, 260, 2, 1, 128, True, jnp.bfloat16, dict(fused_dq_shared=True)),
+    (1, 200, 260, 2, 2, 128, False, jnp.float16, dict(fused_dq_shared=True, fused_stagger_q=True)),
+    # fused_overlap: reordered matmuls and stats, double-buffered dQ staging (one slot at
+    # head_dim 128 without fused_dq_shared).
+    (1, 190, 130, 8, 2, 64, True, jnp.bfloat16, dict(fused_overlap=True)),
+    (1, 200, 260, 2, 1, 64, False, jnp.float16, dict(fused_overlap=True, fused_stages=3)),
+    (1, 130, 200, 4, 1, 128, False, jnp.bfloat16, dict(fused_overlap=True)),
+    (1, 190, 130, 4, 2, 128, True, jnp.float16, dict(fused_overlap=True, fused_dq_shared=True)),
+    (1, 200, 260, 2, 2, 128, False, jnp.bfloat16,
+     dict(fused_overlap=True, fused_dq_shared=True, fused_stagger_q=True)),
+    # The other launch order (heads fastest; tiles of one head consecutive is the default).
+    (1, 190, 130, 4, 2, 128, True, jnp.float16, dict(fused_dq_shared=True,
+                                                     bwd_heads_fastest=True)),
+    (2, 200, 260, 2, 1, 64, False, jnp.bfloat16, dict(bwd_heads_fastest=True)),
+    # fused_defer_dq: dQ_part one step late through 4 dSᵀ slots (more steps than slots), the
+    # last one after the loop; causal CTAs whose first WG idles; a WG started late.
+    (1, 190, 130, 4, 2, 128, True, jnp.float16, dict(fused_dq_shared=True,
+                                                     fused_defer_dq=True)),
+    (1, 330, 260, 2, 1, 128, True, jnp.bfloat16, dict(fused_dq_shared=True,
+                                                      fused_defer_dq=True)),
+    (1, 200, 260, 2, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
+                                                       fused_defer_dq=True, fused_offset=True)),
+    (1, 330, 260, 2, 1, 128, True, jnp.float16, dict(fused_dq_shared=True, fused_defer_dq=True,
+                                                     fused_defer_inline=True)),
+    (1, 200, 260, 2, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
+                                                       fused_defer_dq=True,
+                                                       fused_defer_inline=True)),
+    # bwd_head_group is ignored by the fused kernel (see fused_call).
+    (1, 130, 200, 8, 4, 128, True, jnp.bfloat16, dict(fused_dq_shared=True,
+                                                      bwd_heads_fastest=True, bwd_head_group=2)),
+]
+
+
+def _interpret_id(c):
+  changes = (f"{k}={v}" for k, v in c[8].items())
+  return "_".join([kernel_case_id(c[:7]), jnp.dtype(c[7]).name, *changes])
+
+
+def _rel(x, ref):
+  x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
+  return float(jnp.abs(x - ref).max() / jnp.abs(ref).max())
+
+
+@pytest.mark.parametrize("case", INTERPRET, ids=_interpret_id)
+def test_fused_gradients_match_reference(case, monkeypatch):
+  b, t, s, h, kh, d, causal, dtype, changes = case
+  ks = jax.random.split(jax.random.key(t * s + h), 4)
+  q, do = (jax.random.normal(k, (b, t, h, d), dtype) for k in (ks[0], ks[3]))
+  k, v = (jax.random.normal(k, (b, s, kh, d), dtype) for k in (ks[1], ks[2]))
+  config = dataclasses.replace(SMALL, **changes)
+  calls = []
+  fused_call = backward_fused.fused_call
+  monkeypatch.setattr(backward_fused, "fused_call",
+                      lambda *a, **kw: calls.append(1) or fused_call(*a, **kw))
+
+  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
+  # The forward's residuals come from the reference (the interpreted forward has its own tests).
+  o, lse = attention_reference(q, k, v, None, None, params=p)
+  # BACKWARD_COMPUTES_DELTA: delta is only the lse cotangent's correction (none here); the
+  # backend computes rowsum(O∘dO) itself, for the fused kernel in XLA.
+  got = backward(q, k, v, None, None, o, lse, do, None, params=p, config=config)
+  assert calls, "the fused kernel did not run"
+
+  up = [x.astype(jnp.float32) for x in (q, k, v, do)]
+  _, vjp = jax.vjp(lambda *a: pallas_flash.flash_attention(
+      *a, is_causal=causal, implementation="reference"), *up[:3])
+  for name, g, r in zip(("dq", "dk", "dv"), got, vjp(up[3])):
+    assert g.shape == r.shape and g.dtype == dtype, (name, g.shape, g.dtype)
+    assert _rel(g, r) <= TOL[dtype], (name, _rel(g, r))

@@ -1,0 +1,282 @@
+"""The Mosaic GPU kernels on a Hopper GPU: forward and gradients against the reference.
+
+Run on the H200 in every session that touches pallas_flash/mosaic_gpu:
+  PYTHONPATH=. python3 -m pytest -q -m gpu tests/mosaic/test_mosaic_gpu.py
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_flash
+from pallas_flash import mosaic_gpu
+from pallas_flash.mosaic_gpu import TUNED, backward_fused
+from pallas_flash.mosaic_gpu import config as mconfig
+from pallas_flash.params import AttentionParams
+from pallas_flash.reference import attention_reference
+from testing import kernel_case_id, kernel_inputs, on_hopper, rel_err
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not on_hopper(), reason="needs a Hopper (sm_90) GPU")]
+
+TOL = {jnp.bfloat16: (1e-2, 2e-2), jnp.float16: (2e-3, 4e-3)}
+
+CASES = [  # B, T, S, H, K, D, causal, dtype
+    (2, 1024, 1024, 4, 4, 128, False, jnp.bfloat16),
+    (2, 1024, 1024, 4, 4, 128, True, jnp.bfloat16),
+    (1, 1000, 1100, 8, 2, 64, True, jnp.bfloat16),
+    (1, 1100, 1000, 4, 4, 128, True, jnp.bfloat16),
+    (1, 777, 777, 4, 1, 128, True, jnp.float16),
+    (1, 2048, 2048, 4, 2, 64, False, jnp.float16),
+    (1, 512, 512, 2, 2, 256, True, jnp.bfloat16),
+    (1, 300, 700, 4, 2, 256, False, jnp.bfloat16),
+    (1, 1, 1, 2, 1, 64, False, jnp.bfloat16),
+    (1, 113, 203, 4, 2, 128, False, jnp.bfloat16),
+]
+
+
+def _rel(x, ref):
+  # testing.rel_err's floor: with one key the reference gradient is exactly zero and the kernel's
+  # is rounding noise (~1e-7), which a bare relative error would blow up.
+  return rel_err(x.astype(jnp.float32), ref.astype(jnp.float32))
+
+
+def _fwd_bwd(attn):
+  def f(q, k, v, do):
+    o, vjp = jax.vjp(attn, q, k, v)
+    return (o, *vjp(do))
+  return jax.jit(f)
+
+
+def _mosaic(causal):
+  return lambda q, k, v: pallas_flash.flash_attention(q, k, v, is_causal=causal,
+                                                      implementation="mosaic")
+
+
+@pytest.mark.parametrize("case", CASES, ids=kernel_case_id)
+def test_forward_and_gradients(case):
+  b, t, s, h, kh, d, causal, dtype = case
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
+  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
+  got = _fwd_bwd(_mosaic(causal))(q, k, v, do)
+  want = _fwd_bwd(lambda *a: attention_reference(*a, None, None, params=p)[0])(q, k, v, do)
+  assert _rel(got[0], want[0]) <= TOL[dtype][0]
+  for name, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
+    assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
+  again = _fwd_bwd(_mosaic(causal))(q, k, v, do)
+  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again)), "not bit-reproducible"
+
+
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 4, 6, 9)], ids=kernel_case_id)
+def test_forward_with_intra_wg_overlap(case):
+  """MosaicConfig.fwd_intra_wg_overlap: o and lse against the reference, bit-reproducible."""
+  b, t, s, h, kh, d, causal, dtype = case
+  q, k, v, _ = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
+  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
+  config = dataclasses.replace(TUNED[(d, causal)], fwd_intra_wg_overlap=True)
+  fwd = jax.jit(lambda q, k, v: mosaic_gpu.forward(q, k, v, None, None, params=p, config=config))
+  o, lse = fwd(q, k, v)
+  ro, rlse = attention_reference(q, k, v, None, None, params=p)
+  assert _rel(o, ro) <= TOL[dtype][0], _rel(o, ro)
+  assert float(jnp.abs(lse - rlse).max()) < 1e-3
+  again = fwd(q, k, v)
+  assert bool(jnp.array_equal(o, again[0])) and bool(jnp.array_equal(lse, again[1]))
+
+
+def _assert_same_fwd_bwd(case, changes, baseline):
+  """o, dq, dk, dv with TUNED + `changes` are bitwise those with TUNED + `baseline`."""
+  b, t, s, h, kh, d, causal, dtype = case
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
+
+  def run(kw):
+    config = dataclasses.replace(TUNED[(d, causal)], **kw)
+    return _fwd_bwd(lambda *a: pallas_flash.flash_attention(
+        *a, is_causal=causal, implementation="mosaic", config=config))(q, k, v, do)
+
+  for name, g, r in zip(("o", "dq", "dk", "dv"), run(changes), run(baseline)):
+    assert bool(jnp.array_equal(g, r)), name
+
+
+@pytest.mark.parametrize("schedule", ["batched", "overlap"])
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 4)], ids=kernel_case_id)
+def test_dkdv_schedules_give_the_same_gradients(case, schedule):
+  """MosaicConfig.dkdv_schedule "batched" and "overlap" only move waits: the same products
+  in the same order as "serial", so bitwise equal gradients."""
+  _assert_same_fwd_bwd(case, dict(dkdv_schedule=schedule), dict(dkdv_schedule="serial"))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] == 128], ids=kernel_case_id)
+def test_q_registers_give_the_same_outputs(case):
+  """MosaicConfig.fwd_q_registers only moves the forward's Q operand from shared memory into
+  registers (the overlapped loop of the head-dim-128 table): bitwise equal outputs. Also the
+  guard against the ptxas miscompile that keeps it out of the plain loop (forward._q_operand):
+  with tails, float16, GQA and T = 113, whose registers ptxas lays out differently."""
+  d, causal = case[5], case[6]
+  assert TUNED[(d, causal)].fwd_intra_wg_overlap
+  _assert_same_fwd_bwd(case, dict(fwd_q_registers=True), dict(fwd_q_registers=False))
+
+
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 4)], ids=kernel_case_id)
+def test_dkdv_pingpong_gives_the_same_gradients(case):
+  """MosaicConfig.dkdv_pingpong only adds schedule-barrier rounds: bitwise equal gradients."""
+  _assert_same_fwd_bwd(case, dict(dkdv_pingpong=True), dict(dkdv_pingpong=False))
+
+
+def _assert_config_gradients(case, seed_offset, **changes):
+  """Gradients with TUNED + `changes` against the reference, and bitwise run to run (for
+  changes that sum in another order than the tuned kernels, so not bitwise theirs)."""
+  b, t, s, h, kh, d, causal, dtype = case
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d + seed_offset)
+  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
+  config = dataclasses.replace(TUNED[(d, causal)], **changes)
+  attn = _fwd_bwd(lambda *a: pallas_flash.flash_attention(
+      *a, is_causal=causal, implementation="mosaic", config=config))
+  got = attn(q, k, v, do)
+  want = _fwd_bwd(lambda *a: attention_reference(*a, None, None, params=p)[0])(q, k, v, do)
+  for name, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
+    assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
+  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(got, attn(q, k, v, do)))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] == 128], ids=kernel_case_id)
+def test_dkdv_fold_stats_gradients(case):
+  """MosaicConfig.dkdv_fold_stats starts the dK/dV kernel's Sᵀ and dPᵀ accumulators from
+  -lse2/c and -delta: other float32 roundings, so checked against the reference (and run to
+  run), not bitwise against the unfolded kernel."""
+  d, causal = case[5], case[6]
+  assert TUNED[(d, causal)].dkdv_schedule == "overlap"  # the steps the fold applies to
+  _assert_config_gradients(case, 1, dkdv_fold_stats=True)
+
+
+@pytest.mark.parametrize("case", [(2, 1000, 1100, 4, 2, 256, True, jnp.bfloat16),
+                                  (1, 777, 777, 4, 1, 256, False, jnp.float16),
+                                  (1, 4096, 4096, 8, 8, 256, True, jnp.bfloat16)],
+                         ids=kernel_case_id)
+def test_head_dim_256_mosaic_backward(case):
+  """MosaicConfig(wide_backward="mosaic") against the reference and run to run."""
+  _assert_config_gradients(case, 0, wide_backward="mosaic")
+
+
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 4)], ids=kernel_case_id)
+def test_backward_launch_order_gives_the_same_gradients(case):
+  """MosaicConfig.bwd_heads_fastest only renumbers the backward's CTAs: bitwise equal."""
+  _assert_same_fwd_bwd(case, dict(bwd_heads_fastest=True), dict(bwd_heads_fastest=False))
+
+
+FUSED = dict(fused_backward=True, fused_dq_shared=True, compute_registers=240,
+             producer_registers=24)
+
+
+@pytest.mark.fused
+@pytest.mark.parametrize("changes", [{}, dict(fused_defer_dq=True),
+                                     dict(fused_defer_dq=True, fused_offset=True),
+                                     dict(fused_defer_dq=True, fused_defer_inline=True)],
+                         ids=["dq_shared", "defer_dq", "defer_dq_offset", "defer_inline"])
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 3, 4, 9)], ids=kernel_case_id)
+def test_fused_backward_gradients(case, changes):
+  """The single-kernel backward (opt-in; dQ summed by float32 atomics, so compared with the
+  reference only, not bitwise run to run)."""
+  b, t, s, h, kh, d, causal, dtype = case
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d + 1)
+  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
+  config = dataclasses.replace(TUNED[(d, causal)], **FUSED, **changes)
+  assert backward_fused.unsupported_reason(q, config) is None  # no fallback to the split
+  got = _fwd_bwd(lambda *a: pallas_flash.flash_attention(
+      *a, is_causal=causal, implementation="mosaic", config=config))(q, k, v, do)
+  want = _fwd_bwd(lambda *a: attention_reference(*a, None, None, params=p)[0])(q, k, v, do)
+  for name, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
+    assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
+
+
+@pytest.mark.fused
+def test_deterministic_long_causal_gradients_are_bitwise_reproducible():
+  """deterministic=True (the split backward) is bitwise equal run to run at 16K causal; the
+  opt-in fused kernel (float32 atomics, config.FUSED_DEFERRED) agrees with it closely."""
+  q, k, v, do = kernel_inputs(1, 16384, 16384, 4, 2, 128, jnp.bfloat16, seed=7)
+  fused_config = dataclasses.replace(TUNED[(128, True)], **mconfig.FUSED_DEFERRED)
+
+  def run(**kw):
+    return _fwd_bwd(lambda *a: pallas_flash.flash_attention(
+        *a, is_causal=True, implementation="mosaic", **kw))(q, k, v, do)
+
+  first, again = run(deterministic=True), run(deterministic=True)
+  fused = run(config=fused_config)
+  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(first, again)), "not bit-reproducible"
+  for name, g, r in zip(("o", "dq", "dk", "dv"), fused, first):
+    assert _rel(g, r) <= 1e-2, (name, _rel(g, r))
+
+
+def test_lse_matches_reference():
+  q, k, v, _ = kernel_inputs(1, 1000, 1000, 4, 2, 128, jnp.bfloat16)
+  p = AttentionParams(scale=128 ** -0.5, is_causal=True, has_segments=False)
+  _, lse = pallas_flash.flash_attention(q, k, v, is_causal=True, implementation="mosaic",
+                                        return_residuals=True)
+  _, ref = attention_reference(q, k, v, None, None, params=p)
+  assert float(jnp.abs(lse - ref).max()) < 1e-3
+
+
+@pytest.mark.parametrize("t,causal", [(16384, True), (32768, False), (16500, True), (5000, False)],
+                         ids=["16k_causal", "32k", "16500_causal", "5000"])
+def test_large_shapes_agree_with_cudnn(t, causal):
+  """Long sequences, where the materialising reference does not fit: compare with cuDNN."""
+  q, k, v, do = kernel_inputs(1, t, t, 8, 8, 128, jnp.bfloat16, seed=t)
+  cudnn = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+      q, k, v, is_causal=causal, implementation="cudnn" if t % 128 == 0 else "xla")
+  got = _fwd_bwd(_mosaic(causal))(q, k, v, do)
+  want = _fwd_bwd(cudnn)(q, k, v, do)
+  assert _rel(got[0], want[0]) <= 1e-2
+  for g, r in zip(got[1:], want[1:]):
+    assert _rel(g, r) <= 3e-2
+
+
+SEGMENT_CASES = [  # B, T, S, H, K, D, causal, dtype, ids
+    (2, 4096, 4096, 8, 2, 128, True, jnp.bfloat16, "packed"),
+    (1, 2048, 2048, 4, 4, 64, False, jnp.float16, "packed"),
+    (1, 1000, 1100, 4, 2, 128, True, jnp.bfloat16, "unsorted"),
+    (2, 777, 777, 4, 4, 128, False, jnp.bfloat16, "lengths"),
+    (1, 512, 512, 2, 2, 256, True, jnp.bfloat16, "packed"),
+    (1, 1000, 1100, 4, 2, 256, False, jnp.float16, "unsorted"),
+    (2, 777, 777, 4, 4, 256, True, jnp.bfloat16, "lengths"),
+]
+
+
+def _segment_kwargs(case):
+  """flash_attention keyword arguments of a SEGMENT_CASES case: sorted documents (most key
+  blocks skipped), unsorted ids (none skipped) or lengths (folded into ids by the API)."""
+  b, t, s, *_, ids = case
+  key = jax.random.key(t + s)
+  if ids == "lengths":
+    lens = jnp.array([t, t // 3], jnp.int32)[:b]
+    return dict(query_seq_lengths=lens, key_value_seq_lengths=lens)
+  if ids == "unsorted":
+    kq, kk = jax.random.split(key)
+    return dict(query_segment_ids=jax.random.randint(kq, (b, t), 0, 3, jnp.int32),
+                key_value_segment_ids=jax.random.randint(kk, (b, s), 0, 3, jnp.int32))
+  starts = jnp.sort(jax.random.randint(key, (b, 5), 0, max(t, s)), axis=1)
+  docs = (jnp.arange(max(t, s))[None, :, None] >= starts[:, None, :]).sum(-1).astype(jnp.int32)
+  return dict(query_segment_ids=docs[:, :t], key_value_segment_ids=docs[:, :s])
+
+
+@pytest.mark.parametrize("case", SEGMENT_CASES,
+                         ids=lambda c: f"{kernel_case_id(c[:-1])}_{c[-1]}")
+def test_segments_forward_and_gradients(case):
+  """Segment ids and lengths on the mosaic kernels (tuned configs) against the reference, and
+  bit-reproducible."""
+  b, t, s, h, kh, d, causal, dtype, _ = case
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
+  kw = _segment_kwargs(case)
+
+  def attn(impl):
+    return lambda *a: pallas_flash.flash_attention(*a, is_causal=causal, implementation=impl,
+                                                   **kw)
+
+  got = _fwd_bwd(attn("mosaic"))(q, k, v, do)
+  want = _fwd_bwd(attn("reference"))(*(x.astype(jnp.float32) for x in (q, k, v, do)))
+  assert _rel(got[0], want[0]) <= TOL[dtype][0], _rel(got[0], want[0])
+  for name, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
+    assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
+  again = _fwd_bwd(attn("mosaic"))(q, k, v, do)
+  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again)), "not bit-reproducible"

@@ -1,0 +1,67 @@
+"""Forward, lse and gradients of every CPU-runnable implementation against the reference."""
+
+import jax.numpy as jnp
+import pytest
+
+from pallas_flash.triton import TritonConfig
+from pallas_flash.xla import XlaConfig
+from testing import Case, case_seed, check_against_reference
+
+CPU_IMPLS = ("interpret", "xla")
+# Small blocks so that short test sequences still span several blocks, tails and diagonals.
+SMALL = {"interpret": TritonConfig(block_q=32, block_kv=16, block_q_dkv=16, block_kv_dkv=32,
+                                   block_q_dq=32, block_kv_dq=16),
+         "xla": XlaConfig(block_q=32, block_kv=48)}
+
+LENGTHS = [(1, 1), (17, 17), (128, 128), (300, 300), (17, 300), (300, 17), (128, 1000)]
+SHAPE_CASES = [Case(q_len=t, kv_len=s, is_causal=c, num_heads=2, num_kv_heads=1)
+               for t, s in LENGTHS for c in (False, True)]
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("case", SHAPE_CASES, ids=lambda c: c.id)
+def test_sequence_lengths(impl, case):
+  check_against_reference(impl, case, config=SMALL[impl])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_sequence(impl, causal):
+  case = Case(batch=1, q_len=1000, kv_len=1000, num_heads=2, num_kv_heads=1, is_causal=causal,
+              segments=True)
+  check_against_reference(impl, case)
+
+
+HEAD_CASES = [Case(q_len=100, kv_len=100, num_heads=h, num_kv_heads=kh, head_dim=d,
+                   dtype=jnp.bfloat16, is_causal=True, batch=1)
+              for d in (64, 96, 128, 256) for h, kh in ((8, 8), (8, 2), (8, 1))]
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("case", HEAD_CASES, ids=lambda c: c.id)
+def test_head_dims_and_groups(impl, case):
+  check_against_reference(impl, case)
+
+
+FEATURE_CASES = [Case(q_len=t, kv_len=s, dtype=dt, is_causal=c, segments=seg, lengths=ln)
+                 for t, s in ((300, 300), (200, 130))
+                 for dt in (jnp.float32, jnp.bfloat16)
+                 for c in (False, True)
+                 for seg, ln in ((True, False), (False, True), (True, True))]
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=lambda c: c.id)
+def test_segments_and_lengths(impl, case):
+  check_against_reference(impl, case, config=SMALL[impl], seed=case_seed(case))
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_float16(impl):
+  check_against_reference(impl, Case(dtype=jnp.float16, is_causal=True, segments=True),
+                          config=SMALL[impl])
+
+
+def test_reference_float16_matches_float32_reference():
+  check_against_reference("reference", Case(dtype=jnp.float16, q_len=64, kv_len=64))

@@ -1,0 +1,305 @@
+"""Sliding windows, soft cap, ALiBi, dropout and dense bias / mask on every CPU implementation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flash
+from features_testing import check_features, feature_kwargs, run
+from pallas_flash import dropout
+from pallas_flash.triton import TritonConfig
+from pallas_flash.xla import XlaConfig
+from testing import Case, assert_close_to_ref, make_inputs
+
+CPU_IMPLS = ("interpret", "xla")
+SMALL = {"interpret": TritonConfig(block_q=32, block_kv=16, block_q_dkv=16, block_kv_dkv=32,
+                                   block_q_dq=32, block_kv_dq=16),
+         "xla": XlaConfig(block_q=16, block_kv=32)}
+# Odd lengths spanning several blocks of SMALL, with GQA.
+CASE = Case(batch=2, q_len=70, kv_len=90, num_heads=4, num_kv_heads=2, head_dim=32)
+
+SINGLE = [("window",), ("window_left",), ("softcap",), ("alibi",), ("dropout",), ("bias",),
+          ("bias_bcast",), ("mask",)]
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("names", SINGLE, ids="+".join)
+def test_each_feature_alone(impl, names):
+  check_features(impl, CASE, names, config=SMALL[impl])
+
+
+COMBINED = [
+    (Case(q_len=77, kv_len=77, is_causal=True, segments=True, head_dim=32),
+     ("window", "softcap", "dropout")),
+    (Case(q_len=77, kv_len=77, is_causal=True, segments=True, head_dim=32, dtype=jnp.bfloat16),
+     ("window_left", "softcap", "alibi", "dropout")),
+    (Case(q_len=50, kv_len=83, lengths=True, head_dim=32, num_heads=6, num_kv_heads=2),
+     ("window", "alibi", "bias_bcast", "mask")),
+    (Case(q_len=40, kv_len=40, is_causal=True, head_dim=32, num_heads=2, num_kv_heads=1),
+     ("softcap", "bias", "mask", "dropout")),
+]
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("case, names", COMBINED,
+                         ids=[f"{c.id}-{'+'.join(n)}" for c, n in COMBINED])
+def test_features_combined(impl, case, names):
+  check_features(impl, case, names, config=SMALL[impl], seed=len(names))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_all_features_longer(impl, dtype):
+  case = Case(batch=1, q_len=300, kv_len=300, num_heads=4, num_kv_heads=1, dtype=dtype,
+              is_causal=True, segments=True)
+  check_features(impl, case, ("window", "softcap", "alibi", "dropout", "bias", "mask"),
+                 config=SMALL[impl])
+
+
+# ---------------------------------------------------------------------------------------------
+# Semantics: the reference against jax.nn where jax.nn has the argument
+
+
+@pytest.mark.parametrize("window", [3, (5, 0), (0, 4), (2, 7)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_matches_jax_nn(window, causal):
+  (q, k, v, _), _ = make_inputs(Case(q_len=33, kv_len=33, num_heads=2, num_kv_heads=2))
+  got = pallas_flash.flash_attention(q, k, v, is_causal=causal, local_window_size=window,
+                                     implementation="reference")
+  want = jax.nn.dot_product_attention(q, k, v, is_causal=causal, local_window_size=window)
+  assert_close_to_ref("out", got, want, 1e-5)
+
+
+def test_bias_and_mask_match_jax_nn():
+  (q, k, v, _), _ = make_inputs(Case(q_len=20, kv_len=30, num_heads=4, num_kv_heads=4))
+  bias = jax.random.normal(jax.random.key(1), (2, 1, 20, 30))
+  mask = jax.random.bernoulli(jax.random.key(2), 0.9, (1, 4, 1, 30)).at[..., 0].set(True)
+  for impl in ("reference", "xla"):
+    got = pallas_flash.flash_attention(q, k, v, bias, mask, implementation=impl)
+    assert_close_to_ref(impl, got, jax.nn.dot_product_attention(q, k, v, bias, mask), 2e-5)
+
+
+def test_dbias_is_reduced_over_broadcast_axes():
+  (q, k, v, do), _ = make_inputs(Case(q_len=16, kv_len=16, num_heads=2, num_kv_heads=2))
+  # (A bias constant along the key axis has a zero gradient: softmax ignores row shifts.)
+  for shape in [(16, 16), (1, 1, 1, 16), (2, 1, 1, 16), (1, 2, 16, 16)]:
+    bias = jax.random.normal(jax.random.key(3), shape)
+    for impl in ("interpret", "xla"):
+      _, grads = run(impl, q, k, v, do, bias=bias)
+      _, grads_ref = run("reference", q, k, v, do, bias=bias)
+      assert grads[3].shape == shape
+      assert_close_to_ref(f"{impl} dbias {shape}", grads[3], grads_ref[3], 5e-5)
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_rows_that_see_nothing_give_zeros_and_zero_gradients(impl):
+  # Queries past kv_len + window see no key at all; the mask also blanks two whole rows.
+  case = Case(q_len=64, kv_len=20, num_heads=2, num_kv_heads=1, head_dim=16, is_causal=True)
+  (q, k, v, do), kw = make_inputs(case)
+  mask = jnp.ones((1, 1, 64, 20), bool).at[:, :, 3:5].set(False)
+  (o, _), grads = run(impl, q, k, v, do, config=SMALL[impl], local_window_size=(6, 0),
+                      mask=mask, logits_soft_cap=2.0, **kw)
+  o = np.asarray(o)
+  assert np.all(o[:, 26:] == 0) and np.all(o[:, 3:5] == 0)
+  assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+  assert np.all(np.asarray(grads[0])[:, 26:] == 0)
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("cap", [50.0, 70.0])  # under / over triton's FIXED_MAX_SOFTCAP
+def test_softcap_saturated_rows(impl, cap):
+  # Scores far beyond ±cap: rows whose every logit saturates near -cap (the fixed-max forward's
+  # smallest probabilities, 2**-72 at cap 50) next to rows saturating near +cap.
+  case = Case(batch=1, q_len=48, kv_len=40, num_heads=2, num_kv_heads=2, head_dim=16)
+  (q, k, v, do), _ = make_inputs(case)
+  direction = jax.random.normal(jax.random.key(5), (16,))
+  k = k + 40.0 * direction
+  q = q + 40.0 * direction * jnp.where(jnp.arange(48) % 2 == 0, 1.0, -1.0)[None, :, None, None]
+  (o, lse), grads = run(impl, q, k, v, do, config=SMALL[impl], logits_soft_cap=cap)
+  (o_ref, lse_ref), grads_ref = run("reference", q, k, v, do, logits_soft_cap=cap)
+  assert_close_to_ref("out", o, o_ref, 1e-4)
+  assert_close_to_ref("lse", lse, lse_ref, 1e-5)
+  for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+    assert_close_to_ref(name, g, g_ref, 1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout: statistics of the hash, reproducibility, independence of block sizes
+
+
+def _correlation(a, b) -> float:
+  a, b = a - a.mean(), b - b.mean()
+  return float((a * b).mean() / np.sqrt((a * a).mean() * (b * b).mean()))
+
+
+def test_dropout_mask_statistics():
+  seed = dropout.seed_from_rng(jax.random.key(0))
+  for rate in (0.1, 0.5):
+    keep = np.asarray(dropout.keep_mask(seed, 2, 4, 256, 256, rate))
+    assert abs(keep.mean() - (1 - rate)) < 5e-3, keep.mean()
+    # No structure along rows, columns or heads: every slice keeps about the same fraction.
+    for axis in (1, 2, 3):
+      fractions = keep.mean(axis=tuple(a for a in range(4) if a != axis))
+      assert np.abs(fractions - (1 - rate)).max() < 0.05, (axis, fractions)
+    # Neighbours (next / 64th / 128th column, next row, next head) are uncorrelated: 2**19
+    # pairs put the noise near 1.5e-3.
+    x = keep.astype(np.float64)
+    pairs = {f"col+{d}": (x[..., :-d], x[..., d:]) for d in (1, 64, 128)}
+    pairs.update({"row+1": (x[:, :, :-1], x[:, :, 1:]), "head+1": (x[:, :-1], x[:, 1:])})
+    for name, (a, b) in pairs.items():
+      assert abs(_correlation(a, b)) < 1e-2, (rate, name, _correlation(a, b))
+    # 2x2 rectangles: the keys enter algebraically (a product), so check that the parity of
+    # four corners is what independent coin flips give, 1/2 (1 - (1 - 2 rate)^4).
+    parity = (keep[..., ::2, ::2] ^ keep[..., 1::2, ::2] ^ keep[..., ::2, 1::2]
+              ^ keep[..., 1::2, 1::2]).mean()
+    assert abs(parity - (1 - (1 - 2 * rate) ** 4) / 2) < 1e-2, (rate, parity)
+  same = dropout.keep_mask(dropout.seed_from_rng(jax.random.key(0)), 1, 2, 64, 64, 0.5)
+  other = dropout.keep_mask(dropout.seed_from_rng(jax.random.key(1)), 1, 2, 64, 64, 0.5)
+  np.testing.assert_array_equal(np.asarray(same), np.asarray(keep[:1, :2, :64, :64]))
+  assert 0.4 < float((same == other).mean()) < 0.6  # independent masks agree half the time
+
+
+def test_dropout_same_key_same_output_other_key_differs():
+  (q, k, v, _), _ = make_inputs(Case(q_len=40, kv_len=40))
+  f = jax.jit(lambda key: pallas_flash.flash_attention(q, k, v, dropout_rate=0.3,
+                                                       dropout_rng=key, implementation="xla"))
+  a, b, c = f(jax.random.key(0)), f(jax.random.key(0)), f(jax.random.key(1))
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert float(jnp.abs(a - c).max()) > 1e-2
+  plain = pallas_flash.flash_attention(q, k, v, implementation="xla")
+  zero_rate = pallas_flash.flash_attention(q, k, v, dropout_rate=0.0, dropout_rng=jax.random.key(0),
+                                           implementation="xla")
+  np.testing.assert_array_equal(np.asarray(plain), np.asarray(zero_rate))
+
+
+def test_dropout_is_independent_of_block_sizes():
+  (q, k, v, _), _ = make_inputs(Case(q_len=48, kv_len=64, num_heads=2, num_kv_heads=1))
+  kw = dict(dropout_rate=0.4, dropout_rng=jax.random.key(3))
+  outs = [pallas_flash.flash_attention(q, k, v, implementation=impl, config=cfg, **kw)
+          for impl, cfg in (("xla", XlaConfig(block_q=16, block_kv=64)),
+                            ("xla", XlaConfig(block_q=48, block_kv=8)),
+                            ("interpret", TritonConfig(block_q=16, block_kv=32)))]
+  for o in outs[1:]:
+    assert_close_to_ref("blocks", o, outs[0], 1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# API: validation, explain, capability declarations
+
+
+Q = jnp.ones((2, 16, 4, 32), jnp.float32)
+KV = jnp.ones((2, 24, 2, 32), jnp.float32)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"local_window_size": (3,)}, TypeError, "`local_window_size` must be an int or a"),
+    ({"local_window_size": 2.5}, TypeError, "`local_window_size` must be an int"),
+    ({"local_window_size": (-1, 2)}, ValueError, "must be >= 0 on both sides"),
+    ({"logits_soft_cap": 0.0}, ValueError, "`logits_soft_cap` must be a positive"),
+    ({"logits_soft_cap": jnp.float32(30)}, ValueError, "`logits_soft_cap` must be"),
+    ({"alibi_slopes": jnp.ones(3)}, ValueError, r"`alibi_slopes` must be a float array of shape"),
+    ({"dropout_rate": 1.0}, ValueError, r"`dropout_rate` must be a Python float in \[0, 1\)"),
+    ({"dropout_rate": 0.1}, ValueError, "needs `dropout_rng`"),
+    ({"bias": jnp.ones((2, 3, 16, 24))}, ValueError, "`bias` must broadcast to"),
+    ({"bias": jnp.ones((16, 23))}, ValueError, "each axis must be 1 or the full size"),
+    ({"bias": jnp.ones((16, 24), jnp.int32)}, TypeError, "`bias` must be a float array"),
+    ({"mask": jnp.ones((16, 24))}, TypeError, "`mask` must be a boolean array"),
+])
+def test_bad_feature_arguments(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    pallas_flash.flash_attention(Q, KV, KV, **kwargs)
+
+
+def test_backend_without_a_feature_is_skipped_with_a_reason(monkeypatch):
+  monkeypatch.setattr(pallas_flash.xla, "SUPPORTED_FEATURES", frozenset({"logits_soft_cap"}))
+  ex = pallas_flash.explain(Q, KV, KV, local_window_size=4, logits_soft_cap=5.0)
+  assert ex.reasons["xla"] == "xla does not support local_window_size yet"
+  assert ex.chosen is None and ex.reasons["reference"] is None
+  with pytest.raises(NotImplementedError, match="xla does not support local_window_size"):
+    pallas_flash.flash_attention(Q, KV, KV, local_window_size=4, implementation="xla")
+
+
+def test_explain_reports_blocks_computed():
+  q = jax.ShapeDtypeStruct((1, 4096, 4, 64), jnp.bfloat16)
+  assert pallas_flash.explain(q, q, q).blocks_computed == 1.0
+  causal = pallas_flash.explain(q, q, q, is_causal=True).blocks_computed
+  assert causal == pytest.approx((32 * 33 / 2) / 32**2)
+  window = pallas_flash.explain(q, q, q, is_causal=True, local_window_size=(511, 0))
+  assert window.blocks_computed < 0.15 and "blocks computed" in str(window)
+
+
+def test_unbatched_inputs_with_bias_and_dropout():
+  (q, k, v, _), _ = make_inputs(Case(batch=1, q_len=24, kv_len=24))
+  kw = feature_kwargs(("bias", "dropout", "window"), Case(batch=1, q_len=24, kv_len=24))
+  o3 = pallas_flash.flash_attention(q[0], k[0], v[0], kw.pop("bias")[0], **kw)
+  o4 = pallas_flash.flash_attention(q, k, v, feature_kwargs(("bias",), Case(batch=1, q_len=24,
+                                                                            kv_len=24))["bias"],
+                                    **kw)
+  np.testing.assert_array_equal(np.asarray(o3), np.asarray(o4[0]))
+
+
+def test_features_under_jit_vmap_and_grad():
+  (q, k, v, do), _ = make_inputs(Case(batch=1, q_len=32, kv_len=32, is_causal=True))
+  kw = dict(is_causal=True, local_window_size=(8, 0), logits_soft_cap=3.0, dropout_rate=0.2)
+
+  def loss(impl, q, key):
+    o = pallas_flash.flash_attention(q, k, v, implementation=impl, dropout_rng=key, **kw)
+    return (o * do).sum()
+
+  keys = jax.random.split(jax.random.key(0), 2)
+  qs = jnp.stack([q, 2 * q])
+  got = jax.jit(jax.vmap(jax.grad(lambda q, key: loss("xla", q, key))))(qs, keys)
+  want = jax.vmap(jax.grad(lambda q, key: loss("reference", q, key)))(qs, keys)
+  assert_close_to_ref("dq", got, want, 5e-5)
+
+
+def test_every_feature_lowers_to_triton_for_h200():
+  from test_lowering import _export  # noqa: PLC0415 (shares the abstract H200 set-up)
+
+  q = jax.ShapeDtypeStruct((2, 1000, 8, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 1000, 2, 64), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct((1, 8, 1000, 1000), jnp.float32)
+  mask = jax.ShapeDtypeStruct((2, 1, 1, 1000), jnp.bool_)
+  seg = jax.ShapeDtypeStruct((2, 1000), jnp.int32)
+
+  def f(q, k, v, bias, mask, seg):
+    return pallas_flash.flash_attention(
+        q, k, v, bias, mask, is_causal=True, local_window_size=(256, 0), logits_soft_cap=30.0,
+        alibi_slopes=jnp.linspace(0.1, 1.0, 8), dropout_rate=0.1, dropout_rng=jax.random.key(0),
+        query_segment_ids=seg, implementation="triton")
+
+  def g(q, k, v, bias, mask, seg):
+    return jax.grad(lambda *a: f(*a, mask, seg).astype(jnp.float32).sum(),
+                    argnums=(0, 1, 2, 3))(q, k, v, bias)
+
+  assert _export(f, q, kv, kv, bias, mask, seg).count("xla.gpu.triton") == 1
+  assert _export(g, q, kv, kv, bias, mask, seg).count("xla.gpu.triton") == 3
+
+
+def test_explain_takes_shapes_for_every_argument():
+  q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
+  ex = pallas_flash.explain(
+      q, q, q, jax.ShapeDtypeStruct((1, 4, 256, 256), jnp.float32),
+      jax.ShapeDtypeStruct((2, 1, 1, 256), jnp.bool_), local_window_size=(64, 0),
+      alibi_slopes=jax.ShapeDtypeStruct((4,), jnp.float32), dropout_rate=0.1,
+      dropout_rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
+  assert ex.chosen == "xla"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense_bias_and_mask_tiles_fit_shared_memory(head_dim, causal):
+  # Triton buffers every pipelined load num_stages times; with a float32 bias and an int8 mask
+  # tile next to K and V the forward's default tiles overflowed the H200's 227 KiB at hd128.
+  from pallas_flash.params import AttentionParams
+  from pallas_flash.triton import common as triton_common
+  params = AttentionParams(scale=1.0, is_causal=causal, has_segments=False, has_bias=True,
+                           has_mask=True)
+  assert triton_common.tuned_feature(params) == "dense"
+  q = jnp.zeros((1, 16, 1, head_dim), jnp.bfloat16)
+  cfg = triton_common.resolve_config(q, params, None)
+  per_stage = (2 * cfg.block_kv * head_dim * 2  # K and V, bf16
+               + cfg.block_q * cfg.block_kv * (4 + 1))  # float32 bias, int8 mask
+  assert cfg.num_stages * per_stage + cfg.block_q * head_dim * 2 <= 200 * 1024, cfg

@@ -1,0 +1,28 @@
+"""The Triton implementation on a real GPU, at larger sizes than the CPU suite affords."""
+
+import jax.numpy as jnp
+import pytest
+
+from testing import GPU_FWD_TOL, Case, case_seed, check_against_reference
+
+pytestmark = pytest.mark.gpu
+
+CASES = (
+    [Case(batch=2, q_len=t, kv_len=s, num_heads=8, num_kv_heads=kh, head_dim=d,
+          dtype=jnp.bfloat16, is_causal=c)
+     for t, s in ((1000, 1000), (1, 1), (17, 4096), (4096, 300))
+     for d in (64, 128) for kh in (8, 2) for c in (False, True)]
+    + [Case(batch=2, q_len=1537, kv_len=1537, num_heads=8, num_kv_heads=kh, head_dim=d,
+            dtype=dt, is_causal=True, segments=True)
+       for d in (64, 96, 128, 256) for kh in (8, 1) for dt in (jnp.bfloat16, jnp.float16)]
+    + [Case(batch=2, q_len=777, kv_len=1000, num_heads=4, num_kv_heads=2, head_dim=d,
+            dtype=jnp.float32, is_causal=c, lengths=True, segments=seg)
+       for d in (64, 256) for c in (False, True) for seg in (False, True)]
+    + [Case(batch=1, q_len=8192, kv_len=8192, num_heads=4, num_kv_heads=1, head_dim=128,
+            dtype=jnp.bfloat16, is_causal=c) for c in (False, True)]
+)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_triton_against_reference(case):
+  check_against_reference("triton", case, tol_table=GPU_FWD_TOL, seed=case_seed(case))

@@ -1,0 +1,62 @@
+"""CPU-side lowering of the Triton kernels for an abstract H200: tracing and lowering errors."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import use_abstract_mesh
+
+import pallas_flash
+from testing import H200, TRITON_CALL, export_for_h200
+
+
+def _export(fn, *specs):
+  return export_for_h200(fn, *specs, disabled_checks=[TRITON_CALL]).mlir_module()
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_triton_lowers_for_h200(head_dim, causal, dtype):
+  q = jax.ShapeDtypeStruct((2, 1000, 8, head_dim), dtype)
+  kv = jax.ShapeDtypeStruct((2, 1000, 2, head_dim), dtype)
+  seg = jax.ShapeDtypeStruct((2, 1000), jnp.int32)
+
+  def f(q, k, v, seg):
+    return pallas_flash.flash_attention(q, k, v, is_causal=causal, query_segment_ids=seg,
+                                        implementation="triton")
+
+  def g(q, k, v, seg):
+    return jax.grad(lambda *a: f(*a, seg).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
+
+  assert _export(f, q, kv, kv, seg).count("xla.gpu.triton") == 1
+  assert _export(g, q, kv, kv, seg).count("xla.gpu.triton") == 3  # fwd, dK/dV, dQ
+
+
+def test_default_on_h200_is_a_gpu_kernel():
+  q = jax.ShapeDtypeStruct((1, 4096, 16, 128), jnp.bfloat16)
+  with use_abstract_mesh(H200):
+    ex = pallas_flash.explain(q, q, q, is_causal=True)
+  assert ex.chosen in ("mosaic", "triton")
+  assert ex.reasons["xla"] is None
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])  # approx tanh only for 16-bit
+def test_triton_features_lower_for_h200(dtype):
+  q = jax.ShapeDtypeStruct((1, 700, 4, 128), dtype)
+  seg = jax.ShapeDtypeStruct((1, 700), jnp.int32)
+  slopes = jax.ShapeDtypeStruct((4,), jnp.float32)
+
+  def f(q, k, v, seg, slopes):
+    return pallas_flash.flash_attention(
+        q, k, v, is_causal=True, query_segment_ids=seg, local_window_size=(256, 0),
+        logits_soft_cap=30.0, alibi_slopes=slopes, dropout_rate=0.1,
+        dropout_rng=jax.random.key(0), implementation="triton")
+
+  def g(*args):
+    return jax.grad(lambda *a: f(*a, *args[3:]).astype(jnp.float32).sum(),
+                    argnums=(0, 1, 2))(*args[:3])
+
+  assert _export(f, q, q, q, seg, slopes).count("xla.gpu.triton") == 1
+  module = _export(g, q, q, q, seg, slopes)
+  assert module.count("xla.gpu.triton") == 3
+  assert ("tanh.approx" in module) == (dtype == jnp.bfloat16)

@@ -1,0 +1,72 @@
+"""The oracle itself: against jax.nn.dot_product_attention, and its gradients numerically."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import pallas_flash
+from testing import Case, assert_close_to_ref, make_inputs
+
+
+@pytest.mark.parametrize("case", [
+    Case(), Case(is_causal=True), Case(q_len=17, kv_len=300, is_causal=True),
+    Case(q_len=300, kv_len=17, is_causal=True), Case(lengths=True), Case(num_kv_heads=1),
+], ids=lambda c: c.id)
+def test_reference_matches_jax_nn(case):
+  (q, k, v, _), kwargs = make_inputs(case)
+  ours = pallas_flash.flash_attention(q, k, v, implementation="reference", **kwargs)
+  # Both return zeros on padded query rows. A query whose keys are all padding is where the two
+  # differ by design (jax.nn averages the values, we return zeros): make_inputs keeps kv
+  # lengths >= 1, so there is none here.
+  theirs = jax.nn.dot_product_attention(q, k, v, implementation="xla", **kwargs)
+  assert_close_to_ref("out", ours, theirs, 1e-5)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "interpret"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_check_grads(impl, causal):
+  (q, k, v, _), kwargs = make_inputs(Case(batch=1, q_len=20, kv_len=24, num_heads=2,
+                                          num_kv_heads=1, head_dim=16, is_causal=causal))
+
+  def f(q, k, v):
+    return pallas_flash.flash_attention(q, k, v, implementation=impl, **kwargs)
+
+  check_grads(f, (q, k, v), order=1, modes=["rev"], atol=2e-2, rtol=2e-2, eps=1e-2)
+
+
+def test_fully_masked_rows_give_zeros_and_zero_grads():
+  (q, k, v, do), _ = make_inputs(Case(q_len=64, kv_len=64))
+  # Query segment 7 appears among no keys: those rows see nothing.
+  q_seg = jnp.where(jnp.arange(64) < 20, 7, 0)[None].repeat(2, 0).astype(jnp.int32)
+  kv_seg = jnp.zeros((2, 64), jnp.int32)
+  for impl in ("reference", "xla", "interpret"):
+    def f(q, k, v):
+      return pallas_flash.flash_attention(q, k, v, query_segment_ids=q_seg,
+                                          key_value_segment_ids=kv_seg, implementation=impl,
+                                          return_residuals=True)
+    (o, lse), vjp = jax.vjp(f, q, k, v)
+    dq, dk, dv = vjp((do, jnp.ones_like(lse)))
+    assert np.all(np.asarray(o[:, :20]) == 0.0), impl
+    assert np.all(np.isneginf(np.asarray(lse[:, :, :20]))), impl
+    assert np.all(np.isfinite(np.asarray(o))), impl
+    for g in (dq, dk, dv):
+      assert np.all(np.isfinite(np.asarray(g))), impl
+    assert np.all(np.asarray(dq[:, :20]) == 0.0), impl
+    assert np.abs(np.asarray(dq[:, 20:])).max() > 0, impl
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_poisoned_padding_does_not_leak(impl):
+  """NaN in padded queries/keys and huge values in padded values must not reach valid rows."""
+  case = Case(q_len=96, kv_len=80)
+  (q, k, v, _), _ = make_inputs(case)
+  q_lens, kv_lens = jnp.array([50, 96]), jnp.array([33, 80])
+  q_pad = jnp.arange(96)[None, :, None, None] >= q_lens[:, None, None, None]
+  kv_pad = jnp.arange(80)[None, :, None, None] >= kv_lens[:, None, None, None]
+  kw = dict(query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens)
+  want = pallas_flash.flash_attention(q, k, v, implementation="reference", **kw)
+  got = pallas_flash.flash_attention(jnp.where(q_pad, jnp.nan, q), jnp.where(kv_pad, jnp.nan, k),
+                                     jnp.where(kv_pad, 1e30, v), implementation=impl, **kw)
+  assert_close_to_ref("out", got, want, 2e-5)

@@ -1,0 +1,1 @@
+"""Training loop for the models in `models/` (run as `python -m train`)."""
