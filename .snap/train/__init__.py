@@ -1,1 +1,0 @@
-"""Training loop for the models in `models/` (run as `python -m train`)."""
