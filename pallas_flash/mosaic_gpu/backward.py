@@ -704,9 +704,9 @@ def _dq_call(q, k, v, do, o, lse, delta, *, kp: _common.KernelParams, segs=(),
   """dQ [B, T, H, D], or (dQ, lse2, delta) when o is given: see _bwd_dq_kernel's two forms
   (o None: lse in log2 units and the full delta; else natural-log lse and delta the correction
   or None). q, do, o [B, T, H, D] and k, v [B, S, K, D] padded as _common.operand_rows says;
-  lse, delta and the lse2 and delta it returns [B, H, Tp]. segs: () or (q_seg [B, Tp], kv_seg [B, Sp], kv limits per q tile)
-  int32. split (no segs): the split tail; dQ then comes back with the tail tiles summed in from
-  their parts."""
+  lse, delta and the lse2 and delta it returns [B, H, Tp]. segs: () or (q_seg [B, Tp], kv_seg
+  [B, Sp], kv limits per q tile) int32. split (no segs): the split tail; dQ then comes back
+  with the tail tiles summed in from their parts."""
   bsz, _, h, d = q.shape
   t_pad = kp.t_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
