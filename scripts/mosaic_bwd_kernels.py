@@ -80,7 +80,7 @@ def kernels(b, t, h, d, causal, overrides):
     kp_dq, kp_dkdv = backward_wide.kernel_params(q, k, params, config, kv_len=t)
     dkdv_call, dkdv_stats = backward_wide._dkdv_call, (lse2, delta)
   else:
-    kp_dq, kp_dkdv = backward.split_kernel_params(q, k, params, config, kv_len=t)
+    kp_dq, kp_dkdv = backward.split_kernel_params(q, k, params, config, t_pad=t, s_pad=t)
     # The dK/dV kernel gets the statistics the dQ kernel computed, as in the VJP.
     _, lse2_k, delta_k = jax.jit(lambda *a: backward._dq_call(*a, None, kp=kp_dq))(
         q, k, v, do, o, lse)

@@ -866,13 +866,12 @@ def _xla_row_stats(o, lse, do, correction):
   return jnp.where(lse == -jnp.inf, jnp.inf, lse), delta
 
 
-def split_kernel_params(qp, kpad, params: AttentionParams, config: MosaicConfig, *,
-                        kv_len: int, t_pad: int | None = None, s_pad: int | None = None):
-  """(dQ kernel's, dK/dV kernel's) KernelParams for qp [B, T, H, D], kpad [B, S, K, D] whose true
-  key count is kv_len, padded to t_pad / s_pad (by default their lengths: padded arrays)."""
-  t_pad, s_pad = t_pad or qp.shape[1], s_pad or kpad.shape[1]
-  make = functools.partial(_common.KernelParams.make, qp, kpad, params=params, t_pad=t_pad,
-                           s_pad=s_pad, kv_len=kv_len, config=config)
+def split_kernel_params(q, k, params: AttentionParams, config: MosaicConfig, *, t_pad: int,
+                        s_pad: int):
+  """(dQ kernel's, dK/dV kernel's) KernelParams for q [B, T, H, D], k [B, S, K, D] (arrays or
+  jax.ShapeDtypeStruct), their tiles covering t_pad / s_pad rows."""
+  make = functools.partial(_common.KernelParams.make, q, k, params=params, t_pad=t_pad,
+                           s_pad=s_pad, kv_len=k.shape[1], config=config)
   return (make(block_q=config.block_q_dq, block_kv=config.block_kv_dq,
                stages=min(config.bwd_stages, s_pad // config.block_kv_dq)),
           make(block_q=config.block_q_dkv, block_kv=config.block_kv_dkv,
@@ -921,11 +920,9 @@ def padded_lengths(t: int, s: int, config: MosaicConfig) -> tuple[int, int]:
 def planned_tail_splits(q, k, params: AttentionParams, config: MosaicConfig):
   """The (dQ, dK/dV) split tails the split backward runs for q [B, T, H, D], k [B, S, K, D]
   (arrays or jax.ShapeDtypeStruct)."""
-  (b, t, h, d), (s, kh) = q.shape, k.shape[1:3]
+  (b, t, h, _), (s, kh) = q.shape, k.shape[1:3]
   t_pad, s_pad = padded_lengths(t, s, config)
-  kps = split_kernel_params(jax.ShapeDtypeStruct((b, t_pad, h, d), q.dtype),
-                            jax.ShapeDtypeStruct((b, s_pad, kh, d), k.dtype), params, config,
-                            kv_len=s)
+  kps = split_kernel_params(q, k, params, config, t_pad=t_pad, s_pad=s_pad)
   return tail_splits(*kps, b, h, kh, params, config)
 
 
@@ -988,8 +985,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
                   stacklevel=2)
   t, s = q.shape[1], k.shape[1]
   t_pad, s_pad = padded_lengths(t, s, config)
-  kp_dq, kp_dkdv = split_kernel_params(q, k, params, config, kv_len=s, t_pad=t_pad,
-                                       s_pad=s_pad)
+  kp_dq, kp_dkdv = split_kernel_params(q, k, params, config, t_pad=t_pad, s_pad=s_pad)
   t_in = _common.operand_rows(t, t_pad, config.interpret, kp_dkdv.stages * kp_dkdv.block_q)
   s_in = _common.operand_rows(s, s_pad, config.interpret, kp_dq.stages * kp_dq.block_kv)
   qp, dop, op = (_blocking.pad_axis(x, 1, t_in) for x in (q, do, o))
