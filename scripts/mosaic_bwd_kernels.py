@@ -77,7 +77,7 @@ def kernels(b, t, h, d, causal, overrides):
                          (o, lse, do), None))
   if d > 128:
     # backward_wide's kernels: its dQ kernel takes the statistics from XLA; no fused kernel.
-    kp_dq, kp_dkdv = backward_wide.kernel_params(q, k, params, config, kv_len=t)
+    kp_dq, kp_dkdv = backward_wide.kernel_params(q, k, params, config, t_pad=t, s_pad=t)
     dkdv_call, dkdv_stats = backward_wide._dkdv_call, (lse2, delta)
   else:
     kp_dq, kp_dkdv = backward.split_kernel_params(q, k, params, config, t_pad=t, s_pad=t)

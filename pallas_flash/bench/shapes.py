@@ -7,7 +7,8 @@ Tags:
   quick    two anchors (seq 4K, head dim 128 and 64) for a fast look
   short    16 x 1024 x 16 x 64 (issue 3's head-dim-64 target shape)
   train    2 x 16384 x 8 x 128 with 4 kv heads, the h200-long training preset's attention
-  ragged   lengths off the 128-row tile grid (1 x 5000 x 16 x 128, 4 x 1000 x 16 x 128)
+  ragged   lengths off the 128-row tile grid (1 x 5000 x 16 x 128, 4 x 1000 x 16 x 128,
+           4 x 4000 x 8 x 256)
   cpu      tiny shapes for CPU tests and interpret mode (one length is not a block multiple)
 """
 
@@ -79,6 +80,7 @@ SHAPES: tuple[ShapeSpec, ...] = (
     # looked fine.
     _spec("b1_t5000_h16_d128", 1, 5000, 16, 128, "ragged"),
     _spec("b4_t1000_h16_d128", 4, 1000, 16, 128, "ragged"),
+    _spec("b4_t4000_h8_d256", 4, 4000, 8, 256, "ragged"),
     _spec("cpu_t128", 1, 128, 2, 64, "cpu"),
     _spec("cpu_t96", 2, 96, 2, 32, "cpu"),
     _spec("cpu_t80_gqa", 1, 80, 4, 32, "cpu", kv_heads=2),

@@ -540,9 +540,11 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
 def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q: bool = False,
                dq_blocks: int = 1, dq_shared: bool = False, overlap: bool = False,
                dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False):
-  """Padded q/do [B, Tp, H, D], k/v [B, Sp, K, D], lse2/delta [B, H, Tp] ->
-  (dq_acc [B, Tp, H, D] f32 unscaled, dk [B, Sp, K, D] scaled, dv [B, Sp, K, D])."""
-  bsz, s_pad, kh, d = k.shape
+  """q/do [B, T', H, D], k/v [B, S', K, D] (T', S' padded as _common.operand_rows says, the
+  tiles covering kp.t_pad / kp.s_pad rows), lse2/delta [B, H, Tp] -> (dq_acc [B, T', H, D] f32
+  unscaled, dk [B, S', K, D] scaled, dv [B, S', K, D])."""
+  bsz, _, kh, d = k.shape
+  s_pad = kp.s_pad
   bq, bkv = kp.block_q, kp.block_kv
   # MosaicConfig.bwd_head_group is not applied here: with fused_dq_shared, causal, the grouped
   # launch deadlocked in the Mosaic GPU interpreter (two warpgroups in a barrier wait), even
@@ -597,16 +599,20 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
   t, s = q.shape[1], k.shape[1]
   bq, bkv = config.block_q_fused, config.block_kv_fused
   t_pad, s_pad = _blocking.round_up(t, bq), _blocking.round_up(s, 2 * bkv)
-  qp, dop = _blocking.pad_axis(q, 1, t_pad), _blocking.pad_axis(do, 1, t_pad)
-  kpad, vpad = _blocking.pad_axis(k, 1, s_pad), _blocking.pad_axis(v, 1, s_pad)
+  kp = _common.KernelParams.make(
+      q, k, params=params, block_q=bq, block_kv=bkv,
+      stages=min(config.fused_stages, t_pad // bq), t_pad=t_pad, s_pad=s_pad, kv_len=s,
+      config=config, q_tile_rows=bq)
+  # Operands padded only to TMA's 8-row tile (the split backward's rule): the producer's first
+  # `stages` q blocks load at static offsets, the K/V tiles at dynamic ones.
+  t_in = _common.operand_rows(t, t_pad, config.interpret, kp.stages * bq)
+  s_in = _common.operand_rows(s, s_pad, config.interpret, 0)
+  qp, dop = _blocking.pad_axis(q, 1, t_in), _blocking.pad_axis(do, 1, t_in)
+  kpad, vpad = _blocking.pad_axis(k, 1, s_in), _blocking.pad_axis(v, 1, s_in)
   # lse in log2 units so that P = exp2(S·c − lse2); padded rows get +inf (P = 0, so their dS,
   # dQ_part rows and contributions to dK/dV are 0).
   lse2 = _blocking.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
   delta = _blocking.pad_axis(delta, 2, t_pad)
-  kp = _common.KernelParams.make(
-      qp, kpad, params=params, block_q=bq, block_kv=bkv,
-      stages=min(config.fused_stages, t_pad // bq), t_pad=t_pad, s_pad=s_pad, kv_len=s,
-      config=config, q_tile_rows=bq)
   dq_acc, dk, dv = fused_call(qp, kpad, vpad, dop, lse2, delta, kp=kp,
                               stagger_q=config.fused_stagger_q and not params.is_causal,
                               dq_blocks=config.fused_dq_blocks,

@@ -184,9 +184,11 @@ def _store_through(acc, smem, dst, kp: _common.KernelParams):
 
 
 def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, segs=()):
-  """(dK, dV) [B, Sp, K, D] of padded q/do [B, Tp, H, D], k/v [B, Sp, K, D]; segs: () or
-  (kv_seg [B, Sp], q_seg [B, Tp], q limits per kv tile) int32."""
-  bsz, s_pad, kh, d = k.shape
+  """(dK, dV) [B, S', K, D] of q/do [B, T', H, D], k/v [B, S', K, D], T' and S' padded as
+  _common.operand_rows says (tiles cover kp.t_pad / kp.s_pad rows); lse2/delta [B, H, Tp];
+  segs: () or (kv_seg [B, Sp], q_seg [B, Tp], q limits per kv tile) int32."""
+  bsz, _, kh, d = k.shape
+  s_pad = kp.s_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   tiles = _common.smem_transforms(kp.dtype)
   ring = [plgpu.Barrier(num_barriers=stages) for _ in range(4)]
@@ -222,17 +224,18 @@ def padded_lengths(t: int, s: int) -> tuple[int, int]:
   return _blocking.round_up(t, 2 * BLOCK_Q), _blocking.round_up(s, BLOCK_KV)
 
 
-def kernel_params(qp, kpad, params: AttentionParams, config: MosaicConfig, *, kv_len: int):
-  """(dQ, dK/dV) KernelParams for padded qp [B, Tp, H, D], kpad [B, Sp, K, D] (arrays or
-  jax.ShapeDtypeStruct) with kv_len real keys."""
+def kernel_params(q, k, params: AttentionParams, config: MosaicConfig, *, t_pad: int,
+                  s_pad: int):
+  """(dQ, dK/dV) KernelParams for q [B, T, H, D], k [B, S, K, D] (arrays or
+  jax.ShapeDtypeStruct), their tiles covering t_pad / s_pad rows (padded_lengths)."""
   # FA3's register split: a dQ warpgroup holds a 128-register accumulator beside S and dP.
   config = dataclasses.replace(config, compute_registers=240, producer_registers=24)
-  make = functools.partial(_common.KernelParams.make, qp, kpad, params=params,
-                           t_pad=qp.shape[1], s_pad=kpad.shape[1], kv_len=kv_len, config=config)
+  make = functools.partial(_common.KernelParams.make, q, k, params=params, t_pad=t_pad,
+                           s_pad=s_pad, kv_len=k.shape[1], config=config)
   kp_dq = dataclasses.replace(make(block_q=BLOCK_Q, block_kv=BLOCK_KV_DQ, stages=DQ_K_STAGES),
                               v_stages=DQ_V_STAGES)
   kp_dkdv = make(block_q=BLOCK_Q, block_kv=BLOCK_KV,
-                 stages=min(config.bwd_stages, qp.shape[1] // BLOCK_Q))
+                 stages=min(config.bwd_stages, t_pad // BLOCK_Q))
   return tuple(dataclasses.replace(x, bwd_head_group=0) for x in (kp_dq, kp_dkdv))
 
 
@@ -243,13 +246,17 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   (dq, dk, dv)."""
   t, s = q.shape[1], k.shape[1]
   t_pad, s_pad = padded_lengths(t, s)
-  qp, dop = _blocking.pad_axis(q, 1, t_pad), _blocking.pad_axis(do, 1, t_pad)
-  kpad, vpad = _blocking.pad_axis(k, 1, s_pad), _blocking.pad_axis(v, 1, s_pad)
+  kp_dq, kp_dkdv = kernel_params(q, k, params, config, t_pad=t_pad, s_pad=s_pad)
+  # As in the split backward: operands padded only to TMA's 8-row tile where the producers'
+  # static first loads allow it; rows past the end read as zeros, stores past it are dropped.
+  t_in = _common.operand_rows(t, t_pad, config.interpret, kp_dkdv.stages * kp_dkdv.block_q)
+  s_in = _common.operand_rows(s, s_pad, config.interpret, kp_dq.stages * kp_dq.block_kv)
+  qp, dop = _blocking.pad_axis(q, 1, t_in), _blocking.pad_axis(do, 1, t_in)
+  kpad, vpad = _blocking.pad_axis(k, 1, s_in), _blocking.pad_axis(v, 1, s_in)
   lse, delta = _xla_row_stats(o, lse, do, delta)
   # Padded rows: lse2 = +inf (P = 0), delta = 0.
   lse2 = _blocking.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
   delta = _blocking.pad_axis(delta, 2, t_pad)
-  kp_dq, kp_dkdv = kernel_params(qp, kpad, params, config, kv_len=s)
   dq_segs = dkdv_segs = ()
   if params.has_segments:
     dq_segs, dkdv_segs = segment_inputs(q_seg, kv_seg, t_pad, s_pad,

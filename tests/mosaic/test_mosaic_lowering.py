@@ -209,6 +209,26 @@ def test_head_dim_256_mosaic_backward_lowers(causal):
   assert text.count("mosaic_gpu") >= 3 and "pallas_flash_bwd_dq" not in text  # no Triton
 
 
+@pytest.mark.parametrize("head_dim,config", [(64, None), (128, None), (256, None),
+                                             (128, "fused")])
+def test_ragged_operands_are_padded_to_tma_rows_only(head_dim, config):
+  """q, k, v, dO and O reach the kernels padded to TMA's 8-row tile (300 -> 304, 700 -> 704),
+  not to the tile grid (384 query rows): TMA zero-fills reads and drops stores past the end,
+  so XLA copies nothing but those few rows, in the forward and in every backward kernel."""
+  q, kv = kernel_specs(1, 300, 700, 4, 4, head_dim)
+  if config == "fused":
+    config = dataclasses.replace(TUNED[(head_dim, False)], fused_backward=True,
+                                 fused_dq_shared=True)
+  grads = jax.grad(lambda *a: pallas_flash.flash_attention(
+      *a, implementation="mosaic", config=config).astype(jnp.float32).sum(),
+      argnums=(0, 1, 2))
+  text = export_for_h200(grads, q, kv, kv).mlir_module()
+  rows = set(map(int, re.findall(rf"tensor<1x(\d+)x4x{head_dim}xbf16>", text)))
+  assert rows == {300, 304, 700, 704}, rows
+  if config is not None:  # the fused kernel ran: its float32 dQ sum at 304 rows, then sliced
+    assert set(map(int, re.findall(rf"tensor<1x(\d+)x4x{head_dim}xf32>", text))) == {300, 304}
+
+
 @pytest.mark.parametrize("kw,field", [(dict(block_q=96), "block_q"),
                                       (dict(bwd_stages=0), "bwd_stages"),
                                       (dict(compute_registers=236), "compute_registers"),
