@@ -153,7 +153,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     kvh = lax.div(h, kp.group)
 
     def load(j, slot):
-      rows = (b, pl.ds((kv0 + j) * bkv, bkv), kvh)
+      rows = (b, pl.ds(_kv_block(j, kv0, cta_steps, kp) * bkv, bkv), kvh)
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_scratch.at[slot], v_ready.at[slot])
 
@@ -163,7 +163,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     @pl.loop(stages, cta_steps)
     def _(j):
       slot = lax.rem(j, stages)
-      rows = (b, pl.ds((kv0 + j) * bkv, bkv), kvh)
+      rows = (b, pl.ds(_kv_block(j, kv0, cta_steps, kp) * bkv, bkv), kvh)
       with jax.named_scope("wait_free"):
         plgpu.barrier_wait(k_free.at[slot])
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot])
@@ -271,7 +271,7 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
       def _step(j):
         g = i * steps + j  # the ring's step
         slot = lax.rem(g, stages)
-        rows = (b, pl.ds(j * bkv, bkv), kvh)
+        rows = (b, pl.ds(_kv_block(j, 0, steps, kp) * bkv, bkv), kvh)
         with jax.named_scope("wait_free"):
           pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot])
@@ -309,6 +309,25 @@ def _ring(base):
     return lax.rem(base + j, stages)
 
   return slot
+
+
+def _tail_first(kp: _common.KernelParams) -> bool:
+  """Whether the overlapped loop streams a CTA's key blocks last one first: non-causal calls
+  (no segment ids) whose last key block is partial. That block then is the loop's first, whose
+  softmax runs before the loop and is masked anyway, and no loop step needs the key-tail mask.
+  Masking every step instead (a peeled masked last step makes ptxas serialise the wgmmas,
+  C7512) cost ~7 % of the forward at 1x5000x16x128 (eighteenth session)."""
+  return kp.intra_wg_overlap and kp.kv_tail and not kp.causal and not kp.segments
+
+
+def _kv_block(j, kv0, steps, kp: _common.KernelParams):
+  """The key block of a CTA's kv step j (its steps stream blocks [kv0, kv0 + steps)): kv0 + j,
+  or with `_tail_first` the last block at step 0 and kv0 + j - 1 after it. The rotated index
+  is computed at run time even from Python ints, so that the producer's first loads have no
+  static offset past the operand's rows (_common.operand_rows)."""
+  if not _tail_first(kp):
+    return kv0 + j
+  return kv0 + lax.rem(jnp.int32(j) + steps - 1, jnp.int32(steps))
 
 
 def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0, steps,
@@ -427,7 +446,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
   softmax while P_j·V_j is still in flight; O is rescaled once that has retired. The last P·V
   follows the loop. Each matmul pair sits between the same two schedule-barrier rounds per
   block as in the plain loop, so the two WGs still alternate (ping-pong) and the idle steps of
-  a causal CTA are unchanged. `base`: see `_ring`; step j is key block kv0 + j.
+  a causal CTA are unchanged. `base`: see `_ring`; step j is key block `_kv_block(j, ...)`.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
@@ -437,7 +456,8 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
 
   def softmax(s, j, masked, m, l):
     if masked:
-      s = jnp.where(_common.visible(q0, (kv0 + j) * bkv, (bq, bkv), kp), s, -jnp.inf)
+      col0 = _kv_block(j, kv0, steps, kp) * bkv
+      s = jnp.where(_common.visible(q0, col0, (bq, bkv), kp), s, -jnp.inf)
     return _softmax(s, m, l, kp)
 
   def qk(s_ref):  # K_0 is ready: the caller waited for it
@@ -511,11 +531,10 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
       # Pin the softmax and the rescale before the next barrier round (see the plain loop).
       return lax.optimization_barrier((acc, p16, m, l))
 
-  if kp.needs_mask:
-    # Non-causal, the key tail is the only mask, and every step takes it: with the masked
-    # last step after an unmasked loop, ptxas serialised every wgmma of the kernel (C7512;
-    # 382 TFLOP/s against cuDNN's 550 at 1x5000x16x128); one masked loop keeps the overlap
-    # (a comparison per key and a select per score each step).
+  if kp.needs_mask and not _tail_first(kp):
+    # Causal: the blocks from the diagonal's first on are masked. (A non-causal key tail is
+    # streamed first, `_tail_first`: a masked last step after an unmasked loop made ptxas
+    # serialise every wgmma of the kernel, C7512, and masking every step cost ~7 %.)
     split = 0
     if kp.causal:
       split = jnp.maximum(_common.first_masked_block(q0, kv0 + steps, kp) - kv0 - 1, 0)
