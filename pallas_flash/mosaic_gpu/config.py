@@ -294,11 +294,12 @@ class MosaicConfig:
 # hd256 rows are SMEM-fitting defaults, not swept.
 TUNED: dict[tuple[int, bool], MosaicConfig] = {
     # hd64: 3 stages measured equal to 2 (418 vs 417); kept 2 (less SMEM).
-    # Non-causal (hd64 and hd128): the last wave split along the keys (fwd_split_tail; twelfth
-    # session, s12 run2, fwd TFLOP/s, grid -> split, same run as cuDNN: 1x16384x16x128
-    # 602 -> 615 (cuDNN 612), 1x32768x16x128 604 -> 618 (616), 2x16384x8x128 with 4 kv heads
-    # 603 -> 606-611 (620); run3: 4x4096x32x64 416 -> 429 (440); the cost model leaves 8K
-    # unsplit, where it gained nothing).
+    # Non-causal hd64: the last wave split along the keys (fwd_split_tail; twelfth session,
+    # s12 run2, fwd TFLOP/s, grid -> split, same run as cuDNN: 1x16384x16x128 602 -> 615
+    # (cuDNN 612), 1x32768x16x128 604 -> 618 (616), 2x16384x8x128 with 4 kv heads 603 ->
+    # 606-611 (620); run3: 4x4096x32x64 416 -> 429 (440); the cost model leaves 8K unsplit,
+    # where it gained nothing). hd128 had it too until the nineteenth session's 192-key tiles,
+    # which leave no room for its staging tile and gain more.
     # hd64 non-causal: 256-key forward tiles (S of 64 x 256 per warpgroup fits beside a
     # 64-register O at hd64; seventeenth session, run8, fwd TFLOP/s, same run as cuDNN, 128 ->
     # 256 keys: 4x4096x32x64 428 -> 453 (cuDNN 444), 1x16384x32x64 447 -> 486 (454),
@@ -321,10 +322,20 @@ TUNED: dict[tuple[int, bool], MosaicConfig] = {
     # with the intra-WG overlap already ran at 240/24).
     # And Q as the register operand of S = Q·Kᵀ (fwd_q_registers; eighteenth session, run1:
     # +0.9 to +1.9 % forward, level at 4K causal).
-    (128, False): MosaicConfig(block_q=64, block_kv=128, num_stages=2, fwd_intra_wg_overlap=True,
-                               fwd_q_registers=True, dkdv_schedule="overlap",
-                               compute_registers=240, producer_registers=24,
-                               fwd_split_tail=True),
+    # Non-causal, past MEDIUM_KV_LEN keys (the grid kernel; `tuned` switches shorter calls to
+    # the persistent kernel with 128-key tiles and Q in registers): 192-key tiles, Q from
+    # shared memory (S of 64 x 192 beside the overlap's other live tiles leaves no room for
+    # Q's 32 registers: C7512 and spills, deviceless) and no split tail (its float32 staging
+    # tile does not fit beside the 192-key ring). Nineteenth session, run3, fwd TFLOP/s, same
+    # run as cuDNN, 128-key default -> 192: 1x16384x16x128 619 -> 647 (cuDNN 621),
+    # 1x32768x16x128 622 -> 653 (610), 2x16384x8x128 with 4 kv heads 615 -> 643 (621);
+    # 4x4096x16x128 605 -> 594 (the persistent kernel there stays at 128); causal 16K 619 ->
+    # 522, so causal stays at 128. (The seventeenth session measured 192 level at 16K and
+    # collapsing at 32K: 16384 and 32768 keys are no multiple of 192, and every step of the
+    # overlapped loop was masked then; the key tail now streams first, forward._tail_first.)
+    (128, False): MosaicConfig(block_q=64, block_kv=192, num_stages=2, fwd_intra_wg_overlap=True,
+                               dkdv_schedule="overlap", compute_registers=240,
+                               producer_registers=24),
     (128, True): MosaicConfig(block_q=64, block_kv=128, num_stages=2, fwd_intra_wg_overlap=True,
                               fwd_q_registers=True, dkdv_schedule="overlap",
                               compute_registers=240, producer_registers=24),
@@ -372,13 +383,18 @@ def with_overrides(config: MosaicConfig, overrides: str) -> MosaicConfig:
 def tuned(head_dim: int, is_causal: bool, kv_len: int) -> MosaicConfig:
   """The tuned config of a call: TUNED[(head_dim, is_causal)], switched to the persistent
   forward for short non-causal calls: the plain loop with heads fastest up to SHORT_KV_LEN
-  keys and, at head_dim 128, the overlapped loop with q tiles fastest up to MEDIUM_KV_LEN."""
+  keys and, at head_dim 128, the overlapped loop with q tiles fastest, 128-key tiles and Q
+  in registers up to MEDIUM_KV_LEN (the persistent kernel's second Q buffer leaves no room for
+  TUNED's 192-key ring there)."""
   config = TUNED.get((head_dim, is_causal), MosaicConfig())
   if not is_causal and kv_len <= SHORT_KV_LEN and head_dim in (64, 128):
     config = dataclasses.replace(config, fwd_intra_wg_overlap=False, fwd_persistent=True,
                                  heads_fastest=True)
+    if head_dim == 128:
+      config = dataclasses.replace(config, block_kv=128)
   elif not is_causal and kv_len <= MEDIUM_KV_LEN and head_dim == 128:
-    config = dataclasses.replace(config, fwd_persistent=True)
+    config = dataclasses.replace(config, fwd_persistent=True, block_kv=128,
+                                 fwd_q_registers=True)
   return config
 
 

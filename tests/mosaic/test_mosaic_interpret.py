@@ -89,6 +89,16 @@ def test_forward_with_256_key_tiles_matches_reference(case):
                                                               heads_fastest=True))
 
 
+@pytest.mark.parametrize("case", [(1, 130, 500, 2, 1, 128, False, jnp.bfloat16),
+                                  (1, 64, 384, 2, 2, 128, False, jnp.float16)],
+                         ids=kernel_case_id)
+def test_forward_with_192_key_tiles_matches_reference(case):
+  """block_kv=192 with the overlapped loop (head dim 128's tuned long non-causal forward):
+  500 keys leave a partial last tile, which streams first (forward._tail_first); 384 none."""
+  _assert_forward_matches_reference(case, dataclasses.replace(
+      SMALL, block_kv=192, fwd_intra_wg_overlap=True))
+
+
 def test_one_stage_causal_forward_is_refused():
   # One ring slot deadlocks the causal idle steps (found in the interpreter): refuse it.
   q, k, v, _ = kernel_inputs(1, 200, 200, 2, 1, 64, jnp.bfloat16, seed=0)

@@ -25,6 +25,7 @@ CASES = [  # B, T, S, H, K, D, causal
     (1, 1000, 1100, 8, 2, 64, True),
     (2, 4096, 4096, 8, 8, 128, True),
     (1, 777, 1025, 8, 1, 128, False),
+    (1, 300, 5000, 4, 2, 128, False),  # past MEDIUM_KV_LEN: 192-key tiles, the tail first
     (1, 2048, 2048, 4, 2, 256, True),
     (1, 300, 700, 4, 4, 256, False),
 ]

@@ -92,6 +92,9 @@ def test_tuned_table_runs_short_non_causal_calls_persistent():
   medium = config_module.tuned(128, False, config_module.MEDIUM_KV_LEN)
   assert medium.fwd_persistent and medium.fwd_intra_wg_overlap and not medium.heads_fastest
   assert medium.dkdv_schedule == TUNED[(128, False)].dkdv_schedule
+  # The persistent kernel's second Q buffer leaves room for 128-key tiles only (TUNED: 192).
+  assert medium.block_kv == 128 and medium.fwd_q_registers and TUNED[(128, False)].block_kv == 192
+  assert config_module.tuned(128, False, config_module.SHORT_KV_LEN).block_kv == 128
   assert config_module.tuned(128, False, config_module.MEDIUM_KV_LEN + 1) == TUNED[(128, False)]
   assert config_module.tuned(256, False, 1024) == TUNED[(256, False)]
 

@@ -57,13 +57,17 @@ def test_tail_parts_cost_model():
 
 
 def test_tail_split_applies_only_where_it_can():
-  cfg = dataclasses.replace(TUNED[(128, False)], fwd_split_tail=True)
+  cfg = dataclasses.replace(TUNED[(128, False)], fwd_split_tail=True, block_kv=128)
   q = jax.ShapeDtypeStruct((1, 16384, 16, 128), jnp.bfloat16)
   split = forward_module.tail_split(q, cfg, NON_CAUSAL, 128, False)
   assert (split.tiles, split.main, split.parts, split.ctas) == (2048, 1980, 7, 1980 + 68 * 7)
   off = dataclasses.replace(cfg, fwd_split_tail=False)
   assert forward_module.tail_split(q, off, NON_CAUSAL, 128, False) is None
-  assert TUNED[(128, False)].fwd_split_tail and TUNED[(64, False)].fwd_split_tail
+  assert TUNED[(64, False)].fwd_split_tail and not TUNED[(128, False)].fwd_split_tail
+  # hd128's 192-key tiles leave no room for the staging tile
+  tuned_192 = dataclasses.replace(TUNED[(128, False)], fwd_split_tail=True)
+  assert tuned_192.block_kv == 192
+  assert forward_module.tail_split(q, tuned_192, NON_CAUSAL, 86, False) is None
   assert not (TUNED[(128, True)].fwd_split_tail or TUNED[(64, True)].fwd_split_tail)
   causal = dataclasses.replace(NON_CAUSAL, is_causal=True)
   segments = dataclasses.replace(NON_CAUSAL, has_segments=True)
@@ -196,7 +200,9 @@ def test_split_tail_forward_in_interpreter(case):
 def test_split_tail_forward_lowers(case):
   *shape, causal = case
   q, kv = kernel_specs(*shape)
-  config = dataclasses.replace(TUNED[(shape[-1], False)], fwd_split_tail=True)
+  # hd128: the split tail with 128-key tiles (TUNED's 192 leave no room for it)
+  config = dataclasses.replace(TUNED[(shape[-1], False)], fwd_split_tail=True,
+                               **({"block_kv": 128} if shape[-1] == 128 else {}))
   assert forward_module.tail_split(q, config, NON_CAUSAL, shape[2] // config.block_kv,
                                    False) is not None
   fn = lambda q, k, v: pallas_flash.flash_attention(  # noqa: E731
