@@ -41,12 +41,14 @@ class MosaicConfig:
       S = Q·Kᵀ with Q as the register operand, so the tensor cores read only K from shared
       memory (per step at head_dim 128, 64 x 128 tiles: 80 instead of 96 KiB of operand reads
       per warpgroup, beside the 64 KiB of K/V that TMA writes per CTA). Same products, same
-      order: bitwise equal outputs. On in the head_dim 128 table (eighteenth session, run1,
+      order: bitwise equal outputs. On at head_dim 128 with 128-key tiles: causal, and the
+      persistent non-causal kernel up to MEDIUM_KV_LEN keys (`tuned`); with the long
+      non-causal default's 192-key tiles it does not fit (C7512). (Eighteenth session, run1,
       fwd TFLOP/s, same run as cuDNN, bitwise equal: 4x4096x16x128 583 -> 592, causal 523 ->
       522, 1x16384x16x128 597 -> 603, causal 589 -> 599, 1x32768x16x128 607 -> 612, causal
-      602 -> 606, 2x16384x8x128 with 4 kv heads 592 -> 601, causal 589 -> 600). Ignored by the
-      plain loop, where ptxas miscompiles it (forward._q_operand), and in interpret mode (no
-      register-operand wgmma there).
+      602 -> 606, 2x16384x8x128 with 4 kv heads 592 -> 601, causal 589 -> 600; 128-key
+      tiles everywhere then.) Ignored by the plain loop, where ptxas miscompiles it
+      (forward._q_operand), and in interpret mode (no register-operand wgmma there).
     fwd_persistent: forward, non-causal: one CTA per SM loops over the (q tile, head, batch)
       tiles instead of one CTA per tile; the K/V ring runs on across tiles and Q is
       double-buffered, so the next tile's loads overlap the current tile's last steps and
@@ -85,7 +87,8 @@ class MosaicConfig:
       At 1x16384x16x128 (2048 tiles = 15.5 waves of 132) the last half wave otherwise leaves
       half the SMs idle for one tile's time (~3 %, eleventh session: 33 heads ran 3 % faster
       per FLOP than 32). Needs room for a [2, block_q, D] float32 staging tile (not at head_dim
-      256 with 2 stages; ignored there).
+      256 with 2 stages, nor beside 192-key tiles at 128; ignored there). On in the head_dim
+      64 non-causal table; head_dim 128's 192-key tiles gain more than it did.
     bwd_split_tail: the split backward's kernels named here ("dq", "dkdv", or "dq,dkdv"; ""
       none), non-causal, no segment ids: the same split of each kernel's last wave
       (split_tail.py), along its streamed axis: a
