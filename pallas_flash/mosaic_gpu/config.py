@@ -360,6 +360,9 @@ SHORT_KV_LEN = 2048
 # cuDNN 607). At 1x16384x16x128 the grid kernel stays ahead (644 vs 605; heads-fastest
 # persistent 570): with q tiles fastest the CTAs running together share one head's K/V,
 # which stays in L2, where all 16 heads' K/V at 16K does not. 2K-4K is unmeasured between.
+# Past it the grid kernel runs TUNED's 192-key tiles (nineteenth session, run3 and run6, fwd
+# TFLOP/s, same run: 4x4096x16x128 persistent 605 vs 192-key grid 594; 3x5120x16x128 585 vs
+# 593, 2x8192x16x128 588 vs 613).
 MEDIUM_KV_LEN = 4096
 # The fused backward in its fastest measured form (seventh session), opt-in: fwd+bwd +3.0 % at
 # 1x16384x16x128 and +4.1 % at 1x32768x16x128 causal over the split, but -5 % at 2x8192x16x128
