@@ -316,7 +316,8 @@ def _tail_first(kp: _common.KernelParams) -> bool:
   (no segment ids) whose last key block is partial. That block then is the loop's first, whose
   softmax runs before the loop and is masked anyway, and no loop step needs the key-tail mask.
   Masking every step instead (a peeled masked last step makes ptxas serialise the wgmmas,
-  C7512) cost ~7 % of the forward at 1x5000x16x128 (eighteenth session)."""
+  C7512) cost 10 % of the forward at 1x5000x16x128 (nineteenth session, run2: 508 -> 565
+  TFLOP/s with the tail first)."""
   return kp.intra_wg_overlap and kp.kv_tail and not kp.causal and not kp.segments
 
 
@@ -534,7 +535,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
   if kp.needs_mask and not _tail_first(kp):
     # Causal: the blocks from the diagonal's first on are masked. (A non-causal key tail is
     # streamed first, `_tail_first`: a masked last step after an unmasked loop made ptxas
-    # serialise every wgmma of the kernel, C7512, and masking every step cost ~7 %.)
+    # serialise every wgmma of the kernel, C7512, and masking every step cost 10 %.)
     split = 0
     if kp.causal:
       split = jnp.maximum(_common.first_masked_block(q0, kv0 + steps, kp) - kv0 - 1, 0)
