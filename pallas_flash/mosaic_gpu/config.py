@@ -335,7 +335,8 @@ TUNED: dict[tuple[int, bool], MosaicConfig] = {
     # 4x4096x16x128 605 -> 594 (the persistent kernel there stays at 128); causal 16K 619 ->
     # 522, so causal stays at 128. (The seventeenth session measured 192 level at 16K and
     # collapsing at 32K: 16384 and 32768 keys are no multiple of 192, and every step of the
-    # overlapped loop was masked then; the key tail now streams first, forward._tail_first.)
+    # overlapped loop was masked then; the key tail now streams first,
+    # forward._last_block_first.)
     (128, False): MosaicConfig(block_q=64, block_kv=192, num_stages=2, fwd_intra_wg_overlap=True,
                                dkdv_schedule="overlap", compute_registers=240,
                                producer_registers=24),

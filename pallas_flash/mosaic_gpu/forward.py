@@ -311,22 +311,30 @@ def _ring(base):
   return slot
 
 
-def _tail_first(kp: _common.KernelParams) -> bool:
-  """Whether the overlapped loop streams a CTA's key blocks last one first: non-causal calls
-  (no segment ids) whose last key block is partial. That block then is the loop's first, whose
-  softmax runs before the loop and is masked anyway, and no loop step needs the key-tail mask.
-  Masking every step instead (a peeled masked last step makes ptxas serialise the wgmmas,
-  C7512) cost 10 % of the forward at 1x5000x16x128 (nineteenth session, run2: 508 -> 565
-  TFLOP/s with the tail first)."""
-  return kp.intra_wg_overlap and kp.kv_tail and not kp.causal and not kp.segments
+def _last_block_first(kp: _common.KernelParams) -> bool:
+  """Whether the overlapped loop streams a CTA's key blocks last one first, because that block
+  is the only one its warpgroups mask: non-causal calls whose last key block is partial, and
+  causal calls whose key tile covers both warpgroups' rows (block_kv = 2·block_q: every block
+  before the diagonal one is wholly visible to the CTA's rows, and the diagonal block, or the
+  key tail where the range stops at S, is the last of both warpgroups' equal ranges). No
+  segment ids (they take the plain loop). The last block then is the loop's first, whose
+  softmax runs before the loop and is masked anyway, and no loop step masks.
+  Non-causal, masking every step instead (a peeled masked last step makes ptxas serialise the
+  wgmmas, C7512) cost 10 % at 1x5000x16x128 (nineteenth session, run2: 508 -> 565 TFLOP/s);
+  causal calls ran the diagonal block as a masked step after the unmasked loop."""
+  if not kp.intra_wg_overlap or kp.segments:
+    return False
+  if kp.causal:
+    return kp.block_kv == 2 * kp.block_q
+  return kp.kv_tail
 
 
 def _kv_block(j, kv0, steps, kp: _common.KernelParams):
   """The key block of a CTA's kv step j (its steps stream blocks [kv0, kv0 + steps)): kv0 + j,
-  or with `_tail_first` the last block at step 0 and kv0 + j - 1 after it. The rotated index
-  is computed at run time even from Python ints, so that the producer's first loads have no
-  static offset past the operand's rows (_common.operand_rows)."""
-  if not _tail_first(kp):
+  or with `_last_block_first` the last block at step 0 and kv0 + j - 1 after it. The rotated
+  index is computed at run time even from Python ints, so that the producer's first loads
+  have no static offset past the operand's rows (_common.operand_rows)."""
+  if not _last_block_first(kp):
     return kv0 + j
   return kv0 + lax.rem(jnp.int32(j) + steps - 1, jnp.int32(steps))
 
@@ -532,10 +540,11 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
       # Pin the softmax and the rescale before the next barrier round (see the plain loop).
       return lax.optimization_barrier((acc, p16, m, l))
 
-  if kp.needs_mask and not _tail_first(kp):
-    # Causal: the blocks from the diagonal's first on are masked. (A non-causal key tail is
-    # streamed first, `_tail_first`: a masked last step after an unmasked loop made ptxas
-    # serialise every wgmma of the kernel, C7512, and masking every step cost 10 %.)
+  if kp.needs_mask and not _last_block_first(kp):
+    # Causal with other tiles: the blocks from the diagonal's first on are masked. (A
+    # non-causal key tail is streamed first, `_last_block_first`: a masked last step after an
+    # unmasked loop made ptxas serialise every wgmma of the kernel, C7512, and masking every
+    # step cost 10 %.)
     split = 0
     if kp.causal:
       split = jnp.maximum(_common.first_masked_block(q0, kv0 + steps, kp) - kv0 - 1, 0)

@@ -7,6 +7,7 @@ run). Async hazards are not modelled here: the GPU suite covers them.
 
 import dataclasses
 import functools
+import importlib
 import os
 import warnings
 
@@ -94,9 +95,31 @@ def test_forward_with_256_key_tiles_matches_reference(case):
                          ids=kernel_case_id)
 def test_forward_with_192_key_tiles_matches_reference(case):
   """block_kv=192 with the overlapped loop (head dim 128's tuned long non-causal forward):
-  500 keys leave a partial last tile, which streams first (forward._tail_first); 384 none."""
+  500 keys leave a partial last tile, which streams first (forward._last_block_first); 384
+  none."""
   _assert_forward_matches_reference(case, dataclasses.replace(
       SMALL, block_kv=192, fwd_intra_wg_overlap=True))
+
+
+@pytest.mark.parametrize("case", [(1, 300, 300, 2, 1, 64, True, jnp.bfloat16),
+                                  (1, 333, 200, 2, 2, 64, True, jnp.float16),
+                                  (1, 200, 333, 2, 1, 64, True, jnp.bfloat16),
+                                  (2, 256, 256, 2, 2, 64, True, jnp.float16)],
+                         ids=kernel_case_id)
+def test_causal_forward_streams_the_diagonal_block_first(case):
+  """Causal, overlapped loop, block_kv = 2·block_q (the tuned causal tiles): each CTA streams
+  its diagonal block (or, with T > S, the key tail) first and masks no loop step
+  (forward._last_block_first); queries past the keys, keys past the queries, an aligned
+  length."""
+  b, t, s, h, kh, d, _, dtype = case
+  config = dataclasses.replace(SMALL, block_kv=128, fwd_intra_wg_overlap=True)
+  kp = _common.KernelParams.make(
+      jax.ShapeDtypeStruct((b, t, h, d), dtype), jax.ShapeDtypeStruct((b, s, kh, d), dtype),
+      params=AttentionParams(scale=d ** -0.5, is_causal=True, has_segments=False),
+      block_q=64, block_kv=128, stages=2, t_pad=-(-t // 128) * 128, s_pad=-(-s // 128) * 128,
+      kv_len=s, config=config)
+  assert importlib.import_module("pallas_flash.mosaic_gpu.forward")._last_block_first(kp)
+  _assert_forward_matches_reference(case, config)
 
 
 def test_one_stage_causal_forward_is_refused():
