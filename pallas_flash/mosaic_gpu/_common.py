@@ -38,10 +38,7 @@ class KernelParams:
   t_pad: int
   s_pad: int
   kv_len: int  # true S: keys >= kv_len are padding
-  # T of the q operand `make` got: the true T where the caller passes q unpadded (forward, split
-  # backward), t_pad where it pads first (fused and head-dim-256 backwards), which only keeps
-  # visible()'s key-tail mask on where it could be dropped.
-  q_len: int
+  q_len: int  # true T: every caller hands `make` the unpadded q (or its shape)
   causal: bool
   scale: float
   heads_fastest: bool
