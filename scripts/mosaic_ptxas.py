@@ -58,6 +58,11 @@ VARIANTS = {
     # with the id loads and comparisons. `segments` is not a MosaicConfig field.
     "fwd_segments_causal": ("fwd", True, dict(segments=True)),
     "bwd_segments_causal": ("fwdbwd", True, dict(segments=True)),
+    # logits_soft_cap=30 (a tanh per score; the backward also its slope). Not a config field.
+    "fwd_softcap": ("fwd", False, dict(softcap=30.0)),
+    "fwd_softcap_causal": ("fwd", True, dict(softcap=30.0)),
+    "bwd_softcap": ("fwdbwd", False, dict(softcap=30.0)),
+    "bwd_softcap_causal": ("fwdbwd", True, dict(softcap=30.0)),
 }
 
 
@@ -91,9 +96,12 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   mode, causal, kw = variant(name)
   b, t, h, d = shape
   segments = kw.pop("segments", False)
+  softcap = kw.pop("softcap", None)
   config = dataclasses.replace(TUNED.get((d, causal), MosaicConfig()), **kw)
   ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // 1000, (b, t))
   seg = dict(query_segment_ids=ids, key_value_segment_ids=ids) if segments else {}
+  if softcap is not None:
+    seg["logits_soft_cap"] = float(softcap)
 
   def attn(q, k, v, impl="mosaic"):
     return pallas_flash.flash_attention(q, k, v, is_causal=causal, implementation=impl,

@@ -55,6 +55,7 @@ class KernelParams:
   profile_dir: str = ""  # MosaicConfig.profile_dir
   segments: bool = False  # segment ids (or lengths folded into them) are compared
   v_stages: int = 0  # dQ kernel: depth of the V ring where it differs from K's (0: stages)
+  softcap: float | None = None  # AttentionParams.logits_soft_cap
 
   @property
   def c(self) -> float:
@@ -98,7 +99,29 @@ class KernelParams:
         dkdv_pingpong=config.dkdv_pingpong, dkdv_fold_stats=config.dkdv_fold_stats,
         bwd_heads_fastest=config.bwd_heads_fastest,
         bwd_head_group=config.bwd_head_group,
-        profile_dir=config.profile_dir, segments=params.has_segments)
+        profile_dir=config.profile_dir, segments=params.has_segments,
+        softcap=params.logits_soft_cap)
+
+
+def soft_cap(s, kp: KernelParams):
+  """Raw scores s = Q·Kᵀ [rows, cols] f32 through logits_soft_cap c: (c/scale)·tanh(s·scale/c),
+  the capped logit c·tanh(s·scale/c) still in raw-score units, so that the softmax after it
+  (times kp.c, masked to -inf where hidden) is the uncapped one's. The identity without a cap.
+
+  tanh is one MUFU op (tanh.approx.f32 under the kernels' approx_math, relative error about
+  2**-11), like the Triton kernels' soft cap."""
+  if kp.softcap is None:
+    return s
+  return jnp.tanh(s * (kp.scale / kp.softcap)) * (kp.softcap / kp.scale)
+
+
+def soft_cap_with_slope(s, kp: KernelParams):
+  """(soft_cap(s), its derivative d soft_cap(s)/ds = 1 − tanh², None without a cap): the raw
+  scores' dS is the capped scores' dS times it."""
+  if kp.softcap is None:
+    return s, None
+  t = jnp.tanh(s * (kp.scale / kp.softcap))
+  return t * (kp.softcap / kp.scale), 1.0 - t * t
 
 
 def config_for(q, k, params: AttentionParams) -> MosaicConfig:

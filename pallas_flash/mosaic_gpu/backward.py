@@ -34,7 +34,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_flash import _blocking, masks
 from pallas_flash.mosaic_gpu import _common, split_tail
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
-from pallas_flash.params import AttentionParams
+from pallas_flash.params import AttentionParams, FeatureArrays
 
 LOG2E = math.log2(math.e)
 
@@ -148,11 +148,14 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
       s, dp = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32),
                             plgpu.ACC((bq, bkv), jnp.float32))
       plgpu.barrier_arrive(v_free.at[vslot])
+      s, slope = _common.soft_cap_with_slope(s, kp)
       p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(lse2, s.shape, [0]))
       if masked:
         col0 = (kv0 + j) * bkv
         mask = _common.tile_mask(q0, col0, (bq, bkv), kp, ids=ids and ids(col0))
         p = jnp.where(mask, p, 0.0)
+      if slope is not None:  # P feeds only dS here: the cap's slope dies at once
+        p = p * slope
       ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
       dq = _common.accumulate(dq, ds.astype(kp.dtype), _at(ds_scratch, wg), k_scratch.at[slot], kp)
       plgpu.barrier_arrive(k_free.at[slot])
@@ -520,8 +523,8 @@ def _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, m
                               plgpu.ACC((bkv, bq), jnp.float32))
   with jax.named_scope("softmax"):
     lse, delta = _step_stats(streams, slot)
-    p_t = _probs_t(s_t, lse, k0, mask_block, kp, ids)
-    ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, s_t.shape, [1]))
+    p_t, slope = _probs_t(s_t, lse, k0, mask_block, kp, ids)
+    ds_t = grad_scores_t(p_t, slope, dp_t, delta)
   return p_t, ds_t
 
 
@@ -537,14 +540,24 @@ def _step_stats(streams, slot):
 
 
 def _probs_t(s_t, lse, k0, mask_block, kp: _common.KernelParams, ids=None):
-  """Pᵀ = exp2(Sᵀ·c − lse2) [block_kv, block_q] with the entries the mask hides set to 0
-  (mask_block: see _transposed_grad_tiles)."""
+  """(Pᵀ, slope): Pᵀ = exp2(soft_cap(Sᵀ)·c − lse2) [block_kv, block_q] with the entries the
+  mask hides set to 0 (mask_block: see _transposed_grad_tiles), and the soft cap's slope
+  (_common.soft_cap_with_slope; None without a cap) for `grad_scores_t`."""
+  s_t, slope = _common.soft_cap_with_slope(s_t, kp)
   p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
   if mask_block is not None:
     visible = _common.tile_mask(k0, mask_block() * kp.block_q, (kp.block_kv, kp.block_q), kp,
                                 transposed=True, ids=ids)
     p_t = jnp.where(visible, p_t, 0.0)
-  return p_t
+  return p_t, slope
+
+
+def grad_scores_t(p_t, slope, dp_t, delta):
+  """dSᵀ = Pᵀ∘(dPᵀ − delta) [block_kv, block_q], times the soft cap's slope where there is one
+  (the raw scores' gradient); delta [block_q] COL."""
+  if slope is not None:
+    p_t = p_t * slope
+  return p_t * (dp_t - lax.broadcast_in_dim(delta, p_t.shape, [1]))
 
 
 def _dk_dv_updates(dk, dv, p_t, ds_t, q_smem, do_smem, st_smem, frees, kp):
@@ -595,7 +608,7 @@ def _overlapped_dk_dv_step(dk, dv, tiles, streams, slot, k0, mask_block, frees,
   """
   k_smem, v_smem, q_smem, do_smem = tiles
   do_free, q_free = frees
-  if kp.dkdv_fold_stats and mask_block is None:
+  if kp.dkdv_fold_stats and mask_block is None and kp.softcap is None:
     return _folded_dk_dv_step(dk, dv, tiles, streams, slot, frees, kp)
   acc_t = plgpu.ACC((kp.block_kv, kp.block_q), jnp.float32)
 
@@ -606,10 +619,11 @@ def _overlapped_dk_dv_step(dk, dv, tiles, streams, slot, k0, mask_block, frees,
       plgpu.wgmma(s_ref, k_smem, q_smem.T)
       plgpu.wgmma(dp_ref, v_smem, do_smem.T)
       lse, delta = _step_stats(streams, slot)
-      p_t = _probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), lse, k0, mask_block, kp)
+      p_t, slope = _probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), lse, k0,
+                            mask_block, kp)
       plgpu.wgmma(dv_ref, p_t.astype(kp.dtype), do_smem)
       dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)
-      return p_t * (dp_t - lax.broadcast_in_dim(delta, p_t.shape, [1]))
+      return grad_scores_t(p_t, slope, dp_t, delta)
 
     ds_t = pl.run_scoped(scores, acc_t, acc_t)
     plgpu.wgmma_wait(0)  # dV (also covered by the scope's exit): dO is free
@@ -943,8 +957,8 @@ def segment_inputs(q_seg, kv_seg, t_pad: int, s_pad: int, *, dq_tiles: tuple[int
 
 def _wide_head_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *,
                         params: AttentionParams, config: MosaicConfig):
-  """The backward at D > 128 with wide_backward="triton" (backward_wide's kernels are the
-  default): the split kernels here do not cover it (dK and dV of a 64-row tile
+  """The backward at D > 128 with wide_backward="triton" or a soft cap (backward_wide's kernels
+  are the default otherwise): the split kernels here do not cover it (dK and dV of a 64-row tile
   at D = 256 need 256 float32 accumulator registers per thread, more than a warpgroup has).
   Runs the Triton backward kernels (Pallas' Triton lowering, which takes D up to 256, on any
   GPU this backend runs on; in its interpreter when the Mosaic kernels are interpreted):
@@ -957,8 +971,8 @@ def _wide_head_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *,
 
 
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
-             config: MosaicConfig | None = None):
-  """See pallas_flash.params for the contract. This backend sets BACKWARD_COMPUTES_DELTA: lse
+             config: MosaicConfig | None = None, arrays: FeatureArrays | None = None):
+  """See pallas_flash.params for the contract (`arrays` unused, as in forward). This backend sets BACKWARD_COMPUTES_DELTA: lse
   is the forward's (natural log, -inf on fully masked rows) and delta only the correction -dlse
   [B, H, T] float32, or None when lse has no cotangent. Segment ids: the split kernels load
   only the blocks that may share an id with their tile and compare ids on those not wholly
@@ -967,7 +981,9 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   config = config or _common.config_for(q, k, params)
   d = q.shape[3]
   if d > 128:  # 256, the one wider head dim the backend takes
-    if config.wide_backward == "mosaic":
+    # backward_wide's dS warpgroup gets Pᵀ through shared memory, not Sᵀ, so it has no soft
+    # cap slope: capped calls run the Triton kernels.
+    if config.wide_backward == "mosaic" and params.logits_soft_cap is None:
       from pallas_flash.mosaic_gpu import backward_wide
       return backward_wide.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
                                     config=config)

@@ -54,6 +54,7 @@ from pallas_flash.mosaic_gpu.backward import (PROFILE_STEPS, _at, _dk_dv_updates
                                               _produce_query_streams, _skip_step,
                                               _step_stats, _store_dk_dv, _tile_and_head,
                                               _transposed_grad_tiles, _wait_streams,
+                                              grad_scores_t,
                                               kv_stream_barriers, kv_stream_smem,
                                               profile_steps)
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
@@ -222,10 +223,11 @@ def _overlapped_step(dv, dk, tiles, stats, ds_smem, dq_terms, dq_shape, k0, mask
       plgpu.wgmma(s_ref, k_smem, q_smem.T)
       plgpu.wgmma(dp_ref, v_smem, do_smem.T)
       lse, delta = stats()
-      p_t = _probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), lse, k0, mask_block, kp)
+      p_t, slope = _probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), lse, k0,
+                            mask_block, kp)
       dv_out = dv_mm(p_t.astype(kp.dtype))
       dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)
-      return dv_out, p_t * (dp_t - lax.broadcast_in_dim(delta, p_t.shape, [1]))
+      return dv_out, grad_scores_t(p_t, slope, dp_t, delta)
 
     dv_out, ds_t = pl.run_scoped(scores, acc_t, acc_t)
     # dSᵀ in SMEM serves dK (as is) and dQ (its transposed view); wgmma reads it through the

@@ -244,6 +244,9 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   """q/do [B, T, H, D] (D = 256), k/v [B, S, K, D], q/kv_seg [B, T] / [B, S] int32 or None, lse
   as the forward returned it, delta the correction -dlse or None (backward.py's contract) ->
   (dq, dk, dv)."""
+  if params.logits_soft_cap is not None:
+    raise ValueError("backward_wide has no soft cap (its dS warpgroup never sees Sᵀ); "
+                     "backward.backward sends capped calls to the Triton kernels")
   t, s = q.shape[1], k.shape[1]
   t_pad, s_pad = padded_lengths(t, s)
   kp_dq, kp_dkdv = kernel_params(q, k, params, config, t_pad=t_pad, s_pad=s_pad)

@@ -41,7 +41,7 @@ from pallas_flash import _blocking, masks
 from pallas_flash.mosaic_gpu import _common
 from pallas_flash.mosaic_gpu import split_tail
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
-from pallas_flash.params import MASK_VALUE, AttentionParams
+from pallas_flash.params import MASK_VALUE, AttentionParams, FeatureArrays
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -368,6 +368,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
     s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
     plgpu.barrier_arrive(bars.k_free.at[slot])
     with jax.named_scope("softmax"):
+      s = _common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
       if masked:
         col0 = (kv0 + j) * bkv
         ids = None if seg_ids is None else seg_ids(col0)
@@ -464,6 +465,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
   q_op = _q_operand(q_smem, kp)
 
   def softmax(s, j, masked, m, l):
+    s = _common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
     if masked:
       col0 = _kv_block(j, kv0, steps, kp) * bkv
       s = jnp.where(_common.visible(q0, col0, (bq, bkv), kp), s, -jnp.inf)
@@ -708,8 +710,9 @@ def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
 
 
 def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
-            config: MosaicConfig | None = None):
-  """See pallas_flash.params for the contract. With segment ids the grid kernel runs its plain
+            config: MosaicConfig | None = None, arrays: FeatureArrays | None = None):
+  """See pallas_flash.params for the contract; `arrays` is unused (the one feature taken,
+  logits_soft_cap, lives in params). With segment ids the grid kernel runs its plain
   kv loop (no persistent form, no intra-warpgroup overlap); only the key blocks that may share
   an id with a q tile are loaded, and ids are compared on those that do not lie wholly inside
   the tile's one document."""
