@@ -63,15 +63,6 @@ class KernelParams:
     return self.scale * math.log2(math.e)
 
   @property
-  def fixed_max(self) -> bool:
-    """Forward: softmax with the fixed max 0 instead of a running one (no row max, no rescale of
-    l and O). Soft-capped scores are bounded, |s·c| <= cap·log2(e) < 87 for caps up to
-    FIXED_MAX_SOFTCAP, so exp2 stays within float32 and bfloat16 range; float16 P would
-    overflow (the Triton kernels' rule)."""
-    return (self.softcap is not None and self.softcap <= FIXED_MAX_SOFTCAP
-            and self.dtype != jnp.dtype(jnp.float16))
-
-  @property
   def dq_v_stages(self) -> int:
     """The dQ kernel's V ring depth (its K ring has `stages`)."""
     return self.v_stages or self.stages
@@ -145,9 +136,6 @@ def sm_count() -> int:
   except Exception:  # no GPU backend here (CPU, interpret mode, deviceless lowering)
     return 132
 
-
-# Largest logits_soft_cap the forward runs with a fixed softmax max (KernelParams.fixed_max).
-FIXED_MAX_SOFTCAP = 60.0
 
 # Rows of the TMA tiles of 16-bit [rows, D] data (smem_transforms' tiling): the length of a
 # kernel's [B, N, H, D] GMEM operand must be a multiple of it.

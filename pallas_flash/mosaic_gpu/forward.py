@@ -376,15 +376,11 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
       # exp2 with softmax_scale·log2(e) folded in: m is kept in scaled log2 units, so each
       # probability is one FFMA plus one ex2. -inf scores give p = 0 without a select since
       # m starts at the finite MASK_VALUE.
-      if kp.fixed_max:
-        m_new, p = m, jnp.exp2(s * kp.c)
-        l = l + p.sum(axis=1)
-      else:
-        m_new = jnp.maximum(m, s.max(axis=1) * kp.c)
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l = l * alpha + p.sum(axis=1)
+      m_new = jnp.maximum(m, s.max(axis=1) * kp.c)
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      l = l * alpha + p.sum(axis=1)
       p16 = p.astype(kp.dtype)
       # Pin the softmax before the barrier so that it overlaps the other WG's matmuls.
       acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
@@ -412,7 +408,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
     return acc, m_new, l
 
   carry = (plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA),
-           plgpu.layout_cast(jnp.full((bq,), _initial_max(kp), jnp.float32), _common.ROW),
+           plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), _common.ROW),
            plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _common.ROW))
   u0, u1 = _common.unmasked_run(q0, steps, kp, kv0=kv0, full=full)
   if seg_ids is not None:
@@ -436,23 +432,13 @@ def _q_operand(q_smem, kp: _common.KernelParams):
   return q_smem
 
 
-def _initial_max(kp: _common.KernelParams) -> float:
-  """The running max's start: the finite MASK_VALUE (so that -inf scores give p = 0 without a
-  select), or the fixed max 0 (kp.fixed_max), which it then stays."""
-  return 0.0 if kp.fixed_max else MASK_VALUE
-
-
 def _softmax(s, m, l, kp: _common.KernelParams):
   """Online softmax (FA2 Alg. 1) of one score tile s [block_q, block_kv] f32.
 
   m, l [block_q]: running row max (scaled log2 units) and row sum. Returns (p [block_q,
   block_kv] float32, m_new, l_new, alpha), alpha = exp2(m - m_new) being the factor that brings
-  O from m to m_new (None with kp.fixed_max: m stays 0, O needs no rescale). p stays float32:
-  the caller converts it once no wgmma reads P any more.
+  O from m to m_new. p stays float32: the caller converts it once no wgmma reads P any more.
   """
-  if kp.fixed_max:
-    p = jnp.exp2(s * kp.c)
-    return p, m, l + p.sum(axis=1), None
   m_new = jnp.maximum(m, s.max(axis=1) * kp.c)
   alpha = jnp.exp2(m - m_new)
   p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -494,7 +480,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
   plgpu.barrier_arrive(bars.k_free.at[ring(0, stages)])
   # Block 0 is masked whenever any block can be: exact where it is not needed, and one tile.
   p, m, l, _ = softmax(
-      s, 0, kp.needs_mask, plgpu.layout_cast(jnp.full((bq,), _initial_max(kp), jnp.float32),
+      s, 0, kp.needs_mask, plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32),
                                              _common.ROW),
       plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _common.ROW))
   acc = plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA)
@@ -538,10 +524,9 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
         # The softmax results leave through plain refs: run_state returns only its state, and
         # exiting it waits for every wgmma (here P_j·V_j, after the softmax has been issued).
         s_ref, o_ref, p_ref, m_ref, l_ref, alpha_ref = refs
-        p_ref[...], m_ref[...], l_ref[...], alpha = scores_and_softmax(
+        out = scores_and_softmax(
             s_ref, lambda: plgpu.wgmma(o_ref, p16, v_scratch.at[slot]))  # RS wgmma
-        if alpha is not None:  # None with kp.fixed_max: alpha_ref stays unused
-          alpha_ref[...] = alpha
+        p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = out
 
       s0 = plgpu.layout_cast(jnp.zeros((bq, bkv), jnp.float32), plgpu.Layout.WGMMA)
       _, acc, p, m, l, alpha = pl.run_state(state)(
@@ -553,8 +538,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
     plgpu.barrier_arrive(bars.v_free.at[slot])
     with jax.named_scope("rescale"):
       p16 = p.astype(kp.dtype)
-      if not kp.fixed_max:
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       # Pin the softmax and the rescale before the next barrier round (see the plain loop).
       return lax.optimization_barrier((acc, p16, m, l))
 
