@@ -35,9 +35,12 @@ def _params(d, causal, cap=CAP):
                          logits_soft_cap=cap)
 
 
-FWD = [  # B, T, S, H, K, D, causal, dtype
-    (1, 200, 333, 2, 1, 64, True, jnp.bfloat16),
-    (1, 130, 190, 2, 2, 128, False, jnp.float16),
+FWD = [  # B, T, S, H, K, D, causal, dtype, cap, q multiplier
+    (1, 200, 333, 2, 1, 64, True, jnp.bfloat16, CAP, 1.0),
+    # q scaled up: whole rows saturate at +cap or at -cap.
+    (1, 150, 200, 2, 1, 128, False, jnp.bfloat16, 30.0, 8.0),
+    (1, 130, 190, 2, 2, 128, False, jnp.float16, CAP, 1.0),
+    (1, 130, 190, 2, 1, 64, True, jnp.bfloat16, 100.0, 40.0),
 ]
 LOOPS = {
     "plain": SMALL,
@@ -45,12 +48,17 @@ LOOPS = {
 }
 
 
+def _fwd_id(case):
+  return kernel_case_id(case[:8]) + f"_cap{case[8]:g}_x{case[9]:g}"
+
+
 @pytest.mark.parametrize("loop", LOOPS)
-@pytest.mark.parametrize("case", FWD, ids=kernel_case_id)
+@pytest.mark.parametrize("case", FWD, ids=_fwd_id)
 def test_capped_forward_matches_reference(case, loop):
-  b, t, s, h, kh, d, causal, dtype = case
+  b, t, s, h, kh, d, causal, dtype, cap, mult = case
   q, k, v, _ = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s)
-  p = _params(d, causal)
+  q = (q.astype(jnp.float32) * mult).astype(dtype)
+  p = _params(d, causal, cap)
   o, lse = forward(q, k, v, None, None, params=p, config=LOOPS[loop])
   ro, rlse = attention_reference(q, k, v, None, None, params=p)
   assert _rel(o, ro) <= TOL[dtype][0], _rel(o, ro)
