@@ -99,13 +99,13 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   softcap = kw.pop("softcap", None)
   config = dataclasses.replace(TUNED.get((d, causal), MosaicConfig()), **kw)
   ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // 1000, (b, t))
-  seg = dict(query_segment_ids=ids, key_value_segment_ids=ids) if segments else {}
+  features = dict(query_segment_ids=ids, key_value_segment_ids=ids) if segments else {}
   if softcap is not None:
-    seg["logits_soft_cap"] = float(softcap)
+    features["logits_soft_cap"] = float(softcap)
 
   def attn(q, k, v, impl="mosaic"):
     return pallas_flash.flash_attention(q, k, v, is_causal=causal, implementation=impl,
-                                        config=config if impl == "mosaic" else None, **seg)
+                                        config=config if impl == "mosaic" else None, **features)
 
   def grads(q, k, v, do, impl="mosaic"):
     _, vjp = jax.vjp(lambda *a: attn(*a, impl=impl), q, k, v)

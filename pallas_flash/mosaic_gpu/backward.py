@@ -972,12 +972,12 @@ def _wide_head_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *,
 
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
              config: MosaicConfig | None = None, arrays: FeatureArrays | None = None):
-  """See pallas_flash.params for the contract (`arrays` unused, as in forward). This backend sets BACKWARD_COMPUTES_DELTA: lse
-  is the forward's (natural log, -inf on fully masked rows) and delta only the correction -dlse
-  [B, H, T] float32, or None when lse has no cotangent. Segment ids: the split kernels load
-  only the blocks that may share an id with their tile and compare ids on those not wholly
-  inside the tile's one document (the fused kernel does not take them: it falls back to the
-  split with a warning)."""
+  """See pallas_flash.params for the contract (`arrays` unused, as in forward). This backend
+  sets BACKWARD_COMPUTES_DELTA: lse is the forward's (natural log, -inf on fully masked rows)
+  and delta only the correction -dlse [B, H, T] float32, or None when lse has no cotangent.
+  Segment ids: the split kernels load only the blocks that may share an id with their tile and
+  compare ids on those not wholly inside the tile's one document (the fused kernel does not
+  take them: it falls back to the split with a warning)."""
   config = config or _common.config_for(q, k, params)
   d = q.shape[3]
   if d > 128:  # 256, the one wider head dim the backend takes
