@@ -56,6 +56,9 @@ class KernelParams:
   segments: bool = False  # segment ids (or lengths folded into them) are compared
   v_stages: int = 0  # dQ kernel: depth of the V ring where it differs from K's (0: stages)
   softcap: float | None = None  # AttentionParams.logits_soft_cap
+  # AttentionParams.local_window (left, right); the forward streams its blocks through the
+  # segment-id path (forward.window_limits), the backward runs the Triton kernels.
+  window: tuple[int, int] | None = None
 
   @property
   def c(self) -> float:
@@ -100,7 +103,7 @@ class KernelParams:
         bwd_heads_fastest=config.bwd_heads_fastest,
         bwd_head_group=config.bwd_head_group,
         profile_dir=config.profile_dir, segments=params.has_segments,
-        softcap=params.logits_soft_cap)
+        softcap=params.logits_soft_cap, window=params.local_window)
 
 
 def soft_cap(s, kp: KernelParams):
@@ -212,7 +215,7 @@ def interpret_params(interpret: bool):
 
 
 def visible(row0, col0, shape, kp: KernelParams, *, transposed: bool = False):
-  """[rows, cols] bool: which keys each query sees (causal and padded-key tail).
+  """[rows, cols] bool: which keys each query sees (causal, local window and padded-key tail).
 
   Rows are queries and columns keys; with `transposed`, rows are keys and columns queries.
   """
@@ -222,6 +225,10 @@ def visible(row0, col0, shape, kp: KernelParams, *, transposed: bool = False):
   mask = None
   if kp.causal:
     mask = qi >= kj
+  if kp.window is not None:
+    left, right = kp.window
+    inside = (kj >= qi - left) & (kj <= qi + right)
+    mask = inside if mask is None else mask & inside
   # Causal with T <= S, the padded keys (kj >= S >= T) lie above the diagonal for every real
   # query; the padded queries' results are dropped, so the causal mask covers the tail (and
   # the extra select per score made the dQ kernel spill 55 words per step at 1x5000x16x128).

@@ -955,15 +955,17 @@ def segment_inputs(q_seg, kv_seg, t_pad: int, s_pad: int, *, dq_tiles: tuple[int
   return (q_seg, kv_seg, kv_limits), (kv_seg, q_seg, q_limits)
 
 
-def _wide_head_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *,
-                        params: AttentionParams, config: MosaicConfig):
-  """The backward at D > 128 with wide_backward="triton" or a soft cap (backward_wide's kernels
-  are the default otherwise): the split kernels here do not cover it (dK and dV of a 64-row tile
-  at D = 256 need 256 float32 accumulator registers per thread, more than a warpgroup has).
-  Runs the Triton backward kernels (Pallas' Triton lowering, which takes D up to 256, on any
-  GPU this backend runs on; in its interpreter when the Mosaic kernels are interpreted):
-  0.57-0.61x cuDNN fwd+bwd on the H200 at 4x4096x8x256 (backward_wide's: 1.05-1.09x). Same
-  contract, deterministic."""
+def _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *,
+                     params: AttentionParams, config: MosaicConfig):
+  """The Triton backward kernels (Pallas' Triton lowering, on any GPU this backend runs on; in
+  its interpreter when the Mosaic kernels are interpreted), same contract, deterministic, for
+  the calls the Mosaic backward kernels do not take:
+  - head_dim 256 with wide_backward="triton" (0.57-0.61x cuDNN fwd+bwd on the H200 at
+    4x4096x8x256, against backward_wide's 1.05-1.09x), or with a soft cap: backward_wide's dS
+    warpgroup gets Pᵀ through shared memory, never Sᵀ, so it has no cap slope;
+  - a local window: the forward streams only the band's blocks, the split kernels here stream
+    every block up to the causal bound.
+  """
   from pallas_flash import triton as triton_backend
   lse, delta = _xla_row_stats(o, lse, do, delta)
   return triton_backend.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
@@ -980,15 +982,14 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   take them: it falls back to the split with a warning)."""
   config = config or _common.config_for(q, k, params)
   d = q.shape[3]
+  wide_mosaic = config.wide_backward == "mosaic" and params.logits_soft_cap is None
+  if params.local_window is not None or (d > 128 and not wide_mosaic):
+    return _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
+                            config=config)
   if d > 128:  # 256, the one wider head dim the backend takes
-    # backward_wide's dS warpgroup gets Pᵀ through shared memory, not Sᵀ, so it has no soft
-    # cap slope: capped calls run the Triton kernels.
-    if config.wide_backward == "mosaic" and params.logits_soft_cap is None:
-      from pallas_flash.mosaic_gpu import backward_wide
-      return backward_wide.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
-                                    config=config)
-    return _wide_head_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
-                               config=config)
+    from pallas_flash.mosaic_gpu import backward_wide
+    return backward_wide.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
+                                  config=config)
   if config.fused_backward:
     from pallas_flash.mosaic_gpu import backward_fused
     reason = backward_fused.unsupported_reason(q, config)

@@ -662,7 +662,8 @@ def tail_split(q, config: MosaicConfig, params: AttentionParams, kv_blocks: int,
   config.fwd_split_tail, causal, segment ids, the persistent kernel, no room for the float32
   staging tile, or no split that pays)."""
   b, t, h, d = q.shape
-  if (not config.fwd_split_tail or params.is_causal or params.has_segments or persistent
+  if (not config.fwd_split_tail or params.is_causal or params.has_segments
+      or params.local_window is not None or persistent
       or smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
                     jnp.dtype(q.dtype).itemsize, tail_staging=True) > SMEM_LIMIT_BYTES):
     return None
@@ -693,6 +694,25 @@ def combine_tail(o, lse, o_part, lse_part, split: split_tail.TailSplit):
   return o, lse
 
 
+def window_limits(kv_limits, params: AttentionParams, kp: _common.KernelParams, *,
+                  segmented: bool):
+  """kv_limits [B, q tiles, 4] (masks.segment_block_limits' (first, last, full_first,
+  full_last) per CTA tile of 2·block_q rows) cut to params.band, the local window's (and causal)
+  band: a tile streams only the key blocks of its rows' windows and masks only those that
+  straddle a window edge (or, segmented, hold other ids). Without segment ids the limits of the
+  one-document ids are not needed: the band alone bounds the blocks."""
+  owner = jnp.arange(kv_limits.shape[1], dtype=jnp.int32)[None, :]
+  first, full_lo, full_hi, last = masks.block_runs(
+      owner, owner_block=2 * kp.block_q, other_block=kp.block_kv,
+      num_other=kp.num_kv_blocks, band=params.band, element_mask=segmented,
+      other_tail=kp.kv_tail,
+      limits=(kv_limits[..., 0], kv_limits[..., 1]) if segmented else None,
+      full_limits=(kv_limits[..., 2], kv_limits[..., 3]) if segmented else None)
+  shape = kv_limits.shape[:2]
+  return jnp.stack([jnp.broadcast_to(x, shape) for x in (first, last, full_lo, full_hi)],
+                   -1).astype(jnp.int32)
+
+
 def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
   """CTAs of the persistent forward for q [B, T, H, D] (0: run the one-CTA-per-tile kernel).
 
@@ -700,7 +720,8 @@ def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
   length; that kernel balances them by its launch order) and Q's second buffer fits in shared
   memory (not at head_dim 256)."""
   b, t, h, d = q.shape
-  if not config.fwd_persistent or params.is_causal or params.has_segments:
+  if (not config.fwd_persistent or params.is_causal or params.has_segments
+      or params.local_window is not None):
     return 0
   if smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
                 jnp.dtype(q.dtype).itemsize, persistent=True) > SMEM_LIMIT_BYTES:
@@ -730,19 +751,26 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
       q, k, params=params, block_q=config.block_q, block_kv=config.block_kv,
       stages=min(config.num_stages, s_pad // config.block_kv), t_pad=t_pad, s_pad=s_pad,
       kv_len=s, config=config)
+  windowed = params.local_window is not None
+  if windowed:  # streamed as segments of one document (window_limits)
+    kp = dataclasses.replace(kp, segments=True)
   if config.fwd_intra_wg_overlap:
     compute, producer = _registers(config)
     kp = dataclasses.replace(kp, compute_registers=compute, producer_registers=producer,
-                             intra_wg_overlap=not params.has_segments)
+                             intra_wg_overlap=not kp.segments)
   t_in = _common.operand_rows(t, t_pad, config.interpret, 0)
   s_in = _common.operand_rows(s, s_pad, config.interpret, kp.stages * kp.block_kv)
   qp = _blocking.pad_axis(q, 1, t_in)
   kpad, vpad = _blocking.pad_axis(k, 1, s_in), _blocking.pad_axis(v, 1, s_in)
   segs = ()
-  if params.has_segments:
+  if kp.segments:
+    if not params.has_segments:
+      q_seg, kv_seg = jnp.zeros(q.shape[:2], jnp.int32), jnp.zeros(k.shape[:2], jnp.int32)
     q_seg, kv_seg = _blocking.pad_segments(q_seg, kv_seg, t_pad, s_pad)
     kv_limits, _ = masks.segment_block_limits(q_seg, kv_seg, block_q=2 * config.block_q,
                                               block_kv=config.block_kv)
+    if windowed:
+      kv_limits = window_limits(kv_limits, params, kp, segmented=params.has_segments)
     segs = (q_seg, kv_seg, kv_limits)
   ctas = persistent_ctas(q, config, params)
   split = tail_split(q, config, params, kp.num_kv_blocks, ctas > 0)

@@ -343,3 +343,37 @@ def test_soft_capped_forward_and_gradients(case):
     assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
   again = _fwd_bwd(mosaic)(q, k, v, do)
   assert all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again)), "not bit-reproducible"
+
+
+WINDOW_CASES = [  # B, T, S, H, K, D, causal, dtype, (left, right)
+    (1, 4096, 4096, 8, 2, 128, True, jnp.bfloat16, (511, 0)),
+    (2, 1024, 1024, 4, 4, 128, True, jnp.bfloat16, (127, 0)),
+    (1, 3000, 3000, 4, 4, 64, False, jnp.float16, (100, 50)),
+    (1, 1100, 1000, 4, 2, 128, True, jnp.bfloat16, (300, 0)),
+    (1, 1024, 1024, 2, 2, 256, True, jnp.bfloat16, (200, 0)),
+]
+
+
+def _window_id(case):
+  return kernel_case_id(case[:8]) + "_w{}-{}".format(*case[8])
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=_window_id)
+def test_windowed_forward_and_gradients(case):
+  """local_window_size: the Mosaic forward over the band's blocks, the Triton backward."""
+  b, t, s, h, kh, d, causal, dtype, window = case
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
+  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False,
+                      local_window=window)
+
+  def mosaic(q, k, v):
+    return pallas_flash.flash_attention(q, k, v, is_causal=causal, local_window_size=window,
+                                        implementation="mosaic")
+
+  got = _fwd_bwd(mosaic)(q, k, v, do)
+  want = _fwd_bwd(lambda *a: attention_reference(*a, None, None, params=p)[0])(q, k, v, do)
+  assert _rel(got[0], want[0]) <= TOL[dtype][0], _rel(got[0], want[0])
+  for name, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
+    assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
+  again = _fwd_bwd(mosaic)(q, k, v, do)
+  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again)), "not bit-reproducible"
