@@ -694,22 +694,22 @@ def combine_tail(o, lse, o_part, lse_part, split: split_tail.TailSplit):
   return o, lse
 
 
-def window_limits(kv_limits, params: AttentionParams, kp: _common.KernelParams, *,
-                  segmented: bool):
-  """kv_limits [B, q tiles, 4] (masks.segment_block_limits' (first, last, full_first,
-  full_last) per CTA tile of 2·block_q rows) cut to params.band, the local window's (and causal)
-  band: a tile streams only the key blocks of its rows' windows and masks only those that
-  straddle a window edge (or, segmented, hold other ids). Without segment ids the limits of the
-  one-document ids are not needed: the band alone bounds the blocks."""
-  owner = jnp.arange(kv_limits.shape[1], dtype=jnp.int32)[None, :]
+def window_limits(seg_limits, params: AttentionParams, kp: _common.KernelParams, batch: int):
+  """[B, q tiles, 4] int32 in masks.segment_block_limits' form (first, last, full_first,
+  full_last key blocks per CTA tile of 2·block_q rows) for params.band, the local window's (and
+  causal) band: a tile streams only the key blocks of its rows' windows and skips the mask only
+  on those every row sees whole. seg_limits: the segment ids' limits to intersect with, or None
+  (the call has none; its ids are one document, compared only on masked blocks)."""
+  nq = kp.t_pad // (2 * kp.block_q)
+  owner = jnp.arange(nq, dtype=jnp.int32)[None, :]
+  segmented = seg_limits is not None
   first, full_lo, full_hi, last = masks.block_runs(
       owner, owner_block=2 * kp.block_q, other_block=kp.block_kv,
       num_other=kp.num_kv_blocks, band=params.band, element_mask=segmented,
       other_tail=kp.kv_tail,
-      limits=(kv_limits[..., 0], kv_limits[..., 1]) if segmented else None,
-      full_limits=(kv_limits[..., 2], kv_limits[..., 3]) if segmented else None)
-  shape = kv_limits.shape[:2]
-  return jnp.stack([jnp.broadcast_to(x, shape) for x in (first, last, full_lo, full_hi)],
+      limits=(seg_limits[..., 0], seg_limits[..., 1]) if segmented else None,
+      full_limits=(seg_limits[..., 2], seg_limits[..., 3]) if segmented else None)
+  return jnp.stack([jnp.broadcast_to(x, (batch, nq)) for x in (first, last, full_lo, full_hi)],
                    -1).astype(jnp.int32)
 
 
@@ -767,10 +767,12 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
     if not params.has_segments:
       q_seg, kv_seg = jnp.zeros(q.shape[:2], jnp.int32), jnp.zeros(k.shape[:2], jnp.int32)
     q_seg, kv_seg = _blocking.pad_segments(q_seg, kv_seg, t_pad, s_pad)
-    kv_limits, _ = masks.segment_block_limits(q_seg, kv_seg, block_q=2 * config.block_q,
-                                              block_kv=config.block_kv)
+    kv_limits = None
+    if params.has_segments:
+      kv_limits, _ = masks.segment_block_limits(q_seg, kv_seg, block_q=2 * config.block_q,
+                                                block_kv=config.block_kv)
     if windowed:
-      kv_limits = window_limits(kv_limits, params, kp, segmented=params.has_segments)
+      kv_limits = window_limits(kv_limits, params, kp, q.shape[0])
     segs = (q_seg, kv_seg, kv_limits)
   ctas = persistent_ctas(q, config, params)
   split = tail_split(q, config, params, kp.num_kv_blocks, ctas > 0)
