@@ -153,9 +153,10 @@ def test_capped_forward_and_grad_lower(case):
 
 def test_capped_calls_choose_the_mosaic_kernels():
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+  slopes = jax.ShapeDtypeStruct((4,), jnp.float32)
   with use_abstract_mesh(H200):
     why = pallas_flash.explain(q, q, q, logits_soft_cap=50.0)
-    windowed = pallas_flash.explain(q, q, q, logits_soft_cap=50.0, local_window_size=64)
+    alibi = pallas_flash.explain(q, q, q, logits_soft_cap=50.0, alibi_slopes=slopes)
   assert why.chosen == "mosaic", why
-  assert windowed.chosen == "triton"
-  assert "local_window_size" in windowed.reasons["mosaic"]
+  assert alibi.chosen == "triton"
+  assert "alibi_slopes" in alibi.reasons["mosaic"]
