@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 import pallas_flash
+from pallas_flash.mosaic_gpu import MosaicConfig
 
 # Relative error max|x - ref| / max|ref| against the float32 reference computed from the same
 # (possibly low-precision) inputs. Gradients get twice the forward budget.
@@ -129,6 +130,20 @@ def check_against_reference(impl: str, case: Case, *, seed: int = 0, config=None
   for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
     assert g.dtype == q.dtype, f"{name} dtype {g.dtype}"
     assert_close_to_ref(name, g, g_ref, 2 * tol)
+
+
+# The Mosaic kernels in the Mosaic GPU interpreter at 64-row tiles: the two consumer warpgroups
+# of a causal CTA need different block counts (the idle-step path), and small lengths give
+# several steps per ring.
+MOSAIC_INTERPRET_SMALL = MosaicConfig(block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=64,
+                                      block_q_dkv=64, block_kv_dkv=64, num_stages=2,
+                                      bwd_stages=2, interpret=True)
+
+
+def max_rel_err(x, ref) -> float:
+  """max|x - ref| / max|ref| in float32 (no floor: for references that are not all zero)."""
+  x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
+  return float(jnp.abs(x - ref).max() / jnp.abs(ref).max())
 
 
 # An H200 that need not exist: lowering for CUDA on a CPU machine checks tracing, layouts and

@@ -51,9 +51,22 @@ def _fwd_bwd(attn):
   return jax.jit(f)
 
 
-def _mosaic(causal):
+def _mosaic(causal, **features):
   return lambda q, k, v: pallas_flash.flash_attention(q, k, v, is_causal=causal,
-                                                      implementation="mosaic")
+                                                      implementation="mosaic", **features)
+
+
+def _assert_matches_reference(q, k, v, do, p: AttentionParams, dtype, **features):
+  """flash_attention(implementation="mosaic", **features) forward and gradients against the
+  reference under p (the same call's parameters), and bit-reproducible run to run."""
+  mosaic = _mosaic(p.is_causal, **features)
+  got = _fwd_bwd(mosaic)(q, k, v, do)
+  want = _fwd_bwd(lambda *a: attention_reference(*a, None, None, params=p)[0])(q, k, v, do)
+  assert _rel(got[0], want[0]) <= TOL[dtype][0], _rel(got[0], want[0])
+  for name, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
+    assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
+  again = _fwd_bwd(mosaic)(q, k, v, do)
+  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again)), "not bit-reproducible"
 
 
 @pytest.mark.parametrize("case", CASES, ids=kernel_case_id)
@@ -61,13 +74,7 @@ def test_forward_and_gradients(case):
   b, t, s, h, kh, d, causal, dtype = case
   q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
   p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
-  got = _fwd_bwd(_mosaic(causal))(q, k, v, do)
-  want = _fwd_bwd(lambda *a: attention_reference(*a, None, None, params=p)[0])(q, k, v, do)
-  assert _rel(got[0], want[0]) <= TOL[dtype][0]
-  for name, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
-    assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
-  again = _fwd_bwd(_mosaic(causal))(q, k, v, do)
-  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again)), "not bit-reproducible"
+  _assert_matches_reference(q, k, v, do, p, dtype)
 
 
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 4, 6, 9)], ids=kernel_case_id)
@@ -331,18 +338,7 @@ def test_soft_capped_forward_and_gradients(case):
   q = (q.astype(jnp.float32) * mult).astype(dtype)
   p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False,
                       logits_soft_cap=cap)
-
-  def mosaic(q, k, v):
-    return pallas_flash.flash_attention(q, k, v, is_causal=causal, logits_soft_cap=cap,
-                                        implementation="mosaic")
-
-  got = _fwd_bwd(mosaic)(q, k, v, do)
-  want = _fwd_bwd(lambda *a: attention_reference(*a, None, None, params=p)[0])(q, k, v, do)
-  assert _rel(got[0], want[0]) <= TOL[dtype][0], _rel(got[0], want[0])
-  for name, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
-    assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
-  again = _fwd_bwd(mosaic)(q, k, v, do)
-  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again)), "not bit-reproducible"
+  _assert_matches_reference(q, k, v, do, p, dtype, logits_soft_cap=cap)
 
 
 WINDOW_CASES = [  # B, T, S, H, K, D, causal, dtype, (left, right)
@@ -365,15 +361,4 @@ def test_windowed_forward_and_gradients(case):
   q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
   p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False,
                       local_window=window)
-
-  def mosaic(q, k, v):
-    return pallas_flash.flash_attention(q, k, v, is_causal=causal, local_window_size=window,
-                                        implementation="mosaic")
-
-  got = _fwd_bwd(mosaic)(q, k, v, do)
-  want = _fwd_bwd(lambda *a: attention_reference(*a, None, None, params=p)[0])(q, k, v, do)
-  assert _rel(got[0], want[0]) <= TOL[dtype][0], _rel(got[0], want[0])
-  for name, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
-    assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
-  again = _fwd_bwd(mosaic)(q, k, v, do)
-  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again)), "not bit-reproducible"
+  _assert_matches_reference(q, k, v, do, p, dtype, local_window_size=window)

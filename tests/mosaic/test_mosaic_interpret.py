@@ -19,18 +19,12 @@ from pallas_flash import api
 from pallas_flash.mosaic_gpu import MosaicConfig, _common, backward, forward
 from pallas_flash.params import AttentionParams, FeatureArrays
 from pallas_flash.reference import attention_reference
-from testing import kernel_case_id, kernel_inputs
+from testing import MOSAIC_INTERPRET_SMALL, kernel_case_id, kernel_inputs, max_rel_err
 
 TOL = {jnp.bfloat16: (1e-2, 2e-2), jnp.float16: (2e-3, 4e-3)}
-# 64-row kv tiles make the two consumer warpgroups of a causal CTA need different block counts
-# (the idle-step path) and give several steps per ring even at these small lengths.
-SMALL = MosaicConfig(block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=64, block_q_dkv=64,
-                     block_kv_dkv=64, num_stages=2, bwd_stages=2, interpret=True)
+SMALL = MOSAIC_INTERPRET_SMALL  # testing.py says why these tiles
+_rel = max_rel_err
 
-
-def _rel(x, ref):
-  x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
-  return float(jnp.abs(x - ref).max() / jnp.abs(ref).max())
 
 
 FWD = [  # B, T, S, H, K, D, causal, dtype

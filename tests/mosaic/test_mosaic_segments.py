@@ -15,15 +15,14 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_flash import api
-from pallas_flash.mosaic_gpu import MosaicConfig, backward, forward
+from pallas_flash.mosaic_gpu import backward, forward
 from pallas_flash.params import AttentionParams, FeatureArrays
 from pallas_flash.reference import attention_reference
-from testing import kernel_inputs, random_segments
+from testing import MOSAIC_INTERPRET_SMALL, kernel_inputs, max_rel_err, random_segments
 
 TOL = {jnp.bfloat16: (1e-2, 2e-2), jnp.float16: (2e-3, 4e-3)}
-# 64-row tiles give several tiles and key blocks per document at these lengths.
-SMALL = MosaicConfig(block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=64, block_q_dkv=64,
-                     block_kv_dkv=64, num_stages=2, bwd_stages=2, interpret=True)
+SMALL = MOSAIC_INTERPRET_SMALL  # testing.py says why these tiles
+_rel = max_rel_err
 
 CASES = [  # B, T, S, H, K, D, causal, dtype, ids
     (1, 512, 512, 2, 1, 64, True, jnp.bfloat16, "packed"),
@@ -63,10 +62,6 @@ def _segments(case, key):
   q_seg = jnp.where(jnp.arange(t) < 100, 7, jnp.arange(t) // 128)[None].repeat(b, 0)
   return q_seg.astype(jnp.int32), (jnp.arange(s) // 128)[None].repeat(b, 0).astype(jnp.int32)
 
-
-def _rel(x, ref):
-  x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
-  return float(jnp.abs(x - ref).max() / jnp.abs(ref).max())
 
 
 def _setup(case):

@@ -14,20 +14,17 @@ import pytest
 from jax.sharding import use_abstract_mesh
 
 import pallas_flash
-from pallas_flash.mosaic_gpu import MosaicConfig, backward, backward_fused, forward
+from pallas_flash.mosaic_gpu import backward, backward_fused, forward
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
-from testing import H200, TRITON_CALL, export_for_h200, kernel_case_id, kernel_inputs, kernel_specs
+from testing import (H200, MOSAIC_INTERPRET_SMALL, TRITON_CALL, export_for_h200, kernel_case_id,
+                     kernel_inputs, kernel_specs, max_rel_err)
 
 CAP = 1.5
 TOL = {jnp.bfloat16: (1.5e-2, 3e-2), jnp.float16: (3e-3, 6e-3)}
-SMALL = MosaicConfig(block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=64, block_q_dkv=64,
-                     block_kv_dkv=64, num_stages=2, bwd_stages=2, interpret=True)
+SMALL = MOSAIC_INTERPRET_SMALL  # testing.py says why these tiles
+_rel = max_rel_err
 
-
-def _rel(x, ref):
-  x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
-  return float(jnp.abs(x - ref).max() / jnp.abs(ref).max())
 
 
 def _params(d, causal, cap=CAP):
