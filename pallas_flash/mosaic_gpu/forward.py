@@ -662,8 +662,7 @@ def tail_split(q, config: MosaicConfig, params: AttentionParams, kv_blocks: int,
   config.fwd_split_tail, causal, segment ids, the persistent kernel, no room for the float32
   staging tile, or no split that pays)."""
   b, t, h, d = q.shape
-  if (not config.fwd_split_tail or params.is_causal or params.has_segments
-      or params.local_window is not None or persistent
+  if (not config.fwd_split_tail or params.is_causal or _segment_path(params) or persistent
       or smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
                     jnp.dtype(q.dtype).itemsize, tail_staging=True) > SMEM_LIMIT_BYTES):
     return None
@@ -694,6 +693,12 @@ def combine_tail(o, lse, o_part, lse_part, split: split_tail.TailSplit):
   return o, lse
 
 
+def _segment_path(params: AttentionParams) -> bool:
+  """Whether the call runs the grid kernel's segment-id path (the plain kv loop over per-tile
+  key-block limits): segment ids, or a local window, whose band gives the limits."""
+  return params.has_segments or params.local_window is not None
+
+
 def window_limits(seg_limits, params: AttentionParams, kp: _common.KernelParams, batch: int):
   """[B, q tiles, 4] int32 in masks.segment_block_limits' form (first, last, full_first,
   full_last key blocks per CTA tile of 2·block_q rows) for params.band, the local window's (and
@@ -720,8 +725,7 @@ def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
   length; that kernel balances them by its launch order) and Q's second buffer fits in shared
   memory (not at head_dim 256)."""
   b, t, h, d = q.shape
-  if (not config.fwd_persistent or params.is_causal or params.has_segments
-      or params.local_window is not None):
+  if not config.fwd_persistent or params.is_causal or _segment_path(params):
     return 0
   if smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
                 jnp.dtype(q.dtype).itemsize, persistent=True) > SMEM_LIMIT_BYTES:
@@ -732,11 +736,11 @@ def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
 
 def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
             config: MosaicConfig | None = None, arrays: FeatureArrays | None = None):
-  """See pallas_flash.params for the contract; `arrays` is unused (the one feature taken,
-  logits_soft_cap, lives in params). With segment ids the grid kernel runs its plain
-  kv loop (no persistent form, no intra-warpgroup overlap); only the key blocks that may share
-  an id with a q tile are loaded, and ids are compared on those that do not lie wholly inside
-  the tile's one document."""
+  """See pallas_flash.params for the contract; `arrays` is unused (the features taken,
+  logits_soft_cap and local_window_size, live in params). With segment ids or a window the
+  grid kernel runs its plain kv loop (no persistent form, no intra-warpgroup overlap); only
+  the key blocks that may share an id with a q tile, or lie in its band, are loaded, and ids
+  and bounds are compared on those that do not lie wholly inside them."""
   config = config or _common.config_for(q, k, params)
   b, t, h, d = q.shape
   s = k.shape[1]
@@ -751,9 +755,8 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
       q, k, params=params, block_q=config.block_q, block_kv=config.block_kv,
       stages=min(config.num_stages, s_pad // config.block_kv), t_pad=t_pad, s_pad=s_pad,
       kv_len=s, config=config)
-  windowed = params.local_window is not None
-  if windowed:  # streamed as segments of one document (window_limits)
-    kp = dataclasses.replace(kp, segments=True)
+  # A window streams as segments of one document (window_limits).
+  kp = dataclasses.replace(kp, segments=_segment_path(params))
   if config.fwd_intra_wg_overlap:
     compute, producer = _registers(config)
     kp = dataclasses.replace(kp, compute_registers=compute, producer_registers=producer,
@@ -771,7 +774,7 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
     if params.has_segments:
       kv_limits, _ = masks.segment_block_limits(q_seg, kv_seg, block_q=2 * config.block_q,
                                                 block_kv=config.block_kv)
-    if windowed:
+    if params.local_window is not None:
       kv_limits = window_limits(kv_limits, params, kp, q.shape[0])
     segs = (q_seg, kv_seg, kv_limits)
   ctas = persistent_ctas(q, config, params)
