@@ -14,7 +14,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_flash import _blocking
+from pallas_flash import _blocking, masks
 from pallas_flash.mosaic_gpu.config import MosaicConfig, tuned
 from pallas_flash.params import AttentionParams
 
@@ -56,8 +56,8 @@ class KernelParams:
   segments: bool = False  # segment ids (or lengths folded into them) are compared
   v_stages: int = 0  # dQ kernel: depth of the V ring where it differs from K's (0: stages)
   softcap: float | None = None  # AttentionParams.logits_soft_cap
-  # AttentionParams.local_window (left, right); the forward streams its blocks through the
-  # segment-id path (forward.window_limits), the backward runs the Triton kernels.
+  # AttentionParams.local_window (left, right); the kernels stream its band's blocks through
+  # the segment-id path (band_limits).
   window: tuple[int, int] | None = None
 
   @property
@@ -102,7 +102,7 @@ class KernelParams:
         dkdv_pingpong=config.dkdv_pingpong, dkdv_fold_stats=config.dkdv_fold_stats,
         bwd_heads_fastest=config.bwd_heads_fastest,
         bwd_head_group=config.bwd_head_group,
-        profile_dir=config.profile_dir, segments=params.has_segments,
+        profile_dir=config.profile_dir, segments=segment_path(params),
         softcap=params.logits_soft_cap, window=params.local_window)
 
 
@@ -267,6 +267,34 @@ def with_segment_refs(kernel, num_inputs: int, segmented: bool):
     return kernel(*refs[:num_inputs], *refs[num_inputs + 3:],
                   seg=SegmentRefs(*refs[num_inputs:num_inputs + 3]))
   return body
+
+
+def segment_path(params: AttentionParams) -> bool:
+  """Whether the kernels run their segment-id path (per-tile block limits, masks on the blocks
+  not wholly inside them): segment ids, or a local window, whose band gives the limits (a
+  window alone compares the zero ids of one document, on masked blocks only)."""
+  return params.has_segments or params.local_window is not None
+
+
+def band_limits(seg_limits, band, *, tiles: int, tile_rows: int, block: int, length: int,
+                batch: int):
+  """[B, tiles, 4] int32 in masks.segment_block_limits' form (first, last, full_first,
+  full_last streamed blocks per CTA tile of `tile_rows` owned positions) for `band`, the
+  bounds of streamed_pos - owned_pos (AttentionParams.band for a tile of queries streaming
+  keys, its masks.mirrored form for a tile of keys streaming queries): a tile streams only
+  the blocks its positions' band touches, and skips the mask only on those every position
+  sees whole. length: the streamed axis' true length (blocks past it are never streamed, a
+  partial last one is masked). seg_limits: the segment ids' limits to intersect with, or None
+  (the call has none)."""
+  owner = jnp.arange(tiles, dtype=jnp.int32)[None, :]
+  segmented = seg_limits is not None
+  first, full_lo, full_hi, last = masks.block_runs(
+      owner, owner_block=tile_rows, other_block=block, num_other=-(-length // block),
+      band=band, element_mask=segmented, other_tail=length % block != 0,
+      limits=(seg_limits[..., 0], seg_limits[..., 1]) if segmented else None,
+      full_limits=(seg_limits[..., 2], seg_limits[..., 3]) if segmented else None)
+  return jnp.stack([jnp.broadcast_to(x, (batch, tiles)) for x in (first, last, full_lo, full_hi)],
+                   -1).astype(jnp.int32)
 
 
 def segment_limits(limits, b, tile):

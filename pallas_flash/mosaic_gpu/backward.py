@@ -904,7 +904,7 @@ def tail_splits(kp_dq, kp_dkdv, batch: int, heads: int, kv_heads: int,
   """(dQ kernel's, dK/dV kernel's) split tail (MosaicConfig.bwd_split_tail), each None where
   it does not apply (causal, segment ids, a head group's launch order) or no split pays."""
   kernels = config.bwd_split_tail.split(",")
-  if params.is_causal or params.has_segments:
+  if params.is_causal or _common.segment_path(params):
     return None, None
 
   def plan(name, kp, tiles, heads, steps, cost, merged, even=False):
@@ -941,17 +941,29 @@ def planned_tail_splits(q, k, params: AttentionParams, config: MosaicConfig):
 
 
 def segment_inputs(q_seg, kv_seg, t_pad: int, s_pad: int, *, dq_tiles: tuple[int, int],
-                   dkdv_tiles: tuple[int, int]):
-  """(dQ kernel's, dK/dV kernel's) segment inputs: the ids padded to t_pad / s_pad and the
-  hull of blocks each CTA tile may share an id with (masks.segment_block_limits).
+                   dkdv_tiles: tuple[int, int], params: AttentionParams):
+  """(dQ kernel's, dK/dV kernel's) segment inputs: the ids q_seg [B, T] / kv_seg [B, S] (zeros,
+  one document, for a window alone) padded to t_pad / s_pad, and the hull of blocks each CTA
+  tile may share an id with (masks.segment_block_limits), cut to the local window's band
+  (_common.band_limits).
 
   dq_tiles: (query rows per dQ CTA, keys per step); dkdv_tiles: (query rows per step, keys per
   dK/dV CTA)."""
+  (batch, t), s = q_seg.shape, kv_seg.shape[1]
   q_seg, kv_seg = _blocking.pad_segments(q_seg, kv_seg, t_pad, s_pad)
-  kv_limits, _ = masks.segment_block_limits(q_seg, kv_seg, block_q=dq_tiles[0],
-                                            block_kv=dq_tiles[1])
-  _, q_limits = masks.segment_block_limits(q_seg, kv_seg, block_q=dkdv_tiles[0],
-                                           block_kv=dkdv_tiles[1])
+  kv_limits = q_limits = None
+  if params.has_segments:
+    kv_limits, _ = masks.segment_block_limits(q_seg, kv_seg, block_q=dq_tiles[0],
+                                              block_kv=dq_tiles[1])
+    _, q_limits = masks.segment_block_limits(q_seg, kv_seg, block_q=dkdv_tiles[0],
+                                             block_kv=dkdv_tiles[1])
+  if params.local_window is not None:
+    kv_limits = _common.band_limits(
+        kv_limits, params.band, tiles=t_pad // dq_tiles[0], tile_rows=dq_tiles[0],
+        block=dq_tiles[1], length=s, batch=batch)
+    q_limits = _common.band_limits(
+        q_limits, masks.mirrored(params.band), tiles=s_pad // dkdv_tiles[1],
+        tile_rows=dkdv_tiles[1], block=dkdv_tiles[0], length=t, batch=batch)
   return (q_seg, kv_seg, kv_limits), (kv_seg, q_seg, q_limits)
 
 
@@ -960,11 +972,9 @@ def _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *,
   """The Triton backward kernels (Pallas' Triton lowering, on any GPU this backend runs on; in
   its interpreter when the Mosaic kernels are interpreted), same contract, deterministic, for
   the calls the Mosaic backward kernels do not take:
-  - head_dim 256 with wide_backward="triton" (0.57-0.61x cuDNN fwd+bwd on the H200 at
-    4x4096x8x256, against backward_wide's 1.05-1.09x), or with a soft cap: backward_wide's dS
-    warpgroup gets Pᵀ through shared memory, never Sᵀ, so it has no cap slope;
-  - a local window: the forward streams only the band's blocks, the split kernels here stream
-    every block up to the causal bound.
+  head_dim 256 with wide_backward="triton" (0.57-0.61x cuDNN fwd+bwd on the H200 at
+  4x4096x8x256, against backward_wide's 1.05-1.09x), or with a soft cap: backward_wide's dS
+  warpgroup gets Pᵀ through shared memory, never Sᵀ, so it has no cap slope.
   """
   from pallas_flash import triton as triton_backend
   lse, delta = _xla_row_stats(o, lse, do, delta)
@@ -978,12 +988,13 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   sets BACKWARD_COMPUTES_DELTA: lse is the forward's (natural log, -inf on fully masked rows)
   and delta only the correction -dlse [B, H, T] float32, or None when lse has no cotangent.
   Segment ids: the split kernels load only the blocks that may share an id with their tile and
-  compare ids on those not wholly inside the tile's one document (the fused kernel does not
-  take them: it falls back to the split with a warning)."""
+  compare ids on those not wholly inside the tile's one document; a local window runs the same
+  path, its band's blocks as the limits (segment_inputs). The fused kernel takes neither: it
+  falls back to the split with a warning."""
   config = config or _common.config_for(q, k, params)
   d = q.shape[3]
   wide_mosaic = config.wide_backward == "mosaic" and params.logits_soft_cap is None
-  if params.local_window is not None or (d > 128 and not wide_mosaic):
+  if d > 128 and not wide_mosaic:
     return _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
                             config=config)
   if d > 128:  # 256, the one wider head dim the backend takes
@@ -993,8 +1004,9 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   if config.fused_backward:
     from pallas_flash.mosaic_gpu import backward_fused
     reason = backward_fused.unsupported_reason(q, config)
-    if reason is None and params.has_segments:
-      reason = "segment ids and lengths are compared in the split kernels only"
+    if reason is None and _common.segment_path(params):
+      reason = ("segment ids, lengths and local windows are streamed and compared in the "
+                "split kernels only")
     if reason is None:
       lse, delta = _xla_row_stats(o, lse, do, delta)
       return backward_fused.backward(q, k, v, lse, do, delta, params=params, config=config)
@@ -1010,10 +1022,12 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   dq_split, dkdv_split = tail_splits(kp_dq, kp_dkdv, q.shape[0], q.shape[2], k.shape[2],
                                      params, config)
   dq_segs = dkdv_segs = ()
-  if params.has_segments:
+  if _common.segment_path(params):
+    if not params.has_segments:  # a window alone: one document
+      q_seg, kv_seg = jnp.zeros(q.shape[:2], jnp.int32), jnp.zeros(k.shape[:2], jnp.int32)
     dq_segs, dkdv_segs = segment_inputs(
         q_seg, kv_seg, t_pad, s_pad, dq_tiles=(2 * config.block_q_dq, config.block_kv_dq),
-        dkdv_tiles=(config.block_q_dkv, 2 * config.block_kv_dkv))
+        dkdv_tiles=(config.block_q_dkv, 2 * config.block_kv_dkv), params=params)
   in_kernel = config.bwd_delta_in_kernel
   if in_kernel and dq_smem_bytes(kp_dq, in_kernel=True, correction=delta is not None) > \
       SMEM_LIMIT_BYTES:

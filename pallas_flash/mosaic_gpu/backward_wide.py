@@ -13,7 +13,8 @@ at D <= 128 uses float32 Pᵀ), which adds one 16-bit rounding to dSᵀ before i
 The dQ kernel is backward.py's, with two K slots and one V slot (see DQ_K_STAGES) and the row
 statistics from XLA. Segment ids (and lengths, folded into them): as in the split kernels, a
 CTA streams only the blocks that may share an id with its tile; here every step of a
-segmented call compares ids (the "P" role masks Pᵀ, which the "dS" role then uses).
+segmented call compares ids (the "P" role masks Pᵀ, which the "dS" role then uses). A local
+window streams as one document whose limits are the band's (backward.segment_inputs).
 
 On the H200 at 4x4096x8x256 (sixteenth session, fwd+bwd, same run as cuDNN): 431 / 395 TFLOP/s
 non-causal / causal, 1.05x / 1.09x cuDNN; Triton's backward kernels gave 0.57-0.59x. Deviceless
@@ -261,10 +262,12 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   lse2 = _blocking.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
   delta = _blocking.pad_axis(delta, 2, t_pad)
   dq_segs = dkdv_segs = ()
-  if params.has_segments:
+  if _common.segment_path(params):
+    if not params.has_segments:  # a window alone: one document
+      q_seg, kv_seg = jnp.zeros(q.shape[:2], jnp.int32), jnp.zeros(k.shape[:2], jnp.int32)
     dq_segs, dkdv_segs = segment_inputs(q_seg, kv_seg, t_pad, s_pad,
                                         dq_tiles=(2 * BLOCK_Q, BLOCK_KV_DQ),
-                                        dkdv_tiles=(BLOCK_Q, BLOCK_KV))
+                                        dkdv_tiles=(BLOCK_Q, BLOCK_KV), params=params)
   dq = _dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs)
   dk, dv = _dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs)
   return dq[:, :t], dk[:, :s], dv[:, :s]

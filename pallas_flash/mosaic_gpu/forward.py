@@ -662,7 +662,8 @@ def tail_split(q, config: MosaicConfig, params: AttentionParams, kv_blocks: int,
   config.fwd_split_tail, causal, segment ids, the persistent kernel, no room for the float32
   staging tile, or no split that pays)."""
   b, t, h, d = q.shape
-  if (not config.fwd_split_tail or params.is_causal or _segment_path(params) or persistent
+  if (not config.fwd_split_tail or params.is_causal or _common.segment_path(params)
+      or persistent
       or smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
                     jnp.dtype(q.dtype).itemsize, tail_staging=True) > SMEM_LIMIT_BYTES):
     return None
@@ -693,29 +694,13 @@ def combine_tail(o, lse, o_part, lse_part, split: split_tail.TailSplit):
   return o, lse
 
 
-def _segment_path(params: AttentionParams) -> bool:
-  """Whether the call runs the grid kernel's segment-id path (the plain kv loop over per-tile
-  key-block limits): segment ids, or a local window, whose band gives the limits."""
-  return params.has_segments or params.local_window is not None
-
-
 def window_limits(seg_limits, params: AttentionParams, kp: _common.KernelParams, batch: int):
-  """[B, q tiles, 4] int32 in masks.segment_block_limits' form (first, last, full_first,
-  full_last key blocks per CTA tile of 2·block_q rows) for params.band, the local window's (and
-  causal) band: a tile streams only the key blocks of its rows' windows and skips the mask only
-  on those every row sees whole. seg_limits: the segment ids' limits to intersect with, or None
-  (the call has none; its ids are one document, compared only on masked blocks)."""
-  nq = kp.t_pad // (2 * kp.block_q)
-  owner = jnp.arange(nq, dtype=jnp.int32)[None, :]
-  segmented = seg_limits is not None
-  first, full_lo, full_hi, last = masks.block_runs(
-      owner, owner_block=2 * kp.block_q, other_block=kp.block_kv,
-      num_other=kp.num_kv_blocks, band=params.band, element_mask=segmented,
-      other_tail=kp.kv_tail,
-      limits=(seg_limits[..., 0], seg_limits[..., 1]) if segmented else None,
-      full_limits=(seg_limits[..., 2], seg_limits[..., 3]) if segmented else None)
-  return jnp.stack([jnp.broadcast_to(x, (batch, nq)) for x in (first, last, full_lo, full_hi)],
-                   -1).astype(jnp.int32)
+  """[B, q tiles, 4] key-block limits of the local window's (and causal) band per CTA tile of
+  2·block_q rows (_common.band_limits), intersected with seg_limits, the segment ids' limits,
+  or None."""
+  return _common.band_limits(seg_limits, params.band, tiles=kp.t_pad // (2 * kp.block_q),
+                             tile_rows=2 * kp.block_q, block=kp.block_kv, length=kp.kv_len,
+                             batch=batch)
 
 
 def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
@@ -725,7 +710,7 @@ def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
   length; that kernel balances them by its launch order) and Q's second buffer fits in shared
   memory (not at head_dim 256)."""
   b, t, h, d = q.shape
-  if not config.fwd_persistent or params.is_causal or _segment_path(params):
+  if not config.fwd_persistent or params.is_causal or _common.segment_path(params):
     return 0
   if smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
                 jnp.dtype(q.dtype).itemsize, persistent=True) > SMEM_LIMIT_BYTES:
@@ -755,8 +740,6 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
       q, k, params=params, block_q=config.block_q, block_kv=config.block_kv,
       stages=min(config.num_stages, s_pad // config.block_kv), t_pad=t_pad, s_pad=s_pad,
       kv_len=s, config=config)
-  # A window streams as segments of one document (window_limits).
-  kp = dataclasses.replace(kp, segments=_segment_path(params))
   if config.fwd_intra_wg_overlap:
     compute, producer = _registers(config)
     kp = dataclasses.replace(kp, compute_registers=compute, producer_registers=producer,

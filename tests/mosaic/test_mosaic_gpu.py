@@ -356,7 +356,7 @@ def _window_id(case):
 
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=_window_id)
 def test_windowed_forward_and_gradients(case):
-  """local_window_size: the Mosaic forward over the band's blocks, the Triton backward."""
+  """local_window_size: the Mosaic forward and backward over the band's blocks."""
   b, t, s, h, kh, d, causal, dtype, window = case
   q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
   p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False,

@@ -1,6 +1,6 @@
-"""local_window_size on the Mosaic GPU forward (its backward runs the Triton kernels): the
-interpreted forward against the reference, gradients through the Triton backward, lowering for
-CUDA on the CPU, and the dispatch.
+"""local_window_size on the Mosaic GPU kernels, forward and backward: the interpreted kernels
+against the reference, lowering for CUDA on the CPU, the dispatch, and the band's block limits
+in both orientations (q tiles streaming keys, kv tiles streaming queries).
 
 With 64-row tiles the windows below cover a few key blocks out of several, so a kernel that
 streamed the wrong blocks, or masked a window edge wrongly, misses keys or sees extra ones.
@@ -15,10 +15,11 @@ import pytest
 from jax.sharding import use_abstract_mesh
 
 import pallas_flash
+from pallas_flash import masks
 from pallas_flash.mosaic_gpu import _common, backward, forward
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
-from testing import (H200, MOSAIC_INTERPRET_SMALL, TRITON_CALL, export_for_h200, kernel_case_id,
+from testing import (H200, MOSAIC_INTERPRET_SMALL, export_for_h200, kernel_case_id,
                      kernel_inputs, kernel_specs, max_rel_err, random_segments)
 
 TOL = {jnp.bfloat16: (1.5e-2, 3e-2), jnp.float16: (3e-3, 6e-3)}
@@ -71,17 +72,36 @@ def test_windowed_forward_with_segment_ids_matches_reference():
   assert _rel(o, ro) <= TOL[dtype][0], _rel(o, ro)
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=_case_id)
-def test_windowed_gradients_match_reference(case):
+def _assert_gradients_match(case, seg=None, seed=0):
+  """The interpreted Mosaic backward of `case` (segment ids `seg` or None) against the
+  reference's VJP, every dq/dk/dv element compared; o and lse from the interpreted Mosaic
+  forward, or at head dim 256 the reference's (that forward is the GPU suite's)."""
   b, t, s, h, kh, d, causal, dtype, _ = case
-  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t * s)
-  p = _params(case)
-  _, vjp = jax.vjp(lambda *a: attention_reference(*a, None, None, params=p), q, k, v)
-  o, lse = forward(q, k, v, None, None, params=p, config=SMALL)
-  got = backward(q, k, v, None, None, o, lse, do, None, params=p, config=SMALL)
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=seed)
+  p = _params(case, segments=seg is not None)
+  (o, lse), vjp = jax.vjp(lambda *a: attention_reference(*a, seg, seg, params=p), q, k, v)
+  if d <= 128:
+    o, lse = forward(q, k, v, seg, seg, params=p, config=SMALL)
+  got = backward(q, k, v, seg, seg, o, lse, do, None, params=p, config=SMALL)
   for name, g, r in zip(("dq", "dk", "dv"), got, vjp((do, jnp.zeros(lse.shape, jnp.float32)))):
     assert g.shape == r.shape and g.dtype == r.dtype
     assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3]], ids=_case_id)
+def test_windowed_gradients_match_reference(case):
+  _assert_gradients_match(case, seed=case[1] * case[2])
+
+
+def test_windowed_head_dim_256_gradients_match_reference():
+  """backward_wide, the role-split dK/dV kernel, over the band's q blocks."""
+  _assert_gradients_match((1, 200, 333, 2, 1, 256, True, jnp.bfloat16, (70, 0)), seed=11)
+
+
+def test_windowed_gradients_with_segment_ids_match_reference():
+  case = (1, 320, 320, 2, 1, 64, True, jnp.bfloat16, (90, 0))
+  seg = random_segments(jax.random.key(4), 1, 320, num_docs=3)
+  _assert_gradients_match(case, seg, seed=7)
 
 
 LOWER = [  # B, T, S, H, K, D, causal
@@ -104,8 +124,8 @@ def test_windowed_forward_and_grad_lower(case):
     return jax.grad(lambda *a: attn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
 
   assert export_for_h200(attn, q, kv, kv).mlir_module().count("mosaic_gpu") >= 1
-  text = export_for_h200(grads, q, kv, kv, disabled_checks=[TRITON_CALL]).mlir_module()
-  assert text.count("mosaic_gpu") >= 1 and "pallas_flash_bwd_dq" in text
+  text = export_for_h200(grads, q, kv, kv).mlir_module()  # no Triton call: the export checks
+  assert text.count("mosaic_gpu") >= 3 and "pallas_flash_bwd_dq" not in text
 
 
 def test_windowed_calls_choose_the_mosaic_kernels():
@@ -124,29 +144,57 @@ def test_windowed_calls_choose_the_mosaic_kernels():
                                                (200, 333, False, (13, 6)),
                                                (333, 200, True, (100, 0))])
 def test_window_limits_are_the_band_blocks(t, s, causal, window):
-  """Each CTA tile streams exactly the hull of the key blocks its rows' windows touch, and
-  skips the mask only on blocks every row sees whole (brute force over positions)."""
-
+  """The forward's limits: each q tile of 128 rows streams exactly the hull of the 64-key
+  blocks its rows' windows touch, and skips the mask only on blocks every row sees whole."""
   p = AttentionParams(scale=1.0, is_causal=causal, has_segments=False, local_window=window)
   q, k = kernel_specs(1, t, s, 2, 1, 64)
   t_pad, s_pad = -(-t // 128) * 128, -(-s // 64) * 64
   kp = _common.KernelParams.make(q, k, params=p, block_q=64, block_kv=64, stages=2,
                                  t_pad=t_pad, s_pad=s_pad, kv_len=s, config=SMALL)
-  nq = t_pad // 128
   fwd_module = importlib.import_module("pallas_flash.mosaic_gpu.forward")  # not the function
   got = np.asarray(fwd_module.window_limits(None, p, kp, 1))[0]
+  _assert_band_blocks(got, _seen(t_pad, s_pad, s, causal, window), tile_rows=128, block=64)
+
+
+@pytest.mark.parametrize("t,s,causal,window", [(300, 300, True, (70, 0)),
+                                               (200, 333, False, (13, 6)),
+                                               (333, 200, True, (100, 0))])
+def test_backward_window_limits_are_the_band_blocks(t, s, causal, window):
+  """The split backward's limits (segment_inputs): the dQ kernel's q tiles of 128 rows over
+  64-key blocks, and the dK/dV kernel's kv tiles of 128 keys over 64-row q blocks (the band
+  mirrored), both against the brute-force band."""
+  p = AttentionParams(scale=1.0, is_causal=causal, has_segments=False, local_window=window)
+  t_pad, s_pad = -(-t // 128) * 128, -(-s // 128) * 128
+  ids = jnp.zeros((1, t), jnp.int32), jnp.zeros((1, s), jnp.int32)
+  bwd_module = importlib.import_module("pallas_flash.mosaic_gpu.backward")
+  (_, _, kv_limits), (_, _, q_limits) = bwd_module.segment_inputs(
+      *ids, t_pad, s_pad, dq_tiles=(128, 64), dkdv_tiles=(64, 128), params=p)
+  seen = _seen(t_pad, s_pad, s, causal, window)
+  _assert_band_blocks(np.asarray(kv_limits)[0], seen, tile_rows=128, block=64)
+  # Keys own these tiles, padded ones included (their gradients are dropped); padded queries
+  # are not seen, like padded keys above.
+  seen_t = _seen(t_pad, s_pad, s_pad, causal, window).T & (np.arange(t_pad) < t)[None, :]
+  _assert_band_blocks(np.asarray(q_limits)[0], seen_t, tile_rows=128, block=64)
+
+
+def _seen(t_pad, s_pad, s, causal, window):
+  """[t_pad, s_pad] bool: query i sees key j (window, causal, keys past s unseen)."""
   rows, cols = np.arange(t_pad)[:, None], np.arange(s_pad)[None, :]
   seen = (cols - rows >= -window[0]) & (cols - rows <= window[1]) & (cols < s)
   if causal:
     seen &= cols <= rows
-  for tile in range(nq):
-    r = seen[tile * 128:(tile + 1) * 128]
-    blocks = r.reshape(128, -1, 64)
+  return seen
+
+
+def _assert_band_blocks(got, seen, *, tile_rows, block):
+  """got [tiles, 4] (first, last, full_first, full_last) against seen [owned, streamed]: the
+  streamed run is the hull of the blocks any owned row sees, the unmasked run lies inside the
+  blocks every row sees whole (it may be narrower, never wider)."""
+  for tile in range(seen.shape[0] // tile_rows):
+    blocks = seen[tile * tile_rows:(tile + 1) * tile_rows].reshape(tile_rows, -1, block)
     touched = np.flatnonzero(blocks.any(axis=(0, 2)))
     whole = np.flatnonzero(blocks.all(axis=(0, 2)))
-    first, last = (touched[0], touched[-1] + 1) if touched.size else (None, None)
-    if first is not None:
-      assert (got[tile, 0], got[tile, 1]) == (first, last), (tile, got[tile])
-    # The unmasked run lies inside the whole blocks (it may be narrower, never wider).
+    if touched.size:
+      assert (got[tile, 0], got[tile, 1]) == (touched[0], touched[-1] + 1), (tile, got[tile])
     run = set(range(got[tile, 2], got[tile, 3]))
     assert run <= set(whole.tolist()), (tile, got[tile], whole)
