@@ -12,6 +12,10 @@ with its baseline on the same implementation (targets in docs/features.md):
 Run from the repository root on one GPU (about 2-3 minutes on an H200):
 
   PYTHONPATH=. python3 scripts/features_bench.py --json features.json
+
+`--impl` takes a comma-separated list, timed in one process row by row; `cudnn` (jax.nn's
+dot_product_attention) runs the rows whose only feature it has, the causal and sliding-window
+ones; listed first, each of our rows after it also prints our speed against it.
 """
 
 from __future__ import annotations
@@ -122,8 +126,14 @@ def mosaic_config(overrides: str, seq_len: int):
   return with_overrides(tuned(HEAD_DIM, True, seq_len), overrides)
 
 
+# The flash_attention arguments jax.nn.dot_product_attention(implementation="cudnn") shares.
+CUDNN_KWARGS = frozenset({"is_causal", "local_window_size"})
+
+
 def step(impl: str, mode: str, kw: dict, config=None):
   def attn(q, k, v):
+    if impl == "cudnn":
+      return jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kw)
     return pallas_flash.flash_attention(q, k, v, implementation=impl, config=config, **kw)
 
   def fwd(q, k, v, do):
@@ -156,7 +166,8 @@ def check(impl: str, cfg: Config, overrides: str = "") -> float:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--impl", default="triton")
+  parser.add_argument("--impl", default="triton",
+                      help="comma-separated implementations (flash_attention's, or cudnn)")
   parser.add_argument("--modes", default="fwd,fwdbwd")
   parser.add_argument("--iters", type=int, default=3)
   parser.add_argument("--quick", action="store_true", help="skip the 128K rows")
@@ -174,44 +185,71 @@ def main() -> None:
 
   rows, times = [], {}
   only = None if args.only is None else set(args.only.split(","))
+  impls = args.impl.split(",")
   for cfg in configs(args.quick, args.shrink):
     if only is not None and cfg.name not in only:
       continue
     cfg = dataclasses.replace(cfg, check_len=min(cfg.check_len, cfg.seq_len))
-    spec = jax.ShapeDtypeStruct((1, cfg.check_len, HEADS, HEAD_DIM), jnp.bfloat16)
-    reason = pallas_flash.explain(spec, spec, spec,
-                                  **call_kwargs(cfg, cfg.check_len)).reasons.get(args.impl)
-    err = None if reason else check(args.impl, cfg, args.config)
-    ok = reason is None and err <= args.tol
-    for mode in args.modes.split(","):
-      row = dict(name=cfg.name, mode=mode, impl=args.impl, seq_len=cfg.seq_len, error=err,
-                 skipped=reason or (None if ok else f"error {err:.3g} > {args.tol}"))
-      if ok:
-        q, k, v, do = inputs(cfg.seq_len)
-        config = mosaic_config(args.config, cfg.seq_len)
-        compiled, compile_s = compile_step(
-            step(args.impl, mode, call_kwargs(cfg, cfg.seq_len), config), (q, k, v, do))
-        t = time_compiled(compiled, (q, k, v, do), iters=args.iters).median_s
-        flops = 4 * HEADS * HEAD_DIM * cfg.pairs * (3.5 if mode == "fwdbwd" else 1.0)
-        times[cfg.name, mode] = (t, cfg.pairs)
-        row.update(ms=t * 1e3, tflops=flops / t / 1e12, compile_s=compile_s)
-        row.update(_against_target(cfg, mode, times))
-      rows.append(row)
-      _print_row(row)
+    for impl in impls:
+      rows += _run_row(cfg, impl, args, times)
 
   if args.json:
     meta = dict(device_kind=jax.devices()[0].device_kind, jax=jax.__version__,
                 python=platform.python_version(), date=time.strftime("%Y-%m-%d"),
-                commit=_git_commit(), config=args.config, heads=HEADS, head_dim=HEAD_DIM, dtype="bfloat16")
+                commit=_git_commit(), config=args.config, heads=HEADS, head_dim=HEAD_DIM,
+                dtype="bfloat16")
     with open(args.json, "w") as f:
       json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
 
-def _against_target(cfg: Config, mode: str, times: dict) -> dict:
-  if cfg.baseline is None or (cfg.baseline, mode) not in times:
+def _reason(cfg: Config, impl: str) -> str | None:
+  """Why `impl` cannot run cfg's row, or None."""
+  kw = call_kwargs(cfg, cfg.check_len)
+  if impl == "cudnn":
+    extra = sorted(set(kw) - CUDNN_KWARGS)
+    return f"cudnn: not compared with {', '.join(extra)}" if extra else None
+  spec = jax.ShapeDtypeStruct((1, cfg.check_len, HEADS, HEAD_DIM), jnp.bfloat16)
+  return pallas_flash.explain(spec, spec, spec, **kw).reasons.get(impl)
+
+
+def _run_row(cfg: Config, impl: str, args, times: dict) -> list[dict]:
+  """Checks and times cfg with impl in each mode of args.modes; times[impl, name, mode] gets
+  (seconds, pairs), and the row our speed against cuDNN's where cuDNN's ran before it."""
+  reason, err = _reason(cfg, impl), None
+  if reason is None:
+    try:
+      err = check(impl, cfg, args.config)
+    except Exception as e:  # noqa: BLE001  a baseline that refuses the call (no GPU, say)
+      if impl != "cudnn":
+        raise
+      reason = f"cudnn failed: {type(e).__name__}: {str(e).splitlines()[0]}"
+  ok = reason is None and err <= args.tol
+  rows = []
+  for mode in args.modes.split(","):
+    row = dict(name=cfg.name, mode=mode, impl=impl, seq_len=cfg.seq_len, error=err,
+               skipped=reason or (None if ok else f"error {err:.3g} > {args.tol}"))
+    if ok:
+      q, k, v, do = inputs(cfg.seq_len)
+      config = mosaic_config(args.config, cfg.seq_len) if impl == "mosaic" else None
+      compiled, compile_s = compile_step(
+          step(impl, mode, call_kwargs(cfg, cfg.seq_len), config), (q, k, v, do))
+      t = time_compiled(compiled, (q, k, v, do), iters=args.iters).median_s
+      flops = 4 * HEADS * HEAD_DIM * cfg.pairs * (3.5 if mode == "fwdbwd" else 1.0)
+      times[impl, cfg.name, mode] = (t, cfg.pairs)
+      row.update(ms=t * 1e3, tflops=flops / t / 1e12, compile_s=compile_s)
+      row.update(_against_target(cfg, impl, mode, times))
+      if impl != "cudnn" and ("cudnn", cfg.name, mode) in times:
+        row["vs_cudnn"] = times["cudnn", cfg.name, mode][0] / t
+    rows.append(row)
+    _print_row(row)
+  return rows
+
+
+def _against_target(cfg: Config, impl: str, mode: str, times: dict) -> dict:
+  if cfg.baseline is None or (impl, cfg.baseline, mode) not in times:
     return {}
-  t, pairs = times[cfg.name, mode]
-  t0, pairs0 = times[cfg.baseline, mode]
+  t, pairs = times[impl, cfg.name, mode]
+  t0, pairs0 = times[impl, cfg.baseline, mode]
   if cfg.name.startswith("window"):  # TFLOP/s over the band vs the plain causal kernel's
     ratio = (pairs / t) / (pairs0 / t0)
     return dict(ratio=ratio, met=ratio >= 0.85)
@@ -224,12 +262,15 @@ def _against_target(cfg: Config, mode: str, times: dict) -> dict:
 
 def _print_row(row: dict) -> None:
   if row.get("ms") is None:
-    print(f"{row['name']:<20} {row['mode']:<7} skipped: {row['skipped']}", flush=True)
+    print(f"{row['name']:<20} {row['mode']:<7} {row['impl']:<7} skipped: {row['skipped']}",
+          flush=True)
     return
   target = "" if "ratio" not in row else \
       f"ratio {row['ratio']:.3f} {'met' if row['met'] else 'MISSED'}"
-  print(f"{row['name']:<20} {row['mode']:<7} {row['ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s "
-        f"err {row['error']:.2e}  {target}", flush=True)
+  if "vs_cudnn" in row:
+    target += f"  {row['vs_cudnn']:.3f}x cudnn"
+  print(f"{row['name']:<20} {row['mode']:<7} {row['impl']:<7} {row['ms']:9.3f} ms "
+        f"{row['tflops']:7.1f} TFLOP/s err {row['error']:.2e}  {target}", flush=True)
 
 
 def _git_commit() -> str | None:
