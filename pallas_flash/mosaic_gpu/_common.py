@@ -53,7 +53,8 @@ class KernelParams:
   bwd_heads_fastest: bool = False  # backward kernels: MosaicConfig.bwd_heads_fastest
   bwd_head_group: int = 0  # backward kernels: MosaicConfig.bwd_head_group
   profile_dir: str = ""  # MosaicConfig.profile_dir
-  segments: bool = False  # segment ids (or lengths folded into them) are compared
+  segments: bool = False  # the segment-id path (segment_path): per-tile block limits
+  segment_ids: bool = False  # ids are compared (False for a window alone: one document)
   v_stages: int = 0  # dQ kernel: depth of the V ring where it differs from K's (0: stages)
   softcap: float | None = None  # AttentionParams.logits_soft_cap
   # AttentionParams.local_window (left, right); the kernels stream its band's blocks through
@@ -103,6 +104,7 @@ class KernelParams:
         bwd_heads_fastest=config.bwd_heads_fastest,
         bwd_head_group=config.bwd_head_group,
         profile_dir=config.profile_dir, segments=segment_path(params),
+        segment_ids=params.has_segments,
         softcap=params.logits_soft_cap, window=params.local_window)
 
 
@@ -227,7 +229,9 @@ def visible(row0, col0, shape, kp: KernelParams, *, transposed: bool = False):
     mask = qi >= kj
   if kp.window is not None:
     left, right = kp.window
-    inside = (kj >= qi - left) & (kj <= qi + right)
+    inside = kj >= qi - left
+    if not kp.causal:  # causal's qi >= kj already keeps kj <= qi + right
+      inside = inside & (kj <= qi + right)
     mask = inside if mask is None else mask & inside
   # Causal with T <= S, the padded keys (kj >= S >= T) lie above the diagonal for every real
   # query; the padded queries' results are dropped, so the causal mask covers the tail (and

@@ -127,7 +127,8 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
     ids = None
     if seg is not None:
       steps = jnp.clip(steps - kv0, 1, cta_steps)
-      ids = _common.row_and_col_ids(seg, b, q0, bq, bkv)
+      if kp.segment_ids:
+        ids = _common.row_and_col_ids(seg, b, q0, bq, bkv)
     if tail is not None:
       steps = cta_steps
 
@@ -352,7 +353,7 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
 
     pingpong = functools.partial(_common.sync, sched) if kp.dkdv_pingpong else None
     ids = None
-    if seg is not None:
+    if seg is not None and kp.segment_ids:
       ids_at = _common.row_and_col_ids(seg, b, k0, bkv, bq)
       ids = lambda t: ids_at(index(t)[0] * bq)  # noqa: E731
 

@@ -81,8 +81,9 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
     first, last, _, _ = _common.segment_limits(seg.limits, b, kt)
     cta_first, cta_last = jnp.maximum(cta_first, first), jnp.minimum(cta_last, last)
     cta_last = jnp.maximum(cta_last, cta_first)  # no q block: zero steps, dK = dV = 0
-    ids_at = _common.row_and_col_ids(seg, b, k0, bkv, bq)
-    ids = lambda t: ids_at(index(t)[0] * bq)  # noqa: E731  (index: below)
+    if kp.segment_ids:
+      ids_at = _common.row_and_col_ids(seg, b, k0, bkv, bq)
+      ids = lambda t: ids_at(index(t)[0] * bq)  # noqa: E731  (index: below)
   cta_steps = (cta_last - cta_first) * g_size
   rows = (b, pl.ds(k0, bkv), kvh)
 

@@ -103,7 +103,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     seg_ids = None
     if seg is not None:
       steps = jnp.clip(steps - kv0, 1, cta_steps)
-      seg_ids = _common.row_and_col_ids(seg, b, q0, bq, bkv)
+      if kp.segment_ids:
+        seg_ids = _common.row_and_col_ids(seg, b, q0, bq, bkv)
     if tail is not None:
       steps = cta_steps
     with jax.named_scope("prologue"):
