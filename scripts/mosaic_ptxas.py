@@ -63,6 +63,9 @@ VARIANTS = {
     "fwd_softcap_causal": ("fwd", True, dict(softcap=30.0)),
     "bwd_softcap": ("fwdbwd", False, dict(softcap=30.0)),
     "bwd_softcap_causal": ("fwdbwd", True, dict(softcap=30.0)),
+    # local_window_size (1023, 0): the segment-id path over the band's blocks. Not a config field.
+    "fwd_window_causal": ("fwd", True, dict(window=1023)),
+    "bwd_window_causal": ("fwdbwd", True, dict(window=1023)),
 }
 
 
@@ -97,11 +100,14 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   b, t, h, d = shape
   segments = kw.pop("segments", False)
   softcap = kw.pop("softcap", None)
+  window = kw.pop("window", None)
   config = dataclasses.replace(TUNED.get((d, causal), MosaicConfig()), **kw)
   ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // 1000, (b, t))
   features = dict(query_segment_ids=ids, key_value_segment_ids=ids) if segments else {}
   if softcap is not None:
     features["logits_soft_cap"] = float(softcap)
+  if window is not None:
+    features["local_window_size"] = (int(window), 0)
 
   def attn(q, k, v, impl="mosaic"):
     return pallas_flash.flash_attention(q, k, v, is_causal=causal, implementation=impl,
