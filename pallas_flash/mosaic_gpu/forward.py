@@ -412,7 +412,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
            plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), _common.ROW),
            plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _common.ROW))
   u0, u1 = _common.unmasked_run(q0, steps, kp, kv0=kv0, full=full)
-  if seg_ids is not None:
+  if full is not None:  # the segment-id path: masked blocks before the full run
     carry = lax.fori_loop(0, u0, functools.partial(step, masked=True), carry)
   carry = lax.fori_loop(u0, u1, functools.partial(step, masked=False), carry)
   if kp.needs_mask:
