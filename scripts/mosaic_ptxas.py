@@ -64,8 +64,9 @@ VARIANTS = {
     "bwd_softcap": ("fwdbwd", False, dict(softcap=30.0)),
     "bwd_softcap_causal": ("fwdbwd", True, dict(softcap=30.0)),
     # local_window_size (1023, 0): the segment-id path over the band's blocks. Not a config field.
+    "fwd_window": ("fwd", False, dict(window=1023)),
     "fwd_window_causal": ("fwd", True, dict(window=1023)),
-    "bwd_window_causal": ("fwdbwd", True, dict(window=1023)),
+    "bwd_window_causal": ("fwdbwd", True, dict(window=1023, window_backward="mosaic")),
 }
 
 

@@ -54,11 +54,14 @@ class KernelParams:
   bwd_head_group: int = 0  # backward kernels: MosaicConfig.bwd_head_group
   profile_dir: str = ""  # MosaicConfig.profile_dir
   segments: bool = False  # the segment-id path (segment_path): per-tile block limits
-  segment_ids: bool = False  # ids are compared (False for a window alone: one document)
+  # The backward kernels compare ids (False for a window alone, one document; the forward
+  # compares its zero ids all the same).
+  segment_ids: bool = False
   v_stages: int = 0  # dQ kernel: depth of the V ring where it differs from K's (0: stages)
   softcap: float | None = None  # AttentionParams.logits_soft_cap
   # AttentionParams.local_window (left, right); the kernels stream its band's blocks through
-  # the segment-id path (band_limits).
+  # the segment-id path (band_limits): the forward, and the backward with window_backward
+  # "mosaic".
   window: tuple[int, int] | None = None
 
   @property
@@ -229,9 +232,7 @@ def visible(row0, col0, shape, kp: KernelParams, *, transposed: bool = False):
     mask = qi >= kj
   if kp.window is not None:
     left, right = kp.window
-    inside = kj >= qi - left
-    if not kp.causal:  # causal's qi >= kj already keeps kj <= qi + right
-      inside = inside & (kj <= qi + right)
+    inside = (kj >= qi - left) & (kj <= qi + right)
     mask = inside if mask is None else mask & inside
   # Causal with T <= S, the padded keys (kj >= S >= T) lie above the diagonal for every real
   # query; the padded queries' results are dropped, so the causal mask covers the tail (and

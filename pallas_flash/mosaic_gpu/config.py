@@ -189,6 +189,12 @@ class MosaicConfig:
       run1), "mosaic" 375 / 398 (0.99 / 0.94x, run1) with one K/V slot in its dQ kernel and
       395 / 431 (1.09 / 1.05x, run5) with two K slots. Segment ids and lengths run on both
       (the Mosaic kernels compare ids since the seventeenth session).
+    window_backward: the backward of a call with local_window_size: "triton" (the default:
+      Pallas' Triton backward kernels, which skip the blocks outside the band, as on the H200
+      since the twentieth session) or "mosaic" (twenty-first session: the split kernels, or
+      backward_wide's at head_dim 256, on the segment-id path with the band's block limits;
+      checked in the Mosaic GPU interpreter and lowered for CUDA, not yet run on a GPU, hence
+      opt-in).
     bwd_delta_in_kernel: split backward: True: the dQ kernel also TMA-loads its O tile, computes
       delta = rowsum(O∘dO) (float32, minus the lse cotangent) and lse in log2 units itself and
       stores both for the dK/dV kernel, so fwd+bwd runs no XLA op besides the Mosaic kernels
@@ -243,6 +249,7 @@ class MosaicConfig:
   dkdv_pingpong: bool = False
   dkdv_fold_stats: bool = False
   wide_backward: str = "mosaic"
+  window_backward: str = "triton"
   bwd_delta_in_kernel: bool = True
   profile_dir: str = ""
   compute_registers: int = 232
@@ -269,9 +276,10 @@ class MosaicConfig:
       raise ValueError("MosaicConfig.bwd_split_tail names the split backward kernels whose "
                        f"last wave is split: 'dq', 'dkdv' or 'dq,dkdv', got "
                        f"{self.bwd_split_tail!r}")
-    if self.wide_backward not in ("triton", "mosaic"):
-      raise ValueError("MosaicConfig.wide_backward must be 'triton' or 'mosaic', got "
-                       f"{self.wide_backward!r}")
+    for name in ("wide_backward", "window_backward"):
+      if getattr(self, name) not in ("triton", "mosaic"):
+        raise ValueError(f"MosaicConfig.{name} must be 'triton' or 'mosaic', got "
+                         f"{getattr(self, name)!r}")
     if self.dkdv_schedule not in ("serial", "batched", "overlap"):
       raise ValueError("MosaicConfig.dkdv_schedule must be 'serial', 'batched' or 'overlap', "
                        f"got {self.dkdv_schedule!r}")

@@ -103,8 +103,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     seg_ids = None
     if seg is not None:
       steps = jnp.clip(steps - kv0, 1, cta_steps)
-      if kp.segment_ids:
-        seg_ids = _common.row_and_col_ids(seg, b, q0, bq, bkv)
+      # A window alone compares its zero ids too: the kernel the H200 ran in the twentieth
+      # session (the backward's windowed kernels skip them, KernelParams.segment_ids).
+      seg_ids = _common.row_and_col_ids(seg, b, q0, bq, bkv)
     if tail is not None:
       steps = cta_steps
     with jax.named_scope("prologue"):

@@ -354,11 +354,14 @@ def _window_id(case):
   return kernel_case_id(case[:8]) + "_w{}-{}".format(*case[8])
 
 
+@pytest.mark.parametrize("window_backward", ["triton", "mosaic"])
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=_window_id)
-def test_windowed_forward_and_gradients(case):
-  """local_window_size: the Mosaic forward and backward over the band's blocks."""
+def test_windowed_forward_and_gradients(case, window_backward):
+  """local_window_size: the Mosaic forward over the band's blocks, the backward Triton's (the
+  default) or the Mosaic kernels' over the band's blocks (window_backward="mosaic")."""
   b, t, s, h, kh, d, causal, dtype, window = case
   q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
   p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False,
                       local_window=window)
-  _assert_matches_reference(q, k, v, do, p, dtype, local_window_size=window)
+  config = dataclasses.replace(mconfig.tuned(d, causal, s), window_backward=window_backward)
+  _assert_matches_reference(q, k, v, do, p, dtype, local_window_size=window, config=config)

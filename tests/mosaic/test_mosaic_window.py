@@ -1,11 +1,13 @@
-"""local_window_size on the Mosaic GPU kernels, forward and backward: the interpreted kernels
-against the reference, lowering for CUDA on the CPU, the dispatch, and the band's block limits
-in both orientations (q tiles streaming keys, kv tiles streaming queries).
+"""local_window_size on the Mosaic GPU kernels, forward and backward (the backward with
+MosaicConfig.window_backward="mosaic"; the default runs the Triton kernels): the interpreted
+kernels against the reference, lowering for CUDA on the CPU, the dispatch, and the band's block
+limits in both orientations (q tiles streaming keys, kv tiles streaming queries).
 
 With 64-row tiles the windows below cover a few key blocks out of several, so a kernel that
 streamed the wrong blocks, or masked a window edge wrongly, misses keys or sees extra ones.
 """
 
+import dataclasses
 import importlib
 
 import jax
@@ -17,13 +19,15 @@ from jax.sharding import use_abstract_mesh
 import pallas_flash
 from pallas_flash import masks
 from pallas_flash.mosaic_gpu import _common, backward, forward
+from pallas_flash.mosaic_gpu.config import tuned
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
-from testing import (H200, MOSAIC_INTERPRET_SMALL, export_for_h200, kernel_case_id,
+from testing import (H200, MOSAIC_INTERPRET_SMALL, TRITON_CALL, export_for_h200, kernel_case_id,
                      kernel_inputs, kernel_specs, max_rel_err, random_segments)
 
 TOL = {jnp.bfloat16: (1.5e-2, 3e-2), jnp.float16: (3e-3, 6e-3)}
 SMALL = MOSAIC_INTERPRET_SMALL  # testing.py says why these tiles
+MOSAIC_BWD = dataclasses.replace(SMALL, window_backward="mosaic")
 _rel = max_rel_err
 
 
@@ -82,7 +86,7 @@ def _assert_gradients_match(case, seg=None, seed=0):
   (o, lse), vjp = jax.vjp(lambda *a: attention_reference(*a, seg, seg, params=p), q, k, v)
   if d <= 128:
     o, lse = forward(q, k, v, seg, seg, params=p, config=SMALL)
-  got = backward(q, k, v, seg, seg, o, lse, do, None, params=p, config=SMALL)
+  got = backward(q, k, v, seg, seg, o, lse, do, None, params=p, config=MOSAIC_BWD)
   for name, g, r in zip(("dq", "dk", "dv"), got, vjp((do, jnp.zeros(lse.shape, jnp.float32)))):
     assert g.shape == r.shape and g.dtype == r.dtype
     assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
@@ -111,21 +115,28 @@ LOWER = [  # B, T, S, H, K, D, causal
 ]
 
 
+@pytest.mark.parametrize("window_backward", ["triton", "mosaic"])
 @pytest.mark.parametrize("case", LOWER, ids=kernel_case_id)
-def test_windowed_forward_and_grad_lower(case):
+def test_windowed_forward_and_grad_lower(case, window_backward):
   *shape, causal = case
   q, kv = kernel_specs(*shape)
+  config = dataclasses.replace(tuned(shape[-1], causal, shape[2]),
+                               window_backward=window_backward)
 
   def attn(q, k, v):
     return pallas_flash.flash_attention(q, k, v, is_causal=causal, local_window_size=(511, 0),
-                                        implementation="mosaic")
+                                        implementation="mosaic", config=config)
 
   def grads(q, k, v):
     return jax.grad(lambda *a: attn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
 
   assert export_for_h200(attn, q, kv, kv).mlir_module().count("mosaic_gpu") >= 1
-  text = export_for_h200(grads, q, kv, kv).mlir_module()  # no Triton call: the export checks
-  assert text.count("mosaic_gpu") >= 3 and "pallas_flash_bwd_dq" not in text
+  if window_backward == "mosaic":
+    text = export_for_h200(grads, q, kv, kv).mlir_module()  # the export refuses Triton calls
+    assert text.count("mosaic_gpu") >= 3 and "pallas_flash_bwd_dq" not in text
+  else:
+    text = export_for_h200(grads, q, kv, kv, disabled_checks=[TRITON_CALL]).mlir_module()
+    assert text.count("mosaic_gpu") >= 1 and "pallas_flash_bwd_dq" in text
 
 
 def test_windowed_calls_choose_the_mosaic_kernels():
