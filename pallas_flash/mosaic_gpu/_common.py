@@ -277,7 +277,8 @@ def with_segment_refs(kernel, num_inputs: int, segmented: bool):
 def segment_path(params: AttentionParams) -> bool:
   """Whether the kernels run their segment-id path (per-tile block limits, masks on the blocks
   not wholly inside them): segment ids, or a local window, whose band gives the limits (a
-  window alone compares the zero ids of one document, on masked blocks only)."""
+  window alone carries the zero ids of one document: the forward compares them on masked
+  blocks, the backward kernels skip them, see KernelParams.segment_ids)."""
   return params.has_segments or params.local_window is not None
 
 
