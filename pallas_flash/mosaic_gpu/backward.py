@@ -540,6 +540,15 @@ def _step_stats(streams, slot):
   return lse, delta
 
 
+def _step_stat(streams, slot, which: int):
+  """One row statistic [block_q] COL of ring slot `slot`: lse (which 2) or delta (3), its
+  buffer released right after the load."""
+  _, scratch, _, free = streams[which]
+  x = plgpu.load(scratch.at[slot], layout=_common.COL)
+  plgpu.barrier_arrive(free.at[slot])
+  return x
+
+
 def _probs_t(s_t, lse, k0, mask_block, kp: _common.KernelParams, ids=None):
   """(Pᵀ, slope): Pᵀ = exp2(soft_cap(Sᵀ)·c − lse2) [block_kv, block_q] with the entries the
   mask hides set to 0 (mask_block: see _transposed_grad_tiles), and the soft cap's slope

@@ -52,7 +52,7 @@ from pallas_flash.mosaic_gpu.backward import (PROFILE_STEPS, _at, _dk_dv_updates
                                               _first_q_block, _first_unmasked_step,
                                               _launch_order, _load_kv_tiles, _probs_t,
                                               _produce_query_streams, _skip_step,
-                                              _step_stats, _store_dk_dv, _tile_and_head,
+                                              _step_stat, _step_stats, _store_dk_dv, _tile_and_head,
                                               _transposed_grad_tiles, _wait_streams,
                                               grad_scores_t,
                                               kv_stream_barriers, kv_stream_smem,
@@ -203,9 +203,13 @@ def _overlapped_step(dv, dk, tiles, stats, ds_smem, dq_terms, dq_shape, k0, mask
                      p_staging, kp: _common.KernelParams):
   """One fused_overlap step: all five matmuls with FA3's intra-warpgroup overlap.
 
-  tiles: this step's (k, v, q, do) SMEM tiles; stats: () -> (lse2, delta) column vectors
-  (read while Sᵀ and dPᵀ run). wgmma groups retire in issue order, so a wait for "all but
-  the newest n" retires exactly the older ones:
+  tiles: this step's (k, v, q, do) SMEM tiles; stats: (lse2, delta) loaders of the step's
+  column vectors, lse2 read while Sᵀ and dPᵀ run, delta only when dSᵀ is formed. dSᵀ is formed
+  from the 16-bit Pᵀ that dV reads (as backward_wide's is), so the float32 Pᵀ dies at the
+  conversion: with both, deviceless SASS at 240 registers (1x16384x16x128, fused_dq_shared)
+  reloads 18 spilled words per step and stores 1, against 40 and 18 before (twenty-first
+  session; not yet timed). wgmma groups retire in issue order, so a wait for "all but the
+  newest n" retires exactly the older ones:
 
     issue Sᵀ, dPᵀ | wait 1: Sᵀ -> Pᵀ | issue dV += Pᵀ·dO | wait 1: dPᵀ -> dSᵀ -> SMEM
     issue dQ_part = dS·K (dq_terms), dK += dSᵀ·Q | wait 1: dV, dQ_part -> release dO,
@@ -222,12 +226,13 @@ def _overlapped_step(dv, dk, tiles, stats, ds_smem, dq_terms, dq_shape, k0, mask
     def scores(s_ref, dp_ref):
       plgpu.wgmma(s_ref, k_smem, q_smem.T)
       plgpu.wgmma(dp_ref, v_smem, do_smem.T)
-      lse, delta = stats()
-      p_t, slope = _probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), lse, k0,
+      lse_fn, delta_fn = stats
+      p_t, slope = _probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), lse_fn(), k0,
                             mask_block, kp)
-      dv_out = dv_mm(p_t.astype(kp.dtype))
+      p16 = p_t.astype(kp.dtype)
+      dv_out = dv_mm(p16)
       dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)
-      return dv_out, grad_scores_t(p_t, slope, dp_t, delta)
+      return dv_out, grad_scores_t(p16.astype(jnp.float32), slope, dp_t, delta_fn())
 
     dv_out, ds_t = pl.run_scoped(scores, acc_t, acc_t)
     # dSᵀ in SMEM serves dK (as is) and dQ (its transposed view); wgmma reads it through the
@@ -364,7 +369,8 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       slot = lax.rem(t, stages)
       i, _ = index(t)
       q_smem, do_smem = _wait_streams(streams, slot)
-      stats = functools.partial(_step_stats, streams, slot)
+      stats = (functools.partial(_step_stat, streams, slot, 2),
+               functools.partial(_step_stat, streams, slot, 3))
 
       ds_smem = ds_scratch.at[lax.rem(t, 2), wg] if dq_shared else ds_scratch.at[wg]
       dq_smem = dq_scratch.at[lax.rem(t, dq_slots), wg]
