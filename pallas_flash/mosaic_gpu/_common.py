@@ -282,6 +282,14 @@ def segment_path(params: AttentionParams) -> bool:
   return params.has_segments or params.local_window is not None
 
 
+def path_segment_ids(q, k, q_seg, kv_seg, params: AttentionParams):
+  """(q_seg [B, T], kv_seg [B, S]) int32 for the segment-id path: the call's ids, or for a
+  window alone one document's zeros."""
+  if params.has_segments:
+    return q_seg, kv_seg
+  return jnp.zeros(q.shape[:2], jnp.int32), jnp.zeros(k.shape[:2], jnp.int32)
+
+
 def band_limits(seg_limits, band, *, tiles: int, tile_rows: int, block: int, length: int,
                 batch: int):
   """[B, tiles, 4] int32 in masks.segment_block_limits' form (first, last, full_first,

@@ -542,7 +542,9 @@ def _step_stats(streams, slot):
 
 def _step_stat(streams, slot, which: int):
   """One row statistic [block_q] COL of ring slot `slot`: lse (which 2) or delta (3), its
-  buffer released right after the load."""
+  buffer released right after the load (the fused_overlap step loads delta late).
+  `_step_stats` is not built on it: it loads both before releasing either, the order the
+  split kernels ran on the H200."""
   _, scratch, _, free = streams[which]
   x = plgpu.load(scratch.at[slot], layout=_common.COL)
   plgpu.barrier_arrive(free.at[slot])
@@ -1037,10 +1039,9 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
                                      params, config)
   dq_segs = dkdv_segs = ()
   if _common.segment_path(params):
-    if not params.has_segments:  # a window alone: one document
-      q_seg, kv_seg = jnp.zeros(q.shape[:2], jnp.int32), jnp.zeros(k.shape[:2], jnp.int32)
     dq_segs, dkdv_segs = segment_inputs(
-        q_seg, kv_seg, t_pad, s_pad, dq_tiles=(2 * config.block_q_dq, config.block_kv_dq),
+        *_common.path_segment_ids(q, k, q_seg, kv_seg, params), t_pad, s_pad,
+        dq_tiles=(2 * config.block_q_dq, config.block_kv_dq),
         dkdv_tiles=(config.block_q_dkv, 2 * config.block_kv_dkv), params=params)
   in_kernel = config.bwd_delta_in_kernel
   if in_kernel and dq_smem_bytes(kp_dq, in_kernel=True, correction=delta is not None) > \

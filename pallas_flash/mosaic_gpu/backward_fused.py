@@ -204,8 +204,8 @@ def _overlapped_step(dv, dk, tiles, stats, ds_smem, dq_terms, dq_shape, k0, mask
   """One fused_overlap step: all five matmuls with FA3's intra-warpgroup overlap.
 
   tiles: this step's (k, v, q, do) SMEM tiles; stats: (lse2, delta) loaders of the step's
-  column vectors, lse2 read while Sᵀ and dPᵀ run, delta only when dSᵀ is formed. dSᵀ is formed
-  from the 16-bit Pᵀ that dV reads (as backward_wide's is), so the float32 Pᵀ dies at the
+  column vectors, lse2 read while Sᵀ and dPᵀ run, delta only when dSᵀ is formed. dSᵀ is
+  formed from the 16-bit Pᵀ that dV reads (as backward_wide's is), so the float32 Pᵀ dies at the
   conversion: with both, deviceless SASS at 240 registers (1x16384x16x128, fused_dq_shared)
   reloads 18 spilled words per step and stores 1, against 40 and 18 before (twenty-first
   session; not yet timed). wgmma groups retire in issue order, so a wait for "all but the

@@ -264,10 +264,8 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   delta = _blocking.pad_axis(delta, 2, t_pad)
   dq_segs = dkdv_segs = ()
   if _common.segment_path(params):
-    if not params.has_segments:  # a window alone: one document
-      q_seg, kv_seg = jnp.zeros(q.shape[:2], jnp.int32), jnp.zeros(k.shape[:2], jnp.int32)
-    dq_segs, dkdv_segs = segment_inputs(q_seg, kv_seg, t_pad, s_pad,
-                                        dq_tiles=(2 * BLOCK_Q, BLOCK_KV_DQ),
+    dq_segs, dkdv_segs = segment_inputs(*_common.path_segment_ids(q, k, q_seg, kv_seg, params),
+                                        t_pad, s_pad, dq_tiles=(2 * BLOCK_Q, BLOCK_KV_DQ),
                                         dkdv_tiles=(BLOCK_Q, BLOCK_KV), params=params)
   dq = _dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs)
   dk, dv = _dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs)

@@ -752,8 +752,7 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
   kpad, vpad = _blocking.pad_axis(k, 1, s_in), _blocking.pad_axis(v, 1, s_in)
   segs = ()
   if kp.segments:
-    if not params.has_segments:
-      q_seg, kv_seg = jnp.zeros(q.shape[:2], jnp.int32), jnp.zeros(k.shape[:2], jnp.int32)
+    q_seg, kv_seg = _common.path_segment_ids(q, k, q_seg, kv_seg, params)
     q_seg, kv_seg = _blocking.pad_segments(q_seg, kv_seg, t_pad, s_pad)
     kv_limits = None
     if params.has_segments:
