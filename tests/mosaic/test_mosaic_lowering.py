@@ -239,7 +239,8 @@ def test_ragged_operands_are_padded_to_tma_rows_only(head_dim, config):
                                       (dict(compute_registers=224, producer_registers=64),
                                        "2 \\* compute_registers"),
                                       (dict(dkdv_schedule="lookahead"), "dkdv_schedule"),
-                                      (dict(wide_backward="xla"), "wide_backward")])
+                                      (dict(wide_backward="xla"), "wide_backward"),
+                                      (dict(window_backward="xla"), "window_backward")])
 def test_bad_config_is_refused_naming_the_field(kw, field):
   with pytest.raises(ValueError, match=field):
     MosaicConfig(**kw)
