@@ -5,7 +5,7 @@ On the GPU machine, from the repository root:
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/config_ab.py
       --variant fold:dkdv_fold_stats=True [--variant name:k=v,k=v ...]
       [--shapes 2x16384x8x128x4,...] [--causal yes,no] [--mode fwdbwd] [--iters 8]
-      [--orders balanced,rotating] [--min-loop-ms 50] [--segments N]
+      [--orders balanced,rotating] [--min-loop-ms 50] [--segments N] [--window LEFT]
 
 Per shape, causality and mode: the tuned config ("default"), each variant (the tuned config
 with its overrides) and cuDNN, compared with "default" (max relative error) and with their
@@ -13,7 +13,9 @@ own second run (bitwise), then timed in interleaved rounds (bench.variants.compa
 round order in --orders (bench.timing.round_orders; a variant without overrides, "twin:",
 measures the method's noise). Overrides are config.with_overrides' "key=value,...".
 --segments N packs each sequence as N equal documents (segment ids) for our rows; cuDNN's row
-stays dense, and TFLOP/s count the dense work, so only our rows compare with each other. The
+stays dense, and TFLOP/s count the dense work, so only our rows compare with each other.
+--window LEFT gives every row, cuDNN's too, local_window_size=(LEFT, 0) (causal only), and
+TFLOP/s count the band's work (bench.flops.window_flops). The
 variants' correctness against the float32 reference is the GPU tests' job. Rows go to stdout
 and $OUT/config_ab.json.
 """
@@ -29,14 +31,15 @@ import jax
 import jax.numpy as jnp
 
 import pallas_flash
-from pallas_flash.bench import shapes, variants
+from pallas_flash.bench import flops, shapes, variants
 from pallas_flash.mosaic_gpu import config as mconfig
 
 
-def step(cfg, causal: bool, mode: str, seg=None):
+def step(cfg, causal: bool, mode: str, seg=None, window=None):
   def attn(q, k, v):
     return pallas_flash.flash_attention(q, k, v, is_causal=causal, implementation="mosaic",
-                                        config=cfg, query_segment_ids=seg)
+                                        config=cfg, query_segment_ids=seg,
+                                        local_window_size=window)
   if mode == "fwd":
     return jax.jit(lambda q, k, v, do: attn(q, k, v))
   return jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
@@ -52,9 +55,13 @@ def main() -> None:
   ap.add_argument("--orders", default="balanced")
   ap.add_argument("--min-loop-ms", type=float, default=50.0)
   ap.add_argument("--segments", type=int, default=0, help="equal documents per sequence")
+  ap.add_argument("--window", type=int, default=None, help="left window (causal rows only)")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
   named = [v.partition(":")[::2] for v in args.variant]  # (name, "k=v,...")
+  window = None if args.window is None else (args.window, 0)
+  if window and args.causal != "yes":
+    ap.error("--window runs causal rows only: pass --causal yes")
   rows = []
   try:
     for name in args.shapes.split(","):
@@ -70,13 +77,16 @@ def main() -> None:
         configs = {"default": tuned,
                    **{n: mconfig.with_overrides(tuned, kw) for n, kw in named}}
         for mode, order in itertools.product(args.mode.split(","), args.orders.split(",")):
-          fns = {n: step(c, causal, mode, seg) for n, c in configs.items()}
+          fns = {n: step(c, causal, mode, seg, window) for n, c in configs.items()}
+          band = {} if window is None else dict(
+              cudnn_kwargs={"local_window_size": window},
+              flop_count=flops.window_flops(spec, left=window[0], mode=mode))
           row = dict(shape=name, causal=causal, mode=mode, order=order, segments=args.segments,
-                     min_loop_ms=args.min_loop_ms,
+                     window=window, min_loop_ms=args.min_loop_ms,
                      variants={n: kw for n, kw in named},
                      **variants.compare(fns, inputs, spec, mode=mode, is_causal=causal,
                                         baseline="default", iters=args.iters, order=order,
-                                        min_loop_s=args.min_loop_ms / 1e3))
+                                        min_loop_s=args.min_loop_ms / 1e3, **band))
           rows.append(row)
           print(json.dumps(row), flush=True)
       del inputs

@@ -25,6 +25,16 @@ def attention_flops(spec: ShapeSpec, *, is_causal: bool, mode: str) -> float:
   return forward * _MODE_FACTOR[mode]
 
 
+def window_flops(spec: ShapeSpec, *, left: int, mode: str) -> float:
+  """Matmul FLOPs of one causal call with a window of `left` + 1 keys (query i sees keys
+  i - left .. i): the band's exact pair count, as in scripts/features_bench.py."""
+  if mode not in _MODE_FACTOR:
+    raise ValueError(f"Unknown mode {mode!r}; choose one of {MODES}.")
+  b, t, h, d = spec.shape
+  pairs = sum(min(i, left) + 1 for i in range(t))
+  return 4.0 * b * h * pairs * d * _MODE_FACTOR[mode]
+
+
 def tflops(flops: float, seconds: float) -> float:
   """TFLOP/s (10^12 FLOP per second)."""
   return flops / seconds / 1e12

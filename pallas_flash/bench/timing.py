@@ -22,17 +22,18 @@ BASELINES: tuple[str, ...] = ("cudnn", "jax_xla")
 ALL_IMPLS: tuple[str, ...] = OURS + BASELINES
 
 
-def attention_fn(impl: str, *, is_causal: bool) -> Callable:
-  """o = attention(q, k, v) for one implementation; q, k, v, o are [B, T, H, D]."""
+def attention_fn(impl: str, *, is_causal: bool, **kwargs) -> Callable:
+  """o = attention(q, k, v) for one implementation; q, k, v, o are [B, T, H, D]. kwargs (e.g.
+  local_window_size) go to the attention call; jax.nn's baselines take only the ones it shares."""
   if impl == "cudnn":
     return functools.partial(jax.nn.dot_product_attention, is_causal=is_causal,
-                             implementation="cudnn")
+                             implementation="cudnn", **kwargs)
   if impl == "jax_xla":  # materialises the [B, H, T, S] scores
     return functools.partial(jax.nn.dot_product_attention, is_causal=is_causal,
-                             implementation="xla")
+                             implementation="xla", **kwargs)
   if impl in OURS:
     return functools.partial(pallas_flash.flash_attention, is_causal=is_causal,
-                             implementation=impl)
+                             implementation=impl, **kwargs)
   raise ValueError(f"Unknown implementation {impl!r}; choose from {ALL_IMPLS}.")
 
 
@@ -62,13 +63,13 @@ def skip_reason(impl: str, spec: ShapeSpec, dtype, *, is_causal: bool,
 
 
 @functools.cache
-def make_step(impl: str, *, mode: str, is_causal: bool) -> Callable:
+def make_step(impl: str, *, mode: str, is_causal: bool, **kwargs) -> Callable:
   """The jitted benchmark step, step(q, k, v, do): q, do [B, T, H, D], k, v [B, T, K, D].
 
   fwd returns o; fwdbwd returns (dq, dk, dv) = grad of sum(o * do) w.r.t. (q, k, v), i.e. the
-  VJP with cotangent do (the forward runs inside it, as in training).
+  VJP with cotangent do (the forward runs inside it, as in training). kwargs: attention_fn's.
   """
-  attn = attention_fn(impl, is_causal=is_causal)
+  attn = attention_fn(impl, is_causal=is_causal, **kwargs)
 
   def fwd(q, k, v, do):
     del do

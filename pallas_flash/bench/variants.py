@@ -23,15 +23,18 @@ def parse_shape(name: str) -> shapes.ShapeSpec:
 
 def compare(steps: dict[str, Callable], args: tuple, spec: shapes.ShapeSpec, *, mode: str,
             is_causal: bool, baseline: str, iters: int = 7, order: str = "balanced",
-            min_loop_s: float = 0.05) -> dict:
+            min_loop_s: float = 0.05, cudnn_kwargs: dict | None = None,
+            flop_count: float | None = None) -> dict:
   """steps: name -> jitted fn(q, k, v, do) of mode "fwd" or "fwdbwd"; cuDNN's is added.
 
   Compiles each, compares its outputs with `baseline`'s (max relative error, cuDNN's too) and with
   its own second run (bitwise), then times all of them interleaved (timing.time_interleaved, rounds
   in `order`, loops of at least `min_loop_s`). Returns err_vs_<baseline>, bitwise_run_to_run, tflops
-  and ratio_vs_cudnn, each a dict by name.
+  and ratio_vs_cudnn, each a dict by name. cudnn_kwargs go to cuDNN's call (a window the steps
+  share); flop_count replaces the dense/causal count where the steps do other work (a band).
   """
-  steps = {**steps, "cudnn": timing.make_step("cudnn", mode=mode, is_causal=is_causal)}
+  cudnn = timing.make_step("cudnn", mode=mode, is_causal=is_causal, **(cudnn_kwargs or {}))
+  steps = {**steps, "cudnn": cudnn}
   compiled = {n: timing.compile_step(f, args)[0] for n, f in steps.items()}
   outs = {n: jax.tree.leaves(c(*args)) for n, c in compiled.items()}
   errs = {n: max(float(checks.rel_err(a, r)) for a, r in zip(o, outs[baseline], strict=True))
@@ -42,7 +45,7 @@ def compare(steps: dict[str, Callable], args: tuple, spec: shapes.ShapeSpec, *, 
   del outs
   times = timing.time_interleaved(compiled, args, iters=iters, order=order,
                                   min_loop_s=min_loop_s)
-  f = flops.attention_flops(spec, is_causal=is_causal, mode=mode)
+  f = flop_count or flops.attention_flops(spec, is_causal=is_causal, mode=mode)
   rate = {n: round(flops.tflops(f, x.median_s), 1) for n, x in times.items()}
   return {f"err_vs_{baseline}": errs, "bitwise_run_to_run": again, "tflops": rate,
           "ratio_vs_cudnn": {n: round(v / rate["cudnn"], 3) for n, v in rate.items()}}

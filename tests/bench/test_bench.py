@@ -192,6 +192,15 @@ def test_flop_convention():
   assert flops.attention_flops(spec, is_causal=True, mode="fwdbwd") == fwd / 2 * 3.5
 
 
+def test_window_flops_count_the_band():
+  spec = variants.parse_shape("2x1000x4x64")
+  per_pair = 4 * 2 * 4 * 64
+  assert flops.window_flops(spec, left=0, mode="fwd") == per_pair * 1000
+  assert flops.window_flops(spec, left=999, mode="fwd") == per_pair * 1000 * 1001 / 2
+  # left = 10: the first 10 queries see i + 1 keys, the other 990 see 11.
+  assert flops.window_flops(spec, left=10, mode="fwdbwd") == per_pair * (55 + 990 * 11) * 3.5
+
+
 def test_cli_writes_json(tmp_path):
   out = tmp_path / "cli.json"
   proc = subprocess.run(
