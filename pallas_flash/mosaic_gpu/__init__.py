@@ -12,8 +12,8 @@ from pallas_flash.params import CallInfo
 CONFIG_TYPE = MosaicConfig
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # Optional features (pallas_flash.params.FEATURES) the kernels take; calls with any other run
-# elsewhere. The soft cap's backward at head_dim 256, and a windowed call's unless
-# MosaicConfig.window_backward="mosaic", run the Triton kernels (backward._triton_backward).
+# elsewhere. The soft cap's backward at head_dim 256, and a windowed call's with
+# MosaicConfig.window_backward="triton", run the Triton kernels (backward._triton_backward).
 SUPPORTED_FEATURES = frozenset({"logits_soft_cap", "local_window_size"})
 # `backward` takes the forward's lse and only the lse cotangent's correction as delta, and
 # computes rowsum(O∘dO) itself, in the dQ kernel (see pallas_flash.params).

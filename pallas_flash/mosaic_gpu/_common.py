@@ -60,8 +60,8 @@ class KernelParams:
   v_stages: int = 0  # dQ kernel: depth of the V ring where it differs from K's (0: stages)
   softcap: float | None = None  # AttentionParams.logits_soft_cap
   # AttentionParams.local_window (left, right); the kernels stream its band's blocks through
-  # the segment-id path (band_limits): the forward, and the backward with window_backward
-  # "mosaic".
+  # the segment-id path (band_limits): the forward, and the backward unless window_backward
+  # is "triton".
   window: tuple[int, int] | None = None
 
   @property

@@ -987,8 +987,8 @@ def _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *,
   - head_dim 256 with wide_backward="triton" (0.57-0.61x cuDNN fwd+bwd on the H200 at
     4x4096x8x256, against backward_wide's 1.05-1.09x), or with a soft cap: backward_wide's dS
     warpgroup gets Pᵀ through shared memory, never Sᵀ, so it has no cap slope;
-  - a local window with window_backward="triton", the default until the Mosaic kernels'
-    windowed backward has run on a GPU (see MosaicConfig).
+  - a local window with window_backward="triton" (the Mosaic kernels' windowed backward is
+    the default; see MosaicConfig).
   """
   from pallas_flash import triton as triton_backend
   lse, delta = _xla_row_stats(o, lse, do, delta)
@@ -1002,8 +1002,8 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   sets BACKWARD_COMPUTES_DELTA: lse is the forward's (natural log, -inf on fully masked rows)
   and delta only the correction -dlse [B, H, T] float32, or None when lse has no cotangent.
   Segment ids: the split kernels load only the blocks that may share an id with their tile and
-  compare ids on those not wholly inside the tile's one document; a local window (with
-  window_backward="mosaic") runs the same path, its band's blocks as the limits
+  compare ids on those not wholly inside the tile's one document; a local window (unless
+  window_backward="triton") runs the same path, its band's blocks as the limits
   (segment_inputs). The fused kernel takes neither: it falls back to the split with a
   warning."""
   config = config or _common.config_for(q, k, params)

@@ -359,8 +359,8 @@ def _window_id(case):
 @pytest.mark.parametrize("window_backward", ["triton", "mosaic"])
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=_window_id)
 def test_windowed_forward_and_gradients(case, window_backward):
-  """local_window_size: the Mosaic forward over the band's blocks, the backward Triton's (the
-  default) or the Mosaic kernels' over the band's blocks (window_backward="mosaic")."""
+  """local_window_size: the Mosaic forward over the band's blocks, the backward the Mosaic
+  kernels' over the band's blocks (the default, window_backward="mosaic") or Triton's."""
   b, t, s, h, kh, d, causal, dtype, window = case
   q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
   p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False,

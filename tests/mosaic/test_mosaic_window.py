@@ -1,5 +1,5 @@
-"""local_window_size on the Mosaic GPU kernels, forward and backward (the backward with
-MosaicConfig.window_backward="mosaic"; the default runs the Triton kernels): the interpreted
+"""local_window_size on the Mosaic GPU kernels, forward and backward (the default
+MosaicConfig.window_backward="mosaic"; "triton" runs the Triton kernels): the interpreted
 kernels against the reference, lowering for CUDA on the CPU, the dispatch, and the band's block
 limits in both orientations (q tiles streaming keys, kv tiles streaming queries).
 
@@ -115,13 +115,15 @@ LOWER = [  # B, T, S, H, K, D, causal
 ]
 
 
-@pytest.mark.parametrize("window_backward", ["triton", "mosaic"])
+@pytest.mark.parametrize("window_backward", [None, "triton", "mosaic"])
 @pytest.mark.parametrize("case", LOWER, ids=kernel_case_id)
 def test_windowed_forward_and_grad_lower(case, window_backward):
+  """None: the tuned config as the dispatch picks it, whose backward is the Mosaic kernels'."""
   *shape, causal = case
   q, kv = kernel_specs(*shape)
-  config = dataclasses.replace(tuned(shape[-1], causal, shape[2]),
-                               window_backward=window_backward)
+  config = tuned(shape[-1], causal, shape[2])
+  if window_backward is not None:
+    config = dataclasses.replace(config, window_backward=window_backward)
 
   def attn(q, k, v):
     return pallas_flash.flash_attention(q, k, v, is_causal=causal, local_window_size=(511, 0),
@@ -131,7 +133,7 @@ def test_windowed_forward_and_grad_lower(case, window_backward):
     return jax.grad(lambda *a: attn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
 
   assert export_for_h200(attn, q, kv, kv).mlir_module().count("mosaic_gpu") >= 1
-  if window_backward == "mosaic":
+  if window_backward != "triton":
     text = export_for_h200(grads, q, kv, kv).mlir_module()  # the export refuses Triton calls
     assert text.count("mosaic_gpu") >= 3 and "pallas_flash_bwd_dq" not in text
   else:
