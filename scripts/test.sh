@@ -7,4 +7,9 @@ cd "$root"
 # --durations: the slowest tests, so that a suite creeping towards CI's budget shows where.
 # -n: one pytest-xdist worker per core (PALLAS_FLASH_TEST_WORKERS overrides; 0 runs in-process):
 # the interpret-mode cases are single-threaded Python, so a 2-core CI machine runs two at once.
-exec .venv/bin/python -m pytest -q --durations=15 -n "${PALLAS_FLASH_TEST_WORKERS:-auto}" "$@"
+# --timeout: a kernel whose pipeline never drains hangs the interpreter as it hangs the GPU (the
+# twenty-first session's windowed forward did); the thread method ends that worker, which fails
+# the test and lets xdist start another, instead of the suite running into CI's limit. No single
+# test comes near 15 minutes (see --durations).
+exec .venv/bin/python -m pytest -q --durations=15 -n "${PALLAS_FLASH_TEST_WORKERS:-auto}" \
+  --timeout "${PALLAS_FLASH_TEST_TIMEOUT:-900}" --timeout-method thread "$@"
