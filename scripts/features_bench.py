@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import subprocess
 import time
@@ -274,6 +275,11 @@ def _print_row(row: dict) -> None:
 
 
 def _git_commit() -> str | None:
+  """$PALLAS_FLASH_COMMIT when set (a `git archive` snapshot's commit: `git rev-parse` would
+  name whatever checkout encloses it, as run3 of the twenty-second session recorded), else
+  HEAD's."""
+  if os.environ.get("PALLAS_FLASH_COMMIT"):
+    return os.environ["PALLAS_FLASH_COMMIT"]
   try:
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
