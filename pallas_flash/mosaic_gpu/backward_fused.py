@@ -222,32 +222,43 @@ def _overlapped_step(dv, dk, tiles, stats, ds_smem, dq_terms, dq_shape, k0, mask
   sync_ds, reduce_dq, release_do, release_q = hooks
   acc_t = plgpu.ACC((kp.block_kv, kp.block_q), jnp.float32)
 
+  # The named scopes are scripts/mosaic_profile.py's regions (MosaicConfig.profile_dir); they
+  # change nothing else (deviceless SASS identical with and without them).
   def grads(dv_mm, dk_mm):
     def scores(s_ref, dp_ref):
-      plgpu.wgmma(s_ref, k_smem, q_smem.T)
-      plgpu.wgmma(dp_ref, v_smem, do_smem.T)
       lse_fn, delta_fn = stats
-      p_t, slope = _probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), lse_fn(), k0,
-                            mask_block, kp)
-      p16 = p_t.astype(kp.dtype)
-      dv_out = dv_mm(p16)
-      dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)
-      return dv_out, grad_scores_t(p16.astype(jnp.float32), slope, dp_t, delta_fn())
+      with jax.named_scope("scores"):
+        plgpu.wgmma(s_ref, k_smem, q_smem.T)
+        plgpu.wgmma(dp_ref, v_smem, do_smem.T)
+        s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+      with jax.named_scope("softmax"):
+        p_t, slope = _probs_t(s_t, lse_fn(), k0, mask_block, kp)
+        p16 = p_t.astype(kp.dtype)
+      with jax.named_scope("dv_issue"):
+        dv_out = dv_mm(p16)
+      with jax.named_scope("wait_dp"):
+        dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)
+      with jax.named_scope("ds"):
+        return dv_out, grad_scores_t(p16.astype(jnp.float32), slope, dp_t, delta_fn())
 
     dv_out, ds_t = pl.run_scoped(scores, acc_t, acc_t)
     # dSᵀ in SMEM serves dK (as is) and dQ (its transposed view); wgmma reads it through the
     # async proxy, hence the fence.
-    ds_smem[...] = ds_t.astype(kp.dtype)
-    plgpu.commit_smem()
-    sync_ds()
+    with jax.named_scope("ds_store"):
+      ds_smem[...] = ds_t.astype(kp.dtype)
+      plgpu.commit_smem()
+    with jax.named_scope("sync_ds"):
+      sync_ds()
 
     def dq_mm(dq_ref):
-      for a, b in dq_terms:
-        plgpu.wgmma(dq_ref, a, b)
-      dk_out = dk_mm()
-      dq = plgpu.wgmma_accumulator_load(dq_ref, wait_n=1)
-      release_do()
-      reduce_dq(dq)
+      with jax.named_scope("grad_mm"):
+        for a, b in dq_terms:
+          plgpu.wgmma(dq_ref, a, b)
+        dk_out = dk_mm()
+        dq = plgpu.wgmma_accumulator_load(dq_ref, wait_n=1)
+      with jax.named_scope("reduce_dq"):
+        release_do()
+        reduce_dq(dq)
       return dk_out
 
     # A scoped accumulator, so dQ_part's zeros take registers only from here on.
