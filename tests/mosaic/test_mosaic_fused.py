@@ -19,7 +19,7 @@ from pallas_flash.mosaic_gpu import TUNED, MosaicConfig, backward, backward_fuse
 from pallas_flash.mosaic_gpu import config as mconfig
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
-from testing import TRITON_CALL, export_for_h200, kernel_case_id, kernel_specs
+from testing import TRITON_CALL, export_for_h200, kernel_case_id, kernel_specs, max_rel_err
 
 
 def _mosaic_calls(text: str) -> int:
@@ -235,9 +235,7 @@ def _interpret_id(c):
   return "_".join([kernel_case_id(c[:7]), jnp.dtype(c[7]).name, *changes])
 
 
-def _rel(x, ref):
-  x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
-  return float(jnp.abs(x - ref).max() / jnp.abs(ref).max())
+_rel = max_rel_err
 
 
 @pytest.mark.parametrize("case", INTERPRET, ids=_interpret_id)
