@@ -14,7 +14,10 @@ share of each warpgroup's time spent in each named region of pallas_flash/mosaic
 of a run_state) and its mean length. Only the first PROFILE_STEPS (32) steps of each
 warpgroup are recorded. The raw trace (Perfetto / chrome://tracing) stays in DIR.
 Profiling adds a timer read per region boundary, so the kernel runs slower than unprofiled:
-read the shares, not the absolute times.
+read the shares, not the absolute times. The profiler's event buffer takes 27,648 B of shared
+memory per CTA (`_common.profiler_smem_bytes`): a fused_overlap kernel at head_dim 128 is
+profiled with one dQ staging slot instead of two (`backward_fused.dq_slots`), and one with
+fused_defer_dq does not fit at all (its four dSᵀ slots).
 """
 
 from __future__ import annotations

@@ -175,11 +175,22 @@ def compiler_params(kp: KernelParams | None = None, steps: int = 0):
   # it would reserve is what lets 3 stages or 192-row kv tiles fit at head_dim 128.
   if kp is None or not kp.profile_dir:
     return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
-  # Up to ~8 named regions (16 events) per step and warpgroup; the bounds check truncates a
-  # trace rather than overrunning the buffer if that is ever too few.
   return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
-                              profile_space=16 * steps + 64, profile_dir=kp.profile_dir,
+                              profile_space=profile_space(steps), profile_dir=kp.profile_dir,
                               profile_bounds_check=True)
+
+
+def profile_space(steps: int) -> int:
+  """The profiler's budget of named-region ranges per warpgroup for `steps` loop steps: up to
+  16 a step (the bounds check truncates a trace rather than overrun the buffer if that is ever
+  too few)."""
+  return 16 * steps + 64
+
+
+def profiler_smem_bytes(steps: int, warpgroups: int = 3) -> int:
+  """Shared memory the profiler's event buffer takes (MosaicConfig.profile_dir): Mosaic keeps 4
+  int32 entries per range (two events of two) for each warpgroup, 27,648 B at 32 steps."""
+  return warpgroups * profile_space(steps) * 4 * 4
 
 
 # The Mosaic GPU interpreter runs each warpgroup of a CTA as its own XLA:CPU computation, whose

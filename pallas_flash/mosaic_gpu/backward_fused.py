@@ -85,11 +85,14 @@ def ds_slots(dq_shared: bool, defer_dq: bool) -> int:
 
 def dq_slots(d: int, config: MosaicConfig, itemsize: int = 2) -> int:
   """dQ_part staging buffers per WG: 2 (double-buffered) with fused_overlap where they fit
-  in shared memory, else 1."""
+  in shared memory, else 1. A profiled kernel (config.profile_dir) counts the profiler's
+  buffer too, so that the head_dim 128 form (231,424 B with 2 slots) is profiled with one."""
   if not config.fused_overlap:
     return 1
   two = smem_bytes(d, config.block_q_fused, config.block_kv_fused, config.fused_stages,
                    itemsize, dq_shared=config.fused_dq_shared, dq_slots=2)
+  if config.profile_dir:
+    two += _common.profiler_smem_bytes(PROFILE_STEPS)
   return 2 if two <= SMEM_LIMIT_BYTES else 1
 
 

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_flash
-from pallas_flash.mosaic_gpu import TUNED, MosaicConfig, backward, backward_fused
+from pallas_flash.mosaic_gpu import TUNED, MosaicConfig, _common, backward, backward_fused
+from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES
 from pallas_flash.mosaic_gpu import config as mconfig
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
@@ -124,6 +125,20 @@ def test_overlap_double_buffers_dq_where_it_fits(d, kw, slots):
   assert backward_fused.dq_slots(d, config) == slots
   assert backward_fused.unsupported_reason(q, config) is None
   assert backward_fused.dq_slots(d, dataclasses.replace(config, fused_overlap=False)) == 1
+
+
+def test_profiled_overlap_leaves_room_for_the_profiler():
+  """With profile_dir the profiler's event buffer (27,648 B) shares the CTA's shared memory:
+  the head_dim 128 form drops to one dQ slot, which leaves room for it; two would not."""
+  config = _fused(128, False, fused_overlap=True, fused_dq_shared=True)
+  profiled = dataclasses.replace(config, profile_dir="/tmp/unused")
+  assert backward_fused.dq_slots(128, config) == 2
+  assert backward_fused.dq_slots(128, profiled) == 1
+  extra = _common.profiler_smem_bytes(backward_fused.PROFILE_STEPS)
+  bq, bkv, stages = config.block_q_fused, config.block_kv_fused, config.fused_stages
+  for slots, fits in ((1, True), (2, False)):
+    need = backward_fused.smem_bytes(128, bq, bkv, stages, dq_shared=True, dq_slots=slots)
+    assert (need + extra <= SMEM_LIMIT_BYTES) == fits, (slots, need, extra)
 
 
 @pytest.mark.parametrize("kw,expected", [
