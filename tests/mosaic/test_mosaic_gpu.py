@@ -299,9 +299,14 @@ def _segment_kwargs(case):
 def test_segments_forward_and_gradients(case):
   """Segment ids and lengths on the mosaic kernels (tuned configs) against the reference, and
   bit-reproducible."""
+  _assert_call_matches_reference(case, 0, **_segment_kwargs(case))
+
+
+def _assert_call_matches_reference(case, seed_offset: int, **kw):
+  """flash_attention(implementation="mosaic", **kw) on a SEGMENT_CASES case against the API's
+  reference implementation in float32 (forward and gradients), and bit-reproducible."""
   b, t, s, h, kh, d, causal, dtype, _ = case
-  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d)
-  kw = _segment_kwargs(case)
+  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d + seed_offset)
 
   def attn(impl):
     return lambda *a: pallas_flash.flash_attention(*a, is_causal=causal, implementation=impl,
@@ -374,18 +379,7 @@ def test_windowed_forward_and_gradients(case, window_backward):
 def test_windowed_segments_forward_and_gradients(case):
   """A window with segment ids or lengths (tuned configs): the band's limits intersected with
   the documents', and the ids compared, against the reference; bit-reproducible."""
-  b, t, s, h, kh, d, causal, dtype, _ = case
-  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d + 2)
-  kw = dict(_segment_kwargs(case), local_window_size=(300, 0) if causal else (200, 100))
-
-  def attn(impl):
-    return lambda *a: pallas_flash.flash_attention(*a, is_causal=causal, implementation=impl,
-                                                   **kw)
-
-  got = _fwd_bwd(attn("mosaic"))(q, k, v, do)
-  want = _fwd_bwd(attn("reference"))(*(x.astype(jnp.float32) for x in (q, k, v, do)))
-  assert _rel(got[0], want[0]) <= TOL[dtype][0], _rel(got[0], want[0])
-  for name, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
-    assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
-  again = _fwd_bwd(attn("mosaic"))(q, k, v, do)
-  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again)), "not bit-reproducible"
+  causal = case[6]
+  _assert_call_matches_reference(
+      case, 2, **_segment_kwargs(case),
+      local_window_size=(300, 0) if causal else (200, 100))
