@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import platform
-import subprocess
 import time
 
 import jax
@@ -33,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_flash
+from pallas_flash.bench.__main__ import git_commit
+from pallas_flash.bench.flops import window_pairs
 from pallas_flash.bench.timing import compile_step, time_compiled
 
 HEADS, HEAD_DIM = 16, 128
@@ -53,12 +53,6 @@ class Config:
 
 def causal_pairs(n: int) -> int:
   return n * (n + 1) // 2
-
-
-def window_pairs(n: int, left: int) -> int:
-  """Pairs with i - left <= j <= i (causal window of left + 1 keys)."""
-  i = np.arange(n, dtype=np.int64)
-  return int(np.sum(np.minimum(i, left) + 1))
 
 
 def segments(lengths, total: int) -> jax.Array:
@@ -197,7 +191,7 @@ def main() -> None:
   if args.json:
     meta = dict(device_kind=jax.devices()[0].device_kind, jax=jax.__version__,
                 python=platform.python_version(), date=time.strftime("%Y-%m-%d"),
-                commit=_git_commit(), config=args.config, heads=HEADS, head_dim=HEAD_DIM,
+                commit=git_commit(), config=args.config, heads=HEADS, head_dim=HEAD_DIM,
                 dtype="bfloat16")
     with open(args.json, "w") as f:
       json.dump(dict(meta=meta, rows=rows), f, indent=1)
@@ -272,19 +266,6 @@ def _print_row(row: dict) -> None:
     target += f"  {row['vs_cudnn']:.3f}x cudnn"
   print(f"{row['name']:<20} {row['mode']:<7} {row['impl']:<7} {row['ms']:9.3f} ms "
         f"{row['tflops']:7.1f} TFLOP/s err {row['error']:.2e}  {target}", flush=True)
-
-
-def _git_commit() -> str | None:
-  """$PALLAS_FLASH_COMMIT when set (a `git archive` snapshot's commit: `git rev-parse` would
-  name whatever checkout encloses it, as run3 of the twenty-second session recorded), else
-  HEAD's."""
-  if os.environ.get("PALLAS_FLASH_COMMIT"):
-    return os.environ["PALLAS_FLASH_COMMIT"]
-  try:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return None
 
 
 if __name__ == "__main__":

@@ -60,21 +60,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   return p.parse_args(argv)
 
 
-def run_metadata() -> dict:
-  """Where and when: device kind, jax version, git commit (best effort), UTC date.
+def git_commit() -> str | None:
+  """The commit being measured (best effort, None when unknown).
 
-  $PALLAS_FLASH_COMMIT names the commit when set: a `git archive` snapshot has no repository of
-  its own, and `git rev-parse` would report whatever checkout encloses it."""
+  $PALLAS_FLASH_COMMIT names it when set: a `git archive` snapshot has no repository of its
+  own, and `git rev-parse` would report whatever checkout encloses it."""
   commit = os.environ.get("PALLAS_FLASH_COMMIT", "")
   try:
     commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                       text=True, timeout=10, check=True).stdout.strip()
   except (OSError, subprocess.SubprocessError):
     pass
-  commit = commit or "unknown"
+  return commit or None
+
+
+def run_metadata() -> dict:
+  """Where and when: device kind, jax version, git commit (git_commit), UTC date."""
   dev = jax.devices()[0]
   return {"device_kind": dev.device_kind, "platform": dev.platform,
-          "jax_version": jax.__version__, "git_commit": commit,
+          "jax_version": jax.__version__, "git_commit": git_commit() or "unknown",
           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
 
 

@@ -25,14 +25,20 @@ def attention_flops(spec: ShapeSpec, *, is_causal: bool, mode: str) -> float:
   return forward * _MODE_FACTOR[mode]
 
 
+def window_pairs(n: int, left: int) -> int:
+  """(query, key) pairs of n tokens with i - left <= j <= i (a causal window of left + 1 keys):
+  sum over i of min(i, left) + 1."""
+  ramp = min(n, left + 1)  # queries 0 .. ramp - 1 see every earlier key
+  return ramp * (ramp + 1) // 2 + (n - ramp) * (left + 1)
+
+
 def window_flops(spec: ShapeSpec, *, left: int, mode: str) -> float:
   """Matmul FLOPs of one causal call with a window of `left` + 1 keys (query i sees keys
-  i - left .. i): the band's exact pair count, as in scripts/features_bench.py."""
+  i - left .. i): the band's exact pair count (window_pairs)."""
   if mode not in _MODE_FACTOR:
     raise ValueError(f"Unknown mode {mode!r}; choose one of {MODES}.")
   b, t, h, d = spec.shape
-  pairs = sum(min(i, left) + 1 for i in range(t))
-  return 4.0 * b * h * pairs * d * _MODE_FACTOR[mode]
+  return 4.0 * b * h * window_pairs(t, left) * d * _MODE_FACTOR[mode]
 
 
 def tflops(flops: float, seconds: float) -> float:
