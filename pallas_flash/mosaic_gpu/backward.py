@@ -796,12 +796,12 @@ def _split_launch(split: split_tail.TailSplit) -> dict:
   return dict(grid=(split.ctas,), grid_names=("t",))
 
 
-def kv_stream_smem(kp: _common.KernelParams, d: int) -> list:
+def kv_stream_smem(kp: _common.KernelParams, d: int, swizzle: int = 128) -> list:
   """Shared memory of a kernel that owns K/V tiles and streams Q/dO (dK/dV, fused backward):
   K and V [2 WGs, block_kv, D], the Q and dO rings [stages, block_q, D] and the lse / delta rows
-  of each slot [stages, block_q]."""
+  of each slot [stages, block_q]; the 16-bit tiles with a `swizzle`-byte swizzle."""
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
-  tiles = _common.smem_transforms(kp.dtype)
+  tiles = _common.smem_transforms(kp.dtype, swizzle)
   return [plgpu.SMEM((2, bkv, d), kp.dtype, transforms=tiles),
           plgpu.SMEM((2, bkv, d), kp.dtype, transforms=tiles),
           plgpu.SMEM((stages, bq, d), kp.dtype, transforms=tiles),
