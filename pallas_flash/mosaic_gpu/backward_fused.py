@@ -56,7 +56,7 @@ from pallas_flash.mosaic_gpu.backward import (PROFILE_STEPS, _at, _dk_dv_updates
                                               _transposed_grad_tiles, _wait_streams,
                                               grad_scores_t,
                                               kv_stream_barriers, kv_stream_smem,
-                                              profile_steps)
+                                              profile_steps, stat_columns)
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
 from pallas_flash.params import AttentionParams
 
@@ -70,7 +70,7 @@ def smem_bytes(d: int, block_q: int, block_kv: int, stages: int, itemsize: int =
   """Shared memory of one CTA: K/V of both WGs, the Q/dO/lse/delta ring, dSᵀ and dQ (f32,
   `dq_slots` buffers per WG)."""
   kv = 2 * 2 * block_kv * d * itemsize
-  ring = stages * (2 * block_q * d * itemsize + 2 * block_q * 4)
+  ring = stages * (2 * block_q * d * itemsize + 2 * stat_columns(block_q) * 4)
   ds = ds_slots(dq_shared, defer_dq) * 2 * block_kv * block_q * itemsize
   dq = dq_slots * 2 * block_q * (d // 2 if dq_shared else d) * 4
   return kv + ring + ds + dq + _SMEM_SLACK_BYTES
@@ -362,6 +362,8 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   cta_k0 = kt * (2 * bkv)
   cta_first = _first_q_block(cta_k0, kp)
   cta_steps = (nq - cta_first) * g_size
+  # Slots padded for TMA's alignment (backward.stat_columns).
+  lse_scratch, delta_scratch = (x.at[:, pl.ds(0, bq)] for x in (lse_scratch, delta_scratch))
 
   def index(step):
     i = lax.div(step, g_size)
