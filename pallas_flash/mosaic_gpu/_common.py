@@ -161,12 +161,10 @@ def operand_rows(n: int, n_pad: int, interpret: bool, static_rows: int) -> int:
   return n_pad if interpret or rows < static_rows else rows
 
 
-def smem_transforms(dtype, swizzle: int = 128):
-  """Tiling + swizzle (bytes) that wgmma and TMA expect for [rows, cols] tiles: 128 bytes unless
-  a tile's columns, or a wgmma contraction over its rows, are no multiple of 128 bytes' elements
-  (the fused backward's narrow q tiles, `backward_fused.narrow_q`)."""
+def smem_transforms(dtype):
+  """Tiling + 128-byte swizzle that wgmma and TMA expect for 16-bit [rows, D] tiles."""
   itemsize = jnp.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+  return (plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128))
 
 
 def compiler_params(kp: KernelParams | None = None, steps: int = 0):

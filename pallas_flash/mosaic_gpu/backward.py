@@ -796,25 +796,18 @@ def _split_launch(split: split_tail.TailSplit) -> dict:
   return dict(grid=(split.ctas,), grid_names=("t",))
 
 
-def kv_stream_smem(kp: _common.KernelParams, d: int, swizzle: int = 128) -> list:
+def kv_stream_smem(kp: _common.KernelParams, d: int) -> list:
   """Shared memory of a kernel that owns K/V tiles and streams Q/dO (dK/dV, fused backward):
   K and V [2 WGs, block_kv, D], the Q and dO rings [stages, block_q, D] and the lse / delta rows
-  of each slot [stages, stat_columns(block_q)] (use the first block_q); the 16-bit tiles with a
-  `swizzle`-byte swizzle."""
+  of each slot [stages, block_q]."""
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
-  tiles = _common.smem_transforms(kp.dtype, swizzle)
+  tiles = _common.smem_transforms(kp.dtype)
   return [plgpu.SMEM((2, bkv, d), kp.dtype, transforms=tiles),
           plgpu.SMEM((2, bkv, d), kp.dtype, transforms=tiles),
           plgpu.SMEM((stages, bq, d), kp.dtype, transforms=tiles),
           plgpu.SMEM((stages, bq, d), kp.dtype, transforms=tiles),
-          plgpu.SMEM((stages, stat_columns(bq)), jnp.float32),
-          plgpu.SMEM((stages, stat_columns(bq)), jnp.float32)]
-
-
-def stat_columns(block_q: int) -> int:
-  """Floats per lse / delta ring slot: block_q rounded up to 32, since a TMA's shared-memory
-  destination must be 128-byte aligned (80-row slots of 320 B faulted on the H200)."""
-  return _blocking.round_up(block_q, 32)
+          plgpu.SMEM((stages, bq), jnp.float32),
+          plgpu.SMEM((stages, bq), jnp.float32)]
 
 
 def kv_stream_barriers(kp: _common.KernelParams) -> list:

@@ -56,7 +56,7 @@ from pallas_flash.mosaic_gpu.backward import (PROFILE_STEPS, _at, _dk_dv_updates
                                               _transposed_grad_tiles, _wait_streams,
                                               grad_scores_t,
                                               kv_stream_barriers, kv_stream_smem,
-                                              profile_steps, stat_columns)
+                                              profile_steps)
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
 from pallas_flash.params import AttentionParams
 
@@ -70,27 +70,10 @@ def smem_bytes(d: int, block_q: int, block_kv: int, stages: int, itemsize: int =
   """Shared memory of one CTA: K/V of both WGs, the Q/dO/lse/delta ring, dSᵀ and dQ (f32,
   `dq_slots` buffers per WG)."""
   kv = 2 * 2 * block_kv * d * itemsize
-  ring = stages * (2 * block_q * d * itemsize + 2 * stat_columns(block_q) * 4)
+  ring = stages * (2 * block_q * d * itemsize + 2 * block_q * 4)
   ds = ds_slots(dq_shared, defer_dq) * 2 * block_kv * block_q * itemsize
   dq = dq_slots * 2 * block_q * (d // 2 if dq_shared else d) * 4
   return kv + ring + ds + dq + _SMEM_SLACK_BYTES
-
-
-def narrow_q(block_q: int) -> bool:
-  """Whether a fused q tile of block_q rows runs the narrow form (FA3's 80-row tile at head dim
-  128, non-causal): more matmul work per step for the same barriers and elementwise passes.
-
-  Pallas' wgmma contracts over a multiple of the swizzle's width in elements, and dV += Pᵀ·dO,
-  dK += dSᵀ·Q contract over the q tile: the 16-bit tiles (K, V, Q, dO, dSᵀ) take a 32-byte
-  swizzle (16 elements) instead of 128 bytes. wgmma's M is 64 rows per warpgroup, so
-  dQ_part = dS·K cannot have the q tile as M: it is computed transposed, dQ_partᵀ = Kᵀ·dSᵀ
-  (each WG half of D's rows, N = block_q), and reduce-added into a [B, H, D, T] buffer."""
-  return block_q % 64 != 0
-
-
-def tile_swizzle(block_q: int) -> int:
-  """The swizzle (bytes) of the fused kernel's 16-bit tiles (see narrow_q)."""
-  return 32 if narrow_q(block_q) else 128
 
 
 def ds_slots(dq_shared: bool, defer_dq: bool) -> int:
@@ -116,12 +99,6 @@ def dq_slots(d: int, config: MosaicConfig, itemsize: int = 2) -> int:
 def unsupported_reason(q, config: MosaicConfig) -> str | None:
   """Why the fused kernel cannot run q [B, T, H, D] with `config`, or None when it can."""
   d = q.shape[3]
-  if narrow_q(config.block_q_fused) and (
-      not config.fused_dq_shared or config.fused_overlap or config.fused_defer_dq
-      or d % 128):
-    return (f"block_q_fused {config.block_q_fused} (no multiple of 64, the narrow form) needs "
-            "fused_dq_shared, neither fused_overlap nor fused_defer_dq, and head_dim a multiple "
-            f"of 128 (got head_dim {d})")
   if d > 128:
     return (f"head_dim {d}: dK, dV and dQ_part of a 64-row tile need more than the 232 "
             "accumulator registers a warpgroup has")
@@ -326,8 +303,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                       delta_ready, q_free, do_free, lse_free, delta_free, dq_loaded, ds_ready,
                       kv_done, ds_handoff, start, *, kp: _common.KernelParams,
                       stagger_q: bool, dq_blocks: int, dq_shared: bool, overlap: bool = False,
-                      dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
-                      dq_transposed: bool = False):
+                      dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   Grid over (Sp / (2·block_kv), K, B) in _launch_order's order. dq_acc_ref [B, Tp, H, D] f32
@@ -350,9 +326,6 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   registers), then waits for the other WG's dSᵀ of step t - 1 and computes that step's
   dQ_part; the last step's follows the loop. offset: WG 1 waits on `start` until WG 0 has
   formed its first Pᵀ and dSᵀ. defer_dq "inline": as `inline_step` says.
-
-  dq_transposed (narrow_q, with dq_shared): dQ_partᵀ = Kᵀ·dSᵀ, each WG D/2 of its rows;
-  dq_acc_ref is [B, H, D, Tp] ([2, ...] interpreted) and dq_scratch [2, D/2, block_q].
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   nq = kp.t_pad // bq
@@ -362,8 +335,6 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   cta_k0 = kt * (2 * bkv)
   cta_first = _first_q_block(cta_k0, kp)
   cta_steps = (nq - cta_first) * g_size
-  # Slots padded for TMA's alignment (backward.stat_columns).
-  lse_scratch, delta_scratch = (x.at[:, pl.ds(0, bq)] for x in (lse_scratch, delta_scratch))
 
   def index(step):
     i = lax.div(step, g_size)
@@ -391,8 +362,6 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       cols = pl.ds(wg * (kp.d // 2), kp.d // 2)
       # Traced WG indices only: a literal index captured by run_state's body becomes one of
       # its outputs, which the Mosaic lowering rejects.
-      if dq_transposed:
-        return [(k_scratch.at[w, :, cols].T, ds.at[w]) for w in (wg, 1 - wg)], cols
       return [(ds.at[w].T, k_scratch.at[w, :, cols]) for w in (wg, 1 - wg)], cols
 
     def dq_plan(t, dq_smem=dq_smem):
@@ -401,8 +370,6 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       q_rows = (b, pl.ds(i * bq, bq), h)
       if dq_shared:
         terms, cols = shared_dq_terms(ds_scratch.at[lax.rem(t, 2)])
-        if dq_transposed:
-          return [(dq_smem, terms)], (b, h, cols, pl.ds(i * bq, bq))
         return [(dq_smem, terms)], (*q_rows, cols)
       ds = ds_scratch.at[wg]
       if dq_blocks == 1:
@@ -597,8 +564,7 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
                dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False):
   """q/do [B, T', H, D], k/v [B, S', K, D] (T', S' padded as _common.operand_rows says, the
   tiles covering kp.t_pad / kp.s_pad rows), lse2/delta [B, H, Tp] -> (dq_acc [B, T', H, D] f32
-  unscaled, dk [B, S', K, D] scaled, dv [B, S', K, D]). A narrow q tile (narrow_q) needs
-  dq_shared, and its dq_acc has kp.t_pad rows."""
+  unscaled, dk [B, S', K, D] scaled, dv [B, S', K, D])."""
   bsz, _, kh, d = k.shape
   s_pad = kp.s_pad
   bq, bkv = kp.block_q, kp.block_kv
@@ -610,19 +576,13 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   # the cause of the interpreter's other such deadlocks (not retried), so the fused kernel
   # keeps the plain heads-fastest (or tiles-fastest) order.
   kp = dataclasses.replace(kp, bwd_head_group=0)
-  swizzle = tile_swizzle(bq)
-  transposed = narrow_q(bq)
-  assert dq_shared or not transposed, "the narrow form computes a shared dQ_part"
-  tiles = _common.smem_transforms(kp.dtype, swizzle)
-  dq_tile = (d // 2, bq) if transposed else (bq, d // 2 if dq_shared else d)
-  # dQ_partᵀ's rows are block_q floats: the widest swizzle that divides them (64 bytes at 80).
-  dq_swizzle = next(w for w in (128, 64, 32) if dq_tile[1] * 4 % w == 0)
+  tiles = _common.smem_transforms(kp.dtype)
   scratch = [
-      *kv_stream_smem(kp, d, swizzle),
+      *kv_stream_smem(kp, d),
       plgpu.SMEM(((ds_slots(dq_shared, defer_dq),) if dq_shared else ()) + (2, bkv, bq),
                  kp.dtype, transforms=tiles),
-      plgpu.SMEM(((dq_slots,) if overlap else ()) + (2, *dq_tile),
-                 jnp.float32, transforms=_common.smem_transforms(jnp.float32, dq_swizzle)),
+      plgpu.SMEM(((dq_slots,) if overlap else ()) + (2, bq, d // 2 if dq_shared else d),
+                 jnp.float32, transforms=_common.smem_transforms(jnp.float32)),
       plgpu.SMEM((2, bkv, bq), kp.dtype, transforms=tiles) if kp.interpret else None,
       *kv_stream_barriers(kp),
       plgpu.Barrier(num_barriers=2) if kp.interpret else None,
@@ -633,16 +593,12 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   ]
   # The kernel only adds: the zeros come from XLA (a memset) and reach the kernel as a mutable
   # input, aliased to the result.
-  # The transposed buffer's rows are TMA-tiled by dq_swizzle's floats: kp.t_pad rows (whole
-  # q tiles) are a multiple of them.
-  dq_shape = (q.shape[0], q.shape[2], d, kp.t_pad) if transposed else q.shape
-  dq_acc = jax.new_ref(jnp.zeros(((2,) if kp.interpret else ()) + dq_shape, jnp.float32))
+  dq_acc = jax.new_ref(jnp.zeros(((2,) if kp.interpret else ()) + q.shape, jnp.float32))
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
   dk, dv = plgpu.kernel(
       functools.partial(_bwd_fused_kernel, kp=kp, stagger_q=stagger_q, dq_blocks=dq_blocks,
                         dq_shared=dq_shared, overlap=overlap, dq_slots=dq_slots,
-                        defer_dq=defer_dq, offset=offset and defer_dq,
-                        dq_transposed=transposed),
+                        defer_dq=defer_dq, offset=offset and defer_dq),
       out_type=(kv_out, kv_out),
       scratch_types=scratch,
       **_launch_order(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"), kp),
@@ -653,8 +609,6 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   dq = jax.freeze(dq_acc)
   if kp.interpret:
     dq = dq.sum(0)
-  if transposed:
-    dq = dq.transpose(0, 3, 1, 2)
   return dq, dk, dv
 
 

@@ -114,9 +114,6 @@ class MosaicConfig:
       `backward_fused.unsupported_reason` says the fused kernel cannot run.
     block_q_fused, block_kv_fused, fused_stages: the fused backward's query tile (streamed),
       key rows per consumer warpgroup (a CTA holds 2 x block_kv_fused keys) and Q/dO ring depth.
-      A block_q_fused that is no multiple of 64 (80: FA3's non-causal head-dim-128 tile) runs
-      the narrow form (backward_fused.narrow_q): fused_dq_shared only, every 16-bit tile with
-      a 32-byte swizzle, and dQ_part computed transposed.
       At head_dim 128, 64/64 with 2 stages uses ~210 KiB of shared memory (3 stages fit only
       with fused_dq_shared: ~226 KiB).
     fused_stagger_q: fused backward, non-causal only: kv tile kt visits q blocks starting at
@@ -264,13 +261,8 @@ class MosaicConfig:
                  "block_kv_dkv", "block_q_fused", "block_kv_fused"):
       value = getattr(self, name)
       # wgmma: M is a multiple of 64 per warpgroup; the P.V / dS.K contraction (K) must be a
-      # multiple of the 128-byte swizzle width, i.e. 64 16-bit elements. The fused backward's
-      # q tile is only ever a contraction or wgmma's N (backward_fused.narrow_q).
-      if name == "block_q_fused":
-        if value < 64 or value % 16:
-          raise ValueError(f"MosaicConfig.{name} must be a multiple of 16, at least 64, got "
-                           f"{value}")
-      elif value < 64 or value % 64:
+      # multiple of the 128-byte swizzle width, i.e. 64 16-bit elements.
+      if value < 64 or value % 64:
         raise ValueError(f"MosaicConfig.{name} must be a positive multiple of 64, got {value}")
     if self.bwd_head_group < 0:
       raise ValueError(f"MosaicConfig.bwd_head_group must be >= 0, got {self.bwd_head_group}")

@@ -87,14 +87,11 @@ def test_hd256_runs_the_wide_backward(causal):
                producer_registers=24)),
     (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_offset=True)),
     (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
-               compute_registers=240, producer_registers=24)),
-    (128, dict(fused_dq_shared=True, block_q_fused=80, compute_registers=240,
-               producer_registers=24))],
+               compute_registers=240, producer_registers=24))],
     ids=["d64_bq128", "d64_bkv128", "d64_stages3", "d64_stagger", "d128_dq_blocks2",
          "d128_regs240", "d128_dq_shared", "d128_dq_shared_stages3", "d64_overlap_stages3",
          "d128_overlap_dq_shared_stagger", "d128_overlap_dq_shared_stages3",
-         "d128_defer_dq_regs240", "d128_defer_dq_offset", "d128_defer_inline_regs240",
-         "d128_narrow_regs240"])
+         "d128_defer_dq_regs240", "d128_defer_dq_offset", "d128_defer_inline_regs240"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fused_variants_lower(d, kw, causal):
   text = _grad_module(1, 1000, 1000, 4, 2, d, causal, _fused(d, causal, **kw))
@@ -156,22 +153,6 @@ def test_defer_dq_needs_a_shared_dq_without_overlap(kw, expected):
   assert backward_fused.unsupported_reason(q, ok) is None
 
 
-@pytest.mark.parametrize("d,kw", [
-    (128, dict()), (128, dict(fused_dq_shared=True, fused_overlap=True)),
-    (128, dict(fused_dq_shared=True, fused_defer_dq=True)), (64, dict(fused_dq_shared=True))])
-def test_narrow_q_tiles_need_the_plain_shared_form(d, kw):
-  q = jax.ShapeDtypeStruct((1, 1024, 4, d), jnp.bfloat16)
-  reason = backward_fused.unsupported_reason(q, _fused(d, False, block_q_fused=80, **kw))
-  assert "narrow form" in reason
-
-
-def test_narrow_q_tiles_fit_in_shared_memory():
-  q = jax.ShapeDtypeStruct((1, 16384, 16, 128), jnp.bfloat16)
-  config = _fused(128, False, block_q_fused=80, fused_dq_shared=True)
-  assert backward_fused.narrow_q(80) and not backward_fused.narrow_q(64)
-  assert backward_fused.unsupported_reason(q, config) is None
-
-
 def test_overlap_needs_one_dq_block():
   q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
   config = _fused(128, False, fused_overlap=True, fused_dq_blocks=2)
@@ -185,8 +166,7 @@ def test_dq_column_splits_need_64_wide_blocks(kw, expected):
   assert expected in backward_fused.unsupported_reason(q, _fused(64, False, **kw))
 
 
-@pytest.mark.parametrize("kw", [dict(block_q_fused=72), dict(block_q_fused=48),
-                                dict(block_kv_fused=96), dict(block_kv_fused=0),
+@pytest.mark.parametrize("kw", [dict(block_q_fused=96), dict(block_kv_fused=0),
                                 dict(fused_stages=0), dict(fused_dq_blocks=0)])
 def test_config_validation(kw):
   with pytest.raises(ValueError):
@@ -259,11 +239,6 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
     (1, 200, 260, 2, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
                                                        fused_defer_dq=True,
                                                        fused_defer_inline=True)),
-    # The narrow form (80-row q tiles: 32-byte swizzles, dQ_part transposed into [B, H, D, T]):
-    # several q blocks with a ragged last one, causal diagonals that cut q tiles, GQA.
-    (1, 200, 260, 2, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True, block_q_fused=80)),
-    (1, 190, 130, 4, 2, 128, True, jnp.float16, dict(fused_dq_shared=True, block_q_fused=80)),
-    (2, 330, 260, 2, 1, 128, True, jnp.bfloat16, dict(fused_dq_shared=True, block_q_fused=80)),
     # bwd_head_group is ignored by the fused kernel (see fused_call).
     (1, 130, 200, 8, 4, 128, True, jnp.bfloat16, dict(fused_dq_shared=True,
                                                       bwd_heads_fastest=True, bwd_head_group=2)),

@@ -206,9 +206,9 @@ FUSED = dict(fused_backward=True, fused_dq_shared=True, compute_registers=240,
 @pytest.mark.parametrize("changes", [{}, dict(fused_defer_dq=True),
                                      dict(fused_defer_dq=True, fused_offset=True),
                                      dict(fused_defer_dq=True, fused_defer_inline=True),
-                                     dict(fused_overlap=True), dict(block_q_fused=80)],
+                                     dict(fused_overlap=True)],
                          ids=["dq_shared", "defer_dq", "defer_dq_offset", "defer_inline",
-                              "overlap", "narrow"])
+                              "overlap"])
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 3, 4, 9)], ids=kernel_case_id)
 def test_fused_backward_gradients(case, changes):
   """The single-kernel backward (opt-in; dQ summed by float32 atomics, so compared with the
