@@ -167,17 +167,21 @@ def smem_transforms(dtype):
   return (plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128))
 
 
-def compiler_params(kp: KernelParams | None = None, steps: int = 0):
+def compiler_params(kp: KernelParams | None = None, steps: int = 0, *,
+                    auto_barriers: bool = True):
   """kp: the kernel's parameters (only kp.profile_dir is read); steps: the most loop steps a
-  warpgroup runs, to size the profiler's event buffer."""
+  warpgroup runs, to size the profiler's event buffer. auto_barriers False: Pallas adds no
+  warpgroup barrier around shared-memory stores (`unsafe_no_auto_barriers`); the kernel's own
+  fences and barriers must order them (see backward_fused.fused_call)."""
   # approx_math: exp2 -> ex2.approx.ftz.f32, log2 -> lg2.approx (one MUFU op each).
   # reduction_scratch_bytes=0: only per-row reductions (inside a warp) are used, and the 2 KiB
   # it would reserve is what lets 3 stages or 192-row kv tiles fit at head_dim 128.
+  common = dict(approx_math=True, reduction_scratch_bytes=0,
+                unsafe_no_auto_barriers=not auto_barriers)
   if kp is None or not kp.profile_dir:
-    return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
-  return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
-                              profile_space=profile_space(steps), profile_dir=kp.profile_dir,
-                              profile_bounds_check=True)
+    return plgpu.CompilerParams(**common)
+  return plgpu.CompilerParams(**common, profile_space=profile_space(steps),
+                              profile_dir=kp.profile_dir, profile_bounds_check=True)
 
 
 def profile_space(steps: int) -> int:

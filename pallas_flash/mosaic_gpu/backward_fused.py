@@ -561,10 +561,21 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
 
 def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q: bool = False,
                dq_blocks: int = 1, dq_shared: bool = False, overlap: bool = False,
-               dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False):
+               dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
+               auto_barriers: bool = True):
   """q/do [B, T', H, D], k/v [B, S', K, D] (T', S' padded as _common.operand_rows says, the
   tiles covering kp.t_pad / kp.s_pad rows), lse2/delta [B, H, Tp] -> (dq_acc [B, T', H, D] f32
-  unscaled, dk [B, S', K, D] scaled, dv [B, S', K, D])."""
+  unscaled, dk [B, S', K, D] scaled, dv [B, S', K, D]).
+
+  auto_barriers False (MosaicConfig.fused_auto_barriers; ignored when interpreting, whose dQ
+  read-modify-write needs them) compiles without Pallas' barriers around shared-memory stores.
+  No thread reads shared memory that a thread wrote; the stores' hazards are ordered by:
+  dSᵀ (read by wgmma only): its slot's last readers, the wgmmas of two steps before, retired
+  before this WG's wait and before the other WG's arrival on the step between; commit_smem's
+  fence and barrier publish it. The dQ_part staging (read by TMA only): the wait for the last
+  reduction's reads ends in a warpgroup barrier (Mosaic's await_async_copy); _reduce_dq's
+  commit_smem publishes it. The dK / dV tiles at the end: written after the last matmuls
+  that read them (with dq_shared both WGs': the kv_done sync), published by commit_smem."""
   bsz, _, kh, d = k.shape
   s_pad = kp.s_pad
   bq, bkv = kp.block_q, kp.block_kv
@@ -603,7 +614,8 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
       scratch_types=scratch,
       **_launch_order(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"), kp),
       num_threads=3, thread_name="wg",
-      compiler_params=_common.compiler_params(kp, min(profile_steps(kp), PROFILE_STEPS)),
+      compiler_params=_common.compiler_params(kp, min(profile_steps(kp), PROFILE_STEPS),
+                                              auto_barriers=auto_barriers or kp.interpret),
       interpret=_common.interpret_params(kp.interpret),
   )(q, k, v, do, lse2, delta, dq_acc)
   dq = jax.freeze(dq_acc)
@@ -643,6 +655,7 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
                               dq_slots=dq_slots(q.shape[3], config, jnp.dtype(q.dtype).itemsize),
                               defer_dq=("inline" if config.fused_defer_inline
                                         else config.fused_defer_dq),
-                              offset=config.fused_offset)
+                              offset=config.fused_offset,
+                              auto_barriers=config.fused_auto_barriers)
   dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)
   return dq, dk[:, :s], dv[:, :s]

@@ -147,6 +147,10 @@ class MosaicConfig:
       unreduced dQ_part instead of a branch).
     fused_offset: with fused_defer_dq: warpgroup 1 starts once warpgroup 0 has its first
       Sᵀ and dPᵀ, so that one's elementwise work runs while the other's matmuls do.
+    fused_auto_barriers: fused backward on the GPU: False drops the warpgroup barriers Pallas
+      puts before and after every shared-memory store (4 of the 7 per step at head_dim 128,
+      around the dSᵀ and dQ_part staging stores); the fences and barriers the kernel issues
+      itself order what needs ordering (backward_fused.fused_call says why).
     dkdv_schedule: the split backward's dK/dV kernel, per (q block, query head) step of a
       warpgroup. "serial": Sᵀ and dPᵀ, wait; Pᵀ, dSᵀ; dV += Pᵀ·dO, wait; dK += dSᵀ·Q, wait.
       "batched": dV and dK issued back to back with one wait (dO released as soon as dV
@@ -245,6 +249,7 @@ class MosaicConfig:
   fused_defer_dq: bool = False
   fused_defer_inline: bool = False
   fused_offset: bool = False
+  fused_auto_barriers: bool = True
   dkdv_schedule: str = "serial"
   dkdv_pingpong: bool = False
   dkdv_fold_stats: bool = False

@@ -87,11 +87,18 @@ def test_hd256_runs_the_wide_backward(causal):
                producer_registers=24)),
     (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_offset=True)),
     (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
-               compute_registers=240, producer_registers=24))],
+               compute_registers=240, producer_registers=24)),
+    (128, dict(fused_dq_shared=True, fused_auto_barriers=False)),
+    (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
+               fused_auto_barriers=False)),
+    (128, dict(fused_dq_shared=True, fused_overlap=True, fused_auto_barriers=False)),
+    (64, dict(fused_auto_barriers=False))],
     ids=["d64_bq128", "d64_bkv128", "d64_stages3", "d64_stagger", "d128_dq_blocks2",
          "d128_regs240", "d128_dq_shared", "d128_dq_shared_stages3", "d64_overlap_stages3",
          "d128_overlap_dq_shared_stagger", "d128_overlap_dq_shared_stages3",
-         "d128_defer_dq_regs240", "d128_defer_dq_offset", "d128_defer_inline_regs240"])
+         "d128_defer_dq_regs240", "d128_defer_dq_offset", "d128_defer_inline_regs240",
+         "d128_dq_shared_no_auto_barriers", "d128_defer_inline_no_auto_barriers",
+         "d128_overlap_no_auto_barriers", "d64_no_auto_barriers"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fused_variants_lower(d, kw, causal):
   text = _grad_module(1, 1000, 1000, 4, 2, d, causal, _fused(d, causal, **kw))

@@ -206,9 +206,12 @@ FUSED = dict(fused_backward=True, fused_dq_shared=True, compute_registers=240,
 @pytest.mark.parametrize("changes", [{}, dict(fused_defer_dq=True),
                                      dict(fused_defer_dq=True, fused_offset=True),
                                      dict(fused_defer_dq=True, fused_defer_inline=True),
-                                     dict(fused_overlap=True)],
+                                     dict(fused_overlap=True),
+                                     dict(fused_auto_barriers=False),
+                                     dict(fused_defer_dq=True, fused_defer_inline=True,
+                                          fused_auto_barriers=False)],
                          ids=["dq_shared", "defer_dq", "defer_dq_offset", "defer_inline",
-                              "overlap"])
+                              "overlap", "no_auto_barriers", "defer_inline_no_auto_barriers"])
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 3, 4, 9)], ids=kernel_case_id)
 def test_fused_backward_gradients(case, changes):
   """The single-kernel backward (opt-in; dQ summed by float32 atomics, so compared with the
