@@ -7,8 +7,8 @@ On the GPU machine, from the repository root:
       [--shapes 2x16384x8x128x4,...] [--causal yes,no] [--mode fwdbwd] [--iters 8]
       [--orders balanced,rotating] [--min-loop-ms 50] [--segments N] [--window LEFT]
 
-Per shape, causality and mode: the tuned config ("default"), each variant (the tuned config
-with its overrides) and cuDNN, compared with "default" (max relative error) and with their
+Per shape, causality and mode: the config a call without one runs (`config.call_config`,
+"default"), each variant (that config with its overrides) and cuDNN, compared with "default" (max relative error) and with their
 own second run (bitwise), then timed in interleaved rounds (bench.variants.compare), once per
 round order in --orders (bench.timing.round_orders; a variant without overrides, "twin:",
 measures the method's noise). Overrides are config.with_overrides' "key=value,...".
@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import pallas_flash
 from pallas_flash.bench import flops, shapes, variants
 from pallas_flash.mosaic_gpu import config as mconfig
+from pallas_flash.params import AttentionParams
 
 
 def step(cfg, causal: bool, mode: str, seg=None, window=None):
@@ -73,7 +74,11 @@ def main() -> None:
         seg = jnp.broadcast_to(jnp.arange(spec.seq_len, dtype=jnp.int32) // doc,
                                (spec.batch, spec.seq_len))
       for causal in (c == "yes" for c in args.causal.split(",")):
-        tuned = mconfig.tuned(spec.head_dim, causal, spec.seq_len)
+        # The config a call without one runs (its backward fused for long causal calls).
+        tuned = mconfig.call_config(
+            spec.head_dim, AttentionParams(scale=1.0, is_causal=causal,
+                                           has_segments=seg is not None, local_window=window),
+            spec.seq_len)
         configs = {"default": tuned,
                    **{n: mconfig.with_overrides(tuned, kw) for n, kw in named}}
         for mode, order in itertools.product(args.mode.split(","), args.orders.split(",")):

@@ -15,7 +15,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_flash import _blocking, masks
-from pallas_flash.mosaic_gpu.config import MosaicConfig, tuned
+from pallas_flash.mosaic_gpu.config import MosaicConfig, call_config
 from pallas_flash.params import AttentionParams
 
 # Per-row vectors (m, l, lse, delta) of a wgmma accumulator tile; `COL` for its columns.
@@ -133,7 +133,7 @@ def soft_cap_with_slope(s, kp: KernelParams):
 
 
 def config_for(q, k, params: AttentionParams) -> MosaicConfig:
-  return tuned(q.shape[3], params.is_causal, k.shape[1])
+  return call_config(q.shape[3], params, k.shape[1])
 
 
 def sm_count() -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_flash.params import CallInfo
+from pallas_flash.params import AttentionParams, CallInfo
 
 # Shared memory per CTA on H100/H200 (227 KiB), enforced again by the Mosaic lowering.
 SMEM_LIMIT_BYTES = 232_448
@@ -378,12 +378,19 @@ SHORT_KV_LEN = 2048
 # TFLOP/s, same run: 4x4096x16x128 persistent 605 vs 192-key grid 594; 3x5120x16x128 585 vs
 # 593, 2x8192x16x128 588 vs 613).
 MEDIUM_KV_LEN = 4096
-# The fused backward in its fastest measured form (seventh session), opt-in: fwd+bwd +3.0 % at
-# 1x16384x16x128 and +4.1 % at 1x32768x16x128 causal over the split, but -5 % at 2x8192x16x128
-# causal and -2.6 % / -5.6 % at the training preset's 2x16384x8x128 causal (MHA / 4 kv heads),
-# so no default uses it. Its dQ sums vary run to run (float32 atomics).
+# The fused backward in its deferred form (seventh session): fwd+bwd +3.0 % at 1x16384x16x128
+# and +4.1 % at 1x32768x16x128 causal over the split, but -5 % at 2x8192x16x128 causal and
+# -2.6 % / -5.6 % at the training preset's 2x16384x8x128 causal (MHA / 4 kv heads). Its dQ sums
+# vary run to run (float32 atomics).
 FUSED_DEFERRED = dict(fused_backward=True, fused_dq_shared=True, fused_defer_dq=True,
                       fused_defer_inline=True, compute_registers=240, producer_registers=24)
+# ... compiled without Pallas' automatic barriers (twenty-third session, run 4, fwd+bwd, same
+# process): 537.8 vs the split's 534.2 TFLOP/s at 1x16384x16x128 causal, 546.6 vs 518.4 at
+# 1x32768x16x128 causal (the deferred form with barriers: 510.5, 519.3); slower at 4x4096x16x128
+# causal (426.2 vs 470.3) and non-causal (497-501 vs 529-530). The default backward of causal
+# head-dim-128 calls with at least FUSED_MIN_KV_LEN keys (`call_config`).
+FUSED_LONG_CAUSAL = dict(FUSED_DEFERRED, fused_auto_barriers=False)
+FUSED_MIN_KV_LEN = 16384
 
 
 def with_overrides(config: MosaicConfig, overrides: str) -> MosaicConfig:
@@ -418,5 +425,19 @@ def tuned(head_dim: int, is_causal: bool, kv_len: int) -> MosaicConfig:
   return config
 
 
+def call_config(head_dim: int, params: AttentionParams, kv_len: int) -> MosaicConfig:
+  """The config of a call that passes none: `tuned`, with the fused backward
+  (FUSED_LONG_CAUSAL) for causal head-dim-128 calls of at least FUSED_MIN_KV_LEN keys, unless
+  they ask for bitwise-reproducible gradients (its dQ is summed by float32 atomics) or carry
+  segment ids, lengths, a window (which the fused kernel does not stream) or a soft cap (not
+  measured with it)."""
+  config = tuned(head_dim, params.is_causal, kv_len)
+  if (params.is_causal and head_dim == 128 and kv_len >= FUSED_MIN_KV_LEN
+      and not params.deterministic and not params.has_segments
+      and params.local_window is None and params.logits_soft_cap is None):
+    config = dataclasses.replace(config, **FUSED_LONG_CAUSAL)
+  return config
+
+
 def default_config(info: CallInfo) -> MosaicConfig:
-  return tuned(info.head_dim, info.params.is_causal, info.kv_len)
+  return call_config(info.head_dim, info.params, info.kv_len)

@@ -186,15 +186,54 @@ def test_split_stays_the_default():
 
 
 def test_no_tuned_config_runs_the_fused_backward():
-  """It is opt-in (config.FUSED_DEFERRED says why): every default backward is the split,
-  bitwise reproducible."""
+  """`tuned` (the split backward, bitwise reproducible) is what calls fall back to; only
+  call_config switches to the fused kernel."""
   for d in (64, 128, 256):
     for causal in (False, True):
       for s in (1024, 4096, 16384, 65536):
         assert not mconfig.tuned(d, causal, s).fused_backward, (d, causal, s)
   q = jax.ShapeDtypeStruct((1, 16384, 4, 128), jnp.bfloat16)
-  fused = dataclasses.replace(TUNED[(128, True)], **mconfig.FUSED_DEFERRED)
-  assert backward_fused.unsupported_reason(q, fused) is None
+  for form in (mconfig.FUSED_DEFERRED, mconfig.FUSED_LONG_CAUSAL):
+    assert backward_fused.unsupported_reason(q, dataclasses.replace(TUNED[(128, True)],
+                                                                    **form)) is None
+
+
+def _params(causal=True, **kw):
+  return AttentionParams(scale=1.0, is_causal=causal, has_segments=kw.pop("segments", False),
+                         **kw)
+
+
+@pytest.mark.parametrize("d,s,params,fused", [
+    (128, 16384, _params(), True), (128, 131072, _params(), True),
+    (128, 16383, _params(), False), (128, 4096, _params(), False),
+    (128, 16384, _params(causal=False), False), (64, 16384, _params(), False),
+    (256, 16384, _params(), False), (128, 16384, _params(deterministic=True), False),
+    (128, 16384, _params(segments=True), False),
+    (128, 16384, _params(local_window=(4095, 0)), False),
+    (128, 16384, _params(logits_soft_cap=30.0), False)],
+    ids=["16k", "128k", "16k-1", "4k", "full", "d64", "d256", "deterministic", "segments",
+         "window", "soft_cap"])
+def test_long_causal_calls_default_to_the_fused_backward(d, s, params, fused):
+  config = mconfig.call_config(d, params, s)
+  assert config.fused_backward == fused
+  want = dataclasses.replace(mconfig.tuned(d, params.is_causal, s),
+                             **(mconfig.FUSED_LONG_CAUSAL if fused else {}))
+  assert config == want
+
+
+@pytest.mark.parametrize("deterministic,kernels", [(False, 2), (True, 3)])
+def test_default_long_causal_grad_lowers_to_the_fused_kernel(deterministic, kernels):
+  """Forward + fused backward by default; deterministic=True runs the split (dQ, dK/dV)."""
+  q, kv = kernel_specs(1, 16384, 16384, 4, 2, 128)
+
+  def loss(q, k, v):
+    o = pallas_flash.flash_attention(q, k, v, is_causal=True, implementation="mosaic",
+                                     deterministic=deterministic)
+    return o.astype(jnp.float32).sum()
+
+  text = export_for_h200(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv,
+                         disabled_checks=[TRITON_CALL]).mlir_module()
+  assert _mosaic_calls(text) == kernels
 
 
 def test_deterministic_rejects_a_fused_config():

@@ -231,16 +231,16 @@ def test_fused_backward_gradients(case, changes):
 @pytest.mark.fused
 def test_deterministic_long_causal_gradients_are_bitwise_reproducible():
   """deterministic=True (the split backward) is bitwise equal run to run at 16K causal; the
-  opt-in fused kernel (float32 atomics, config.FUSED_DEFERRED) agrees with it closely."""
+  default there, the fused kernel (float32 atomics, config.FUSED_LONG_CAUSAL), agrees with it
+  closely."""
   q, k, v, do = kernel_inputs(1, 16384, 16384, 4, 2, 128, jnp.bfloat16, seed=7)
-  fused_config = dataclasses.replace(TUNED[(128, True)], **mconfig.FUSED_DEFERRED)
 
   def run(**kw):
     return _fwd_bwd(lambda *a: pallas_flash.flash_attention(
         *a, is_causal=True, implementation="mosaic", **kw))(q, k, v, do)
 
   first, again = run(deterministic=True), run(deterministic=True)
-  fused = run(config=fused_config)
+  fused = run()
   assert all(bool(jnp.array_equal(a, b)) for a, b in zip(first, again)), "not bit-reproducible"
   for name, g, r in zip(("o", "dq", "dk", "dv"), fused, first):
     assert _rel(g, r) <= 1e-2, (name, _rel(g, r))
