@@ -384,11 +384,13 @@ MEDIUM_KV_LEN = 4096
 # vary run to run (float32 atomics).
 FUSED_DEFERRED = dict(fused_backward=True, fused_dq_shared=True, fused_defer_dq=True,
                       fused_defer_inline=True, compute_registers=240, producer_registers=24)
-# ... compiled without Pallas' automatic barriers (twenty-third session, run 4, fwd+bwd, same
-# process): 537.8 vs the split's 534.2 TFLOP/s at 1x16384x16x128 causal, 546.6 vs 518.4 at
-# 1x32768x16x128 causal (the deferred form with barriers: 510.5, 519.3); slower at 4x4096x16x128
-# causal (426.2 vs 470.3) and non-causal (497-501 vs 529-530). The default backward of causal
-# head-dim-128 calls with at least FUSED_MIN_KV_LEN keys (`call_config`).
+# ... compiled without Pallas' automatic barriers: the default backward of causal head-dim-128
+# calls of batch 1 with at least FUSED_MIN_KV_LEN keys (`call_config`). Twenty-third session,
+# fwd+bwd TFLOP/s against the split, same process (runs 4-6): 1x16384x16x128 537.8 / 534.2,
+# 531.2 / 511.6; 1x32768x16x128 546.6 / 518.4, 541.9 / 513.6; 1x65536x16x128 548.2 / 515.7;
+# 1x16384x16x128 with 8 kv heads 537.0 / 511.2. Slower: batch 2 (2x16384x8x128 482.9 / 504.9,
+# with 4 kv heads 466.4 / 513.1), 4x4096x16x128 causal (426.2 / 470.3) and non-causal calls
+# (497-501 / 529-530). Why batch 2 loses with the same CTAs and steps is not known yet.
 FUSED_LONG_CAUSAL = dict(FUSED_DEFERRED, fused_auto_barriers=False)
 FUSED_MIN_KV_LEN = 16384
 
@@ -425,14 +427,15 @@ def tuned(head_dim: int, is_causal: bool, kv_len: int) -> MosaicConfig:
   return config
 
 
-def call_config(head_dim: int, params: AttentionParams, kv_len: int) -> MosaicConfig:
+def call_config(head_dim: int, params: AttentionParams, kv_len: int,
+                batch: int) -> MosaicConfig:
   """The config of a call that passes none: `tuned`, with the fused backward
-  (FUSED_LONG_CAUSAL) for causal head-dim-128 calls of at least FUSED_MIN_KV_LEN keys, unless
-  they ask for bitwise-reproducible gradients (its dQ is summed by float32 atomics) or carry
-  segment ids, lengths, a window (which the fused kernel does not stream) or a soft cap (not
-  measured with it)."""
+  (FUSED_LONG_CAUSAL) for causal head-dim-128 calls of batch 1 with at least FUSED_MIN_KV_LEN
+  keys, unless they ask for bitwise-reproducible gradients (its dQ is summed by float32
+  atomics) or carry segment ids, lengths, a window (which the fused kernel does not stream) or
+  a soft cap (not measured with it)."""
   config = tuned(head_dim, params.is_causal, kv_len)
-  if (params.is_causal and head_dim == 128 and kv_len >= FUSED_MIN_KV_LEN
+  if (params.is_causal and head_dim == 128 and kv_len >= FUSED_MIN_KV_LEN and batch == 1
       and not params.deterministic and not params.has_segments
       and params.local_window is None and params.logits_soft_cap is None):
     config = dataclasses.replace(config, **FUSED_LONG_CAUSAL)
@@ -440,4 +443,4 @@ def call_config(head_dim: int, params: AttentionParams, kv_len: int) -> MosaicCo
 
 
 def default_config(info: CallInfo) -> MosaicConfig:
-  return call_config(info.head_dim, info.params, info.kv_len)
+  return call_config(info.head_dim, info.params, info.kv_len, info.batch)
