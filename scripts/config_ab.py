@@ -8,10 +8,11 @@ On the GPU machine, from the repository root:
       [--orders balanced,rotating] [--min-loop-ms 50] [--segments N] [--window LEFT]
 
 Per shape, causality and mode: the config a call without one runs (`config.call_config`,
-"default"), each variant (that config with its overrides) and cuDNN, compared with "default" (max relative error) and with their
-own second run (bitwise), then timed in interleaved rounds (bench.variants.compare), once per
-round order in --orders (bench.timing.round_orders; a variant without overrides, "twin:",
-measures the method's noise). Overrides are config.with_overrides' "key=value,...".
+"default"), each variant (that config with its overrides) and cuDNN, compared with "default"
+(max relative error) and with their own second run (bitwise), then timed in interleaved
+rounds (bench.variants.compare), once per round order in --orders (bench.timing.round_orders;
+a variant without overrides, "twin:", measures the method's noise). Overrides are
+config.with_overrides' "key=value,...".
 --segments N packs each sequence as N equal documents (segment ids) for our rows; cuDNN's row
 stays dense, and TFLOP/s count the dense work, so only our rows compare with each other.
 --window LEFT gives every row, cuDNN's too, local_window_size=(LEFT, 0) (causal only), and

@@ -180,7 +180,7 @@ def test_config_validation(kw):
     MosaicConfig(**kw)
 
 
-def test_split_stays_the_default():
+def test_config_defaults_and_tuned_configs_run_the_split():
   assert not MosaicConfig().fused_backward
   assert not any(c.fused_backward for c in TUNED.values())
 

@@ -214,7 +214,7 @@ FUSED = dict(fused_backward=True, fused_dq_shared=True, compute_registers=240,
                               "overlap", "no_auto_barriers", "defer_inline_no_auto_barriers"])
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 3, 4, 9)], ids=kernel_case_id)
 def test_fused_backward_gradients(case, changes):
-  """The single-kernel backward (opt-in; dQ summed by float32 atomics, so compared with the
+  """The single-kernel backward's forms (dQ summed by float32 atomics, so compared with the
   reference only, not bitwise run to run)."""
   b, t, s, h, kh, d, causal, dtype = case
   q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d + 1)
