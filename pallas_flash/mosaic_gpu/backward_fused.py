@@ -303,12 +303,13 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                       delta_ready, q_free, do_free, lse_free, delta_free, dq_loaded, ds_ready,
                       kv_done, ds_handoff, start, *, kp: _common.KernelParams,
                       stagger_q: bool, dq_blocks: int, dq_shared: bool, overlap: bool = False,
-                      dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False):
+                      dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
+                      dq_head_major: bool = False):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   Grid over (Sp / (2·block_kv), K, B) in _launch_order's order. dq_acc_ref [B, Tp, H, D] f32
-  (a zeroed buffer the kernel adds into; [2, B, Tp, H, D] in interpret mode, one slice per
-  WG); dk/dv_ref [B, Sp, K, D]. k/v_scratch [2, block_kv, D], q/do_scratch [stages, block_q,
+  ([B, H, Tp, D] with dq_head_major; a zeroed buffer the kernel adds into, with a leading
+  [2] in interpret mode, one slice per WG); dk/dv_ref [B, Sp, K, D]. k/v_scratch [2, block_kv, D], q/do_scratch [stages, block_q,
   D], lse/delta_scratch [stages, block_q], ds_scratch [2, block_kv, block_q] (dSᵀ; [2 (step
   parity), 2, ...] with dq_shared), dq_scratch [2, block_q, D or D/2 (dq_shared)] f32,
   p_scratch [2, block_kv, block_q] (interpret only). Steps run over (q block i, query head
@@ -335,6 +336,11 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   cta_k0 = kt * (2 * bkv)
   cta_first = _first_q_block(cta_k0, kp)
   cta_steps = (nq - cta_first) * g_size
+
+  def dq_rows(i, h, *cols):
+    """dq_acc_ref's index of q block i of head h (and its columns `cols`)."""
+    rows = pl.ds(i * bq, bq)
+    return (b, h, rows, *cols) if dq_head_major else (b, rows, h, *cols)
 
   def index(step):
     i = lax.div(step, g_size)
@@ -367,10 +373,10 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
     def dq_plan(t, dq_smem=dq_smem):
       """Where this WG's dQ_part goes (see _gradient_matmuls) and its dq_acc_ref index."""
       i, h = index(t)
-      q_rows = (b, pl.ds(i * bq, bq), h)
+      q_rows = dq_rows(i, h)
       if dq_shared:
         terms, cols = shared_dq_terms(ds_scratch.at[lax.rem(t, 2)])
-        return [(dq_smem, terms)], (*q_rows, cols)
+        return [(dq_smem, terms)], dq_rows(i, h, cols)
       ds = ds_scratch.at[wg]
       if dq_blocks == 1:
         return [(dq_smem, [(ds.T, k_smem)])], q_rows
@@ -429,7 +435,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       with jax.named_scope("dq_mm"):
         _dq_part(dq_smem, terms)
       with jax.named_scope("reduce_dq"):
-        _reduce_dq(dq_smem, dq_acc_ref, (b, pl.ds(i * bq, bq), h, cols), wg,
+        _reduce_dq(dq_smem, dq_acc_ref, dq_rows(i, h, cols), wg,
                    _at(dq_loaded, wg), kp)
 
     def deferred_tiles(t, *, masked: bool):
@@ -469,9 +475,8 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
             lambda: plgpu.barrier_arrive(q_free.at[slot]), kp,
             before_dq=lambda: plgpu.barrier_wait(ds_handoff.at[1 - wg, prev_slot]))
       with jax.named_scope("reduce_dq"):
-        pl.when(t > 0)(lambda: _reduce_dq(dq_smem, dq_acc_ref,
-                                          (b, pl.ds(prev_i * bq, bq), prev_h, cols), wg,
-                                          _at(dq_loaded, wg), kp))
+        pl.when(t > 0)(lambda: _reduce_dq(dq_smem, dq_acc_ref, dq_rows(prev_i, prev_h, cols),
+                                          wg, _at(dq_loaded, wg), kp))
       return dk, dv
 
     def deferred_step(t, carry, *, masked: bool):
@@ -562,10 +567,10 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
 def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q: bool = False,
                dq_blocks: int = 1, dq_shared: bool = False, overlap: bool = False,
                dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
-               auto_barriers: bool = True):
+               auto_barriers: bool = True, dq_head_major: bool = False):
   """q/do [B, T', H, D], k/v [B, S', K, D] (T', S' padded as _common.operand_rows says, the
   tiles covering kp.t_pad / kp.s_pad rows), lse2/delta [B, H, Tp] -> (dq_acc [B, T', H, D] f32
-  unscaled, dk [B, S', K, D] scaled, dv [B, S', K, D]).
+  unscaled ([B, H, T', D] with dq_head_major), dk [B, S', K, D] scaled, dv [B, S', K, D]).
 
   auto_barriers False (MosaicConfig.fused_auto_barriers; ignored when interpreting, whose dQ
   read-modify-write needs them) compiles without Pallas' barriers around shared-memory stores.
@@ -604,12 +609,14 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   ]
   # The kernel only adds: the zeros come from XLA (a memset) and reach the kernel as a mutable
   # input, aliased to the result.
-  dq_acc = jax.new_ref(jnp.zeros(((2,) if kp.interpret else ()) + q.shape, jnp.float32))
+  acc_shape = (bsz, q.shape[2], q.shape[1], d) if dq_head_major else q.shape
+  dq_acc = jax.new_ref(jnp.zeros(((2,) if kp.interpret else ()) + acc_shape, jnp.float32))
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
   dk, dv = plgpu.kernel(
       functools.partial(_bwd_fused_kernel, kp=kp, stagger_q=stagger_q, dq_blocks=dq_blocks,
                         dq_shared=dq_shared, overlap=overlap, dq_slots=dq_slots,
-                        defer_dq=defer_dq, offset=offset and defer_dq),
+                        defer_dq=defer_dq, offset=offset and defer_dq,
+                        dq_head_major=dq_head_major),
       out_type=(kv_out, kv_out),
       scratch_types=scratch,
       **_launch_order(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"), kp),
@@ -656,6 +663,9 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
                               defer_dq=("inline" if config.fused_defer_inline
                                         else config.fused_defer_dq),
                               offset=config.fused_offset,
-                              auto_barriers=config.fused_auto_barriers)
+                              auto_barriers=config.fused_auto_barriers,
+                              dq_head_major=config.fused_dq_head_major)
+  if config.fused_dq_head_major:
+    dq_acc = dq_acc.transpose(0, 2, 1, 3)
   dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)
   return dq, dk[:, :s], dv[:, :s]

@@ -151,6 +151,9 @@ class MosaicConfig:
       puts before and after every shared-memory store (4 of the 7 per step at head_dim 128,
       around the dSᵀ and dQ_part staging stores); the fences and barriers the kernel issues
       itself order what needs ordering (backward_fused.fused_call says why).
+    fused_dq_head_major: fused backward: its float32 dQ accumulator is [B, H, T, D] (a
+      q tile's reduce-add one contiguous block) instead of [B, T, H, D] (rows H·D·4 bytes
+      apart), transposed when it is scaled and cast.
     dkdv_schedule: the split backward's dK/dV kernel, per (q block, query head) step of a
       warpgroup. "serial": Sᵀ and dPᵀ, wait; Pᵀ, dSᵀ; dV += Pᵀ·dO, wait; dK += dSᵀ·Q, wait.
       "batched": dV and dK issued back to back with one wait (dO released as soon as dV
@@ -250,6 +253,7 @@ class MosaicConfig:
   fused_defer_inline: bool = False
   fused_offset: bool = False
   fused_auto_barriers: bool = True
+  fused_dq_head_major: bool = False
   dkdv_schedule: str = "serial"
   dkdv_pingpong: bool = False
   dkdv_fold_stats: bool = False

@@ -92,13 +92,17 @@ def test_hd256_runs_the_wide_backward(causal):
     (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
                fused_auto_barriers=False)),
     (128, dict(fused_dq_shared=True, fused_overlap=True, fused_auto_barriers=False)),
-    (64, dict(fused_auto_barriers=False))],
+    (64, dict(fused_auto_barriers=False)),
+    (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
+               fused_auto_barriers=False, fused_dq_head_major=True)),
+    (64, dict(fused_dq_head_major=True))],
     ids=["d64_bq128", "d64_bkv128", "d64_stages3", "d64_stagger", "d128_dq_blocks2",
          "d128_regs240", "d128_dq_shared", "d128_dq_shared_stages3", "d64_overlap_stages3",
          "d128_overlap_dq_shared_stagger", "d128_overlap_dq_shared_stages3",
          "d128_defer_dq_regs240", "d128_defer_dq_offset", "d128_defer_inline_regs240",
          "d128_dq_shared_no_auto_barriers", "d128_defer_inline_no_auto_barriers",
-         "d128_overlap_no_auto_barriers", "d64_no_auto_barriers"])
+         "d128_overlap_no_auto_barriers", "d64_no_auto_barriers", "d128_defer_inline_head_major",
+         "d64_head_major"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fused_variants_lower(d, kw, causal):
   text = _grad_module(1, 1000, 1000, 4, 2, d, causal, _fused(d, causal, **kw))
@@ -287,6 +291,11 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
     (1, 200, 260, 2, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
                                                        fused_defer_dq=True,
                                                        fused_defer_inline=True)),
+    # The head-major dQ accumulator, at batch 2 with GQA (heads and batches in its index).
+    (2, 330, 260, 4, 2, 128, True, jnp.bfloat16, dict(fused_dq_shared=True, fused_defer_dq=True,
+                                                     fused_defer_inline=True,
+                                                     fused_dq_head_major=True)),
+    (2, 130, 200, 2, 1, 64, False, jnp.float16, dict(fused_dq_head_major=True)),
     # bwd_head_group is ignored by the fused kernel (see fused_call).
     (1, 130, 200, 8, 4, 128, True, jnp.bfloat16, dict(fused_dq_shared=True,
                                                       bwd_heads_fastest=True, bwd_head_group=2)),
