@@ -388,7 +388,8 @@ def _head_group(heads: int, heads_fastest: bool, head_group: int) -> int:
   return g if heads_fastest and 0 < g < heads and heads % g == 0 else 0
 
 
-def launch_grid(tiles, heads, bsz, names, *, heads_fastest: bool, head_group: int = 0) -> dict:
+def launch_grid(tiles, heads, bsz, names, *, heads_fastest: bool, head_group: int = 0,
+                batch_slowest: bool = False) -> dict:
   """plgpu.kernel's grid and grid_names for a (tile, head, batch) launch; names are the tile,
   head and batch axis names.
 
@@ -397,9 +398,15 @@ def launch_grid(tiles, heads, bsz, names, *, heads_fastest: bool, head_group: in
   CTAs take the batch entries of one tile and head), then: tiles (heads_fastest False: all
   tiles of a head before the next head), heads (True: one tile of every head before the
   next tile), or, with a head group G (heads_fastest only, G dividing heads), heads within a
-  group of G, then tiles, the groups slowest (see tile_and_head)."""
+  group of G, then tiles, the groups slowest (see tile_and_head). batch_slowest (without head
+  groups) moves the batch axis first: each batch entry's CTAs in the order above, one entry
+  after the other."""
   tile_name, head_name, b_name = names
   g = _head_group(heads, heads_fastest, head_group)
+  if batch_slowest:
+    assert not g, "batch_slowest is not combined with head groups"
+    inner = launch_grid(tiles, heads, 1, names, heads_fastest=heads_fastest)
+    return dict(grid=(bsz, *inner["grid"][:2]), grid_names=(b_name, *inner["grid_names"][:2]))
   if g:
     return dict(grid=(heads // g, g * tiles, bsz),
                 grid_names=(f"{head_name}_group", f"{head_name}_{tile_name}", b_name))

@@ -50,7 +50,7 @@ from pallas_flash import _blocking
 from pallas_flash.mosaic_gpu import _common
 from pallas_flash.mosaic_gpu.backward import (PROFILE_STEPS, _at, _dk_dv_updates,
                                               _first_q_block, _first_unmasked_step,
-                                              _launch_order, _load_kv_tiles, _probs_t,
+                                              _load_kv_tiles, _probs_t,
                                               _produce_query_streams, _skip_step,
                                               _step_stat, _step_stats, _store_dk_dv, _tile_and_head,
                                               _transposed_grad_tiles, _wait_streams,
@@ -307,7 +307,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                       dq_head_major: bool = False):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
-  Grid over (Sp / (2·block_kv), K, B) in _launch_order's order. dq_acc_ref [B, Tp, H, D] f32
+  Grid over (Sp / (2·block_kv), K, B) in launch_grid's order. dq_acc_ref [B, Tp, H, D] f32
   ([B, H, Tp, D] with dq_head_major; a zeroed buffer the kernel adds into, with a leading
   [2] in interpret mode, one slice per WG); dk/dv_ref [B, Sp, K, D]. k/v_scratch [2, block_kv, D], q/do_scratch [stages, block_q,
   D], lse/delta_scratch [stages, block_q], ds_scratch [2, block_kv, block_q] (dSᵀ; [2 (step
@@ -567,7 +567,8 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
 def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q: bool = False,
                dq_blocks: int = 1, dq_shared: bool = False, overlap: bool = False,
                dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
-               auto_barriers: bool = True, dq_head_major: bool = False):
+               auto_barriers: bool = True, dq_head_major: bool = False,
+               batch_slowest: bool = False):
   """q/do [B, T', H, D], k/v [B, S', K, D] (T', S' padded as _common.operand_rows says, the
   tiles covering kp.t_pad / kp.s_pad rows), lse2/delta [B, H, Tp] -> (dq_acc [B, T', H, D] f32
   unscaled ([B, H, T', D] with dq_head_major), dk [B, S', K, D] scaled, dv [B, S', K, D]).
@@ -619,7 +620,8 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
                         dq_head_major=dq_head_major),
       out_type=(kv_out, kv_out),
       scratch_types=scratch,
-      **_launch_order(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"), kp),
+      **_common.launch_grid(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"),
+                            heads_fastest=kp.bwd_heads_fastest, batch_slowest=batch_slowest),
       num_threads=3, thread_name="wg",
       compiler_params=_common.compiler_params(kp, min(profile_steps(kp), PROFILE_STEPS),
                                               auto_barriers=auto_barriers or kp.interpret),
@@ -664,7 +666,8 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
                                         else config.fused_defer_dq),
                               offset=config.fused_offset,
                               auto_barriers=config.fused_auto_barriers,
-                              dq_head_major=config.fused_dq_head_major)
+                              dq_head_major=config.fused_dq_head_major,
+                              batch_slowest=config.fused_batch_slowest)
   if config.fused_dq_head_major:
     dq_acc = dq_acc.transpose(0, 2, 1, 3)
   dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)

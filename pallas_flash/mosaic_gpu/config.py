@@ -154,6 +154,9 @@ class MosaicConfig:
     fused_dq_head_major: fused backward: its float32 dQ accumulator is [B, H, T, D] (a
       q tile's reduce-add one contiguous block) instead of [B, T, H, D] (rows H·D·4 bytes
       apart), transposed when it is scaled and cast.
+    fused_batch_slowest: fused backward: launch one batch entry's CTAs after the other's
+      (bwd_heads_fastest's order within each) instead of the entries of one (tile, head)
+      consecutively.
     dkdv_schedule: the split backward's dK/dV kernel, per (q block, query head) step of a
       warpgroup. "serial": Sᵀ and dPᵀ, wait; Pᵀ, dSᵀ; dV += Pᵀ·dO, wait; dK += dSᵀ·Q, wait.
       "batched": dV and dK issued back to back with one wait (dO released as soon as dV
@@ -254,6 +257,7 @@ class MosaicConfig:
   fused_offset: bool = False
   fused_auto_barriers: bool = True
   fused_dq_head_major: bool = False
+  fused_batch_slowest: bool = False
   dkdv_schedule: str = "serial"
   dkdv_pingpong: bool = False
   dkdv_fold_stats: bool = False

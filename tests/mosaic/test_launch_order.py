@@ -25,7 +25,9 @@ def _launches(monkeypatch, **kw):
   for idx in itertools.product(*map(range, launch["grid"])):
     at = dict(zip(launch["grid_names"], idx))
     monkeypatch.setattr(_common.lax, "axis_index", lambda name, at=at: at[name])
-    tile, head = _common.tile_and_head(names[:2], HEADS, **kw)
+    # The batch axis is read by name wherever it sits: tile_and_head has no batch_slowest.
+    tile, head = _common.tile_and_head(names[:2], HEADS, **{
+        k: v for k, v in kw.items() if k != "batch_slowest"})
     order.append((int(tile), int(head), at["b"]))
   return order
 
@@ -54,3 +56,12 @@ def test_head_groups_take_all_their_tiles_before_the_next_group(monkeypatch):
   assert _launches(monkeypatch, heads_fastest=True, head_group=g) == [
       (t, grp * g + hh, b) for grp in range(HEADS // g) for t in range(TILES)
       for hh in range(g) for b in range(BATCH)]
+
+
+@pytest.mark.parametrize("heads_fastest", [False, True], ids=["tiles_fastest", "heads_fastest"])
+def test_batch_slowest_runs_one_batch_entry_at_a_time(monkeypatch, heads_fastest):
+  inner = [(t, h) for h in range(HEADS) for t in range(TILES)]
+  if heads_fastest:
+    inner = [(t, h) for t in range(TILES) for h in range(HEADS)]
+  assert _launches(monkeypatch, heads_fastest=heads_fastest, batch_slowest=True) == [
+      (t, h, b) for b in range(BATCH) for t, h in inner]

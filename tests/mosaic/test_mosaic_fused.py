@@ -95,14 +95,15 @@ def test_hd256_runs_the_wide_backward(causal):
     (64, dict(fused_auto_barriers=False)),
     (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
                fused_auto_barriers=False, fused_dq_head_major=True)),
-    (64, dict(fused_dq_head_major=True))],
+    (64, dict(fused_dq_head_major=True)),
+    (128, dict(fused_dq_shared=True, fused_batch_slowest=True))],
     ids=["d64_bq128", "d64_bkv128", "d64_stages3", "d64_stagger", "d128_dq_blocks2",
          "d128_regs240", "d128_dq_shared", "d128_dq_shared_stages3", "d64_overlap_stages3",
          "d128_overlap_dq_shared_stagger", "d128_overlap_dq_shared_stages3",
          "d128_defer_dq_regs240", "d128_defer_dq_offset", "d128_defer_inline_regs240",
          "d128_dq_shared_no_auto_barriers", "d128_defer_inline_no_auto_barriers",
          "d128_overlap_no_auto_barriers", "d64_no_auto_barriers", "d128_defer_inline_head_major",
-         "d64_head_major"])
+         "d64_head_major", "d128_batch_slowest"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fused_variants_lower(d, kw, causal):
   text = _grad_module(1, 1000, 1000, 4, 2, d, causal, _fused(d, causal, **kw))
@@ -296,6 +297,11 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
                                                      fused_defer_inline=True,
                                                      fused_dq_head_major=True)),
     (2, 130, 200, 2, 1, 64, False, jnp.float16, dict(fused_dq_head_major=True)),
+    # Batch entries launched one after the other.
+    (2, 190, 130, 4, 2, 128, True, jnp.float16, dict(fused_dq_shared=True,
+                                                     fused_batch_slowest=True)),
+    (3, 200, 130, 2, 1, 64, False, jnp.bfloat16, dict(fused_batch_slowest=True,
+                                                      bwd_heads_fastest=True)),
     # bwd_head_group is ignored by the fused kernel (see fused_call).
     (1, 130, 200, 8, 4, 128, True, jnp.bfloat16, dict(fused_dq_shared=True,
                                                       bwd_heads_fastest=True, bwd_head_group=2)),
