@@ -54,6 +54,10 @@ VARIANTS = {
     "bwd_fused_shared": ("fwdbwd", False, dict(fused_backward=True, fused_dq_shared=True)),
     "bwd_fused_overlap": ("fwdbwd", False, dict(fused_backward=True, fused_dq_shared=True,
                                                  fused_overlap=True)),
+    # config.FUSED_LONG_CAUSAL (spelled out: this table is read before jax is imported).
+    "bwd_fused_long_causal": ("fwdbwd", True, dict(
+        fused_backward=True, fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
+        compute_registers=240, producer_registers=24, fused_auto_barriers=False)),
     # Segment ids (documents of 1000 tokens): the plain forward loop and the split backward
     # with the id loads and comparisons. `segments` is not a MosaicConfig field.
     "fwd_segments_causal": ("fwd", True, dict(segments=True)),
