@@ -637,8 +637,18 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
   """q/do [B, T, H, D], k/v [B, S, K, D], lse/delta [B, H, T] -> (dq, dk, dv) in q.dtype.
 
   lse is +inf on fully masked rows (see pallas_flash.params); callers check
-  `unsupported_reason` first.
+  `unsupported_reason` first. With config.fused_per_batch_entry, one kernel call per batch
+  entry, the gradients concatenated.
   """
+  if config.fused_per_batch_entry and q.shape[0] > 1:
+    parts = [_backward_call(*(x[i:i + 1] for x in (q, k, v, lse, do, delta)), params=params,
+                            config=config) for i in range(q.shape[0])]
+    return tuple(jnp.concatenate(grads, axis=0) for grads in zip(*parts))
+  return _backward_call(q, k, v, lse, do, delta, params=params, config=config)
+
+
+def _backward_call(q, k, v, lse, do, delta, *, params: AttentionParams, config: MosaicConfig):
+  """backward's one kernel call over all of q's batch entries."""
   t, s = q.shape[1], k.shape[1]
   bq, bkv = config.block_q_fused, config.block_kv_fused
   t_pad, s_pad = _blocking.round_up(t, bq), _blocking.round_up(s, 2 * bkv)

@@ -157,6 +157,10 @@ class MosaicConfig:
     fused_batch_slowest: fused backward: launch one batch entry's CTAs after the other's
       (bwd_heads_fastest's order within each) instead of the entries of one (tile, head)
       consecutively.
+    fused_per_batch_entry: fused backward: one kernel call per batch entry. Twenty-fourth
+      session (scripts/bwd_probe.py, causal, the backward alone): a call over batch 2 took
+      6.03 ms at 2x16384x8x128 and 6.31 ms with 4 kv heads, two batch-1 calls 5.50 and 5.47
+      (the split: 5.67, 5.70); why one call over more entries is slower is not known.
     dkdv_schedule: the split backward's dK/dV kernel, per (q block, query head) step of a
       warpgroup. "serial": Sᵀ and dPᵀ, wait; Pᵀ, dSᵀ; dV += Pᵀ·dO, wait; dK += dSᵀ·Q, wait.
       "batched": dV and dK issued back to back with one wait (dO released as soon as dV
@@ -258,6 +262,7 @@ class MosaicConfig:
   fused_auto_barriers: bool = True
   fused_dq_head_major: bool = False
   fused_batch_slowest: bool = False
+  fused_per_batch_entry: bool = False
   dkdv_schedule: str = "serial"
   dkdv_pingpong: bool = False
   dkdv_fold_stats: bool = False
@@ -392,14 +397,16 @@ MEDIUM_KV_LEN = 4096
 # vary run to run (float32 atomics).
 FUSED_DEFERRED = dict(fused_backward=True, fused_dq_shared=True, fused_defer_dq=True,
                       fused_defer_inline=True, compute_registers=240, producer_registers=24)
-# ... compiled without Pallas' automatic barriers: the default backward of causal head-dim-128
-# calls of batch 1 with at least FUSED_MIN_KV_LEN keys (`call_config`). Twenty-third session,
+# ... compiled without Pallas' automatic barriers, one call per batch entry: the default
+# backward of causal head-dim-128 calls with at least FUSED_MIN_KV_LEN keys (`call_config`).
+# Twenty-third session,
 # fwd+bwd TFLOP/s against the split, same process (runs 4-6): 1x16384x16x128 537.8 / 534.2,
 # 531.2 / 511.6; 1x32768x16x128 546.6 / 518.4, 541.9 / 513.6; 1x65536x16x128 548.2 / 515.7;
 # 1x16384x16x128 with 8 kv heads 537.0 / 511.2. Slower: batch 2 (2x16384x8x128 482.9 / 504.9,
 # with 4 kv heads 466.4 / 513.1), 4x4096x16x128 causal (426.2 / 470.3) and non-causal calls
-# (497-501 / 529-530). Why batch 2 loses with the same CTAs and steps is not known yet.
-FUSED_LONG_CAUSAL = dict(FUSED_DEFERRED, fused_auto_barriers=False)
+# (497-501 / 529-530). Batch 2 lost inside the kernel: two batch-1 calls run faster than one
+# batch-2 call (fused_per_batch_entry; twenty-fourth session).
+FUSED_LONG_CAUSAL = dict(FUSED_DEFERRED, fused_auto_barriers=False, fused_per_batch_entry=True)
 FUSED_MIN_KV_LEN = 16384
 
 
@@ -438,12 +445,13 @@ def tuned(head_dim: int, is_causal: bool, kv_len: int) -> MosaicConfig:
 def call_config(head_dim: int, params: AttentionParams, kv_len: int,
                 batch: int) -> MosaicConfig:
   """The config of a call that passes none: `tuned`, with the fused backward
-  (FUSED_LONG_CAUSAL) for causal head-dim-128 calls of batch 1 with at least FUSED_MIN_KV_LEN
-  keys, unless they ask for bitwise-reproducible gradients (its dQ is summed by float32
+  (FUSED_LONG_CAUSAL) for causal head-dim-128 calls with at least FUSED_MIN_KV_LEN keys,
+  unless they ask for bitwise-reproducible gradients (its dQ is summed by float32
   atomics) or carry segment ids, lengths, a window (which the fused kernel does not stream) or
   a soft cap (not measured with it)."""
   config = tuned(head_dim, params.is_causal, kv_len)
-  if (params.is_causal and head_dim == 128 and kv_len >= FUSED_MIN_KV_LEN and batch == 1
+  del batch  # fused_per_batch_entry: every batch entry runs as at batch 1
+  if (params.is_causal and head_dim == 128 and kv_len >= FUSED_MIN_KV_LEN
       and not params.deterministic and not params.has_segments
       and params.local_window is None and params.logits_soft_cap is None):
     config = dataclasses.replace(config, **FUSED_LONG_CAUSAL)

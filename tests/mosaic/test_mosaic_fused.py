@@ -63,6 +63,13 @@ def test_fused_grad_lowers_as_one_backward_kernel(case, overlap):
   assert "output_operand_aliases" in text
 
 
+@pytest.mark.parametrize("b", [1, 3])
+def test_per_batch_entry_launches_one_backward_kernel_per_entry(b):
+  text = _grad_module(b, 1024, 1024, 8, 2, 128, True,
+                      _fused(128, True, fused_dq_shared=True, fused_per_batch_entry=True))
+  assert _mosaic_calls(text) == 1 + b
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hd256_runs_the_wide_backward(causal):
   # No fused kernel at head_dim 256 (registers): fused_backward=True runs the wide backward's
@@ -210,7 +217,7 @@ def _params(causal=True, **kw):
 
 @pytest.mark.parametrize("d,s,b,params,fused", [
     (128, 16384, 1, _params(), True), (128, 131072, 1, _params(), True),
-    (128, 16384, 2, _params(), False), (128, 16383, 1, _params(), False),
+    (128, 16384, 2, _params(), True), (128, 16383, 1, _params(), False),
     (128, 4096, 1, _params(), False), (128, 16384, 1, _params(causal=False), False),
     (64, 16384, 1, _params(), False), (256, 16384, 1, _params(), False),
     (128, 16384, 1, _params(deterministic=True), False),
@@ -227,10 +234,11 @@ def test_long_causal_calls_default_to_the_fused_backward(d, s, b, params, fused)
   assert config == want
 
 
-@pytest.mark.parametrize("b,deterministic,kernels", [(1, False, 2), (1, True, 3), (2, False, 3)])
+@pytest.mark.parametrize("b,deterministic,kernels", [(1, False, 2), (1, True, 3), (3, False, 4),
+                                                     (3, True, 3)])
 def test_default_long_causal_grad_lowers_to_the_fused_kernel(b, deterministic, kernels):
-  """Forward + fused backward by default at batch 1; deterministic=True or batch 2 run the
-  split (dQ, dK/dV)."""
+  """Forward + fused backward by default, one call per batch entry; deterministic=True runs
+  the split (dQ, dK/dV)."""
   q, kv = kernel_specs(b, 16384, 16384, 4, 2, 128)
 
   def loss(q, k, v):
@@ -302,6 +310,9 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
                                                      fused_batch_slowest=True)),
     (3, 200, 130, 2, 1, 64, False, jnp.bfloat16, dict(fused_batch_slowest=True,
                                                       bwd_heads_fastest=True)),
+    # One kernel call per batch entry.
+    (3, 190, 130, 4, 2, 128, True, jnp.bfloat16, dict(fused_dq_shared=True,
+                                                      fused_per_batch_entry=True)),
     # bwd_head_group is ignored by the fused kernel (see fused_call).
     (1, 130, 200, 8, 4, 128, True, jnp.bfloat16, dict(fused_dq_shared=True,
                                                       bwd_heads_fastest=True, bwd_head_group=2)),
