@@ -408,6 +408,11 @@ FUSED_DEFERRED = dict(fused_backward=True, fused_dq_shared=True, fused_defer_dq=
 # batch-2 call (fused_per_batch_entry; twenty-fourth session).
 FUSED_LONG_CAUSAL = dict(FUSED_DEFERRED, fused_auto_barriers=False, fused_per_batch_entry=True)
 FUSED_MIN_KV_LEN = 16384
+# ... and at most this batch (twenty-fourth session, fwd+bwd TFLOP/s, fused one call per entry
+# against the split, same process: 2x16384x8x128 with 4 kv heads 526.9 / 511.9, 8 kv heads
+# 519.1 / 504.5, 2x32768x8x128 with 4 kv heads 546.1 / 516.9; 4x16384x8x128 with 4 kv heads
+# 504.4 / 514.2).
+FUSED_MAX_BATCH = 2
 
 
 def with_overrides(config: MosaicConfig, overrides: str) -> MosaicConfig:
@@ -445,14 +450,13 @@ def tuned(head_dim: int, is_causal: bool, kv_len: int) -> MosaicConfig:
 def call_config(head_dim: int, params: AttentionParams, kv_len: int,
                 batch: int) -> MosaicConfig:
   """The config of a call that passes none: `tuned`, with the fused backward
-  (FUSED_LONG_CAUSAL) for causal head-dim-128 calls with at least FUSED_MIN_KV_LEN keys,
-  unless they ask for bitwise-reproducible gradients (its dQ is summed by float32
+  (FUSED_LONG_CAUSAL) for causal head-dim-128 calls with at least FUSED_MIN_KV_LEN keys and
+  at most FUSED_MAX_BATCH batch entries, unless they ask for bitwise-reproducible gradients (its dQ is summed by float32
   atomics) or carry segment ids, lengths, a window (which the fused kernel does not stream) or
   a soft cap (not measured with it)."""
   config = tuned(head_dim, params.is_causal, kv_len)
-  del batch  # fused_per_batch_entry: every batch entry runs as at batch 1
   if (params.is_causal and head_dim == 128 and kv_len >= FUSED_MIN_KV_LEN
-      and not params.deterministic and not params.has_segments
+      and batch <= FUSED_MAX_BATCH      and not params.deterministic and not params.has_segments
       and params.local_window is None and params.logits_soft_cap is None):
     config = dataclasses.replace(config, **FUSED_LONG_CAUSAL)
   return config
