@@ -304,8 +304,11 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                       kv_done, ds_handoff, start, *, kp: _common.KernelParams,
                       stagger_q: bool, dq_blocks: int, dq_shared: bool, overlap: bool = False,
                       dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
-                      dq_head_major: bool = False):
+                      dq_head_major: bool = False, entry: int | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
+
+  entry: None, or the one batch entry this launch (grid batch 1) computes; its dk/dv_ref are
+  then [1, Sp, K, D].
 
   Grid over (Sp / (2·block_kv), K, B) in launch_grid's order. dq_acc_ref [B, Tp, H, D] f32
   ([B, H, Tp, D] with dq_head_major; a zeroed buffer the kernel adds into, with a leading
@@ -330,7 +333,9 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   nq = kp.t_pad // bq
-  b, wg = lax.axis_index("b"), lax.axis_index("wg")
+  b = lax.axis_index("b") if entry is None else entry
+  out_b = b if entry is None else 0
+  wg = lax.axis_index("wg")
   kt, kvh = _tile_and_head(("kt", "kvh"), k_ref.shape[2], kp)
   assert not kp.bwd_head_group, "fused_call launches without head groups"
   cta_k0 = kt * (2 * bkv)
@@ -556,7 +561,8 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
     if dq_shared:
       # The other WG's last dQ matmul reads this WG's K tile, about to be overwritten.
       _common.sync(kv_done)
-    _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, kp)  # also the last dQ reduction
+    # Also the last dQ reduction.
+    _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, (out_b, *rows[1:]), kp)
 
   @pl.when(wg == 2)
   def _producer():
@@ -568,10 +574,13 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
                dq_blocks: int = 1, dq_shared: bool = False, overlap: bool = False,
                dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
                auto_barriers: bool = True, dq_head_major: bool = False,
-               batch_slowest: bool = False):
+               batch_slowest: bool = False, per_batch_entry: bool = False):
   """q/do [B, T', H, D], k/v [B, S', K, D] (T', S' padded as _common.operand_rows says, the
   tiles covering kp.t_pad / kp.s_pad rows), lse2/delta [B, H, Tp] -> (dq_acc [B, T', H, D] f32
   unscaled ([B, H, T', D] with dq_head_major), dk [B, S', K, D] scaled, dv [B, S', K, D]).
+
+  per_batch_entry: one launch per batch entry (the entry static in the kernel), each adding into
+  the one dQ buffer and returning its entry's dK / dV, concatenated.
 
   auto_barriers False (MosaicConfig.fused_auto_barriers; ignored when interpreting, whose dQ
   read-modify-write needs them) compiles without Pallas' barriers around shared-memory stores.
@@ -615,21 +624,30 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   acc_shape = (bsz, q.shape[2], q.shape[1], d) if dq_head_major else q.shape
   zero, _ = lax.optimization_barrier((jnp.zeros((), jnp.float32), do))
   dq_acc = jax.new_ref(jnp.broadcast_to(zero, ((2,) if kp.interpret else ()) + acc_shape))
-  kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
-  dk, dv = plgpu.kernel(
-      functools.partial(_bwd_fused_kernel, kp=kp, stagger_q=stagger_q, dq_blocks=dq_blocks,
-                        dq_shared=dq_shared, overlap=overlap, dq_slots=dq_slots,
-                        defer_dq=defer_dq, offset=offset and defer_dq,
-                        dq_head_major=dq_head_major),
-      out_type=(kv_out, kv_out),
-      scratch_types=scratch,
-      **_common.launch_grid(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"),
-                            heads_fastest=kp.bwd_heads_fastest, batch_slowest=batch_slowest),
-      num_threads=3, thread_name="wg",
-      compiler_params=_common.compiler_params(kp, min(profile_steps(kp), PROFILE_STEPS),
-                                              auto_barriers=auto_barriers or kp.interpret),
-      interpret=_common.interpret_params(kp.interpret),
-  )(q, k, v, do, lse2, delta, dq_acc)
+  def launch(entry):
+    rows = k.shape if entry is None else (1, *k.shape[1:])
+    kv_out = jax.ShapeDtypeStruct(rows, k.dtype)
+    return plgpu.kernel(
+        functools.partial(_bwd_fused_kernel, kp=kp, stagger_q=stagger_q, dq_blocks=dq_blocks,
+                          dq_shared=dq_shared, overlap=overlap, dq_slots=dq_slots,
+                          defer_dq=defer_dq, offset=offset and defer_dq,
+                          dq_head_major=dq_head_major, entry=entry),
+        out_type=(kv_out, kv_out),
+        scratch_types=scratch,
+        **_common.launch_grid(s_pad // (2 * bkv), kh, bsz if entry is None else 1,
+                              ("kt", "kvh", "b"), heads_fastest=kp.bwd_heads_fastest,
+                              batch_slowest=batch_slowest),
+        num_threads=3, thread_name="wg",
+        compiler_params=_common.compiler_params(kp, min(profile_steps(kp), PROFILE_STEPS),
+                                                auto_barriers=auto_barriers or kp.interpret),
+        interpret=_common.interpret_params(kp.interpret),
+    )(q, k, v, do, lse2, delta, dq_acc)
+
+  if per_batch_entry and bsz > 1:
+    parts = [launch(entry) for entry in range(bsz)]
+    dk, dv = (jnp.concatenate(grads, axis=0) for grads in zip(*parts))
+  else:
+    dk, dv = launch(None)
   dq = jax.freeze(dq_acc)
   if kp.interpret:
     dq = dq.sum(0)
@@ -640,18 +658,8 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
   """q/do [B, T, H, D], k/v [B, S, K, D], lse/delta [B, H, T] -> (dq, dk, dv) in q.dtype.
 
   lse is +inf on fully masked rows (see pallas_flash.params); callers check
-  `unsupported_reason` first. With config.fused_per_batch_entry, one kernel call per batch
-  entry, the gradients concatenated.
+  `unsupported_reason` first.
   """
-  if config.fused_per_batch_entry and q.shape[0] > 1:
-    parts = [_backward_call(*(x[i:i + 1] for x in (q, k, v, lse, do, delta)), params=params,
-                            config=config) for i in range(q.shape[0])]
-    return tuple(jnp.concatenate(grads, axis=0) for grads in zip(*parts))
-  return _backward_call(q, k, v, lse, do, delta, params=params, config=config)
-
-
-def _backward_call(q, k, v, lse, do, delta, *, params: AttentionParams, config: MosaicConfig):
-  """backward's one kernel call over all of q's batch entries."""
   t, s = q.shape[1], k.shape[1]
   bq, bkv = config.block_q_fused, config.block_kv_fused
   t_pad, s_pad = _blocking.round_up(t, bq), _blocking.round_up(s, 2 * bkv)
@@ -680,7 +688,8 @@ def _backward_call(q, k, v, lse, do, delta, *, params: AttentionParams, config: 
                               offset=config.fused_offset,
                               auto_barriers=config.fused_auto_barriers,
                               dq_head_major=config.fused_dq_head_major,
-                              batch_slowest=config.fused_batch_slowest)
+                              batch_slowest=config.fused_batch_slowest,
+                              per_batch_entry=config.fused_per_batch_entry)
   if config.fused_dq_head_major:
     dq_acc = dq_acc.transpose(0, 2, 1, 3)
   dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)

@@ -157,10 +157,11 @@ class MosaicConfig:
     fused_batch_slowest: fused backward: launch one batch entry's CTAs after the other's
       (bwd_heads_fastest's order within each) instead of the entries of one (tile, head)
       consecutively.
-    fused_per_batch_entry: fused backward: one kernel call per batch entry. Twenty-fourth
-      session (scripts/bwd_probe.py, causal, the backward alone): a call over batch 2 took
-      6.03 ms at 2x16384x8x128 and 6.31 ms with 4 kv heads, two batch-1 calls 5.50 and 5.47
-      (the split: 5.67, 5.70); why one call over more entries is slower is not known.
+    fused_per_batch_entry: fused backward: one kernel launch per batch entry, each adding into
+      the one dQ buffer. Twenty-fourth session (scripts/bwd_probe.py, causal, the backward
+      alone): a launch over batch 2 took 6.03 ms at 2x16384x8x128 and 6.31 ms with 4 kv heads,
+      two batch-1 calls 5.50 and 5.47 (the split: 5.67, 5.70); why one launch over more entries
+      is slower is not known.
     dkdv_schedule: the split backward's dK/dV kernel, per (q block, query head) step of a
       warpgroup. "serial": Sᵀ and dPᵀ, wait; Pᵀ, dSᵀ; dV += Pᵀ·dO, wait; dK += dSᵀ·Q, wait.
       "batched": dV and dK issued back to back with one wait (dO released as soon as dV

@@ -253,7 +253,7 @@ def test_default_long_causal_grad_lowers_to_the_fused_kernel(b, deterministic, k
   # The fused kernel's zeroed dQ buffers come after an optimization barrier (see fused_call).
   fused = not deterministic and b <= mconfig.FUSED_MAX_BATCH
   barriers = re.findall(r"stablehlo\.optimization_barrier %\w+, %\w+ : tensor<f32>", text)
-  assert len(barriers) == (b if fused else 0)
+  assert len(barriers) == int(fused)
 
 
 def test_deterministic_rejects_a_fused_config():
