@@ -3,9 +3,9 @@
   PYTHONPATH=. python3 scripts/bwd_probe.py --shapes 1x16384x8x128,2x16384x8x128 \
       --variant split:fused_backward=False --variant fused:fused_backward=True,... [--halves]
 
-Each shape's residuals (o, lse) come from one forward (blockwise XLA); every variant's jitted backward is
-timed interleaved (bench.timing.time_interleaved) and checked against the first variant's
-gradients. --halves adds, per variant at batch > 1, the same backward run as one call per
+Each shape's residuals (o, lse) come from one forward (blockwise XLA); every variant's jitted
+backward is timed interleaved (bench.timing.time_interleaved) and checked against the first
+variant's gradients. --halves adds, per variant at batch > 1, the same backward run as one call per
 batch entry (concatenated): whether a batch-B call costs B batch-1 calls. TFLOP/s count the
 backward's 5 tile matmuls (2.5x the forward's FLOPs; causal halves them). Rows go to stdout
 and <--out>/bwd_probe.json.

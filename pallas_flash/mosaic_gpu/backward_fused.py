@@ -311,12 +311,13 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   then [1, Sp, K, D].
 
   Grid over (Sp / (2·block_kv), K, B) in launch_grid's order. dq_acc_ref [B, Tp, H, D] f32
-  ([B, H, Tp, D] with dq_head_major; a zeroed buffer the kernel adds into, with a leading
-  [2] in interpret mode, one slice per WG); dk/dv_ref [B, Sp, K, D]. k/v_scratch [2, block_kv, D], q/do_scratch [stages, block_q,
-  D], lse/delta_scratch [stages, block_q], ds_scratch [2, block_kv, block_q] (dSᵀ; [2 (step
-  parity), 2, ...] with dq_shared), dq_scratch [2, block_q, D or D/2 (dq_shared)] f32,
-  p_scratch [2, block_kv, block_q] (interpret only). Steps run over (q block i, query head
-  g) with g minor, starting at the first q block that sees the CTA's keys.
+  ([B, H, Tp, D] with dq_head_major; a zeroed buffer the kernel adds into, with a leading [2]
+  in interpret mode, one slice per WG); dk/dv_ref [B, Sp, K, D]. k/v_scratch [2, block_kv,
+  D], q/do_scratch [stages, block_q, D], lse/delta_scratch [stages, block_q], ds_scratch [2,
+  block_kv, block_q] (dSᵀ; [2 (step parity), 2, ...] with dq_shared), dq_scratch [2, block_q,
+  D or D/2 (dq_shared)] f32, p_scratch [2, block_kv, block_q] (interpret only). Steps run
+  over (q block i, query head g) with g minor, starting at the first q block that sees the
+  CTA's keys.
 
   dq_shared: the CTA's two WGs compute one dQ_part over all 2·block_kv keys, each WG the
   product for half of D's columns from both WGs' dSᵀ (FA3's split): half the reduce-add traffic
@@ -624,6 +625,7 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   acc_shape = (bsz, q.shape[2], q.shape[1], d) if dq_head_major else q.shape
   zero, _ = lax.optimization_barrier((jnp.zeros((), jnp.float32), do))
   dq_acc = jax.new_ref(jnp.broadcast_to(zero, ((2,) if kp.interpret else ()) + acc_shape))
+
   def launch(entry):
     rows = k.shape if entry is None else (1, *k.shape[1:])
     kv_out = jax.ShapeDtypeStruct(rows, k.dtype)

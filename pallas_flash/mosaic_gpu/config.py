@@ -156,7 +156,9 @@ class MosaicConfig:
       apart), transposed when it is scaled and cast.
     fused_batch_slowest: fused backward: launch one batch entry's CTAs after the other's
       (bwd_heads_fastest's order within each) instead of the entries of one (tile, head)
-      consecutively.
+      consecutively. Twenty-fourth session, run1, 2x16384x8x128 causal fwd+bwd TFLOP/s, same
+      process: 477.2 plain, 481.0 head-major, 473.9 batch-slowest, 493.0 both (split 513.7);
+      at 1x16384x16x128 causal 522.7 / 527.7 / 531.9 / 532.7 (batch_slowest a no-op there).
     fused_per_batch_entry: fused backward: one kernel launch per batch entry, each adding into
       the one dQ buffer. Twenty-fourth session (scripts/bwd_probe.py, causal, the backward
       alone): a launch over batch 2 took 6.03 ms at 2x16384x8x128 and 6.31 ms with 4 kv heads,
@@ -398,22 +400,24 @@ MEDIUM_KV_LEN = 4096
 # vary run to run (float32 atomics).
 FUSED_DEFERRED = dict(fused_backward=True, fused_dq_shared=True, fused_defer_dq=True,
                       fused_defer_inline=True, compute_registers=240, producer_registers=24)
-# ... compiled without Pallas' automatic barriers, one call per batch entry: the default
-# backward of causal head-dim-128 calls with at least FUSED_MIN_KV_LEN keys (`call_config`).
-# Twenty-third session,
-# fwd+bwd TFLOP/s against the split, same process (runs 4-6): 1x16384x16x128 537.8 / 534.2,
-# 531.2 / 511.6; 1x32768x16x128 546.6 / 518.4, 541.9 / 513.6; 1x65536x16x128 548.2 / 515.7;
-# 1x16384x16x128 with 8 kv heads 537.0 / 511.2. Slower: batch 2 (2x16384x8x128 482.9 / 504.9,
-# with 4 kv heads 466.4 / 513.1), 4x4096x16x128 causal (426.2 / 470.3) and non-causal calls
-# (497-501 / 529-530). Batch 2 lost inside the kernel: two batch-1 calls run faster than one
-# batch-2 call (fused_per_batch_entry; twenty-fourth session).
+# ... compiled without Pallas' automatic barriers (and one launch per batch entry): the default
+# backward of causal head-dim-128 calls of at most FUSED_MAX_BATCH entries with at least
+# FUSED_MIN_KV_LEN keys (`call_config`). Twenty-third session, fwd+bwd TFLOP/s against the
+# split, same process (runs 4-6): 1x16384x16x128 537.8 / 534.2, 531.2 / 511.6; 1x32768x16x128
+# 546.6 / 518.4, 541.9 / 513.6; 1x65536x16x128 548.2 / 515.7; 1x16384x16x128 with 8 kv heads
+# 537.0 / 511.2. Slower: batch 2 (2x16384x8x128 482.9 / 504.9, with 4 kv heads 466.4 / 513.1),
+# 4x4096x16x128 causal (426.2 / 470.3) and non-causal calls (497-501 / 529-530). At batch 2 the
+# kernel itself is slower than two batch-1 launches (twenty-fourth session;
+# fused_per_batch_entry).
 FUSED_LONG_CAUSAL = dict(FUSED_DEFERRED, fused_auto_barriers=False, fused_per_batch_entry=True)
 FUSED_MIN_KV_LEN = 16384
-# ... and at most this batch (twenty-fourth session, fwd+bwd TFLOP/s, fused one call per entry
-# against the split, same process: 2x16384x8x128 with 4 kv heads 526.9 / 511.9, 8 kv heads
-# 519.1 / 504.5, 2x32768x8x128 with 4 kv heads 546.1 / 516.9; 4x16384x8x128 with 4 kv heads
-# 504.4 / 514.2).
-FUSED_MAX_BATCH = 2
+# ... and at most this batch. Twenty-fourth session, fused (one launch per entry) against the
+# split at batch 2, causal, same process, TFLOP/s: fwd+bwd at 2x16384x8x128 with 4 kv heads
+# 526.9 / 511.9 (run4, entries sliced), 507.9 / 516.7 (run5, sliced), 508.3 / 512.5 (run6, in
+# place); the backward alone 484.7 / 493.2 (run6); 2x16384x8x128 fwd+bwd 519.1 / 504.5, the
+# backward alone 491.9 / 482.3; the training step level with either (run4-6). Not a win, so
+# batch 2 keeps the split, bitwise reproducible. 4x16384x8x128 with 4 kv heads: 504.4 / 514.2.
+FUSED_MAX_BATCH = 1
 
 
 def with_overrides(config: MosaicConfig, overrides: str) -> MosaicConfig:
@@ -452,12 +456,12 @@ def call_config(head_dim: int, params: AttentionParams, kv_len: int,
                 batch: int) -> MosaicConfig:
   """The config of a call that passes none: `tuned`, with the fused backward
   (FUSED_LONG_CAUSAL) for causal head-dim-128 calls with at least FUSED_MIN_KV_LEN keys and
-  at most FUSED_MAX_BATCH batch entries, unless they ask for bitwise-reproducible gradients (its dQ is summed by float32
-  atomics) or carry segment ids, lengths, a window (which the fused kernel does not stream) or
-  a soft cap (not measured with it)."""
+  at most FUSED_MAX_BATCH batch entries, unless they ask for bitwise-reproducible gradients
+  (its dQ is summed by float32 atomics) or carry segment ids, lengths, a window (which the
+  fused kernel does not stream) or a soft cap (not measured with it)."""
   config = tuned(head_dim, params.is_causal, kv_len)
   if (params.is_causal and head_dim == 128 and kv_len >= FUSED_MIN_KV_LEN
-      and batch <= FUSED_MAX_BATCH      and not params.deterministic and not params.has_segments
+      and batch <= FUSED_MAX_BATCH and not params.deterministic and not params.has_segments
       and params.local_window is None and params.logits_soft_cap is None):
     config = dataclasses.replace(config, **FUSED_LONG_CAUSAL)
   return config
