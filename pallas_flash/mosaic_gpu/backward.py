@@ -689,15 +689,18 @@ def _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, kp: _common.Kerne
   plgpu.wait_smem_to_gmem(0)
 
 
-def _produce_query_streams(cta_steps, stages, streams, index, b, bq):
+def _produce_query_streams(cta_steps, stages, streams, index, b, bq, stat_heads: int = 0):
   """The producer of the dK/dV-style kernels: the Q and dO rows and the lse and delta entries
-  of step t's (q block, query head) = index(t)."""
+  of step t's (q block, query head) = index(t). stat_heads H > 0: lse and delta are a
+  [1, B·H, Tp] view, entry (b, h) at row b·H + h."""
   def q_rows(t):
     i, h = index(t)
     return b, pl.ds(i * bq, bq), h
 
   def stat_rows(t):
     i, h = index(t)
+    if stat_heads:
+      return 0, b * stat_heads + h, pl.ds(i * bq, bq)
     return b, h, pl.ds(i * bq, bq)
 
   _produce(cta_steps, stages, tuple((*stream, rows) for stream, rows in

@@ -215,10 +215,13 @@ FUSED = dict(fused_backward=True, fused_dq_shared=True, compute_registers=240,
                                      dict(fused_defer_dq=True, fused_defer_inline=True,
                                           fused_auto_barriers=False, fused_batch_slowest=True),
                                      dict(fused_defer_dq=True, fused_defer_inline=True,
-                                          fused_auto_barriers=False, fused_per_batch_entry=True)],
+                                          fused_auto_barriers=False, fused_per_batch_entry=True),
+                                     dict(fused_defer_dq=True, fused_defer_inline=True,
+                                          fused_auto_barriers=False, fused_flat_stats=True)],
                          ids=["dq_shared", "defer_dq", "defer_dq_offset", "defer_inline",
                               "overlap", "no_auto_barriers", "defer_inline_no_auto_barriers",
-                              "head_major", "batch_slowest", "per_batch_entry"])
+                              "head_major", "batch_slowest", "per_batch_entry",
+                              "flat_stats"])
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 3, 4, 9)], ids=kernel_case_id)
 def test_fused_backward_gradients(case, changes):
   """The single-kernel backward's forms (dQ summed by float32 atomics, so compared with the
