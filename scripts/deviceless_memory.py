@@ -20,24 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-TARGET_CONFIG = ROOT / "scripts" / "h200_target_config.txtpb"
-
-
-def _abstract_h200():
-  """(a sharding on a described one-H200 topology, an abstract mesh for pallas_flash's device
-  queries), as in mosaic_ptxas.py."""
-  from jax.experimental import topologies
-  from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding, PartitionSpec
-
-  topo = topologies.get_topology_desc(platform="cuda", topology_name="",
-                                      target_config=TARGET_CONFIG.read_text(), topology="1x1x1")
-  sharding = NamedSharding(topologies.make_mesh(topo, (1,), ("x",)), PartitionSpec())
-  mesh = AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=AbstractDevice(
-      device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
-  return sharding, mesh
+from mosaic_ptxas import abstract_h200  # beside this script, on sys.path when run
 
 
 def temp_gib(config, *, shape, layers: int, remat: bool) -> float:
@@ -52,7 +36,7 @@ def temp_gib(config, *, shape, layers: int, remat: bool) -> float:
 
   b, t, h, kh = shape
   d, width = 128, h * 128
-  sharding, mesh = _abstract_h200()
+  sharding, mesh = abstract_h200()
 
   def block(w, x):
     """x [B, T, H·D] -> x + proj(attention(x))."""

@@ -54,7 +54,9 @@ VARIANTS = {
     "bwd_fused_shared": ("fwdbwd", False, dict(fused_backward=True, fused_dq_shared=True)),
     "bwd_fused_overlap": ("fwdbwd", False, dict(fused_backward=True, fused_dq_shared=True,
                                                  fused_overlap=True)),
-    # config.FUSED_LONG_CAUSAL (spelled out: this table is read before jax is imported).
+    # config.FUSED_LONG_CAUSAL less fused_per_batch_entry, so that a --shape with batch > 1
+    # compiles the one launch over every entry (spelled out: this table is read before jax
+    # is imported).
     "bwd_fused_long_causal": ("fwdbwd", True, dict(
         fused_backward=True, fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
         compute_registers=240, producer_registers=24, fused_auto_barriers=False)),
@@ -91,6 +93,21 @@ def variant(spec: str) -> tuple[str, bool, dict]:
   return mode, causal, {**kw, **parse_overrides(filter(None, extra.split(",")))}
 
 
+def abstract_h200():
+  """(a sharding on a described one-H200 topology (TARGET_CONFIG), an abstract mesh whose
+  device pallas_flash picks and sizes kernels for, as in the lowering tests), for compiling
+  without a GPU through jax's CUDA plugin."""
+  from jax.experimental import topologies
+  from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding, PartitionSpec
+
+  topo = topologies.get_topology_desc(platform="cuda", topology_name="",
+                                      target_config=TARGET_CONFIG.read_text(), topology="1x1x1")
+  sharding = NamedSharding(topologies.make_mesh(topo, (1,), ("x",)), PartitionSpec())
+  mesh = AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=AbstractDevice(
+      device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+  return sharding, mesh
+
+
 def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> None:
   """Compiles one variant (in the dumping process); on a GPU also checks and times it."""
   import time
@@ -125,17 +142,9 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   fn = attn if mode == "fwd" else grads
   nargs = 3 if mode == "fwd" else 4
   if deviceless:
-    from jax.experimental import topologies
-    from jax.sharding import (AbstractDevice, AbstractMesh, AxisType, NamedSharding,
-                              PartitionSpec, use_abstract_mesh)
-    topo = topologies.get_topology_desc(platform="cuda", topology_name="",
-                                        target_config=TARGET_CONFIG.read_text(),
-                                        topology="1x1x1")
-    sharding = NamedSharding(topologies.make_mesh(topo, (1,), ("x",)), PartitionSpec())
+    from jax.sharding import use_abstract_mesh
+    sharding, h200 = abstract_h200()
     spec = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sharding)
-    # pallas_flash picks and sizes kernels for the abstract device, as in the lowering tests.
-    h200 = AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=AbstractDevice(
-        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
     with use_abstract_mesh(h200):
       traced = jax.jit(fn).trace(*[spec] * nargs)
     traced.lower(lowering_platforms=("cuda",)).compile()
