@@ -200,6 +200,8 @@ def test_backward_launch_order_gives_the_same_gradients(case):
 
 FUSED = dict(fused_backward=True, fused_dq_shared=True, compute_registers=240,
              producer_registers=24)
+# The deferred form without automatic barriers (config.FUSED_LONG_CAUSAL's kernel).
+DEFER_NB = dict(fused_defer_dq=True, fused_defer_inline=True, fused_auto_barriers=False)
 
 
 @pytest.mark.fused
@@ -208,16 +210,11 @@ FUSED = dict(fused_backward=True, fused_dq_shared=True, compute_registers=240,
                                      dict(fused_defer_dq=True, fused_defer_inline=True),
                                      dict(fused_overlap=True),
                                      dict(fused_auto_barriers=False),
-                                     dict(fused_defer_dq=True, fused_defer_inline=True,
-                                          fused_auto_barriers=False),
-                                     dict(fused_defer_dq=True, fused_defer_inline=True,
-                                          fused_auto_barriers=False, fused_dq_head_major=True),
-                                     dict(fused_defer_dq=True, fused_defer_inline=True,
-                                          fused_auto_barriers=False, fused_batch_slowest=True),
-                                     dict(fused_defer_dq=True, fused_defer_inline=True,
-                                          fused_auto_barriers=False, fused_per_batch_entry=True),
-                                     dict(fused_defer_dq=True, fused_defer_inline=True,
-                                          fused_auto_barriers=False, fused_flat_stats=True)],
+                                     DEFER_NB,
+                                     dict(DEFER_NB, fused_dq_head_major=True),
+                                     dict(DEFER_NB, fused_batch_slowest=True),
+                                     dict(DEFER_NB, fused_per_batch_entry=True),
+                                     dict(DEFER_NB, fused_flat_stats=True)],
                          ids=["dq_shared", "defer_dq", "defer_dq_offset", "defer_inline",
                               "overlap", "no_auto_barriers", "defer_inline_no_auto_barriers",
                               "head_major", "batch_slowest", "per_batch_entry",
