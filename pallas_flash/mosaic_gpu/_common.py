@@ -52,6 +52,7 @@ class KernelParams:
   dkdv_fold_stats: bool = False  # dK/dV kernel: MosaicConfig.dkdv_fold_stats
   bwd_heads_fastest: bool = False  # backward kernels: MosaicConfig.bwd_heads_fastest
   bwd_head_group: int = 0  # backward kernels: MosaicConfig.bwd_head_group
+  flat_stats: bool = False  # dK/dV-style kernels: MosaicConfig.bwd_flat_stats
   profile_dir: str = ""  # MosaicConfig.profile_dir
   segments: bool = False  # the segment-id path (segment_path): per-tile block limits
   # The backward kernels compare ids (False for a window alone, one document; the forward
@@ -63,6 +64,11 @@ class KernelParams:
   # the segment-id path (band_limits): the forward, and the backward unless window_backward
   # is "triton".
   window: tuple[int, int] | None = None
+
+  def stats_view(self, x):
+    """lse / delta [B, H, Tp] as the dK/dV-style kernels take them: a [1, B·H, Tp] view with
+    flat_stats (see MosaicConfig.bwd_flat_stats), else unchanged."""
+    return x.reshape(1, -1, x.shape[2]) if self.flat_stats else x
 
   @property
   def c(self) -> float:
@@ -106,6 +112,7 @@ class KernelParams:
         dkdv_pingpong=config.dkdv_pingpong, dkdv_fold_stats=config.dkdv_fold_stats,
         bwd_heads_fastest=config.bwd_heads_fastest,
         bwd_head_group=config.bwd_head_group,
+        flat_stats=config.bwd_flat_stats,
         profile_dir=config.profile_dir, segments=segment_path(params),
         segment_ids=params.has_segments,
         softcap=params.logits_soft_cap, window=params.local_window)

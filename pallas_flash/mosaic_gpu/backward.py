@@ -443,7 +443,7 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv
   @pl.when(wg == 2)
   def _producer():
     plgpu.set_max_registers(kp.producer_registers, action="decrease")
-    _produce_query_streams(cta_steps, stages, streams, index, b, bq)
+    _produce_query_streams(cta_steps, stages, streams, index, b, bq, kp)
 
 
 # Pieces of the dK/dV kernel that the fused backward (backward_fused.py) shares. A WG owns
@@ -689,10 +689,11 @@ def _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, kp: _common.Kerne
   plgpu.wait_smem_to_gmem(0)
 
 
-def _produce_query_streams(cta_steps, stages, streams, index, b, bq, stat_heads: int = 0):
+def _produce_query_streams(cta_steps, stages, streams, index, b, bq, kp: _common.KernelParams):
   """The producer of the dK/dV-style kernels: the Q and dO rows and the lse and delta entries
-  of step t's (q block, query head) = index(t). stat_heads H > 0: lse and delta are a
-  [1, B·H, Tp] view, entry (b, h) at row b·H + h."""
+  of step t's (q block, query head) = index(t). kp.flat_stats: lse and delta are
+  kp.stats_view's [1, B·H, Tp], entry (b, h) at row b·H + h."""
+  stat_heads = streams[0][0].shape[2] if kp.flat_stats else 0
   def q_rows(t):
     i, h = index(t)
     return b, pl.ds(i * bq, bq), h
@@ -824,7 +825,7 @@ def kv_stream_barriers(kp: _common.KernelParams) -> list:
 def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, segs=(),
                split: split_tail.TailSplit | None = None):
   """(dK, dV) [B, S, K, D] for q, do [B, T, H, D] and k, v [B, S, K, D], T and S padded as
-  _common.operand_rows says; lse2, delta [B, H, Tp]. segs: () or (kv_seg
+  _common.operand_rows says; lse2, delta [B, H, Tp] (kp.stats_view). segs: () or (kv_seg
   [B, Sp], q_seg [B, Tp], q limits per kv tile) int32. split (no segs): the split tail, its
   tiles summed in from their parts."""
   bsz, _, kh, d = k.shape
@@ -856,7 +857,7 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, segs=(),
       # kernel never is, so that a backward's trace holds one kernel's events.
       compiler_params=_common.compiler_params(kp, min(profile_steps(kp), PROFILE_STEPS)),
       interpret=_common.interpret_params(kp.interpret),
-  )(q, k, v, do, lse2, delta, *segs)
+  )(q, k, v, do, kp.stats_view(lse2), kp.stats_view(delta), *segs)
   if split is None:
     return out
   dk, dv, dk_part, dv_part = out

@@ -304,12 +304,11 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                       kv_done, ds_handoff, start, *, kp: _common.KernelParams,
                       stagger_q: bool, dq_blocks: int, dq_shared: bool, overlap: bool = False,
                       dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
-                      dq_head_major: bool = False, entry: int | None = None,
-                      flat_stats: bool = False):
+                      dq_head_major: bool = False, entry: int | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   entry: None, or the one batch entry this launch (grid batch 1) computes; its dk/dv_ref are
-  then [1, Sp, K, D]. flat_stats: lse/delta_ref are [1, B·H, Tp].
+  then [1, Sp, K, D]. With kp.flat_stats lse/delta_ref are [1, B·H, Tp].
 
   Grid over (Sp / (2·block_kv), K, B) in launch_grid's order. dq_acc_ref [B, Tp, H, D] f32
   ([B, H, Tp, D] with dq_head_major; a zeroed buffer the kernel adds into, with a leading [2]
@@ -569,22 +568,20 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   @pl.when(wg == 2)
   def _producer():
     plgpu.set_max_registers(kp.producer_registers, action="decrease")
-    _produce_query_streams(cta_steps, stages, streams, index, b, bq,
-                           stat_heads=q_ref.shape[2] if flat_stats else 0)
+    _produce_query_streams(cta_steps, stages, streams, index, b, bq, kp)
 
 
 def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q: bool = False,
                dq_blocks: int = 1, dq_shared: bool = False, overlap: bool = False,
                dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
                auto_barriers: bool = True, dq_head_major: bool = False,
-               batch_slowest: bool = False, per_batch_entry: bool = False,
-               flat_stats: bool = False):
+               batch_slowest: bool = False, per_batch_entry: bool = False):
   """q/do [B, T', H, D], k/v [B, S', K, D] (T', S' padded as _common.operand_rows says, the
   tiles covering kp.t_pad / kp.s_pad rows), lse2/delta [B, H, Tp] -> (dq_acc [B, T', H, D] f32
   unscaled ([B, H, T', D] with dq_head_major), dk [B, S', K, D] scaled, dv [B, S', K, D]).
 
   per_batch_entry: one launch per batch entry (the entry static in the kernel), each adding into
-  the one dQ buffer and returning its entry's dK / dV, concatenated. flat_stats: the kernel
+  the one dQ buffer and returning its entry's dK / dV, concatenated. kp.flat_stats: the kernel
   reads lse2 / delta as [1, B·H, Tp] (2-D TMA loads at any batch).
 
   auto_barriers False (MosaicConfig.fused_auto_barriers; ignored when interpreting, whose dQ
@@ -630,9 +627,7 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   zero, _ = lax.optimization_barrier((jnp.zeros((), jnp.float32), do))
   dq_acc = jax.new_ref(jnp.broadcast_to(zero, ((2,) if kp.interpret else ()) + acc_shape))
 
-  stats = (lse2, delta)
-  if flat_stats:
-    stats = tuple(x.reshape(1, -1, x.shape[2]) for x in stats)
+  stats = (kp.stats_view(lse2), kp.stats_view(delta))
 
   def launch(entry):
     rows = k.shape if entry is None else (1, *k.shape[1:])
@@ -641,7 +636,7 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
         functools.partial(_bwd_fused_kernel, kp=kp, stagger_q=stagger_q, dq_blocks=dq_blocks,
                           dq_shared=dq_shared, overlap=overlap, dq_slots=dq_slots,
                           defer_dq=defer_dq, offset=offset and defer_dq,
-                          dq_head_major=dq_head_major, entry=entry, flat_stats=flat_stats),
+                          dq_head_major=dq_head_major, entry=entry),
         out_type=(kv_out, kv_out),
         scratch_types=scratch,
         **_common.launch_grid(s_pad // (2 * bkv), kh, bsz if entry is None else 1,
@@ -699,8 +694,7 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
                               auto_barriers=config.fused_auto_barriers,
                               dq_head_major=config.fused_dq_head_major,
                               batch_slowest=config.fused_batch_slowest,
-                              per_batch_entry=config.fused_per_batch_entry,
-                              flat_stats=config.fused_flat_stats)
+                              per_batch_entry=config.fused_per_batch_entry)
   if config.fused_dq_head_major:
     dq_acc = dq_acc.transpose(0, 2, 1, 3)
   dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)

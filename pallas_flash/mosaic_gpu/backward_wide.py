@@ -173,7 +173,7 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
   @pl.when(wg == 2)
   def _producer():
     plgpu.set_max_registers(kp.producer_registers, action="decrease")
-    _produce_query_streams(cta_steps, stages, streams, index, b, bq)
+    _produce_query_streams(cta_steps, stages, streams, index, b, bq, kp)
 
 
 def _store_through(acc, smem, dst, kp: _common.KernelParams):
@@ -187,7 +187,8 @@ def _store_through(acc, smem, dst, kp: _common.KernelParams):
 
 def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, segs=()):
   """(dK, dV) [B, S', K, D] of q/do [B, T', H, D], k/v [B, S', K, D], T' and S' padded as
-  _common.operand_rows says (tiles cover kp.t_pad / kp.s_pad rows); lse2/delta [B, H, Tp];
+  _common.operand_rows says (tiles cover kp.t_pad / kp.s_pad rows); lse2/delta [B, H, Tp]
+  (kp.stats_view);
   segs: () or (kv_seg [B, Sp], q_seg [B, Tp], q limits per kv tile) int32."""
   bsz, _, kh, d = k.shape
   s_pad = kp.s_pad
@@ -218,7 +219,7 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, segs=()):
       num_threads=3, thread_name="wg",
       compiler_params=_common.compiler_params(kp),
       interpret=_common.interpret_params(kp.interpret),
-  )(q, k, v, do, lse2, delta, *segs)
+  )(q, k, v, do, kp.stats_view(lse2), kp.stats_view(delta), *segs)
 
 
 def padded_lengths(t: int, s: int) -> tuple[int, int]:

@@ -164,10 +164,12 @@ class MosaicConfig:
       alone): a launch over batch 2 took 6.03 ms at 2x16384x8x128 and 6.31 ms with 4 kv heads,
       two batch-1 calls 5.50 and 5.47 (the split: 5.67, 5.70); why one launch over more entries
       is slower is not known.
-    fused_flat_stats: fused backward: the kernel reads lse and delta ([B, H, T] float32) as a
-      [1, B·H, T] view. Their TMA loads are 2-D at batch 1 (the unit dimension dropped) and
-      3-D at batch 2, the only difference in the two kernels' PTX besides the batch index;
-      this makes them 2-D at any batch (twenty-fourth session; not yet timed).
+    bwd_flat_stats: the dK/dV-style kernels (the split's, head dim 256's, the fused one) read
+      lse and delta ([B, H, T] float32, one block_q slice each step) as a [1, B·H, T] view, so
+      that their TMA loads are 2-D at any batch (3-D otherwise from batch 2; at batch 1 the
+      unit dimension is dropped either way). Twenty-fifth session, the fused backward alone
+      (scripts/bwd_probe.py, causal, ms): 2x16384x8x128 with 4 kv heads 5.27 flat against
+      6.42 with 3-D loads (the split 5.51), 2x16384x8x128 5.34 against 6.15 (split 5.69).
     dkdv_schedule: the split backward's dK/dV kernel, per (q block, query head) step of a
       warpgroup. "serial": Sᵀ and dPᵀ, wait; Pᵀ, dSᵀ; dV += Pᵀ·dO, wait; dK += dSᵀ·Q, wait.
       "batched": dV and dK issued back to back with one wait (dO released as soon as dV
@@ -270,13 +272,13 @@ class MosaicConfig:
   fused_dq_head_major: bool = False
   fused_batch_slowest: bool = False
   fused_per_batch_entry: bool = False
-  fused_flat_stats: bool = False
   dkdv_schedule: str = "serial"
   dkdv_pingpong: bool = False
   dkdv_fold_stats: bool = False
   wide_backward: str = "mosaic"
   window_backward: str = "mosaic"
   bwd_delta_in_kernel: bool = True
+  bwd_flat_stats: bool = True
   profile_dir: str = ""
   compute_registers: int = 232
   producer_registers: int = 40

@@ -198,6 +198,19 @@ def test_backward_launch_order_gives_the_same_gradients(case):
   _assert_same_fwd_bwd(case, dict(bwd_heads_fastest=True), dict(bwd_heads_fastest=False))
 
 
+@pytest.mark.parametrize("case", [(2, 1024, 1024, 4, 2, 64, True, jnp.bfloat16),
+                                  (3, 1000, 1100, 4, 4, 128, False, jnp.float16),
+                                  (2, 1000, 1100, 4, 2, 256, True, jnp.bfloat16)],
+                         ids=kernel_case_id)
+def test_flat_stats_give_the_same_gradients(case):
+  """MosaicConfig.bwd_flat_stats (the default) only changes how the split's dK/dV kernels
+  address lse and delta at batch > 1: bitwise the gradients of [B, H, Tp] loads, which match
+  the reference."""
+  assert TUNED[(case[5], case[6])].bwd_flat_stats
+  _assert_same_fwd_bwd(case, dict(bwd_flat_stats=True), dict(bwd_flat_stats=False))
+  _assert_config_gradients(case, 0)
+
+
 FUSED = dict(fused_backward=True, fused_dq_shared=True, compute_registers=240,
              producer_registers=24)
 # The deferred form without automatic barriers (config.FUSED_LONG_CAUSAL's kernel).
@@ -214,11 +227,11 @@ DEFER_NB = dict(fused_defer_dq=True, fused_defer_inline=True, fused_auto_barrier
                                      dict(DEFER_NB, fused_dq_head_major=True),
                                      dict(DEFER_NB, fused_batch_slowest=True),
                                      dict(DEFER_NB, fused_per_batch_entry=True),
-                                     dict(DEFER_NB, fused_flat_stats=True)],
+                                     dict(DEFER_NB, bwd_flat_stats=False)],
                          ids=["dq_shared", "defer_dq", "defer_dq_offset", "defer_inline",
                               "overlap", "no_auto_barriers", "defer_inline_no_auto_barriers",
                               "head_major", "batch_slowest", "per_batch_entry",
-                              "flat_stats"])
+                              "stats_3d"])
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 3, 4, 9)], ids=kernel_case_id)
 def test_fused_backward_gradients(case, changes):
   """The single-kernel backward's forms (dQ summed by float32 atomics, so compared with the

@@ -247,6 +247,25 @@ def test_backward_launch_order_gives_the_same_gradients(case, group):
                         dict(bwd_heads_fastest=False, bwd_head_group=group))
 
 
+# Batch > 1, where the dK/dV kernel's lse / delta rows are b·H + h of a [1, B·H, Tp] view.
+BATCHED = [(2, 190, 130, 4, 2, 64, True, jnp.bfloat16),
+           (3, 130, 200, 2, 1, 128, False, jnp.float16)]
+
+
+@pytest.mark.parametrize("case", BATCHED, ids=kernel_case_id)
+def test_batched_gradients_match_reference(case):
+  _assert_gradients_match_reference(case, SMALL, lse_cotangent=True)
+
+
+@pytest.mark.parametrize("case", BATCHED, ids=kernel_case_id)
+def test_flat_stats_give_the_same_gradients(case):
+  """MosaicConfig.bwd_flat_stats only changes how the dK/dV kernel addresses lse and delta:
+  the same dQ, dK, dV to the bit as with [B, H, Tp] loads."""
+  assert SMALL.bwd_flat_stats
+  _assert_same_backward(case, case[1] + case[2] + 2, dict(bwd_flat_stats=True),
+                        dict(bwd_flat_stats=False))
+
+
 def test_fully_masked_row_contributes_nothing():
   # Such a row (segment ids a query's keys never carry: test_mosaic_segments.py) gets o = 0
   # and lse = -inf, which the dQ kernel maps to lse2 = +inf (P = 0) as the XLA path does.
