@@ -416,7 +416,7 @@ FUSED_DEFERRED = dict(fused_backward=True, fused_dq_shared=True, fused_defer_dq=
 # 4x4096x16x128 causal (426.2 / 470.3) and non-causal calls (497-501 / 529-530). At batch 2 the
 # kernel itself is slower than two batch-1 launches (twenty-fourth session;
 # fused_per_batch_entry).
-FUSED_LONG_CAUSAL = dict(FUSED_DEFERRED, fused_auto_barriers=False, fused_per_batch_entry=True)
+FUSED_LONG_CAUSAL = dict(FUSED_DEFERRED, fused_auto_barriers=False)
 FUSED_MIN_KV_LEN = 16384
 # ... and at most this batch. Twenty-fourth session, fused (one launch per entry) against the
 # split at batch 2, causal, same process, TFLOP/s: fwd+bwd at 2x16384x8x128 with 4 kv heads
@@ -424,7 +424,7 @@ FUSED_MIN_KV_LEN = 16384
 # place); the backward alone 484.7 / 493.2 (run6); 2x16384x8x128 fwd+bwd 519.1 / 504.5, the
 # backward alone 491.9 / 482.3; the training step level with either (run4-6). Not a win, so
 # batch 2 keeps the split, bitwise reproducible. 4x16384x8x128 with 4 kv heads: 504.4 / 514.2.
-FUSED_MAX_BATCH = 1
+FUSED_MAX_BATCH = 8
 
 
 def with_overrides(config: MosaicConfig, overrides: str) -> MosaicConfig:

@@ -218,14 +218,15 @@ def _params(causal=True, **kw):
 
 @pytest.mark.parametrize("d,s,b,params,fused", [
     (128, 16384, 1, _params(), True), (128, 131072, 1, _params(), True),
-    (128, 16384, 2, _params(), False), (128, 16383, 1, _params(), False),
+    (128, 16384, 2, _params(), True), (128, 16384, 16, _params(), False),
+    (128, 16383, 1, _params(), False),
     (128, 4096, 1, _params(), False), (128, 16384, 1, _params(causal=False), False),
     (64, 16384, 1, _params(), False), (256, 16384, 1, _params(), False),
     (128, 16384, 1, _params(deterministic=True), False),
     (128, 16384, 1, _params(segments=True), False),
     (128, 16384, 1, _params(local_window=(4095, 0)), False),
     (128, 16384, 1, _params(logits_soft_cap=30.0), False)],
-    ids=["16k", "128k", "batch2", "16k-1", "4k", "full", "d64", "d256", "deterministic",
+    ids=["16k", "128k", "batch2", "batch16", "16k-1", "4k", "full", "d64", "d256", "deterministic",
          "segments", "window", "soft_cap"])
 def test_long_causal_calls_default_to_the_fused_backward(d, s, b, params, fused):
   config = mconfig.call_config(d, params, s, b)
@@ -235,10 +236,11 @@ def test_long_causal_calls_default_to_the_fused_backward(d, s, b, params, fused)
   assert config == want
 
 
-@pytest.mark.parametrize("b,deterministic,kernels", [(1, False, 2), (1, True, 3), (2, False, 3)])
+@pytest.mark.parametrize("b,deterministic,kernels", [(1, False, 2), (1, True, 3), (2, False, 2),
+                                                   (16, False, 3)])
 def test_default_long_causal_grad_lowers_to_the_fused_kernel(b, deterministic, kernels):
-  """Forward + fused backward by default at batch 1; deterministic=True or batch 2 run the
-  split (dQ, dK/dV)."""
+  """Forward + fused backward by default up to FUSED_MAX_BATCH entries; deterministic=True or
+  a larger batch run the split (dQ, dK/dV)."""
   q, kv = kernel_specs(b, 16384, 16384, 4, 2, 128)
 
   def loss(q, k, v):
