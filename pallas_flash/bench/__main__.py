@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_flash.bench import checks, flops, memory, shapes, timing
+from pallas_flash.mosaic_gpu import config as mosaic_config
+from pallas_flash.params import AttentionParams
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 # max|x - ref| / max|ref| above which a row is FAIL (outputs and gradients alike).
@@ -106,6 +108,16 @@ def reference_outputs(args: tuple, *, mode: str, is_causal: bool) -> tuple[jax.A
   return _as_tuple(step(*(x.astype(jnp.float32) for x in args)))
 
 
+def slice_kwargs(impl: str, spec: shapes.ShapeSpec, *, is_causal: bool) -> dict:
+  """What the rerun on a leading slice passes so that it runs the benchmarked call's kernels:
+  for "mosaic", the config chosen for the full shape (the choice depends on length and batch:
+  e.g. the fused backward from 16K keys, which the slice's own call would not run)."""
+  if impl != "mosaic":
+    return {}
+  params = AttentionParams(scale=spec.head_dim ** -0.5, is_causal=is_causal, has_segments=False)
+  return {"config": mosaic_config.call_config(spec.head_dim, params, spec.seq_len, spec.batch)}
+
+
 def check(impl: str, compiled, args: tuple, spec: shapes.ShapeSpec, *, mode: str,
           is_causal: bool, seq_cap: int, reference) -> tuple[dict[str, float], str]:
   """Relative error per output of `impl` on the check shape (shapes.check_spec's rule).
@@ -121,7 +133,9 @@ def check(impl: str, compiled, args: tuple, spec: shapes.ShapeSpec, *, mode: str
     out = _heads(_as_tuple(compiled(*args)), out_heads)
   else:  # rerun the implementation on the leading slice
     args = _heads(tuple(x[:, :tc] for x in args), arg_heads)
-    out = _as_tuple(timing.make_step(impl, mode=mode, is_causal=is_causal)(*args))
+    step = timing.make_step(impl, mode=mode, is_causal=is_causal,
+                            **slice_kwargs(impl, spec, is_causal=is_causal))
+    out = _as_tuple(step(*args))
   small_args = _heads(args, arg_heads)
   ref = reference(small_args)
   errs = {n: float(checks.rel_err(o, r)) for n, o, r in zip(_names(mode), out, ref, strict=True)}

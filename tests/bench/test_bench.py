@@ -70,6 +70,18 @@ def test_long_sequences_are_checked_on_a_leading_slice(tmp_path):
     _assert_timed_and_correct(row)
 
 
+def test_a_sliced_mosaic_check_runs_the_benchmarked_calls_config():
+  """At 2x16384 causal the benchmarked call runs the fused backward, which a 4096-long call
+  would not: the check's rerun on the slice gets the full call's config."""
+  spec = shapes.ShapeSpec(name="x", batch=2, seq_len=16384, num_heads=8, head_dim=128,
+                          num_kv_heads=4)
+  config = bench.slice_kwargs("mosaic", spec, is_causal=True)["config"]
+  assert config.fused_backward
+  small = shapes.check_spec(spec, seq_cap=4096)
+  assert not bench.slice_kwargs("mosaic", small, is_causal=True)["config"].fused_backward
+  assert bench.slice_kwargs("xla", spec, is_causal=True) == {}
+
+
 def test_a_row_above_tolerance_is_marked_fail_but_still_timed(tmp_path, monkeypatch):
   monkeypatch.setitem(bench.TOLERANCE, "bfloat16", 1e-9)
   rows = _run(tmp_path, "--shapes", "cpu_t96", "--impl", "xla", "--mode", "fwd",
