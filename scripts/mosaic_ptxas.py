@@ -54,9 +54,7 @@ VARIANTS = {
     "bwd_fused_shared": ("fwdbwd", False, dict(fused_backward=True, fused_dq_shared=True)),
     "bwd_fused_overlap": ("fwdbwd", False, dict(fused_backward=True, fused_dq_shared=True,
                                                  fused_overlap=True)),
-    # config.FUSED_LONG_CAUSAL less fused_per_batch_entry, so that a --shape with batch > 1
-    # compiles the one launch over every entry (spelled out: this table is read before jax
-    # is imported).
+    # config.FUSED_LONG_CAUSAL (spelled out: this table is read before jax is imported).
     "bwd_fused_long_causal": ("fwdbwd", True, dict(
         fused_backward=True, fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
         compute_registers=240, producer_registers=24, fused_auto_barriers=False)),

@@ -162,14 +162,16 @@ class MosaicConfig:
     fused_per_batch_entry: fused backward: one kernel launch per batch entry, each adding into
       the one dQ buffer. Twenty-fourth session (scripts/bwd_probe.py, causal, the backward
       alone): a launch over batch 2 took 6.03 ms at 2x16384x8x128 and 6.31 ms with 4 kv heads,
-      two batch-1 calls 5.50 and 5.47 (the split: 5.67, 5.70); why one launch over more entries
-      is slower is not known.
+      two batch-1 calls 5.50 and 5.47 (the split: 5.67, 5.70). The cause was the 3-D loads of
+      lse and delta (bwd_flat_stats): one launch over the batch is now the faster form.
     bwd_flat_stats: the dK/dV-style kernels (the split's, head dim 256's, the fused one) read
       lse and delta ([B, H, T] float32, one block_q slice each step) as a [1, B·H, T] view, so
       that their TMA loads are 2-D at any batch (3-D otherwise from batch 2; at batch 1 the
       unit dimension is dropped either way). Twenty-fifth session, the fused backward alone
       (scripts/bwd_probe.py, causal, ms): 2x16384x8x128 with 4 kv heads 5.27 flat against
-      6.42 with 3-D loads (the split 5.51), 2x16384x8x128 5.34 against 6.15 (split 5.69).
+      6.42 with 3-D loads (the split 5.51), 2x16384x8x128 5.34 against 6.15 (split 5.69). The
+      split's kernels gave bitwise the same gradients either way and ran level (5.84 / 5.81
+      ms at 2x16384x8x128 with 4 kv heads causal, 11.12 / 11.38 non-causal).
     dkdv_schedule: the split backward's dK/dV kernel, per (q block, query head) step of a
       warpgroup. "serial": Sᵀ and dPᵀ, wait; Pᵀ, dSᵀ; dV += Pᵀ·dO, wait; dK += dSᵀ·Q, wait.
       "batched": dV and dK issued back to back with one wait (dO released as soon as dV
@@ -407,23 +409,23 @@ MEDIUM_KV_LEN = 4096
 # vary run to run (float32 atomics).
 FUSED_DEFERRED = dict(fused_backward=True, fused_dq_shared=True, fused_defer_dq=True,
                       fused_defer_inline=True, compute_registers=240, producer_registers=24)
-# ... compiled without Pallas' automatic barriers (and one launch per batch entry): the default
-# backward of causal head-dim-128 calls of at most FUSED_MAX_BATCH entries with at least
-# FUSED_MIN_KV_LEN keys (`call_config`). Twenty-third session, fwd+bwd TFLOP/s against the
-# split, same process (runs 4-6): 1x16384x16x128 537.8 / 534.2, 531.2 / 511.6; 1x32768x16x128
-# 546.6 / 518.4, 541.9 / 513.6; 1x65536x16x128 548.2 / 515.7; 1x16384x16x128 with 8 kv heads
-# 537.0 / 511.2. Slower: batch 2 (2x16384x8x128 482.9 / 504.9, with 4 kv heads 466.4 / 513.1),
-# 4x4096x16x128 causal (426.2 / 470.3) and non-causal calls (497-501 / 529-530). At batch 2 the
-# kernel itself is slower than two batch-1 launches (twenty-fourth session;
-# fused_per_batch_entry).
+# ... compiled without Pallas' automatic barriers: the default backward of causal head-dim-128
+# calls of at most FUSED_MAX_BATCH entries with at least FUSED_MIN_KV_LEN keys (`call_config`).
+# Twenty-third session, fwd+bwd TFLOP/s against the split, same process (runs 4-6):
+# 1x16384x16x128 537.8 / 534.2, 531.2 / 511.6; 1x32768x16x128 546.6 / 518.4, 541.9 / 513.6;
+# 1x65536x16x128 548.2 / 515.7; 1x16384x16x128 with 8 kv heads 537.0 / 511.2. Slower: batch 2
+# (2x16384x8x128 482.9 / 504.9, with 4 kv heads 466.4 / 513.1), 4x4096x16x128 causal (426.2 /
+# 470.3) and non-causal calls (497-501 / 529-530). The batch-2 loss was the 3-D TMA loads of lse
+# and delta (bwd_flat_stats, twenty-fifth session).
 FUSED_LONG_CAUSAL = dict(FUSED_DEFERRED, fused_auto_barriers=False)
 FUSED_MIN_KV_LEN = 16384
-# ... and at most this batch. Twenty-fourth session, fused (one launch per entry) against the
-# split at batch 2, causal, same process, TFLOP/s: fwd+bwd at 2x16384x8x128 with 4 kv heads
-# 526.9 / 511.9 (run4, entries sliced), 507.9 / 516.7 (run5, sliced), 508.3 / 512.5 (run6, in
-# place); the backward alone 484.7 / 493.2 (run6); 2x16384x8x128 fwd+bwd 519.1 / 504.5, the
-# backward alone 491.9 / 482.3; the training step level with either (run4-6). Not a win, so
-# batch 2 keeps the split, bitwise reproducible. 4x16384x8x128 with 4 kv heads: 504.4 / 514.2.
+# ... and at most this batch, the largest measured. Twenty-fifth session (run3), with
+# bwd_flat_stats, fwd+bwd TFLOP/s fused / split / cuDNN, causal, same process: 2x16384x8x128
+# with 4 kv heads 534.1 / 506.8 / 511.0, 2x16384x8x128 531.5 / 509.3 / 515.4, 4x16384x8x128
+# with 4 kv heads 532.6 / 503.2 / 511.5, 8x16384x8x128 with 4 kv heads 527.5 / 497.9 / 517.1,
+# 1x16384x16x128 527.8 / 509.6 / 516.3. Below 16K keys the split stays: 4x4096x16x128 449.6 /
+# 460.4, 2x8192x16x128 502.7 / 497.3 (within noise). The training step (run4): 151.3 / 150.9 ms
+# against cuDNN's 153.0 / 153.7.
 FUSED_MAX_BATCH = 8
 
 
