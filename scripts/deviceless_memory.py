@@ -81,9 +81,8 @@ def main() -> None:
   default = mconfig.call_config(128, params, shape[1], shape[0])
   variants = [("default", "")] + [v.partition(":")[::2] for v in args.variant]
   for name, overrides in variants:
-    config = mconfig.with_overrides(default, overrides) if overrides else default
-    gib = temp_gib(config, shape=shape, layers=args.layers,
-                   remat=args.remat)
+    gib = temp_gib(mconfig.with_overrides(default, overrides), shape=shape,
+                   layers=args.layers, remat=args.remat)
     print(json.dumps(dict(variant=name, overrides=overrides, shape=args.shape,
                           layers=args.layers, remat=args.remat, temp_gib=round(gib, 3))),
           flush=True)

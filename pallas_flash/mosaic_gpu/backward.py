@@ -693,15 +693,14 @@ def _produce_query_streams(cta_steps, stages, streams, index, b, bq, kp: _common
   """The producer of the dK/dV-style kernels: the Q and dO rows and the lse and delta entries
   of step t's (q block, query head) = index(t). kp.flat_stats: lse and delta are
   kp.stats_view's [1, B·H, Tp], entry (b, h) at row b·H + h."""
-  stat_heads = streams[0][0].shape[2] if kp.flat_stats else 0
   def q_rows(t):
     i, h = index(t)
     return b, pl.ds(i * bq, bq), h
 
   def stat_rows(t):
     i, h = index(t)
-    if stat_heads:
-      return 0, b * stat_heads + h, pl.ds(i * bq, bq)
+    if kp.flat_stats:  # H is the query heads of Q, streams[0]'s ref
+      return 0, b * streams[0][0].shape[2] + h, pl.ds(i * bq, bq)
     return b, h, pl.ds(i * bq, bq)
 
   _produce(cta_steps, stages, tuple((*stream, rows) for stream, rows in
