@@ -444,17 +444,17 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
         _reduce_dq(dq_smem, dq_acc_ref, dq_rows(i, h, cols), wg,
                    _at(dq_loaded, wg), kp)
 
-    def deferred_tiles(t, *, masked: bool):
+    def deferred_tiles(t, *, masked: bool, release: bool):
       """A deferred step's first half: (ring slot, Q, dO, Pᵀ f32, dSᵀ in kp.dtype, dSᵀ's SMEM
-      slot); this WG's dSᵀ is stored in slot t % 4 and handed to the other WG (offset: WG 0's
-      first step releases WG 1)."""
+      slot); this WG's dSᵀ is stored in slot t % 4 and handed to the other WG (release: WG 0
+      releases WG 1 once it has Pᵀ and dSᵀ, the offset form's first step)."""
       slot = lax.rem(t, stages)
       i, _ = index(t)
       q_smem, do_smem = _wait_streams(streams, slot)
       p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
                                          (lambda: i) if masked else None, kp)
-      if offset:
-        pl.when((t == 0) & (wg == 0))(lambda: plgpu.barrier_arrive(start))
+      if release:
+        pl.when(wg == 0)(lambda: plgpu.barrier_arrive(start))
       ds_slot = lax.rem(t, 4)
       ds16, ds_smem = ds_t.astype(kp.dtype), ds_scratch.at[ds_slot, wg]
       with jax.named_scope("ds_store"):
@@ -463,12 +463,13 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       plgpu.barrier_arrive(ds_handoff.at[wg, ds_slot])
       return slot, q_smem, do_smem, p_t, ds16, ds_smem
 
-    def inline_step(t, carry, *, masked: bool):
+    def inline_step(t, carry, *, masked: bool, release: bool):
       """defer_dq "inline": dV, dK and the previous step's dQ_part in one accumulator scope,
       the wait for the other WG's dSᵀ between them (step 0's dQ_part reads the slot the
       pre-arrival released and is not reduced)."""
       dk, dv = carry
-      slot, q_smem, do_smem, p_t, _, ds_smem = deferred_tiles(t, masked=masked)
+      slot, q_smem, do_smem, p_t, _, ds_smem = deferred_tiles(t, masked=masked,
+                                                               release=release)
       prev_slot = lax.rem(t + 3, 4)
       p16 = p_t.astype(kp.dtype)
       prev_i, prev_h = index(jnp.maximum(t - 1, 0))
@@ -485,19 +486,19 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                                           wg, _at(dq_loaded, wg), kp))
       return dk, dv
 
-    def deferred_step(t, carry, *, masked: bool):
+    def deferred_step(t, carry, *, masked: bool, release: bool):
       dk, dv = carry
-      slot, q_smem, do_smem, p_t, ds16, _ = deferred_tiles(t, masked=masked)
+      slot, q_smem, do_smem, p_t, ds16, _ = deferred_tiles(t, masked=masked, release=release)
       dk, dv = _dk_dv_updates(dk, dv, p_t, ds16, q_smem, do_smem, _at(p_scratch, wg),
                               (do_free.at[slot], q_free.at[slot]), kp)
       pl.when(t > 0)(lambda: deferred_dq(t - 1))
       return dk, dv
 
-    def step(t, carry, *, masked: bool):
+    def step(t, carry, *, masked: bool, release: bool = False):
       if defer_dq == "inline":
-        return inline_step(t, carry, masked=masked)
+        return inline_step(t, carry, masked=masked, release=release)
       if defer_dq:
-        return deferred_step(t, carry, masked=masked)
+        return deferred_step(t, carry, masked=masked, release=release)
       if overlap:
         return overlapped_step(t, carry, masked=masked)
       dk, dv = carry
@@ -548,11 +549,18 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       # Padded keys are zero, so their dQ_part terms vanish, unless exp2(0 − lse2) overflows
       # (rows whose scores are all far below 0): the tile holding the tail masks every step.
       full = jnp.where(k0 + bkv > kp.kv_len, cta_steps, full)
-    if offset:
-      pl.when((wg == 1) & (cta_steps > 0))(lambda: plgpu.barrier_wait(start))
     if defer_dq == "inline":
       # Step 0's (unreduced) dQ_part waits for the other WG's "step -1", slot 3.
       pl.when(cta_steps > 0)(lambda: plgpu.barrier_arrive(ds_handoff.at[wg, 3]))
+    if offset:
+      pl.when((wg == 1) & (cta_steps > 0))(lambda: plgpu.barrier_wait(start))
+      # WG 0 releases WG 1 from a loop of its own over the first step (masked if any step
+      # may be), so that the main loops hold no branch: a conditional arrive inside them made
+      # ptxas serialise every wgmma of the inline form (C7512).
+      peeled = jnp.minimum(first + 1, cta_steps)
+      carry = lax.fori_loop(first, peeled, functools.partial(step, masked=kp.needs_mask,
+                                                             release=True), carry)
+      first, full = peeled, jnp.maximum(full, peeled)
     if kp.needs_mask:
       carry = lax.fori_loop(first, full, functools.partial(step, masked=True), carry)
       first = full
