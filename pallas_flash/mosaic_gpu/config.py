@@ -164,6 +164,17 @@ class MosaicConfig:
       alone): a launch over batch 2 took 6.03 ms at 2x16384x8x128 and 6.31 ms with 4 kv heads,
       two batch-1 calls 5.50 and 5.47 (the split: 5.67, 5.70). The cause was the 3-D loads of
       lse and delta (bwd_flat_stats): one launch over the batch is now the faster form.
+    fused_wg_skew: fused backward, non-causal calls without a key tail (elsewhere ignored):
+      warpgroup w runs its first (w + 1)·G steps (its q blocks' G query heads) in the masked
+      form with a mask that hides nothing, so that WG 1 enters the unmasked loop that much
+      later than WG 0, as a causal CTA's diagonal makes it. Twenty-sixth session, the backward
+      alone at 1x16384x16x128 non-causal (scripts/bwd_probe.py, runs 5 and 8): 10.45 and 10.33
+      ms against 12.31 and 12.30 unskewed (the split 11.01 and 11.25); fwd+bwd in
+      FUSED_NONCAUSAL's comment. Why it pays is not established: the same skew with a cheaper
+      mask (a WGMMA-layout iota against the key length; WG 1 alone, or both WGs one or two
+      steps) ran 12.8-13.6 ms (run 7), and the unmasked loop's SASS differs between the
+      forms; a lag of about half a step (fused_offset) gained nothing. The skewed form's SASS
+      is checked equal to the measured one's (docs/perf.md, twenty-sixth session).
     bwd_flat_stats: the dK/dV-style kernels (the split's, head dim 256's, the fused one) read
       lse and delta ([B, H, T] float32, one block_q slice each step) as a [1, B·H, T] view, so
       that their TMA loads are 2-D at any batch (3-D otherwise from batch 2; at batch 1 the
@@ -274,6 +285,7 @@ class MosaicConfig:
   fused_dq_head_major: bool = False
   fused_batch_slowest: bool = False
   fused_per_batch_entry: bool = False
+  fused_wg_skew: bool = False
   dkdv_schedule: str = "serial"
   dkdv_pingpong: bool = False
   dkdv_fold_stats: bool = False
@@ -427,6 +439,17 @@ FUSED_MIN_KV_LEN = 16384
 # 460.4, 2x8192x16x128 502.7 / 497.3 (within noise). The training step (run4): 151.3 / 150.9 ms
 # against cuDNN's 153.0 / 153.7.
 FUSED_MAX_BATCH = 8
+# Non-causal head-dim-128 calls with at least FUSED_NONCAUSAL_MIN_KV_LEN keys, a whole number
+# of the fused kernel's 128-key CTA tiles (a key tail masks every step of its tile, where the
+# skew does not apply) and at most FUSED_NONCAUSAL_MAX_BATCH entries run the same kernel with
+# its warpgroups skewed (fused_wg_skew). Twenty-sixth session (run9), fwd+bwd TFLOP/s skewed /
+# unskewed / split / cuDNN, same process: 1x16384x16x128 538.9 / 484.8 / 515.9 / 546.3,
+# 1x32768x16x128 542.6 / 488.7 / 512.4 / 554.7, 2x16384x8x128 with 4 kv heads 531.2 / 458.0 /
+# 522.3 / 547.0, 2x8192x16x128 529.6 / 438.4 / 511.4 / 539.7, 4x4096x16x128 502.0 / 421.1 /
+# 493.4 / 513.4.
+FUSED_NONCAUSAL = dict(FUSED_LONG_CAUSAL, fused_wg_skew=True)
+FUSED_NONCAUSAL_MIN_KV_LEN = 4096
+FUSED_NONCAUSAL_MAX_BATCH = 4
 
 
 def with_overrides(config: MosaicConfig, overrides: str) -> MosaicConfig:
@@ -463,16 +486,21 @@ def tuned(head_dim: int, is_causal: bool, kv_len: int) -> MosaicConfig:
 
 def call_config(head_dim: int, params: AttentionParams, kv_len: int,
                 batch: int) -> MosaicConfig:
-  """The config of a call that passes none: `tuned`, with the fused backward
-  (FUSED_LONG_CAUSAL) for causal head-dim-128 calls with at least FUSED_MIN_KV_LEN keys and
-  at most FUSED_MAX_BATCH batch entries, unless they ask for bitwise-reproducible gradients
-  (its dQ is summed by float32 atomics) or carry segment ids, lengths, a window (which the
-  fused kernel does not stream) or a soft cap (not measured with it)."""
+  """The config of a call that passes none: `tuned`, with the fused backward for head-dim-128
+  calls: FUSED_LONG_CAUSAL for causal ones with at least FUSED_MIN_KV_LEN keys and at most
+  FUSED_MAX_BATCH batch entries, FUSED_NONCAUSAL for non-causal ones as its comment says;
+  neither where a call asks for bitwise-reproducible gradients (the fused dQ is summed by
+  float32 atomics) or carries segment ids, lengths, a window (which the fused kernel does not
+  stream) or a soft cap (not measured with it)."""
   config = tuned(head_dim, params.is_causal, kv_len)
-  if (params.is_causal and head_dim == 128 and kv_len >= FUSED_MIN_KV_LEN
-      and batch <= FUSED_MAX_BATCH and not params.deterministic and not params.has_segments
-      and params.local_window is None and params.logits_soft_cap is None):
-    config = dataclasses.replace(config, **FUSED_LONG_CAUSAL)
+  if (head_dim != 128 or params.deterministic or params.has_segments
+      or params.local_window is not None or params.logits_soft_cap is not None):
+    return config
+  if params.is_causal and kv_len >= FUSED_MIN_KV_LEN and batch <= FUSED_MAX_BATCH:
+    return dataclasses.replace(config, **FUSED_LONG_CAUSAL)
+  if (not params.is_causal and kv_len >= FUSED_NONCAUSAL_MIN_KV_LEN
+      and kv_len % (2 * config.block_kv_fused) == 0 and batch <= FUSED_NONCAUSAL_MAX_BATCH):
+    return dataclasses.replace(config, **FUSED_NONCAUSAL)
   return config
 
 

@@ -206,8 +206,9 @@ def test_no_tuned_config_runs_the_fused_backward():
       for s in (1024, 4096, 16384, 65536):
         assert not mconfig.tuned(d, causal, s).fused_backward, (d, causal, s)
   q = jax.ShapeDtypeStruct((1, 16384, 4, 128), jnp.bfloat16)
-  for form in (mconfig.FUSED_DEFERRED, mconfig.FUSED_LONG_CAUSAL):
-    assert backward_fused.unsupported_reason(q, dataclasses.replace(TUNED[(128, True)],
+  for causal, form in ((True, mconfig.FUSED_DEFERRED), (True, mconfig.FUSED_LONG_CAUSAL),
+                       (False, mconfig.FUSED_NONCAUSAL)):
+    assert backward_fused.unsupported_reason(q, dataclasses.replace(TUNED[(128, causal)],
                                                                     **form)) is None
 
 
@@ -216,35 +217,45 @@ def _params(causal=True, **kw):
                          **kw)
 
 
-@pytest.mark.parametrize("d,s,b,params,fused", [
-    (128, 16384, 1, _params(), True), (128, 131072, 1, _params(), True),
-    (128, 16384, 2, _params(), True), (128, 16384, 16, _params(), False),
-    (128, 16383, 1, _params(), False),
-    (128, 4096, 1, _params(), False), (128, 16384, 1, _params(causal=False), False),
-    (64, 16384, 1, _params(), False), (256, 16384, 1, _params(), False),
-    (128, 16384, 1, _params(deterministic=True), False),
-    (128, 16384, 1, _params(segments=True), False),
-    (128, 16384, 1, _params(local_window=(4095, 0)), False),
-    (128, 16384, 1, _params(logits_soft_cap=30.0), False)],
-    ids=["16k", "128k", "batch2", "batch16", "16k-1", "4k", "full", "d64", "d256", "deterministic",
-         "segments", "window", "soft_cap"])
-def test_long_causal_calls_default_to_the_fused_backward(d, s, b, params, fused):
+FULL = _params(causal=False)
+
+
+@pytest.mark.parametrize("d,s,b,params,form", [
+    (128, 16384, 1, _params(), "causal"), (128, 131072, 1, _params(), "causal"),
+    (128, 16384, 2, _params(), "causal"), (128, 16384, 16, _params(), None),
+    (128, 16383, 1, _params(), None), (128, 4096, 1, _params(), None),
+    (128, 16384, 1, FULL, "full"), (128, 4096, 4, FULL, "full"), (128, 32768, 1, FULL, "full"),
+    (128, 2048, 1, FULL, None), (128, 4000, 1, FULL, None), (128, 16384, 8, FULL, None),
+    (64, 16384, 1, _params(), None), (256, 16384, 1, _params(), None),
+    (64, 16384, 1, FULL, None), (128, 16384, 1, _params(deterministic=True), None),
+    (128, 16384, 1, _params(causal=False, deterministic=True), None),
+    (128, 16384, 1, _params(segments=True), None),
+    (128, 16384, 1, _params(causal=False, segments=True), None),
+    (128, 16384, 1, _params(local_window=(4095, 0)), None),
+    (128, 16384, 1, _params(logits_soft_cap=30.0), None)],
+    ids=["16k", "128k", "batch2", "batch16", "16k-1", "4k", "full", "full-4k-batch4",
+         "full-32k", "full-2k", "full-tail", "full-batch8", "d64", "d256", "full-d64",
+         "deterministic", "full-deterministic", "segments", "full-segments", "window",
+         "soft_cap"])
+def test_long_calls_default_to_the_fused_backward(d, s, b, params, form):
+  """call_config: FUSED_LONG_CAUSAL / FUSED_NONCAUSAL where measured faster, else `tuned`."""
   config = mconfig.call_config(d, params, s, b)
-  assert config.fused_backward == fused
-  want = dataclasses.replace(mconfig.tuned(d, params.is_causal, s),
-                             **(mconfig.FUSED_LONG_CAUSAL if fused else {}))
+  assert config.fused_backward == (form is not None)
+  changes = {"causal": mconfig.FUSED_LONG_CAUSAL, "full": mconfig.FUSED_NONCAUSAL, None: {}}
+  want = dataclasses.replace(mconfig.tuned(d, params.is_causal, s), **changes[form])
   assert config == want
 
 
-@pytest.mark.parametrize("b,deterministic,kernels", [(1, False, 2), (1, True, 3), (2, False, 2),
-                                                   (16, False, 3)])
-def test_default_long_causal_grad_lowers_to_the_fused_kernel(b, deterministic, kernels):
-  """Forward + fused backward by default up to FUSED_MAX_BATCH entries; deterministic=True or
-  a larger batch run the split (dQ, dK/dV)."""
+@pytest.mark.parametrize("b,causal,deterministic,kernels", [
+    (1, True, False, 2), (1, True, True, 3), (2, True, False, 2), (16, True, False, 3),
+    (1, False, False, 2)])
+def test_default_long_grad_lowers_to_the_fused_kernel(b, causal, deterministic, kernels):
+  """Forward + fused backward by default up to FUSED_MAX_BATCH entries causal (and at 16K keys
+  non-causal); deterministic=True or a larger batch run the split (dQ, dK/dV)."""
   q, kv = kernel_specs(b, 16384, 16384, 4, 2, 128)
 
   def loss(q, k, v):
-    o = pallas_flash.flash_attention(q, k, v, is_causal=True, implementation="mosaic",
+    o = pallas_flash.flash_attention(q, k, v, is_causal=causal, implementation="mosaic",
                                      deterministic=deterministic)
     return o.astype(jnp.float32).sum()
 
@@ -306,6 +317,11 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
     (1, 200, 260, 2, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
                                                        fused_defer_dq=True,
                                                        fused_defer_inline=True)),
+    # FUSED_NONCAUSAL's warpgroup skew (no key tail: 256 keys, two 128-key CTAs), GQA.
+    (1, 200, 256, 4, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
+                                                       fused_defer_dq=True,
+                                                       fused_defer_inline=True,
+                                                       fused_wg_skew=True)),
     # The head-major dQ accumulator, at batch 2 with GQA (heads and batches in its index).
     (2, 330, 260, 4, 2, 128, True, jnp.bfloat16, dict(fused_dq_shared=True, fused_defer_dq=True,
                                                      fused_defer_inline=True,

@@ -228,11 +228,13 @@ DEFER_NB = dict(fused_defer_dq=True, fused_defer_inline=True, fused_auto_barrier
                                      dict(DEFER_NB, fused_batch_slowest=True),
                                      dict(DEFER_NB, fused_per_batch_entry=True),
                                      dict(DEFER_NB, bwd_flat_stats=False),
-                                     dict(DEFER_NB, fused_offset=True)],
+                                     dict(DEFER_NB, fused_offset=True),
+                                     dict(DEFER_NB, fused_wg_skew=True)],
                          ids=["dq_shared", "defer_dq", "defer_dq_offset", "defer_inline",
                               "overlap", "no_auto_barriers", "defer_inline_no_auto_barriers",
                               "head_major", "batch_slowest", "per_batch_entry",
-                              "stats_3d", "defer_inline_offset"])
+                              "stats_3d", "defer_inline_offset",
+                              "defer_inline_skew"])
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 3, 4, 9)], ids=kernel_case_id)
 def test_fused_backward_gradients(case, changes):
   """The single-kernel backward's forms (dQ summed by float32 atomics, so compared with the
@@ -247,6 +249,22 @@ def test_fused_backward_gradients(case, changes):
   want = _fwd_bwd(lambda *a: attention_reference(*a, None, None, params=p)[0])(q, k, v, do)
   for name, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
     assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
+
+
+@pytest.mark.fused
+def test_default_noncausal_gradients_run_the_skewed_fused_kernel():
+  """A non-causal call with 4K keys at batch 2 (GQA) runs config.FUSED_NONCAUSAL by default:
+  its gradients against the float32 reference."""
+  b, t, h, kh, d = 2, 4096, 4, 2, 128
+  p = AttentionParams(scale=d ** -0.5, is_causal=False, has_segments=False)
+  assert mconfig.call_config(d, p, t, b) == dataclasses.replace(
+      mconfig.tuned(d, False, t), **mconfig.FUSED_NONCAUSAL)
+  q, k, v, do = kernel_inputs(b, t, t, h, kh, d, jnp.bfloat16, seed=11)
+  got = _fwd_bwd(lambda *a: pallas_flash.flash_attention(*a, implementation="mosaic"))(
+      q, k, v, do)
+  want = _fwd_bwd(lambda *a: attention_reference(*a, None, None, params=p)[0])(q, k, v, do)
+  for name, g, r in zip(("o", "dq", "dk", "dv"), got, want):
+    assert _rel(g, r) <= TOL[jnp.bfloat16][1], (name, _rel(g, r))
 
 
 @pytest.mark.fused
