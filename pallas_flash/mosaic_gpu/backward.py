@@ -560,10 +560,6 @@ def _probs_t(s_t, lse, k0, mask_block, kp: _common.KernelParams, ids=None):
   if mask_block is not None:
     visible = _common.tile_mask(k0, mask_block() * kp.block_q, (kp.block_kv, kp.block_q), kp,
                                 transposed=True, ids=ids)
-    if visible is None:
-      # A step run masked in a call that masks nothing (backward_fused's warpgroup skew): a
-      # test every query passes, in the form measured (MosaicConfig.fused_wg_skew says why).
-      visible = lax.broadcasted_iota(jnp.int32, s_t.shape, 1) + mask_block() * kp.block_q >= 0
     p_t = jnp.where(visible, p_t, 0.0)
   return p_t, slope
 

@@ -304,7 +304,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                       kv_done, ds_handoff, start, *, kp: _common.KernelParams,
                       stagger_q: bool, dq_blocks: int, dq_shared: bool, overlap: bool = False,
                       dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
-                      dq_head_major: bool = False, skew: bool = False,
+                      dq_head_major: bool = False, split_loop: bool = False,
                       entry: int | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
@@ -333,9 +333,8 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   dQ_part; the last step's follows the loop. offset: WG 1 waits on `start` until WG 0 has
   formed its first Pᵀ and dSᵀ. defer_dq "inline": as `inline_step` says.
 
-  skew (MosaicConfig.fused_wg_skew; ignored causal or with a key tail): WG w runs its first
-  (w + 1)·G steps in the masked form (`_probs_t`'s mask that hides nothing), as a causal CTA's
-  diagonal steps skew its WGs.
+  split_loop (MosaicConfig.fused_split_loop; ignored causal or with a key tail): WG w runs
+  its first (w + 1)·G steps in a loop of their own, then the rest.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   nq = kp.t_pad // bq
@@ -566,10 +565,12 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       carry = lax.fori_loop(first, peeled, functools.partial(step, masked=kp.needs_mask,
                                                              release=True), carry)
       first, full = peeled, jnp.maximum(full, peeled)
-    skewed = skew and not (kp.causal or kp.kv_tail)
-    if skewed:
-      full = jnp.minimum(first + (wg + 1) * g_size, cta_steps)
-    if kp.needs_mask or skewed:
+    if split_loop and not (kp.causal or kp.kv_tail):
+      # Same steps; only the code ptxas makes of the main loop changes (MosaicConfig says).
+      lead = jnp.minimum(first + (wg + 1) * g_size, cta_steps)
+      carry = lax.fori_loop(first, lead, functools.partial(step, masked=False), carry)
+      first = lead
+    if kp.needs_mask:
       carry = lax.fori_loop(first, full, functools.partial(step, masked=True), carry)
       first = full
     dk, dv = lax.fori_loop(first, cta_steps, functools.partial(step, masked=False), carry)
@@ -591,7 +592,8 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
                dq_blocks: int = 1, dq_shared: bool = False, overlap: bool = False,
                dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
                auto_barriers: bool = True, dq_head_major: bool = False,
-               batch_slowest: bool = False, per_batch_entry: bool = False, skew: bool = False):
+               batch_slowest: bool = False, per_batch_entry: bool = False,
+               split_loop: bool = False):
   """q/do [B, T', H, D], k/v [B, S', K, D] (T', S' padded as _common.operand_rows says, the
   tiles covering kp.t_pad / kp.s_pad rows), lse2/delta [B, H, Tp] -> (dq_acc [B, T', H, D] f32
   unscaled ([B, H, T', D] with dq_head_major), dk [B, S', K, D] scaled, dv [B, S', K, D]).
@@ -652,7 +654,7 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
         functools.partial(_bwd_fused_kernel, kp=kp, stagger_q=stagger_q, dq_blocks=dq_blocks,
                           dq_shared=dq_shared, overlap=overlap, dq_slots=dq_slots,
                           defer_dq=defer_dq, offset=offset and defer_dq,
-                          dq_head_major=dq_head_major, skew=skew, entry=entry),
+                          dq_head_major=dq_head_major, split_loop=split_loop, entry=entry),
         out_type=(kv_out, kv_out),
         scratch_types=scratch,
         **_common.launch_grid(s_pad // (2 * bkv), kh, bsz if entry is None else 1,
@@ -711,7 +713,7 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
                               dq_head_major=config.fused_dq_head_major,
                               batch_slowest=config.fused_batch_slowest,
                               per_batch_entry=config.fused_per_batch_entry,
-                              skew=config.fused_wg_skew)
+                              split_loop=config.fused_split_loop)
   if config.fused_dq_head_major:
     dq_acc = dq_acc.transpose(0, 2, 1, 3)
   dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)

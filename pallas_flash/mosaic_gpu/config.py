@@ -164,17 +164,20 @@ class MosaicConfig:
       alone): a launch over batch 2 took 6.03 ms at 2x16384x8x128 and 6.31 ms with 4 kv heads,
       two batch-1 calls 5.50 and 5.47 (the split: 5.67, 5.70). The cause was the 3-D loads of
       lse and delta (bwd_flat_stats): one launch over the batch is now the faster form.
-    fused_wg_skew: fused backward, non-causal calls without a key tail (elsewhere ignored):
-      warpgroup w runs its first (w + 1)·G steps (its q blocks' G query heads) in the masked
-      form with a mask that hides nothing, so that WG 1 enters the unmasked loop that much
-      later than WG 0, as a causal CTA's diagonal makes it. Twenty-sixth session, the backward
-      alone at 1x16384x16x128 non-causal (scripts/bwd_probe.py, runs 5 and 8): 10.45 and 10.33
-      ms against 12.31 and 12.30 unskewed (the split 11.01 and 11.25); fwd+bwd in
-      FUSED_NONCAUSAL's comment. Why it pays is not established: the same skew with a cheaper
-      mask (a WGMMA-layout iota against the key length; WG 1 alone, or both WGs one or two
-      steps) ran 12.8-13.6 ms (run 7), and the unmasked loop's SASS differs between the
-      forms; a lag of about half a step (fused_offset) gained nothing. The skewed form's SASS
-      is checked equal to the measured one's (docs/perf.md, twenty-sixth session).
+    fused_split_loop: fused backward, non-causal calls without a key tail (elsewhere ignored):
+      warpgroup w runs its first (w + 1)·G steps (its first q block's G query heads, and WG 1
+      its second's) in a loop of their own, then the rest. Same steps in the same order; what
+      changes is the code ptxas makes of the main loop. Twenty-sixth session, the backward alone
+      at 1x16384x16x128 non-causal (scripts/bwd_probe.py, runs 5 and 8): 10.45 and 10.33 ms
+      against 12.31 and 12.30 without it (the split 11.01 and 11.25); fwd+bwd in
+      FUSED_NONCAUSAL's comment. Measured as a "skew" (those steps masked, as a causal CTA's
+      diagonal masks them) whose mask compiled away: the SASS of this form is identical to
+      that build's. Deviceless, its main loop reloads 14 spilled words per step and stores 5
+      where the single loop's reloads 19 and stores 7 (the causal kernel's 17 / 7); beside
+      ~227 KiB of shared memory the L1 keeps little of the spill space, so that, or the
+      loop's schedule, is the likely cause (not established). With a mask that stays (a
+      WGMMA-layout iota against the key length), those and other first steps masked ran
+      12.8-13.6 ms (run 7).
     bwd_flat_stats: the dK/dV-style kernels (the split's, head dim 256's, the fused one) read
       lse and delta ([B, H, T] float32, one block_q slice each step) as a [1, B·H, T] view, so
       that their TMA loads are 2-D at any batch (3-D otherwise from batch 2; at batch 1 the
@@ -285,7 +288,7 @@ class MosaicConfig:
   fused_dq_head_major: bool = False
   fused_batch_slowest: bool = False
   fused_per_batch_entry: bool = False
-  fused_wg_skew: bool = False
+  fused_split_loop: bool = False
   dkdv_schedule: str = "serial"
   dkdv_pingpong: bool = False
   dkdv_fold_stats: bool = False
@@ -441,13 +444,13 @@ FUSED_MIN_KV_LEN = 16384
 FUSED_MAX_BATCH = 8
 # Non-causal head-dim-128 calls with at least FUSED_NONCAUSAL_MIN_KV_LEN keys, a whole number
 # of the fused kernel's 128-key CTA tiles (a key tail masks every step of its tile, where the
-# skew does not apply) and at most FUSED_NONCAUSAL_MAX_BATCH entries run the same kernel with
-# its warpgroups skewed (fused_wg_skew). Twenty-sixth session (run9), fwd+bwd TFLOP/s skewed /
-# unskewed / split / cuDNN, same process: 1x16384x16x128 538.9 / 484.8 / 515.9 / 546.3,
+# split loop does not apply) and at most FUSED_NONCAUSAL_MAX_BATCH entries run the same kernel
+# with fused_split_loop. Twenty-sixth session (run9), fwd+bwd TFLOP/s split loop / one loop /
+# split backward / cuDNN, same process: 1x16384x16x128 538.9 / 484.8 / 515.9 / 546.3,
 # 1x32768x16x128 542.6 / 488.7 / 512.4 / 554.7, 2x16384x8x128 with 4 kv heads 531.2 / 458.0 /
 # 522.3 / 547.0, 2x8192x16x128 529.6 / 438.4 / 511.4 / 539.7, 4x4096x16x128 502.0 / 421.1 /
 # 493.4 / 513.4.
-FUSED_NONCAUSAL = dict(FUSED_LONG_CAUSAL, fused_wg_skew=True)
+FUSED_NONCAUSAL = dict(FUSED_LONG_CAUSAL, fused_split_loop=True)
 FUSED_NONCAUSAL_MIN_KV_LEN = 4096
 FUSED_NONCAUSAL_MAX_BATCH = 4
 

@@ -317,11 +317,11 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
     (1, 200, 260, 2, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
                                                        fused_defer_dq=True,
                                                        fused_defer_inline=True)),
-    # FUSED_NONCAUSAL's warpgroup skew (no key tail: 256 keys, two 128-key CTAs), GQA.
+    # FUSED_NONCAUSAL's split loop (no key tail: 256 keys, two 128-key CTAs), GQA.
     (1, 200, 256, 4, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
                                                        fused_defer_dq=True,
                                                        fused_defer_inline=True,
-                                                       fused_wg_skew=True)),
+                                                       fused_split_loop=True)),
     # The head-major dQ accumulator, at batch 2 with GQA (heads and batches in its index).
     (2, 330, 260, 4, 2, 128, True, jnp.bfloat16, dict(fused_dq_shared=True, fused_defer_dq=True,
                                                      fused_defer_inline=True,

@@ -229,12 +229,12 @@ DEFER_NB = dict(fused_defer_dq=True, fused_defer_inline=True, fused_auto_barrier
                                      dict(DEFER_NB, fused_per_batch_entry=True),
                                      dict(DEFER_NB, bwd_flat_stats=False),
                                      dict(DEFER_NB, fused_offset=True),
-                                     dict(DEFER_NB, fused_wg_skew=True)],
+                                     dict(DEFER_NB, fused_split_loop=True)],
                          ids=["dq_shared", "defer_dq", "defer_dq_offset", "defer_inline",
                               "overlap", "no_auto_barriers", "defer_inline_no_auto_barriers",
                               "head_major", "batch_slowest", "per_batch_entry",
                               "stats_3d", "defer_inline_offset",
-                              "defer_inline_skew"])
+                              "defer_inline_split_loop"])
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 3, 4, 9)], ids=kernel_case_id)
 def test_fused_backward_gradients(case, changes):
   """The single-kernel backward's forms (dQ summed by float32 atomics, so compared with the
@@ -252,7 +252,7 @@ def test_fused_backward_gradients(case, changes):
 
 
 @pytest.mark.fused
-def test_default_noncausal_gradients_run_the_skewed_fused_kernel():
+def test_default_noncausal_gradients_run_the_fused_kernel_with_split_loop():
   """A non-causal call with 4K keys at batch 2 (GQA) runs config.FUSED_NONCAUSAL by default:
   its gradients against the float32 reference."""
   b, t, h, kh, d = 2, 4096, 4, 2, 128
