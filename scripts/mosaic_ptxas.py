@@ -117,7 +117,8 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   from pallas_flash.mosaic_gpu import TUNED, MosaicConfig
 
   mode, causal, kw = variant(name)
-  b, t, h, d = shape
+  b, t, h, d = shape[:4]
+  kv_shape = (b, t, shape[4] if len(shape) > 4 else h, d)
   segments = kw.pop("segments", False)
   softcap = kw.pop("softcap", None)
   window = kw.pop("window", None)
@@ -142,15 +143,17 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   if deviceless:
     from jax.sharding import use_abstract_mesh
     sharding, h200 = abstract_h200()
-    spec = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sharding)
+    specs = [jax.ShapeDtypeStruct(sh, jnp.bfloat16, sharding=sharding)
+             for sh in (shape[:4], kv_shape, kv_shape, shape[:4])]
     with use_abstract_mesh(h200):
-      traced = jax.jit(fn).trace(*[spec] * nargs)
+      traced = jax.jit(fn).trace(*specs[:nargs])
     traced.lower(lowering_platforms=("cuda",)).compile()
     print(json.dumps(dict(variant=name, compiled=True)), flush=True)
     return
 
   ks = jax.random.split(jax.random.key(0), 4)
-  args = [jax.random.normal(kk, shape, jnp.bfloat16) for kk in ks][:nargs]
+  args = [jax.random.normal(kk, sh, jnp.bfloat16)
+          for kk, sh in zip(ks, (shape[:4], kv_shape, kv_shape, shape[:4]))][:nargs]
   f = jax.jit(fn)
   out = jax.block_until_ready(f(*args))
   want = fn(*(x.astype(jnp.float32) for x in args), impl="reference")
@@ -275,7 +278,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("variants", nargs="*", default=list(VARIANTS))
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
-  parser.add_argument("--shape", default="1,4096,16,128", help="B,T,H,D (S = T, K = H)")
+  parser.add_argument("--shape", default="1,4096,16,128",
+                      help="B,T,H,D[,K] (S = T; K kv heads, default H)")
   parser.add_argument("--deviceless", action="store_true",
                       help="compile for a described H200 without a GPU (no check, no timing)")
   parser.add_argument("--sass", action="store_true", help="also write and summarise SASS")

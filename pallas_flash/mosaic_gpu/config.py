@@ -172,12 +172,12 @@ class MosaicConfig:
       against 12.31 and 12.30 without it (the split 11.01 and 11.25); fwd+bwd in
       FUSED_NONCAUSAL's comment. Measured as a "skew" (those steps masked, as a causal CTA's
       diagonal masks them) whose mask compiled away: the SASS of this form is identical to
-      that build's. Deviceless, its main loop reloads 14 spilled words per step and stores 5
-      where the single loop's reloads 19 and stores 7 (the causal kernel's 17 / 7); beside
-      ~227 KiB of shared memory the L1 keeps little of the spill space, so that, or the
-      loop's schedule, is the likely cause (not established). With a mask that stays (a
-      WGMMA-layout iota against the key length), those and other first steps masked ran
-      12.8-13.6 ms (run 7).
+      that build's. Deviceless, the single loop reloads 6-9 spilled values (mostly 64-bit
+      pairs) between a step's Q / dO waits and its first wgmma, the split loop's main loop 0-1
+      (1x16384x16x128; 2x16384x8x128 with 4 kv heads); beside ~227 KiB of shared memory the
+      L1 keeps little of the spill space, so that is the likely cause (not established).
+      With a mask that stays (a WGMMA-layout iota against the key length), those and other
+      first steps masked ran 12.8-13.6 ms (run 7).
     bwd_flat_stats: the dK/dV-style kernels (the split's, head dim 256's, the fused one) read
       lse and delta ([B, H, T] float32, one block_q slice each step) as a [1, B·H, T] view, so
       that their TMA loads are 2-D at any batch (3-D otherwise from batch 2; at batch 1 the
