@@ -119,6 +119,7 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   mode, causal, kw = variant(name)
   b, t, h, d = shape[:4]
   kv_shape = (b, t, shape[4] if len(shape) > 4 else h, d)
+  operand_shapes = (shape[:4], kv_shape, kv_shape, shape[:4])  # q, k, v, do
   segments = kw.pop("segments", False)
   softcap = kw.pop("softcap", None)
   window = kw.pop("window", None)
@@ -144,7 +145,7 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
     from jax.sharding import use_abstract_mesh
     sharding, h200 = abstract_h200()
     specs = [jax.ShapeDtypeStruct(sh, jnp.bfloat16, sharding=sharding)
-             for sh in (shape[:4], kv_shape, kv_shape, shape[:4])]
+             for sh in operand_shapes]
     with use_abstract_mesh(h200):
       traced = jax.jit(fn).trace(*specs[:nargs])
     traced.lower(lowering_platforms=("cuda",)).compile()
@@ -153,7 +154,7 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
 
   ks = jax.random.split(jax.random.key(0), 4)
   args = [jax.random.normal(kk, sh, jnp.bfloat16)
-          for kk, sh in zip(ks, (shape[:4], kv_shape, kv_shape, shape[:4]))][:nargs]
+          for kk, sh in zip(ks, operand_shapes)][:nargs]
   f = jax.jit(fn)
   out = jax.block_until_ready(f(*args))
   want = fn(*(x.astype(jnp.float32) for x in args), impl="reference")

@@ -93,6 +93,16 @@ def test_forward_with_intra_wg_overlap(case):
   assert bool(jnp.array_equal(o, again[0])) and bool(jnp.array_equal(lse, again[1]))
 
 
+def _assert_near_reference(got, q, k, v, do, *, causal, dtype, with_output=False):
+  """got = (o, dq, dk, dv): the gradients (and with_output o) within tolerance of the float32
+  reference's."""
+  p = AttentionParams(scale=q.shape[3] ** -0.5, is_causal=causal, has_segments=False)
+  want = _fwd_bwd(lambda *a: attention_reference(*a, None, None, params=p)[0])(q, k, v, do)
+  first = 0 if with_output else 1
+  for name, g, r in zip(("o", "dq", "dk", "dv")[first:], got[first:], want[first:]):
+    assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
+
+
 def _assert_same_fwd_bwd(case, changes, baseline, *, against_reference: bool = False):
   """o, dq, dk, dv with TUNED + `changes` are bitwise those with TUNED + `baseline` (and, with
   against_reference, within tolerance of the reference's: one compile fewer than a separate
@@ -109,10 +119,7 @@ def _assert_same_fwd_bwd(case, changes, baseline, *, against_reference: bool = F
   for name, g, r in zip(("o", "dq", "dk", "dv"), got, run(baseline)):
     assert bool(jnp.array_equal(g, r)), name
   if against_reference:
-    p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
-    want = _fwd_bwd(lambda *a: attention_reference(*a, None, None, params=p)[0])(q, k, v, do)
-    for name, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
-      assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
+    _assert_near_reference(got, q, k, v, do, causal=causal, dtype=dtype)
 
 
 @pytest.mark.parametrize("schedule", ["batched", "overlap"])
@@ -170,14 +177,11 @@ def _assert_config_gradients(case, seed_offset, **changes):
   changes that sum in another order than the tuned kernels, so not bitwise theirs)."""
   b, t, s, h, kh, d, causal, dtype = case
   q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d + seed_offset)
-  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
   config = dataclasses.replace(TUNED[(d, causal)], **changes)
   attn = _fwd_bwd(lambda *a: pallas_flash.flash_attention(
       *a, is_causal=causal, implementation="mosaic", config=config))
   got = attn(q, k, v, do)
-  want = _fwd_bwd(lambda *a: attention_reference(*a, None, None, params=p)[0])(q, k, v, do)
-  for name, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
-    assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
+  _assert_near_reference(got, q, k, v, do, causal=causal, dtype=dtype)
   assert all(bool(jnp.array_equal(a, b)) for a, b in zip(got, attn(q, k, v, do)))
 
 
@@ -249,14 +253,11 @@ def test_fused_backward_gradients(case, changes):
   reference only, not bitwise run to run)."""
   b, t, s, h, kh, d, causal, dtype = case
   q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + d + 1)
-  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
   config = dataclasses.replace(TUNED[(d, causal)], **FUSED, **changes)
   assert backward_fused.unsupported_reason(q, config) is None  # no fallback to the split
   got = _fwd_bwd(lambda *a: pallas_flash.flash_attention(
       *a, is_causal=causal, implementation="mosaic", config=config))(q, k, v, do)
-  want = _fwd_bwd(lambda *a: attention_reference(*a, None, None, params=p)[0])(q, k, v, do)
-  for name, g, r in zip(("dq", "dk", "dv"), got[1:], want[1:]):
-    assert _rel(g, r) <= TOL[dtype][1], (name, _rel(g, r))
+  _assert_near_reference(got, q, k, v, do, causal=causal, dtype=dtype)
 
 
 @pytest.mark.fused
@@ -270,9 +271,7 @@ def test_default_noncausal_gradients_run_the_fused_kernel_with_split_loop():
   q, k, v, do = kernel_inputs(b, t, t, h, kh, d, jnp.bfloat16, seed=11)
   got = _fwd_bwd(lambda *a: pallas_flash.flash_attention(*a, implementation="mosaic"))(
       q, k, v, do)
-  want = _fwd_bwd(lambda *a: attention_reference(*a, None, None, params=p)[0])(q, k, v, do)
-  for name, g, r in zip(("o", "dq", "dk", "dv"), got, want):
-    assert _rel(g, r) <= TOL[jnp.bfloat16][1], (name, _rel(g, r))
+  _assert_near_reference(got, q, k, v, do, causal=False, dtype=jnp.bfloat16, with_output=True)
 
 
 @pytest.mark.fused
