@@ -4,11 +4,14 @@ On the GPU machine, from the repository root:
 
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/attention_profile.py
       [--shapes 4x4096x16x128 2x16384x8x128x4] [--causal no] [--mode fwdbwd]
-      [--impl mosaic cudnn] [--calls 10] [--out DIR]
+      [--impl mosaic cudnn] [--calls 10] [--warm-s 3] [--out DIR]
 
 For each shape and implementation: compiles the benchmark's step (`bench.timing.make_step`,
-bf16 random inputs), runs it twice, then traces `--calls` back-to-back calls with
-`jax.profiler` and sums the GPU kernels' time per kernel name, per call. The kernels of the
+bf16 random inputs), runs it twice, then for `--warm-s` seconds (the benchmark's loops run at
+the GPU's power cap, at lower clocks than a trace right after compiling sees), then traces
+`--calls` back-to-back calls with `jax.profiler` and sums the GPU kernels' time per kernel
+name, per call. Where `nvidia-smi` exists it samples the SM clock and the power draw meanwhile
+(the median of the samples of the last second). The kernels of the
 attention itself sit beside their helpers (our memset of the dQ buffer, dot(dO, O), dQ's scale
 and cast; cuDNN's own), so the table shows which of them makes a difference in the ratio the
 benchmark prints. Also the traced span per call and the GPU idle time inside it. The raw
@@ -23,7 +26,10 @@ import glob
 import json
 import os
 import shutil
+import statistics
+import subprocess
 import sys
+import time
 
 import jax
 
@@ -33,7 +39,35 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_step_profile import idle_gaps, read_trace  # noqa: E402
 
 
-def profile(impl: str, spec, *, mode: str, causal: bool, calls: int, out_dir: str) -> dict:
+def _sampler():
+  """An nvidia-smi process printing "ms since start, SM MHz, W" lines every 100 ms, or None."""
+  if not shutil.which("nvidia-smi"):
+    return None
+  return subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
+                           "--format=csv,noheader,nounits", "-lms", "100"],
+                          stdout=subprocess.PIPE, text=True)
+
+
+def _clocks(sampler, last: int = 10) -> dict:
+  """Median SM clock (MHz) and power (W) of the sampler's last `last` samples."""
+  if sampler is None:
+    return {}
+  sampler.terminate()
+  rows = []
+  for line in sampler.communicate()[0].splitlines():
+    try:
+      rows.append([float(x) for x in line.split(",")])
+    except ValueError:
+      continue
+  rows = rows[-last:]
+  if not rows:
+    return {}
+  return dict(sm_mhz=statistics.median(r[0] for r in rows),
+              power_w=statistics.median(r[1] for r in rows))
+
+
+def profile(impl: str, spec, *, mode: str, causal: bool, calls: int, warm_s: float,
+            out_dir: str, keep: bool) -> dict:
   """Per-call kernel times (ms) of `calls` traced calls of impl's step at spec."""
   import jax.numpy as jnp
   from pallas_flash.bench import shapes
@@ -43,24 +77,39 @@ def profile(impl: str, spec, *, mode: str, causal: bool, calls: int, out_dir: st
   for _ in range(2):
     out = step(*args)
   jax.block_until_ready(out)
-  trace_dir = os.path.join(out_dir, f"trace_{spec.name}_{impl}_{'c' if causal else 'nc'}")
+  # Sustained load takes the GPU to its power cap (and lower clocks), where the benchmark's
+  # loops run; a trace right after compiling catches boost clocks.
+  sampler, start = _sampler(), time.perf_counter()
+  while time.perf_counter() - start < warm_s:
+    for _ in range(5):
+      out = step(*args)
+    jax.block_until_ready(out)
+  trace_dir = os.path.join(out_dir, "traces", f"{spec.name}_{impl}_{'c' if causal else 'nc'}")
   with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
     for _ in range(calls):
       out = step(*args)
     jax.block_until_ready(out)
+  clocks = _clocks(sampler)
   traces = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
   if not traces:
     raise SystemExit(f"no trace written under {trace_dir}")
-  shutil.copy(traces[-1], trace_dir + ".trace.json.gz")
+  if keep:
+    shutil.copy(traces[-1], trace_dir + ".trace.json.gz")
   events, _ = read_trace(traces[-1])
-  per_kernel = collections.defaultdict(list)
+  # A name launched n times per call (both our kernels are "anonymous" at some shapes) is
+  # keyed by its launch's place in the call: name, name#2, ...
+  per_call = collections.Counter(name for _, _, name in events)
+  seen, per_kernel = collections.Counter(), collections.defaultdict(list)
   for start, stop, name in events:
-    per_kernel[name].append(stop - start)
+    n = per_call[name] // calls
+    k = seen[name] % n if n > 1 else 0
+    seen[name] += 1
+    per_kernel[name + (f"#{k + 1}" if k else "")].append(stop - start)
   idle, _ = idle_gaps(events)
   span_ms = (events[-1][1] - events[0][0]) / 1e3 / calls if events else 0.0
   f = flops.attention_flops(spec, is_causal=causal, mode=mode)
   kernel_ms = {k: sum(d) / 1e3 / calls for k, d in per_kernel.items()}
-  return dict(impl=impl, span_ms=span_ms, idle_ms=idle / 1e3 / calls,
+  return dict(impl=impl, **clocks, span_ms=span_ms, idle_ms=idle / 1e3 / calls,
               kernels_ms=sum(kernel_ms.values()),
               tflops_span=flops.tflops(f, span_ms / 1e3) if span_ms else None,
               kernel_ms=kernel_ms,
@@ -72,7 +121,8 @@ def report(spec_name: str, causal: bool, rows: list[dict]) -> str:
   for r in rows:
     rate = f"{r['tflops_span']:.0f}" if r["tflops_span"] else "-"
     lines.append(f"[{r['impl']}] span {r['span_ms']:.3f} ms per call ({rate} TFLOP/s), "
-                 f"kernels {r['kernels_ms']:.3f}, idle {r['idle_ms']:.3f}")
+                 f"kernels {r['kernels_ms']:.3f}, idle {r['idle_ms']:.3f}"
+                 + (f"; {r['sm_mhz']:.0f} MHz, {r['power_w']:.0f} W" if "sm_mhz" in r else ""))
     for name, ms in sorted(r["kernel_ms"].items(), key=lambda kv: -kv[1]):
       lines.append(f"  {ms:8.3f} ms {r['calls'][name]:4.1f}x  {name[:110]}")
   return "\n".join(lines)
@@ -86,6 +136,9 @@ def main() -> None:
   p.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwdbwd")
   p.add_argument("--impl", nargs="+", default=["mosaic", "cudnn"])
   p.add_argument("--calls", type=int, default=10)
+  p.add_argument("--warm-s", type=float, default=0.0,
+                 help="seconds of back-to-back calls before the trace (power-capped clocks)")
+  p.add_argument("--keep-traces", action="store_true", help="copy each trace into DIR")
   p.add_argument("--out", default=os.environ.get("OUT", "attention_profile"))
   args = p.parse_args()
   os.makedirs(args.out, exist_ok=True)
@@ -95,7 +148,7 @@ def main() -> None:
     spec = variants.parse_shape(name)
     for causal in causals:
       rows = [profile(impl, spec, mode=args.mode, causal=causal, calls=args.calls,
-                      out_dir=args.out) for impl in args.impl]
+                      warm_s=args.warm_s, out_dir=args.out, keep=args.keep_traces) for impl in args.impl]
       print(report(name, causal, rows), flush=True)
       results.append(dict(shape=name, causal=causal, mode=args.mode, rows=rows))
   with open(os.path.join(args.out, "attention_profile.json"), "w") as f:
