@@ -116,6 +116,36 @@ def profile(impl: str, spec, *, mode: str, causal: bool, calls: int, warm_s: flo
               calls={k: len(d) / calls for k, d in per_kernel.items()})
 
 
+def interleaved(spec, impls: list[str], *, mode: str, causal: bool, owners: dict[str, str],
+                iters: int, out_dir: str) -> dict:
+  """The benchmark's timing (bench.timing.time_interleaved) of impls, then the same once more
+  traced: per impl, ms per call by the host's clock and by its kernels inside the benchmark's
+  loops (owners: {kernel name: impl}, from each impl's own trace)."""
+  import jax.numpy as jnp
+  from pallas_flash.bench import shapes
+
+  args = shapes.make_inputs(spec, jnp.bfloat16)
+  compiled = {i: timing.compile_step(timing.make_step(i, mode=mode, is_causal=causal), args)[0]
+              for i in impls}
+  timed = timing.time_interleaved(compiled, args, iters=iters)
+  trace_dir = os.path.join(out_dir, "traces", f"{spec.name}_interleaved")
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    traced = timing.time_interleaved(compiled, args, iters=len(impls))
+  traces = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
+  events, _ = read_trace(traces[-1])
+  kernel_us = collections.Counter()
+  for start, stop, name in events:
+    kernel_us[owners.get(name.split("#")[0], "other")] += stop - start
+  rows = {}
+  for i in impls:
+    # time_interleaved's warm-up and sizing calls, then its loops.
+    calls = 2 + len(traced[i].loop_s) * traced[i].calls_per_loop
+    rows[i] = dict(bench_ms=timed[i].median_s * 1e3, traced_ms=traced[i].median_s * 1e3,
+                   kernels_ms=kernel_us[i] / 1e3 / calls)
+  rows["other_kernels_ms"] = kernel_us["other"] / 1e3
+  return rows
+
+
 def report(spec_name: str, causal: bool, rows: list[dict]) -> str:
   lines = [f"== {spec_name} {'causal' if causal else 'non-causal'}"]
   for r in rows:
@@ -138,6 +168,9 @@ def main() -> None:
   p.add_argument("--calls", type=int, default=10)
   p.add_argument("--warm-s", type=float, default=0.0,
                  help="seconds of back-to-back calls before the trace (power-capped clocks)")
+  p.add_argument("--interleaved", type=int, default=0, metavar="ITERS",
+                 help="also time the impls as the benchmark does (ITERS rounds), then trace "
+                      "its loops: their kernels' ms per call against the clock's")
   p.add_argument("--keep-traces", action="store_true", help="copy each trace into DIR")
   p.add_argument("--out", default=os.environ.get("OUT", "attention_profile"))
   args = p.parse_args()
@@ -151,6 +184,15 @@ def main() -> None:
                       warm_s=args.warm_s, out_dir=args.out, keep=args.keep_traces) for impl in args.impl]
       print(report(name, causal, rows), flush=True)
       results.append(dict(shape=name, causal=causal, mode=args.mode, rows=rows))
+      if args.interleaved:
+        owners = {k.split("#")[0]: r["impl"] for r in rows for k in r["kernel_ms"]}
+        inter = interleaved(spec, args.impl, mode=args.mode, causal=causal, owners=owners,
+                            iters=args.interleaved, out_dir=args.out)
+        for impl, r in inter.items():
+          print(f"  interleaved [{impl}] " + (f"{r:.3f} ms of kernels no impl owns"
+                if impl == "other_kernels_ms" else ", ".join(
+                    f"{k} {v:.3f}" for k, v in r.items())), flush=True)
+        results[-1]["interleaved"] = inter
   with open(os.path.join(args.out, "attention_profile.json"), "w") as f:
     json.dump(dict(args=vars(args), results=results), f, indent=1)
 
