@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
+import itertools
 import glob
 import json
 import os
@@ -66,14 +68,23 @@ def _clocks(sampler, last: int = 10) -> dict:
               power_w=statistics.median(r[1] for r in rows))
 
 
-def profile(impl: str, spec, *, mode: str, causal: bool, calls: int, warm_s: float,
-            out_dir: str, keep: bool) -> dict:
-  """Per-call kernel times (ms) of `calls` traced calls of impl's step at spec."""
+_TRACES = itertools.count()
+
+
+@functools.cache
+def _compiled(impl: str, spec, mode: str, causal: bool):
+  """(bf16 inputs, the compiled benchmark step) of impl at spec; one compile per process."""
   import jax.numpy as jnp
   from pallas_flash.bench import shapes
 
   args = shapes.make_inputs(spec, jnp.bfloat16)
-  step = timing.compile_step(timing.make_step(impl, mode=mode, is_causal=causal), args)[0]
+  return args, timing.compile_step(timing.make_step(impl, mode=mode, is_causal=causal), args)[0]
+
+
+def profile(impl: str, spec, *, mode: str, causal: bool, calls: int, warm_s: float,
+            out_dir: str, keep: bool) -> dict:
+  """Per-call kernel times (ms) of `calls` traced calls of impl's step at spec."""
+  args, step = _compiled(impl, spec, mode, causal)
   for _ in range(2):
     out = step(*args)
   jax.block_until_ready(out)
@@ -84,7 +95,8 @@ def profile(impl: str, spec, *, mode: str, causal: bool, calls: int, warm_s: flo
     for _ in range(5):
       out = step(*args)
     jax.block_until_ready(out)
-  trace_dir = os.path.join(out_dir, "traces", f"{spec.name}_{impl}_{'c' if causal else 'nc'}")
+  trace_dir = os.path.join(out_dir, "traces",
+                           f"{spec.name}_{impl}_{'c' if causal else 'nc'}_{next(_TRACES)}")
   with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
     for _ in range(calls):
       out = step(*args)
@@ -113,6 +125,8 @@ def profile(impl: str, spec, *, mode: str, causal: bool, calls: int, warm_s: flo
               kernels_ms=sum(kernel_ms.values()),
               tflops_span=flops.tflops(f, span_ms / 1e3) if span_ms else None,
               kernel_ms=kernel_ms,
+              kernel_range_ms={k: (min(d) / 1e3, max(d) / 1e3) for k, d in per_kernel.items()},
+              q_address=hex(args[0].unsafe_buffer_pointer()),
               calls={k: len(d) / calls for k, d in per_kernel.items()})
 
 
@@ -121,12 +135,8 @@ def interleaved(spec, impls: list[str], *, mode: str, causal: bool, owners: dict
   """The benchmark's timing (bench.timing.time_interleaved) of impls, then the same once more
   traced: per impl, ms per call by the host's clock and by its kernels inside the benchmark's
   loops (owners: {kernel name: impl}, from each impl's own trace)."""
-  import jax.numpy as jnp
-  from pallas_flash.bench import shapes
-
-  args = shapes.make_inputs(spec, jnp.bfloat16)
-  compiled = {i: timing.compile_step(timing.make_step(i, mode=mode, is_causal=causal), args)[0]
-              for i in impls}
+  compiled = {i: _compiled(i, spec, mode, causal)[1] for i in impls}
+  args = _compiled(impls[0], spec, mode, causal)[0]
   timed = timing.time_interleaved(compiled, args, iters=iters)
   trace_dir = os.path.join(out_dir, "traces", f"{spec.name}_interleaved")
   with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
@@ -150,11 +160,12 @@ def report(spec_name: str, causal: bool, rows: list[dict]) -> str:
   lines = [f"== {spec_name} {'causal' if causal else 'non-causal'}"]
   for r in rows:
     rate = f"{r['tflops_span']:.0f}" if r["tflops_span"] else "-"
-    lines.append(f"[{r['impl']}] span {r['span_ms']:.3f} ms per call ({rate} TFLOP/s), "
+    lines.append(f"[{r['impl']}] q at {r['q_address']}, span {r['span_ms']:.3f} ms per call ({rate} TFLOP/s), "
                  f"kernels {r['kernels_ms']:.3f}, idle {r['idle_ms']:.3f}"
                  + (f"; {r['sm_mhz']:.0f} MHz, {r['power_w']:.0f} W" if "sm_mhz" in r else ""))
     for name, ms in sorted(r["kernel_ms"].items(), key=lambda kv: -kv[1]):
-      lines.append(f"  {ms:8.3f} ms {r['calls'][name]:4.1f}x  {name[:110]}")
+      lo, hi = r["kernel_range_ms"][name]
+      lines.append(f"  {ms:8.3f} ms ({lo:.3f}-{hi:.3f}) {r['calls'][name]:4.1f}x  {name[:100]}")
   return "\n".join(lines)
 
 
@@ -171,6 +182,8 @@ def main() -> None:
   p.add_argument("--interleaved", type=int, default=0, metavar="ITERS",
                  help="also time the impls as the benchmark does (ITERS rounds), then trace "
                       "its loops: their kernels' ms per call against the clock's")
+  p.add_argument("--repeat", type=int, default=1,
+                 help="profile the impls this many times in turn (one compile each)")
   p.add_argument("--keep-traces", action="store_true", help="copy each trace into DIR")
   p.add_argument("--out", default=os.environ.get("OUT", "attention_profile"))
   args = p.parse_args()
@@ -181,7 +194,8 @@ def main() -> None:
     spec = variants.parse_shape(name)
     for causal in causals:
       rows = [profile(impl, spec, mode=args.mode, causal=causal, calls=args.calls,
-                      warm_s=args.warm_s, out_dir=args.out, keep=args.keep_traces) for impl in args.impl]
+                      warm_s=args.warm_s, out_dir=args.out, keep=args.keep_traces)
+              for _ in range(args.repeat) for impl in args.impl]
       print(report(name, causal, rows), flush=True)
       results.append(dict(shape=name, causal=causal, mode=args.mode, rows=rows))
       if args.interleaved:
