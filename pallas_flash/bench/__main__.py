@@ -5,7 +5,7 @@ Usage (from the repository root; see docs/perf.md for how numbers are produced):
   python -m pallas_flash.bench                                  # anchors, default impls
   python -m pallas_flash.bench --impl triton,mosaic,cudnn,jax_xla --json bench.json
   python -m pallas_flash.bench --memory --impl mosaic --max-seq 1048576
-  python -m pallas_flash.bench --shapes cpu --impl xla,reference --iters 2   # on a CPU
+  python -m pallas_flash.bench --shapes cpu --impl xla,reference --iters 2 --settle-ms 0  # CPU
 
 Implementations: mosaic, triton, xla (blockwise), interpret, reference (pallas_flash), cudnn and
 jax_xla (jax.nn.dot_product_attention with implementation="cudnn" / "xla", materialising).
@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
   p.add_argument("--iters", type=int, default=5, help="timed loops (median is reported)")
   p.add_argument("--min-loop-ms", type=float, default=50.0, help="minimum duration of a loop")
+  p.add_argument("--settle-ms", type=float, default=1000.0,
+                 help="untimed interleaved loops before the timed ones (clocks settle under load)")
   p.add_argument("--check-seq-cap", type=int, default=4096,
                  help="longest sequence checked against the reference (see shapes.check_spec)")
   p.add_argument("--xla-cap-gib", type=float, default=32.0,
@@ -183,7 +185,7 @@ def run_group(impls: list[str], spec: shapes.ShapeSpec, args: tuple, *, mode: st
   prepared = [prepare_case(i, spec, args, mode=mode, is_causal=is_causal, opts=opts,
                            reference=reference) for i in impls]
   to_time = {row["impl"]: compiled for row, compiled in prepared if compiled is not None}
-  kw = dict(iters=opts.iters, min_loop_s=opts.min_loop_ms / 1e3)
+  kw = dict(iters=opts.iters, min_loop_s=opts.min_loop_ms / 1e3, settle_s=opts.settle_ms / 1e3)
   try:
     timings = timing.time_interleaved(to_time, args, **kw)
   except Exception:  # noqa: BLE001 -- find the failing one: time each on its own

@@ -144,7 +144,8 @@ def round_orders(n: int, order: str = "balanced") -> list[list[int]]:
 
 
 def time_interleaved(fns: dict[str, Callable], args: tuple, *, iters: int = 5,
-                     min_loop_s: float = 0.05, order: str = "balanced") -> dict[str, Timing]:
+                     min_loop_s: float = 0.05, order: str = "balanced",
+                     settle_s: float = 0.0) -> dict[str, Timing]:
   """Times several compiled `fn(*args)` in rounds: each round runs one loop of every fn, in
   the order of round_orders(len(fns), order)'s next row, and each fn's median over its
   `iters` loops is returned (the design is balanced over a multiple of its length).
@@ -153,6 +154,10 @@ def time_interleaved(fns: dict[str, Callable], args: tuple, *, iters: int = 5,
   10-20 % slower within a second of heavy work), so timing one implementation after another
   would credit the drift to whichever ran first; interleaved, every implementation sees the
   same conditions, and in a balanced order the same predecessors.
+
+  settle_s: untimed rounds (each fn's loop in turn) for at least this long first, so that the
+  first timed loop does not run at the boost clock of a GPU that idled through compiling and
+  checking (at the H200's 700 W cap the first loop of a run read 8-9 % faster than the rest).
   """
   calls = {}
   for name, fn in fns.items():
@@ -161,6 +166,10 @@ def time_interleaved(fns: dict[str, Callable], args: tuple, *, iters: int = 5,
     calls[name] = max(1, math.ceil(min_loop_s / max(estimate, 1e-7)))
   names, loops = list(fns), {name: [] for name in fns}
   rows = round_orders(len(names), order)
+  start = time.perf_counter()
+  while time.perf_counter() - start < settle_s:
+    for name in names:
+      seconds_per_call(fns[name], args, calls[name])
   for i in range(iters):
     for j in rows[i % len(rows)]:
       loops[names[j]].append(seconds_per_call(fns[names[j]], args, calls[names[j]]))

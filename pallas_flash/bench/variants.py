@@ -24,12 +24,12 @@ def parse_shape(name: str) -> shapes.ShapeSpec:
 def compare(steps: dict[str, Callable], args: tuple, spec: shapes.ShapeSpec, *, mode: str,
             is_causal: bool, baseline: str, iters: int = 7, order: str = "balanced",
             min_loop_s: float = 0.05, cudnn_kwargs: dict | None = None,
-            flop_count: float | None = None) -> dict:
+            flop_count: float | None = None, settle_s: float = 1.0) -> dict:
   """steps: name -> jitted fn(q, k, v, do) of mode "fwd" or "fwdbwd"; cuDNN's is added.
 
   Compiles each, compares its outputs with `baseline`'s (max relative error, cuDNN's too) and with
   its own second run (bitwise), then times all of them interleaved (timing.time_interleaved, rounds
-  in `order`, loops of at least `min_loop_s`). Returns err_vs_<baseline>, bitwise_run_to_run, tflops
+  in `order`, loops of at least `min_loop_s`, after `settle_s` of untimed rounds). Returns err_vs_<baseline>, bitwise_run_to_run, tflops
   and ratio_vs_cudnn, each a dict by name. cudnn_kwargs go to cuDNN's call (a window the steps
   share); flop_count replaces the dense/causal count where the steps do other work (a band).
   """
@@ -43,7 +43,7 @@ def compare(steps: dict[str, Callable], args: tuple, spec: shapes.ShapeSpec, *, 
                   for a, r in zip(jax.tree.leaves(compiled[n](*args)), outs[n], strict=True))
            for n in outs}
   del outs
-  times = timing.time_interleaved(compiled, args, iters=iters, order=order,
+  times = timing.time_interleaved(compiled, args, iters=iters, order=order, settle_s=settle_s,
                                   min_loop_s=min_loop_s)
   f = flop_count or flops.attention_flops(spec, is_causal=is_causal, mode=mode)
   rate = {n: round(flops.tflops(f, x.median_s), 1) for n, x in times.items()}

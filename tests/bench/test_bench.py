@@ -14,7 +14,7 @@ import pytest
 from pallas_flash.bench import __main__ as bench
 from pallas_flash.bench import flops, shapes, timing, variants
 
-FAST = ["--iters", "2", "--min-loop-ms", "1"]
+FAST = ["--iters", "2", "--min-loop-ms", "1", "--settle-ms", "0"]
 META = ("device_kind", "jax_version", "git_commit", "date")
 
 
@@ -169,6 +169,23 @@ def test_implementations_are_timed_in_balanced_rounds():
   for name, t in out.items():
     assert t.calls_per_loop == 1 and len(t.loop_s) == 6, name
     assert t.median_s == statistics.median(t.loop_s) > 0, name
+
+
+def test_settling_rounds_run_every_implementation_before_the_timed_ones():
+  log = []
+
+  def fn(name):
+    def call(x):
+      log.append(name)
+      return x + 1
+    return call
+
+  x = jnp.ones((4,))
+  out = timing.time_interleaved({n: fn(n) for n in "ab"}, (x,), iters=2, min_loop_s=0.0,
+                                settle_s=0.05)
+  settling = log[4:-4]  # after the warm-up and sizing calls, before the 2 timed rounds
+  assert len(settling) >= 2 and settling == ["a", "b"] * (len(settling) // 2)
+  assert all(len(t.loop_s) == 2 for t in out.values())
 
 
 def test_a_call_failing_in_the_timing_rounds_marks_only_its_row(tmp_path, monkeypatch):
