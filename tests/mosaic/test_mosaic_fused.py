@@ -225,7 +225,8 @@ FULL = _params(causal=False)
     (128, 16384, 2, _params(), "causal"), (128, 16384, 16, _params(), None),
     (128, 16383, 1, _params(), None), (128, 4096, 1, _params(), None),
     (128, 16384, 1, FULL, "full"), (128, 4096, 4, FULL, "full"), (128, 32768, 1, FULL, "full"),
-    (128, 2048, 1, FULL, None), (128, 4000, 1, FULL, None), (128, 16384, 8, FULL, None),
+    (128, 2048, 1, FULL, None), (128, 4000, 1, FULL, None), (128, 8192, 8, FULL, "full"),
+    (128, 16384, 16, FULL, None),
     (64, 16384, 1, _params(), None), (256, 16384, 1, _params(), None),
     (64, 16384, 1, FULL, None), (128, 16384, 1, _params(deterministic=True), None),
     (128, 16384, 1, _params(causal=False, deterministic=True), None),
@@ -234,7 +235,7 @@ FULL = _params(causal=False)
     (128, 16384, 1, _params(local_window=(4095, 0)), None),
     (128, 16384, 1, _params(logits_soft_cap=30.0), None)],
     ids=["16k", "128k", "batch2", "batch16", "16k-1", "4k", "full", "full-4k-batch4",
-         "full-32k", "full-2k", "full-tail", "full-batch8", "d64", "d256", "full-d64",
+         "full-32k", "full-2k", "full-tail", "full-batch8", "full-batch16", "d64", "d256", "full-d64",
          "deterministic", "full-deterministic", "segments", "full-segments", "window",
          "soft_cap"])
 def test_long_calls_default_to_the_fused_backward(d, s, b, params, form):
