@@ -261,10 +261,11 @@ def test_fused_backward_gradients(case, changes):
 
 
 @pytest.mark.fused
-def test_default_noncausal_gradients_run_the_fused_kernel_with_split_loop():
-  """A non-causal call with 4K keys at batch 2 (GQA) runs config.FUSED_NONCAUSAL by default:
-  its gradients against the float32 reference."""
-  b, t, h, kh, d = 2, 4096, 4, 2, 128
+@pytest.mark.parametrize("b,h,kh", [(2, 4, 2), (8, 2, 2)], ids=["b2_gqa", "b8"])
+def test_default_noncausal_gradients_run_the_fused_kernel_with_split_loop(b, h, kh):
+  """A non-causal call with 4K keys at batch 2 (GQA) and 8 (config.FUSED_NONCAUSAL_MAX_BATCH)
+  runs config.FUSED_NONCAUSAL by default: its gradients against the float32 reference."""
+  t, d = 4096, 128
   p = AttentionParams(scale=d ** -0.5, is_causal=False, has_segments=False)
   assert mconfig.call_config(d, p, t, b) == dataclasses.replace(
       mconfig.tuned(d, False, t), **mconfig.FUSED_NONCAUSAL)
