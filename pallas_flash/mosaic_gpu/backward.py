@@ -501,7 +501,7 @@ def _skip_step(t, carry, *, streams, stages: int):
 
 
 def _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, mask_block, kp,
-                           handoff=None, ids=None):
+                           handoff=None, ids=None, early_probs=False):
   """Pᵀ and dSᵀ [block_kv, block_q] float32 of one step; releases its lse and delta slots.
 
   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (SMEM operands), Pᵀ = exp2(Sᵀ·c − lse2), dSᵀ = Pᵀ∘(dPᵀ − delta).
@@ -509,8 +509,25 @@ def _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, m
   function giving the step's q block (called only then); invisible entries of Pᵀ become 0.
   handoff: called once both matmuls are issued (the ping-pong's schedule sync), or None.
   ids: (key ids [block_kv] ROW, query ids [block_q] COL) of a segmented call (with mask_block).
+  early_probs: wait for Sᵀ alone and form Pᵀ while dPᵀ runs (MosaicConfig.fused_early_probs;
+  the interpreter keeps the plain order).
   """
   bq, bkv = kp.block_q, kp.block_kv
+  if early_probs and not kp.interpret:
+    def early(s_ref, dp_ref):
+      # Sᵀ alone is waited for; Pᵀ's exp2s run while dPᵀ is on the tensor cores.
+      plgpu.wgmma(s_ref, k_smem, q_smem.T)
+      plgpu.wgmma(dp_ref, v_smem, do_smem.T)
+      if handoff is not None:
+        handoff()
+      p_t, slope = _probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1),
+                            _step_stat(streams, slot, 2), k0, mask_block, kp, ids)
+      # delta only now: its registers are not live through the exp2s.
+      return p_t, grad_scores_t(p_t, slope, dp_ref[...], _step_stat(streams, slot, 3))
+
+    with jax.named_scope("scores"):
+      return pl.run_scoped(early, plgpu.ACC((bkv, bq), jnp.float32),
+                           plgpu.ACC((bkv, bq), jnp.float32))
 
   def scores(s_ref, dp_ref):
     plgpu.wgmma(s_ref, k_smem, q_smem.T)

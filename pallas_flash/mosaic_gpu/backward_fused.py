@@ -305,7 +305,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                       stagger_q: bool, dq_blocks: int, dq_shared: bool, overlap: bool = False,
                       dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
                       dq_head_major: bool = False, split_loop: bool = False,
-                      entry: int | None = None):
+                      early_probs: bool = False, entry: int | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   entry: None, or the one batch entry this launch (grid batch 1) computes; its dk/dv_ref are
@@ -335,6 +335,8 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
 
   split_loop (MosaicConfig.fused_split_loop; ignored causal or with a key tail): WG w runs
   its first (w + 1)·G steps in a loop of their own, then the rest.
+
+  early_probs (MosaicConfig.fused_early_probs): a step forms Pᵀ while its dPᵀ runs.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   nq = kp.t_pad // bq
@@ -456,7 +458,8 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       i, _ = index(t)
       q_smem, do_smem = _wait_streams(streams, slot)
       p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
-                                         (lambda: i) if masked else None, kp)
+                                         (lambda: i) if masked else None, kp,
+                                         early_probs=early_probs)
       if release:
         pl.when(wg == 0)(lambda: plgpu.barrier_arrive(start))
       ds_slot = lax.rem(t, 4)
@@ -510,7 +513,8 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       i, _ = index(t)
       q_smem, do_smem = _wait_streams(streams, slot)
       p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
-                                         (lambda: i) if masked else None, kp)
+                                         (lambda: i) if masked else None, kp,
+                                         early_probs=early_probs)
       # dSᵀ in SMEM serves both dK (as is) and dQ (its transposed view); wgmma reads it through
       # the async proxy, hence the fence.
       ds_smem = ds_scratch.at[lax.rem(t, 2), wg] if dq_shared else ds_scratch.at[wg]
@@ -593,7 +597,7 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
                dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
                auto_barriers: bool = True, dq_head_major: bool = False,
                batch_slowest: bool = False, per_batch_entry: bool = False,
-               split_loop: bool = False):
+               split_loop: bool = False, early_probs: bool = False):
   """q/do [B, T', H, D], k/v [B, S', K, D] (T', S' padded as _common.operand_rows says, the
   tiles covering kp.t_pad / kp.s_pad rows), lse2/delta [B, H, Tp] -> (dq_acc [B, T', H, D] f32
   unscaled ([B, H, T', D] with dq_head_major), dk [B, S', K, D] scaled, dv [B, S', K, D]).
@@ -654,7 +658,8 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
         functools.partial(_bwd_fused_kernel, kp=kp, stagger_q=stagger_q, dq_blocks=dq_blocks,
                           dq_shared=dq_shared, overlap=overlap, dq_slots=dq_slots,
                           defer_dq=defer_dq, offset=offset and defer_dq,
-                          dq_head_major=dq_head_major, split_loop=split_loop, entry=entry),
+                          dq_head_major=dq_head_major, split_loop=split_loop,
+                          early_probs=early_probs, entry=entry),
         out_type=(kv_out, kv_out),
         scratch_types=scratch,
         **_common.launch_grid(s_pad // (2 * bkv), kh, bsz if entry is None else 1,
@@ -713,7 +718,8 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
                               dq_head_major=config.fused_dq_head_major,
                               batch_slowest=config.fused_batch_slowest,
                               per_batch_entry=config.fused_per_batch_entry,
-                              split_loop=config.fused_split_loop)
+                              split_loop=config.fused_split_loop,
+                              early_probs=config.fused_early_probs)
   if config.fused_dq_head_major:
     dq_acc = dq_acc.transpose(0, 2, 1, 3)
   dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)

@@ -104,14 +104,18 @@ def test_hd256_runs_the_wide_backward(causal):
                fused_auto_barriers=False, fused_dq_head_major=True)),
     (64, dict(fused_dq_head_major=True)),
     (128, dict(fused_dq_shared=True, fused_batch_slowest=True)),
-    (128, dict(fused_dq_shared=True, bwd_flat_stats=False))],
+    (128, dict(fused_dq_shared=True, bwd_flat_stats=False)),
+    (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
+               fused_auto_barriers=False, fused_early_probs=True)),
+    (64, dict(fused_early_probs=True))],
     ids=["d64_bq128", "d64_bkv128", "d64_stages3", "d64_stagger", "d128_dq_blocks2",
          "d128_regs240", "d128_dq_shared", "d128_dq_shared_stages3", "d64_overlap_stages3",
          "d128_overlap_dq_shared_stagger", "d128_overlap_dq_shared_stages3",
          "d128_defer_dq_regs240", "d128_defer_dq_offset", "d128_defer_inline_regs240",
          "d128_dq_shared_no_auto_barriers", "d128_defer_inline_no_auto_barriers",
          "d128_overlap_no_auto_barriers", "d64_no_auto_barriers", "d128_defer_inline_head_major",
-         "d64_head_major", "d128_batch_slowest", "d128_stats_3d"])
+         "d64_head_major", "d128_batch_slowest", "d128_stats_3d", "d128_defer_inline_early_probs",
+         "d64_early_probs"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fused_variants_lower(d, kw, causal):
   text = _grad_module(1, 1000, 1000, 4, 2, d, causal, _fused(d, causal, **kw))
