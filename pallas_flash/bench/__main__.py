@@ -117,7 +117,8 @@ def slice_kwargs(impl: str, spec: shapes.ShapeSpec, *, is_causal: bool) -> dict:
   if impl != "mosaic":
     return {}
   params = AttentionParams(scale=spec.head_dim ** -0.5, is_causal=is_causal, has_segments=False)
-  return {"config": mosaic_config.call_config(spec.head_dim, params, spec.seq_len, spec.batch)}
+  return {"config": mosaic_config.call_config(spec.head_dim, params, spec.seq_len, spec.batch,
+                                              spec.num_heads // spec.kv_heads)}
 
 
 def check(impl: str, compiled, args: tuple, spec: shapes.ShapeSpec, *, mode: str,

@@ -459,6 +459,14 @@ FUSED_MAX_BATCH = 8
 FUSED_NONCAUSAL = dict(FUSED_LONG_CAUSAL, fused_split_loop=True)
 FUSED_NONCAUSAL_MIN_KV_LEN = 4096
 FUSED_NONCAUSAL_MAX_BATCH = 8
+# ... with fused_early_probs where query heads share kv heads (GQA/MQA). Twenty-seventh session,
+# fwd+bwd TFLOP/s early / FUSED_NONCAUSAL / cuDNN, same process: 2x16384x8x128 with 4 kv heads
+# 544.7 / 524.8 / 547.8 (run 8), 542.1 / 524.3 / 544.9 and 548.2 / 526.8 / 546.3 (run 9, two
+# round orders); 8x4096x8x128 with 4 kv heads 514.6 / 497.3 / 504.7, 513.1 / 496.6 / 494.9
+# (run 9). Not at one kv head per query head (run 8: 4x4096x16x128 498.7 / 503.9, 1x16384x16x128
+# 540.7 / 537.6, 1x32768x16x128 547.4 / 546.4) nor causal (1x16384x16x128 511.1 / 526.3,
+# 2x16384x8x128 with 4 kv heads 531.1 / 525.3), one sample each: not adopted there.
+FUSED_GQA_NONCAUSAL = dict(FUSED_NONCAUSAL, fused_early_probs=True)
 
 
 def with_overrides(config: MosaicConfig, overrides: str) -> MosaicConfig:
@@ -493,11 +501,12 @@ def tuned(head_dim: int, is_causal: bool, kv_len: int) -> MosaicConfig:
   return config
 
 
-def call_config(head_dim: int, params: AttentionParams, kv_len: int,
-                batch: int) -> MosaicConfig:
+def call_config(head_dim: int, params: AttentionParams, kv_len: int, batch: int,
+                group: int = 1) -> MosaicConfig:
   """The config of a call that passes none: `tuned`, with the fused backward for head-dim-128
   calls: FUSED_LONG_CAUSAL for causal ones with at least FUSED_MIN_KV_LEN keys and at most
-  FUSED_MAX_BATCH batch entries, FUSED_NONCAUSAL for non-causal ones as its comment says;
+  FUSED_MAX_BATCH batch entries, FUSED_NONCAUSAL for non-causal ones as its comment says
+  (with FUSED_GQA_NONCAUSAL's early Pᵀ where `group`, query heads per kv head, is above 1);
   neither where a call asks for bitwise-reproducible gradients (the fused dQ is summed by
   float32 atomics) or carries segment ids, lengths, a window (which the fused kernel does not
   stream) or a soft cap (not measured with it)."""
@@ -509,9 +518,9 @@ def call_config(head_dim: int, params: AttentionParams, kv_len: int,
     return dataclasses.replace(config, **FUSED_LONG_CAUSAL)
   if (not params.is_causal and kv_len >= FUSED_NONCAUSAL_MIN_KV_LEN
       and kv_len % (2 * config.block_kv_fused) == 0 and batch <= FUSED_NONCAUSAL_MAX_BATCH):
-    return dataclasses.replace(config, **FUSED_NONCAUSAL)
+    return dataclasses.replace(config, **(FUSED_GQA_NONCAUSAL if group > 1 else FUSED_NONCAUSAL))
   return config
 
 
 def default_config(info: CallInfo) -> MosaicConfig:
-  return call_config(info.head_dim, info.params, info.kv_len, info.batch)
+  return call_config(info.head_dim, info.params, info.kv_len, info.batch, info.group_size)

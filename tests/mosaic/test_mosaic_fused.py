@@ -251,6 +251,19 @@ def test_long_calls_default_to_the_fused_backward(d, s, b, params, form):
   assert config == want
 
 
+@pytest.mark.parametrize("causal,group,early", [(False, 1, False), (False, 2, True),
+                                                (False, 16, True), (True, 2, False)],
+                         ids=["full-mha", "full-gqa", "full-mqa", "causal-gqa"])
+def test_grouped_noncausal_calls_form_probabilities_early(causal, group, early):
+  """FUSED_GQA_NONCAUSAL (the early Pᵀ) is the non-causal default where query heads share kv
+  heads, the only place it was measured faster; call_config's callers pass the group."""
+  config = mconfig.call_config(128, _params(causal=causal), 16384, 1, group)
+  assert config.fused_backward and config.fused_early_probs == early
+  q = jax.ShapeDtypeStruct((1, 16384, 16, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 16384, 16 // group, 128), jnp.bfloat16)
+  assert _common.config_for(q, k, _params(causal=causal)) == config
+
+
 @pytest.mark.parametrize("b,causal,deterministic,kernels", [
     (1, True, False, 2), (1, True, True, 3), (2, True, False, 2), (16, True, False, 3),
     (1, False, False, 2)])
