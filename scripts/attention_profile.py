@@ -4,18 +4,22 @@ On the GPU machine, from the repository root:
 
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/attention_profile.py
       [--shapes 4x4096x16x128 2x16384x8x128x4] [--causal no] [--mode fwdbwd]
-      [--impl mosaic cudnn] [--calls 10] [--warm-s 3] [--out DIR]
+      [--impl mosaic cudnn] [--calls 10] [--warm-s 3] [--repeat 1] [--interleaved ITERS]
+      [--keep-traces] [--out DIR]
 
 For each shape and implementation: compiles the benchmark's step (`bench.timing.make_step`,
-bf16 random inputs), runs it twice, then for `--warm-s` seconds (the benchmark's loops run at
-the GPU's power cap, at lower clocks than a trace right after compiling sees), then traces
-`--calls` back-to-back calls with `jax.profiler` and sums the GPU kernels' time per kernel
-name, per call. Where `nvidia-smi` exists it samples the SM clock and the power draw meanwhile
-(the median of the samples of the last second). The kernels of the
-attention itself sit beside their helpers (our memset of the dQ buffer, dot(dO, O), dQ's scale
-and cast; cuDNN's own), so the table shows which of them makes a difference in the ratio the
-benchmark prints. Also the traced span per call and the GPU idle time inside it. The raw
-traces stay in DIR; DIR/attention_profile.json has the numbers.
+bf16 random inputs; one compile per process), runs it twice, then for `--warm-s` seconds (the
+benchmark's loops run at the GPU's power cap, at lower clocks than a trace right after
+compiling sees), then traces `--calls` back-to-back calls with `jax.profiler` and sums the
+GPU kernels' time per kernel name, per call (with each kernel's shortest and longest launch).
+Where `nvidia-smi` exists it samples the SM clock and the power draw meanwhile (the median of
+the samples of the last second). The attention's own kernels sit beside their helpers (our
+memset of the dQ buffer, dot(dO, O), dQ's scale and cast; cuDNN's own), so the table shows
+which of them makes a difference in the ratio the benchmark prints. Also the traced span per
+call and the GPU idle time inside it. `--repeat N` profiles the implementations N times in
+turn (the run-to-run spread at the power cap); `--interleaved ITERS` also times them as the
+benchmark does and then traces those loops (their kernels' time per call against the clock's).
+DIR/attention_profile.json has the numbers; traces stay under DIR/traces.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import itertools
 import glob
+import itertools
 import json
 import os
 import shutil
@@ -42,7 +46,7 @@ from train_step_profile import idle_gaps, read_trace  # noqa: E402
 
 
 def _sampler():
-  """An nvidia-smi process printing "ms since start, SM MHz, W" lines every 100 ms, or None."""
+  """An nvidia-smi process printing "SM MHz, W" lines every 100 ms, or None without one."""
   if not shutil.which("nvidia-smi"):
     return None
   return subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
@@ -137,7 +141,7 @@ def interleaved(spec, impls: list[str], *, mode: str, causal: bool, owners: dict
   loops (owners: {kernel name: impl}, from each impl's own trace)."""
   compiled = {i: _compiled(i, spec, mode, causal)[1] for i in impls}
   args = _compiled(impls[0], spec, mode, causal)[0]
-  timed = timing.time_interleaved(compiled, args, iters=iters)
+  timed = timing.time_interleaved(compiled, args, iters=iters, settle_s=1.0)  # as the bench
   trace_dir = os.path.join(out_dir, "traces", f"{spec.name}_interleaved")
   with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
     traced = timing.time_interleaved(compiled, args, iters=len(impls))
@@ -160,8 +164,8 @@ def report(spec_name: str, causal: bool, rows: list[dict]) -> str:
   lines = [f"== {spec_name} {'causal' if causal else 'non-causal'}"]
   for r in rows:
     rate = f"{r['tflops_span']:.0f}" if r["tflops_span"] else "-"
-    lines.append(f"[{r['impl']}] q at {r['q_address']}, span {r['span_ms']:.3f} ms per call ({rate} TFLOP/s), "
-                 f"kernels {r['kernels_ms']:.3f}, idle {r['idle_ms']:.3f}"
+    lines.append(f"[{r['impl']}] q at {r['q_address']}, span {r['span_ms']:.3f} ms per call "
+                 f"({rate} TFLOP/s), kernels {r['kernels_ms']:.3f}, idle {r['idle_ms']:.3f}"
                  + (f"; {r['sm_mhz']:.0f} MHz, {r['power_w']:.0f} W" if "sm_mhz" in r else ""))
     for name, ms in sorted(r["kernel_ms"].items(), key=lambda kv: -kv[1]):
       lo, hi = r["kernel_range_ms"][name]

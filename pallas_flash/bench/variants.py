@@ -29,9 +29,10 @@ def compare(steps: dict[str, Callable], args: tuple, spec: shapes.ShapeSpec, *, 
 
   Compiles each, compares its outputs with `baseline`'s (max relative error, cuDNN's too) and with
   its own second run (bitwise), then times all of them interleaved (timing.time_interleaved, rounds
-  in `order`, loops of at least `min_loop_s`, after `settle_s` of untimed rounds). Returns err_vs_<baseline>, bitwise_run_to_run, tflops
-  and ratio_vs_cudnn, each a dict by name. cudnn_kwargs go to cuDNN's call (a window the steps
-  share); flop_count replaces the dense/causal count where the steps do other work (a band).
+  in `order`, loops of at least `min_loop_s`, after `settle_s` of untimed rounds). Returns
+  err_vs_<baseline>, bitwise_run_to_run, tflops and ratio_vs_cudnn, each a dict by name.
+  cudnn_kwargs go to cuDNN's call (a window the steps share); flop_count replaces the
+  dense/causal count where the steps do other work (a band).
   """
   cudnn = timing.make_step("cudnn", mode=mode, is_causal=is_causal, **(cudnn_kwargs or {}))
   steps = {**steps, "cudnn": cudnn}

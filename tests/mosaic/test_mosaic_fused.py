@@ -239,8 +239,8 @@ FULL = _params(causal=False)
     (128, 16384, 1, _params(local_window=(4095, 0)), None),
     (128, 16384, 1, _params(logits_soft_cap=30.0), None)],
     ids=["16k", "128k", "batch2", "batch16", "16k-1", "4k", "full", "full-4k-batch4",
-         "full-32k", "full-2k", "full-tail", "full-batch8", "full-batch16", "d64", "d256", "full-d64",
-         "deterministic", "full-deterministic", "segments", "full-segments", "window",
+         "full-32k", "full-2k", "full-tail", "full-batch8", "full-batch16", "d64", "d256",
+         "full-d64", "deterministic", "full-deterministic", "segments", "full-segments", "window",
          "soft_cap"])
 def test_long_calls_default_to_the_fused_backward(d, s, b, params, form):
   """call_config: FUSED_LONG_CAUSAL / FUSED_NONCAUSAL where measured faster, else `tuned`."""
