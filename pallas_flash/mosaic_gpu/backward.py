@@ -509,11 +509,10 @@ def _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, m
   function giving the step's q block (called only then); invisible entries of Pᵀ become 0.
   handoff: called once both matmuls are issued (the ping-pong's schedule sync), or None.
   ids: (key ids [block_kv] ROW, query ids [block_q] COL) of a segmented call (with mask_block).
-  early_probs: wait for Sᵀ alone and form Pᵀ while dPᵀ runs (MosaicConfig.fused_early_probs;
-  the interpreter keeps the plain order).
+  early_probs: wait for Sᵀ alone and form Pᵀ while dPᵀ runs (MosaicConfig.fused_early_probs).
   """
   bq, bkv = kp.block_q, kp.block_kv
-  if early_probs and not kp.interpret:
+  if early_probs:
     def early(s_ref, dp_ref):
       # Sᵀ alone is waited for; Pᵀ's exp2s run while dPᵀ is on the tensor cores.
       plgpu.wgmma(s_ref, k_smem, q_smem.T)

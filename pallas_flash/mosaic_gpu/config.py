@@ -178,11 +178,11 @@ class MosaicConfig:
       L1 keeps little of the spill space, so that is the likely cause (not established).
       With a mask that stays (a WGMMA-layout iota against the key length), those and other
       first steps masked ran 12.8-13.6 ms (run 7).
-    fused_early_probs: fused backward (GPU; the interpreter runs the plain order): a step
-      waits for Sᵀ alone and forms Pᵀ while dPᵀ is still on the tensor cores, then waits for
-      dPᵀ (the dK/dV kernel's "overlap" order for its first two products), and loads delta
-      only then. Same arithmetic; fewer spills in the main loop (deviceless). The default of
-      grouped non-causal calls (FUSED_GQA_NONCAUSAL, whose comment has the measurements).
+    fused_early_probs: fused backward: a step waits for Sᵀ alone and forms Pᵀ while dPᵀ is
+      still on the tensor cores, then waits for dPᵀ (the dK/dV kernel's "overlap" order for its
+      first two products), and loads delta only then. Same arithmetic; fewer spills in the main
+      loop (deviceless). The default of grouped non-causal calls (FUSED_GQA_NONCAUSAL, whose
+      comment has the measurements).
     bwd_flat_stats: the dK/dV-style kernels (the split's, head dim 256's, the fused one) read
       lse and delta ([B, H, T] float32, one block_q slice each step) as a [1, B·H, T] view, so
       that their TMA loads are 2-D at any batch (3-D otherwise from batch 2; at batch 1 the

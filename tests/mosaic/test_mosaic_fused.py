@@ -340,6 +340,16 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
                                                        fused_defer_dq=True,
                                                        fused_defer_inline=True,
                                                        fused_split_loop=True)),
+    # FUSED_GQA_NONCAUSAL: the split loop with the early Pᵀ; and the early Pᵀ in masked
+    # (causal, key tail) steps.
+    (1, 200, 256, 4, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
+                                                       fused_defer_dq=True,
+                                                       fused_defer_inline=True,
+                                                       fused_split_loop=True,
+                                                       fused_early_probs=True)),
+    (1, 330, 260, 2, 1, 128, True, jnp.float16, dict(fused_dq_shared=True, fused_defer_dq=True,
+                                                     fused_defer_inline=True,
+                                                     fused_early_probs=True)),
     # The head-major dQ accumulator, at batch 2 with GQA (heads and batches in its index).
     (2, 330, 260, 4, 2, 128, True, jnp.bfloat16, dict(fused_dq_shared=True, fused_defer_dq=True,
                                                      fused_defer_inline=True,
