@@ -152,17 +152,21 @@ def test_balanced_round_orders(n):
   assert len({(a, b) for row in rotating for a, b in zip(row, row[1:])}) == (n if n > 1 else 0)
 
 
-def test_implementations_are_timed_in_balanced_rounds():
-  log = []
-
+def _logging_fns(names: str, log: list[str]) -> dict:
+  """{name: fn(x)} for each letter of names, each appending its name to log when called."""
   def fn(name):
     def call(x):
       log.append(name)
       return x + 1
     return call
 
+  return {n: fn(n) for n in names}
+
+
+def test_implementations_are_timed_in_balanced_rounds():
+  log = []
   x = jnp.ones((4,))
-  out = timing.time_interleaved({n: fn(n) for n in "abc"}, (x,), iters=6, min_loop_s=0.0)
+  out = timing.time_interleaved(_logging_fns("abc", log), (x,), iters=6, min_loop_s=0.0)
   assert log[:6] == ["a", "a", "b", "b", "c", "c"]  # warm-up and sizing call each, in turn
   rounds = ["".join(log[6 + 3 * i:9 + 3 * i]) for i in range(6)]
   assert rounds == ["abc", "bca", "cab", "cba", "acb", "bac"]  # one loop each per round
@@ -173,15 +177,8 @@ def test_implementations_are_timed_in_balanced_rounds():
 
 def test_settling_rounds_run_every_implementation_before_the_timed_ones():
   log = []
-
-  def fn(name):
-    def call(x):
-      log.append(name)
-      return x + 1
-    return call
-
   x = jnp.ones((4,))
-  out = timing.time_interleaved({n: fn(n) for n in "ab"}, (x,), iters=2, min_loop_s=0.0,
+  out = timing.time_interleaved(_logging_fns("ab", log), (x,), iters=2, min_loop_s=0.0,
                                 settle_s=0.05)
   settling = log[4:-4]  # after the warm-up and sizing calls, before the 2 timed rounds
   assert len(settling) >= 2 and settling == ["a", "b"] * (len(settling) // 2)
