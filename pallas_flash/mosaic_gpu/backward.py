@@ -512,32 +512,25 @@ def _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, m
   early_probs: wait for Sᵀ alone and form Pᵀ while dPᵀ runs (MosaicConfig.fused_early_probs).
   """
   bq, bkv = kp.block_q, kp.block_kv
-  if early_probs:
-    def early(s_ref, dp_ref):
-      # Sᵀ alone is waited for; Pᵀ's exp2s run while dPᵀ is on the tensor cores.
-      plgpu.wgmma(s_ref, k_smem, q_smem.T)
-      plgpu.wgmma(dp_ref, v_smem, do_smem.T)
-      if handoff is not None:
-        handoff()
-      p_t, slope = _probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1),
-                            _step_stat(streams, slot, 2), k0, mask_block, kp, ids)
-      # delta only now: its registers are not live through the exp2s.
-      return p_t, grad_scores_t(p_t, slope, dp_ref[...], _step_stat(streams, slot, 3))
-
-    with jax.named_scope("scores"):
-      return pl.run_scoped(early, plgpu.ACC((bkv, bq), jnp.float32),
-                           plgpu.ACC((bkv, bq), jnp.float32))
 
   def scores(s_ref, dp_ref):
     plgpu.wgmma(s_ref, k_smem, q_smem.T)
     plgpu.wgmma(dp_ref, v_smem, do_smem.T)
     if handoff is not None:
       handoff()
-    return s_ref[...], dp_ref[...]
+    if not early_probs:
+      return s_ref[...], dp_ref[...]
+    # Sᵀ alone is waited for; Pᵀ's exp2s run while dPᵀ is on the tensor cores. delta is
+    # loaded only after dPᵀ's wait, so that its registers are not live through the exp2s.
+    p_t, slope = _probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1),
+                          _step_stat(streams, slot, 2), k0, mask_block, kp, ids)
+    return p_t, grad_scores_t(p_t, slope, dp_ref[...], _step_stat(streams, slot, 3))
 
   with jax.named_scope("scores"):
     s_t, dp_t = pl.run_scoped(scores, plgpu.ACC((bkv, bq), jnp.float32),
                               plgpu.ACC((bkv, bq), jnp.float32))
+  if early_probs:
+    return s_t, dp_t  # already Pᵀ and dSᵀ
   with jax.named_scope("softmax"):
     lse, delta = _step_stats(streams, slot)
     p_t, slope = _probs_t(s_t, lse, k0, mask_block, kp, ids)
