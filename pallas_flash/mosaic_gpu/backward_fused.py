@@ -146,7 +146,8 @@ def _dq_part(out, terms):
 
 
 def _gradient_matmuls(dv, dk, p_t, ds_smem, q_smem, do_smem, dq_plan, p_staging, release_do,
-                      release_q, kp: _common.KernelParams, before_dq=lambda: None):
+                      release_q, kp: _common.KernelParams, before_dq=lambda: None,
+                      reduce_dq=None):
   """dV += Pᵀ·dO and dK += dSᵀ·Q; dQ_part = dS·K is written to SMEM as `dq_plan` says.
 
   dv/dk [block_kv, D] f32, p_t [block_kv, block_q] (dtype, registers), ds_smem [block_kv,
@@ -154,6 +155,9 @@ def _gradient_matmuls(dv, dk, p_t, ds_smem, q_smem, do_smem, dq_plan, p_staging,
   [block_q, cols] f32 SMEM receives the sum of its a @ b products, one accumulator at a time.
   before_dq: called after dV and dK are issued, before dQ_part's operands are read (the
   deferred dQ_part's wait for the other WG's dSᵀ).
+  reduce_dq: None, or (one dq_plan entry) dQ_part is issued before dK instead of after it, and
+  reduce_dq() (its reduce-add) is called as soon as it is in SMEM, while dK still runs
+  (MosaicConfig.fused_dq_first); before_dq is then called after dV alone is issued.
   """
   if kp.interpret:
     dv = _common.accumulate(dv, p_t, p_staging, do_smem, kp)
@@ -163,6 +167,30 @@ def _gradient_matmuls(dv, dk, p_t, ds_smem, q_smem, do_smem, dq_plan, p_staging,
     before_dq()
     for out, terms in dq_plan:
       _dq_part(out, terms)
+    if reduce_dq is not None:
+      reduce_dq()
+    return dv, dk
+
+  if reduce_dq is not None:
+    (out, terms), = dq_plan
+
+    def mm_dq_first(refs):
+      dv_ref, dk_ref, dq_ref = refs
+      plgpu.wgmma(dv_ref, p_t, do_smem)
+      before_dq()
+      for a, b in terms:
+        plgpu.wgmma(dq_ref, a, b)
+      plgpu.wgmma(dk_ref, ds_smem, q_smem)
+      plgpu.wgmma_wait(len(terms) + 1)
+      release_do()
+      # dQ_part's staging store, fence and reduce-add run while dK is on the tensor cores.
+      out[...] = plgpu.wgmma_accumulator_load(dq_ref, wait_n=1)
+      reduce_dq()
+
+    zeros = plgpu.layout_cast(jnp.zeros(out.shape, jnp.float32), plgpu.Layout.WGMMA)
+    dv, dk, _ = pl.run_state(mm_dq_first)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
+                                           plgpu.ACC.init(zeros)))
+    release_q()
     return dv, dk
 
   if len(dq_plan) == 1:
@@ -305,7 +333,8 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                       stagger_q: bool, dq_blocks: int, dq_shared: bool, overlap: bool = False,
                       dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
                       dq_head_major: bool = False, split_loop: bool = False,
-                      early_probs: bool = False, entry: int | None = None):
+                      early_probs: bool = False, dq_first: bool = False,
+                      entry: int | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   entry: None, or the one batch entry this launch (grid batch 1) computes; its dk/dv_ref are
@@ -337,6 +366,11 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   its first (w + 1)·G steps in a loop of their own, then the rest.
 
   early_probs (MosaicConfig.fused_early_probs): a step forms Pᵀ while its dPᵀ runs.
+
+  dq_first (MosaicConfig.fused_dq_first; defer_dq "inline" only): a step issues the previous
+  step's dQ_part between dV and dK and reduce-adds it while dK runs. Step 0's dQ_part, of the
+  zeroed dSᵀ slot 3, is reduce-added too (zeros, into step 0's rows), so that no branch sits
+  among the matmuls.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   nq = kp.t_pad // bq
@@ -482,6 +516,20 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       prev_i, prev_h = index(jnp.maximum(t - 1, 0))
       terms, cols = shared_dq_terms(ds_scratch.at[prev_slot])
       wait_dq_staging()
+
+      def reduce_prev():
+        _reduce_dq(dq_smem, dq_acc_ref, dq_rows(prev_i, prev_h, cols), wg, _at(dq_loaded, wg),
+                   kp)
+
+      if dq_first:
+        with jax.named_scope("grad_mm"):
+          dv, dk = _gradient_matmuls(
+              dv, dk, p16, ds_smem, q_smem, do_smem, [(dq_smem, terms)], _at(p_scratch, wg),
+              lambda: plgpu.barrier_arrive(do_free.at[slot]),
+              lambda: plgpu.barrier_arrive(q_free.at[slot]), kp,
+              before_dq=lambda: plgpu.barrier_wait(ds_handoff.at[1 - wg, prev_slot]),
+              reduce_dq=reduce_prev)
+        return dk, dv
       with jax.named_scope("grad_mm"):
         dv, dk = _gradient_matmuls(
             dv, dk, p16, ds_smem, q_smem, do_smem, [(dq_smem, terms)], _at(p_scratch, wg),
@@ -489,8 +537,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
             lambda: plgpu.barrier_arrive(q_free.at[slot]), kp,
             before_dq=lambda: plgpu.barrier_wait(ds_handoff.at[1 - wg, prev_slot]))
       with jax.named_scope("reduce_dq"):
-        pl.when(t > 0)(lambda: _reduce_dq(dq_smem, dq_acc_ref, dq_rows(prev_i, prev_h, cols),
-                                          wg, _at(dq_loaded, wg), kp))
+        pl.when(t > 0)(reduce_prev)
       return dk, dv
 
     def deferred_step(t, carry, *, masked: bool, release: bool):
@@ -558,7 +605,11 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       # (rows whose scores are all far below 0): the tile holding the tail masks every step.
       full = jnp.where(k0 + bkv > kp.kv_len, cta_steps, full)
     if defer_dq == "inline":
-      # Step 0's (unreduced) dQ_part waits for the other WG's "step -1", slot 3.
+      if dq_first:  # step 0 reduce-adds its dQ_part of slot 3: zeros
+        ds_scratch.at[3, wg][...] = plgpu.layout_cast(jnp.zeros((bkv, bq), kp.dtype),
+                                                      plgpu.Layout.WGMMA)
+        plgpu.commit_smem()
+      # Step 0's dQ_part (unreduced, or zeros) waits for the other WG's "step -1", slot 3.
       pl.when(cta_steps > 0)(lambda: plgpu.barrier_arrive(ds_handoff.at[wg, 3]))
     if offset:
       pl.when((wg == 1) & (cta_steps > 0))(lambda: plgpu.barrier_wait(start))
@@ -597,7 +648,7 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
                dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
                auto_barriers: bool = True, dq_head_major: bool = False,
                batch_slowest: bool = False, per_batch_entry: bool = False,
-               split_loop: bool = False, early_probs: bool = False):
+               split_loop: bool = False, early_probs: bool = False, dq_first: bool = False):
   """q/do [B, T', H, D], k/v [B, S', K, D] (T', S' padded as _common.operand_rows says, the
   tiles covering kp.t_pad / kp.s_pad rows), lse2/delta [B, H, Tp] -> (dq_acc [B, T', H, D] f32
   unscaled ([B, H, T', D] with dq_head_major), dk [B, S', K, D] scaled, dv [B, S', K, D]).
@@ -659,7 +710,8 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
                           dq_shared=dq_shared, overlap=overlap, dq_slots=dq_slots,
                           defer_dq=defer_dq, offset=offset and defer_dq,
                           dq_head_major=dq_head_major, split_loop=split_loop,
-                          early_probs=early_probs, entry=entry),
+                          early_probs=early_probs, dq_first=dq_first and defer_dq == "inline",
+                          entry=entry),
         out_type=(kv_out, kv_out),
         scratch_types=scratch,
         **_common.launch_grid(s_pad // (2 * bkv), kh, bsz if entry is None else 1,
@@ -719,7 +771,8 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
                               batch_slowest=config.fused_batch_slowest,
                               per_batch_entry=config.fused_per_batch_entry,
                               split_loop=config.fused_split_loop,
-                              early_probs=config.fused_early_probs)
+                              early_probs=config.fused_early_probs,
+                              dq_first=config.fused_dq_first)
   if config.fused_dq_head_major:
     dq_acc = dq_acc.transpose(0, 2, 1, 3)
   dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)

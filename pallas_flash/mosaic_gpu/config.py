@@ -183,6 +183,9 @@ class MosaicConfig:
       first two products), and loads delta only then. Same arithmetic; fewer spills in the main
       loop (deviceless). The default of grouped non-causal calls (FUSED_GQA_NONCAUSAL, whose
       comment has the measurements).
+    fused_dq_first: fused backward with fused_defer_inline: a step issues the previous step's
+      dQ_part between dV and dK (FA3's order) and stores and reduce-adds it while dK is still
+      on the tensor cores, instead of waiting for all three first. Same sums.
     bwd_flat_stats: the dK/dV-style kernels (the split's, head dim 256's, the fused one) read
       lse and delta ([B, H, T] float32, one block_q slice each step) as a [1, B·H, T] view, so
       that their TMA loads are 2-D at any batch (3-D otherwise from batch 2; at batch 1 the
@@ -295,6 +298,7 @@ class MosaicConfig:
   fused_per_batch_entry: bool = False
   fused_split_loop: bool = False
   fused_early_probs: bool = False
+  fused_dq_first: bool = False
   dkdv_schedule: str = "serial"
   dkdv_pingpong: bool = False
   dkdv_fold_stats: bool = False
