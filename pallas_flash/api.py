@@ -35,6 +35,8 @@ class _Backend:
   config_type: type
   features: frozenset[str]  # SUPPORTED_FEATURES; a backend without it runs only the core
   computes_delta: bool = False  # BACKWARD_COMPUTES_DELTA (see pallas_flash.params)
+  # DEFAULT_CONFIG: CallInfo -> the config a call that passes none runs (explain reports it)
+  default_config: Callable[[CallInfo], Any] | None = None
 
 
 def _load_backend(name: str) -> _Backend | str:
@@ -55,7 +57,8 @@ def _load_backend(name: str) -> _Backend | str:
   reason = functools.partial(mod.unsupported_reason, **kwargs) if kwargs else mod.unsupported_reason
   features = frozenset(getattr(mod, "SUPPORTED_FEATURES", ()))
   return _Backend(fwd, bwd, reason, mod.CONFIG_TYPE, features,
-                  bool(getattr(mod, "BACKWARD_COMPUTES_DELTA", False)))
+                  bool(getattr(mod, "BACKWARD_COMPUTES_DELTA", False)),
+                  getattr(mod, "DEFAULT_CONFIG", None))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,10 +375,16 @@ class Explanation:
   # and the local window at `block_q x block_kv` (segment ids and dense masks skip nothing).
   blocks_computed: float = 1.0
   block_shape: tuple[int, int] = (128, 128)
+  # The config `chosen` runs: the one passed, else the per-call default of a backend that
+  # reports it (mosaic: its tuning table and the fused-backward rules); None otherwise. To
+  # change one knob of the default: dataclasses.replace(explanation.config, ...).
+  config: Any = None
 
   def __str__(self) -> str:
     lines = [f"implementation=None runs {self.chosen!r}" if self.chosen else
              "implementation=None cannot run this call"]
+    if self.config is not None:
+      lines.append(f"  config: {_config_summary(self.config)}")
     lines.append(f"  blocks computed: {self.blocks_computed:.1%} of "
                  f"{self.block_shape[0]}x{self.block_shape[1]} score blocks")
     for name, why in self.reasons.items():
@@ -383,6 +392,16 @@ class Explanation:
         continue
       lines.append(f"  {name}: " + ("can run, but " + _not_chosen(name) if why is None else why))
     return "\n".join(lines)
+
+
+def _config_summary(config) -> str:
+  """`Name(field=value, ...)` with only the fields that differ from the class's defaults."""
+  if not dataclasses.is_dataclass(config):
+    return repr(config)
+  base = type(config)()
+  changed = (f"{f.name}={getattr(config, f.name)!r}" for f in dataclasses.fields(config)
+             if getattr(config, f.name) != getattr(base, f.name))
+  return f"{type(config).__name__}({', '.join(changed)})"
 
 
 def _not_chosen(name: str) -> str:
@@ -435,7 +454,19 @@ def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
     block = (getattr(config, "block_q", 128), getattr(config, "block_kv", 128))
     fraction = masks.fraction_computed(q_len=info.q_len, kv_len=info.kv_len, block_q=block[0],
                                        block_kv=block[1], band=info.params.band)
-  return Explanation(_auto_choice(reasons), reasons, fraction, block)
+  chosen = _auto_choice(reasons)
+  return Explanation(chosen, reasons, fraction, block, _config_used(chosen, info, config))
+
+
+def _config_used(name: str | None, info: CallInfo, config):
+  """The config `name` runs `info` with: `config`, else the backend's reported default."""
+  if name is None:
+    return None
+  if config is not None or name == "reference":
+    return config
+  backend = _load_backend(name)
+  hook = None if isinstance(backend, str) else backend.default_config
+  return None if hook is None else hook(info)
 
 
 def _abstract_call_info(query, key, value, kwargs: dict) -> CallInfo:

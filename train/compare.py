@@ -290,7 +290,8 @@ def _parser() -> argparse.ArgumentParser:
                  help="the rematerialised blocks keep attention's outputs (ModelConfig; "
                       "default: the preset's)")
   p.add_argument("--mosaic-config", default="",
-                 help="ours on Mosaic: 'key=value,...' overrides of the tuned MosaicConfig")
+                 help="ours on Mosaic: 'key=value,...' overrides of each call's default "
+                      "MosaicConfig")
   p.add_argument("--seq-len", type=int, default=16_384, help="throughput: tokens per sequence")
   p.add_argument("--batch-size", type=int, default=1)
   p.add_argument("--steps", type=int, default=5,

@@ -27,9 +27,10 @@ class TrainConfig:
       to lr * min_lr_ratio; weight_decay, b1, b2: AdamW; grad_clip: global-norm clipping.
     attention: "ours" (pallas_flash), "cudnn" or "xla" (jax.nn.dot_product_attention baselines).
     implementation: pallas_flash implementation for attention="ours" (None: fastest here).
-    mosaic_config: 'key=value,...' overrides of the tuned MosaicConfig of the model's attention
-      calls on the Mosaic kernels, an experiment knob (e.g. the opt-in fused backward,
-      'fused_backward=True,fused_dq_shared=True'); "" keeps the tuned config.
+    mosaic_config: 'key=value,...' overrides of the MosaicConfig each of the model's attention
+      calls runs by default (`pallas_flash.explain(...).config`: the tuned one, with the fused
+      backward where its rules choose it), an experiment knob (e.g. 'fused_backward=False'
+      for the split backward); "" keeps the defaults.
     segment_ids: mask attention at document boundaries of packed text (needs "ours" to be
       O(T) memory: the baselines build a dense mask).
     eval_every, eval_batches: periodic evaluation; log_every: progress-bar update interval.
@@ -125,7 +126,8 @@ def _parser() -> argparse.ArgumentParser:
   add("--warmup-steps", int, "linear warm-up steps")
   add("--lr", float, "peak learning rate")
   add("--attention", str, f"one of {ATTENTION_KINDS}")
-  add("--mosaic-config", str, "key=value,... overrides of the tuned Mosaic config (experiments)")
+  add("--mosaic-config", str,
+      "key=value,... overrides of each attention call's default Mosaic config (experiments)")
   add("--implementation", str, "pallas_flash implementation for --attention ours "
       "(auto = fastest available)")
   add("--eval-every", int, "steps between evaluations")

@@ -89,20 +89,10 @@ def _place(tree, mesh: jax.sharding.Mesh):
   return jax.device_put(tree, shardings)
 
 
-def _mosaic_config(cfg: TrainConfig):
-  """The MosaicConfig that --mosaic-config asks for (the tuned one of the model's attention
-  calls, overridden), or None."""
-  if not cfg.mosaic_config:
-    return None
-  from pallas_flash.mosaic_gpu.config import tuned, with_overrides
-
-  return with_overrides(tuned(cfg.model.head_dim, True, cfg.seq_len), cfg.mosaic_config)
-
-
 def build(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[Transformer, nnx.Optimizer]:
   """Model and optimizer, their states placed on `mesh`."""
   attention_fn = make_attention(cfg.attention, implementation=cfg.implementation, mesh=mesh,
-                                batch_axis=BATCH_AXIS, config=_mosaic_config(cfg))
+                                batch_axis=BATCH_AXIS, config_overrides=cfg.mosaic_config)
   model = Transformer(cfg.model, attention_fn=attention_fn, rngs=nnx.Rngs(cfg.seed))
   nnx.update(model, _place(nnx.state(model), mesh))
   optimizer = make_optimizer(model, cfg)

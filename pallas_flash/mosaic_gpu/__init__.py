@@ -10,6 +10,8 @@ from pallas_flash.mosaic_gpu.forward import forward
 from pallas_flash.params import CallInfo
 
 CONFIG_TYPE = MosaicConfig
+# What `pallas_flash.explain` reports as the config of a call that passes none.
+DEFAULT_CONFIG = default_config
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # Optional features (pallas_flash.params.FEATURES) the kernels take; calls with any other run
 # elsewhere. The soft cap's backward at head_dim 256, and a windowed call's with
@@ -33,5 +35,5 @@ def unsupported_reason(call: CallInfo) -> str | None:
   return None
 
 
-__all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "MosaicConfig", "SUPPORTED_FEATURES",
+__all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "DEFAULT_CONFIG", "MosaicConfig", "SUPPORTED_FEATURES",
            "TUNED", "backward", "default_config", "forward", "unsupported_reason"]
