@@ -94,10 +94,12 @@ def test_batch_must_divide_over_devices():
 
 
 @pytest.mark.gpu
-def test_gpu_kernels_train_in_bf16(tmp_path):
-  """The automatic (fastest GPU) implementation trains the model in bf16 and lowers the loss."""
+@pytest.mark.parametrize("mosaic_config", ["", "fused_backward=True"], ids=["default", "fused"])
+def test_gpu_kernels_train_in_bf16(tmp_path, mosaic_config):
+  """The automatic (fastest GPU) implementation trains the model in bf16 and lowers the loss,
+  also with --mosaic-config overrides (applied to each attention call's default config)."""
   model = ModelConfig(d_model=128, n_layers=2, n_heads=2, n_kv_heads=1, dtype="bfloat16")
   cfg = dataclasses.replace(TINY, model=model, implementation=None, seq_len=1024,
-                            out_dir=str(tmp_path))
+                            out_dir=str(tmp_path), mosaic_config=mosaic_config)
   losses = [v for _, v in sorted(run(cfg)["train"].items())]
   assert np.mean(losses[-5:]) < np.mean(losses[:3]) - 1.0, losses
