@@ -61,8 +61,9 @@ def _with_mosaic_overrides(implementation: str | None, overrides: str):
     why = pallas_flash.explain(q, k, v, **kw)
     name = implementation or why.chosen
     if name != "mosaic" or not isinstance(why.config, MosaicConfig):
+      because = why.reasons.get("mosaic") or "it was not asked for"
       raise ValueError(f"Mosaic config overrides {overrides!r} need the Mosaic kernels, but "
-                       f"this call runs {name!r}: {why.reasons.get('mosaic')}")
+                       f"this call runs {name!r} (mosaic: {because})")
     return pallas_flash.flash_attention(q, k, v, implementation=implementation,
                                         config=with_overrides(why.config, overrides), **kw)
 

@@ -35,5 +35,6 @@ def unsupported_reason(call: CallInfo) -> str | None:
   return None
 
 
-__all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "DEFAULT_CONFIG", "MosaicConfig", "SUPPORTED_FEATURES",
-           "TUNED", "backward", "default_config", "forward", "unsupported_reason"]
+__all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "DEFAULT_CONFIG", "MosaicConfig",
+           "SUPPORTED_FEATURES", "TUNED", "backward", "default_config", "forward",
+           "unsupported_reason"]

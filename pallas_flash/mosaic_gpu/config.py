@@ -188,7 +188,8 @@ class MosaicConfig:
       on the tensor cores, instead of waiting for all three first. Same sums. Not faster:
       twenty-eighth session (run 1, config_ab, fwd+bwd TFLOP/s, default / with it / with it
       and fused_early_probs): 4x4096x16x128 509.2 / 490.7 / 507.7, 1x16384x16x128 546.7 /
-      530.1 / 548.7, 2x16384x8x128 with 4 kv heads (default: early Pᵀ) 554.1 / 552.9;
+      530.1 / 548.7, 2x16384x8x128 with 4 kv heads (the early Pᵀ in all three there) 554.1 /
+      552.9 / 550.9;
       causal 1x16384x16x128 527.8 / 534.7, 2x16384x8x128 with 4 kv heads 532.8 / 519.7.
     bwd_flat_stats: the dK/dV-style kernels (the split's, head dim 256's, the fused one) read
       lse and delta ([B, H, T] float32, one block_q slice each step) as a [1, B·H, T] view, so
