@@ -10,7 +10,9 @@ Usage (from the repository root; see docs/perf.md for how numbers are produced):
 Implementations: mosaic, triton, xla (blockwise), interpret, reference (pallas_flash), cudnn and
 jax_xla (jax.nn.dot_product_attention with implementation="cudnn" / "xla", materialising).
 Every row is checked before it is timed; a row whose relative error exceeds the dtype's
-tolerance is marked FAIL but still timed and printed.
+tolerance is marked FAIL but still timed and printed. The implementations are timed in
+interleaved rounds; "rounds" says in how many of them a row beat cuDNN and the range of the
+per-round ratios (at the H200's power cap one loop moves by a few per cent).
 """
 
 from __future__ import annotations
@@ -159,7 +161,8 @@ def prepare_case(impl: str, spec: shapes.ShapeSpec, args: tuple, *, mode: str, i
          "num_kv_heads": spec.kv_heads,
          "head_dim": spec.head_dim, "dtype": jnp.dtype(dtype).name, "causal": is_causal,
          "impl": impl, "status": "skip", "reason": None, "ms": None, "tflops": None,
-         "ratio_cudnn": None, "rel_err": None, "rel_errs": None, "check_shape": None,
+         "ratio_cudnn": None, "round_ratios": None, "rounds_faster": None, "rel_err": None,
+         "rel_errs": None, "check_shape": None,
          "tolerance": TOLERANCE[jnp.dtype(dtype).name], "compile_s": None,
          "flops": flops.attention_flops(spec, is_causal=is_causal, mode=mode)}
   row["reason"] = timing.skip_reason(impl, spec, dtype, is_causal=is_causal,
@@ -206,11 +209,19 @@ def run_group(impls: list[str], spec: shapes.ShapeSpec, args: tuple, *, mode: st
 
 
 def _add_ratios(rows: list[dict]) -> None:
-  """ratio_cudnn = tflops / cuDNN's tflops on the same (mode, shape, causal)."""
-  base = next((r["tflops"] for r in rows if r["impl"] == "cudnn" and r["tflops"]), None)
+  """ratio_cudnn = tflops / cuDNN's tflops on the same (mode, shape, causal); and, round by
+  round of the interleaved timing, round_ratios = cuDNN's loop time / this row's (above 1:
+  faster than cuDNN in that round) and rounds_faster, how many of them are above 1. At the
+  H200's power cap one loop moves by a few per cent, so a median ratio within ~1 % of 1 is
+  only as good as the rounds that agree with it."""
+  cudnn = next((r for r in rows if r["impl"] == "cudnn" and r["tflops"]), None)
   for r in rows:
-    if base and r["tflops"]:
-      r["ratio_cudnn"] = r["tflops"] / base
+    if cudnn is None or not r["tflops"]:
+      continue
+    r["ratio_cudnn"] = r["tflops"] / cudnn["tflops"]
+    if r is not cudnn and r.get("loop_ms") and cudnn.get("loop_ms"):
+      r["round_ratios"] = [b / a for a, b in zip(r["loop_ms"], cudnn["loop_ms"])]
+      r["rounds_faster"] = sum(x > 1 for x in r["round_ratios"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,13 +236,21 @@ def print_group(rows: list[dict]) -> None:
   r0 = rows[0]
   print(f"\n{r0['mode']} {r0['shape']} ({r0['label']}) causal={'yes' if r0['causal'] else 'no'}"
         f" {r0['dtype']}  {r0['flops']:.3e} FLOP")
-  print(f"  {'impl':<10}{'status':<7}{'ms':>10}{'TFLOP/s':>9}{'/cuDNN':>8}{'rel_err':>9}"
-        f"{'compile_s':>10}  check")
+  print(f"  {'impl':<10}{'status':<7}{'ms':>10}{'TFLOP/s':>9}{'/cuDNN':>8}{'rounds':>16}"
+        f"{'rel_err':>9}{'compile_s':>10}  check")
   for r in rows:
     print(f"  {r['impl']:<10}{r['status']:<7}{_fmt(r['ms'], '.3f'):>10}"
           f"{flops.format_tflops(r['tflops']):>9}{_fmt(r['ratio_cudnn'], '.2f'):>8}"
-          f"{_fmt(r['rel_err'], '.1e'):>9}{_fmt(r['compile_s'], '.1f'):>10}  "
+          f"{_rounds(r):>16}{_fmt(r['rel_err'], '.1e'):>9}{_fmt(r['compile_s'], '.1f'):>10}  "
           f"{r['check_shape'] or r['reason'] or ''}", flush=True)
+
+
+def _rounds(r: dict) -> str:
+  """'won/rounds lo-hi': the rounds faster than cuDNN and the range of round_ratios."""
+  ratios = r.get("round_ratios")
+  if not ratios:
+    return "-"
+  return f"{r['rounds_faster']}/{len(ratios)} {min(ratios):.2f}-{max(ratios):.2f}"
 
 
 def _cell(r: dict) -> str:

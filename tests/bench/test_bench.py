@@ -237,3 +237,16 @@ def test_cli_writes_json(tmp_path):
   assert "Summary" in proc.stdout
   (row,) = json.loads(out.read_text())
   _assert_timed_and_correct(row)
+
+
+def test_ratios_to_cudnn_also_count_the_rounds_won():
+  rows = [dict(impl="mosaic", tflops=100.0, loop_ms=[1.0, 2.0, 3.0, 1.5]),
+          dict(impl="cudnn", tflops=90.0, loop_ms=[2.0, 1.0, 3.3, 1.2]),
+          dict(impl="triton", tflops=None, loop_ms=None)]
+  bench._add_ratios(rows)
+  ours, cudnn, triton = rows
+  assert ours["ratio_cudnn"] == pytest.approx(100 / 90)
+  assert ours["round_ratios"] == pytest.approx([2.0, 0.5, 1.1, 0.8])
+  assert ours["rounds_faster"] == 2 and bench._rounds(ours) == "2/4 0.50-2.00"
+  assert "round_ratios" not in cudnn and cudnn["ratio_cudnn"] == 1.0
+  assert "ratio_cudnn" not in triton and bench._rounds(triton) == "-"
