@@ -171,49 +171,39 @@ def _gradient_matmuls(dv, dk, p_t, ds_smem, q_smem, do_smem, dq_plan, p_staging,
       reduce_dq()
     return dv, dk
 
-  if reduce_dq is not None:
-    (out, terms), = dq_plan
-
-    def mm_dq_first(refs):
-      dv_ref, dk_ref, dq_ref = refs
-      plgpu.wgmma(dv_ref, p_t, do_smem)
-      before_dq()
-      for a, b in terms:
-        plgpu.wgmma(dq_ref, a, b)
-      plgpu.wgmma(dk_ref, ds_smem, q_smem)
-      plgpu.wgmma_wait(len(terms) + 1)
-      release_do()
-      # dQ_part's staging store, fence and reduce-add run while dK is on the tensor cores.
-      out[...] = plgpu.wgmma_accumulator_load(dq_ref, wait_n=1)
-      reduce_dq()
-
-    zeros = plgpu.layout_cast(jnp.zeros(out.shape, jnp.float32), plgpu.Layout.WGMMA)
-    dv, dk, _ = pl.run_state(mm_dq_first)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
-                                           plgpu.ACC.init(zeros)))
-    release_q()
-    return dv, dk
-
   if len(dq_plan) == 1:
     (out, terms), = dq_plan
+    dq_first = reduce_dq is not None
 
     def mm(refs):
       dv_ref, dk_ref, dq_ref = refs
       # Issued back to back so the tensor cores never wait on this warpgroup between them; the
       # stream buffers are released as soon as the matmul reading them has retired.
       plgpu.wgmma(dv_ref, p_t, do_smem)
-      plgpu.wgmma(dk_ref, ds_smem, q_smem)
+      if not dq_first:
+        plgpu.wgmma(dk_ref, ds_smem, q_smem)
       before_dq()
       for a, b in terms:
         plgpu.wgmma(dq_ref, a, b)
+      if dq_first:
+        plgpu.wgmma(dk_ref, ds_smem, q_smem)
       plgpu.wgmma_wait(len(terms) + 1)
       release_do()
-      plgpu.wgmma_wait(len(terms))
-      release_q()
+      if dq_first:
+        # dQ_part's staging store, fence and reduce-add run while dK is on the tensor cores.
+        out[...] = plgpu.wgmma_accumulator_load(dq_ref, wait_n=1)
+        reduce_dq()
+      else:
+        plgpu.wgmma_wait(len(terms))
+        release_q()
 
     zeros = plgpu.layout_cast(jnp.zeros(out.shape, jnp.float32), plgpu.Layout.WGMMA)
     dv, dk, dq = pl.run_state(mm)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
                                    plgpu.ACC.init(zeros)))
-    out[...] = dq
+    if dq_first:
+      release_q()  # dK retired at run_state's exit
+    else:
+      out[...] = dq
     return dv, dk
 
   def mm_blocked(refs):
@@ -521,23 +511,16 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
         _reduce_dq(dq_smem, dq_acc_ref, dq_rows(prev_i, prev_h, cols), wg, _at(dq_loaded, wg),
                    kp)
 
-      if dq_first:
-        with jax.named_scope("grad_mm"):
-          dv, dk = _gradient_matmuls(
-              dv, dk, p16, ds_smem, q_smem, do_smem, [(dq_smem, terms)], _at(p_scratch, wg),
-              lambda: plgpu.barrier_arrive(do_free.at[slot]),
-              lambda: plgpu.barrier_arrive(q_free.at[slot]), kp,
-              before_dq=lambda: plgpu.barrier_wait(ds_handoff.at[1 - wg, prev_slot]),
-              reduce_dq=reduce_prev)
-        return dk, dv
       with jax.named_scope("grad_mm"):
         dv, dk = _gradient_matmuls(
             dv, dk, p16, ds_smem, q_smem, do_smem, [(dq_smem, terms)], _at(p_scratch, wg),
             lambda: plgpu.barrier_arrive(do_free.at[slot]),
             lambda: plgpu.barrier_arrive(q_free.at[slot]), kp,
-            before_dq=lambda: plgpu.barrier_wait(ds_handoff.at[1 - wg, prev_slot]))
-      with jax.named_scope("reduce_dq"):
-        pl.when(t > 0)(reduce_prev)
+            before_dq=lambda: plgpu.barrier_wait(ds_handoff.at[1 - wg, prev_slot]),
+            reduce_dq=reduce_prev if dq_first else None)
+      if not dq_first:
+        with jax.named_scope("reduce_dq"):
+          pl.when(t > 0)(reduce_prev)
       return dk, dv
 
     def deferred_step(t, carry, *, masked: bool, release: bool):
