@@ -109,7 +109,7 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
                                   o_scratch.at[wg], do_smem)
       # Both vectors go back through the SMEM they came from (each row is read and written by
       # the warp that owns it) and are stored once for the dK/dV kernel; the epilogue's
-      # wait_smem_to_gmem covers these copies.
+      # wait_smem_to_gmem covers these copies' reads.
       lse_smem[...] = lse2
       delta_smem[...] = delta
       plgpu.commit_smem()
@@ -189,7 +189,7 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_re
     else:
       pl.when(~is_part)(store_dq)
       pl.when(is_part)(lambda: _store_part(tail.parts[0].at[part_row, wg], dq * kp.scale))
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the kernel's end (see _store_dk_dv)
 
   @pl.when(wg == 2)
   def _producer():
@@ -688,14 +688,16 @@ def _folded_dk_dv_step(dk, dv, tiles, streams, slot, frees, kp: _common.KernelPa
 
 def _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, kp: _common.KernelParams):
   """Writes dK·scale and dV [block_kv, D] through the K and V tiles (no longer read), then
-  waits for every SMEM-to-GMEM copy this thread issued, these included."""
+  waits until every SMEM-to-GMEM copy this thread issued, these included, has read its shared
+  memory: the kernel ends here, and its writes to GMEM complete before the kernel does
+  (CUTLASS's epilogues wait the same way), so the SM is free for the next CTA sooner."""
   k_smem[...] = (dk * kp.scale).astype(kp.dtype)
   v_smem[...] = dv.astype(kp.dtype)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
   plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
   plgpu.commit_smem_to_gmem_group()
-  plgpu.wait_smem_to_gmem(0)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _produce_query_streams(cta_steps, stages, streams, index, b, bq, kp: _common.KernelParams):

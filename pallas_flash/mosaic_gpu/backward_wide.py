@@ -178,11 +178,12 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
 
 def _store_through(acc, smem, dst, kp: _common.KernelParams):
   """Stores a float32 accumulator [block_kv, D] to GMEM `dst` in kp.dtype, staged through
-  `smem` (a tile this warpgroup alone has finished reading), and waits for the copy."""
+  `smem` (a tile this warpgroup alone has finished reading), and waits for the copy to read
+  it (the kernel ends after its stores; their writes complete before it does)."""
   smem[...] = acc.astype(kp.dtype)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(smem, dst)
-  plgpu.wait_smem_to_gmem(0)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, segs=()):

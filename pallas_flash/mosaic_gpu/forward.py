@@ -147,7 +147,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
         pl.when(is_part)(functools.partial(
             _store_tile, *carry, tail.o32_scratch.at[wg], lse_smem,
             tail.o_part.at[part_row, wg], tail.lse_part.at[part_row, wg], kp))
-      plgpu.wait_smem_to_gmem(0)
+      # The kernel's end: only the copies' reads of shared memory need to finish here.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   @pl.when(wg == 2)
   def _producer():
@@ -249,7 +250,7 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       plgpu.barrier_arrive(q_free.at[parity])
 
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the kernel's end
 
   @pl.when(wg == 2)
   def _producer():
