@@ -320,15 +320,21 @@ def _reduce_dq(dq_smem, dq_acc_ref, dst, wg, dq_loaded, kp: _common.KernelParams
   plgpu.copy_smem_to_gmem(dq_smem, dq_acc_ref.at[dst], reduction_op="add")
 
 
-def _persistent_tiles(ctas: int, kv_tiles: int, heads: int, bsz: int, kp: _common.KernelParams):
+def _persistent_tiles(ctas: int, kv_tiles: int, heads: int, bsz: int, kp: _common.KernelParams,
+                      per_cta: int = 0):
   """(tiles, coords) of a persistent CTA (grid axis "cta" of `ctas`): it takes the kv tiles
   cta, cta + ctas, ... of the grid kernel's launch order (launch_grid: batch entries fastest,
-  then kv tiles, or heads with kp.bwd_heads_fastest); coords(i) is (b, kt, kvh) of its i-th."""
+  then kv tiles, or heads with kp.bwd_heads_fastest); coords(i) is (b, kt, kvh) of its i-th.
+  per_cta > 0: it takes the per_cta consecutive tiles cta·per_cta, ... (tiles is then that
+  static count)."""
   cta = lax.axis_index("cta")
-  tiles = lax.div(kv_tiles * heads * bsz - cta + ctas - 1, ctas)  # >= 1: ctas <= tile count
+  if per_cta:
+    tiles = per_cta
+  else:
+    tiles = lax.div(kv_tiles * heads * bsz - cta + ctas - 1, ctas)  # >= 1: ctas <= tiles
 
   def coords(i):
-    u = cta + i * ctas
+    u = cta * per_cta + i if per_cta else cta + i * ctas
     b, r = lax.rem(u, bsz), lax.div(u, bsz)
     if kp.bwd_heads_fastest:
       return b, lax.div(r, heads), lax.rem(r, heads)
@@ -346,7 +352,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                       dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
                       dq_head_major: bool = False, split_loop: bool = False,
                       early_probs: bool = False, dq_first: bool = False,
-                      entry: int | None = None, ctas: int = 0):
+                      entry: int | None = None, ctas: int = 0, per_cta: int = 0):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   entry: None, or the one batch entry this launch (grid batch 1) computes; its dk/dv_ref are
@@ -397,7 +403,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   if ctas:
     assert not kp.causal and dq_shared and entry is None, "see unsupported_reason"
     tiles, coords = _persistent_tiles(ctas, kp.s_pad // (2 * bkv), k_ref.shape[2],
-                                      q_ref.shape[0], kp)
+                                      q_ref.shape[0], kp, per_cta)
   else:
     kt, kvh = _tile_and_head(("kt", "kvh"), k_ref.shape[2], kp)
     b = lax.axis_index("b") if entry is None else entry
@@ -450,7 +456,9 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
         return (b, h, rows, *cols) if dq_head_major else (b, rows, h, *cols)
 
       def ring_slot(t):
-        return lax.rem(t, stages) if base is None else lax.rem(base + t, stages)
+        if base is None or (nq * g_size) % stages == 0:
+          return lax.rem(t, stages)
+        return lax.rem(base + t, stages)
 
       k0 = cta_k0 + wg * bkv
       rows = kv_rows(b, kt, kvh)
@@ -693,6 +701,13 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       consume_tile(b, kt, kvh)
       return
     issue_kv(*coords(0))
+    if per_cta:
+      for i in range(per_cta):
+        consume_tile(*coords(i), base=i * (nq * g_size),
+                     next_kv=functools.partial(issue_kv, *coords(i + 1)) if i + 1 < per_cta
+                     else lambda: None)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      return
 
     @pl.loop(0, tiles)
     def _tile(i):
@@ -726,7 +741,7 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
                auto_barriers: bool = True, dq_head_major: bool = False,
                batch_slowest: bool = False, per_batch_entry: bool = False,
                split_loop: bool = False, early_probs: bool = False, dq_first: bool = False,
-               ctas: int = 0):
+               ctas: int = 0, per_cta: int = 0):
   """q/do [B, T', H, D], k/v [B, S', K, D] (T', S' padded as _common.operand_rows says, the
   tiles covering kp.t_pad / kp.s_pad rows), lse2/delta [B, H, Tp] -> (dq_acc [B, T', H, D] f32
   unscaled ([B, H, T', D] with dq_head_major), dk [B, S', K, D] scaled, dv [B, S', K, D]).
@@ -795,7 +810,7 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
                           defer_dq=defer_dq, offset=offset and defer_dq,
                           dq_head_major=dq_head_major, split_loop=split_loop,
                           early_probs=early_probs, dq_first=dq_first and defer_dq == "inline",
-                          entry=entry, ctas=ctas),
+                          entry=entry, ctas=ctas, per_cta=per_cta),
         out_type=(kv_out, kv_out),
         scratch_types=scratch,
         **grid,
@@ -816,14 +831,19 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   return dq, dk, dv
 
 
-def persistent_ctas(q, k, params: AttentionParams, config: MosaicConfig) -> int:
-  """CTAs of the persistent fused kernel for q [B, T, H, D], k [B, S, K, D] (0: the grid
-  kernel): config.fused_persistent on non-causal calls (causal tiles differ in steps)."""
+def persistent_ctas(k, params: AttentionParams, config: MosaicConfig) -> tuple[int, int]:
+  """(CTAs, tiles per CTA) of the persistent fused kernel for k [B, S, K, D]: (0, 0) for the
+  grid kernel, (n, 0) for n CTAs looping over the tiles, (n, m) for n CTAs of m tiles each.
+  config.fused_persistent on non-causal calls (causal tiles differ in steps); m is
+  config.fused_tiles_per_cta where it divides the tiles."""
   if not config.fused_persistent or params.is_causal:
-    return 0
+    return 0, 0
   tiles = _blocking.round_up(k.shape[1], 2 * config.block_kv_fused) // (
       2 * config.block_kv_fused) * k.shape[2] * k.shape[0]
-  return min(tiles, config.persistent_ctas or _common.sm_count())
+  per_cta = config.fused_tiles_per_cta
+  if per_cta and tiles % per_cta == 0:
+    return tiles // per_cta, per_cta
+  return min(tiles, config.persistent_ctas or _common.sm_count()), 0
 
 
 def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: MosaicConfig):
@@ -849,6 +869,7 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
   # dQ_part rows and contributions to dK/dV are 0).
   lse2 = _blocking.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
   delta = _blocking.pad_axis(delta, 2, t_pad)
+  ctas, per_cta = persistent_ctas(k, params, config)
   dq_acc, dk, dv = fused_call(qp, kpad, vpad, dop, lse2, delta, kp=kp,
                               stagger_q=config.fused_stagger_q and not params.is_causal,
                               dq_blocks=config.fused_dq_blocks,
@@ -865,7 +886,7 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
                               split_loop=config.fused_split_loop,
                               early_probs=config.fused_early_probs,
                               dq_first=config.fused_dq_first,
-                              ctas=persistent_ctas(q, k, params, config))
+                              ctas=ctas, per_cta=per_cta)
   if config.fused_dq_head_major:
     dq_acc = dq_acc.transpose(0, 2, 1, 3)
   dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)

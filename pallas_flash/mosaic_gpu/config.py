@@ -310,6 +310,7 @@ class MosaicConfig:
   fused_early_probs: bool = False
   fused_dq_first: bool = False
   fused_persistent: bool = False
+  fused_tiles_per_cta: int = 0
   dkdv_schedule: str = "serial"
   dkdv_pingpong: bool = False
   dkdv_fold_stats: bool = False

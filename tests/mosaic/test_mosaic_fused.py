@@ -397,6 +397,18 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
     (2, 200, 130, 2, 1, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
                                                        fused_persistent=True, persistent_ctas=3,
                                                        bwd_heads_fastest=True)),
+    # ... with a static count of tiles per CTA (fused_tiles_per_cta), and where that count
+    # does not divide the tiles (the loop then).
+    (2, 130, 260, 2, 2, 128, False, jnp.float16, dict(fused_dq_shared=True, fused_defer_dq=True,
+                                                      fused_defer_inline=True,
+                                                      fused_persistent=True,
+                                                      fused_tiles_per_cta=2)),
+    (1, 200, 256, 4, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
+                                                       fused_defer_dq=True,
+                                                       fused_defer_inline=True,
+                                                       fused_split_loop=True,
+                                                       fused_persistent=True,
+                                                       fused_tiles_per_cta=3)),
     # bwd_head_group is ignored by the fused kernel (see fused_call).
     (1, 130, 200, 8, 4, 128, True, jnp.bfloat16, dict(fused_dq_shared=True,
                                                       bwd_heads_fastest=True, bwd_head_group=2)),
