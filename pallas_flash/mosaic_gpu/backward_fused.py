@@ -334,7 +334,7 @@ def _persistent_tiles(ctas: int, kv_tiles: int, heads: int, bsz: int, kp: _commo
     tiles = lax.div(kv_tiles * heads * bsz - cta + ctas - 1, ctas)  # >= 1: ctas <= tiles
 
   def coords(i):
-    u = cta * per_cta + i if per_cta else cta + i * ctas
+    u = cta * per_cta + i if per_cta and not kp.fused_tiles_strided else cta + i * ctas
     b, r = lax.rem(u, bsz), lax.div(u, bsz)
     if kp.bwd_heads_fastest:
       return b, lax.div(r, heads), lax.rem(r, heads)

@@ -311,6 +311,7 @@ class MosaicConfig:
   fused_dq_first: bool = False
   fused_persistent: bool = False
   fused_tiles_per_cta: int = 0
+  fused_tiles_strided: bool = False
   dkdv_schedule: str = "serial"
   dkdv_pingpong: bool = False
   dkdv_fold_stats: bool = False
