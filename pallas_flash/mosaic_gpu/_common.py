@@ -51,7 +51,6 @@ class KernelParams:
   dkdv_pingpong: bool = False  # dK/dV kernel: MosaicConfig.dkdv_pingpong
   dkdv_fold_stats: bool = False  # dK/dV kernel: MosaicConfig.dkdv_fold_stats
   bwd_heads_fastest: bool = False  # backward kernels: MosaicConfig.bwd_heads_fastest
-  fused_tiles_strided: bool = False  # MosaicConfig.fused_tiles_strided
   bwd_head_group: int = 0  # backward kernels: MosaicConfig.bwd_head_group
   flat_stats: bool = False  # dK/dV-style kernels: MosaicConfig.bwd_flat_stats
   profile_dir: str = ""  # MosaicConfig.profile_dir
@@ -112,7 +111,6 @@ class KernelParams:
         dkdv_schedule=config.dkdv_schedule,
         dkdv_pingpong=config.dkdv_pingpong, dkdv_fold_stats=config.dkdv_fold_stats,
         bwd_heads_fastest=config.bwd_heads_fastest,
-        fused_tiles_strided=config.fused_tiles_strided,
         bwd_head_group=config.bwd_head_group,
         flat_stats=config.bwd_flat_stats,
         profile_dir=config.profile_dir, segments=segment_path(params),

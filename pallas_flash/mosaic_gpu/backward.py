@@ -702,18 +702,14 @@ def _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, kp: _common.Kerne
 
 def _produce_query_streams(cta_steps, stages, streams, index, b, bq, kp: _common.KernelParams):
   """The producer of the dK/dV-style kernels: the Q and dO rows and the lse and delta entries
-  of step t's (q block, query head) = index(t) of batch entry b (b None: index(t) is (batch
-  entry, q block, query head), the persistent fused kernel's). kp.flat_stats: lse and delta
-  are kp.stats_view's [1, B·H, Tp], entry (b, h) at row b·H + h."""
-  def entry_index(t):
-    return index(t) if b is None else (b, *index(t))
-
+  of step t's (q block, query head) = index(t). kp.flat_stats: lse and delta are
+  kp.stats_view's [1, B·H, Tp], entry (b, h) at row b·H + h."""
   def q_rows(t):
-    b, i, h = entry_index(t)
+    i, h = index(t)
     return b, pl.ds(i * bq, bq), h
 
   def stat_rows(t):
-    b, i, h = entry_index(t)
+    i, h = index(t)
     if kp.flat_stats:  # H is the query heads of Q, streams[0]'s ref
       return 0, b * streams[0][0].shape[2] + h, pl.ds(i * bq, bq)
     return b, h, pl.ds(i * bq, bq)

@@ -51,7 +51,7 @@ from pallas_flash.mosaic_gpu import _common
 from pallas_flash.mosaic_gpu.backward import (PROFILE_STEPS, _at, _dk_dv_updates,
                                               _first_q_block, _first_unmasked_step,
                                               _load_kv_tiles, _probs_t,
-                                              _produce_query_streams, _skip_step, _store_part,
+                                              _produce_query_streams, _skip_step,
                                               _step_stat, _step_stats, _store_dk_dv, _tile_and_head,
                                               _transposed_grad_tiles, _wait_streams,
                                               grad_scores_t,
@@ -115,11 +115,6 @@ def unsupported_reason(q, config: MosaicConfig) -> str | None:
     return "fused_defer_inline needs fused_defer_dq (it is a form of the deferred dQ_part)"
   if config.fused_offset and not config.fused_defer_dq:
     return "fused_offset needs fused_defer_dq (it offsets the warpgroups the deferral decouples)"
-  if config.fused_persistent and (not config.fused_dq_shared or config.fused_offset
-                                  or config.fused_batch_slowest or config.fused_per_batch_entry):
-    return ("fused_persistent needs fused_dq_shared (its kv_done sync frees the K tiles for "
-            "the next tile's load) and not fused_offset, fused_batch_slowest or "
-            "fused_per_batch_entry (one order of tiles over the persistent CTAs)")
   if config.fused_overlap and config.fused_dq_blocks != 1:
     return (f"fused_overlap needs fused_dq_blocks 1 (got {config.fused_dq_blocks}): it issues "
             "dQ_part as one accumulator next to dK")
@@ -320,29 +315,6 @@ def _reduce_dq(dq_smem, dq_acc_ref, dst, wg, dq_loaded, kp: _common.KernelParams
   plgpu.copy_smem_to_gmem(dq_smem, dq_acc_ref.at[dst], reduction_op="add")
 
 
-def _persistent_tiles(ctas: int, kv_tiles: int, heads: int, bsz: int, kp: _common.KernelParams,
-                      per_cta: int = 0):
-  """(tiles, coords) of a persistent CTA (grid axis "cta" of `ctas`): it takes the kv tiles
-  cta, cta + ctas, ... of the grid kernel's launch order (launch_grid: batch entries fastest,
-  then kv tiles, or heads with kp.bwd_heads_fastest); coords(i) is (b, kt, kvh) of its i-th.
-  per_cta > 0: it takes the per_cta consecutive tiles cta·per_cta, ... (tiles is then that
-  static count)."""
-  cta = lax.axis_index("cta")
-  if per_cta:
-    tiles = per_cta
-  else:
-    tiles = lax.div(kv_tiles * heads * bsz - cta + ctas - 1, ctas)  # >= 1: ctas <= tiles
-
-  def coords(i):
-    u = cta * per_cta + i if per_cta and not kp.fused_tiles_strided else cta + i * ctas
-    b, r = lax.rem(u, bsz), lax.div(u, bsz)
-    if kp.bwd_heads_fastest:
-      return b, lax.div(r, heads), lax.rem(r, heads)
-    return b, lax.rem(r, kv_tiles), lax.div(r, kv_tiles)
-
-  return tiles, coords
-
-
 def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_ref, dk_ref, dv_ref,
                       k_scratch, v_scratch, q_scratch, do_scratch, lse_scratch, delta_scratch,
                       ds_scratch, dq_scratch, p_scratch, kv_ready, q_ready, do_ready, lse_ready,
@@ -352,7 +324,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                       dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
                       dq_head_major: bool = False, split_loop: bool = False,
                       early_probs: bool = False, dq_first: bool = False,
-                      entry: int | None = None, ctas: int = 0, per_cta: int = 0):
+                      entry: int | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   entry: None, or the one batch entry this launch (grid batch 1) computes; its dk/dv_ref are
@@ -385,12 +357,6 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
 
   early_probs (MosaicConfig.fused_early_probs): a step forms Pᵀ while its dPᵀ runs.
 
-  ctas > 0 (MosaicConfig.fused_persistent; non-causal, dq_shared): a persistent kernel of grid
-  ("cta",) whose CTAs loop over the grid kernel's kv tiles (`_persistent_tiles`). The Q/dO
-  ring runs on across tiles, so the producer fills the next tile's first slots while the
-  consumers finish a tile; a WG issues the next tile's K/V as soon as both WGs are past the
-  kv_done sync, and stores dK / dV straight from registers while that load is in flight.
-
   dq_first (MosaicConfig.fused_dq_first; defer_dq "inline" only): a step issues the previous
   step's dQ_part between dV and dK and reduce-adds it while dK runs. Step 0's dQ_part, of the
   zeroed dSᵀ slot 3, is reduce-added too (zeros, into step 0's rows), so that no branch sits
@@ -398,31 +364,27 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   nq = kp.t_pad // bq
+  b = lax.axis_index("b") if entry is None else entry
+  out_b = b if entry is None else 0
   wg = lax.axis_index("wg")
+  kt, kvh = _tile_and_head(("kt", "kvh"), k_ref.shape[2], kp)
   assert not kp.bwd_head_group, "fused_call launches without head groups"
-  if ctas:
-    assert not kp.causal and dq_shared and entry is None, "see unsupported_reason"
-    tiles, coords = _persistent_tiles(ctas, kp.s_pad // (2 * bkv), k_ref.shape[2],
-                                      q_ref.shape[0], kp, per_cta)
-  else:
-    kt, kvh = _tile_and_head(("kt", "kvh"), k_ref.shape[2], kp)
-    b = lax.axis_index("b") if entry is None else entry
+  cta_k0 = kt * (2 * bkv)
+  cta_first = _first_q_block(cta_k0, kp)
+  cta_steps = (nq - cta_first) * g_size
 
-  def geometry(kt, kvh):
-    """(first key, first q block, steps, index) of kv tile kt of kv head kvh; index(t) is
-    step t's (q block, query head)."""
-    cta_k0 = kt * (2 * bkv)
-    cta_first = _first_q_block(cta_k0, kp)
+  def dq_rows(i, h, *cols):
+    """dq_acc_ref's index of q block i of head h (and its columns `cols`)."""
+    rows = pl.ds(i * bq, bq)
+    return (b, h, rows, *cols) if dq_head_major else (b, rows, h, *cols)
 
-    def index(step):
-      i = lax.div(step, g_size)
-      if stagger_q:
-        # Non-causal: CTA kt starts at q block kt, so CTAs running together reduce into
-        # different dQ rows instead of all hitting the same ones.
-        i = lax.rem(i + kt, nq)
-      return cta_first + i, kvh * g_size + lax.rem(step, g_size)
-
-    return cta_k0, cta_first, (nq - cta_first) * g_size, index
+  def index(step):
+    i = lax.div(step, g_size)
+    if stagger_q:
+      # Non-causal: CTA kt starts at q block kt, so CTAs running together reduce into
+      # different dQ rows instead of all hitting the same ones.
+      i = lax.rem(i + kt, nq)
+    return cta_first + i, kvh * g_size + lax.rem(step, g_size)
 
   streams = ((q_ref, q_scratch, q_ready, q_free), (do_ref, do_scratch, do_ready, do_free),
              (lse_ref, lse_scratch, lse_ready, lse_free),
@@ -432,307 +394,236 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   def _consumer():
     plgpu.set_max_registers(kp.compute_registers, action="increase")
     k_smem, v_smem, dq_smem = k_scratch.at[wg], v_scratch.at[wg], dq_scratch.at[wg]
+    k0 = cta_k0 + wg * bkv
+    rows = (b, pl.ds(k0, bkv), kvh)
+    _load_kv_tiles(k_ref, v_ref, k_smem, v_smem, kv_ready, wg, rows)
 
-    def kv_rows(b, kt, kvh):
-      """This WG's key rows of kv tile kt, kv head kvh, batch entry b."""
-      return b, pl.ds(kt * (2 * bkv) + wg * bkv, bkv), kvh
+    def shared_dq_terms(ds):
+      """dq_shared: this WG's columns of D and its dQ_part's (a, b) products from both WGs'
+      dSᵀ tiles ds [2, block_kv, block_q] and K tiles."""
+      cols = pl.ds(wg * (kp.d // 2), kp.d // 2)
+      # Traced WG indices only: a literal index captured by run_state's body becomes one of
+      # its outputs, which the Mosaic lowering rejects.
+      return [(ds.at[w].T, k_scratch.at[w, :, cols]) for w in (wg, 1 - wg)], cols
 
-    def issue_kv(b, kt, kvh):
-      plgpu.copy_gmem_to_smem(k_ref.at[kv_rows(b, kt, kvh)], k_smem, kv_ready.at[wg, 0])
-      plgpu.copy_gmem_to_smem(v_ref.at[kv_rows(b, kt, kvh)], v_smem, kv_ready.at[wg, 1])
+    def dq_plan(t, dq_smem=dq_smem):
+      """Where this WG's dQ_part goes (see _gradient_matmuls) and its dq_acc_ref index."""
+      i, h = index(t)
+      q_rows = dq_rows(i, h)
+      if dq_shared:
+        terms, cols = shared_dq_terms(ds_scratch.at[lax.rem(t, 2)])
+        return [(dq_smem, terms)], dq_rows(i, h, cols)
+      ds = ds_scratch.at[wg]
+      if dq_blocks == 1:
+        return [(dq_smem, [(ds.T, k_smem)])], q_rows
+      width = kp.d // dq_blocks
+      blocks = [pl.ds(c * width, width) for c in range(dq_blocks)]
+      return [(dq_smem.at[:, c], [(ds.T, k_smem.at[:, c])]) for c in blocks], q_rows
 
-    def consume_tile(b, kt, kvh, base=None, next_kv=None):
-      """kv tile kt of kv head kvh, batch entry b: this WG's steps and its dK / dV.
+    def overlapped_step(t, carry, *, masked: bool):
+      dk, dv = carry
+      slot = lax.rem(t, stages)
+      i, _ = index(t)
+      q_smem, do_smem = _wait_streams(streams, slot)
+      stats = (functools.partial(_step_stat, streams, slot, 2),
+               functools.partial(_step_stat, streams, slot, 3))
 
-      base: None (the grid kernel: the tile loads its K/V and stores dK / dV through them) or
-      the ring's step of the tile's first step (persistent: K/V were issued before, and
-      next_kv() issues the next tile's once this tile no longer reads them)."""
-      cta_k0, cta_first, cta_steps, index = geometry(kt, kvh)
-      out_b = b if entry is None else 0
+      ds_smem = ds_scratch.at[lax.rem(t, 2), wg] if dq_shared else ds_scratch.at[wg]
+      dq_smem = dq_scratch.at[lax.rem(t, dq_slots), wg]
+      [(out, terms)], dst = dq_plan(t, dq_smem)
 
-      def dq_rows(i, h, *cols):
-        """dq_acc_ref's index of q block i of head h (and its columns `cols`)."""
-        rows = pl.ds(i * bq, bq)
-        return (b, h, rows, *cols) if dq_head_major else (b, rows, h, *cols)
+      def sync_ds():
+        if dq_shared:  # as in `step`
+          _common.sync(ds_ready)
 
-      def ring_slot(t):
-        if base is None or (nq * g_size) % stages == 0:
-          return lax.rem(t, stages)
-        return lax.rem(base + t, stages)
-
-      k0 = cta_k0 + wg * bkv
-      rows = kv_rows(b, kt, kvh)
-      if base is None:
-        _load_kv_tiles(k_ref, v_ref, k_smem, v_smem, kv_ready, wg, rows)
-      else:
-        plgpu.barrier_wait(kv_ready.at[wg, 0])
-        plgpu.barrier_wait(kv_ready.at[wg, 1])
-
-      def shared_dq_terms(ds):
-        """dq_shared: this WG's columns of D and its dQ_part's (a, b) products from both WGs'
-        dSᵀ tiles ds [2, block_kv, block_q] and K tiles."""
-        cols = pl.ds(wg * (kp.d // 2), kp.d // 2)
-        # Traced WG indices only: a literal index captured by run_state's body becomes one of
-        # its outputs, which the Mosaic lowering rejects.
-        return [(ds.at[w].T, k_scratch.at[w, :, cols]) for w in (wg, 1 - wg)], cols
-
-      def dq_plan(t, dq_smem=dq_smem):
-        """Where this WG's dQ_part goes (see _gradient_matmuls) and its dq_acc_ref index."""
-        i, h = index(t)
-        q_rows = dq_rows(i, h)
-        if dq_shared:
-          terms, cols = shared_dq_terms(ds_scratch.at[lax.rem(t, 2)])
-          return [(dq_smem, terms)], dq_rows(i, h, cols)
-        ds = ds_scratch.at[wg]
-        if dq_blocks == 1:
-          return [(dq_smem, [(ds.T, k_smem)])], q_rows
-        width = kp.d // dq_blocks
-        blocks = [pl.ds(c * width, width) for c in range(dq_blocks)]
-        return [(dq_smem.at[:, c], [(ds.T, k_smem.at[:, c])]) for c in blocks], q_rows
-
-      def overlapped_step(t, carry, *, masked: bool):
-        dk, dv = carry
-        slot = ring_slot(t)
-        i, _ = index(t)
-        q_smem, do_smem = _wait_streams(streams, slot)
-        stats = (functools.partial(_step_stat, streams, slot, 2),
-                 functools.partial(_step_stat, streams, slot, 3))
-
-        ds_smem = ds_scratch.at[lax.rem(t, 2), wg] if dq_shared else ds_scratch.at[wg]
-        dq_smem = dq_scratch.at[lax.rem(t, dq_slots), wg]
-        [(out, terms)], dst = dq_plan(t, dq_smem)
-
-        def sync_ds():
-          if dq_shared:  # as in `step`
-            _common.sync(ds_ready)
-
-        def reduce_dq(dq):
-          if not kp.interpret:
-            # The reduction that last read this slot was issued dq_slots steps ago; with 2 slots
-            # the previous step's may still be reading the other one.
-            plgpu.wait_smem_to_gmem(dq_slots - 1, wait_read_only=True)
-          out[...] = dq
-          _reduce_dq(out, dq_acc_ref, dst, wg, _at(dq_loaded, wg), kp)
-
-        hooks = (sync_ds, reduce_dq, lambda: plgpu.barrier_arrive(do_free.at[slot]),
-                 lambda: plgpu.barrier_arrive(q_free.at[slot]))
-        dv, dk = _overlapped_step(dv, dk, (k_smem, v_smem, q_smem, do_smem), stats, ds_smem,
-                                  terms, out.shape, k0, (lambda: i) if masked else None, hooks,
-                                  _at(p_scratch, wg), kp)
-        return dk, dv
-
-      def wait_dq_staging():
-        """Waits until the previous step's reduce-add has finished reading dq_smem; a step of
-        matmuls has run since it was issued, so this rarely waits. (The interpreter's reduction
-        is synchronous.)"""
+      def reduce_dq(dq):
         if not kp.interpret:
-          with jax.named_scope("wait_reduce"):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          # The reduction that last read this slot was issued dq_slots steps ago; with 2 slots
+          # the previous step's may still be reading the other one.
+          plgpu.wait_smem_to_gmem(dq_slots - 1, wait_read_only=True)
+        out[...] = dq
+        _reduce_dq(out, dq_acc_ref, dst, wg, _at(dq_loaded, wg), kp)
 
-      def deferred_dq(t):
-        """dQ_part of step t: both WGs' dSᵀ of it times their K, this WG's half of D's
-        columns, reduce-added into its q rows."""
-        ds_slot = lax.rem(t, 4)
-        with jax.named_scope("sync_ds"):
-          plgpu.barrier_wait(ds_handoff.at[1 - wg, ds_slot])
-        i, h = index(t)
-        terms, cols = shared_dq_terms(ds_scratch.at[ds_slot])
-        wait_dq_staging()
-        with jax.named_scope("dq_mm"):
-          _dq_part(dq_smem, terms)
+      hooks = (sync_ds, reduce_dq, lambda: plgpu.barrier_arrive(do_free.at[slot]),
+               lambda: plgpu.barrier_arrive(q_free.at[slot]))
+      dv, dk = _overlapped_step(dv, dk, (k_smem, v_smem, q_smem, do_smem), stats, ds_smem,
+                                terms, out.shape, k0, (lambda: i) if masked else None, hooks,
+                                _at(p_scratch, wg), kp)
+      return dk, dv
+
+    def wait_dq_staging():
+      """Waits until the previous step's reduce-add has finished reading dq_smem; a step of
+      matmuls has run since it was issued, so this rarely waits. (The interpreter's reduction
+      is synchronous.)"""
+      if not kp.interpret:
+        with jax.named_scope("wait_reduce"):
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    def deferred_dq(t):
+      """dQ_part of step t: both WGs' dSᵀ of it times their K, this WG's half of D's
+      columns, reduce-added into its q rows."""
+      ds_slot = lax.rem(t, 4)
+      with jax.named_scope("sync_ds"):
+        plgpu.barrier_wait(ds_handoff.at[1 - wg, ds_slot])
+      i, h = index(t)
+      terms, cols = shared_dq_terms(ds_scratch.at[ds_slot])
+      wait_dq_staging()
+      with jax.named_scope("dq_mm"):
+        _dq_part(dq_smem, terms)
+      with jax.named_scope("reduce_dq"):
+        _reduce_dq(dq_smem, dq_acc_ref, dq_rows(i, h, cols), wg,
+                   _at(dq_loaded, wg), kp)
+
+    def deferred_tiles(t, *, masked: bool, release: bool):
+      """A deferred step's first half: (ring slot, Q, dO, Pᵀ f32, dSᵀ in kp.dtype, dSᵀ's SMEM
+      slot); this WG's dSᵀ is stored in slot t % 4 and handed to the other WG (release: WG 0
+      releases WG 1 once it has Pᵀ and dSᵀ, the offset form's first step)."""
+      slot = lax.rem(t, stages)
+      i, _ = index(t)
+      q_smem, do_smem = _wait_streams(streams, slot)
+      p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
+                                         (lambda: i) if masked else None, kp,
+                                         early_probs=early_probs)
+      if release:
+        pl.when(wg == 0)(lambda: plgpu.barrier_arrive(start))
+      ds_slot = lax.rem(t, 4)
+      ds16, ds_smem = ds_t.astype(kp.dtype), ds_scratch.at[ds_slot, wg]
+      with jax.named_scope("ds_store"):
+        ds_smem[...] = ds16
+        plgpu.commit_smem()
+      plgpu.barrier_arrive(ds_handoff.at[wg, ds_slot])
+      return slot, q_smem, do_smem, p_t, ds16, ds_smem
+
+    def inline_step(t, carry, *, masked: bool, release: bool):
+      """defer_dq "inline": dV, dK and the previous step's dQ_part in one accumulator scope,
+      the wait for the other WG's dSᵀ between them (step 0's dQ_part reads the slot the
+      pre-arrival released and is not reduced)."""
+      dk, dv = carry
+      slot, q_smem, do_smem, p_t, _, ds_smem = deferred_tiles(t, masked=masked,
+                                                               release=release)
+      prev_slot = lax.rem(t + 3, 4)
+      p16 = p_t.astype(kp.dtype)
+      prev_i, prev_h = index(jnp.maximum(t - 1, 0))
+      terms, cols = shared_dq_terms(ds_scratch.at[prev_slot])
+      wait_dq_staging()
+
+      def reduce_prev():
+        _reduce_dq(dq_smem, dq_acc_ref, dq_rows(prev_i, prev_h, cols), wg, _at(dq_loaded, wg),
+                   kp)
+
+      with jax.named_scope("grad_mm"):
+        dv, dk = _gradient_matmuls(
+            dv, dk, p16, ds_smem, q_smem, do_smem, [(dq_smem, terms)], _at(p_scratch, wg),
+            lambda: plgpu.barrier_arrive(do_free.at[slot]),
+            lambda: plgpu.barrier_arrive(q_free.at[slot]), kp,
+            before_dq=lambda: plgpu.barrier_wait(ds_handoff.at[1 - wg, prev_slot]),
+            reduce_dq=reduce_prev if dq_first else None)
+      if not dq_first:
         with jax.named_scope("reduce_dq"):
-          _reduce_dq(dq_smem, dq_acc_ref, dq_rows(i, h, cols), wg,
-                     _at(dq_loaded, wg), kp)
+          pl.when(t > 0)(reduce_prev)
+      return dk, dv
 
-      def deferred_tiles(t, *, masked: bool, release: bool):
-        """A deferred step's first half: (ring slot, Q, dO, Pᵀ f32, dSᵀ in kp.dtype, dSᵀ's SMEM
-        slot); this WG's dSᵀ is stored in slot t % 4 and handed to the other WG (release: WG 0
-        releases WG 1 once it has Pᵀ and dSᵀ, the offset form's first step)."""
-        slot = ring_slot(t)
-        i, _ = index(t)
-        q_smem, do_smem = _wait_streams(streams, slot)
-        p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
-                                           (lambda: i) if masked else None, kp,
-                                           early_probs=early_probs)
-        if release:
-          pl.when(wg == 0)(lambda: plgpu.barrier_arrive(start))
-        ds_slot = lax.rem(t, 4)
-        ds16, ds_smem = ds_t.astype(kp.dtype), ds_scratch.at[ds_slot, wg]
-        with jax.named_scope("ds_store"):
-          ds_smem[...] = ds16
-          plgpu.commit_smem()
-        plgpu.barrier_arrive(ds_handoff.at[wg, ds_slot])
-        return slot, q_smem, do_smem, p_t, ds16, ds_smem
+    def deferred_step(t, carry, *, masked: bool, release: bool):
+      dk, dv = carry
+      slot, q_smem, do_smem, p_t, ds16, _ = deferred_tiles(t, masked=masked, release=release)
+      dk, dv = _dk_dv_updates(dk, dv, p_t, ds16, q_smem, do_smem, _at(p_scratch, wg),
+                              (do_free.at[slot], q_free.at[slot]), kp)
+      pl.when(t > 0)(lambda: deferred_dq(t - 1))
+      return dk, dv
 
-      def inline_step(t, carry, *, masked: bool, release: bool):
-        """defer_dq "inline": dV, dK and the previous step's dQ_part in one accumulator scope,
-        the wait for the other WG's dSᵀ between them (step 0's dQ_part reads the slot the
-        pre-arrival released and is not reduced)."""
-        dk, dv = carry
-        slot, q_smem, do_smem, p_t, _, ds_smem = deferred_tiles(t, masked=masked,
-                                                                 release=release)
-        prev_slot = lax.rem(t + 3, 4)
-        p16 = p_t.astype(kp.dtype)
-        prev_i, prev_h = index(jnp.maximum(t - 1, 0))
-        terms, cols = shared_dq_terms(ds_scratch.at[prev_slot])
-        wait_dq_staging()
-
-        def reduce_prev():
-          _reduce_dq(dq_smem, dq_acc_ref, dq_rows(prev_i, prev_h, cols), wg, _at(dq_loaded, wg),
-                     kp)
-
-        with jax.named_scope("grad_mm"):
-          dv, dk = _gradient_matmuls(
-              dv, dk, p16, ds_smem, q_smem, do_smem, [(dq_smem, terms)], _at(p_scratch, wg),
-              lambda: plgpu.barrier_arrive(do_free.at[slot]),
-              lambda: plgpu.barrier_arrive(q_free.at[slot]), kp,
-              before_dq=lambda: plgpu.barrier_wait(ds_handoff.at[1 - wg, prev_slot]),
-              reduce_dq=reduce_prev if dq_first else None)
-        if not dq_first:
-          with jax.named_scope("reduce_dq"):
-            pl.when(t > 0)(reduce_prev)
-        return dk, dv
-
-      def deferred_step(t, carry, *, masked: bool, release: bool):
-        dk, dv = carry
-        slot, q_smem, do_smem, p_t, ds16, _ = deferred_tiles(t, masked=masked, release=release)
-        dk, dv = _dk_dv_updates(dk, dv, p_t, ds16, q_smem, do_smem, _at(p_scratch, wg),
-                                (do_free.at[slot], q_free.at[slot]), kp)
-        pl.when(t > 0)(lambda: deferred_dq(t - 1))
-        return dk, dv
-
-      def step(t, carry, *, masked: bool, release: bool = False):
-        if defer_dq == "inline":
-          return inline_step(t, carry, masked=masked, release=release)
-        if defer_dq:
-          return deferred_step(t, carry, masked=masked, release=release)
-        if overlap:
-          return overlapped_step(t, carry, masked=masked)
-        dk, dv = carry
-        slot = ring_slot(t)
-        i, _ = index(t)
-        q_smem, do_smem = _wait_streams(streams, slot)
-        p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
-                                           (lambda: i) if masked else None, kp,
-                                           early_probs=early_probs)
-        # dSᵀ in SMEM serves both dK (as is) and dQ (its transposed view); wgmma reads it through
-        # the async proxy, hence the fence.
-        ds_smem = ds_scratch.at[lax.rem(t, 2), wg] if dq_shared else ds_scratch.at[wg]
-        with jax.named_scope("ds_store"):
-          ds_smem[...] = ds_t.astype(kp.dtype)
-          plgpu.commit_smem()
-        if dq_shared:
-          # Both dSᵀ tiles are needed. The double buffer (by step parity) makes this the only
-          # barrier: a WG overwrites a parity slot two steps later, after this barrier of the
-          # step in between has seen the other WG finish reading it.
-          with jax.named_scope("sync_ds"):
-            _common.sync(ds_ready)
-        wait_dq_staging()
-        plan, dst = dq_plan(t)
-        with jax.named_scope("grad_mm"):
-          dv, dk = _gradient_matmuls(
-              dv, dk, p_t.astype(kp.dtype), ds_smem, q_smem, do_smem, plan, _at(p_scratch, wg),
-              lambda: plgpu.barrier_arrive(do_free.at[slot]),
-              lambda: plgpu.barrier_arrive(q_free.at[slot]), kp)
-        with jax.named_scope("reduce_dq"):
-          _reduce_dq(dq_smem, dq_acc_ref, dst, wg, _at(dq_loaded, wg), kp)
-        return dk, dv
-
-      zeros = plgpu.layout_cast(jnp.zeros((bkv, kp.d), jnp.float32), plgpu.Layout.WGMMA)
-      carry = (zeros, zeros)
-      # Causal: q blocks before `first` do not see these keys, blocks in [first, full) cross the
-      # diagonal and are masked, blocks from `full` on see every key of the tile. With dq_shared
-      # both WGs run every CTA step (the other WG needs this one's dSᵀ), the ones before `first`
-      # masked to zero.
-      if dq_shared:
-        first = jnp.zeros((), jnp.int32)
-      else:
-        first = (_first_q_block(k0, kp) - cta_first) * g_size
-        lax.fori_loop(0, first, functools.partial(_skip_step, streams=streams, stages=stages),
-                      None)
-      full = first
-      if kp.causal:
-        full = _first_unmasked_step(k0, cta_first, kp)
-      if kp.kv_tail:
-        # Padded keys are zero, so their dQ_part terms vanish, unless exp2(0 − lse2) overflows
-        # (rows whose scores are all far below 0): the tile holding the tail masks every step.
-        full = jnp.where(k0 + bkv > kp.kv_len, cta_steps, full)
+    def step(t, carry, *, masked: bool, release: bool = False):
       if defer_dq == "inline":
-        if dq_first:  # step 0 reduce-adds its dQ_part of slot 3: zeros
-          ds_scratch.at[3, wg][...] = plgpu.layout_cast(jnp.zeros((bkv, bq), kp.dtype),
-                                                        plgpu.Layout.WGMMA)
-          plgpu.commit_smem()
-        # Step 0's dQ_part (unreduced, or zeros) waits for the other WG's "step -1", slot 3.
-        pl.when(cta_steps > 0)(lambda: plgpu.barrier_arrive(ds_handoff.at[wg, 3]))
-      if offset:
-        pl.when((wg == 1) & (cta_steps > 0))(lambda: plgpu.barrier_wait(start))
-        # WG 0 releases WG 1 from a loop of its own over the first step (masked if any step
-        # may be), so that the main loops hold no branch: a conditional arrive inside them made
-        # ptxas serialise every wgmma of the inline form (C7512).
-        peeled = jnp.minimum(first + 1, cta_steps)
-        carry = lax.fori_loop(first, peeled, functools.partial(step, masked=kp.needs_mask,
-                                                               release=True), carry)
-        first, full = peeled, jnp.maximum(full, peeled)
-      if split_loop and not (kp.causal or kp.kv_tail):
-        # Same steps; only the code ptxas makes of the main loop changes (MosaicConfig says).
-        lead = jnp.minimum(first + (wg + 1) * g_size, cta_steps)
-        carry = lax.fori_loop(first, lead, functools.partial(step, masked=False), carry)
-        first = lead
-      if kp.needs_mask:
-        carry = lax.fori_loop(first, full, functools.partial(step, masked=True), carry)
-        first = full
-      dk, dv = lax.fori_loop(first, cta_steps, functools.partial(step, masked=False), carry)
+        return inline_step(t, carry, masked=masked, release=release)
       if defer_dq:
-        pl.when(cta_steps > 0)(lambda: deferred_dq(cta_steps - 1))
+        return deferred_step(t, carry, masked=masked, release=release)
+      if overlap:
+        return overlapped_step(t, carry, masked=masked)
+      dk, dv = carry
+      slot = lax.rem(t, stages)
+      i, _ = index(t)
+      q_smem, do_smem = _wait_streams(streams, slot)
+      p_t, ds_t = _transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
+                                         (lambda: i) if masked else None, kp,
+                                         early_probs=early_probs)
+      # dSᵀ in SMEM serves both dK (as is) and dQ (its transposed view); wgmma reads it through
+      # the async proxy, hence the fence.
+      ds_smem = ds_scratch.at[lax.rem(t, 2), wg] if dq_shared else ds_scratch.at[wg]
+      with jax.named_scope("ds_store"):
+        ds_smem[...] = ds_t.astype(kp.dtype)
+        plgpu.commit_smem()
       if dq_shared:
-        # The other WG's last dQ matmul reads this WG's K tile, about to be overwritten.
-        _common.sync(kv_done)
-      if next_kv is None:
-        # Also the last dQ reduction.
-        _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, (out_b, *rows[1:]), kp)
-      else:
-        # The next tile's K/V load into the tiles just released, then dK / dV leave straight
-        # from registers while it is in flight (no shared memory is free to stage them).
-        next_kv()
-        _store_part(dk_ref.at[rows], (dk * kp.scale).astype(kp.dtype))
-        _store_part(dv_ref.at[rows], dv.astype(kp.dtype))
+        # Both dSᵀ tiles are needed. The double buffer (by step parity) makes this the only
+        # barrier: a WG overwrites a parity slot two steps later, after this barrier of the
+        # step in between has seen the other WG finish reading it.
+        with jax.named_scope("sync_ds"):
+          _common.sync(ds_ready)
+      wait_dq_staging()
+      plan, dst = dq_plan(t)
+      with jax.named_scope("grad_mm"):
+        dv, dk = _gradient_matmuls(
+            dv, dk, p_t.astype(kp.dtype), ds_smem, q_smem, do_smem, plan, _at(p_scratch, wg),
+            lambda: plgpu.barrier_arrive(do_free.at[slot]),
+            lambda: plgpu.barrier_arrive(q_free.at[slot]), kp)
+      with jax.named_scope("reduce_dq"):
+        _reduce_dq(dq_smem, dq_acc_ref, dst, wg, _at(dq_loaded, wg), kp)
+      return dk, dv
 
-    if not ctas:
-      consume_tile(b, kt, kvh)
-      return
-    issue_kv(*coords(0))
-    if per_cta:
-      for i in range(per_cta):
-        consume_tile(*coords(i), base=i * (nq * g_size),
-                     next_kv=functools.partial(issue_kv, *coords(i + 1)) if i + 1 < per_cta
-                     else lambda: None)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      return
-
-    @pl.loop(0, tiles)
-    def _tile(i):
-      def next_kv():
-        pl.when(i + 1 < tiles)(lambda: issue_kv(*coords(i + 1)))
-
-      consume_tile(*coords(i), base=i * (nq * g_size), next_kv=next_kv)
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dQ reductions' reads
+    zeros = plgpu.layout_cast(jnp.zeros((bkv, kp.d), jnp.float32), plgpu.Layout.WGMMA)
+    carry = (zeros, zeros)
+    # Causal: q blocks before `first` do not see these keys, blocks in [first, full) cross the
+    # diagonal and are masked, blocks from `full` on see every key of the tile. With dq_shared
+    # both WGs run every CTA step (the other WG needs this one's dSᵀ), the ones before `first`
+    # masked to zero.
+    if dq_shared:
+      first = jnp.zeros((), jnp.int32)
+    else:
+      first = (_first_q_block(k0, kp) - cta_first) * g_size
+      lax.fori_loop(0, first, functools.partial(_skip_step, streams=streams, stages=stages),
+                    None)
+    full = first
+    if kp.causal:
+      full = _first_unmasked_step(k0, cta_first, kp)
+    if kp.kv_tail:
+      # Padded keys are zero, so their dQ_part terms vanish, unless exp2(0 − lse2) overflows
+      # (rows whose scores are all far below 0): the tile holding the tail masks every step.
+      full = jnp.where(k0 + bkv > kp.kv_len, cta_steps, full)
+    if defer_dq == "inline":
+      if dq_first:  # step 0 reduce-adds its dQ_part of slot 3: zeros
+        ds_scratch.at[3, wg][...] = plgpu.layout_cast(jnp.zeros((bkv, bq), kp.dtype),
+                                                      plgpu.Layout.WGMMA)
+        plgpu.commit_smem()
+      # Step 0's dQ_part (unreduced, or zeros) waits for the other WG's "step -1", slot 3.
+      pl.when(cta_steps > 0)(lambda: plgpu.barrier_arrive(ds_handoff.at[wg, 3]))
+    if offset:
+      pl.when((wg == 1) & (cta_steps > 0))(lambda: plgpu.barrier_wait(start))
+      # WG 0 releases WG 1 from a loop of its own over the first step (masked if any step
+      # may be), so that the main loops hold no branch: a conditional arrive inside them made
+      # ptxas serialise every wgmma of the inline form (C7512).
+      peeled = jnp.minimum(first + 1, cta_steps)
+      carry = lax.fori_loop(first, peeled, functools.partial(step, masked=kp.needs_mask,
+                                                             release=True), carry)
+      first, full = peeled, jnp.maximum(full, peeled)
+    if split_loop and not (kp.causal or kp.kv_tail):
+      # Same steps; only the code ptxas makes of the main loop changes (MosaicConfig says).
+      lead = jnp.minimum(first + (wg + 1) * g_size, cta_steps)
+      carry = lax.fori_loop(first, lead, functools.partial(step, masked=False), carry)
+      first = lead
+    if kp.needs_mask:
+      carry = lax.fori_loop(first, full, functools.partial(step, masked=True), carry)
+      first = full
+    dk, dv = lax.fori_loop(first, cta_steps, functools.partial(step, masked=False), carry)
+    if defer_dq:
+      pl.when(cta_steps > 0)(lambda: deferred_dq(cta_steps - 1))
+    if dq_shared:
+      # The other WG's last dQ matmul reads this WG's K tile, about to be overwritten.
+      _common.sync(kv_done)
+    # Also the last dQ reduction.
+    _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, (out_b, *rows[1:]), kp)
 
   @pl.when(wg == 2)
   def _producer():
     plgpu.set_max_registers(kp.producer_registers, action="decrease")
-    if not ctas:
-      _, _, cta_steps, index = geometry(kt, kvh)
-      _produce_query_streams(cta_steps, stages, streams, index, b, bq, kp)
-      return
-    steps = nq * g_size  # every tile's (non-causal)
-
-    def ring_index(j):
-      """(batch entry, q block, query head) of the ring's step j: tile j // steps's."""
-      b, kt, kvh = coords(lax.div(j, steps))
-      return (b, *geometry(kt, kvh)[3](lax.rem(j, steps)))
-
-    _produce_query_streams(tiles * steps, stages, streams, ring_index, None, bq, kp)
+    _produce_query_streams(cta_steps, stages, streams, index, b, bq, kp)
 
 
 def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q: bool = False,
@@ -740,13 +631,10 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
                dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
                auto_barriers: bool = True, dq_head_major: bool = False,
                batch_slowest: bool = False, per_batch_entry: bool = False,
-               split_loop: bool = False, early_probs: bool = False, dq_first: bool = False,
-               ctas: int = 0, per_cta: int = 0):
+               split_loop: bool = False, early_probs: bool = False, dq_first: bool = False):
   """q/do [B, T', H, D], k/v [B, S', K, D] (T', S' padded as _common.operand_rows says, the
   tiles covering kp.t_pad / kp.s_pad rows), lse2/delta [B, H, Tp] -> (dq_acc [B, T', H, D] f32
   unscaled ([B, H, T', D] with dq_head_major), dk [B, S', K, D] scaled, dv [B, S', K, D]).
-
-  ctas: 0, or the CTAs of the persistent kernel (_bwd_fused_kernel says).
 
   per_batch_entry: one launch per batch entry (the entry static in the kernel), each adding into
   the one dQ buffer and returning its entry's dK / dV, concatenated. kp.flat_stats: the kernel
@@ -799,10 +687,6 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
 
   def launch(entry):
     rows = k.shape if entry is None else (1, *k.shape[1:])
-    grid = (dict(grid=(ctas,), grid_names=("cta",)) if ctas else
-            _common.launch_grid(s_pad // (2 * bkv), kh, bsz if entry is None else 1,
-                                ("kt", "kvh", "b"), heads_fastest=kp.bwd_heads_fastest,
-                                batch_slowest=batch_slowest))
     kv_out = jax.ShapeDtypeStruct(rows, k.dtype)
     return plgpu.kernel(
         functools.partial(_bwd_fused_kernel, kp=kp, stagger_q=stagger_q, dq_blocks=dq_blocks,
@@ -810,17 +694,19 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
                           defer_dq=defer_dq, offset=offset and defer_dq,
                           dq_head_major=dq_head_major, split_loop=split_loop,
                           early_probs=early_probs, dq_first=dq_first and defer_dq == "inline",
-                          entry=entry, ctas=ctas, per_cta=per_cta),
+                          entry=entry),
         out_type=(kv_out, kv_out),
         scratch_types=scratch,
-        **grid,
+        **_common.launch_grid(s_pad // (2 * bkv), kh, bsz if entry is None else 1,
+                              ("kt", "kvh", "b"), heads_fastest=kp.bwd_heads_fastest,
+                              batch_slowest=batch_slowest),
         num_threads=3, thread_name="wg",
         compiler_params=_common.compiler_params(kp, min(profile_steps(kp), PROFILE_STEPS),
                                                 auto_barriers=auto_barriers or kp.interpret),
         interpret=_common.interpret_params(kp.interpret),
     )(q, k, v, do, *stats, dq_acc)
 
-  if per_batch_entry and bsz > 1 and not ctas:
+  if per_batch_entry and bsz > 1:
     parts = [launch(entry) for entry in range(bsz)]
     dk, dv = (jnp.concatenate(grads, axis=0) for grads in zip(*parts))
   else:
@@ -829,21 +715,6 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   if kp.interpret:
     dq = dq.sum(0)
   return dq, dk, dv
-
-
-def persistent_ctas(k, params: AttentionParams, config: MosaicConfig) -> tuple[int, int]:
-  """(CTAs, tiles per CTA) of the persistent fused kernel for k [B, S, K, D]: (0, 0) for the
-  grid kernel, (n, 0) for n CTAs looping over the tiles, (n, m) for n CTAs of m tiles each.
-  config.fused_persistent on non-causal calls (causal tiles differ in steps); m is
-  config.fused_tiles_per_cta where it divides the tiles."""
-  if not config.fused_persistent or params.is_causal:
-    return 0, 0
-  tiles = _blocking.round_up(k.shape[1], 2 * config.block_kv_fused) // (
-      2 * config.block_kv_fused) * k.shape[2] * k.shape[0]
-  per_cta = config.fused_tiles_per_cta
-  if per_cta and tiles % per_cta == 0:
-    return tiles // per_cta, per_cta
-  return min(tiles, config.persistent_ctas or _common.sm_count()), 0
 
 
 def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: MosaicConfig):
@@ -869,7 +740,6 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
   # dQ_part rows and contributions to dK/dV are 0).
   lse2 = _blocking.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
   delta = _blocking.pad_axis(delta, 2, t_pad)
-  ctas, per_cta = persistent_ctas(k, params, config)
   dq_acc, dk, dv = fused_call(qp, kpad, vpad, dop, lse2, delta, kp=kp,
                               stagger_q=config.fused_stagger_q and not params.is_causal,
                               dq_blocks=config.fused_dq_blocks,
@@ -885,8 +755,7 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
                               per_batch_entry=config.fused_per_batch_entry,
                               split_loop=config.fused_split_loop,
                               early_probs=config.fused_early_probs,
-                              dq_first=config.fused_dq_first,
-                              ctas=ctas, per_cta=per_cta)
+                              dq_first=config.fused_dq_first)
   if config.fused_dq_head_major:
     dq_acc = dq_acc.transpose(0, 2, 1, 3)
   dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)

@@ -77,8 +77,8 @@ class MosaicConfig:
       heads. The fused kernel ignores it (backward_fused.fused_call says why). Unmeasured in
       this form: the seventh session's "2-4 % slower" runs launched, through the grid mix-up
       above, every group's first tile before any second tile (heads fastest, permuted).
-    persistent_ctas: CTAs of the persistent forward and fused backward; 0 = the GPU's SM
-      count (132 on H100 SXM and H200). Tests set it to exercise several tiles per CTA.
+    persistent_ctas: CTAs of the persistent forward; 0 = the GPU's SM count (132 on H100 SXM
+      and H200). Tests set it to exercise several tiles per CTA.
     fwd_split_tail: forward, non-causal, one CTA per tile (not persistent, no segment ids):
       the tiles of the last, partly filled wave are split along the keys. With N tiles and W
       CTAs per wave, the first N - (N mod W) tiles in launch order run one CTA each; each of
@@ -191,11 +191,6 @@ class MosaicConfig:
       530.1 / 548.7, 2x16384x8x128 with 4 kv heads (the early Pᵀ in all three there) 554.1 /
       552.9 / 550.9;
       causal 1x16384x16x128 527.8 / 534.7, 2x16384x8x128 with 4 kv heads 532.8 / 519.7.
-    fused_persistent: fused backward with fused_dq_shared, non-causal calls (elsewhere
-      ignored): one CTA per SM (persistent_ctas) loops over the kv tiles, the Q/dO ring
-      running on across tiles and the next tile's K/V loaded while dK / dV are stored (from
-      registers), so a tile does not pay a CTA launch, its first loads and its epilogue's
-      stores in full. Aimed at 4K keys, where a CTA runs 64 steps.
     bwd_flat_stats: the dK/dV-style kernels (the split's, head dim 256's, the fused one) read
       lse and delta ([B, H, T] float32, one block_q slice each step) as a [1, B·H, T] view, so
       that their TMA loads are 2-D at any batch (3-D otherwise from batch 2; at batch 1 the
@@ -309,9 +304,6 @@ class MosaicConfig:
   fused_split_loop: bool = False
   fused_early_probs: bool = False
   fused_dq_first: bool = False
-  fused_persistent: bool = False
-  fused_tiles_per_cta: int = 0
-  fused_tiles_strided: bool = False
   dkdv_schedule: str = "serial"
   dkdv_pingpong: bool = False
   dkdv_fold_stats: bool = False

@@ -109,9 +109,7 @@ def test_hd256_runs_the_wide_backward(causal):
                fused_auto_barriers=False, fused_early_probs=True)),
     (64, dict(fused_early_probs=True)),
     (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
-               fused_auto_barriers=False, fused_dq_first=True)),
-    (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
-               fused_auto_barriers=False, fused_split_loop=True, fused_persistent=True))],
+               fused_auto_barriers=False, fused_dq_first=True))],
     ids=["d64_bq128", "d64_bkv128", "d64_stages3", "d64_stagger", "d128_dq_blocks2",
          "d128_regs240", "d128_dq_shared", "d128_dq_shared_stages3", "d64_overlap_stages3",
          "d128_overlap_dq_shared_stagger", "d128_overlap_dq_shared_stages3",
@@ -119,7 +117,7 @@ def test_hd256_runs_the_wide_backward(causal):
          "d128_dq_shared_no_auto_barriers", "d128_defer_inline_no_auto_barriers",
          "d128_overlap_no_auto_barriers", "d64_no_auto_barriers", "d128_defer_inline_head_major",
          "d64_head_major", "d128_batch_slowest", "d128_stats_3d", "d128_defer_inline_early_probs",
-         "d64_early_probs", "d128_defer_inline_dq_first", "d128_persistent"])
+         "d64_early_probs", "d128_defer_inline_dq_first"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fused_variants_lower(d, kw, causal):
   text = _grad_module(1, 1000, 1000, 4, 2, d, causal, _fused(d, causal, **kw))
@@ -383,32 +381,6 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
     # One kernel call per batch entry.
     (3, 190, 130, 4, 2, 128, True, jnp.bfloat16, dict(fused_dq_shared=True,
                                                       fused_per_batch_entry=True)),
-    # The persistent kernel (fused_persistent): CTAs looping over several kv tiles, uneven
-    # counts per CTA, an odd number of steps per tile (the ring runs on across tiles), a key
-    # tail, both launch orders.
-    (1, 200, 256, 4, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
-                                                       fused_defer_dq=True,
-                                                       fused_defer_inline=True,
-                                                       fused_split_loop=True,
-                                                       fused_persistent=True, persistent_ctas=3)),
-    (2, 130, 260, 2, 2, 128, False, jnp.float16, dict(fused_dq_shared=True, fused_defer_dq=True,
-                                                      fused_defer_inline=True,
-                                                      fused_persistent=True, persistent_ctas=5)),
-    (2, 200, 130, 2, 1, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
-                                                       fused_persistent=True, persistent_ctas=3,
-                                                       bwd_heads_fastest=True)),
-    # ... with a static count of tiles per CTA (fused_tiles_per_cta), and where that count
-    # does not divide the tiles (the loop then).
-    (2, 130, 260, 2, 2, 128, False, jnp.float16, dict(fused_dq_shared=True, fused_defer_dq=True,
-                                                      fused_defer_inline=True,
-                                                      fused_persistent=True,
-                                                      fused_tiles_per_cta=2)),
-    (1, 200, 256, 4, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
-                                                       fused_defer_dq=True,
-                                                       fused_defer_inline=True,
-                                                       fused_split_loop=True,
-                                                       fused_persistent=True,
-                                                       fused_tiles_per_cta=3)),
     # bwd_head_group is ignored by the fused kernel (see fused_call).
     (1, 130, 200, 8, 4, 128, True, jnp.bfloat16, dict(fused_dq_shared=True,
                                                       bwd_heads_fastest=True, bwd_head_group=2)),
