@@ -1,0 +1,13 @@
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+R=$OUT
+cd .snap/new && export PALLAS_FLASH_COMMIT=$(cat COMMIT)
+nvidia-smi --query-gpu=name,power.limit,clocks.sm --format=csv > $R/smi.txt 2>&1
+mkdir -p $R/ab
+timeout -s INT 300 python3 scripts/config_ab.py --variant twin: --variant tpc2:fused_persistent=True,fused_tiles_per_cta=2 --variant tpc1:fused_persistent=True,fused_tiles_per_cta=1 --shapes 4x4096x16x128,1x16384x16x128 --causal no --mode fwdbwd --iters 8 --out $R/ab > $R/ab.log 2>&1
+echo "ab rc=$?" >> $R/ab.log
+python3 -c "
+import json
+for r in json.load(open('$R/ab/config_ab.json')):
+    print(r['shape'], r['tflops'], r['ratio_vs_cudnn'], {k: round(v, 4) for k, v in r['err_vs_default'].items()})
+" 2>&1 | head -20
+tail -2 $R/ab.log | cut -c1-300
