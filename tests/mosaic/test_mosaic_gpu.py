@@ -275,7 +275,7 @@ def test_fused_backward_gradients(case, changes):
     ((1, 4096, 4096, 16, 16, 128, False, jnp.bfloat16), dict(tail_parts=4)),
     # GQA (the early Pᵀ) with 8 parts per tile; heads fastest at batch 3 with 2.
     ((2, 2048, 4096, 4, 2, 128, False, jnp.float16), dict(wave_ctas=7, tail_parts=8)),
-    ((3, 1024, 2048, 4, 4, 128, False, jnp.bfloat16), dict(wave_ctas=5, tail_parts=2,
+    ((3, 1024, 4096, 4, 4, 128, False, jnp.bfloat16), dict(wave_ctas=5, tail_parts=2,
                                                            bwd_heads_fastest=True)),
 ], ids=["b1_t4096_h16", "b2_gqa", "b3_heads_fastest"])
 def test_fused_split_tail_gradients(case, changes):
