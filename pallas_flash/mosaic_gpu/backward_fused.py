@@ -47,17 +47,16 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_flash import _blocking
-from pallas_flash.mosaic_gpu import _common, split_tail
-from pallas_flash.mosaic_gpu.backward import (PROFILE_STEPS, _at, _dk_dv_updates, _even_share,
+from pallas_flash.mosaic_gpu import _common
+from pallas_flash.mosaic_gpu.backward import (PROFILE_STEPS, _at, _dk_dv_updates,
                                               _first_q_block, _first_unmasked_step,
-                                              _load_kv_tiles, _PartRefs, _probs_t,
-                                              _produce_query_streams, _skip_step, _split_body,
-                                              _split_launch, _step_stat, _step_stats,
-                                              _store_dk_dv, _store_part, _tile_and_head,
+                                              _load_kv_tiles, _probs_t,
+                                              _produce_query_streams, _skip_step,
+                                              _step_stat, _step_stats, _store_dk_dv, _tile_and_head,
                                               _transposed_grad_tiles, _wait_streams,
                                               grad_scores_t,
                                               kv_stream_barriers, kv_stream_smem,
-                                              profile_steps, step_cost)
+                                              profile_steps)
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
 from pallas_flash.params import AttentionParams
 
@@ -325,7 +324,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                       dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
                       dq_head_major: bool = False, split_loop: bool = False,
                       early_probs: bool = False, dq_first: bool = False,
-                      entry: int | None = None, tail: _PartRefs | None = None):
+                      entry: int | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   entry: None, or the one batch entry this launch (grid batch 1) computes; its dk/dv_ref are
@@ -362,33 +361,17 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   step's dQ_part between dV and dK and reduce-adds it while dK runs. Step 0's dQ_part, of the
   zeroed dSᵀ slot 3, is reduce-added too (zeros, into step 0's rows), so that no branch sits
   among the matmuls.
-
-  tail (MosaicConfig.bwd_split_tail "fused"; non-causal, no key tail): the split tail's
-  one-dimensional grid (`tail_split`). A part runs steps [lo, lo + n) of its tile's steps, n
-  a multiple of 4 (the dSᵀ slots) dividing them, and writes dK·scale and dV in float32 to
-  tail.parts[0 / 1][part row, wg]; its dQ_parts are reduce-added as every CTA's. The main CTAs
-  and the parts run the two branches of a cond, so that the main CTAs' loops are the grid
-  kernel's, with static bounds.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   nq = kp.t_pad // bq
-  wg = lax.axis_index("wg")
-  is_part = part_row = part_lo = part_steps = None
-  if tail is None:
-    b = lax.axis_index("b") if entry is None else entry
-    kt, kvh = _tile_and_head(("kt", "kvh"), k_ref.shape[2], kp)
-  else:
-    assert entry is None and not (kp.causal or kp.kv_tail or dq_first), "see tail_split"
-    is_part, part_row, (b, kvh, kt) = tail.split.this_cta()
+  b = lax.axis_index("b") if entry is None else entry
   out_b = b if entry is None else 0
+  wg = lax.axis_index("wg")
+  kt, kvh = _tile_and_head(("kt", "kvh"), k_ref.shape[2], kp)
   assert not kp.bwd_head_group, "fused_call launches without head groups"
   cta_k0 = kt * (2 * bkv)
   cta_first = _first_q_block(cta_k0, kp)
   cta_steps = (nq - cta_first) * g_size
-  if tail is not None:
-    part_steps = _even_share(cta_steps, tail.split.parts)
-    assert part_steps % 4 == 0 and part_steps % stages == 0, "see tail_split"
-    part_lo = lax.rem(part_row, tail.split.parts) * part_steps
 
   def dq_rows(i, h, *cols):
     """dq_acc_ref's index of q block i of head h (and its columns `cols`)."""
@@ -511,10 +494,10 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       plgpu.barrier_arrive(ds_handoff.at[wg, ds_slot])
       return slot, q_smem, do_smem, p_t, ds16, ds_smem
 
-    def inline_step(t, carry, *, masked: bool, release: bool, lo):
+    def inline_step(t, carry, *, masked: bool, release: bool):
       """defer_dq "inline": dV, dK and the previous step's dQ_part in one accumulator scope,
-      the wait for the other WG's dSᵀ between them (the first step's (lo's) dQ_part reads the
-      slot the pre-arrival released and is not reduced)."""
+      the wait for the other WG's dSᵀ between them (step 0's dQ_part reads the slot the
+      pre-arrival released and is not reduced)."""
       dk, dv = carry
       slot, q_smem, do_smem, p_t, _, ds_smem = deferred_tiles(t, masked=masked,
                                                                release=release)
@@ -537,23 +520,22 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
             reduce_dq=reduce_prev if dq_first else None)
       if not dq_first:
         with jax.named_scope("reduce_dq"):
-          pl.when(t > lo)(reduce_prev)
+          pl.when(t > 0)(reduce_prev)
       return dk, dv
 
-    def deferred_step(t, carry, *, masked: bool, release: bool, lo):
+    def deferred_step(t, carry, *, masked: bool, release: bool):
       dk, dv = carry
       slot, q_smem, do_smem, p_t, ds16, _ = deferred_tiles(t, masked=masked, release=release)
       dk, dv = _dk_dv_updates(dk, dv, p_t, ds16, q_smem, do_smem, _at(p_scratch, wg),
                               (do_free.at[slot], q_free.at[slot]), kp)
-      pl.when(t > lo)(lambda: deferred_dq(t - 1))
+      pl.when(t > 0)(lambda: deferred_dq(t - 1))
       return dk, dv
 
-    def step(t, carry, *, masked: bool, release: bool = False, lo=0):
-      """Step t; lo: the first step this CTA runs (a split tail's part: its share's)."""
+    def step(t, carry, *, masked: bool, release: bool = False):
       if defer_dq == "inline":
-        return inline_step(t, carry, masked=masked, release=release, lo=lo)
+        return inline_step(t, carry, masked=masked, release=release)
       if defer_dq:
-        return deferred_step(t, carry, masked=masked, release=release, lo=lo)
+        return deferred_step(t, carry, masked=masked, release=release)
       if overlap:
         return overlapped_step(t, carry, masked=masked)
       dk, dv = carry
@@ -586,96 +568,62 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
         _reduce_dq(dq_smem, dq_acc_ref, dst, wg, _at(dq_loaded, wg), kp)
       return dk, dv
 
-    def run(lo, hi, *, part: bool = False):
-      """This WG's steps lo .. hi - 1 (the tile's, or a split tail part's share of them):
-      (dK, dV) [block_kv, D] float32, dK unscaled, after the last dQ_part is issued."""
-      zeros = plgpu.layout_cast(jnp.zeros((bkv, kp.d), jnp.float32), plgpu.Layout.WGMMA)
-      carry = (zeros, zeros)
-      # Causal: q blocks before `first` do not see these keys, blocks in [first, full) cross
-      # the diagonal and are masked, blocks from `full` on see every key of the tile. With
-      # dq_shared both WGs run every CTA step (the other WG needs this one's dSᵀ), the ones
-      # before `first` masked to zero. A part (non-causal) starts at its share.
-      if part:
-        first = lo
-      elif dq_shared:
-        first = jnp.zeros((), jnp.int32)
-      else:
-        first = (_first_q_block(k0, kp) - cta_first) * g_size
-        lax.fori_loop(0, first, functools.partial(_skip_step, streams=streams, stages=stages),
-                      None)
-      full = first
-      if kp.causal:
-        full = _first_unmasked_step(k0, cta_first, kp)
-      if kp.kv_tail:
-        # Padded keys are zero, so their dQ_part terms vanish, unless exp2(0 − lse2)
-        # overflows (rows whose scores are all far below 0): the tile holding the tail masks
-        # every step.
-        full = jnp.where(k0 + bkv > kp.kv_len, cta_steps, full)
-      if defer_dq == "inline":
-        if dq_first:  # step 0 reduce-adds its dQ_part of slot 3: zeros
-          ds_scratch.at[3, wg][...] = plgpu.layout_cast(jnp.zeros((bkv, bq), kp.dtype),
-                                                        plgpu.Layout.WGMMA)
-          plgpu.commit_smem()
-        # The first step's dQ_part (unreduced, or zeros) waits for the other WG's "step lo -
-        # 1", slot 3 (lo is a multiple of 4).
-        pl.when(hi > lo)(lambda: plgpu.barrier_arrive(ds_handoff.at[wg, 3]))
-      if offset:
-        pl.when((wg == 1) & (hi > lo))(lambda: plgpu.barrier_wait(start))
-        # WG 0 releases WG 1 from a loop of its own over the first step (masked if any step
-        # may be), so that the main loops hold no branch: a conditional arrive inside them
-        # made ptxas serialise every wgmma of the inline form (C7512).
-        peeled = jnp.minimum(first + 1, hi)
-        carry = lax.fori_loop(first, peeled, functools.partial(step, masked=kp.needs_mask,
-                                                               release=True, lo=lo), carry)
-        first, full = peeled, jnp.maximum(full, peeled)
-      if split_loop and not (kp.causal or kp.kv_tail):
-        # Same steps; only the code ptxas makes of the main loop changes (MosaicConfig says).
-        lead = jnp.minimum(first + (wg + 1) * g_size, hi)
-        carry = lax.fori_loop(first, lead, functools.partial(step, masked=False, lo=lo), carry)
-        first = lead
-      if kp.needs_mask:
-        carry = lax.fori_loop(first, full, functools.partial(step, masked=True, lo=lo), carry)
-        first = full
-      dk, dv = lax.fori_loop(first, hi, functools.partial(step, masked=False, lo=lo), carry)
-      if defer_dq:
-        pl.when(hi > lo)(lambda: deferred_dq(hi - 1))
-      if dq_shared:
-        # The other WG's last dQ matmul reads this WG's K tile, about to be overwritten.
-        _common.sync(kv_done)
-      return dk, dv
-
-    if tail is None:
-      dk, dv = run(0, cta_steps)
-      # Also the last dQ reduction.
-      _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, (out_b, *rows[1:]), kp)
+    zeros = plgpu.layout_cast(jnp.zeros((bkv, kp.d), jnp.float32), plgpu.Layout.WGMMA)
+    carry = (zeros, zeros)
+    # Causal: q blocks before `first` do not see these keys, blocks in [first, full) cross the
+    # diagonal and are masked, blocks from `full` on see every key of the tile. With dq_shared
+    # both WGs run every CTA step (the other WG needs this one's dSᵀ), the ones before `first`
+    # masked to zero.
+    if dq_shared:
+      first = jnp.zeros((), jnp.int32)
     else:
-      # The main CTAs rederive their tile from the CTA index after their loops rather than
-      # hold it through them (the split dK/dV kernel's lesson, backward._bwd_dkdv_kernel).
-      def main():
-        dk, dv = run(0, cta_steps)
-        b_, kvh_, kt_ = tail.split.coords(lax.axis_index("t"))
-        _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref,
-                     (b_, pl.ds(kt_ * (2 * bkv) + wg * bkv, bkv), kvh_), kp)
-
-      def part():
-        dk, dv = run(part_lo, part_lo + part_steps, part=True)
-        row = lax.axis_index("t") - tail.split.main
-        _store_part(tail.parts[0].at[row, wg], dk * kp.scale)
-        _store_part(tail.parts[1].at[row, wg], dv)
-        if not kp.interpret:  # the last dQ_part's reduce-add reads shared memory
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-      lax.cond(is_part, part, main)
+      first = (_first_q_block(k0, kp) - cta_first) * g_size
+      lax.fori_loop(0, first, functools.partial(_skip_step, streams=streams, stages=stages),
+                    None)
+    full = first
+    if kp.causal:
+      full = _first_unmasked_step(k0, cta_first, kp)
+    if kp.kv_tail:
+      # Padded keys are zero, so their dQ_part terms vanish, unless exp2(0 − lse2) overflows
+      # (rows whose scores are all far below 0): the tile holding the tail masks every step.
+      full = jnp.where(k0 + bkv > kp.kv_len, cta_steps, full)
+    if defer_dq == "inline":
+      if dq_first:  # step 0 reduce-adds its dQ_part of slot 3: zeros
+        ds_scratch.at[3, wg][...] = plgpu.layout_cast(jnp.zeros((bkv, bq), kp.dtype),
+                                                      plgpu.Layout.WGMMA)
+        plgpu.commit_smem()
+      # Step 0's dQ_part (unreduced, or zeros) waits for the other WG's "step -1", slot 3.
+      pl.when(cta_steps > 0)(lambda: plgpu.barrier_arrive(ds_handoff.at[wg, 3]))
+    if offset:
+      pl.when((wg == 1) & (cta_steps > 0))(lambda: plgpu.barrier_wait(start))
+      # WG 0 releases WG 1 from a loop of its own over the first step (masked if any step
+      # may be), so that the main loops hold no branch: a conditional arrive inside them made
+      # ptxas serialise every wgmma of the inline form (C7512).
+      peeled = jnp.minimum(first + 1, cta_steps)
+      carry = lax.fori_loop(first, peeled, functools.partial(step, masked=kp.needs_mask,
+                                                             release=True), carry)
+      first, full = peeled, jnp.maximum(full, peeled)
+    if split_loop and not (kp.causal or kp.kv_tail):
+      # Same steps; only the code ptxas makes of the main loop changes (MosaicConfig says).
+      lead = jnp.minimum(first + (wg + 1) * g_size, cta_steps)
+      carry = lax.fori_loop(first, lead, functools.partial(step, masked=False), carry)
+      first = lead
+    if kp.needs_mask:
+      carry = lax.fori_loop(first, full, functools.partial(step, masked=True), carry)
+      first = full
+    dk, dv = lax.fori_loop(first, cta_steps, functools.partial(step, masked=False), carry)
+    if defer_dq:
+      pl.when(cta_steps > 0)(lambda: deferred_dq(cta_steps - 1))
+    if dq_shared:
+      # The other WG's last dQ matmul reads this WG's K tile, about to be overwritten.
+      _common.sync(kv_done)
+    # Also the last dQ reduction.
+    _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, (out_b, *rows[1:]), kp)
 
   @pl.when(wg == 2)
   def _producer():
     plgpu.set_max_registers(kp.producer_registers, action="decrease")
-    if tail is None:
-      _produce_query_streams(cta_steps, stages, streams, index, b, bq, kp)
-    else:
-      lo = jnp.where(is_part, part_lo, 0)
-      _produce_query_streams(jnp.where(is_part, part_steps, cta_steps), stages, streams,
-                             lambda j: index(j + lo), b, bq, kp)
+    _produce_query_streams(cta_steps, stages, streams, index, b, bq, kp)
 
 
 def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q: bool = False,
@@ -683,8 +631,7 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
                dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
                auto_barriers: bool = True, dq_head_major: bool = False,
                batch_slowest: bool = False, per_batch_entry: bool = False,
-               split_loop: bool = False, early_probs: bool = False, dq_first: bool = False,
-               split: split_tail.TailSplit | None = None):
+               split_loop: bool = False, early_probs: bool = False, dq_first: bool = False):
   """q/do [B, T', H, D], k/v [B, S', K, D] (T', S' padded as _common.operand_rows says, the
   tiles covering kp.t_pad / kp.s_pad rows), lse2/delta [B, H, Tp] -> (dq_acc [B, T', H, D] f32
   unscaled ([B, H, T', D] with dq_head_major), dk [B, S', K, D] scaled, dv [B, S', K, D]).
@@ -692,9 +639,6 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   per_batch_entry: one launch per batch entry (the entry static in the kernel), each adding into
   the one dQ buffer and returning its entry's dK / dV, concatenated. kp.flat_stats: the kernel
   reads lse2 / delta as [1, B·H, Tp] (2-D TMA loads at any batch).
-
-  split (`tail_split`; not with per_batch_entry): the last wave's tiles run as split.parts
-  CTAs each, whose float32 partial dK / dV XLA sums in (split_tail.sum_parts).
 
   auto_barriers False (MosaicConfig.fused_auto_barriers; ignored when interpreting, whose dQ
   read-modify-write needs them) compiles without Pallas' barriers around shared-memory stores.
@@ -744,26 +688,18 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   def launch(entry):
     rows = k.shape if entry is None else (1, *k.shape[1:])
     kv_out = jax.ShapeDtypeStruct(rows, k.dtype)
-    kernel = functools.partial(
-        _bwd_fused_kernel, kp=kp, stagger_q=stagger_q, dq_blocks=dq_blocks,
-        dq_shared=dq_shared, overlap=overlap, dq_slots=dq_slots, defer_dq=defer_dq,
-        offset=offset and defer_dq, dq_head_major=dq_head_major, split_loop=split_loop,
-        early_probs=early_probs, dq_first=dq_first and defer_dq == "inline", entry=entry)
-    out_type = [kv_out, kv_out]
-    grid = _common.launch_grid(s_pad // (2 * bkv), kh, bsz if entry is None else 1,
-                               ("kt", "kvh", "b"), heads_fastest=kp.bwd_heads_fastest,
-                               batch_slowest=batch_slowest)
-    if split is not None:
-      assert entry is None and not batch_slowest, "see tail_split"
-      # Inputs q, k, v, do, lse2, delta, dq_acc and outputs dk, dv precede the partials.
-      kernel, grid = _split_body(kernel, split, 9, 2), _split_launch(split)
-      out_type += [jax.ShapeDtypeStruct((split.tail_tiles * split.parts, 2, bkv, d),
-                                        jnp.float32)] * 2
     return plgpu.kernel(
-        kernel,
-        out_type=tuple(out_type),
+        functools.partial(_bwd_fused_kernel, kp=kp, stagger_q=stagger_q, dq_blocks=dq_blocks,
+                          dq_shared=dq_shared, overlap=overlap, dq_slots=dq_slots,
+                          defer_dq=defer_dq, offset=offset and defer_dq,
+                          dq_head_major=dq_head_major, split_loop=split_loop,
+                          early_probs=early_probs, dq_first=dq_first and defer_dq == "inline",
+                          entry=entry),
+        out_type=(kv_out, kv_out),
         scratch_types=scratch,
-        **grid,
+        **_common.launch_grid(s_pad // (2 * bkv), kh, bsz if entry is None else 1,
+                              ("kt", "kvh", "b"), heads_fastest=kp.bwd_heads_fastest,
+                              batch_slowest=batch_slowest),
         num_threads=3, thread_name="wg",
         compiler_params=_common.compiler_params(kp, min(profile_steps(kp), PROFILE_STEPS),
                                                 auto_barriers=auto_barriers or kp.interpret),
@@ -771,40 +707,14 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
     )(q, k, v, do, *stats, dq_acc)
 
   if per_batch_entry and bsz > 1:
-    assert split is None, "see tail_split"
     parts = [launch(entry) for entry in range(bsz)]
     dk, dv = (jnp.concatenate(grads, axis=0) for grads in zip(*parts))
-  elif split is None:
-    dk, dv = launch(None)
   else:
-    dk, dv, dk_part, dv_part = launch(None)
-    dk, dv = split_tail.sum_parts(dk, dk_part, split), split_tail.sum_parts(dv, dv_part, split)
+    dk, dv = launch(None)
   dq = jax.freeze(dq_acc)
   if kp.interpret:
     dq = dq.sum(0)
   return dq, dk, dv
-
-
-def tail_split(kp: _common.KernelParams, batch: int, kv_heads: int,
-               config: MosaicConfig) -> split_tail.TailSplit | None:
-  """The fused kernel's split tail (MosaicConfig.bwd_split_tail names "fused"), or None
-  where it does not apply or no split pays. It applies to the non-causal kernel without a key
-  tail (equal tiles, a static step count) in one launch of the plain orders (TailSplit.coords
-  decodes those), without fused_dq_first (which zeroes dSᵀ slot 3 for step 0), and splits
-  only where each part's share is a multiple of 4 steps (the dSᵀ slots; the ring's 2 as
-  well), so that a part's slots and barrier phases run as a tile's do from step 0."""
-  if ("fused" not in config.bwd_split_tail.split(",") or kp.causal or kp.kv_tail
-      or kp.segment_ids or config.fused_dq_first or config.fused_batch_slowest
-      or (config.fused_per_batch_entry and batch > 1)):
-    return None
-  steps = kp.t_pad // kp.block_q * kp.group
-  split = split_tail.plan(kp.s_pad // (2 * kp.block_kv), kv_heads, batch, steps,
-                          heads_fastest=kp.bwd_heads_fastest, config=config,
-                          step_cost=step_cost(5, 2 * kp.block_kv, kp.block_q),
-                          merge_cost=2 * split_tail.MERGE_OVERHEAD_BLOCKS, even=True)
-  if split is None or (steps // split.parts) % math.lcm(4, kp.stages):
-    return None
-  return split
 
 
 def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: MosaicConfig):
@@ -845,8 +755,7 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
                               per_batch_entry=config.fused_per_batch_entry,
                               split_loop=config.fused_split_loop,
                               early_probs=config.fused_early_probs,
-                              dq_first=config.fused_dq_first,
-                              split=tail_split(kp, q.shape[0], k.shape[2], config))
+                              dq_first=config.fused_dq_first)
   if config.fused_dq_head_major:
     dq_acc = dq_acc.transpose(0, 2, 1, 3)
   dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)

@@ -100,9 +100,7 @@ class MosaicConfig:
       Off in every tuned config: on the H200 (thirteenth session, fwd+bwd) "dq" moved
       -0.9 % to +1.0 %, within noise, and "dq,dkdv" -2.6 % to +1.6 %, when the split
       dK/dV kernel still reloaded 11 spilled words per step at 240 registers (1 since the
-      fourteenth session). "fused" splits the fused backward's last wave the dK/dV kernel's
-      way (backward_fused.tail_split: non-causal, no key tail, parts of a multiple of 4
-      steps); its parts' dQ_parts are reduce-added as every CTA's.
+      fourteenth session).
     tail_parts: fwd_split_tail / bwd_split_tail: CTAs per tail tile of every split kernel; 0 =
       `split_tail.tail_parts`' choice per kernel (the cheapest in its cost model: rounds of
       parts, plus fixed costs per part and merge).
@@ -334,10 +332,10 @@ class MosaicConfig:
     for name in ("num_stages", "bwd_stages", "fused_stages", "fused_dq_blocks"):
       if getattr(self, name) < 1:
         raise ValueError(f"MosaicConfig.{name} must be >= 1, got {getattr(self, name)}")
-    if not set(filter(None, self.bwd_split_tail.split(","))) <= {"dq", "dkdv", "fused"}:
-      raise ValueError("MosaicConfig.bwd_split_tail names the backward kernels whose last "
-                       "wave is split, comma-separated: 'dq', 'dkdv' (the split backward's) "
-                       f"or 'fused', got {self.bwd_split_tail!r}")
+    if not set(filter(None, self.bwd_split_tail.split(","))) <= {"dq", "dkdv"}:
+      raise ValueError("MosaicConfig.bwd_split_tail names the split backward kernels whose "
+                       f"last wave is split: 'dq', 'dkdv' or 'dq,dkdv', got "
+                       f"{self.bwd_split_tail!r}")
     for name in ("wide_backward", "window_backward"):
       if getattr(self, name) not in ("triton", "mosaic"):
         raise ValueError(f"MosaicConfig.{name} must be 'triton' or 'mosaic', got "

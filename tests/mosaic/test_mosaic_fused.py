@@ -124,19 +124,6 @@ def test_fused_variants_lower(d, kw, causal):
   assert _mosaic_calls(text) == 2
 
 
-@pytest.mark.parametrize("shape", [(1, 16384, 16384, 16, 16), (2, 8192, 8192, 16, 8)],
-                         ids=["b1_t16k", "b2_t8k_gqa"])
-def test_fused_split_tail_lowers(shape):
-  """The non-causal default with bwd_split_tail="fused" at shapes the cost model splits
-  (16 and 8 parts): one backward kernel, the parts' sums in XLA."""
-  b, t, s, h, kh = shape
-  p = AttentionParams(scale=128 ** -0.5, is_causal=False, has_segments=False)
-  config = dataclasses.replace(mconfig.call_config(128, p, s, b, h // kh),
-                               bwd_split_tail="fused")
-  assert _fused_tail_split(b, t, s, h, kh, 128, config) is not None
-  assert _mosaic_calls(_grad_module(b, t, s, h, kh, 128, False, config)) == 2
-
-
 def test_too_much_smem_falls_back_to_split_with_a_warning():
   config = _fused(128, False, fused_stages=3)
   assert "shared memory" in backward_fused.unsupported_reason(
@@ -397,18 +384,6 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
     # bwd_head_group is ignored by the fused kernel (see fused_call).
     (1, 130, 200, 8, 4, 128, True, jnp.bfloat16, dict(fused_dq_shared=True,
                                                       bwd_heads_fastest=True, bwd_head_group=2)),
-    # bwd_split_tail "fused" (wave_ctas shrinks the wave; see SPLIT_TAIL): main CTAs before
-    # the parts or none, parts starting past step 0 (so in their ring, dSᵀ slots and deferred
-    # dQ_parts), GQA with the early Pᵀ, heads fastest at batch 2, the plain step form.
-    *((*shape, False, dtype, dict(changes, bwd_split_tail="fused"))
-      for shape, dtype, changes in (
-          ((1, 512, 256, 2, 2, 128), jnp.bfloat16, dict(mconfig.FUSED_NONCAUSAL, wave_ctas=3,
-                                                       tail_parts=2)),
-          ((1, 256, 256, 4, 2, 128), jnp.float16, dict(mconfig.FUSED_GQA_NONCAUSAL,
-                                                      wave_ctas=3, tail_parts=2)),
-          ((2, 512, 256, 2, 1, 128), jnp.bfloat16, dict(mconfig.FUSED_NONCAUSAL, wave_ctas=3,
-                                                       tail_parts=2, bwd_heads_fastest=True)),
-          ((1, 512, 256, 2, 1, 64), jnp.float16, dict(wave_ctas=3, tail_parts=2)))),
 ]
 
 
@@ -418,44 +393,6 @@ def _interpret_id(c):
 
 
 _rel = max_rel_err
-
-
-def _fused_tail_split(b, t, s, h, kh, d, config, causal=False):
-  """backward_fused.tail_split of a call, from the kernel parameters backward() makes."""
-  q, k = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16), jax.ShapeDtypeStruct((b, s, kh, d),
-                                                                               jnp.bfloat16)
-  bq, bkv = config.block_q_fused, config.block_kv_fused
-  t_pad, s_pad = -(-t // bq) * bq, -(-s // (2 * bkv)) * 2 * bkv
-  kp = _common.KernelParams.make(
-      q, k, params=AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False),
-      block_q=bq, block_kv=bkv, stages=min(config.fused_stages, t_pad // bq), t_pad=t_pad,
-      s_pad=s_pad, kv_len=s, config=config, q_tile_rows=bq)
-  return backward_fused.tail_split(kp, b, kh, config)
-
-
-# (B, T, S, H, K, D, config changes, expected (main CTAs, parts) or None). The interpreter
-# cases above split as planned; the cost model splits 1x16384 (2,048 tiles, 68 in the last
-# of 132-CTA waves) and 1x32768 (4 in the last) but no causal call, no key tail and not
-# fused_dq_first; parts whose share is no multiple of 4 steps are refused.
-SPLIT_TAIL = [
-    ((1, 512, 256, 2, 2, 128), dict(wave_ctas=3, tail_parts=2), (3, 2)),
-    ((1, 512, 256, 2, 1, 64), dict(wave_ctas=3, tail_parts=2), (0, 2)),
-    ((1, 16384, 16384, 16, 16, 128), dict(wave_ctas=132), (1980, 16)),
-    ((1, 32768, 32768, 16, 16, 128), dict(wave_ctas=132), (4092, 32)),
-    ((1, 16384, 16336, 16, 16, 128), dict(wave_ctas=132), None),  # a key tail
-    ((1, 512, 256, 2, 2, 128), dict(wave_ctas=3, tail_parts=2, fused_dq_first=True), None),
-    ((1, 256, 256, 2, 2, 128), dict(wave_ctas=3, tail_parts=2), None),  # 2 steps per part
-    ((1, 512, 256, 2, 2, 128), dict(wave_ctas=4, tail_parts=2), None),  # whole waves
-]
-
-
-@pytest.mark.parametrize("shape,changes,expected", SPLIT_TAIL)
-def test_fused_split_tail_plan(shape, changes, expected):
-  config = dataclasses.replace(SMALL, bwd_split_tail="fused", **changes)
-  split = _fused_tail_split(*shape, config)
-  assert (split and (split.main, split.parts)) == expected
-  assert _fused_tail_split(*shape, config, causal=True) is None
-  assert _fused_tail_split(*shape, dataclasses.replace(config, bwd_split_tail="")) is None
 
 
 @pytest.mark.parametrize("case", INTERPRET, ids=_interpret_id)
@@ -477,8 +414,6 @@ def test_fused_gradients_match_reference(case, monkeypatch):
   # backend computes rowsum(O∘dO) itself, for the fused kernel in XLA.
   got = backward(q, k, v, None, None, o, lse, do, None, params=p, config=config)
   assert calls, "the fused kernel did not run"
-  if config.bwd_split_tail:  # the case runs the split it names
-    assert _fused_tail_split(b, t, s, h, kh, d, config) is not None
 
   up = [x.astype(jnp.float32) for x in (q, k, v, do)]
   _, vjp = jax.vjp(lambda *a: pallas_flash.flash_attention(

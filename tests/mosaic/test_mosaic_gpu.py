@@ -12,7 +12,7 @@ import pytest
 
 import pallas_flash
 from pallas_flash import mosaic_gpu
-from pallas_flash.mosaic_gpu import TUNED, _common, backward_fused
+from pallas_flash.mosaic_gpu import TUNED, backward_fused
 from pallas_flash.mosaic_gpu import config as mconfig
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
@@ -267,34 +267,6 @@ def test_fused_backward_gradients(case, changes):
   got = _fwd_bwd(lambda *a: pallas_flash.flash_attention(
       *a, is_causal=causal, implementation="mosaic", config=config))(q, k, v, do)
   _assert_near_reference(got, q, k, v, do, causal=causal, dtype=dtype)
-
-
-@pytest.mark.fused
-@pytest.mark.parametrize("case,changes", [
-    # The non-causal default with its last wave split: 512 tiles, 116 in the last wave of 132.
-    ((1, 4096, 4096, 16, 16, 128, False, jnp.bfloat16), dict(tail_parts=4)),
-    # GQA (the early Pᵀ) with 8 parts per tile; heads fastest at batch 3 with 2.
-    ((2, 2048, 4096, 4, 2, 128, False, jnp.float16), dict(wave_ctas=7, tail_parts=8)),
-    ((3, 1024, 4096, 4, 4, 128, False, jnp.bfloat16), dict(wave_ctas=5, tail_parts=2,
-                                                           bwd_heads_fastest=True)),
-], ids=["b1_t4096_h16", "b2_gqa", "b3_heads_fastest"])
-def test_fused_split_tail_gradients(case, changes):
-  """bwd_split_tail="fused" on the default fused form: the tail tiles' parts (steps from a
-  multiple of 4 on, partial dK / dV summed by XLA) against the float32 reference."""
-  b, t, s, h, kh, d, causal, dtype = case
-  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
-  config = dataclasses.replace(mconfig.call_config(d, p, s, b, h // kh),
-                               bwd_split_tail="fused", **changes)
-  assert config.fused_backward and config.fused_split_loop
-  q, k, v, do = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + 3)
-  kp = _common.KernelParams.make(
-      q, k, params=p, block_q=config.block_q_fused, block_kv=config.block_kv_fused,
-      stages=config.fused_stages, t_pad=t, s_pad=s, kv_len=s, config=config,
-      q_tile_rows=config.block_q_fused)
-  assert backward_fused.tail_split(kp, b, kh, config) is not None
-  got = _fwd_bwd(lambda *a: pallas_flash.flash_attention(
-      *a, implementation="mosaic", config=config))(q, k, v, do)
-  _assert_near_reference(got, q, k, v, do, causal=False, dtype=dtype)
 
 
 @pytest.mark.fused
