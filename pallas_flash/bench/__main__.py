@@ -11,8 +11,9 @@ Implementations: mosaic, triton, xla (blockwise), interpret, reference (pallas_f
 jax_xla (jax.nn.dot_product_attention with implementation="cudnn" / "xla", materialising).
 Every row is checked before it is timed; a row whose relative error exceeds the dtype's
 tolerance is marked FAIL but still timed and printed. The implementations are timed in
-interleaved rounds; "rounds" says in how many of them a row beat cuDNN and the range of the
-per-round ratios (at the H200's power cap one loop moves by a few per cent).
+interleaved rounds; "rounds" says in how many of them a row beat cuDNN, the range of the
+per-round ratios (at the H200's power cap one loop moves by a few per cent) and the sign
+test's p-value of that split (below 0.05: the row is really ahead, or behind).
 """
 
 from __future__ import annotations
@@ -211,9 +212,10 @@ def run_group(impls: list[str], spec: shapes.ShapeSpec, args: tuple, *, mode: st
 def _add_ratios(rows: list[dict]) -> None:
   """ratio_cudnn = tflops / cuDNN's tflops on the same (mode, shape, causal); and, round by
   round of the interleaved timing, round_ratios = cuDNN's loop time / this row's (above 1:
-  faster than cuDNN in that round) and rounds_faster, how many of them are above 1. At the
-  H200's power cap one loop moves by a few per cent, so a median ratio within ~1 % of 1 is
-  only as good as the rounds that agree with it."""
+  faster than cuDNN in that round), rounds_faster, how many of them are above 1, and
+  rounds_p, the sign test's p-value of that split (timing.sign_test_p). At the H200's power
+  cap one loop moves by a few per cent, so a median ratio within ~1 % of 1 is only as good
+  as the rounds that agree with it."""
   cudnn = next((r for r in rows if r["impl"] == "cudnn" and r["tflops"]), None)
   for r in rows:
     if cudnn is None or not r["tflops"]:
@@ -222,6 +224,7 @@ def _add_ratios(rows: list[dict]) -> None:
     if r is not cudnn and r.get("loop_ms") and cudnn.get("loop_ms"):
       r["round_ratios"] = [b / a for a, b in zip(r["loop_ms"], cudnn["loop_ms"])]
       r["rounds_faster"] = sum(x > 1 for x in r["round_ratios"])
+      r["rounds_p"] = timing.sign_test_p(r["rounds_faster"], len(r["round_ratios"]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,21 +239,23 @@ def print_group(rows: list[dict]) -> None:
   r0 = rows[0]
   print(f"\n{r0['mode']} {r0['shape']} ({r0['label']}) causal={'yes' if r0['causal'] else 'no'}"
         f" {r0['dtype']}  {r0['flops']:.3e} FLOP")
-  print(f"  {'impl':<10}{'status':<7}{'ms':>10}{'TFLOP/s':>9}{'/cuDNN':>8}{'rounds':>16}"
+  print(f"  {'impl':<10}{'status':<7}{'ms':>10}{'TFLOP/s':>9}{'/cuDNN':>8}{'rounds':>24}"
         f"{'rel_err':>9}{'compile_s':>10}  check")
   for r in rows:
     print(f"  {r['impl']:<10}{r['status']:<7}{_fmt(r['ms'], '.3f'):>10}"
           f"{flops.format_tflops(r['tflops']):>9}{_fmt(r['ratio_cudnn'], '.2f'):>8}"
-          f"{_rounds(r):>16}{_fmt(r['rel_err'], '.1e'):>9}{_fmt(r['compile_s'], '.1f'):>10}  "
+          f"{_rounds(r):>24}{_fmt(r['rel_err'], '.1e'):>9}{_fmt(r['compile_s'], '.1f'):>10}  "
           f"{r['check_shape'] or r['reason'] or ''}", flush=True)
 
 
 def _rounds(r: dict) -> str:
-  """'won/rounds lo-hi': the rounds faster than cuDNN and the range of round_ratios."""
+  """'won/rounds lo-hi p=P': the rounds faster than cuDNN, the range of round_ratios and the
+  sign test's p-value."""
   ratios = r.get("round_ratios")
   if not ratios:
     return "-"
-  return f"{r['rounds_faster']}/{len(ratios)} {min(ratios):.2f}-{max(ratios):.2f}"
+  return (f"{r['rounds_faster']}/{len(ratios)} {min(ratios):.2f}-{max(ratios):.2f} "
+          f"p={r['rounds_p']:.2g}")
 
 
 def _cell(r: dict) -> str:

@@ -120,6 +120,17 @@ def time_compiled(fn: Callable, args: tuple, *, iters: int = 5,
   return time_interleaved({"fn": fn}, args, iters=iters, min_loop_s=min_loop_s)["fn"]
 
 
+def sign_test_p(wins: int, rounds: int) -> float:
+  """Two-sided exact sign test: the probability, were each round a fair coin, of a split at
+  least as uneven as `wins` of `rounds` (1.0 for none). Interleaved rounds are paired samples,
+  so this says whether "faster in 2 of 13 rounds" is a real deficit (p = 0.022) or noise."""
+  if rounds <= 0:
+    return 1.0
+  k = min(wins, rounds - wins)
+  tail = sum(math.comb(rounds, i) for i in range(k + 1)) / 2 ** rounds
+  return min(1.0, 2 * tail)
+
+
 def round_orders(n: int, order: str = "balanced") -> list[list[int]]:
   """The orders in which rounds of time_interleaved run n fns, used in turn.
 

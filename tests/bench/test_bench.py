@@ -239,6 +239,14 @@ def test_cli_writes_json(tmp_path):
   _assert_timed_and_correct(row)
 
 
+@pytest.mark.parametrize("wins,rounds,p", [(2, 13, 2 * (1 + 13 + 78) / 8192),
+                                           (11, 13, 2 * (1 + 13 + 78) / 8192),
+                                           (13, 13, 2 / 8192), (6, 13, 1.0), (7, 13, 1.0),
+                                           (0, 5, 2 / 32), (1, 1, 1.0), (0, 0, 1.0)])
+def test_sign_test_p(wins, rounds, p):
+  assert timing.sign_test_p(wins, rounds) == pytest.approx(p)
+
+
 def test_ratios_to_cudnn_also_count_the_rounds_won():
   rows = [dict(impl="mosaic", tflops=100.0, loop_ms=[1.0, 2.0, 3.0, 1.5]),
           dict(impl="cudnn", tflops=90.0, loop_ms=[2.0, 1.0, 3.3, 1.2]),
@@ -247,6 +255,6 @@ def test_ratios_to_cudnn_also_count_the_rounds_won():
   ours, cudnn, triton = rows
   assert ours["ratio_cudnn"] == pytest.approx(100 / 90)
   assert ours["round_ratios"] == pytest.approx([2.0, 0.5, 1.1, 0.8])
-  assert ours["rounds_faster"] == 2 and bench._rounds(ours) == "2/4 0.50-2.00"
+  assert ours["rounds_faster"] == 2 and bench._rounds(ours) == "2/4 0.50-2.00 p=1"
   assert "round_ratios" not in cudnn and cudnn["ratio_cudnn"] == 1.0
   assert "ratio_cudnn" not in triton and bench._rounds(triton) == "-"
