@@ -239,12 +239,12 @@ def print_group(rows: list[dict]) -> None:
   r0 = rows[0]
   print(f"\n{r0['mode']} {r0['shape']} ({r0['label']}) causal={'yes' if r0['causal'] else 'no'}"
         f" {r0['dtype']}  {r0['flops']:.3e} FLOP")
-  print(f"  {'impl':<10}{'status':<7}{'ms':>10}{'TFLOP/s':>9}{'/cuDNN':>8}{'rounds':>24}"
+  print(f"  {'impl':<10}{'status':<7}{'ms':>10}{'TFLOP/s':>9}{'/cuDNN':>8}{'rounds':>28}"
         f"{'rel_err':>9}{'compile_s':>10}  check")
   for r in rows:
     print(f"  {r['impl']:<10}{r['status']:<7}{_fmt(r['ms'], '.3f'):>10}"
           f"{flops.format_tflops(r['tflops']):>9}{_fmt(r['ratio_cudnn'], '.2f'):>8}"
-          f"{_rounds(r):>24}{_fmt(r['rel_err'], '.1e'):>9}{_fmt(r['compile_s'], '.1f'):>10}  "
+          f"{_rounds(r):>28}{_fmt(r['rel_err'], '.1e'):>9}{_fmt(r['compile_s'], '.1f'):>10}  "
           f"{r['check_shape'] or r['reason'] or ''}", flush=True)
 
 
