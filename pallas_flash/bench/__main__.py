@@ -162,8 +162,8 @@ def prepare_case(impl: str, spec: shapes.ShapeSpec, args: tuple, *, mode: str, i
          "num_kv_heads": spec.kv_heads,
          "head_dim": spec.head_dim, "dtype": jnp.dtype(dtype).name, "causal": is_causal,
          "impl": impl, "status": "skip", "reason": None, "ms": None, "tflops": None,
-         "ratio_cudnn": None, "round_ratios": None, "rounds_faster": None, "rel_err": None,
-         "rel_errs": None, "check_shape": None,
+         "ratio_cudnn": None, "round_ratios": None, "rounds_faster": None, "rounds_p": None,
+         "rel_err": None, "rel_errs": None, "check_shape": None,
          "tolerance": TOLERANCE[jnp.dtype(dtype).name], "compile_s": None,
          "flops": flops.attention_flops(spec, is_causal=is_causal, mode=mode)}
   row["reason"] = timing.skip_reason(impl, spec, dtype, is_causal=is_causal,
