@@ -47,7 +47,6 @@ class KernelParams:
   interpret: bool
   intra_wg_overlap: bool = False  # forward: MosaicConfig.fwd_intra_wg_overlap
   q_registers: bool = False  # forward: MosaicConfig.fwd_q_registers
-  chain_tiles: bool = False  # persistent forward: MosaicConfig.fwd_chain_tiles
   dkdv_schedule: str = "serial"  # dK/dV kernel: MosaicConfig.dkdv_schedule
   dkdv_pingpong: bool = False  # dK/dV kernel: MosaicConfig.dkdv_pingpong
   dkdv_fold_stats: bool = False  # dK/dV kernel: MosaicConfig.dkdv_fold_stats
@@ -109,7 +108,6 @@ class KernelParams:
         compute_registers=config.compute_registers,
         producer_registers=config.producer_registers, interpret=config.interpret,
         intra_wg_overlap=config.fwd_intra_wg_overlap, q_registers=config.fwd_q_registers,
-        chain_tiles=config.fwd_chain_tiles,
         dkdv_schedule=config.dkdv_schedule,
         dkdv_pingpong=config.dkdv_pingpong, dkdv_fold_stats=config.dkdv_fold_stats,
         bwd_heads_fastest=config.bwd_heads_fastest,

@@ -60,11 +60,6 @@ class MosaicConfig:
       4x4096x16x128 (the default there, MEDIUM_KV_LEN) and 6 % behind the grid at 16K;
       the plain-loop default up to SHORT_KV_LEN runs heads fastest (`tuned`). The persistent
       kernel computes its tile order itself, so its heads_fastest always meant what it says.
-    fwd_chain_tiles: persistent forward with fwd_intra_wg_overlap: one pipeline through a
-      CTA's tiles. A tile's last step issues the next tile's S_0 = Q'·K'_0ᵀ beside its own last
-      P·V and runs that softmax while P·V is in flight, as every other step does, where the
-      tile-by-tile form computes S_0 and the last P·V of each tile alone (and realigns the
-      two consumers' ping-pong per tile). Same products, same order: bitwise equal outputs.
     bwd_heads_fastest: the backward kernels' launch order, as heads_fastest is the forward's.
       False: consecutive CTAs take consecutive q tiles (dQ kernel) or kv tiles (dK/dV and fused
       kernels) of one head, and the causal dQ kernel launches its heaviest q tiles (the last
@@ -286,7 +281,6 @@ class MosaicConfig:
   fwd_intra_wg_overlap: bool = False
   fwd_q_registers: bool = False
   fwd_persistent: bool = False
-  fwd_chain_tiles: bool = False
   persistent_ctas: int = 0
   fwd_split_tail: bool = False
   bwd_split_tail: str = ""

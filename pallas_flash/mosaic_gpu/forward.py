@@ -230,77 +230,25 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
     loop = _overlapped_kv_loop if kp.intra_wg_overlap else _plain_kv_loop
     bars = _Barriers(k_ready, v_ready, k_free, v_free, sched)
 
-    p_smem = p_scratch.at[wg] if kp.interpret else None
-
-    def tile_at(i):
-      """(b, h, Q buffer parity, this WG's Q tile, its first row) of the CTA's tile i."""
+    @pl.loop(0, tiles)
+    def _tile(i):
       b, h, qt = coords(i)
       parity = lax.rem(i, 2)
-      return b, h, parity, q_scratch.at[parity, wg], qt * (2 * bq) + wg * bq
-
-    def start(i):
-      """Waits for tile i's Q and first K/V block."""
-      _, _, parity, _, _ = tile_at(i)
+      q_smem = q_scratch.at[parity, wg]
+      q0 = qt * (2 * bq) + wg * bq
       with jax.named_scope("prologue"):
         plgpu.barrier_wait(q_ready.at[parity * 2 + wg])
         plgpu.barrier_wait(k_ready.at[lax.rem(i * steps, stages)])
-
-    def finish(i, acc, m, l):
-      b, h, parity, q_smem, q0 = tile_at(i)
+      pl.when(wg == 1)(sched_sync)
+      carry = loop(q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
+                   bars, q0=q0, steps=steps, kp=kp, base=i * steps)
+      pl.when(wg == 0)(sched_sync)
       with jax.named_scope("epilogue"):
-        _store_tile(acc, m, l, q_smem, lse_scratch.at[wg], o_ref.at[b, pl.ds(q0, bq), h],
+        _store_tile(*carry, q_smem, lse_scratch.at[wg], o_ref.at[b, pl.ds(q0, bq), h],
                     lse_ref.at[b, h, pl.ds(q0, bq)], kp)
         # The buffer takes tile i+2's Q next; lse_scratch is rewritten by the next tile.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       plgpu.barrier_arrive(q_free.at[parity])
-
-    if kp.chain_tiles and kp.intra_wg_overlap and steps >= 2:
-      # One pipeline through all the CTA's tiles: a tile's last step issues the next tile's
-      # S_0 beside its last P·V (`_overlapped_kv_loop`'s next_tile), so the schedule barrier's
-      # rounds run on across tiles and only the first and last tiles start and drain alone.
-      # (With one key block per tile the Mosaic GPU interpreter hung from a CTA's third tile
-      # on, for a reason not found; such calls run tile by tile.)
-      start(0)
-      pl.when(wg == 1)(sched_sync)
-      _, _, _, q_smem, q0 = tile_at(0)
-      first = _overlapped_first_block(q_smem, k_scratch, bars, q0=q0, steps=steps, kp=kp,
-                                      base=0)
-
-      def chained(i, carry):
-        _, _, _, q_smem, q0 = tile_at(i)
-        # The tile's acc starts here, not in the previous tile's epilogue, whose acc is live.
-        acc = plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA)
-        carry = (acc, *carry)
-        _, _, next_parity, next_q, next_q0 = tile_at(i + 1)
-
-        def wait_q():  # the producer loads it once this tile's first blocks are in the ring
-          with jax.named_scope("prologue"):
-            plgpu.barrier_wait(q_ready.at[next_parity * 2 + wg])
-
-        out, (p16, m, l) = _overlapped_kv_loop(
-            q_smem, k_scratch, v_scratch, p_smem, bars, q0=q0, steps=steps, kp=kp,
-            base=i * steps, carry=carry, next_tile=(next_q, next_q0, wait_q))
-        finish(i, *out)
-        return p16, m, l
-
-      carry = lax.fori_loop(0, tiles - 1, chained, first[1:])
-      last = tiles - 1
-      _, _, _, q_smem, q0 = tile_at(last)
-      acc = plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA)
-      out = _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars, q0=q0,
-                                steps=steps, kp=kp, base=last * steps, carry=(acc, *carry))
-      pl.when(wg == 0)(sched_sync)
-      finish(last, *out)
-    else:
-      @pl.loop(0, tiles)
-      def _tile(i):
-        _, _, _, q_smem, q0 = tile_at(i)
-        start(i)
-        pl.when(wg == 1)(sched_sync)
-        carry = loop(q_smem, k_scratch, v_scratch, p_smem, bars, q0=q0, steps=steps, kp=kp,
-                     base=i * steps)
-        pl.when(wg == 0)(sched_sync)
-        finish(i, *carry)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the kernel's end
 
@@ -501,45 +449,8 @@ def _softmax(s, m, l, kp: _common.KernelParams):
   return p, m_new, l, alpha
 
 
-def _masked_softmax(s, j, masked, m, l, *, row0, kv0, steps, kp: _common.KernelParams):
-  """_softmax of the score tile of a WG's kv step j (rows from row0), soft-capped and, if
-  `masked`, with the keys its rows do not see at -inf."""
-  s = _common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
-  if masked:
-    col0 = _kv_block(j, kv0, steps, kp) * kp.block_kv
-    s = jnp.where(_common.visible(row0, col0, (kp.block_q, kp.block_kv), kp), s, -jnp.inf)
-  return _softmax(s, m, l, kp)
-
-
-def _fresh_row_stats(kp: _common.KernelParams):
-  """(m, l) [block_q] of a tile before its first block: MASK_VALUE and 0."""
-  return (plgpu.layout_cast(jnp.full((kp.block_q,), MASK_VALUE, jnp.float32), _common.ROW),
-          plgpu.layout_cast(jnp.zeros((kp.block_q,), jnp.float32), _common.ROW))
-
-
-def _overlapped_first_block(q_op, k_scratch, bars: _Barriers, *, q0, steps,
-                            kp: _common.KernelParams, base=None, kv0=0):
-  """The overlapped loop's start: S_0 = Q·K_0ᵀ alone (K_0 is ready: the caller waited for it)
-  and its softmax -> the loop's carry (acc = 0, P_0 in kp.dtype, m, l)."""
-  slot = _ring(base)(0, kp.stages)
-
-  def qk(s_ref):
-    plgpu.wgmma(s_ref, q_op, k_scratch.at[slot].T)
-    _common.sync(bars.sched)
-    return s_ref[...]
-
-  s = pl.run_scoped(qk, plgpu.ACC((kp.block_q, kp.block_kv), jnp.float32))
-  plgpu.barrier_arrive(bars.k_free.at[slot])
-  # Block 0 is masked whenever any block can be: exact where it is not needed, and one tile.
-  p, m, l, _ = _masked_softmax(s, 0, kp.needs_mask, *_fresh_row_stats(kp), row0=q0, kv0=kv0,
-                               steps=steps, kp=kp)
-  acc = plgpu.layout_cast(jnp.zeros((kp.block_q, kp.d), jnp.float32), plgpu.Layout.WGMMA)
-  return lax.optimization_barrier((acc, p.astype(kp.dtype), m, l))
-
-
 def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0, steps,
-                        kp: _common.KernelParams, base=None, kv0=0, carry=None,
-                        next_tile=None):
+                        kp: _common.KernelParams, base=None, kv0=0):
   """One consumer WG's kv loop with FA3's intra-warpgroup 2-stage pipeline -> (acc, m, l).
 
   q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
@@ -549,26 +460,36 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
   follows the loop. Each matmul pair sits between the same two schedule-barrier rounds per
   block as in the plain loop, so the two WGs still alternate (ping-pong) and the idle steps of
   a causal CTA are unchanged. `base`: see `_ring`; step j is key block `_kv_block(j, ...)`.
-
-  Chained tiles (the persistent kernel with MosaicConfig.fwd_chain_tiles): `carry` is the
-  state after this tile's first block, computed by the previous tile's last step (None: S_0
-  is computed here). `next_tile` (q_smem, q0, wait_q) is the CTA's next tile, whose first key
-  block is the ring's next step: the last step is then a step like the others (after
-  wait_q(), which waits for that tile's Q: it is loaded during this tile), issuing that tile's
-  S_0 from its Q tile beside this tile's last P·V and running its softmax meanwhile, and the
-  loop returns ((acc, m, l), (P_0, m, l) of the next tile).
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
 
   sched_sync = functools.partial(_common.sync, bars.sched)
   q_op = _q_operand(q_smem, kp)
-  softmax = functools.partial(_masked_softmax, kv0=kv0, steps=steps, kp=kp)
-  if carry is None:
-    carry = _overlapped_first_block(q_op, k_scratch, bars, q0=q0, steps=steps, kp=kp,
-                                    base=base, kv0=kv0)
 
-  def step(j, carry, *, masked: bool, boundary: bool = False):
+  def softmax(s, j, masked, m, l):
+    s = _common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
+    if masked:
+      col0 = _kv_block(j, kv0, steps, kp) * bkv
+      s = jnp.where(_common.visible(q0, col0, (bq, bkv), kp), s, -jnp.inf)
+    return _softmax(s, m, l, kp)
+
+  def qk(s_ref):  # K_0 is ready: the caller waited for it
+    plgpu.wgmma(s_ref, q_op, k_scratch.at[ring(0, stages)].T)
+    sched_sync()
+    return s_ref[...]
+
+  s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+  plgpu.barrier_arrive(bars.k_free.at[ring(0, stages)])
+  # Block 0 is masked whenever any block can be: exact where it is not needed, and one tile.
+  p, m, l, _ = softmax(
+      s, 0, kp.needs_mask, plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32),
+                                             _common.ROW),
+      plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _common.ROW))
+  acc = plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA)
+  carry = lax.optimization_barrier((acc, p.astype(kp.dtype), m, l))
+
+  def step(j, carry, *, masked: bool):
     acc, p16, m, l = carry  # acc is scaled to m; p16 = P_j is not in it yet
     slot, nxt = ring(j, stages), ring(j + 1, stages)
     with jax.named_scope("wait_kv"):
@@ -576,15 +497,10 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
       plgpu.barrier_wait(bars.k_ready.at[nxt])
       plgpu.barrier_wait(bars.v_ready.at[slot])
       plgpu.barrier_wait(bars.sched)
-    # The next tile's S_0 (its first block, masked as _overlapped_first_block masks it), or
-    # this tile's S_{j+1}.
-    s_q, s_block, s_masked, s_stats, s_row0 = (
-        (next_tile[0], 0, kp.needs_mask, _fresh_row_stats(kp), next_tile[1]) if boundary
-        else (q_op, j + 1, masked, (m, l), q0))
 
     def scores_and_softmax(s_ref, issue_pv):
       with jax.named_scope("issue"):
-        plgpu.wgmma(s_ref, s_q, k_scratch.at[nxt].T)  # S_{j+1}
+        plgpu.wgmma(s_ref, q_op, k_scratch.at[nxt].T)  # S_{j+1}
         issue_pv()  # P_j·V_j, queued behind it
       with jax.named_scope("handoff"):
         sched_sync()  # hand the tensor cores to the other WG
@@ -592,7 +508,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P_j·V_j keeps running
       plgpu.barrier_arrive(bars.k_free.at[nxt])
       with jax.named_scope("softmax"):
-        return softmax(s, s_block, s_masked, *s_stats, row0=s_row0)
+        return softmax(s, j + 1, masked, m, l)
 
     if kp.interpret:  # P staged through SMEM, P_j·V_j into its own accumulator
       p_smem[...] = p16
@@ -623,8 +539,6 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
       # ptxas serialise every wgmma of the kernel (C7513; FA3 converts after wait<0> too).
       p = lax.optimization_barrier(p)
     plgpu.barrier_arrive(bars.v_free.at[slot])
-    if boundary:  # acc is this tile's final sum (scaled to its m); alpha is the next tile's
-      return (acc, *carry[2:]), (p.astype(kp.dtype), m, l)
     with jax.named_scope("rescale"):
       p16 = p.astype(kp.dtype)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -643,10 +557,6 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
     carry = lax.fori_loop(split, steps - 1, functools.partial(step, masked=True), carry)
   else:
     carry = lax.fori_loop(0, steps - 1, functools.partial(step, masked=False), carry)
-  if next_tile is not None:
-    assert not kp.causal, "chained tiles are the non-causal persistent kernel's"
-    next_tile[2]()
-    return step(steps - 1, carry, masked=False, boundary=True)
 
   acc, p16, m, l = carry
   last = ring(steps - 1, stages)

@@ -66,32 +66,6 @@ def test_persistent_forward_in_q_tile_order_matches_reference(overlap):
   assert float(jnp.abs(lse - rlse).max()) <= 1e-4 * max(1.0, float(jnp.abs(rlse).max()))
 
 
-CHAIN_CASES = [  # B, T, S, H, K, D, causal, dtype; persistent_ctas
-    ((1, 256, 256, 3, 1, 64, False, jnp.bfloat16), 2),  # 6 tiles: 3 per CTA, both parities
-    ((2, 128, 130, 2, 2, 64, False, jnp.float16), 3),  # 4 tiles on 3 CTAs; padded keys
-    ((1, 384, 128, 1, 1, 64, False, jnp.bfloat16), 1),  # 3 tiles of 2 kv blocks on 1 CTA
-    ((1, 384, 64, 2, 2, 64, False, jnp.bfloat16), 2),  # one kv block per tile: tile by tile
-]
-
-
-@pytest.mark.parametrize("case,ctas", CHAIN_CASES,
-                         ids=[f"{kernel_case_id(c)}_ctas{n}" for c, n in CHAIN_CASES])
-def test_chained_tiles_match_reference(case, ctas):
-  """fwd_chain_tiles: a tile's last step computes the next tile's first scores; every tile
-  after a CTA's first starts from them (a wrong Q, row offset or fresh max there shows)."""
-  b, t, s, h, kh, d, causal, dtype = case
-  q, k, v, _ = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + ctas + 1)
-  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
-  config = dataclasses.replace(SMALL, persistent_ctas=ctas, fwd_intra_wg_overlap=True,
-                               fwd_chain_tiles=True, heads_fastest=False)
-  assert forward_module.persistent_ctas(q, config, p) == ctas
-  o, lse = forward(q, k, v, None, None, params=p, config=config)
-  ro, rlse = attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), None, None,
-                                 params=p)
-  assert rel_err(o.astype(jnp.float32), ro) <= TOL[dtype]
-  assert float(jnp.abs(lse - rlse).max()) <= 1e-4 * max(1.0, float(jnp.abs(rlse).max()))
-
-
 def test_persistent_applies_only_where_it_can():
   """Causal calls and head_dim 256 (no room for Q's second buffer) run one CTA per tile;
   the CTA count is capped by the tile count."""
@@ -138,13 +112,11 @@ LOWER = [  # B, T, S, H, K, D, causal
 
 
 @pytest.mark.parametrize("case", LOWER, ids=kernel_case_id)
-@pytest.mark.parametrize("overlap,chain", [(False, False), (True, False), (True, True)],
-                         ids=["plain", "overlap", "chained"])
-def test_persistent_forward_lowers(case, overlap, chain):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_persistent_forward_lowers(case, overlap):
   *shape, causal = case
   q, kv = kernel_specs(*shape)
-  config = MosaicConfig(fwd_persistent=True, fwd_intra_wg_overlap=overlap,
-                        fwd_chain_tiles=chain)
+  config = MosaicConfig(fwd_persistent=True, fwd_intra_wg_overlap=overlap)
   fn = lambda q, k, v: pallas_flash.flash_attention(  # noqa: E731
       q, k, v, is_causal=causal, implementation="mosaic", config=config)
   text = export_for_h200(fn, q, kv, kv).mlir_module()
@@ -181,32 +153,6 @@ def test_persistent_forward_on_gpu(case, heads_fastest):
   p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
   hs = slice(0, 2)  # heads are independent: check two against the materialising reference
   kvs = slice(0, 1) if h // kh >= 2 else hs  # with GQA both sit in kv head 0
-  ro, _ = jax.jit(lambda q, k, v: attention_reference(q, k, v, None, None, params=p))(
-      q[:, :, hs].astype(jnp.float32), k[:, :, kvs].astype(jnp.float32),
-      v[:, :, kvs].astype(jnp.float32))
-  assert rel_err(o[:, :, hs].astype(jnp.float32), ro) <= TOL[dtype]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not on_hopper(), reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("case", GPU_CASES, ids=kernel_case_id)
-def test_chained_tiles_on_gpu(case):
-  """fwd_chain_tiles on the medium-length default (persistent, overlapped, 128-key tiles):
-  bitwise equal to the tile-by-tile persistent kernel, and against the f32 reference."""
-  b, t, s, h, kh, d, causal, dtype = case
-  q, k, v, _ = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + 1)
-  base = dataclasses.replace(config_module.tuned(128, False, config_module.MEDIUM_KV_LEN),
-                             fwd_q_registers=d == 128)
-  run = lambda cfg: jax.jit(lambda q, k, v: pallas_flash.flash_attention(  # noqa: E731
-      q, k, v, is_causal=causal, implementation="mosaic", config=cfg, return_residuals=True))(
-          q, k, v)
-  p = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
-  assert forward_module.persistent_ctas(q, base, p) > 0
-  o, lse = run(dataclasses.replace(base, fwd_chain_tiles=True))
-  o_tiles, lse_tiles = run(base)
-  assert bool(jnp.array_equal(o, o_tiles)) and bool(jnp.array_equal(lse, lse_tiles))
-  hs = slice(0, 2)
-  kvs = slice(0, 1) if h // kh >= 2 else hs
   ro, _ = jax.jit(lambda q, k, v: attention_reference(q, k, v, None, None, params=p))(
       q[:, :, hs].astype(jnp.float32), k[:, :, kvs].astype(jnp.float32),
       v[:, :, kvs].astype(jnp.float32))
