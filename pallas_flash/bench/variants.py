@@ -30,7 +30,9 @@ def compare(steps: dict[str, Callable], args: tuple, spec: shapes.ShapeSpec, *, 
   Compiles each, compares its outputs with `baseline`'s (max relative error, cuDNN's too) and with
   its own second run (bitwise), then times all of them interleaved (timing.time_interleaved, rounds
   in `order`, loops of at least `min_loop_s`, after `settle_s` of untimed rounds). Returns
-  err_vs_<baseline>, bitwise_run_to_run, tflops and ratio_vs_cudnn, each a dict by name.
+  err_vs_<baseline>, bitwise_run_to_run, tflops, ratio_vs_cudnn and loop_s (each loop's seconds
+  per call, in round order: entry i of every name comes from round i, for paired comparisons),
+  each a dict by name.
   cudnn_kwargs go to cuDNN's call (a window the steps share); flop_count replaces the
   dense/causal count where the steps do other work (a band).
   """
@@ -49,4 +51,5 @@ def compare(steps: dict[str, Callable], args: tuple, spec: shapes.ShapeSpec, *, 
   f = flop_count or flops.attention_flops(spec, is_causal=is_causal, mode=mode)
   rate = {n: round(flops.tflops(f, x.median_s), 1) for n, x in times.items()}
   return {f"err_vs_{baseline}": errs, "bitwise_run_to_run": again, "tflops": rate,
-          "ratio_vs_cudnn": {n: round(v / rate["cudnn"], 3) for n, v in rate.items()}}
+          "ratio_vs_cudnn": {n: round(v / rate["cudnn"], 3) for n, v in rate.items()},
+          "loop_s": {n: list(x.loop_s) for n, x in times.items()}}
