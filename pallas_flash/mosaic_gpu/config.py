@@ -57,8 +57,9 @@ class MosaicConfig:
       The default for non-causal calls with at most SHORT_KV_LEN keys (`tuned`): +12 % at
       16x1024x16x128, +7 % at head_dim 64, level at 4K, 5-6 % slower at 16K-32K (H200).
       With heads_fastest=False (q tiles fastest) and the intra-WG overlap, +5 % at
-      4x4096x16x128 (the default there, MEDIUM_KV_LEN) and 6 % behind the grid at 16K;
-      the plain-loop default up to SHORT_KV_LEN runs heads fastest (`tuned`). The persistent
+      4x4096x16x128 and 6 % behind the grid at 16K; the default of head-dim-128 calls up to
+      MEDIUM_KV_LEN keys (+1-3 % over the plain loop at 1K-2K, thirty-second session); the
+      plain-loop default of head dim 64 up to SHORT_KV_LEN runs heads fastest (`tuned`). The persistent
       kernel computes its tile order itself, so its heads_fastest always meant what it says.
     bwd_heads_fastest: the backward kernels' launch order, as heads_fastest is the forward's.
       False: consecutive CTAs take consecutive q tiles (dQ kernel) or kv tiles (dK/dV and fused
@@ -421,12 +422,20 @@ TUNED: dict[tuple[int, bool], MosaicConfig] = {
 # loop (fifth session, run1, fwd TFLOP/s, same run as cuDNN; default -> persistent plain):
 # 16x1024x16x128 485 -> 544 (cuDNN 500), 16x1024x16x64 331 -> 353 (361); level at 4K (622 ->
 # 611 with the plain loop, 622 with the overlap), slower at 16K (613 -> 576) and 32K (608 ->
-# 580). 2K is between the measured lengths (unmeasured).
+# 580). 2K is between the measured lengths (unmeasured). Head dim 64 only since the
+# thirty-second session: head-dim-128 calls of up to MEDIUM_KV_LEN keys all run the medium
+# form below.
 SHORT_KV_LEN = 2048
-# Non-causal head-dim-128 calls with more keys, up to this many, run the persistent forward
-# with the intra-WG overlap and q tiles fastest (sixth session, run4, same run, fwd TFLOP/s at
-# 4x4096x16x128: grid 609, persistent heads-fastest 603, persistent q-tiles-fastest 638,
-# cuDNN 607). At 1x16384x16x128 the grid kernel stays ahead (644 vs 605; heads-fastest
+# Non-causal head-dim-128 calls with up to this many keys run the persistent forward with the
+# intra-WG overlap, Q in registers and q tiles fastest (sixth session, run4, same run, fwd
+# TFLOP/s at 4x4096x16x128: grid 609, persistent heads-fastest 603, persistent q-tiles-fastest
+# 638, cuDNN 607). From 1K keys: thirty-second session (run2, config_ab, fwd TFLOP/s, 10 loops,
+# plain heads-fastest form / this one / cuDNN, loops won by this one): 16x1024x16x128 527.3 /
+# 531.4 / 491.9 (9 of 10), 32x1024x8x128 527.0 / 539.4 / 500.7 (9), 4x1536x16x128 542.9 /
+# 541.6 / 506.1 (5), 4x2048x16x128 553.1 / 568.1 / 538.2 (10), 8x2048x16x128 558.3 / 568.8 /
+# 551.0 (8), 2x2048x32x128 536.9 / 555.4 / 523.3 (9), 8x2048x16x128 with 4 kv heads 572.1 /
+# 587.5 / 558.1 (10); fwd+bwd 16x1024x16x128 425.6 / 432.8 / 388.4, 8x2048x16x128 467.9 /
+# 475.8 / 468.0. At 1x16384x16x128 the grid kernel stays ahead (644 vs 605; heads-fastest
 # persistent 570): with q tiles fastest the CTAs running together share one head's K/V,
 # which stays in L2, where all 16 heads' K/V at 16K does not. 2K-4K is unmeasured between.
 # Past it the grid kernel runs TUNED's 192-key tiles (nineteenth session, run3 and run6, fwd
@@ -495,19 +504,17 @@ def with_overrides(config: MosaicConfig, overrides: str) -> MosaicConfig:
 
 def tuned(head_dim: int, is_causal: bool, kv_len: int) -> MosaicConfig:
   """The tuned config of a call: TUNED[(head_dim, is_causal)], switched to the persistent
-  forward for short non-causal calls: the plain loop with heads fastest up to SHORT_KV_LEN
-  keys and, at head_dim 128, the overlapped loop with q tiles fastest, 128-key tiles and Q
-  in registers up to MEDIUM_KV_LEN (the persistent kernel's second Q buffer leaves no room for
-  TUNED's 192-key ring there)."""
+  forward for short non-causal calls: at head_dim 64 the plain loop with heads fastest up to
+  SHORT_KV_LEN keys, at head_dim 128 the overlapped loop with q tiles fastest, 128-key tiles
+  and Q in registers up to MEDIUM_KV_LEN (the persistent kernel's second Q buffer leaves no
+  room for TUNED's 192-key ring there)."""
   config = TUNED.get((head_dim, is_causal), MosaicConfig())
-  if not is_causal and kv_len <= SHORT_KV_LEN and head_dim in (64, 128):
-    config = dataclasses.replace(config, fwd_intra_wg_overlap=False, fwd_persistent=True,
-                                 heads_fastest=True)
-    if head_dim == 128:
-      config = dataclasses.replace(config, block_kv=128)
-  elif not is_causal and kv_len <= MEDIUM_KV_LEN and head_dim == 128:
+  if not is_causal and kv_len <= MEDIUM_KV_LEN and head_dim == 128:
     config = dataclasses.replace(config, fwd_persistent=True, block_kv=128,
                                  fwd_q_registers=True)
+  elif not is_causal and kv_len <= SHORT_KV_LEN and head_dim == 64:
+    config = dataclasses.replace(config, fwd_intra_wg_overlap=False, fwd_persistent=True,
+                                 heads_fastest=True)
   return config
 
 

@@ -383,7 +383,7 @@ def _assert_call_matches_reference(case, seed_offset: int, **kw):
 
 
 SOFT_CAP_CASES = [  # B, T, S, H, K, D, causal, dtype, cap, q multiplier
-    (2, 1024, 1024, 4, 4, 128, False, jnp.bfloat16, 1.5, 1.0),  # persistent plain loop
+    (2, 1024, 1024, 4, 4, 128, False, jnp.bfloat16, 1.5, 1.0),  # persistent, overlap (1K)
     (1, 3000, 3000, 4, 2, 128, False, jnp.bfloat16, 30.0, 8.0),  # persistent, overlap
     (1, 5000, 5000, 4, 4, 128, False, jnp.bfloat16, 30.0, 8.0),  # 192-key tiles
     (1, 1100, 1000, 4, 4, 128, True, jnp.bfloat16, 1.5, 1.0),

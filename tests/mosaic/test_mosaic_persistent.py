@@ -83,18 +83,20 @@ def test_persistent_applies_only_where_it_can():
 
 
 def test_tuned_table_runs_short_non_causal_calls_persistent():
+  short = config_module.tuned(64, False, config_module.SHORT_KV_LEN)
+  assert short.fwd_persistent and not short.fwd_intra_wg_overlap and short.heads_fastest
+  assert short.dkdv_schedule == TUNED[(64, False)].dkdv_schedule  # backward untouched
   for d in (64, 128):
-    short = config_module.tuned(d, False, config_module.SHORT_KV_LEN)
-    assert short.fwd_persistent and not short.fwd_intra_wg_overlap
-    assert short.dkdv_schedule == TUNED[(d, False)].dkdv_schedule  # backward untouched
     assert config_module.tuned(d, True, 1024) == TUNED[(d, True)]
   assert config_module.tuned(64, False, config_module.SHORT_KV_LEN + 1) == TUNED[(64, False)]
+  # Head dim 128 runs one form from the shortest calls up to MEDIUM_KV_LEN keys.
   medium = config_module.tuned(128, False, config_module.MEDIUM_KV_LEN)
+  for kv_len in (64, 1024, config_module.SHORT_KV_LEN, config_module.MEDIUM_KV_LEN):
+    assert config_module.tuned(128, False, kv_len) == medium
   assert medium.fwd_persistent and medium.fwd_intra_wg_overlap and not medium.heads_fastest
   assert medium.dkdv_schedule == TUNED[(128, False)].dkdv_schedule
   # The persistent kernel's second Q buffer leaves room for 128-key tiles only (TUNED: 192).
   assert medium.block_kv == 128 and medium.fwd_q_registers and TUNED[(128, False)].block_kv == 192
-  assert config_module.tuned(128, False, config_module.SHORT_KV_LEN).block_kv == 128
   assert config_module.tuned(128, False, config_module.MEDIUM_KV_LEN + 1) == TUNED[(128, False)]
   assert config_module.tuned(256, False, 1024) == TUNED[(256, False)]
 
