@@ -58,9 +58,10 @@ class MosaicConfig:
       16x1024x16x128, +7 % at head_dim 64, level at 4K, 5-6 % slower at 16K-32K (H200).
       With heads_fastest=False (q tiles fastest) and the intra-WG overlap, +5 % at
       4x4096x16x128 and 6 % behind the grid at 16K; the default of head-dim-128 calls up to
-      MEDIUM_KV_LEN keys (+1-3 % over the plain loop at 1K-2K, thirty-second session); the
-      plain-loop default of head dim 64 up to SHORT_KV_LEN runs heads fastest (`tuned`). The persistent
-      kernel computes its tile order itself, so its heads_fastest always meant what it says.
+      MEDIUM_KV_LEN keys (thirty-second session: +1.7-3.4 % over the plain loop at 2K, level
+      at 1K); head dim 64's plain-loop default up to SHORT_KV_LEN runs heads fastest (`tuned`).
+      The persistent kernel computes its tile order itself, so its heads_fastest always meant
+      what it says.
     bwd_heads_fastest: the backward kernels' launch order, as heads_fastest is the forward's.
       False: consecutive CTAs take consecutive q tiles (dQ kernel) or kv tiles (dK/dV and fused
       kernels) of one head, and the causal dQ kernel launches its heaviest q tiles (the last
@@ -435,9 +436,10 @@ SHORT_KV_LEN = 2048
 # 541.6 / 506.1 (5), 4x2048x16x128 553.1 / 568.1 / 538.2 (10), 8x2048x16x128 558.3 / 568.8 /
 # 551.0 (8), 2x2048x32x128 536.9 / 555.4 / 523.3 (9), 8x2048x16x128 with 4 kv heads 572.1 /
 # 587.5 / 558.1 (10); fwd+bwd 16x1024x16x128 425.6 / 432.8 / 388.4, 8x2048x16x128 467.9 /
-# 475.8 / 468.0. At 1x16384x16x128 the grid kernel stays ahead (644 vs 605; heads-fastest
-# persistent 570): with q tiles fastest the CTAs running together share one head's K/V,
-# which stays in L2, where all 16 heads' K/V at 16K does not. 2K-4K is unmeasured between.
+# 475.8 / 468.0. Rechecked at 1K (run4): 16x1024x16x128 509.8 (this form) / 512.8 (plain),
+# 4x1000x16x128 480.1 / 477.7: level there. At 1x16384x16x128 the grid kernel stays ahead
+# (644 vs 605; heads-fastest persistent 570): with q tiles fastest the CTAs running together
+# share one head's K/V, which stays in L2, where all 16 heads' K/V at 16K does not.
 # Past it the grid kernel runs TUNED's 192-key tiles (nineteenth session, run3 and run6, fwd
 # TFLOP/s, same run: 4x4096x16x128 persistent 605 vs 192-key grid 594; 3x5120x16x128 585 vs
 # 593, 2x8192x16x128 588 vs 613).
