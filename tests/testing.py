@@ -140,10 +140,18 @@ MOSAIC_INTERPRET_SMALL = MosaicConfig(block_q=64, block_kv=64, block_q_dq=64, bl
                                       bwd_stages=2, interpret=True)
 
 
+def max_abs(x) -> float:
+  """max|x| in float64, NaN where x holds a NaN. In numpy: XLA's CPU max reduction skips NaNs
+  in large arrays (jnp.abs(x).max() read 1.0 for a [200, 4, 128] array of ones and NaNs), so a
+  check written with it would pass unwritten or NaN outputs."""
+  return float(np.abs(np.asarray(jnp.asarray(x, jnp.float32), np.float64)).max())
+
+
 def max_rel_err(x, ref) -> float:
-  """max|x - ref| / max|ref| in float32 (no floor: for references that are not all zero)."""
-  x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
-  return float(jnp.abs(x - ref).max() / jnp.abs(ref).max())
+  """max|x - ref| / max|ref| (no floor: for references that are not all zero); NaN, which
+  fails every `<=` check, where x or ref holds a NaN (see max_abs)."""
+  x, ref = (jnp.asarray(a, jnp.float32) for a in (x, ref))
+  return max_abs(x - ref) / max_abs(ref)
 
 
 # An H200 that need not exist: lowering for CUDA on a CPU machine checks tracing, layouts and
