@@ -154,7 +154,7 @@ import jax, jax.numpy as jnp
 from pallas_flash.mosaic_gpu import MosaicConfig, forward
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
-from testing import kernel_inputs, rel_err
+from testing import kernel_inputs, max_abs, rel_err
 b, t, s, h, kh, d, dtype, kw = json.loads(sys.argv[1])
 dtype = jnp.dtype(dtype)
 q, k, v, _ = kernel_inputs(b, t, s, h, kh, d, dtype, seed=t + s + h)
