@@ -506,14 +506,11 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
     is_converter, conv = converters.index()
     consumer, producer = consumer & ~is_converter, producer & ~is_converter
 
-    # One branch per WG, with static shared-memory refs: with `wg` traced the main loop
-    # reloaded 27-28 spilled words per step and stored 11 (deviceless, 4x4096x16x128),
-    # against 22 / 4 without converters and 16 / 2 this way (15 / 1 at 1x16384x16x128).
-    for w in range(2):
-      @pl.when(is_converter & (wg == w) & (conv < converters.active))
-      def _converter():
-        _convert_dq(dq_acc_ref, dq_ref, counters, dq_scratch.at[w], ds_scratch.at[0, w],
-                    _at(dq_loaded, w), w, conv, converters, kp)
+    @pl.when(is_converter & (wg < 2) & (conv < converters.active))
+    def _converter():
+      ds_slot = ds_scratch.at[0, wg]
+      _convert_dq(dq_acc_ref, dq_ref, counters, dq_scratch.at[wg], ds_slot,
+                  _at(dq_loaded, wg), wg, conv, converters, kp)
 
   @pl.when(consumer)
   def _consumer():
