@@ -45,7 +45,6 @@ import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from pallas_flash import _blocking
 from pallas_flash.mosaic_gpu import _common
@@ -116,14 +115,6 @@ def unsupported_reason(q, config: MosaicConfig) -> str | None:
     return "fused_defer_inline needs fused_defer_dq (it is a form of the deferred dQ_part)"
   if config.fused_offset and not config.fused_defer_dq:
     return "fused_offset needs fused_defer_dq (it offsets the warpgroups the deferral decouples)"
-  if config.fused_convert_dq and not (
-      config.fused_dq_shared and config.block_q_fused == config.block_kv_fused == d // 2
-      and not (config.fused_dq_head_major or config.fused_batch_slowest
-               or config.fused_per_batch_entry or config.fused_overlap)):
-    return (f"fused_convert_dq needs fused_dq_shared, block_q_fused = block_kv_fused = "
-            f"head_dim / 2 (got {config.block_q_fused}, {config.block_kv_fused}, head_dim {d}: "
-            "a dSᵀ slot stages the cast rows) and none of fused_dq_head_major, "
-            "fused_batch_slowest, fused_per_batch_entry, fused_overlap")
   if config.fused_overlap and config.fused_dq_blocks != 1:
     return (f"fused_overlap needs fused_dq_blocks 1 (got {config.fused_dq_blocks}): it issues "
             "dQ_part as one accumulator next to dK")
@@ -324,111 +315,16 @@ def _reduce_dq(dq_smem, dq_acc_ref, dst, wg, dq_loaded, kp: _common.KernelParams
   plgpu.copy_smem_to_gmem(dq_smem, dq_acc_ref.at[dst], reduction_op="add")
 
 
-@dataclasses.dataclass(frozen=True)
-class Converters:
-  """MosaicConfig.fused_convert_dq's CTAs. The launch grid (`names`, `sizes`, slowest axis
-  first) has one more entry on its slowest axis than the kv tiles need; that slice's CTAs
-  are the converters, `active` of which convert (the rest return), the c-th taking units c,
-  c + active, ... (see _convert_dq). groups: (batch entry, kv head) pairs, group kvh·B + b,
-  whose counter reaches `target` (its kv tiles) once its dQ is summed."""
-  names: tuple[str, str, str]
-  sizes: tuple[int, int, int]
-  active: int
-  groups: int
-  bsz: int
-  target: int
-
-  @staticmethod
-  def plan(grid: dict, kh: int, bsz: int, kp: _common.KernelParams) -> Converters:
-    """Converters after launch_grid's `grid` of kv-tile CTAs. As many convert as SMs fall
-    idle in the last wave, if that leaves each at most a step's worth of units per step of a
-    tile (a unit, 16 KiB in and 8 out per warpgroup, waits ~1.5 us on its load; a step takes
-    ~2.5): the conversion then fits in the last tiles' time. Otherwise one per SM, after them."""
-    sizes = grid["grid"]
-    sms, main = _common.sm_count(), math.prod(sizes)
-    slot = sizes[1] * sizes[2]
-    idle = (sms - main % sms) % sms
-    steps = (kp.t_pad // kp.block_q) * kp.group
-    units = bsz * kh * steps
-    active = idle if idle and units <= idle * steps else sms
-    tiles = kp.s_pad // (2 * kp.block_kv)
-    return Converters(names=tuple(grid["grid_names"]), sizes=(sizes[0] + 1, *sizes[1:]),
-                      active=min(active, slot), groups=bsz * kh, bsz=bsz, target=tiles)
-
-  def index(self):
-    """(this CTA is a converter, its index among them)."""
-    first, second, third = (lax.axis_index(n) for n in self.names)
-    return first == self.sizes[0] - 1, second * self.sizes[2] + third
-
-
-def _fence_async_global():
-  """Orders this thread's global memory accesses through the async proxy (TMA) with its
-  generic ones: a finished TMA reduce-add before the release that publishes it, and an
-  acquire before the TMA load that reads what it published."""
-  @plgpu.inline_mgpu()
-  def fence(_):
-    mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
-
-  fence()
-
-
-def _convert_dq(dq_acc_ref, dq_ref, counters, stage32, stage16, loaded, wg, conv,
-                plan: Converters, kp: _common.KernelParams):
-  """Converter `conv`, warpgroup wg: dq_ref = dq_acc_ref · scale in kp.dtype over its units.
-
-  Units are the groups' [block_q, D] row blocks in group order (the order tiles-fastest
-  launches finish them in): u = g·R + hh·nq + i is q block i of query head kvh·G + hh of group
-  g = kvh·B + b, R = nq·G, nq = Tp / block_q. Converter c takes u = c, c + active, ...; each
-  warpgroup its half of D's columns. Before a group's first unit it waits for the group's
-  counter (not when interpreting: the interpreter has no semaphores and runs the grid points
-  one after another in launch order, so the kv tiles have finished). stage32 [block_q, D/2]
-  f32 and stage16 [block_q, D/2] kp.dtype (shared memory), loaded: a barrier. In interpret
-  mode dq_acc_ref is [2, ...] (one slice per warpgroup, see fused_call), summed here."""
-  bq, d2, nq = kp.block_q, kp.d // 2, kp.t_pad // kp.block_q
-  per_group = nq * kp.group
-  units = plan.groups * per_group
-  cols = pl.ds(wg * d2, d2)
-
-  def unit(j, waited):
-    u = conv + j * plan.active
-    g, r = lax.div(u, per_group), lax.rem(u, per_group)
-    b, h = lax.rem(g, plan.bsz), lax.div(g, plan.bsz) * kp.group + lax.div(r, nq)
-    rows = pl.ds(lax.rem(r, nq) * bq, bq)
-    if not kp.interpret:
-      @pl.when(g != waited)
-      def _():
-        plgpu.semaphore_wait(counters.at[g], plan.target, decrement=False, memory_scope="gpu")
-        _fence_async_global()
-
-    x = None
-    for src in ([dq_acc_ref.at[w, b, rows, h, cols] for w in range(2)] if kp.interpret
-                else [dq_acc_ref.at[b, rows, h, cols]]):
-      plgpu.copy_gmem_to_smem(src, stage32, loaded)
-      plgpu.barrier_wait(loaded)
-      part = stage32[...]
-      plgpu.commit_smem()  # a barrier: every thread has read stage32 before it is reloaded
-      x = part if x is None else x + part
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last unit's store has read stage16
-    stage16[...] = (x * kp.scale).astype(kp.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(stage16, dq_ref.at[b, rows, h, cols])
-    return g
-
-  lax.fori_loop(0, lax.div(units - conv + plan.active - 1, plan.active), unit, jnp.int32(-1))
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
 def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_ref, dk_ref, dv_ref,
                       k_scratch, v_scratch, q_scratch, do_scratch, lse_scratch, delta_scratch,
                       ds_scratch, dq_scratch, p_scratch, kv_ready, q_ready, do_ready, lse_ready,
                       delta_ready, q_free, do_free, lse_free, delta_free, dq_loaded, ds_ready,
-                      kv_done, ds_handoff, start, tile_done, *, kp: _common.KernelParams,
+                      kv_done, ds_handoff, start, *, kp: _common.KernelParams,
                       stagger_q: bool, dq_blocks: int, dq_shared: bool, overlap: bool = False,
                       dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
                       dq_head_major: bool = False, split_loop: bool = False,
                       early_probs: bool = False, dq_first: bool = False,
-                      entry: int | None = None, dq_ref=None,
-                      converters: Converters | None = None):
+                      entry: int | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   entry: None, or the one batch entry this launch (grid batch 1) computes; its dk/dv_ref are
@@ -465,11 +361,6 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   step's dQ_part between dV and dK and reduce-adds it while dK runs. Step 0's dQ_part, of the
   zeroed dSᵀ slot 3, is reduce-added too (zeros, into step 0's rows), so that no branch sits
   among the matmuls.
-
-  converters (MosaicConfig.fused_convert_dq): the grid has their slice too. Once both consumer
-  WGs' dQ reduce-adds have written global memory (they arrive on tile_done), the producer adds
-  1 to the tile's group's counter (a global semaphore); the converters write dq_ref [B, Tp, H, D] (kp.dtype, scaled) as
-  _convert_dq says, staging through dq_scratch and a dSᵀ slot.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   nq = kp.t_pad // bq
@@ -499,20 +390,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
              (lse_ref, lse_scratch, lse_ready, lse_free),
              (delta_ref, delta_scratch, delta_ready, delta_free))
 
-  consumer, producer = wg < 2, wg == 2
-  if converters is not None:
-    counters = (None if kp.interpret else
-                pl.get_global(plgpu.SemaphoreType.REGULAR((converters.groups,))))
-    is_converter, conv = converters.index()
-    consumer, producer = consumer & ~is_converter, producer & ~is_converter
-
-    @pl.when(is_converter & (wg < 2) & (conv < converters.active))
-    def _converter():
-      ds_slot = ds_scratch.at[0, wg]
-      _convert_dq(dq_acc_ref, dq_ref, counters, dq_scratch.at[wg], ds_slot,
-                  _at(dq_loaded, wg), wg, conv, converters, kp)
-
-  @pl.when(consumer)
+  @pl.when(wg < 2)
   def _consumer():
     plgpu.set_max_registers(kp.compute_registers, action="increase")
     k_smem, v_smem, dq_smem = k_scratch.at[wg], v_scratch.at[wg], dq_scratch.at[wg]
@@ -741,24 +619,11 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
       _common.sync(kv_done)
     # Also the last dQ reduction.
     _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, (out_b, *rows[1:]), kp)
-    if converters is not None:
-      # Every dQ reduce-add of this WG has written global memory (dK / dV's store, the newest
-      # group, may still run); the producer tells the group's counter. (Signalled from here,
-      # the counter's address stayed live through the main loop: deviceless, 4 more spill
-      # reloads and 5 more stores per step at 4x4096x16x128.)
-      if not kp.interpret:
-        plgpu.wait_smem_to_gmem(1)
-        _fence_async_global()
-      plgpu.barrier_arrive(tile_done)
 
-  @pl.when(producer)
+  @pl.when(wg == 2)
   def _producer():
     plgpu.set_max_registers(kp.producer_registers, action="decrease")
     _produce_query_streams(cta_steps, stages, streams, index, b, bq, kp)
-    if converters is not None:
-      plgpu.barrier_wait(tile_done)
-      if not kp.interpret:
-        plgpu.semaphore_signal(counters.at[kvh * converters.bsz + b], 1, memory_scope="gpu")
 
 
 def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q: bool = False,
@@ -766,13 +631,10 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
                dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
                auto_barriers: bool = True, dq_head_major: bool = False,
                batch_slowest: bool = False, per_batch_entry: bool = False,
-               split_loop: bool = False, early_probs: bool = False, dq_first: bool = False,
-               convert_dq: bool = False):
+               split_loop: bool = False, early_probs: bool = False, dq_first: bool = False):
   """q/do [B, T', H, D], k/v [B, S', K, D] (T', S' padded as _common.operand_rows says, the
   tiles covering kp.t_pad / kp.s_pad rows), lse2/delta [B, H, Tp] -> (dq_acc [B, T', H, D] f32
   unscaled ([B, H, T', D] with dq_head_major), dk [B, S', K, D] scaled, dv [B, S', K, D]).
-  convert_dq (MosaicConfig.fused_convert_dq): dq is [B, T', H, D] in q.dtype, scaled, written
-  by the kernel's converters (Converters) instead.
 
   per_batch_entry: one launch per batch entry (the entry static in the kernel), each adding into
   the one dQ buffer and returning its entry's dK / dV, concatenated. kp.flat_stats: the kernel
@@ -807,12 +669,11 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
                  jnp.float32, transforms=_common.smem_transforms(jnp.float32)),
       plgpu.SMEM((2, bkv, bq), kp.dtype, transforms=tiles) if kp.interpret else None,
       *kv_stream_barriers(kp),
-      plgpu.Barrier(num_barriers=2) if kp.interpret or convert_dq else None,
+      plgpu.Barrier(num_barriers=2) if kp.interpret else None,
       plgpu.Barrier(num_arrivals=2) if dq_shared else None,
       plgpu.Barrier(num_arrivals=2) if dq_shared else None,
       plgpu.Barrier(num_barriers=(2, 4)) if defer_dq else None,
       plgpu.Barrier() if offset else None,
-      plgpu.Barrier(num_arrivals=2) if convert_dq else None,
   ]
   # The kernel only adds: the zeros come from XLA (a memset) and reach the kernel as a mutable
   # input, aliased to the result. Their scalar passes through an optimization barrier with dO:
@@ -827,32 +688,18 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   def launch(entry):
     rows = k.shape if entry is None else (1, *k.shape[1:])
     kv_out = jax.ShapeDtypeStruct(rows, k.dtype)
-    grid = _common.launch_grid(s_pad // (2 * bkv), kh, bsz if entry is None else 1,
-                               ("kt", "kvh", "b"), heads_fastest=kp.bwd_heads_fastest,
-                               batch_slowest=batch_slowest)
-    converters = None
-    out_type = (kv_out, kv_out)
-    if convert_dq:
-      assert entry is None and not (batch_slowest or dq_head_major), "see unsupported_reason"
-      converters = Converters.plan(grid, kh, bsz, kp)
-      grid = dict(grid=converters.sizes, grid_names=converters.names)
-      out_type = (*out_type, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    body = functools.partial(
-        _bwd_fused_kernel, kp=kp, stagger_q=stagger_q, dq_blocks=dq_blocks,
-        dq_shared=dq_shared, overlap=overlap, dq_slots=dq_slots, defer_dq=defer_dq,
-        offset=offset and defer_dq, dq_head_major=dq_head_major, split_loop=split_loop,
-        early_probs=early_probs, dq_first=dq_first and defer_dq == "inline", entry=entry,
-        converters=converters)
-    if convert_dq:
-      plain = body
-
-      def body(*refs):  # the kernel's dq output goes to its keyword
-        return plain(*refs[:9], *refs[10:], dq_ref=refs[9])
     return plgpu.kernel(
-        body,
-        out_type=out_type,
+        functools.partial(_bwd_fused_kernel, kp=kp, stagger_q=stagger_q, dq_blocks=dq_blocks,
+                          dq_shared=dq_shared, overlap=overlap, dq_slots=dq_slots,
+                          defer_dq=defer_dq, offset=offset and defer_dq,
+                          dq_head_major=dq_head_major, split_loop=split_loop,
+                          early_probs=early_probs, dq_first=dq_first and defer_dq == "inline",
+                          entry=entry),
+        out_type=(kv_out, kv_out),
         scratch_types=scratch,
-        **grid,
+        **_common.launch_grid(s_pad // (2 * bkv), kh, bsz if entry is None else 1,
+                              ("kt", "kvh", "b"), heads_fastest=kp.bwd_heads_fastest,
+                              batch_slowest=batch_slowest),
         num_threads=3, thread_name="wg",
         compiler_params=_common.compiler_params(kp, min(profile_steps(kp), PROFILE_STEPS),
                                                 auto_barriers=auto_barriers or kp.interpret),
@@ -862,9 +709,6 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
   if per_batch_entry and bsz > 1:
     parts = [launch(entry) for entry in range(bsz)]
     dk, dv = (jnp.concatenate(grads, axis=0) for grads in zip(*parts))
-  elif convert_dq:
-    dk, dv, dq = launch(None)
-    return dq, dk, dv
   else:
     dk, dv = launch(None)
   dq = jax.freeze(dq_acc)
@@ -911,10 +755,7 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
                               per_batch_entry=config.fused_per_batch_entry,
                               split_loop=config.fused_split_loop,
                               early_probs=config.fused_early_probs,
-                              dq_first=config.fused_dq_first,
-                              convert_dq=config.fused_convert_dq)
-  if config.fused_convert_dq:
-    return dq_acc[:, :t], dk[:, :s], dv[:, :s]
+                              dq_first=config.fused_dq_first)
   if config.fused_dq_head_major:
     dq_acc = dq_acc.transpose(0, 2, 1, 3)
   dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)

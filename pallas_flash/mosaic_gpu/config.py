@@ -193,15 +193,6 @@ class MosaicConfig:
       530.1 / 548.7, 2x16384x8x128 with 4 kv heads (the early Pᵀ in all three there) 554.1 /
       552.9 / 550.9;
       causal 1x16384x16x128 527.8 / 534.7, 2x16384x8x128 with 4 kv heads 532.8 / 519.7.
-    fused_convert_dq: fused backward with fused_dq_shared, block_q_fused = block_kv_fused =
-      head_dim / 2: the kernel scales and casts dQ itself instead of XLA after it. One more
-      slice of CTAs follows the kv tiles in the launch order; a kv tile's CTA, once its dQ
-      reduce-adds have completed, counts itself done on its (batch, kv head)'s counter, and
-      the extra CTAs, the "converters", wait for a group's count before converting its rows.
-      They start as SMs fall idle in the last wave, so most of the conversion (a pass over
-      the float32 buffer, ~50 us at 4x4096x16x128) overlaps the last tiles. Relies on CTAs
-      being dispatched in launch order, as FA3's deterministic backward does (a converter
-      that waited on a CTA not yet dispatched could hold its SM forever).
     bwd_flat_stats: the dK/dV-style kernels (the split's, head dim 256's, the fused one) read
       lse and delta ([B, H, T] float32, one block_q slice each step) as a [1, B·H, T] view, so
       that their TMA loads are 2-D at any batch (3-D otherwise from batch 2; at batch 1 the
@@ -315,7 +306,6 @@ class MosaicConfig:
   fused_split_loop: bool = False
   fused_early_probs: bool = False
   fused_dq_first: bool = False
-  fused_convert_dq: bool = False
   dkdv_schedule: str = "serial"
   dkdv_pingpong: bool = False
   dkdv_fold_stats: bool = False

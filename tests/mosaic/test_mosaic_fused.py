@@ -109,9 +109,7 @@ def test_hd256_runs_the_wide_backward(causal):
                fused_auto_barriers=False, fused_early_probs=True)),
     (64, dict(fused_early_probs=True)),
     (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
-               fused_auto_barriers=False, fused_dq_first=True)),
-    (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
-               fused_auto_barriers=False, fused_split_loop=True, fused_convert_dq=True))],
+               fused_auto_barriers=False, fused_dq_first=True))],
     ids=["d64_bq128", "d64_bkv128", "d64_stages3", "d64_stagger", "d128_dq_blocks2",
          "d128_regs240", "d128_dq_shared", "d128_dq_shared_stages3", "d64_overlap_stages3",
          "d128_overlap_dq_shared_stagger", "d128_overlap_dq_shared_stages3",
@@ -119,32 +117,11 @@ def test_hd256_runs_the_wide_backward(causal):
          "d128_dq_shared_no_auto_barriers", "d128_defer_inline_no_auto_barriers",
          "d128_overlap_no_auto_barriers", "d64_no_auto_barriers", "d128_defer_inline_head_major",
          "d64_head_major", "d128_batch_slowest", "d128_stats_3d", "d128_defer_inline_early_probs",
-         "d64_early_probs", "d128_defer_inline_dq_first", "d128_convert_dq"])
+         "d64_early_probs", "d128_defer_inline_dq_first"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fused_variants_lower(d, kw, causal):
   text = _grad_module(1, 1000, 1000, 4, 2, d, causal, _fused(d, causal, **kw))
   assert _mosaic_calls(text) == 2
-
-
-@pytest.mark.parametrize("d,kw", [(64, dict(fused_dq_shared=False)),
-                                  (128, dict(block_q_fused=128)),
-                                  (128, dict(fused_dq_head_major=True))])
-def test_convert_dq_states_what_it_needs(d, kw):
-  config = _fused(d, False, **{"fused_dq_shared": True, "fused_convert_dq": True, **kw})
-  reason = backward_fused.unsupported_reason(
-      jax.ShapeDtypeStruct((1, 1024, 4, d), jnp.bfloat16), config)
-  assert reason and "fused_convert_dq" in reason
-
-
-def test_convert_dq_casts_in_the_kernel():
-  """The converters write dQ in bf16: no float32 dQ leaves the backward kernel for XLA."""
-  q, kv = kernel_specs(1, 4096, 4096, 16, 16, 128)
-  config = dataclasses.replace(mconfig.call_config(128, AttentionParams(
-      scale=0.1, is_causal=False, has_segments=False), 4096, 1), fused_convert_dq=True)
-  text = _grad_module(1, 4096, 4096, 16, 16, 128, False, config)
-  assert _mosaic_calls(text) == 2
-  backward_kernel = [line for line in text.splitlines() if "mosaic_gpu_v2" in line][-1]
-  assert "tensor<1x4096x16x128xbf16>" in backward_kernel.split("->")[-1]
 
 
 def test_too_much_smem_falls_back_to_split_with_a_warning():
@@ -404,19 +381,6 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
     # One kernel call per batch entry.
     (3, 190, 130, 4, 2, 128, True, jnp.bfloat16, dict(fused_dq_shared=True,
                                                       fused_per_batch_entry=True)),
-    # fused_convert_dq: converter CTAs cast dQ (2 converters of 8 units; GQA; batch 2 with a
-    # causal key tail; heads fastest).
-    (1, 200, 256, 4, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
-                                                       fused_defer_dq=True,
-                                                       fused_defer_inline=True,
-                                                       fused_split_loop=True,
-                                                       fused_convert_dq=True)),
-    (2, 330, 260, 4, 2, 128, True, jnp.float16, dict(fused_dq_shared=True, fused_defer_dq=True,
-                                                     fused_defer_inline=True,
-                                                     fused_convert_dq=True)),
-    (1, 190, 130, 4, 2, 128, True, jnp.bfloat16, dict(fused_dq_shared=True,
-                                                      bwd_heads_fastest=True,
-                                                      fused_convert_dq=True)),
     # bwd_head_group is ignored by the fused kernel (see fused_call).
     (1, 130, 200, 8, 4, 128, True, jnp.bfloat16, dict(fused_dq_shared=True,
                                                       bwd_heads_fastest=True, bwd_head_group=2)),
