@@ -23,8 +23,7 @@ from pallas_flash.mosaic_gpu.config import tuned
 from pallas_flash.params import AttentionParams
 from pallas_flash.reference import attention_reference
 from testing import (H200, MOSAIC_INTERPRET_SMALL, TRITON_CALL, export_for_h200, kernel_case_id,
-                     kernel_inputs, kernel_specs, max_abs, max_rel_err,
-                     random_segments)
+                     kernel_inputs, kernel_specs, max_abs, max_rel_err, random_segments)
 
 TOL = {jnp.bfloat16: (1.5e-2, 3e-2), jnp.float16: (3e-3, 6e-3)}
 SMALL = MOSAIC_INTERPRET_SMALL  # testing.py says why these tiles
