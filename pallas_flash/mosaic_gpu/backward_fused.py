@@ -324,7 +324,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                       dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
                       dq_head_major: bool = False, split_loop: bool = False,
                       early_probs: bool = False, dq_first: bool = False,
-                      entry: int | None = None):
+                      static_wg: bool = False, entry: int | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   entry: None, or the one batch entry this launch (grid batch 1) computes; its dk/dv_ref are
@@ -361,6 +361,9 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
   step's dQ_part between dV and dK and reduce-adds it while dK runs. Step 0's dQ_part, of the
   zeroed dSᵀ slot 3, is reduce-added too (zeros, into step 0's rows), so that no branch sits
   among the matmuls.
+
+  static_wg (MosaicConfig.fused_static_wg): the consumer body is traced once per warpgroup,
+  its index a constant in each copy.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   nq = kp.t_pad // bq
@@ -390,8 +393,7 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
              (lse_ref, lse_scratch, lse_ready, lse_free),
              (delta_ref, delta_scratch, delta_ready, delta_free))
 
-  @pl.when(wg < 2)
-  def _consumer():
+  def _consumer(wg):
     plgpu.set_max_registers(kp.compute_registers, action="increase")
     k_smem, v_smem, dq_smem = k_scratch.at[wg], v_scratch.at[wg], dq_scratch.at[wg]
     k0 = cta_k0 + wg * bkv
@@ -620,6 +622,14 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
     # Also the last dQ reduction.
     _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, (out_b, *rows[1:]), kp)
 
+  if static_wg:
+    # `wg * 0 + w`, not `w`: a literal ref index closed over by run_state's body becomes one
+    # of its outputs, which the lowering rejects; MLIR folds this one to the constant.
+    for w in range(2):
+      pl.when(wg == w)(functools.partial(_consumer, wg * 0 + w))
+  else:
+    pl.when(wg < 2)(functools.partial(_consumer, wg))
+
   @pl.when(wg == 2)
   def _producer():
     plgpu.set_max_registers(kp.producer_registers, action="decrease")
@@ -631,7 +641,8 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
                dq_slots: int = 1, defer_dq: bool | str = False, offset: bool = False,
                auto_barriers: bool = True, dq_head_major: bool = False,
                batch_slowest: bool = False, per_batch_entry: bool = False,
-               split_loop: bool = False, early_probs: bool = False, dq_first: bool = False):
+               split_loop: bool = False, early_probs: bool = False, dq_first: bool = False,
+               static_wg: bool = False):
   """q/do [B, T', H, D], k/v [B, S', K, D] (T', S' padded as _common.operand_rows says, the
   tiles covering kp.t_pad / kp.s_pad rows), lse2/delta [B, H, Tp] -> (dq_acc [B, T', H, D] f32
   unscaled ([B, H, T', D] with dq_head_major), dk [B, S', K, D] scaled, dv [B, S', K, D]).
@@ -694,7 +705,7 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
                           defer_dq=defer_dq, offset=offset and defer_dq,
                           dq_head_major=dq_head_major, split_loop=split_loop,
                           early_probs=early_probs, dq_first=dq_first and defer_dq == "inline",
-                          entry=entry),
+                          static_wg=static_wg, entry=entry),
         out_type=(kv_out, kv_out),
         scratch_types=scratch,
         **_common.launch_grid(s_pad // (2 * bkv), kh, bsz if entry is None else 1,
@@ -755,7 +766,8 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
                               per_batch_entry=config.fused_per_batch_entry,
                               split_loop=config.fused_split_loop,
                               early_probs=config.fused_early_probs,
-                              dq_first=config.fused_dq_first)
+                              dq_first=config.fused_dq_first,
+                              static_wg=config.fused_static_wg)
   if config.fused_dq_head_major:
     dq_acc = dq_acc.transpose(0, 2, 1, 3)
   dq = (dq_acc[:, :t] * params.scale).astype(q.dtype)

@@ -193,6 +193,14 @@ class MosaicConfig:
       530.1 / 548.7, 2x16384x8x128 with 4 kv heads (the early Pᵀ in all three there) 554.1 /
       552.9 / 550.9;
       causal 1x16384x16x128 527.8 / 534.7, 2x16384x8x128 with 4 kv heads 532.8 / 519.7.
+    fused_static_wg: fused backward: each consumer warpgroup runs its own copy of the
+      kernel body, in which its index is a constant (the body is traced once per warpgroup), so
+      that its shared-memory addresses and key offsets are too. Same steps and sums. Deviceless
+      SASS (compute_registers 240, config.FUSED_NONCAUSAL at 4x4096x16x128 and
+      1x16384x16x128): 92 / 128 spilled bytes stored / loaded and none in the main loops,
+      against 356 / 388 and 4 / 22 spill instructions per step with one body for both
+      (FUSED_GQA_NONCAUSAL at 2x16384x8x128, 4 kv heads: 16 / 16 and none, against 292 / 320
+      and 7 / 17; FUSED_LONG_CAUSAL at 1x16384x16x128: 200 / 176, against 436 / 452).
     bwd_flat_stats: the dK/dV-style kernels (the split's, head dim 256's, the fused one) read
       lse and delta ([B, H, T] float32, one block_q slice each step) as a [1, B·H, T] view, so
       that their TMA loads are 2-D at any batch (3-D otherwise from batch 2; at batch 1 the
@@ -306,6 +314,7 @@ class MosaicConfig:
   fused_split_loop: bool = False
   fused_early_probs: bool = False
   fused_dq_first: bool = False
+  fused_static_wg: bool = False
   dkdv_schedule: str = "serial"
   dkdv_pingpong: bool = False
   dkdv_fold_stats: bool = False

@@ -109,7 +109,10 @@ def test_hd256_runs_the_wide_backward(causal):
                fused_auto_barriers=False, fused_early_probs=True)),
     (64, dict(fused_early_probs=True)),
     (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
-               fused_auto_barriers=False, fused_dq_first=True))],
+               fused_auto_barriers=False, fused_dq_first=True)),
+    (128, dict(fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
+               fused_auto_barriers=False, fused_split_loop=True, fused_static_wg=True)),
+    (64, dict(fused_static_wg=True))],
     ids=["d64_bq128", "d64_bkv128", "d64_stages3", "d64_stagger", "d128_dq_blocks2",
          "d128_regs240", "d128_dq_shared", "d128_dq_shared_stages3", "d64_overlap_stages3",
          "d128_overlap_dq_shared_stagger", "d128_overlap_dq_shared_stages3",
@@ -117,7 +120,8 @@ def test_hd256_runs_the_wide_backward(causal):
          "d128_dq_shared_no_auto_barriers", "d128_defer_inline_no_auto_barriers",
          "d128_overlap_no_auto_barriers", "d64_no_auto_barriers", "d128_defer_inline_head_major",
          "d64_head_major", "d128_batch_slowest", "d128_stats_3d", "d128_defer_inline_early_probs",
-         "d64_early_probs", "d128_defer_inline_dq_first"])
+         "d64_early_probs", "d128_defer_inline_dq_first", "d128_split_loop_static_wg",
+         "d64_static_wg"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fused_variants_lower(d, kw, causal):
   text = _grad_module(1, 1000, 1000, 4, 2, d, causal, _fused(d, causal, **kw))
@@ -362,6 +366,18 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
     (1, 330, 260, 2, 1, 128, True, jnp.float16, dict(fused_dq_shared=True, fused_defer_dq=True,
                                                      fused_defer_inline=True,
                                                      fused_dq_first=True)),
+    # fused_static_wg: one consumer branch per warpgroup; the split loop (GQA, early Pᵀ) and
+    # causal with a key tail.
+    (1, 200, 256, 4, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
+                                                       fused_defer_dq=True,
+                                                       fused_defer_inline=True,
+                                                       fused_split_loop=True,
+                                                       fused_early_probs=True,
+                                                       fused_static_wg=True)),
+    (2, 330, 260, 2, 1, 128, True, jnp.float16, dict(fused_dq_shared=True, fused_defer_dq=True,
+                                                     fused_defer_inline=True,
+                                                     fused_static_wg=True)),
+    (1, 130, 200, 2, 2, 64, False, jnp.bfloat16, dict(fused_static_wg=True)),
     # The head-major dQ accumulator, at batch 2 with GQA (heads and batches in its index).
     (2, 330, 260, 4, 2, 128, True, jnp.bfloat16, dict(fused_dq_shared=True, fused_defer_dq=True,
                                                      fused_defer_inline=True,

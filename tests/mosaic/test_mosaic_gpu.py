@@ -247,7 +247,10 @@ DEFER_NB = dict(fused_defer_dq=True, fused_defer_inline=True, fused_auto_barrier
                                           fused_early_probs=True),
                                      dict(DEFER_NB, fused_split_loop=True, fused_dq_first=True),
                                      dict(DEFER_NB, fused_dq_first=True,
-                                          fused_early_probs=True)],
+                                          fused_early_probs=True),
+                                     dict(DEFER_NB, fused_static_wg=True),
+                                     dict(DEFER_NB, fused_split_loop=True,
+                                          fused_early_probs=True, fused_static_wg=True)],
                          ids=["dq_shared", "defer_dq", "defer_dq_offset", "defer_inline",
                               "overlap", "no_auto_barriers", "defer_inline_no_auto_barriers",
                               "head_major", "batch_slowest", "per_batch_entry",
@@ -255,7 +258,9 @@ DEFER_NB = dict(fused_defer_dq=True, fused_defer_inline=True, fused_auto_barrier
                               "defer_inline_split_loop", "defer_inline_early_probs",
                               "defer_inline_split_loop_early_probs",
                               "defer_inline_split_loop_dq_first",
-                              "defer_inline_dq_first_early_probs"])
+                              "defer_inline_dq_first_early_probs",
+                              "defer_inline_static_wg",
+                              "defer_inline_split_loop_early_probs_static_wg"])
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 3, 4, 9)], ids=kernel_case_id)
 def test_fused_backward_gradients(case, changes):
   """The single-kernel backward's forms (dQ summed by float32 atomics, so compared with the
