@@ -486,7 +486,8 @@ FUSED_MAX_BATCH = 8
 # 522.3 / 547.0, 2x8192x16x128 529.6 / 438.4 / 511.4 / 539.7, 4x4096x16x128 502.0 / 421.1 /
 # 493.4 / 513.4. Twenty-seventh session (run5), split loop / split backward / cuDNN at batch 8:
 # 8x4096x16x128 504.8 / 481.3 / 508.8, 8x8192x16x128 525.5 / 500.2 / 532.0.
-FUSED_NONCAUSAL = dict(FUSED_LONG_CAUSAL, fused_split_loop=True)
+FUSED_NONCAUSAL = dict(FUSED_LONG_CAUSAL, fused_split_loop=True, fused_static_wg=True,
+                       fused_early_probs=True)
 FUSED_NONCAUSAL_MIN_KV_LEN = 4096
 FUSED_NONCAUSAL_MAX_BATCH = 8
 # ... with fused_early_probs where query heads share kv heads (GQA/MQA). Twenty-seventh session,
@@ -496,7 +497,7 @@ FUSED_NONCAUSAL_MAX_BATCH = 8
 # (run 9). Not at one kv head per query head (run 8: 4x4096x16x128 498.7 / 503.9, 1x16384x16x128
 # 540.7 / 537.6, 1x32768x16x128 547.4 / 546.4) nor causal (1x16384x16x128 511.1 / 526.3,
 # 2x16384x8x128 with 4 kv heads 531.1 / 525.3), one sample each: not adopted there.
-FUSED_GQA_NONCAUSAL = dict(FUSED_NONCAUSAL, fused_early_probs=True)
+FUSED_GQA_NONCAUSAL = FUSED_NONCAUSAL
 
 
 def with_overrides(config: MosaicConfig, overrides: str) -> MosaicConfig:
