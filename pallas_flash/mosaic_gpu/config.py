@@ -467,7 +467,8 @@ FUSED_DEFERRED = dict(fused_backward=True, fused_dq_shared=True, fused_defer_dq=
 # (2x16384x8x128 482.9 / 504.9, with 4 kv heads 466.4 / 513.1), 4x4096x16x128 causal (426.2 /
 # 470.3) and non-causal calls (497-501 / 529-530). The batch-2 loss was the 3-D TMA loads of lse
 # and delta (bwd_flat_stats, twenty-fifth session).
-FUSED_LONG_CAUSAL = dict(FUSED_DEFERRED, fused_auto_barriers=False)
+FUSED_LONG_CAUSAL = dict(FUSED_DEFERRED, fused_auto_barriers=False, fused_static_wg=True,
+                         fused_early_probs=True)
 FUSED_MIN_KV_LEN = 16384
 # ... and at most this batch, the largest measured. Twenty-fifth session (run3), with
 # bwd_flat_stats, fwd+bwd TFLOP/s fused / split / cuDNN, causal, same process: 2x16384x8x128
@@ -486,8 +487,7 @@ FUSED_MAX_BATCH = 8
 # 522.3 / 547.0, 2x8192x16x128 529.6 / 438.4 / 511.4 / 539.7, 4x4096x16x128 502.0 / 421.1 /
 # 493.4 / 513.4. Twenty-seventh session (run5), split loop / split backward / cuDNN at batch 8:
 # 8x4096x16x128 504.8 / 481.3 / 508.8, 8x8192x16x128 525.5 / 500.2 / 532.0.
-FUSED_NONCAUSAL = dict(FUSED_LONG_CAUSAL, fused_split_loop=True, fused_static_wg=True,
-                       fused_early_probs=True)
+FUSED_NONCAUSAL = dict(FUSED_LONG_CAUSAL, fused_split_loop=True)
 FUSED_NONCAUSAL_MIN_KV_LEN = 4096
 FUSED_NONCAUSAL_MAX_BATCH = 8
 # ... with fused_early_probs where query heads share kv heads (GQA/MQA). Twenty-seventh session,
