@@ -469,7 +469,7 @@ FUSED_DEFERRED = dict(fused_backward=True, fused_dq_shared=True, fused_defer_dq=
 # and delta (bwd_flat_stats, twenty-fifth session).
 FUSED_LONG_CAUSAL = dict(FUSED_DEFERRED, fused_auto_barriers=False, fused_static_wg=True,
                          fused_early_probs=True)
-FUSED_MIN_KV_LEN = 16384
+FUSED_MIN_KV_LEN = 8192
 # ... and at most this batch, the largest measured. Twenty-fifth session (run3), with
 # bwd_flat_stats, fwd+bwd TFLOP/s fused / split / cuDNN, causal, same process: 2x16384x8x128
 # with 4 kv heads 534.1 / 506.8 / 511.0, 2x16384x8x128 531.5 / 509.3 / 515.4, 4x16384x8x128
@@ -488,8 +488,8 @@ FUSED_MAX_BATCH = 8
 # 493.4 / 513.4. Twenty-seventh session (run5), split loop / split backward / cuDNN at batch 8:
 # 8x4096x16x128 504.8 / 481.3 / 508.8, 8x8192x16x128 525.5 / 500.2 / 532.0.
 FUSED_NONCAUSAL = dict(FUSED_LONG_CAUSAL, fused_split_loop=True)
-FUSED_NONCAUSAL_MIN_KV_LEN = 4096
-FUSED_NONCAUSAL_MAX_BATCH = 8
+FUSED_NONCAUSAL_MIN_KV_LEN = 2048
+FUSED_NONCAUSAL_MAX_BATCH = 16
 # ... with fused_early_probs where query heads share kv heads (GQA/MQA). Twenty-seventh session,
 # fwd+bwd TFLOP/s early / FUSED_NONCAUSAL / cuDNN, same process: 2x16384x8x128 with 4 kv heads
 # 544.7 / 524.8 / 547.8 (run 8), 542.1 / 524.3 / 544.9 and 548.2 / 526.8 / 546.3 (run 9, two
