@@ -616,9 +616,9 @@ def flash_attention(
       local_window_size, segment ids, lengths and `mask` (combining them raises); its block
       sizes are the kernels' (see docs/features.md). Not supported by "mosaic".
     deterministic: True guarantees bitwise-identical gradients run to run. Every default path
-      gives them but one: the Mosaic backward of long head-dim-128 calls (causal: at least 16K
-      keys and at most 8 batch entries; non-causal: at least 4K keys, a multiple of 128, at
-      most 8 entries; no segment ids, window or soft cap) is the single fused kernel, which
+      gives them but one: the Mosaic backward of long head-dim-128 calls (causal: at least 8K
+      keys and at most 8 batch entries; non-causal: at least 2K keys, a multiple of 128, at
+      most 16 entries; no segment ids, window or soft cap) is the single fused kernel, which
       sums dQ with float32 atomics in a varying order, as cuDNN's backward does; True runs the
       split backward there instead, and rejects a config with `fused_backward=True`.
     return_residuals: also return the float32 log-sum-exp [B, H, T] (natural log, -inf for a

@@ -79,7 +79,7 @@ def main() -> None:
         tuned = mconfig.call_config(
             spec.head_dim, AttentionParams(scale=1.0, is_causal=causal,
                                            has_segments=seg is not None, local_window=window),
-            spec.seq_len, spec.batch, spec.num_heads // spec.kv_heads)
+            spec.seq_len, spec.batch)
         configs = {"default": tuned,
                    **{n: mconfig.with_overrides(tuned, kw) for n, kw in named}}
         for mode, order in itertools.product(args.mode.split(","), args.orders.split(",")):

@@ -78,7 +78,7 @@ def main() -> None:
 
   shape = tuple(int(x) for x in args.shape.split(","))
   params = AttentionParams(scale=128 ** -0.5, is_causal=True, has_segments=False)
-  default = mconfig.call_config(128, params, shape[1], shape[0], shape[2] // shape[3])
+  default = mconfig.call_config(128, params, shape[1], shape[0])
   variants = [("default", "")] + [v.partition(":")[::2] for v in args.variant]
   for name, overrides in variants:
     gib = temp_gib(mconfig.with_overrides(default, overrides), shape=shape,

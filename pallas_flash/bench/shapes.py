@@ -72,8 +72,8 @@ SHAPES: tuple[ShapeSpec, ...] = (
     # The h200-long preset's attention (train/config.py): the shape the training step runs,
     # where the anchors' B=1, H=16 rows have ranked backward variants differently.
     _spec("b2_t16k_h8_k4_d128", 2, 16384, 8, 128, "train", kv_heads=4),
-    # The largest batch the fused backward is the default at (mosaic_gpu.config's
-    # FUSED_MAX_BATCH, FUSED_NONCAUSAL_MAX_BATCH).
+    # Batch 8: the largest the causal fused backward is the default at (mosaic_gpu.config's
+    # FUSED_MAX_BATCH; non-causal, FUSED_NONCAUSAL_MAX_BATCH, 16).
     _spec("b8_t4k_h16_d128", 8, 4096, 16, 128, "batch8"),
     # Head dim 256 (Gemma's), 16K tokens per call like the anchors: the Mosaic forward and
     # backward_wide.py's backward kernels.

@@ -140,7 +140,7 @@ def soft_cap_with_slope(s, kp: KernelParams):
 
 
 def config_for(q, k, params: AttentionParams) -> MosaicConfig:
-  return call_config(q.shape[3], params, k.shape[1], q.shape[0], q.shape[2] // k.shape[2])
+  return call_config(q.shape[3], params, k.shape[1], q.shape[0])
 
 
 def sm_count() -> int:

@@ -183,8 +183,8 @@ class MosaicConfig:
     fused_early_probs: fused backward: a step waits for Sᵀ alone and forms Pᵀ while dPᵀ is
       still on the tensor cores, then waits for dPᵀ (the dK/dV kernel's "overlap" order for its
       first two products), and loads delta only then. Same arithmetic; fewer spills in the main
-      loop (deviceless). The default of grouped non-causal calls (FUSED_GQA_NONCAUSAL, whose
-      comment has the measurements).
+      loop (deviceless). Part of the fused defaults (FUSED_LONG_CAUSAL, FUSED_NONCAUSAL, whose
+      comments have the measurements).
     fused_dq_first: fused backward with fused_defer_inline: a step issues the previous step's
       dQ_part between dV and dK (FA3's order) and stores and reduce-adds it while dK is still
       on the tensor cores, instead of waiting for all three first. Same sums. Not faster:
@@ -196,11 +196,13 @@ class MosaicConfig:
     fused_static_wg: fused backward: each consumer warpgroup runs its own copy of the
       kernel body, in which its index is a constant (the body is traced once per warpgroup), so
       that its shared-memory addresses and key offsets are too. Same steps and sums. Deviceless
-      SASS (compute_registers 240, config.FUSED_NONCAUSAL at 4x4096x16x128 and
+      SASS (compute_registers 240, FUSED_NONCAUSAL without the early Pᵀ at 4x4096x16x128 and
       1x16384x16x128): 92 / 128 spilled bytes stored / loaded and none in the main loops,
       against 356 / 388 and 4 / 22 spill instructions per step with one body for both
-      (FUSED_GQA_NONCAUSAL at 2x16384x8x128, 4 kv heads: 16 / 16 and none, against 292 / 320
-      and 7 / 17; FUSED_LONG_CAUSAL at 1x16384x16x128: 200 / 176, against 436 / 452).
+      (with fused_early_probs at 2x16384x8x128, 4 kv heads: 16 / 16 and none, against 292 /
+      320 and 7 / 17; FUSED_LONG_CAUSAL's at 1x16384x16x128: 200 / 176, against 436 / 452).
+      Part of the fused defaults (FUSED_LONG_CAUSAL, FUSED_NONCAUSAL, whose comments have the
+      measurements).
     bwd_flat_stats: the dK/dV-style kernels (the split's, head dim 256's, the fused one) read
       lse and delta ([B, H, T] float32, one block_q slice each step) as a [1, B·H, T] view, so
       that their TMA loads are 2-D at any batch (3-D otherwise from batch 2; at batch 1 the
@@ -467,6 +469,12 @@ FUSED_DEFERRED = dict(fused_backward=True, fused_dq_shared=True, fused_defer_dq=
 # (2x16384x8x128 482.9 / 504.9, with 4 kv heads 466.4 / 513.1), 4x4096x16x128 causal (426.2 /
 # 470.3) and non-causal calls (497-501 / 529-530). The batch-2 loss was the 3-D TMA loads of lse
 # and delta (bwd_flat_stats, twenty-fifth session).
+# With one consumer body per warpgroup (fused_static_wg) and the early Pᵀ since the thirty-fourth
+# session (run 2, config_ab, fwd+bwd TFLOP/s, 8 loops, without both / fused_static_wg alone /
+# both / cuDNN, loops both won against without): 1x16384x16x128 522.6 / 527.4 / 534.4 / 523.6
+# (8 of 8), 2x16384x8x128 with 4 kv heads 522.5 / 534.8 / 539.2 / 517.7 (8 of 8). From 8K keys
+# since then (run 3, the split / this form / cuDNN): 2x8192x16x128 494.6 / 507.6 / 483.4 (8 of
+# 8); at 4x4096x16x128 level (459.1 / 461.3 / 429.2, 5 of 8), so the split stays below 8K.
 FUSED_LONG_CAUSAL = dict(FUSED_DEFERRED, fused_auto_barriers=False, fused_static_wg=True,
                          fused_early_probs=True)
 FUSED_MIN_KV_LEN = 8192
@@ -486,18 +494,19 @@ FUSED_MAX_BATCH = 8
 # 1x32768x16x128 542.6 / 488.7 / 512.4 / 554.7, 2x16384x8x128 with 4 kv heads 531.2 / 458.0 /
 # 522.3 / 547.0, 2x8192x16x128 529.6 / 438.4 / 511.4 / 539.7, 4x4096x16x128 502.0 / 421.1 /
 # 493.4 / 513.4. Twenty-seventh session (run5), split loop / split backward / cuDNN at batch 8:
-# 8x4096x16x128 504.8 / 481.3 / 508.8, 8x8192x16x128 525.5 / 500.2 / 532.0.
+# 8x4096x16x128 504.8 / 481.3 / 508.8, 8x8192x16x128 525.5 / 500.2 / 532.0. The early Pᵀ
+# alone helped only GQA/MQA (twenty-seventh session, runs 8-9: 2x16384x8x128 with 4 kv heads
+# 542-548 against 524-527, 4x4096x16x128 498.7 against 503.9); with fused_static_wg, whose main
+# loops spill nothing (deviceless), it helps everywhere. Thirty-fourth session (run 1, config_ab,
+# fwd+bwd TFLOP/s, 10 loops, the split loop alone / with fused_static_wg / with both / cuDNN,
+# loops both won against the first): 4x4096x16x128 503.6 / 510.8 / 514.6 / 512.6 (10 of 10),
+# 1x16384x16x128 542.4 / 541.6 / 552.9 / 550.2 (10 of 10); 2x16384x8x128 with 4 kv heads (the
+# early Pᵀ in all) 547.4 / 554.7 / 552.2 / 545.8. From 2K keys and up to batch 16 since then
+# (run 3, the split / this form / cuDNN, 8 loops): 8x2048x16x128 466.7 / 479.9 / 469.1 (7 of
+# 8), 16x4096x16x128 483.6 / 510.3 / 510.9 (8 of 8).
 FUSED_NONCAUSAL = dict(FUSED_LONG_CAUSAL, fused_split_loop=True)
 FUSED_NONCAUSAL_MIN_KV_LEN = 2048
 FUSED_NONCAUSAL_MAX_BATCH = 16
-# ... with fused_early_probs where query heads share kv heads (GQA/MQA). Twenty-seventh session,
-# fwd+bwd TFLOP/s early / FUSED_NONCAUSAL / cuDNN, same process: 2x16384x8x128 with 4 kv heads
-# 544.7 / 524.8 / 547.8 (run 8), 542.1 / 524.3 / 544.9 and 548.2 / 526.8 / 546.3 (run 9, two
-# round orders); 8x4096x8x128 with 4 kv heads 514.6 / 497.3 / 504.7, 513.1 / 496.6 / 494.9
-# (run 9). Not at one kv head per query head (run 8: 4x4096x16x128 498.7 / 503.9, 1x16384x16x128
-# 540.7 / 537.6, 1x32768x16x128 547.4 / 546.4) nor causal (1x16384x16x128 511.1 / 526.3,
-# 2x16384x8x128 with 4 kv heads 531.1 / 525.3), one sample each: not adopted there.
-FUSED_GQA_NONCAUSAL = FUSED_NONCAUSAL
 
 
 def with_overrides(config: MosaicConfig, overrides: str) -> MosaicConfig:
@@ -530,12 +539,10 @@ def tuned(head_dim: int, is_causal: bool, kv_len: int) -> MosaicConfig:
   return config
 
 
-def call_config(head_dim: int, params: AttentionParams, kv_len: int, batch: int,
-                group: int = 1) -> MosaicConfig:
+def call_config(head_dim: int, params: AttentionParams, kv_len: int, batch: int) -> MosaicConfig:
   """The config of a call that passes none: `tuned`, with the fused backward for head-dim-128
   calls: FUSED_LONG_CAUSAL for causal ones with at least FUSED_MIN_KV_LEN keys and at most
-  FUSED_MAX_BATCH batch entries, FUSED_NONCAUSAL for non-causal ones as its comment says
-  (with FUSED_GQA_NONCAUSAL's early Pᵀ where `group`, query heads per kv head, is above 1);
+  FUSED_MAX_BATCH batch entries, FUSED_NONCAUSAL for non-causal ones as its comment says;
   neither where a call asks for bitwise-reproducible gradients (the fused dQ is summed by
   float32 atomics) or carries segment ids, lengths, a window (which the fused kernel does not
   stream) or a soft cap (not measured with it)."""
@@ -547,9 +554,9 @@ def call_config(head_dim: int, params: AttentionParams, kv_len: int, batch: int,
     return dataclasses.replace(config, **FUSED_LONG_CAUSAL)
   if (not params.is_causal and kv_len >= FUSED_NONCAUSAL_MIN_KV_LEN
       and kv_len % (2 * config.block_kv_fused) == 0 and batch <= FUSED_NONCAUSAL_MAX_BATCH):
-    return dataclasses.replace(config, **(FUSED_GQA_NONCAUSAL if group > 1 else FUSED_NONCAUSAL))
+    return dataclasses.replace(config, **FUSED_NONCAUSAL)
   return config
 
 
 def default_config(info: CallInfo) -> MosaicConfig:
-  return call_config(info.head_dim, info.params, info.kv_len, info.batch, info.group_size)
+  return call_config(info.head_dim, info.params, info.kv_len, info.batch)

@@ -233,10 +233,11 @@ FULL = _params(causal=False)
 @pytest.mark.parametrize("d,s,b,params,form", [
     (128, 16384, 1, _params(), "causal"), (128, 131072, 1, _params(), "causal"),
     (128, 16384, 2, _params(), "causal"), (128, 16384, 16, _params(), None),
-    (128, 16383, 1, _params(), None), (128, 4096, 1, _params(), None),
+    (128, 8191, 1, _params(), None), (128, 8192, 1, _params(), "causal"),
+    (128, 4096, 1, _params(), None),
     (128, 16384, 1, FULL, "full"), (128, 4096, 4, FULL, "full"), (128, 32768, 1, FULL, "full"),
-    (128, 2048, 1, FULL, None), (128, 4000, 1, FULL, None), (128, 8192, 8, FULL, "full"),
-    (128, 16384, 16, FULL, None),
+    (128, 2048, 1, FULL, "full"), (128, 1024, 1, FULL, None), (128, 4000, 1, FULL, None),
+    (128, 8192, 8, FULL, "full"), (128, 4096, 16, FULL, "full"), (128, 4096, 32, FULL, None),
     (64, 16384, 1, _params(), None), (256, 16384, 1, _params(), None),
     (64, 16384, 1, FULL, None), (128, 16384, 1, _params(deterministic=True), None),
     (128, 16384, 1, _params(causal=False, deterministic=True), None),
@@ -244,8 +245,9 @@ FULL = _params(causal=False)
     (128, 16384, 1, _params(causal=False, segments=True), None),
     (128, 16384, 1, _params(local_window=(4095, 0)), None),
     (128, 16384, 1, _params(logits_soft_cap=30.0), None)],
-    ids=["16k", "128k", "batch2", "batch16", "16k-1", "4k", "full", "full-4k-batch4",
-         "full-32k", "full-2k", "full-tail", "full-batch8", "full-batch16", "d64", "d256",
+    ids=["16k", "128k", "batch2", "batch16", "8k-1", "8k", "4k", "full", "full-4k-batch4",
+         "full-32k", "full-2k", "full-1k", "full-tail", "full-batch8", "full-batch16",
+         "full-batch32", "d64", "d256",
          "full-d64", "deterministic", "full-deterministic", "segments", "full-segments", "window",
          "soft_cap"])
 def test_long_calls_default_to_the_fused_backward(d, s, b, params, form):
@@ -257,17 +259,16 @@ def test_long_calls_default_to_the_fused_backward(d, s, b, params, form):
   assert config == want
 
 
-@pytest.mark.parametrize("causal,group,early", [(False, 1, False), (False, 2, True),
-                                                (False, 16, True), (True, 2, False)],
-                         ids=["full-mha", "full-gqa", "full-mqa", "causal-gqa"])
-def test_grouped_noncausal_calls_form_probabilities_early(causal, group, early):
-  """FUSED_GQA_NONCAUSAL (the early Pᵀ) is the non-causal default where query heads share kv
-  heads, the only place it was measured faster; call_config's callers pass the group."""
-  config = mconfig.call_config(128, _params(causal=causal), 16384, 1, group)
-  assert config.fused_backward and config.fused_early_probs == early
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("group", [1, 2, 16], ids=["mha", "gqa", "mqa"])
+def test_fused_defaults_form_probabilities_early_in_per_warpgroup_bodies(causal, group):
+  """Both fused defaults run the early Pᵀ in one consumer body per warpgroup, at any number of
+  query heads per kv head (thirty-fourth session: faster together everywhere measured)."""
   q = jax.ShapeDtypeStruct((1, 16384, 16, 128), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 16384, 16 // group, 128), jnp.bfloat16)
-  assert _common.config_for(q, k, _params(causal=causal)) == config
+  config = _common.config_for(q, k, _params(causal=causal))
+  assert config.fused_backward and config.fused_early_probs and config.fused_static_wg
+  assert config.fused_split_loop == (not causal)
 
 
 @pytest.mark.parametrize("b,causal,deterministic,kernels", [
@@ -341,21 +342,25 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
     (1, 200, 260, 2, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
                                                        fused_defer_dq=True,
                                                        fused_defer_inline=True)),
-    # FUSED_NONCAUSAL's split loop (no key tail: 256 keys, two 128-key CTAs), GQA.
+    # The split loop (no key tail: 256 keys, two 128-key CTAs), GQA.
     (1, 200, 256, 4, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
                                                        fused_defer_dq=True,
                                                        fused_defer_inline=True,
                                                        fused_split_loop=True)),
-    # FUSED_GQA_NONCAUSAL: the split loop with the early Pᵀ; and the early Pᵀ in masked
-    # (causal, key tail) steps.
+    # FUSED_NONCAUSAL's form: the split loop, the early Pᵀ, one consumer body per warpgroup
+    # (fused_static_wg); FUSED_LONG_CAUSAL's: the early Pᵀ in masked (causal, key tail) steps,
+    # batch 2; the static bodies without dq_shared.
     (1, 200, 256, 4, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
                                                        fused_defer_dq=True,
                                                        fused_defer_inline=True,
                                                        fused_split_loop=True,
-                                                       fused_early_probs=True)),
-    (1, 330, 260, 2, 1, 128, True, jnp.float16, dict(fused_dq_shared=True, fused_defer_dq=True,
+                                                       fused_early_probs=True,
+                                                       fused_static_wg=True)),
+    (2, 330, 260, 2, 1, 128, True, jnp.float16, dict(fused_dq_shared=True, fused_defer_dq=True,
                                                      fused_defer_inline=True,
-                                                     fused_early_probs=True)),
+                                                     fused_early_probs=True,
+                                                     fused_static_wg=True)),
+    (1, 130, 200, 2, 2, 64, False, jnp.bfloat16, dict(fused_static_wg=True)),
     # fused_dq_first: dQ_part between dV and dK, step 0's (zeros) reduced too; with the split
     # loop (GQA) and causal with a key tail.
     (1, 200, 256, 4, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
@@ -366,18 +371,6 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
     (1, 330, 260, 2, 1, 128, True, jnp.float16, dict(fused_dq_shared=True, fused_defer_dq=True,
                                                      fused_defer_inline=True,
                                                      fused_dq_first=True)),
-    # fused_static_wg: one consumer branch per warpgroup; the split loop (GQA, early Pᵀ) and
-    # causal with a key tail.
-    (1, 200, 256, 4, 2, 128, False, jnp.bfloat16, dict(fused_dq_shared=True,
-                                                       fused_defer_dq=True,
-                                                       fused_defer_inline=True,
-                                                       fused_split_loop=True,
-                                                       fused_early_probs=True,
-                                                       fused_static_wg=True)),
-    (2, 330, 260, 2, 1, 128, True, jnp.float16, dict(fused_dq_shared=True, fused_defer_dq=True,
-                                                     fused_defer_inline=True,
-                                                     fused_static_wg=True)),
-    (1, 130, 200, 2, 2, 64, False, jnp.bfloat16, dict(fused_static_wg=True)),
     # The head-major dQ accumulator, at batch 2 with GQA (heads and batches in its index).
     (2, 330, 260, 4, 2, 128, True, jnp.bfloat16, dict(fused_dq_shared=True, fused_defer_dq=True,
                                                      fused_defer_inline=True,

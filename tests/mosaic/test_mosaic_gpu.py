@@ -277,14 +277,12 @@ def test_fused_backward_gradients(case, changes):
 @pytest.mark.fused
 @pytest.mark.parametrize("b,h,kh", [(2, 4, 2), (8, 2, 2)], ids=["b2_gqa", "b8"])
 def test_default_noncausal_gradients_run_the_fused_kernel_with_split_loop(b, h, kh):
-  """A non-causal call with 4K keys at batch 2 (GQA: config.FUSED_GQA_NONCAUSAL) and 8
-  (config.FUSED_NONCAUSAL_MAX_BATCH; FUSED_NONCAUSAL) runs the fused kernel by default: its
-  gradients against the float32 reference."""
+  """A non-causal call with 4K keys at batch 2 (GQA) and 8 runs the fused kernel by default
+  (config.FUSED_NONCAUSAL): its gradients against the float32 reference."""
   t, d = 4096, 128
   p = AttentionParams(scale=d ** -0.5, is_causal=False, has_segments=False)
-  form = mconfig.FUSED_GQA_NONCAUSAL if h > kh else mconfig.FUSED_NONCAUSAL
-  assert mconfig.call_config(d, p, t, b, h // kh) == dataclasses.replace(
-      mconfig.tuned(d, False, t), **form)
+  assert mconfig.call_config(d, p, t, b) == dataclasses.replace(
+      mconfig.tuned(d, False, t), **mconfig.FUSED_NONCAUSAL)
   q, k, v, do = kernel_inputs(b, t, t, h, kh, d, jnp.bfloat16, seed=11)
   got = _fwd_bwd(lambda *a: pallas_flash.flash_attention(*a, implementation="mosaic"))(
       q, k, v, do)

@@ -247,8 +247,8 @@ def test_bad_config_is_refused_naming_the_field(kw, field):
 
 
 @pytest.mark.parametrize("shape,causal,fused,early", [
-    ((1, 16384, 16, 16, 128), True, True, False),  # FUSED_LONG_CAUSAL
-    ((2, 16384, 8, 4, 128), False, True, True),  # FUSED_GQA_NONCAUSAL
+    ((1, 16384, 16, 16, 128), True, True, True),  # FUSED_LONG_CAUSAL
+    ((2, 16384, 8, 4, 128), False, True, True),  # FUSED_NONCAUSAL
     ((4, 1024, 16, 16, 128), True, False, False)],  # short: the split backward
     ids=["causal_16k", "gqa_noncausal_16k", "causal_1k"])
 def test_explain_reports_the_per_call_mosaic_config(shape, causal, fused, early):
@@ -260,7 +260,7 @@ def test_explain_reports_the_per_call_mosaic_config(shape, causal, fused, early)
     passed = pallas_flash.explain(q, kv, kv, is_causal=causal, config=MosaicConfig())
   params = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
   assert why.chosen == "mosaic"
-  assert why.config == mosaic_gpu.config.call_config(d, params, t, b, h // kh)
+  assert why.config == mosaic_gpu.config.call_config(d, params, t, b)
   assert (why.config.fused_backward, why.config.fused_early_probs) == (fused, early)
   assert ("fused_backward=True" in str(why)) == fused and "config: MosaicConfig(" in str(why)
   assert passed.config == MosaicConfig()
@@ -275,7 +275,7 @@ def test_model_config_overrides_apply_to_each_calls_default(monkeypatch):
   real = pallas_flash.flash_attention
   monkeypatch.setattr(pallas_flash, "flash_attention",
                       lambda *a, config=None, **kw: seen.append(config) or real(*a, **kw))
-  fn = make_attention("ours", implementation="mosaic", config_overrides="fused_early_probs=True")
+  fn = make_attention("ours", implementation="mosaic", config_overrides="fused_dq_first=True")
   q = jax.ShapeDtypeStruct((1, 16384, 8, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 16384, 4, 128), jnp.bfloat16)
   call = lambda q, k, v: fn(q, k, v, is_causal=True, query_segment_ids=None,  # noqa: E731
@@ -283,7 +283,7 @@ def test_model_config_overrides_apply_to_each_calls_default(monkeypatch):
   with use_abstract_mesh(H200):
     jax.eval_shape(call, q, kv, kv)
     default = pallas_flash.explain(q, kv, kv, is_causal=True).config
-  assert default.fused_backward and not default.fused_early_probs
-  assert seen == [dataclasses.replace(default, fused_early_probs=True)]
+  assert default.fused_backward and not default.fused_dq_first
+  assert seen == [dataclasses.replace(default, fused_dq_first=True)]
   with pytest.raises(ValueError, match="need the Mosaic kernels"):  # on this CPU: xla runs
     jax.eval_shape(call, q, kv, kv)
