@@ -396,6 +396,14 @@ INTERPRET = [  # B, T, S, H, K, D, causal, dtype, config changes
 ]
 
 
+# Forms no default runs (measured slower, docs/perf.md): their interpreter cases are `slow`.
+OPT_IN = {"fused_stagger_q", "fused_dq_blocks", "fused_overlap", "fused_offset", "fused_dq_first",
+          "fused_dq_head_major", "fused_batch_slowest", "fused_per_batch_entry", "bwd_flat_stats",
+          "bwd_head_group", "bwd_heads_fastest"}
+INTERPRET = [pytest.param(c, marks=pytest.mark.slow) if OPT_IN & set(c[8]) else c
+             for c in INTERPRET]
+
+
 def _interpret_id(c):
   changes = (f"{k}={v}" for k, v in c[8].items())
   return "_".join([kernel_case_id(c[:7]), jnp.dtype(c[7]).name, *changes])

@@ -229,6 +229,7 @@ def _assert_same_backward(case, seed, changes, baseline):
     assert bool(jnp.array_equal(g, r)), name
 
 
+@pytest.mark.slow  # dkdv_pingpong is opt-in (measured slower)
 @pytest.mark.parametrize("case", BWD, ids=kernel_case_id)
 def test_dkdv_pingpong_gives_the_same_gradients(case):
   """MosaicConfig.dkdv_pingpong only adds schedule-barrier rounds (which the interpreter
@@ -237,6 +238,7 @@ def test_dkdv_pingpong_gives_the_same_gradients(case):
                         dict(dkdv_pingpong=False))
 
 
+@pytest.mark.slow  # bwd_heads_fastest and bwd_head_group are opt-in
 @pytest.mark.parametrize("group", [0, 1, 2], ids=["all_heads", "group1", "group2"])
 @pytest.mark.parametrize("case", BWD, ids=kernel_case_id)
 def test_backward_launch_order_gives_the_same_gradients(case, group):

@@ -338,6 +338,7 @@ print(json.dumps({n: rel_err(g.astype(jnp.float32), r)
 """
 
 
+@pytest.mark.slow  # bwd_split_tail is opt-in
 @pytest.mark.parametrize("case", BWD_INTERPRET_CASES,
                          ids=[f"{kernel_case_id((*c[:6], False, c[6]))}_{i}"
                               for i, c in enumerate(BWD_INTERPRET_CASES)])
