@@ -159,7 +159,3 @@ class CallInfo:
   platform: str  # "cpu", "gpu", ...
   compute_capability: tuple[int, int] | None  # (9, 0) on Hopper; None off-GPU or unknown
   device_kind: str
-
-  @property
-  def group_size(self) -> int:
-    return self.num_heads // self.num_kv_heads
