@@ -52,7 +52,7 @@ from pallas_flash.mosaic_gpu.backward import (PROFILE_STEPS, _at, _dk_dv_updates
                                               _first_q_block, _first_unmasked_step,
                                               _load_kv_tiles, _probs_t,
                                               _produce_query_streams, _skip_step,
-                                              _step_stat, _step_stats, _store_dk_dv, _tile_and_head,
+                                              _step_stat, _store_dk_dv, _tile_and_head,
                                               _transposed_grad_tiles, _wait_streams,
                                               grad_scores_t,
                                               kv_stream_barriers, kv_stream_smem,

@@ -17,7 +17,6 @@ import pytest
 from jax.sharding import use_abstract_mesh
 
 import pallas_flash
-from pallas_flash import masks
 from pallas_flash.mosaic_gpu import _common, backward, forward
 from pallas_flash.mosaic_gpu.config import tuned
 from pallas_flash.params import AttentionParams
