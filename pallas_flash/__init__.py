@@ -1,17 +1,21 @@
-"""pallas_flash: exact, IO-aware FlashAttention for JAX as Pallas GPU kernels."""
+"""pallas_flash: exact, IO-aware FlashAttention for JAX as Pallas GPU kernels.
 
-from pallas_flash import block_sparse, dropout, masks
+Needs only jax: the Flax layers are in `pallas_flash.flax`, the benchmark in
+`pallas_flash.bench`.
+"""
+
+from pallas_flash import dropout, masks
 from pallas_flash.api import CHECKPOINT_NAME, IMPLEMENTATIONS, Explanation, explain, flash_attention
-from pallas_flash.block_sparse import (BlockMask, CausalMask, LocalMask, PrefixLMMask,
-                                       SegmentMask)
-from pallas_flash.flax import FlashMultiHeadAttention, flash_attention_fn, make_attention_fn
-from pallas_flash.mosaic_gpu import MosaicConfig
+from pallas_flash.merge import merge_attention_states
+from pallas_flash.masks import BlockMask, CausalMask, LocalMask, PrefixLMMask, SegmentMask
+from pallas_flash.mosaic_gpu.config import MosaicConfig
 from pallas_flash.reference import attention_reference
-from pallas_flash.triton import TritonConfig
+from pallas_flash.triton.config import TritonConfig
 from pallas_flash.xla import XlaConfig
 
+__version__ = "0.2.0"
+
 __all__ = ["CHECKPOINT_NAME", "IMPLEMENTATIONS", "BlockMask", "CausalMask", "Explanation",
-           "FlashMultiHeadAttention", "LocalMask", "MosaicConfig", "PrefixLMMask", "SegmentMask",
-           "TritonConfig", "XlaConfig",
-           "attention_reference", "block_sparse", "dropout", "explain", "flash_attention",
-           "flash_attention_fn", "make_attention_fn", "masks"]
+           "LocalMask", "MosaicConfig", "PrefixLMMask", "SegmentMask", "TritonConfig", "XlaConfig",
+           "__version__", "attention_reference", "dropout", "explain", "flash_attention", "masks",
+           "merge_attention_states"]

@@ -1,154 +1,309 @@
-"""Structured masks as a band of diagonals, and which blocks of a tiled score matrix they touch.
+"""Block-sparse masks: mask functions and the per-block tables the kernels iterate.
 
-Causal masking and sliding windows are both a band `lo <= j - i <= hi` of the [T, S] score
-matrix (see `AttentionParams.band`). For a block of rows, the blocks of columns split into three
-runs, which the blocked kernels iterate as three loops:
+A mask function says which keys each query sees, elementwise:
 
-  [first, full_lo)    crosses the band's lower edge: scores need the element mask
-  [full_lo, full_hi)  wholly inside the band: no element mask (unless data-dependent masks apply)
-  [full_hi, last)     crosses the upper edge: element mask
+  CausalMask()              j <= i
+  LocalMask(left, right)    i - left <= j <= i + right
+  SegmentMask(q_seg, kv_seg)  q_seg[b, i] == kv_seg[b, j]   (packed documents)
+  PrefixLMMask(prefix_len)  j < prefix_len[b] or j <= i    (bidirectional prefix, causal rest)
 
-and everything outside [first, last) is skipped, so a window of w tokens costs T·w, not T·S.
-The same arithmetic serves the transposed direction (key blocks owning a run of query blocks)
-with the band mirrored.
+and they combine with `&` and `|`, e.g. `CausalMask() & SegmentMask(ids, ids)`.
 
-Segment ids (packed documents) narrow [first, last) further with data: `segment_block_limits`
-keeps, for each block, the hull of the blocks whose id ranges overlap its own, so a packed batch
-of documents costs Σ len², not (Σ len)², when the ids are sorted (as packing makes them). It also
-keeps the run of blocks that lie wholly inside the same document as the owner block; the middle
-run is narrowed to it, so inside a long document only the blocks on its edges pay for the
-segment-id test.
+`BlockMask.build(mask_fn, q_len=T, kv_len=S, block_q=..., block_kv=...)` evaluates the function
+block row by block row (never a [T, S] array) and keeps, for every block pair, whether it is
+skipped, partly visible (needs the element mask) or wholly visible. For each query block it lists
+the active key blocks, partial ones first (`kv_blocks[b, i, :kv_count[b, i]]`, the first
+`kv_num_partial[b, i]` of them partial), and the transposed lists for the dK/dV pass. The
+kernels loop over those lists only and evaluate the mask function on partial blocks only.
+
+A BlockMask is a pytree (arrays as leaves, block sizes and the mask function's structure as aux
+data): build it once, on the host or under jit, and pass it to every layer.
+
+Mask functions are evaluated on *tiles*: their array leaves hold the values at the tile's
+positions (q_seg [bq], kv_seg [bk], prefix_len a scalar), so the same `tile` method runs in
+XLA and inside Pallas kernels. Leaves are batched ([B|1, T], [B|1, S], [B|1]).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_flash.params import KV_PAD_SEGMENT, Q_PAD_SEGMENT
+# Kinds of array leaves: indexed by query position, by key position, or one value per batch.
+Q, KV, BATCH = "q", "kv", "batch"
 
 
-def mirrored(band: tuple[int | None, int | None]) -> tuple[int | None, int | None]:
-  """The band of i - j given that of j - i."""
-  lo, hi = band
-  return (None if hi is None else -hi), (None if lo is None else -lo)
+class MaskFn:
+  """Base of mask functions: `a & b`, `a | b`, and evaluation on tiles."""
+
+  def __and__(self, other: MaskFn) -> MaskFn:
+    return AndMask(self, other)
+
+  def __or__(self, other: MaskFn) -> MaskFn:
+    return OrMask(self, other)
+
+  def tile(self, q_pos, kv_pos):
+    """bool [len(q_pos), len(kv_pos)]; array leaves already hold the tile's values."""
+    raise NotImplementedError
+
+  def leaf_kinds(self) -> tuple[str, ...]:
+    """Kind (Q, KV or BATCH) of each array leaf, in pytree flattening order."""
+    return ()
+
+  def dense(self, q_len: int, kv_len: int) -> jax.Array:
+    """bool [B|1, T, S]: the whole mask (for references and tests)."""
+    fn = _batched(self, q_len, kv_len)
+    return evaluate(fn, jnp.arange(q_len), jnp.arange(kv_len))
 
 
-def band_mask(rows, cols, band: tuple[int | None, int | None]):
-  """bool [len(rows), len(cols)] (broadcasting rows[:, None], cols[None, :]): cols - rows in band;
-  None when the band is unbounded."""
-  lo, hi = band
-  mask = None
-  diff = cols[None, :] - rows[:, None]
-  if lo is not None:
-    mask = diff >= lo
-  if hi is not None:
-    mask = diff <= hi if mask is None else mask & (diff <= hi)
-  return mask
+def _register(cls, data=(), meta=()):
+  return jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
 
 
-def block_runs(owner, *, owner_block: int, other_block: int, num_other: int,
-               band: tuple[int | None, int | None], element_mask: bool, other_tail: bool,
-               limits=None, full_limits=None, div: Callable = lax.div,
-               maximum: Callable = jnp.maximum, minimum: Callable = jnp.minimum):
-  """(first, full_lo, full_hi, last): the runs of other-axis blocks that owner block `owner` visits.
+@dataclasses.dataclass(frozen=True)
+class CausalMask(MaskFn):
+  """Key j visible to query i iff j <= i (top-left aligned, as jax.nn)."""
 
-  Args:
-    owner: index of the owning block (a traced int32 scalar in kernels, or a numpy array).
-    owner_block, other_block, num_other: block sizes and the number of other-axis blocks.
-    band: (lo, hi) bounds of other_pos - owner_pos (None: unbounded).
-    element_mask: data-dependent masks apply, so no block may skip the mask test.
-    other_tail: the last other-axis block is partly padding and needs the mask.
-    limits: optional (first, last) from `segment_block_limits` to intersect with.
-    full_limits: optional (full_first, full_last) from `segment_block_limits`: other blocks that
-      share the owner's single segment id at every position. When `element_mask` is due to
-      segment ids alone, the unmasked middle run is narrowed to them instead of emptied.
-    div, maximum, minimum: integer ops (numerators are kept non-negative, so truncating division
-      is floor division); pass numpy's for static use.
+  def tile(self, q_pos, kv_pos):
+    return kv_pos[None, :] <= q_pos[:, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalMask(MaskFn):
+  """Key j visible to query i iff i - left <= j <= i + right (jax.nn's local_window_size)."""
+
+  left: int
+  right: int
+
+  def tile(self, q_pos, kv_pos):
+    d = kv_pos[None, :] - q_pos[:, None]
+    return (d >= -self.left) & (d <= self.right)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SegmentMask(MaskFn):
+  """Key j visible to query i iff q_seg[b, i] == kv_seg[b, j]; int [B|1, T] and [B|1, S]."""
+
+  q_seg: jax.Array
+  kv_seg: jax.Array
+
+  def tile(self, q_pos, kv_pos):
+    return self.q_seg[:, None] == self.kv_seg[None, :]
+
+  def leaf_kinds(self):
+    return (Q, KV)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PrefixLMMask(MaskFn):
+  """Prefix-LM: key j visible to query i iff j < prefix_len[b] or j <= i; int [B|1] or int."""
+
+  prefix_len: jax.Array
+
+  def tile(self, q_pos, kv_pos):
+    return (kv_pos[None, :] < self.prefix_len) | (kv_pos[None, :] <= q_pos[:, None])
+
+  def leaf_kinds(self):
+    return (BATCH,)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AndMask(MaskFn):
+  a: MaskFn
+  b: MaskFn
+
+  def tile(self, q_pos, kv_pos):
+    return self.a.tile(q_pos, kv_pos) & self.b.tile(q_pos, kv_pos)
+
+  def leaf_kinds(self):
+    return self.a.leaf_kinds() + self.b.leaf_kinds()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OrMask(AndMask):
+  def tile(self, q_pos, kv_pos):
+    return self.a.tile(q_pos, kv_pos) | self.b.tile(q_pos, kv_pos)
+
+
+for _cls, _data, _meta in ((CausalMask, (), ()), (LocalMask, (), ("left", "right")),
+                           (SegmentMask, ("q_seg", "kv_seg"), ()),
+                           (PrefixLMMask, ("prefix_len",), ()), (AndMask, ("a", "b"), ()),
+                           (OrMask, ("a", "b"), ())):
+  _register(_cls, _data, _meta)
+
+
+def _batched(fn: MaskFn, q_len: int, kv_len: int, batch: int | None = None) -> MaskFn:
+  """`fn` with every leaf int32 and broadcast to a common batch: [B, T], [B, S] or [B]."""
+  leaves, treedef = jax.tree_util.tree_flatten(fn)
+  kinds = fn.leaf_kinds()
+  lengths = {Q: q_len, KV: kv_len}
+  shaped = []
+  for kind, x in zip(kinds, leaves):
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise TypeError(f"Mask function arrays must be integers, got {x.dtype}.")
+    x = x.astype(jnp.int32)
+    want = (lengths[kind],) if kind != BATCH else ()
+    if x.ndim == len(want):
+      x = x[None]
+    if x.ndim != len(want) + 1 or x.shape[1:] != want:
+      raise ValueError(f"A {kind}-indexed mask array must have shape [batch{', ' if want else ''}"
+                       f"{', '.join(map(str, want))}], got {x.shape}.")
+    shaped.append(x)
+  b = max([x.shape[0] for x in shaped] + [1 if batch is None else batch])
+  for x in shaped:
+    if x.shape[0] not in (1, b):
+      raise ValueError(f"Mask function arrays disagree on the batch size: {x.shape[0]} vs {b}.")
+  return treedef.unflatten([jnp.broadcast_to(x, (b, *x.shape[1:])) for x in shaped])
+
+
+def batch_size(fn: MaskFn) -> int:
+  leaves = jax.tree_util.tree_leaves(fn)
+  return leaves[0].shape[0] if leaves else 1
+
+
+def tiles(fn: MaskFn, q_start, q_size: int, kv_start, kv_size: int) -> MaskFn:
+  """`fn` (batched leaves) with its leaves cut to a tile: [B, q_size], [B, kv_size], [B]."""
+  leaves, treedef = jax.tree_util.tree_flatten(fn)
+  cut = []
+  for kind, x in zip(fn.leaf_kinds(), leaves):
+    if kind == Q:
+      x = lax.dynamic_slice_in_dim(x, q_start, q_size, axis=1)
+    elif kind == KV:
+      x = lax.dynamic_slice_in_dim(x, kv_start, kv_size, axis=1)
+    cut.append(x)
+  return treedef.unflatten(cut)
+
+
+def evaluate(fn_tiles: MaskFn, q_pos, kv_pos) -> jax.Array:
+  """bool [B, len(q_pos), len(kv_pos)] from a function whose leaves are batched tiles."""
+  if not jax.tree_util.tree_leaves(fn_tiles):
+    return fn_tiles.tile(q_pos, kv_pos)[None]
+  return jax.vmap(lambda f: f.tile(q_pos, kv_pos))(fn_tiles)
+
+
+def pad_leaves(fn: MaskFn, t_pad: int, s_pad: int) -> MaskFn:
+  """Batched leaves padded (with their last value) to whole blocks; padded positions are masked
+  elsewhere (key tail) or never read back (query rows)."""
+  leaves, treedef = jax.tree_util.tree_flatten(fn)
+  out = []
+  for kind, x in zip(fn.leaf_kinds(), leaves):
+    if kind != BATCH:
+      n = t_pad if kind == Q else s_pad
+      x = jnp.pad(x, ((0, 0), (0, n - x.shape[1])), mode="edge")
+    out.append(x)
+  return treedef.unflatten(out)
+
+
+# Block states in BlockMask.block_state.
+SKIPPED, PARTIAL, FULL = 0, 1, 2
+
+
+def block_tables(state):
+  """From state [B, n, m]: (blocks [B, n, m] int32, partial first then full, each ascending;
+  count [B, n] active; num_partial [B, n])."""
+  m = state.shape[-1]
+  j = jnp.arange(m, dtype=jnp.int32)
+  order = jnp.where(state == PARTIAL, j, jnp.where(state == FULL, m + j, 2 * m + j))
+  blocks = (jnp.sort(order, axis=-1) % m).astype(jnp.int32)
+  count = (state != SKIPPED).sum(-1).astype(jnp.int32)
+  num_partial = (state == PARTIAL).sum(-1).astype(jnp.int32)
+  return blocks, count, num_partial
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BlockMask:
+  """A mask function and its block-sparsity tables at one (block_q, block_kv) tiling.
+
+  Attributes:
+    mask_fn: the mask function, leaves batched ([B, T], [B, S], [B]; B may be 1).
+    block_state: int8 [B, nq, nk]: SKIPPED (0), PARTIAL (1) or FULL (2).
+    kv_blocks, kv_count, kv_num_partial: per query block, the active key blocks
+      [B, nq, nk] (padded past the count; partial ones first), how many, how many are partial.
+    q_blocks, q_count, q_num_partial: the same per key block over query blocks (dK/dV pass).
+    q_len, kv_len, block_q, block_kv: static; nq = cdiv(T, block_q), nk = cdiv(S, block_kv).
   """
-  lo, hi = band
-  o_first, o_last = owner * owner_block, (owner + 1) * owner_block - 1
-  first = 0 if lo is None else div(maximum(o_first + lo, 0), other_block)
-  last = num_other if hi is None else minimum(
-      num_other, div(maximum(o_last + hi + other_block, 0), other_block))
-  # Fully inside: the block's first position - the owner's last >= lo, and last - first <= hi.
-  full_lo = 0 if lo is None else div(maximum(o_last + lo + other_block - 1, 0), other_block)
-  full_hi = num_other if hi is None else div(maximum(o_first + hi + 1, 0), other_block)
-  if limits is not None:
-    first, last = maximum(first, limits[0]), minimum(last, limits[1])
-  # An owner that sees no other block (queries past every key under a window, say) would get
-  # first > last, even first > num_other; callers that loop over [0, first) to zero the blocks
-  # they skip (the Triton dQ kernel's dbias) would then write past the row.
-  first = minimum(first, last)
-  if other_tail:
-    full_hi = minimum(full_hi, num_other - 1)
-  if element_mask and full_limits is None:
-    full_lo = full_hi = last
-  elif element_mask:  # an empty intersection leaves a zero-length middle run after the clamps
-    full_lo, full_hi = maximum(full_lo, full_limits[0]), minimum(full_hi, full_limits[1])
-  full_lo = minimum(maximum(full_lo, first), last)
-  full_hi = minimum(maximum(full_hi, full_lo), last)
-  return first, full_lo, full_hi, last
+
+  mask_fn: MaskFn
+  block_state: jax.Array
+  kv_blocks: jax.Array
+  kv_count: jax.Array
+  kv_num_partial: jax.Array
+  q_blocks: jax.Array
+  q_count: jax.Array
+  q_num_partial: jax.Array
+  q_len: int
+  kv_len: int
+  block_q: int
+  block_kv: int
+
+  @classmethod
+  def build(cls, mask_fn: MaskFn, *, q_len: int, kv_len: int, block_q: int = 64,
+            block_kv: int = 64, batch: int | None = None) -> BlockMask:
+    """Evaluates `mask_fn` per block pair. Works on the host or under jit.
+
+    Memory is O(B · block_q · S) per step (one block row at a time, through lax.map), never
+    [T, S]. For the Triton backend the blocks must be powers of two >= 16; they are then used
+    by the forward and both backward kernels.
+    """
+    if not isinstance(mask_fn, MaskFn):
+      raise TypeError(f"`mask_fn` must be a pallas_flash mask function (CausalMask(), ...), got "
+                      f"{type(mask_fn).__name__}.")
+    for name, value in (("q_len", q_len), ("kv_len", kv_len), ("block_q", block_q),
+                        ("block_kv", block_kv)):
+      if not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"BlockMask.build: `{name}` must be a positive int, got {value!r}.")
+    fn = _batched(mask_fn, q_len, kv_len, batch)
+    nq, nk = -(-q_len // block_q), -(-kv_len // block_kv)
+    padded = pad_leaves(fn, nq * block_q, nk * block_kv)
+    kv_pos = jnp.arange(nk * block_kv)
+
+    def row_state(i):  # [B, nk] state of query block i
+      q_pos = i * block_q + jnp.arange(block_q)
+      vis = evaluate(tiles(padded, i * block_q, block_q, 0, nk * block_kv), q_pos, kv_pos)
+      vis = vis & (kv_pos < kv_len)[None, None, :]  # key padding is never visible
+      real = (q_pos < q_len)[None, :, None]  # padded query rows do not count
+      vis = vis.reshape(vis.shape[0], block_q, nk, block_kv)
+      any_ = (vis & real[..., None]).any((1, 3))
+      all_ = (vis | ~real[..., None]).all((1, 3))
+      return jnp.where(all_, FULL, jnp.where(any_, PARTIAL, SKIPPED)).astype(jnp.int8)
+
+    state = jnp.moveaxis(lax.map(row_state, jnp.arange(nq)), 0, 1)  # [B, nq, nk]
+    kv_tables = block_tables(state)
+    q_tables = block_tables(jnp.swapaxes(state, 1, 2))
+    return cls(fn, state, *kv_tables, *q_tables, q_len=int(q_len), kv_len=int(kv_len),
+               block_q=int(block_q), block_kv=int(block_kv))
+
+  @property
+  def batch(self) -> int:
+    return self.block_state.shape[0]
+
+  @property
+  def kv_partial(self) -> jax.Array:
+    """bool [B, nq, nk]: kv_blocks[b, i, n] is partial (valid for n < kv_count[b, i])."""
+    n = jnp.arange(self.kv_blocks.shape[-1])
+    return n[None, None, :] < self.kv_num_partial[..., None]
+
+  @property
+  def q_partial(self) -> jax.Array:
+    n = jnp.arange(self.q_blocks.shape[-1])
+    return n[None, None, :] < self.q_num_partial[..., None]
+
+  def fraction_computed(self) -> float:
+    """Fraction of (query block, key block) pairs the kernels compute (needs concrete tables)."""
+    return float(jnp.mean(self.block_state != SKIPPED))
+
+  def dense(self) -> jax.Array:
+    """bool [B, T, S], the element mask (materialised: for tests and the reference)."""
+    return self.mask_fn.dense(self.q_len, self.kv_len)
 
 
-def fraction_computed(*, q_len: int, kv_len: int, block_q: int, block_kv: int,
-                      band: tuple[int | None, int | None]) -> float:
-  """Fraction of the (query block, key block) pairs a blocked kernel visits under `band`."""
-  nq, nk = -(-q_len // block_q), -(-kv_len // block_kv)
-  first, _, _, last = block_runs(np.arange(nq), owner_block=block_q, other_block=block_kv,
-                                 num_other=nk, band=band, element_mask=False, other_tail=False,
-                                 div=np.floor_divide, maximum=np.maximum, minimum=np.minimum)
-  visited = np.maximum(np.broadcast_to(last, (nq,)) - np.broadcast_to(first, (nq,)), 0).sum()
-  return float(visited) / (nq * nk)
-
-
-def segment_block_limits(q_seg: jax.Array, kv_seg: jax.Array, *, block_q: int, block_kv: int):
-  """Per block, the hull of the other axis's blocks that may share a segment id with it, and the
-  run of those that share its one id everywhere.
-
-  Args:
-    q_seg, kv_seg: [B, T_pad] / [B, S_pad] int32 ids, padded positions with the pad ids.
-    block_q, block_kv: block sizes dividing T_pad / S_pad.
-
-  Returns:
-    kv_limits [B, nq, 4] and q_limits [B, nk, 4] int32 (first, last, full_first, full_last):
-    blocks outside [first, last) share no id (a superset of the visible blocks for any ids, exact
-    for sorted ones; an all-padding block gets (0, 0)); in [full_first, full_last) every
-    position of both blocks carries the same real id, so the segment test can be skipped there
-    (empty when the owner block holds several ids or padding, or those blocks are not
-    contiguous).
-  """
-  def id_range(seg, block, pad):
-    x = seg.reshape(seg.shape[0], -1, block)
-    real = x != pad
-    info = jnp.iinfo(jnp.int32)
-    lo, hi = jnp.where(real, x, info.max).min(-1), jnp.where(real, x, info.min).max(-1)
-    single = real.all(-1) & (lo == hi)  # one real id at every position
-    return lo, hi, single
-
-  q_lo, q_hi, q_single = id_range(q_seg, block_q, Q_PAD_SEGMENT)  # [B, nq]
-  k_lo, k_hi, k_single = id_range(kv_seg, block_kv, KV_PAD_SEGMENT)  # [B, nk]
-  overlap = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
-  same = q_single[:, :, None] & k_single[:, None, :] & (q_lo[:, :, None] == k_lo[:, None, :])
-
-  def hull(ov):  # [B, n, m] -> [B, n, 2]
-    m = ov.shape[-1]
-    any_ = ov.any(-1)
-    first = jnp.argmax(ov, -1)
-    last = m - jnp.argmax(ov[..., ::-1], -1)
-    return jnp.stack([jnp.where(any_, first, 0), jnp.where(any_, last, 0)], -1).astype(jnp.int32)
-
-  def run(sm):  # the hull of `sm`, emptied unless every block in it is in `sm`
-    h = hull(sm)
-    whole = sm.sum(-1, dtype=jnp.int32) == h[..., 1] - h[..., 0]
-    return jnp.where(whole[..., None], h, 0)
-
-  def limits(ov, sm):
-    return jnp.concatenate([hull(ov), run(sm)], -1)
-
-  return (limits(overlap, same),
-          limits(jnp.swapaxes(overlap, 1, 2), jnp.swapaxes(same, 1, 2)))
+jax.tree_util.register_dataclass(
+    BlockMask,
+    data_fields=["mask_fn", "block_state", "kv_blocks", "kv_count", "kv_num_partial", "q_blocks",
+                 "q_count", "q_num_partial"],
+    meta_fields=["q_len", "kv_len", "block_q", "block_kv"])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_flash import dropout, masks
-from pallas_flash.params import AttentionParams, FeatureArrays
+from pallas_flash import _tiling, dropout
+from pallas_flash.call import AttentionParams, FeatureArrays
 
 
 def visible_mask(
@@ -26,7 +26,7 @@ def visible_mask(
   return mask
 
 
-band_mask = masks.band_mask
+band_mask = _tiling.band_mask
 
 
 def logits_modifiers(logits, *, params: AttentionParams, arrays: FeatureArrays, q_len: int,

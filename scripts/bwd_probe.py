@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import pallas_flash
 from pallas_flash.bench import timing, variants
 from pallas_flash.mosaic_gpu import backward, config as mconfig
-from pallas_flash.params import AttentionParams
+from pallas_flash.call import AttentionParams
 
 
 def _backward_fn(params, config):

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import pallas_flash
 from pallas_flash.bench import flops, shapes, variants
 from pallas_flash.mosaic_gpu import config as mconfig
-from pallas_flash.params import AttentionParams
+from pallas_flash.call import AttentionParams
 
 
 def step(cfg, causal: bool, mode: str, seg=None, window=None):

@@ -74,7 +74,7 @@ def main() -> None:
   args = ap.parse_args()
 
   from pallas_flash.mosaic_gpu import config as mconfig
-  from pallas_flash.params import AttentionParams
+  from pallas_flash.call import AttentionParams
 
   shape = tuple(int(x) for x in args.shape.split(","))
   params = AttentionParams(scale=128 ** -0.5, is_causal=True, has_segments=False)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import pallas_flash
 from pallas_flash.bench import timing
 from pallas_flash.mosaic_gpu import config as mconfig
-from pallas_flash.params import AttentionParams
+from pallas_flash.call import AttentionParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mosaic_gpu_check import rel_err  # noqa: E402

@@ -25,7 +25,7 @@ import pallas_flash
 from pallas_flash.bench import checks
 from pallas_flash.mosaic_gpu import MosaicConfig
 from pallas_flash.mosaic_gpu import config as mconfig
-from pallas_flash.params import AttentionParams
+from pallas_flash.call import AttentionParams
 from pallas_flash.reference import attention_reference
 
 TOL = {"bfloat16": (1e-2, 2e-2), "float16": (2e-3, 4e-3)}

@@ -106,7 +106,7 @@ def main() -> None:
 
   import pallas_flash
   from pallas_flash.mosaic_gpu import backward, config as mconfig
-  from pallas_flash.params import AttentionParams
+  from pallas_flash.call import AttentionParams
   from mosaic_ptxas import parse_overrides  # beside this script, on sys.path when run
 
   b, t, h, d = (int(x) for x in args.shape.split(","))

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import pallas_flash
 from pallas_flash.bench import shapes, variants
 from pallas_flash.mosaic_gpu import config as mconfig
-from pallas_flash.params import AttentionParams
+from pallas_flash.call import AttentionParams
 from pallas_flash.reference import attention_reference
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -97,7 +97,7 @@ def test_explain_on_cpu():
   assert ex.reasons["interpret"] is None and ex.reasons["reference"] is None
   text = str(ex)
   assert "implementation=None runs 'xla'" in text and "triton:" in text
-  assert ex.config is None and "config:" not in text  # xla reports no per-call default
+  assert ex.config == pallas_flash.XlaConfig() and "config: XlaConfig()" in text
   # A config rules out the other backends; here nothing automatic is left on CPU.
   ex = pallas_flash.explain(Q, KV, KV, config=TritonConfig())
   assert ex.chosen is None and "takes a XlaConfig" in ex.reasons["xla"]

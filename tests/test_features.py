@@ -1,5 +1,7 @@
 """Sliding windows, soft cap, ALiBi, dropout and dense bias / mask on every CPU implementation."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -213,7 +215,10 @@ def test_bad_feature_arguments(kwargs, error, match):
 
 
 def test_backend_without_a_feature_is_skipped_with_a_reason(monkeypatch):
+  from pallas_flash import backends
   monkeypatch.setattr(pallas_flash.xla, "SUPPORTED_FEATURES", frozenset({"logits_soft_cap"}))
+  # A fresh cache of backend records for this test (they are read once per process).
+  monkeypatch.setattr(backends, "load", functools.cache(backends.load.__wrapped__))
   ex = pallas_flash.explain(Q, KV, KV, local_window_size=4, logits_soft_cap=5.0)
   assert ex.reasons["xla"] == "xla does not support local_window_size yet"
   assert ex.chosen is None and ex.reasons["reference"] is None
@@ -293,13 +298,12 @@ def test_explain_takes_shapes_for_every_argument():
 def test_dense_bias_and_mask_tiles_fit_shared_memory(head_dim, causal):
   # Triton buffers every pipelined load num_stages times; with a float32 bias and an int8 mask
   # tile next to K and V the forward's default tiles overflowed the H200's 227 KiB at hd128.
-  from pallas_flash.params import AttentionParams
+  from pallas_flash.call import AttentionParams
   from pallas_flash.triton import common as triton_common
   params = AttentionParams(scale=1.0, is_causal=causal, has_segments=False, has_bias=True,
                            has_mask=True)
   assert triton_common.tuned_feature(params) == "dense"
-  q = jnp.zeros((1, 16, 1, head_dim), jnp.bfloat16)
-  cfg = triton_common.resolve_config(q, params, None)
+  cfg = triton_common.call_config(head_dim, jnp.bfloat16, params)
   per_stage = (2 * cfg.block_kv * head_dim * 2  # K and V, bf16
                + cfg.block_q * cfg.block_kv * (4 + 1))  # float32 bias, int8 mask
   assert cfg.num_stages * per_stage + cfg.block_q * head_dim * 2 <= 200 * 1024, cfg

@@ -35,7 +35,6 @@ from jax.experimental.mosaic.gpu import core as mosaic_core
 from jax.sharding import use_abstract_mesh
 
 import pallas_flash
-from pallas_flash import api
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from testing import H200, TRITON_CALL  # noqa: E402
@@ -130,13 +129,7 @@ def default_config(call: GateCall) -> tuple[str, str, dict]:
   q, k, v, arrays = call.specs()
   with use_abstract_mesh(H200):
     why = pallas_flash.explain(q, k, v, **arrays, **call.static_kwargs())
-    config = why.config
-    if config is None and why.chosen == "triton":
-      from pallas_flash.triton import common
-      info = api._abstract_call_info(q, k, v, api._defaults({**arrays,
-                                                             **call.static_kwargs()}))
-      config = common.resolve_config(q, info.params, None)
-  return why.chosen, type(config).__name__, dataclasses.asdict(config)
+  return why.chosen, type(why.config).__name__, dataclasses.asdict(why.config)
 
 
 def recorded_config(call_id: str) -> tuple[str, str, dict]:

@@ -1,4 +1,4 @@
-"""Block-run arithmetic of masks.py against brute force over the element mask."""
+"""Block-run arithmetic of _tiling.py against brute force over the element mask."""
 
 import itertools
 
@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_flash import masks
-from pallas_flash.params import KV_PAD_SEGMENT, Q_PAD_SEGMENT, AttentionParams
+from pallas_flash import _tiling
+from pallas_flash.call import KV_PAD_SEGMENT, Q_PAD_SEGMENT, AttentionParams
 
 BANDS = [(None, None), (None, 0), (-5, 0), (-5, 3), (0, 7), (-40, None), (-1, -1), (None, -3),
          (-200, 200)]
@@ -39,7 +39,7 @@ def test_block_runs_match_brute_force(band, t, s, bq, bk):
   nq, nk = -(-t // bq), -(-s // bk)
   any_, full = _brute(band, t, s, bq, bk, tail=s)
   for i in range(nq):
-    first, full_lo, full_hi, last = (int(x) for x in masks.block_runs(
+    first, full_lo, full_hi, last = (int(x) for x in _tiling.block_runs(
         jnp.int32(i), owner_block=bq, other_block=bk, num_other=nk, band=band,
         element_mask=False, other_tail=s % bk != 0))
     # Also for owners that see nothing: [0, first) and [last, nk) are the skipped blocks.
@@ -60,8 +60,8 @@ def test_mirrored_band_serves_the_transposed_direction():
   for band in BANDS:
     any_, _ = _brute(band, 70, 90, 16, 32, tail=90)
     for j in range(3):
-      first, _, _, last = masks.block_runs(jnp.int32(j), owner_block=32, other_block=16,
-                                           num_other=5, band=masks.mirrored(band),
+      first, _, _, last = _tiling.block_runs(jnp.int32(j), owner_block=32, other_block=16,
+                                           num_other=5, band=_tiling.mirrored(band),
                                            element_mask=False, other_tail=False)
       assert np.flatnonzero(any_[:, j]).tolist() == list(range(int(first), int(last))) or \
           not any_[:, j].any()
@@ -80,7 +80,7 @@ def test_segment_limits_are_block_diagonal_for_sorted_ids():
   ids = np.repeat([0, 1, 2], [20, 44, 30])
   q_seg = np.concatenate([ids, np.full(34, Q_PAD_SEGMENT)])[None]
   kv_seg = np.concatenate([ids, np.full(34, KV_PAD_SEGMENT)])[None]
-  kv_lim, q_lim = masks.segment_block_limits(jnp.asarray(q_seg, jnp.int32),
+  kv_lim, q_lim = _tiling.segment_block_limits(jnp.asarray(q_seg, jnp.int32),
                                              jnp.asarray(kv_seg, jnp.int32), block_q=16,
                                              block_kv=32)
   shares = (q_seg[0, :, None] == kv_seg[0, None, :]) & (q_seg[0, :, None] >= 0)
@@ -100,7 +100,7 @@ def test_segment_limits_are_a_superset_for_unsorted_ids():
   for _ in range(5):
     q_seg = rng.integers(0, 4, (2, 64)).astype(np.int32)
     kv_seg = rng.integers(0, 4, (2, 48)).astype(np.int32)
-    kv_lim, _ = masks.segment_block_limits(jnp.asarray(q_seg), jnp.asarray(kv_seg), block_q=16,
+    kv_lim, _ = _tiling.segment_block_limits(jnp.asarray(q_seg), jnp.asarray(kv_seg), block_q=16,
                                            block_kv=16)
     shares = q_seg[:, :, None] == kv_seg[:, None, :]
     blocks = shares.reshape(2, 4, 16, 3, 16).any((2, 4))
@@ -117,7 +117,7 @@ def test_segment_full_runs_are_exactly_the_single_document_blocks(block_q, block
   ids = np.repeat([0, 1, 2, 3], [40, 70, 9, 25])  # 144 real tokens, then 16 pad
   q_seg = np.concatenate([ids, np.full(16, Q_PAD_SEGMENT)])[None].astype(np.int32)
   kv_seg = np.concatenate([ids, np.full(16, KV_PAD_SEGMENT)])[None].astype(np.int32)
-  kv_lim, q_lim = masks.segment_block_limits(jnp.asarray(q_seg), jnp.asarray(kv_seg),
+  kv_lim, q_lim = _tiling.segment_block_limits(jnp.asarray(q_seg), jnp.asarray(kv_seg),
                                              block_q=block_q, block_kv=block_kv)
   qb, kb = q_seg[0].reshape(-1, block_q), kv_seg[0].reshape(-1, block_kv)
   single_q = (qb == qb[:, :1]).all(1) & (qb[:, 0] >= 0)
@@ -132,8 +132,8 @@ def test_segment_full_runs_are_exactly_the_single_document_blocks(block_q, block
 
 
 def test_fraction_computed():
-  assert masks.fraction_computed(q_len=1024, kv_len=1024, block_q=128, block_kv=128,
+  assert _tiling.fraction_computed(q_len=1024, kv_len=1024, block_q=128, block_kv=128,
                                  band=(None, None)) == 1.0
-  frac = masks.fraction_computed(q_len=32768, kv_len=32768, block_q=128, block_kv=128,
+  frac = _tiling.fraction_computed(q_len=32768, kv_len=32768, block_q=128, block_kv=128,
                                  band=(-4095, 0))
   assert frac == (sum(range(1, 33)) + 224 * 33) / 256**2  # ramp-up, then 33 blocks per row

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from pallas_flash.bench import checks, flops, memory, shapes, timing
 from pallas_flash.mosaic_gpu import config as mosaic_config
-from pallas_flash.params import AttentionParams
+from pallas_flash.call import AttentionParams
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 # max|x - ref| / max|ref| above which a row is FAIL (outputs and gradients alike).

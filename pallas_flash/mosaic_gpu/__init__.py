@@ -7,23 +7,21 @@ import jax.numpy as jnp
 from pallas_flash.mosaic_gpu.backward import backward
 from pallas_flash.mosaic_gpu.config import TUNED, MosaicConfig, default_config
 from pallas_flash.mosaic_gpu.forward import forward
-from pallas_flash.params import CallInfo
+from pallas_flash.call import CallInfo
 
 CONFIG_TYPE = MosaicConfig
-# What `pallas_flash.explain` reports as the config of a call that passes none.
-DEFAULT_CONFIG = default_config
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-# Optional features (pallas_flash.params.FEATURES) the kernels take; calls with any other run
+# Optional features (pallas_flash.call.FEATURES) the kernels take; calls with any other run
 # elsewhere. The soft cap's backward at head_dim 256, and a windowed call's with
 # MosaicConfig.window_backward="triton", run the Triton kernels (backward._triton_backward).
 SUPPORTED_FEATURES = frozenset({"logits_soft_cap", "local_window_size"})
 # `backward` takes the forward's lse and only the lse cotangent's correction as delta, and
-# computes rowsum(O∘dO) itself, in the dQ kernel (see pallas_flash.params).
+# computes rowsum(O∘dO) itself, in the dQ kernel (see pallas_flash.call).
 BACKWARD_COMPUTES_DELTA = True
 
 
-def unsupported_reason(call: CallInfo) -> str | None:
-  """Why the Mosaic GPU kernels cannot run `call`, or None when they can."""
+def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> str | None:
+  """Why the Mosaic GPU kernels cannot run `call` with `config`, or None when they can."""
   cc = call.compute_capability
   if call.platform != "gpu" or cc is None or cc[0] != 9:
     cc = "" if cc is None else f" (compute capability {cc[0]}.{cc[1]})"
@@ -32,9 +30,12 @@ def unsupported_reason(call: CallInfo) -> str | None:
     return f"wgmma kernels take bfloat16 or float16, not {jnp.dtype(call.dtype).name}"
   if call.head_dim not in SUPPORTED_HEAD_DIMS:
     return f"head_dim {call.head_dim} is not one of {SUPPORTED_HEAD_DIMS}"
+  if call.params.deterministic and config is not None and config.fused_backward:
+    return ("config.fused_backward=True sums dQ with float32 atomics in a varying order, "
+            "which deterministic=True rules out; pass fused_backward=False (the split backward)")
   return None
 
 
-__all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "DEFAULT_CONFIG", "MosaicConfig",
+__all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "MosaicConfig",
            "SUPPORTED_FEATURES", "TUNED", "backward", "default_config", "forward",
            "unsupported_reason"]

@@ -14,9 +14,9 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_flash import _blocking, masks
-from pallas_flash.mosaic_gpu.config import MosaicConfig, call_config
-from pallas_flash.params import AttentionParams
+from pallas_flash import _tiling
+from pallas_flash.mosaic_gpu.config import MosaicConfig
+from pallas_flash.call import AttentionParams
 
 # Per-row vectors (m, l, lse, delta) of a wgmma accumulator tile; `COL` for its columns.
 ROW = plgpu.Layout.WGMMA.reduce(1)
@@ -139,10 +139,6 @@ def soft_cap_with_slope(s, kp: KernelParams):
   return t * (kp.softcap / kp.scale), 1.0 - t * t
 
 
-def config_for(q, k, params: AttentionParams) -> MosaicConfig:
-  return call_config(q.shape[3], params, k.shape[1], q.shape[0])
-
-
 def sm_count() -> int:
   """Streaming multiprocessors of the local GPU; 132 (H100 SXM, H200) where none is visible,
   as when lowering for an abstract device."""
@@ -164,7 +160,7 @@ def operand_rows(n: int, n_pad: int, interpret: bool, static_rows: int) -> int:
   forward at 1x5000x16x128); but n_pad for the interpreter, whose copies are clamped slices,
   and where that would end inside the first `static_rows` rows: the producers load their
   first `stages` blocks at Python-int offsets, which Pallas checks against the length."""
-  rows = _blocking.round_up(n, TMA_ROWS)
+  rows = _tiling.round_up(n, TMA_ROWS)
   return n_pad if interpret or rows < static_rows else rows
 
 
@@ -278,7 +274,7 @@ def first_masked_block(q0, steps, kp: KernelParams):
 class SegmentRefs(NamedTuple):
   """A kernel's segment-id inputs (GMEM): `rows` [B, rows_pad] ids of the rows its consumer
   warpgroups own, `cols` [B, cols_pad] ids of the blocks it streams, and `limits` [B, tiles, 4]
-  (masks.segment_block_limits of one CTA tile of rows against the streamed blocks)."""
+  (_tiling.segment_block_limits of one CTA tile of rows against the streamed blocks)."""
 
   rows: Any
   cols: Any
@@ -314,17 +310,17 @@ def path_segment_ids(q, k, q_seg, kv_seg, params: AttentionParams):
 
 def band_limits(seg_limits, band, *, tiles: int, tile_rows: int, block: int, length: int,
                 batch: int):
-  """[B, tiles, 4] int32 in masks.segment_block_limits' form (first, last, full_first,
+  """[B, tiles, 4] int32 in _tiling.segment_block_limits' form (first, last, full_first,
   full_last streamed blocks per CTA tile of `tile_rows` owned positions) for `band`, the
   bounds of streamed_pos - owned_pos (AttentionParams.band for a tile of queries streaming
-  keys, its masks.mirrored form for a tile of keys streaming queries): a tile streams only
+  keys, its _tiling.mirrored form for a tile of keys streaming queries): a tile streams only
   the blocks its positions' band touches, and skips the mask only on those every position
   sees whole. length: the streamed axis' true length (blocks past it are never streamed, a
   partial last one is masked). seg_limits: the segment ids' limits to intersect with, or None
   (the call has none)."""
   owner = jnp.arange(tiles, dtype=jnp.int32)[None, :]
   segmented = seg_limits is not None
-  first, full_lo, full_hi, last = masks.block_runs(
+  first, full_lo, full_hi, last = _tiling.block_runs(
       owner, owner_block=tile_rows, other_block=block, num_other=-(-length // block),
       band=band, element_mask=segmented, other_tail=length % block != 0,
       limits=(seg_limits[..., 0], seg_limits[..., 1]) if segmented else None,

@@ -31,10 +31,10 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_flash import _blocking, masks
+from pallas_flash import _tiling
 from pallas_flash.mosaic_gpu import _common, split_tail
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
-from pallas_flash.params import AttentionParams, FeatureArrays
+from pallas_flash.call import AttentionParams, FeatureArrays
 
 LOG2E = math.log2(math.e)
 
@@ -954,7 +954,7 @@ def padded_lengths(t: int, s: int, config: MosaicConfig) -> tuple[int, int]:
   CTA heights and both tiles."""
   q_mult = math.lcm(2 * config.block_q_dq, config.block_q_dkv)
   kv_mult = math.lcm(2 * config.block_kv_dkv, config.block_kv_dq)
-  return _blocking.round_up(t, q_mult), _blocking.round_up(s, kv_mult)
+  return _tiling.round_up(t, q_mult), _tiling.round_up(s, kv_mult)
 
 
 def planned_tail_splits(q, k, params: AttentionParams, config: MosaicConfig):
@@ -970,25 +970,25 @@ def segment_inputs(q_seg, kv_seg, t_pad: int, s_pad: int, *, dq_tiles: tuple[int
                    dkdv_tiles: tuple[int, int], params: AttentionParams):
   """(dQ kernel's, dK/dV kernel's) segment inputs: the ids q_seg [B, T] / kv_seg [B, S] (zeros,
   one document, for a window alone) padded to t_pad / s_pad, and the hull of blocks each CTA
-  tile may share an id with (masks.segment_block_limits), cut to the local window's band
+  tile may share an id with (_tiling.segment_block_limits), cut to the local window's band
   (_common.band_limits).
 
   dq_tiles: (query rows per dQ CTA, keys per step); dkdv_tiles: (query rows per step, keys per
   dK/dV CTA)."""
   (batch, t), s = q_seg.shape, kv_seg.shape[1]
-  q_seg, kv_seg = _blocking.pad_segments(q_seg, kv_seg, t_pad, s_pad)
+  q_seg, kv_seg = _tiling.pad_segments(q_seg, kv_seg, t_pad, s_pad)
   kv_limits = q_limits = None
   if params.has_segments:
-    kv_limits, _ = masks.segment_block_limits(q_seg, kv_seg, block_q=dq_tiles[0],
+    kv_limits, _ = _tiling.segment_block_limits(q_seg, kv_seg, block_q=dq_tiles[0],
                                               block_kv=dq_tiles[1])
-    _, q_limits = masks.segment_block_limits(q_seg, kv_seg, block_q=dkdv_tiles[0],
+    _, q_limits = _tiling.segment_block_limits(q_seg, kv_seg, block_q=dkdv_tiles[0],
                                              block_kv=dkdv_tiles[1])
   if params.local_window is not None:
     kv_limits = _common.band_limits(
         kv_limits, params.band, tiles=t_pad // dq_tiles[0], tile_rows=dq_tiles[0],
         block=dq_tiles[1], length=s, batch=batch)
     q_limits = _common.band_limits(
-        q_limits, masks.mirrored(params.band), tiles=s_pad // dkdv_tiles[1],
+        q_limits, _tiling.mirrored(params.band), tiles=s_pad // dkdv_tiles[1],
         tile_rows=dkdv_tiles[1], block=dkdv_tiles[0], length=t, batch=batch)
   return (q_seg, kv_seg, kv_limits), (kv_seg, q_seg, q_limits)
 
@@ -1006,13 +1006,14 @@ def _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *,
   """
   from pallas_flash import triton as triton_backend
   lse, delta = _xla_row_stats(o, lse, do, delta)
+  triton_config = triton_backend.call_config(q.shape[3], q.dtype, params)
   return triton_backend.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
-                                 config=None, interpret=config.interpret)
+                                 config=triton_config, interpret=config.interpret)
 
 
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
-             config: MosaicConfig | None = None, arrays: FeatureArrays | None = None):
-  """See pallas_flash.params for the contract (`arrays` unused, as in forward). This backend
+             config: MosaicConfig, arrays: FeatureArrays | None = None):
+  """See pallas_flash.call for the contract (`arrays` unused, as in forward). This backend
   sets BACKWARD_COMPUTES_DELTA: lse is the forward's (natural log, -inf on fully masked rows)
   and delta only the correction -dlse [B, H, T] float32, or None when lse has no cotangent.
   Segment ids: the split kernels load only the blocks that may share an id with their tile and
@@ -1020,7 +1021,6 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   window_backward="triton") runs the same path, its band's blocks as the limits
   (segment_inputs). The fused kernel takes neither: it falls back to the split with a
   warning."""
-  config = config or _common.config_for(q, k, params)
   d = q.shape[3]
   wide_mosaic = config.wide_backward == "mosaic" and params.logits_soft_cap is None
   window_triton = params.local_window is not None and config.window_backward == "triton"
@@ -1047,8 +1047,8 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   kp_dq, kp_dkdv = split_kernel_params(q, k, params, config, t_pad=t_pad, s_pad=s_pad)
   t_in = _common.operand_rows(t, t_pad, config.interpret, kp_dkdv.stages * kp_dkdv.block_q)
   s_in = _common.operand_rows(s, s_pad, config.interpret, kp_dq.stages * kp_dq.block_kv)
-  qp, dop, op = (_blocking.pad_axis(x, 1, t_in) for x in (q, do, o))
-  kpad, vpad = _blocking.pad_axis(k, 1, s_in), _blocking.pad_axis(v, 1, s_in)
+  qp, dop, op = (_tiling.pad_axis(x, 1, t_in) for x in (q, do, o))
+  kpad, vpad = _tiling.pad_axis(k, 1, s_in), _tiling.pad_axis(v, 1, s_in)
   dq_split, dkdv_split = tail_splits(kp_dq, kp_dkdv, q.shape[0], q.shape[2], k.shape[2],
                                      params, config)
   dq_segs = dkdv_segs = ()
@@ -1067,16 +1067,16 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   if in_kernel:
     # The dQ kernel computes lse2 and delta from O and dO (FA2's preprocessing) and hands them
     # to the dK/dV kernel, so no XLA op runs before the kernels.
-    lse = _blocking.pad_axis(lse, 2, t_pad, jnp.inf)
+    lse = _tiling.pad_axis(lse, 2, t_pad, jnp.inf)
     if delta is not None:
-      delta = _blocking.pad_axis(delta, 2, t_pad)
+      delta = _tiling.pad_axis(delta, 2, t_pad)
     dq, lse2, delta = _dq_call(qp, kpad, vpad, dop, op, lse, delta, kp=kp_dq, segs=dq_segs,
                                split=dq_split)
   else:
     lse, delta = _xla_row_stats(o, lse, do, delta)
     # lse in log2 units so that P = exp2(S·c − lse2).
-    lse2 = _blocking.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
-    delta = _blocking.pad_axis(delta, 2, t_pad)
+    lse2 = _tiling.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
+    delta = _tiling.pad_axis(delta, 2, t_pad)
     dq = _dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs,
                   split=dq_split)
   dk, dv = _dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs,

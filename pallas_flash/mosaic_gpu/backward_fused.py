@@ -46,7 +46,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_flash import _blocking
+from pallas_flash import _tiling
 from pallas_flash.mosaic_gpu import _common
 from pallas_flash.mosaic_gpu.backward import (PROFILE_STEPS, _at, _dk_dv_updates,
                                               _first_q_block, _first_unmasked_step,
@@ -58,7 +58,7 @@ from pallas_flash.mosaic_gpu.backward import (PROFILE_STEPS, _at, _dk_dv_updates
                                               kv_stream_barriers, kv_stream_smem,
                                               profile_steps)
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
-from pallas_flash.params import AttentionParams
+from pallas_flash.call import AttentionParams
 
 LOG2E = math.log2(math.e)
 # Barriers and alignment padding on top of the buffers counted below (Mosaic measured 288-736 B).
@@ -731,12 +731,12 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, stagger_q:
 def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: MosaicConfig):
   """q/do [B, T, H, D], k/v [B, S, K, D], lse/delta [B, H, T] -> (dq, dk, dv) in q.dtype.
 
-  lse is +inf on fully masked rows (see pallas_flash.params); callers check
+  lse is +inf on fully masked rows (see pallas_flash.call); callers check
   `unsupported_reason` first.
   """
   t, s = q.shape[1], k.shape[1]
   bq, bkv = config.block_q_fused, config.block_kv_fused
-  t_pad, s_pad = _blocking.round_up(t, bq), _blocking.round_up(s, 2 * bkv)
+  t_pad, s_pad = _tiling.round_up(t, bq), _tiling.round_up(s, 2 * bkv)
   kp = _common.KernelParams.make(
       q, k, params=params, block_q=bq, block_kv=bkv,
       stages=min(config.fused_stages, t_pad // bq), t_pad=t_pad, s_pad=s_pad, kv_len=s,
@@ -745,12 +745,12 @@ def backward(q, k, v, lse, do, delta, *, params: AttentionParams, config: Mosaic
   # `stages` q blocks load at static offsets, the K/V tiles at dynamic ones.
   t_in = _common.operand_rows(t, t_pad, config.interpret, kp.stages * bq)
   s_in = _common.operand_rows(s, s_pad, config.interpret, 0)
-  qp, dop = _blocking.pad_axis(q, 1, t_in), _blocking.pad_axis(do, 1, t_in)
-  kpad, vpad = _blocking.pad_axis(k, 1, s_in), _blocking.pad_axis(v, 1, s_in)
+  qp, dop = _tiling.pad_axis(q, 1, t_in), _tiling.pad_axis(do, 1, t_in)
+  kpad, vpad = _tiling.pad_axis(k, 1, s_in), _tiling.pad_axis(v, 1, s_in)
   # lse in log2 units so that P = exp2(S·c − lse2); padded rows get +inf (P = 0, so their dS,
   # dQ_part rows and contributions to dK/dV are 0).
-  lse2 = _blocking.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
-  delta = _blocking.pad_axis(delta, 2, t_pad)
+  lse2 = _tiling.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
+  delta = _tiling.pad_axis(delta, 2, t_pad)
   dq_acc, dk, dv = fused_call(qp, kpad, vpad, dop, lse2, delta, kp=kp,
                               stagger_q=config.fused_stagger_q and not params.is_causal,
                               dq_blocks=config.fused_dq_blocks,

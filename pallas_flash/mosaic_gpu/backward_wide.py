@@ -34,14 +34,14 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_flash import _blocking
+from pallas_flash import _tiling
 from pallas_flash.mosaic_gpu import _common
 from pallas_flash.mosaic_gpu.backward import (LOG2E, _dq_call, _first_q_block, _launch_order,
                                               _produce_query_streams, _tile_and_head,
                                               segment_inputs,
                                               _wait_streams, _xla_row_stats)
 from pallas_flash.mosaic_gpu.config import MosaicConfig
-from pallas_flash.params import AttentionParams
+from pallas_flash.call import AttentionParams
 
 # Key rows of a dK/dV CTA (both warpgroups) and query rows per step; key rows per dQ step
 # and the dQ kernel's K and V ring depths: at D = 256 its Q and dO tiles (2 warpgroups x 64
@@ -225,7 +225,7 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, segs=()):
 
 def padded_lengths(t: int, s: int) -> tuple[int, int]:
   """(T, S) padded to these kernels' tiles (a dQ CTA takes 2 x BLOCK_Q rows)."""
-  return _blocking.round_up(t, 2 * BLOCK_Q), _blocking.round_up(s, BLOCK_KV)
+  return _tiling.round_up(t, 2 * BLOCK_Q), _tiling.round_up(s, BLOCK_KV)
 
 
 def kernel_params(q, k, params: AttentionParams, config: MosaicConfig, *, t_pad: int,
@@ -258,12 +258,12 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   # static first loads allow it; rows past the end read as zeros, stores past it are dropped.
   t_in = _common.operand_rows(t, t_pad, config.interpret, kp_dkdv.stages * kp_dkdv.block_q)
   s_in = _common.operand_rows(s, s_pad, config.interpret, kp_dq.stages * kp_dq.block_kv)
-  qp, dop = _blocking.pad_axis(q, 1, t_in), _blocking.pad_axis(do, 1, t_in)
-  kpad, vpad = _blocking.pad_axis(k, 1, s_in), _blocking.pad_axis(v, 1, s_in)
+  qp, dop = _tiling.pad_axis(q, 1, t_in), _tiling.pad_axis(do, 1, t_in)
+  kpad, vpad = _tiling.pad_axis(k, 1, s_in), _tiling.pad_axis(v, 1, s_in)
   lse, delta = _xla_row_stats(o, lse, do, delta)
   # Padded rows: lse2 = +inf (P = 0), delta = 0.
-  lse2 = _blocking.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
-  delta = _blocking.pad_axis(delta, 2, t_pad)
+  lse2 = _tiling.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
+  delta = _tiling.pad_axis(delta, 2, t_pad)
   dq_segs = dkdv_segs = ()
   if _common.segment_path(params):
     dq_segs, dkdv_segs = segment_inputs(*_common.path_segment_ids(q, k, q_seg, kv_seg, params),

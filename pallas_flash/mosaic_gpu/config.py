@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_flash.params import AttentionParams, CallInfo
+from pallas_flash.call import AttentionParams, CallInfo
 
 # Shared memory per CTA on H100/H200 (227 KiB), enforced again by the Mosaic lowering.
 SMEM_LIMIT_BYTES = 232_448

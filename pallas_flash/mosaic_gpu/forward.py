@@ -37,11 +37,11 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_flash import _blocking, masks
+from pallas_flash import _tiling
 from pallas_flash.mosaic_gpu import _common
 from pallas_flash.mosaic_gpu import split_tail
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
-from pallas_flash.params import MASK_VALUE, AttentionParams, FeatureArrays
+from pallas_flash.call import MASK_VALUE, AttentionParams, FeatureArrays
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -68,7 +68,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   Grid (H, q tiles, B), or (q tiles, H, B) with kp.heads_fastest; q_scratch [2, block_q, D],
   k/v_scratch [stages, block_kv, D], lse_scratch [2, block_q], p_scratch [2, block_q, block_kv]
   (interpret mode only). seg: segment ids of the rows (q) and keys, and per q tile the hull of
-  key blocks that may share an id (masks.segment_block_limits): the CTA streams only those
+  key blocks that may share an id (_tiling.segment_block_limits): the CTA streams only those
   blocks, at least one, and compares ids on each except the run of blocks that lie wholly
   inside the tile's one document. tail (non-causal, no seg): a one-dimensional grid of
   tail.split.ctas CTAs in the same launch order, see split_tail.TailSplit.
@@ -321,7 +321,7 @@ def _last_block_first(kp: _common.KernelParams) -> bool:
   before the diagonal one is wholly visible to the CTA's rows, and the diagonal block, or the
   key tail where the range stops at S, is the last of both warpgroups' equal ranges). No
   segment ids (they take the plain loop). The last block then is the loop's first, whose
-  softmax runs before the loop and is masked anyway, and no loop step masks.
+  softmax runs before the loop and is masked anyway, and no loop step _tiling.
   Non-causal, masking every step instead (a peeled masked last step makes ptxas serialise the
   wgmmas, C7512) cost 10 % at 1x5000x16x128 (nineteenth session, run2: 508 -> 565 TFLOP/s);
   causal calls ran the diagonal block as a masked step after the unmasked loop."""
@@ -670,7 +670,7 @@ def tail_split(q, config: MosaicConfig, params: AttentionParams, kv_blocks: int,
       or smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
                     jnp.dtype(q.dtype).itemsize, tail_staging=True) > SMEM_LIMIT_BYTES):
     return None
-  num_q_tiles = _blocking.round_up(t, 2 * config.block_q) // (2 * config.block_q)
+  num_q_tiles = _tiling.round_up(t, 2 * config.block_q) // (2 * config.block_q)
   return split_tail.plan(num_q_tiles, h, b, kv_blocks, heads_fastest=config.heads_fastest,
                          config=config)
 
@@ -718,22 +718,21 @@ def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
   if smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
                 jnp.dtype(q.dtype).itemsize, persistent=True) > SMEM_LIMIT_BYTES:
     return 0
-  tiles = b * h * (_blocking.round_up(t, 2 * config.block_q) // (2 * config.block_q))
+  tiles = b * h * (_tiling.round_up(t, 2 * config.block_q) // (2 * config.block_q))
   return min(tiles, config.persistent_ctas or _common.sm_count())
 
 
 def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
-            config: MosaicConfig | None = None, arrays: FeatureArrays | None = None):
-  """See pallas_flash.params for the contract; `arrays` is unused (the features taken,
+            config: MosaicConfig, arrays: FeatureArrays | None = None):
+  """See pallas_flash.call for the contract; `arrays` is unused (the features taken,
   logits_soft_cap and local_window_size, live in params). With segment ids or a window the
   grid kernel runs its plain kv loop (no persistent form, no intra-warpgroup overlap); only
   the key blocks that may share an id with a q tile, or lie in its band, are loaded, and ids
   and bounds are compared on those that do not lie wholly inside them."""
-  config = config or _common.config_for(q, k, params)
   b, t, h, d = q.shape
   s = k.shape[1]
-  t_pad = _blocking.round_up(t, 2 * config.block_q)
-  s_pad = _blocking.round_up(s, config.block_kv)
+  t_pad = _tiling.round_up(t, 2 * config.block_q)
+  s_pad = _tiling.round_up(s, config.block_kv)
   if params.is_causal and config.num_stages < 2 and s_pad > config.block_kv:
     # A warpgroup's causal idle step waits for V_j before its schedule-barrier rounds; with one
     # slot V_j loads only after the other WG frees V_{j-1}, which it does after such a round.
@@ -749,15 +748,15 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
                              intra_wg_overlap=not kp.segments)
   t_in = _common.operand_rows(t, t_pad, config.interpret, 0)
   s_in = _common.operand_rows(s, s_pad, config.interpret, kp.stages * kp.block_kv)
-  qp = _blocking.pad_axis(q, 1, t_in)
-  kpad, vpad = _blocking.pad_axis(k, 1, s_in), _blocking.pad_axis(v, 1, s_in)
+  qp = _tiling.pad_axis(q, 1, t_in)
+  kpad, vpad = _tiling.pad_axis(k, 1, s_in), _tiling.pad_axis(v, 1, s_in)
   segs = ()
   if kp.segments:
     q_seg, kv_seg = _common.path_segment_ids(q, k, q_seg, kv_seg, params)
-    q_seg, kv_seg = _blocking.pad_segments(q_seg, kv_seg, t_pad, s_pad)
+    q_seg, kv_seg = _tiling.pad_segments(q_seg, kv_seg, t_pad, s_pad)
     kv_limits = None
     if params.has_segments:
-      kv_limits, _ = masks.segment_block_limits(q_seg, kv_seg, block_q=2 * config.block_q,
+      kv_limits, _ = _tiling.segment_block_limits(q_seg, kv_seg, block_q=2 * config.block_q,
                                                 block_kv=config.block_kv)
     if params.local_window is not None:
       kv_limits = window_limits(kv_limits, params, kp, q.shape[0])

@@ -1,11 +1,18 @@
 """FlashAttention kernels through Pallas' Triton lowering (Ampere and newer; interpretable)."""
 
+from pallas_flash.call import CallInfo
 from pallas_flash.triton.backward import backward
-from pallas_flash.triton.common import SUPPORTED_FEATURES, unsupported_reason
+from pallas_flash.triton.common import SUPPORTED_FEATURES, call_config, unsupported_reason
 from pallas_flash.triton.config import TritonConfig
 from pallas_flash.triton.forward import forward
 
 CONFIG_TYPE = TritonConfig
 
-__all__ = ["CONFIG_TYPE", "SUPPORTED_FEATURES", "TritonConfig", "backward", "forward",
-           "unsupported_reason"]
+
+def default_config(call: CallInfo) -> TritonConfig:
+  """The tuned config of `call` (config.TUNED, FEATURE_TUNED)."""
+  return call_config(call.head_dim, call.dtype, call.params)
+
+
+__all__ = ["CONFIG_TYPE", "SUPPORTED_FEATURES", "TritonConfig", "backward", "call_config",
+           "default_config", "forward", "unsupported_reason"]

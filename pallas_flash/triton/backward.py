@@ -18,8 +18,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_flash import _blocking, dropout
-from pallas_flash.params import AttentionParams, FeatureArrays
+from pallas_flash import _tiling, dropout
+from pallas_flash.call import AttentionParams, FeatureArrays
 from pallas_flash.triton import common
 from pallas_flash.triton.common import KernelParams
 from pallas_flash.triton.config import TritonConfig
@@ -188,10 +188,9 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_r
 
 
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
-             config: TritonConfig | None, interpret: bool, arrays: FeatureArrays | None = None):
-  """Pallas-Triton FlashAttention backward; the contract is in pallas_flash.params."""
+             config: TritonConfig, interpret: bool, arrays: FeatureArrays | None = None):
+  """Pallas-Triton FlashAttention backward; the contract is in pallas_flash.call."""
   del o
-  config = common.resolve_config(q, params, config)
   b, t, h, d = q.shape
   s_len, kh = k.shape[1], k.shape[2]
   bm = arrays.block_mask if arrays is not None else None
@@ -207,9 +206,9 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   q, k, v, q_seg, kv_seg = common.pad_inputs(q, k, v, q_seg, kv_seg, q_multiple=q_mult,
                                              kv_multiple=kv_mult)
   t_pad, s_pad, d_pad = q.shape[1], k.shape[1], q.shape[3]
-  do = _blocking.pad_axis(_blocking.pad_axis(do, 1, t_pad), 3, d_pad)
-  lse = _blocking.pad_axis(lse, 2, t_pad, jnp.inf)  # padded rows: probabilities exactly 0
-  delta = _blocking.pad_axis(delta, 2, t_pad)
+  do = _tiling.pad_axis(_tiling.pad_axis(do, 1, t_pad), 3, d_pad)
+  lse = _tiling.pad_axis(lse, 2, t_pad, jnp.inf)  # padded rows: probabilities exactly 0
+  delta = _tiling.pad_axis(delta, 2, t_pad)
   bias, mask, slopes, row_keys, col_keys = common.pad_arrays(arrays, batch=b, heads=h,
                                                              t_pad=t_pad, s_pad=s_pad)
   dense = bias if bias is not None else mask

@@ -12,8 +12,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_flash import _blocking, block_sparse, dropout, masks
-from pallas_flash.params import AttentionParams, CallInfo, FeatureArrays
+from pallas_flash import _tiling, dropout, masks
+from pallas_flash.call import AttentionParams, CallInfo, FeatureArrays
 from pallas_flash.triton.config import TritonConfig, default_config
 
 LOG2E = math.log2(math.e)
@@ -96,14 +96,18 @@ class KernelParams:
     return self.kv_len % self.block_kv != 0
 
 
-def unsupported_reason(call: CallInfo, *, interpret: bool) -> str | None:
-  """Why the Triton kernels cannot run `call` (features are checked by the API)."""
+def unsupported_reason(call: CallInfo, config: TritonConfig | None = None, *,
+                       interpret: bool) -> str | None:
+  """Why the Triton kernels cannot run `call` with `config` (features are checked by the API)."""
+  from pallas_flash.xla.blockwise import block_mask_reason
   if call.head_dim > MAX_HEAD_DIM:
     return f"head_dim {call.head_dim} > {MAX_HEAD_DIM} is not supported by the Triton kernels"
   blocks = call.params.block_mask_blocks
   if blocks is not None and not all(n >= 16 and n & (n - 1) == 0 for n in blocks):
     return (f"block_mask blocks {blocks} must be powers of two >= 16 for the Triton kernels "
             "(Triton tiles); rebuild the BlockMask with such blocks")
+  if (why := block_mask_reason(call, config)) is not None:
+    return why
   if interpret:
     return None
   if call.platform != "gpu":
@@ -126,10 +130,10 @@ def fit_block(block: int, n: int) -> int:
   return max(16, min(block, pl_next_pow2(n)))
 
 
-def resolve_config(q: jax.Array, params: AttentionParams, config: TritonConfig | None):
-  """The config to run with, blocks shrunk to fit short sequences."""
-  return config or default_config(padded_head_dim(q.shape[-1]), params.is_causal, q.dtype,
-                                  feature=tuned_feature(params))
+def call_config(head_dim: int, dtype, params: AttentionParams) -> TritonConfig:
+  """The tuned config of a call (the kernels shrink its blocks to fit short sequences)."""
+  return default_config(padded_head_dim(head_dim), params.is_causal, dtype,
+                        feature=tuned_feature(params))
 
 
 def tuned_feature(params: AttentionParams) -> str | None:
@@ -150,12 +154,12 @@ def tuned_feature(params: AttentionParams) -> str | None:
 def pad_inputs(q, k, v, q_seg, kv_seg, *, q_multiple: int, kv_multiple: int):
   """Pads sequences to block multiples and the head dim to a power of two (zeros change no dot)."""
   t, s, d = q.shape[1], k.shape[1], q.shape[3]
-  t_pad, s_pad, d_pad = (_blocking.round_up(t, q_multiple), _blocking.round_up(s, kv_multiple),
+  t_pad, s_pad, d_pad = (_tiling.round_up(t, q_multiple), _tiling.round_up(s, kv_multiple),
                          padded_head_dim(d))
-  q = _blocking.pad_axis(_blocking.pad_axis(q, 1, t_pad), 3, d_pad)
-  k = _blocking.pad_axis(_blocking.pad_axis(k, 1, s_pad), 3, d_pad)
-  v = _blocking.pad_axis(_blocking.pad_axis(v, 1, s_pad), 3, d_pad)
-  q_seg, kv_seg = _blocking.pad_segments(q_seg, kv_seg, t_pad, s_pad)
+  q = _tiling.pad_axis(_tiling.pad_axis(q, 1, t_pad), 3, d_pad)
+  k = _tiling.pad_axis(_tiling.pad_axis(k, 1, s_pad), 3, d_pad)
+  v = _tiling.pad_axis(_tiling.pad_axis(v, 1, s_pad), 3, d_pad)
+  q_seg, kv_seg = _tiling.pad_segments(q_seg, kv_seg, t_pad, s_pad)
   return q, k, v, q_seg, kv_seg
 
 
@@ -167,7 +171,7 @@ def pad_arrays(arrays: FeatureArrays | None, *, batch: int, heads: int, t_pad: i
   arrays = arrays or FeatureArrays()
 
   def pad2(x, value=0):
-    return _blocking.pad_axis(_blocking.pad_axis(x, 2, t_pad, value), 3, s_pad, value)
+    return _tiling.pad_axis(_tiling.pad_axis(x, 2, t_pad, value), 3, s_pad, value)
 
   bias = None if arrays.bias is None else pad2(arrays.bias)
   mask = None if arrays.mask is None else pad2(arrays.mask.astype(jnp.int8))
@@ -176,7 +180,7 @@ def pad_arrays(arrays: FeatureArrays | None, *, batch: int, heads: int, t_pad: i
     bias, mask = (jnp.broadcast_to(x, lead + x.shape[2:]) for x in (bias, mask))
   slopes, seed = arrays.alibi_slopes, arrays.dropout_seed
   if slopes is not None:
-    slopes = _blocking.pad_axis(slopes, 0, pl_next_pow2(slopes.shape[0]))
+    slopes = _tiling.pad_axis(slopes, 0, pl_next_pow2(slopes.shape[0]))
   row_keys = col_keys = None
   if seed is not None:
     row_keys, col_keys = dropout.key_tables(seed, batch, heads, t_pad, s_pad)
@@ -184,7 +188,7 @@ def pad_arrays(arrays: FeatureArrays | None, *, batch: int, heads: int, t_pad: i
 
 
 def _limits(limits_ref, p: KernelParams):
-  """(limits, full_limits) for masks.block_runs from a [4] segment-limits ref, or Nones."""
+  """(limits, full_limits) for _tiling.block_runs from a [4] segment-limits ref, or Nones."""
   if not p.has_segments:
     return None, None
   # A dense mask is data too: no block may skip the element test then.
@@ -193,10 +197,10 @@ def _limits(limits_ref, p: KernelParams):
 
 
 def kv_runs(q_block, p: KernelParams, limits_ref=None):
-  """(first, full_lo, full_hi, last) key blocks of query block `q_block` (masks.block_runs),
+  """(first, full_lo, full_hi, last) key blocks of query block `q_block` (_tiling.block_runs),
   narrowed to the segment limits in `limits_ref` [4] when there are segment ids."""
   limits, full = _limits(limits_ref, p)
-  return masks.block_runs(q_block, owner_block=p.block_q, other_block=p.block_kv,
+  return _tiling.block_runs(q_block, owner_block=p.block_q, other_block=p.block_kv,
                           num_other=p.num_kv_blocks, band=p.band,
                           element_mask=p.has_element_mask, other_tail=p.kv_tail, limits=limits,
                           full_limits=full)
@@ -207,8 +211,8 @@ def q_runs(kv_block, p: KernelParams, limits_ref=None):
   limits, full = _limits(limits_ref, p)
   # With segment ids the key tail block holds padding ids, so its full run is empty by data;
   # without them a tail needs the test on every query block of the last key block.
-  return masks.block_runs(kv_block, owner_block=p.block_kv, other_block=p.block_q,
-                          num_other=p.num_q_blocks, band=masks.mirrored(p.band),
+  return _tiling.block_runs(kv_block, owner_block=p.block_kv, other_block=p.block_q,
+                          num_other=p.num_q_blocks, band=_tiling.mirrored(p.band),
                           element_mask=p.has_element_mask or p.kv_tail, other_tail=False,
                           limits=limits, full_limits=full)
 
@@ -217,7 +221,7 @@ def segment_limits(q_seg, kv_seg, *, block_q: int, block_kv: int):
   """(kv_limits [B, nq, 2], q_limits [B, nk, 2]) or (None, None) without segment ids."""
   if q_seg is None:
     return None, None
-  return masks.segment_block_limits(q_seg, kv_seg, block_q=block_q, block_kv=block_kv)
+  return _tiling.segment_block_limits(q_seg, kv_seg, block_q=block_q, block_kv=block_kv)
 
 
 def logits(qk, rows, cols, slope, bias, p: KernelParams):
@@ -263,7 +267,7 @@ def block_mask(q_pos, kv_pos, q_seg, kv_seg, p: KernelParams, dense=None, *, fn=
     fn: (fn_refs, b, q_start, kv_start) of the block mask's function (used when p.block_sparse).
   """
   mask = kv_pos[None, :] < p.kv_len
-  band = masks.band_mask(q_pos, kv_pos, p.band)
+  band = _tiling.band_mask(q_pos, kv_pos, p.band)
   if band is not None:
     mask = mask & band
   if p.has_segments:
@@ -276,7 +280,7 @@ def block_mask(q_pos, kv_pos, q_seg, kv_seg, p: KernelParams, dense=None, *, fn=
 
 
 # ---------------------------------------------------------------------------------------------
-# Block masks (pallas_flash.block_sparse)
+# Block masks (pallas_flash.masks)
 
 
 def sparse_params(bm) -> dict:
@@ -304,10 +308,10 @@ def sparse_inputs(bm, p: KernelParams, *, t_pad: int, s_pad: int, by_q: bool):
   else:
     table, counts = bm.q_blocks, jnp.stack([bm.q_count, bm.q_num_partial], -1)
   leaves, leaf_specs = [], []
-  fn = block_sparse.pad_leaves(bm.mask_fn, t_pad, s_pad)
+  fn = masks.pad_leaves(bm.mask_fn, t_pad, s_pad)
   for kind, x in zip(p.mask_kinds, jax.tree_util.tree_leaves(fn)):
-    if kind == block_sparse.BATCH:  # read as a scalar: pad to a power-of-two length
-      x = _blocking.pad_axis(x, 0, pl_next_pow2(x.shape[0]))
+    if kind == masks.BATCH:  # read as a scalar: pad to a power-of-two length
+      x = _tiling.pad_axis(x, 0, pl_next_pow2(x.shape[0]))
       leaf_specs.append(pl.BlockSpec(x.shape, lambda *_: (0,)))
     else:
       leaf_specs.append(pl.BlockSpec((None, x.shape[1]), lambda i, bi, hi: (bsel(bi), 0)))
@@ -322,9 +326,9 @@ def mask_fn_tile(fn_refs, b, q_start, kv_start, q_pos, kv_pos, p: KernelParams):
   """[block_q, block_kv] bool: the block mask's function on one tile, loading its leaves."""
   tiles = []
   for kind, ref in zip(p.mask_kinds, fn_refs or ()):
-    if kind == block_sparse.Q:
+    if kind == masks.Q:
       tiles.append(ref[pl.ds(pl.multiple_of(q_start, p.block_q), p.block_q)])
-    elif kind == block_sparse.KV:
+    elif kind == masks.KV:
       tiles.append(ref[pl.ds(pl.multiple_of(kv_start, p.block_kv), p.block_kv)])
     else:
       tiles.append(ref[b if p.mask_batch > 1 else 0])

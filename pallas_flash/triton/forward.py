@@ -11,7 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_flash import dropout
-from pallas_flash.params import MASK_VALUE, AttentionParams, FeatureArrays
+from pallas_flash.call import MASK_VALUE, AttentionParams, FeatureArrays
 from pallas_flash.triton import common
 from pallas_flash.triton.common import KernelParams
 from pallas_flash.triton.config import TritonConfig
@@ -96,10 +96,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, bias_ref, mask_ref, slopes_
   lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * common.LN2)
 
 
-def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: TritonConfig | None,
+def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: TritonConfig,
             interpret: bool, arrays: FeatureArrays | None = None):
-  """Pallas-Triton FlashAttention forward; the contract is in pallas_flash.params."""
-  config = common.resolve_config(q, params, config)
+  """Pallas-Triton FlashAttention forward; the contract is in pallas_flash.call."""
   b, t, h, d = q.shape
   s_len, kh = k.shape[1], k.shape[2]
   bm = arrays.block_mask if arrays is not None else None

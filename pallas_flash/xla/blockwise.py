@@ -5,7 +5,7 @@ a running max `m`, sum `l` and unnormalised accumulator; the backward recomputes
 block (a dQ pass with query blocks outer, a dK/dV pass with key/value blocks outer). Nothing of
 size T x S is ever live, so memory is linear in sequence length (a dense bias or mask and its
 gradient are T x S by nature). Blocks outside the causal / local-window band are skipped through
-dynamic loop bounds (`masks.block_runs`); with a block mask, the loops run over the active
+dynamic loop bounds (`_tiling.block_runs`); with a block mask, the loops run over the active
 blocks of its tables instead (united over the batch, since one loop serves every batch element).
 """
 
@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_flash import _blocking, block_sparse, dropout, masks
-from pallas_flash.params import MASK_VALUE, AttentionParams, CallInfo, FeatureArrays
+from pallas_flash import _tiling, dropout, masks
+from pallas_flash.call import MASK_VALUE, AttentionParams, CallInfo, FeatureArrays
 
 _HI = lax.Precision.HIGHEST
 
@@ -41,8 +41,22 @@ SUPPORTED_FEATURES = frozenset({"local_window_size", "logits_soft_cap", "alibi_s
                                 "bias", "mask", "block_mask"})
 
 
-def unsupported_reason(call: CallInfo) -> str | None:
+def default_config(call: CallInfo) -> XlaConfig:
   del call
+  return XlaConfig()
+
+
+def unsupported_reason(call: CallInfo, config: XlaConfig | None = None) -> str | None:
+  return block_mask_reason(call, config)
+
+
+def block_mask_reason(call: CallInfo, config) -> str | None:
+  """A block mask fixes the blocks of the kernels that take one: a config asking for others
+  cannot run it (the Triton kernels share this rule)."""
+  blocks = call.params.block_mask_blocks
+  if blocks is not None and config is not None and (config.block_q, config.block_kv) != blocks:
+    return (f"config blocks ({config.block_q}, {config.block_kv}) differ from the block_mask's "
+            f"{blocks}; build the BlockMask with the config's blocks or pass no config")
   return None
 
 
@@ -71,12 +85,12 @@ class _Ctx:
   dense: dict  # "bias" / "mask": [B|1, K|1, G|1, T_pad, S_pad]
   slopes: jax.Array | None  # [K, G] float32
   head_keys: jax.Array | None  # [B, K, G] int32 dropout keys
-  # Segment limits (masks.segment_block_limits), hulls over the batch: [nq, 2] and [nk, 2].
+  # Segment limits (_tiling.segment_block_limits), hulls over the batch: [nq, 2] and [nk, 2].
   kv_limits: jax.Array | None
   q_limits: jax.Array | None
   # Block mask: its function (leaves padded to whole blocks) and the tables of blocks active for
   # any batch element: kv_table [nq, nk] / kv_count [nq] and q_table [nk, nq] / q_count [nk].
-  mask_fn: block_sparse.MaskFn | None = None
+  mask_fn: masks.MaskFn | None = None
   kv_table: jax.Array | None = None
   kv_count: jax.Array | None = None
   q_table: jax.Array | None = None
@@ -102,7 +116,7 @@ class _Ctx:
       s = s - self.slopes[None, :, :, None, None] * dist
     if p.has_bias:
       s = s + self.tile("bias", i, j).astype(jnp.float32)
-    mask = masks.band_mask(q_pos, kv_pos, p.band)
+    mask = _tiling.band_mask(q_pos, kv_pos, p.band)
     if self.kv_len % self.bk:
       tail = (kv_pos < self.kv_len)[None, :]
       mask = tail if mask is None else mask & tail
@@ -116,8 +130,8 @@ class _Ctx:
       dense = self.tile("mask", i, j)
       mask = dense if mask is None else mask & dense
     if self.mask_fn is not None:
-      fn = block_sparse.tiles(self.mask_fn, i * self.bq, self.bq, j * self.bk, self.bk)
-      fn_mask = block_sparse.evaluate(fn, q_pos, kv_pos)[:, None, None]  # [B|1, 1, 1, bq, bk]
+      fn = masks.tiles(self.mask_fn, i * self.bq, self.bq, j * self.bk, self.bk)
+      fn_mask = masks.evaluate(fn, q_pos, kv_pos)[:, None, None]  # [B|1, 1, 1, bq, bk]
       mask = fn_mask if mask is None else mask & fn_mask
     return s, t, mask
 
@@ -141,15 +155,15 @@ class _Ctx:
 
   def kv_runs(self, i, nk):
     limits = None if self.kv_limits is None else (self.kv_limits[i, 0], self.kv_limits[i, 1])
-    first, _, _, last = masks.block_runs(i, owner_block=self.bq, other_block=self.bk,
+    first, _, _, last = _tiling.block_runs(i, owner_block=self.bq, other_block=self.bk,
                                          num_other=nk, band=self.params.band, element_mask=True,
                                          other_tail=False, limits=limits)
     return first, last
 
   def q_runs(self, j, nq):
     limits = None if self.q_limits is None else (self.q_limits[j, 0], self.q_limits[j, 1])
-    first, _, _, last = masks.block_runs(j, owner_block=self.bk, other_block=self.bq,
-                                         num_other=nq, band=masks.mirrored(self.params.band),
+    first, _, _, last = _tiling.block_runs(j, owner_block=self.bk, other_block=self.bq,
+                                         num_other=nq, band=_tiling.mirrored(self.params.band),
                                          element_mask=True, other_tail=False, limits=limits)
     return first, last
 
@@ -162,15 +176,15 @@ def _prepare(q, k, v, q_seg, kv_seg, arrays: FeatureArrays, params: AttentionPar
   bm = arrays.block_mask
   bq, bk = ((bm.block_q, bm.block_kv) if bm is not None
             else (min(config.block_q, t), min(config.block_kv, s)))
-  t_pad, s_pad = _blocking.round_up(t, bq), _blocking.round_up(s, bk)
-  q = _blocking.pad_axis(q, 1, t_pad).reshape(b, t_pad, kh, g, d)
-  k, v = _blocking.pad_axis(k, 1, s_pad), _blocking.pad_axis(v, 1, s_pad)
-  q_seg, kv_seg = _blocking.pad_segments(q_seg, kv_seg, t_pad, s_pad)
+  t_pad, s_pad = _tiling.round_up(t, bq), _tiling.round_up(s, bk)
+  q = _tiling.pad_axis(q, 1, t_pad).reshape(b, t_pad, kh, g, d)
+  k, v = _tiling.pad_axis(k, 1, s_pad), _tiling.pad_axis(v, 1, s_pad)
+  q_seg, kv_seg = _tiling.pad_segments(q_seg, kv_seg, t_pad, s_pad)
   dense = {}
   for name in ("bias", "mask"):
     x = getattr(arrays, name)
     if x is not None:  # [B|1, H|1, T, S] -> [B|1, K|1, G|1, T_pad, S_pad]
-      x = _blocking.pad_axis(_blocking.pad_axis(x, 2, t_pad), 3, s_pad)
+      x = _tiling.pad_axis(_tiling.pad_axis(x, 2, t_pad), 3, s_pad)
       dense[name] = x.reshape(x.shape[0], *((kh, g) if x.shape[1] == h else (1, 1)),
                               t_pad, s_pad)
   slopes = None if arrays.alibi_slopes is None else arrays.alibi_slopes.reshape(kh, g)
@@ -182,14 +196,14 @@ def _prepare(q, k, v, q_seg, kv_seg, arrays: FeatureArrays, params: AttentionPar
   limits = [None, None]
   if q_seg is not None:  # one loop serves the whole batch: take the hull over it
     limits = [jnp.stack([x[..., 0].min(0), x[..., 1].max(0)], -1)
-              for x in masks.segment_block_limits(q_seg, kv_seg, block_q=bq, block_kv=bk)]
+              for x in _tiling.segment_block_limits(q_seg, kv_seg, block_q=bq, block_kv=bk)]
   sparse = {}
   if bm is not None:
-    active = (bm.block_state != block_sparse.SKIPPED).any(0)  # [nq, nk], over the batch
-    state = jnp.where(active, block_sparse.PARTIAL, block_sparse.SKIPPED)[None]
-    (kv_table,), (kv_count,), _ = block_sparse.block_tables(state)
-    (q_table,), (q_count,), _ = block_sparse.block_tables(jnp.swapaxes(state, 1, 2))
-    sparse = dict(mask_fn=block_sparse.pad_leaves(bm.mask_fn, t_pad, s_pad), kv_table=kv_table,
+    active = (bm.block_state != masks.SKIPPED).any(0)  # [nq, nk], over the batch
+    state = jnp.where(active, masks.PARTIAL, masks.SKIPPED)[None]
+    (kv_table,), (kv_count,), _ = masks.block_tables(state)
+    (q_table,), (q_count,), _ = masks.block_tables(jnp.swapaxes(state, 1, 2))
+    sparse = dict(mask_fn=masks.pad_leaves(bm.mask_fn, t_pad, s_pad), kv_table=kv_table,
                   kv_count=kv_count, q_table=q_table, q_count=q_count)
   ctx = _Ctx(params=params, kv_len=s, bq=bq, bk=bk, num_heads=h, kv_seg=kv_seg, dense=dense,
              slopes=slopes, head_keys=head_keys, kv_limits=limits[0], q_limits=limits[1],
@@ -197,10 +211,9 @@ def _prepare(q, k, v, q_seg, kv_seg, arrays: FeatureArrays, params: AttentionPar
   return q, k, v, q_seg, ctx
 
 
-def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: XlaConfig | None = None,
+def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: XlaConfig,
             arrays: FeatureArrays | None = None):
-  """See pallas_flash.params for the contract."""
-  config = config or XlaConfig()
+  """See pallas_flash.call for the contract."""
   b, t, h, d = q.shape
   q, k, v, q_seg, ctx = _prepare(q, k, v, q_seg, kv_seg, arrays or FeatureArrays(), params,
                                  config)
@@ -248,10 +261,9 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: XlaConfi
 
 
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
-             config: XlaConfig | None = None, arrays: FeatureArrays | None = None):
-  """See pallas_flash.params for the contract."""
+             config: XlaConfig, arrays: FeatureArrays | None = None):
+  """See pallas_flash.call for the contract."""
   del o
-  config = config or XlaConfig()
   arrays = arrays or FeatureArrays()
   b, t, h, d = q.shape
   s_len = k.shape[1]
@@ -259,10 +271,10 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   bq, bk = ctx.bq, ctx.bk
   kh, g = q.shape[2], q.shape[3]
   t_pad, s_pad = q.shape[1], k.shape[1]
-  do = _blocking.pad_axis(do, 1, t_pad).reshape(q.shape)
+  do = _tiling.pad_axis(do, 1, t_pad).reshape(q.shape)
   # Padded rows get lse = +inf so that their probabilities are exactly 0.
-  lse = _blocking.pad_axis(lse, 2, t_pad, jnp.inf).reshape(b, kh, g, t_pad)
-  delta = _blocking.pad_axis(delta, 2, t_pad).reshape(b, kh, g, t_pad)
+  lse = _tiling.pad_axis(lse, 2, t_pad, jnp.inf).reshape(b, kh, g, t_pad)
+  delta = _tiling.pad_axis(delta, 2, t_pad).reshape(b, kh, g, t_pad)
   nq, nk = t_pad // bq, s_pad // bk
   grads = functools.partial(_block_grads, ctx=ctx)
   bias_shape = ctx.dense["bias"].shape[:3] if params.has_bias else None

@@ -18,7 +18,7 @@ import pallas_flash
 from pallas_flash.mosaic_gpu import TUNED, MosaicConfig, _common, backward, backward_fused
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES
 from pallas_flash.mosaic_gpu import config as mconfig
-from pallas_flash.params import AttentionParams
+from pallas_flash.call import AttentionParams
 from pallas_flash.reference import attention_reference
 from testing import TRITON_CALL, export_for_h200, kernel_case_id, kernel_specs, max_rel_err
 

@@ -14,7 +14,7 @@ import pallas_flash
 from pallas_flash import mosaic_gpu
 from pallas_flash.mosaic_gpu import TUNED, backward_fused
 from pallas_flash.mosaic_gpu import config as mconfig
-from pallas_flash.params import AttentionParams
+from pallas_flash.call import AttentionParams
 from pallas_flash.reference import attention_reference
 from testing import kernel_case_id, kernel_inputs, max_abs, on_hopper, rel_err
 

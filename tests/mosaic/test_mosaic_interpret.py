@@ -17,7 +17,7 @@ import pytest
 
 from pallas_flash import api
 from pallas_flash.mosaic_gpu import _common, backward, forward
-from pallas_flash.params import AttentionParams, FeatureArrays
+from pallas_flash.call import AttentionParams, FeatureArrays
 from pallas_flash.reference import attention_reference
 from testing import (MOSAIC_INTERPRET_SMALL, kernel_case_id, kernel_inputs, max_abs,
                      max_rel_err)

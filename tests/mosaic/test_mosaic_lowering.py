@@ -16,7 +16,7 @@ from jax.sharding import use_abstract_mesh
 import pallas_flash
 from pallas_flash import mosaic_gpu
 from pallas_flash.mosaic_gpu import TUNED, MosaicConfig
-from pallas_flash.params import AttentionParams, CallInfo
+from pallas_flash.call import AttentionParams, CallInfo
 from testing import H200, export_for_h200, kernel_case_id, kernel_specs
 
 

@@ -15,7 +15,7 @@ import pytest
 
 import pallas_flash
 from pallas_flash.mosaic_gpu import TUNED, MosaicConfig, forward
-from pallas_flash.params import AttentionParams
+from pallas_flash.call import AttentionParams
 from pallas_flash.reference import attention_reference
 from testing import (export_for_h200, kernel_case_id, kernel_inputs, kernel_specs, max_abs,
                      on_hopper, rel_err)

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_flash import api
+from pallas_flash import api, validation
 from pallas_flash.mosaic_gpu import backward, forward
-from pallas_flash.params import AttentionParams, FeatureArrays
+from pallas_flash.call import AttentionParams, FeatureArrays
 from pallas_flash.reference import attention_reference
 from testing import (MOSAIC_INTERPRET_SMALL, kernel_inputs, max_abs, max_rel_err,
                      random_segments)
@@ -110,12 +110,12 @@ def test_gradients_with_segments_and_128_row_dkdv_tiles(case):
 
 
 def test_lengths_folded_by_the_api_match_reference():
-  """Sequence lengths reach the kernels as segment ids (api._fold_lengths): padded queries get
+  """Sequence lengths reach the kernels as segment ids (validation._fold_lengths): padded queries get
   zeros and no gradient, padded keys no weight."""
   b, t, h, d = 2, 200, 2, 64
   q, k, v, do = kernel_inputs(b, t, t, h, h, d, jnp.bfloat16, seed=5)
   lens = jnp.array([200, 77], jnp.int32)
-  segs = api._fold_lengths(None, None, lens, lens, t, t)
+  segs = validation._fold_lengths(None, None, lens, lens, t, t)
   p = AttentionParams(scale=d ** -0.5, is_causal=True, has_segments=True)
   mosaic = lambda *a: api._differentiable("mosaic", p, SMALL)(  # noqa: E731
       *a, *segs, FeatureArrays())[0]

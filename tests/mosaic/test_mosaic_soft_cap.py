@@ -1,7 +1,7 @@
 """logits_soft_cap on the Mosaic GPU kernels: interpreted math against the reference, lowering
 for CUDA on the CPU, and the dispatch (head_dim 256's backward and the fused backward).
 
-The cap c·tanh(s / c) is applied to the scaled scores before masking (pallas_flash.params), so
+The cap c·tanh(s / c) is applied to the scaled scores before masking (pallas_flash.call), so
 a cap of 1.5 on unit-variance inputs changes most probabilities noticeably: a kernel that
 skipped it, or applied it after the mask, fails these tolerances.
 """
@@ -15,7 +15,7 @@ from jax.sharding import use_abstract_mesh
 
 import pallas_flash
 from pallas_flash.mosaic_gpu import backward, backward_fused, forward
-from pallas_flash.params import AttentionParams
+from pallas_flash.call import AttentionParams
 from pallas_flash.reference import attention_reference
 from testing import (H200, MOSAIC_INTERPRET_SMALL, TRITON_CALL, export_for_h200, kernel_case_id,
                      kernel_inputs, kernel_specs, max_abs, max_rel_err)

@@ -23,7 +23,7 @@ import pytest
 import pallas_flash
 from pallas_flash.mosaic_gpu import TUNED, MosaicConfig
 from pallas_flash.mosaic_gpu import _common, split_tail
-from pallas_flash.params import AttentionParams
+from pallas_flash.call import AttentionParams
 from pallas_flash.reference import attention_reference
 from testing import (export_for_h200, kernel_case_id, kernel_inputs, kernel_specs, max_abs,
                      on_hopper, rel_err)
@@ -152,7 +152,7 @@ _INTERPRET_SCRIPT = """
 import json, sys
 import jax, jax.numpy as jnp
 from pallas_flash.mosaic_gpu import MosaicConfig, forward
-from pallas_flash.params import AttentionParams
+from pallas_flash.call import AttentionParams
 from pallas_flash.reference import attention_reference
 from testing import kernel_inputs, max_abs, rel_err
 b, t, s, h, kh, d, dtype, kw = json.loads(sys.argv[1])
@@ -319,7 +319,7 @@ _BWD_INTERPRET_SCRIPT = """
 import json, sys
 import jax, jax.numpy as jnp
 from pallas_flash.mosaic_gpu import MosaicConfig, backward, forward
-from pallas_flash.params import AttentionParams
+from pallas_flash.call import AttentionParams
 from pallas_flash.reference import attention_reference
 from testing import kernel_inputs, rel_err
 b, t, s, h, kh, d, dtype, kw = json.loads(sys.argv[1])

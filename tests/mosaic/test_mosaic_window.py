@@ -19,7 +19,7 @@ from jax.sharding import use_abstract_mesh
 import pallas_flash
 from pallas_flash.mosaic_gpu import _common, backward, forward
 from pallas_flash.mosaic_gpu.config import tuned
-from pallas_flash.params import AttentionParams
+from pallas_flash.call import AttentionParams
 from pallas_flash.reference import attention_reference
 from testing import (H200, MOSAIC_INTERPRET_SMALL, TRITON_CALL, export_for_h200, kernel_case_id,
                      kernel_inputs, kernel_specs, max_abs, max_rel_err, random_segments)

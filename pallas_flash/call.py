@@ -4,7 +4,8 @@ Shape letters (used in every docstring of the package):
   B batch, T query length, S key/value length, H query heads, K key/value heads,
   G = H // K query heads per key/value head, D head dim.
 
-Backend contract (each of `xla`, `triton`, `mosaic_gpu` provides these):
+Backend contract (each of `xla`, `triton`, `mosaic_gpu` provides these; pallas_flash.backends
+reads them into one record):
 
   forward(q, k, v, q_seg, kv_seg, *, params, config[, arrays]) -> (o, lse)
     q [B, T, H, D], k/v [B, S, K, D], q_seg [B, T] int32 | None, kv_seg [B, S] int32 | None
@@ -21,11 +22,14 @@ Backend contract (each of `xla`, `triton`, `mosaic_gpu` provides these):
     computes rowsum(do * o) itself.
     dbias has the shape of arrays.bias (summed over its broadcast batch / head axes).
 
-  unsupported_reason(call: CallInfo) -> str | None
-  SUPPORTED_FEATURES: frozenset[str] (optional): the names in `FEATURES` the backend implements;
-    a backend without it runs only the core (causal, segment ids, lengths). The API rejects calls
-    using any other feature before asking `unsupported_reason`, and passes `arrays=` only to
-    calls that use a feature.
+  config is always given: the API resolves it once, the user's or `default_config(call)`.
+
+  default_config(call: CallInfo) -> CONFIG_TYPE: the config of a call that passes none.
+  unsupported_reason(call: CallInfo, config: CONFIG_TYPE | None) -> str | None
+  CONFIG_TYPE: the backend's frozen config dataclass.
+  SUPPORTED_FEATURES: frozenset[str]: the names in `FEATURES` the backend implements. The API
+    rejects calls using any other feature before asking `unsupported_reason`, and passes
+    `arrays=` only to calls that use a feature.
 
 Logits are computed in this order (FlashAttention-2's softcap/ALiBi order; bias as jax.nn):
   s = scale * q·kᵀ;  s = c·tanh(s / c) (soft cap);  s += -slope_h·|i - j| (ALiBi);  s += bias;
@@ -72,7 +76,7 @@ class AttentionParams:
       arrays.dropout_seed is None).
     has_bias: arrays.bias [B|1, H|1, T, S] is present (differentiable).
     has_mask: arrays.mask [B|1, H|1, T, S] bool is present.
-    block_mask_blocks: (block_q, block_kv) of arrays.block_mask (a block_sparse.BlockMask),
+    block_mask_blocks: (block_q, block_kv) of arrays.block_mask (a masks.BlockMask),
       which then replaces causal / window / segment masking; None without a block mask.
     deterministic: gradients must be bitwise identical run to run (backends whose fastest
       backward sums in a varying order choose another; see flash_attention).

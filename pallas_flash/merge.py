@@ -1,0 +1,55 @@
+"""Exact merge of attention computed over disjoint sets of keys.
+
+Attention over keys K = K_1 ∪ ... ∪ K_N (disjoint) is a weighted sum of the partial results:
+with o_i the softmax-normalised output over K_i and lse_i its log-sum-exp,
+
+  lse = log Σ_i exp(lse_i),   o = Σ_i exp(lse_i − lse) · o_i.
+
+Split-KV decoding, context-parallel (ring) attention and cascades over a shared prefix all
+reduce their partial `(out, lse)` pairs this way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+def merge_attention_states(outputs: jax.Array | Sequence[jax.Array],
+                           lses: jax.Array | Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
+  """Merges N partial attention results over disjoint key sets into the result over all keys.
+
+  Args:
+    outputs: N partial outputs [B, T, H, D] (a sequence, or stacked as [N, B, T, H, D]), each
+      normalised over its own keys, as `flash_attention(..., return_residuals=True)` returns.
+    lses: their log-sum-exps [B, H, T] float32 (or stacked [N, B, H, T]), natural log, -inf
+      where a query saw no key of that part.
+
+  Returns:
+    (out [B, T, H, D] in the outputs' dtype, lse [B, H, T] float32). A query that saw no key
+    in any part gets zeros and lse -inf. Differentiable in both arguments.
+  """
+  if not hasattr(outputs, "ndim"):
+    outputs = jnp.stack(list(outputs))
+  if not hasattr(lses, "ndim"):
+    lses = jnp.stack(list(lses))
+  if outputs.ndim != 5 or lses.ndim != 4:
+    raise ValueError(f"`outputs` must be [N, B, T, H, D] and `lses` [N, B, H, T] (or sequences "
+                     f"of N such arrays), got {outputs.shape} and {lses.shape}.")
+  n, b, t, h, _ = outputs.shape
+  if lses.shape != (n, b, h, t):
+    raise ValueError(f"`lses` must have shape {(n, b, h, t)} to match `outputs` "
+                     f"{outputs.shape}, got {lses.shape}.")
+  lses = lses.astype(jnp.float32)
+  m = jnp.max(lses, axis=0)
+  # Shift by a finite max: rows where every part is empty keep weights exp(-inf) = 0, not NaN.
+  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  w = jnp.exp(lses - m)  # [N, B, H, T]
+  total = w.sum(axis=0)
+  safe = jnp.where(total == 0.0, 1.0, total)
+  weights = (w / safe).transpose(0, 1, 3, 2)[..., None]  # [N, B, T, H, 1]
+  out = (weights * outputs.astype(jnp.float32)).sum(axis=0)
+  lse = jnp.where(total == 0.0, -jnp.inf, m + jnp.log(safe))
+  return out.astype(outputs.dtype), lse
