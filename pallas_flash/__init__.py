@@ -8,7 +8,7 @@ from pallas_flash import dropout, masks
 from pallas_flash.api import CHECKPOINT_NAME, IMPLEMENTATIONS, Explanation, explain, flash_attention
 from pallas_flash.merge import merge_attention_states
 from pallas_flash.masks import BlockMask, CausalMask, LocalMask, PrefixLMMask, SegmentMask
-from pallas_flash.mosaic_gpu.config import MosaicConfig
+from pallas_flash.mosaic_gpu.config import MosaicConfig, MosaicDebug
 from pallas_flash.reference import attention_reference
 from pallas_flash.triton.config import TritonConfig
 from pallas_flash.xla import XlaConfig
@@ -16,6 +16,7 @@ from pallas_flash.xla import XlaConfig
 __version__ = "0.2.0"
 
 __all__ = ["CHECKPOINT_NAME", "IMPLEMENTATIONS", "BlockMask", "CausalMask", "Explanation",
-           "LocalMask", "MosaicConfig", "PrefixLMMask", "SegmentMask", "TritonConfig", "XlaConfig",
+           "LocalMask", "MosaicConfig", "MosaicDebug", "PrefixLMMask", "SegmentMask",
+           "TritonConfig", "XlaConfig",
            "__version__", "attention_reference", "dropout", "explain", "flash_attention", "masks",
            "merge_attention_states"]

@@ -1,16 +1,16 @@
 """Shared pytest set-up: GPU tests skip themselves on machines without an NVIDIA GPU, and the
-Mosaic GPU interpreter gets the XLA flag without which it can deadlock (_common.py says why)."""
+Mosaic GPU interpreter gets the XLA flag without which it can deadlock (sm90/common.py says why)."""
 
 import os
 
 import jax
 import pytest
 
-from pallas_flash.mosaic_gpu import _common
+from pallas_flash.mosaic_gpu.sm90 import common as mosaic_common
 
 # Before any test computes (XLA reads XLA_FLAGS when its CPU client starts); subprocesses that
 # the tests start inherit it.
-os.environ["XLA_FLAGS"] = _common.with_interpret_xla_flag(os.environ.get("XLA_FLAGS", ""))
+os.environ["XLA_FLAGS"] = mosaic_common.with_interpret_xla_flag(os.environ.get("XLA_FLAGS", ""))
 
 
 def _has_gpu() -> bool:

@@ -129,7 +129,38 @@ def default_config(call: GateCall) -> tuple[str, str, dict]:
   q, k, v, arrays = call.specs()
   with use_abstract_mesh(H200):
     why = pallas_flash.explain(q, k, v, **arrays, **call.static_kwargs())
-  return why.chosen, type(why.config).__name__, dataclasses.asdict(why.config)
+  fields = dataclasses.asdict(why.config)
+  if isinstance(why.config, pallas_flash.MosaicConfig):
+    fields = as_recorded(why.config, call)
+  return why.chosen, type(why.config).__name__, fields
+
+
+# MosaicConfig fields deleted since the record, with the value of the one form each kept.
+_REMOVED_MOSAIC = dict(
+    bwd_heads_fastest=False, bwd_head_group=0, bwd_split_tail="", fused_stagger_q=False,
+    fused_dq_blocks=1, fused_overlap=False, fused_offset=False, fused_dq_head_major=False,
+    fused_batch_slowest=False, fused_per_batch_entry=False, fused_dq_first=False,
+    dkdv_pingpong=False, dkdv_fold_stats=False, wide_backward="mosaic", window_backward="mosaic",
+    bwd_delta_in_kernel=True, bwd_flat_stats=True)
+# ... and those that selected forms of the fused backward: the form kept (a fused config)
+# or the record's defaults (any other config, whose fused fields no kernel reads).
+_FUSED_FORM = dict(fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
+                   fused_auto_barriers=False, fused_static_wg=True, fused_early_probs=True)
+_NOT_FUSED = dict(fused_dq_shared=False, fused_defer_dq=False, fused_defer_inline=False,
+                  fused_auto_barriers=True, fused_static_wg=False, fused_early_probs=False,
+                  fused_split_loop=False)
+
+
+def as_recorded(config, call: GateCall) -> dict:
+  """A MosaicConfig in the record's fields: renamed and nested fields spelled as they were,
+  deleted ones at the value of the form that stays (the fused kernel splits its first loop
+  whenever a call is non-causal without a key tail, which its defaults guarantee)."""
+  fields = dataclasses.asdict(config)
+  debug = fields.pop("debug")
+  fields["dkdv_schedule"] = "overlap" if fields.pop("dkdv_overlap") else "serial"
+  fused = (dict(_FUSED_FORM, fused_split_loop=not call.causal) if config.fused_backward
+           else _NOT_FUSED)
+  return {**fields, **debug, **_REMOVED_MOSAIC, **fused}
 
 
 def recorded_config(call_id: str) -> tuple[str, str, dict]:
@@ -325,9 +356,10 @@ def dumps(rec: dict) -> str:
 
 
 def _class_defaults(cls: str) -> dict:
-  from pallas_flash.mosaic_gpu import MosaicConfig
-  from pallas_flash.triton import TritonConfig
-  return dataclasses.asdict({"MosaicConfig": MosaicConfig, "TritonConfig": TritonConfig}[cls]())
+  if cls == "MosaicConfig":
+    return as_recorded(pallas_flash.MosaicConfig(), GateCall(1, 1, 1, 1, 1, 64))
+  return dataclasses.asdict({"TritonConfig": pallas_flash.TritonConfig,
+                             "XlaConfig": pallas_flash.XlaConfig}[cls]())
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 import pallas_flash
-from pallas_flash.mosaic_gpu import MosaicConfig
+from pallas_flash.mosaic_gpu import MosaicConfig, MosaicDebug
 
 # Relative error max|x - ref| / max|ref| against the float32 reference computed from the same
 # (possibly low-precision) inputs. Gradients get twice the forward budget.
@@ -137,7 +137,7 @@ def check_against_reference(impl: str, case: Case, *, seed: int = 0, config=None
 # several steps per ring.
 MOSAIC_INTERPRET_SMALL = MosaicConfig(block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=64,
                                       block_q_dkv=64, block_kv_dkv=64, num_stages=2,
-                                      bwd_stages=2, interpret=True)
+                                      bwd_stages=2, debug=MosaicDebug(interpret=True))
 
 
 def max_abs(x) -> float:

@@ -1,29 +1,51 @@
-"""Hopper (sm_90) FlashAttention kernels in Pallas Mosaic GPU: TMA, wgmma, warp specialisation."""
+"""FlashAttention kernels in Pallas Mosaic GPU: TMA, wgmma, warp specialisation.
+
+The kernels of each GPU generation live in a folder of their own (`sm90/`: Hopper); this
+module is the backend contract (pallas_flash.call) and picks the generation's kernels from the
+target's compute capability. Another generation adds its folder with the same `forward` and
+`backward` and an entry in KERNELS.
+"""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_flash.mosaic_gpu.backward import backward
-from pallas_flash.mosaic_gpu.config import TUNED, MosaicConfig, default_config
-from pallas_flash.mosaic_gpu.forward import forward
+from pallas_flash import validation
 from pallas_flash.call import CallInfo
+from pallas_flash.mosaic_gpu.config import TUNED, MosaicConfig, MosaicDebug, default_config
+from pallas_flash.mosaic_gpu.sm90 import backward as sm90_backward
+from pallas_flash.mosaic_gpu.sm90 import forward as sm90_forward
 
 CONFIG_TYPE = MosaicConfig
+# Major compute capability -> (forward, backward) of that generation's kernels.
+KERNELS = {9: (sm90_forward.forward, sm90_backward.backward)}
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # Optional features (pallas_flash.call.FEATURES) the kernels take; calls with any other run
-# elsewhere. The soft cap's backward at head_dim 256, and a windowed call's with
-# MosaicConfig.window_backward="triton", run the Triton kernels (backward._triton_backward).
+# elsewhere. The soft cap's backward at head_dim 256 runs the Triton kernels.
 SUPPORTED_FEATURES = frozenset({"logits_soft_cap", "local_window_size"})
 # `backward` takes the forward's lse and only the lse cotangent's correction as delta, and
 # computes rowsum(O∘dO) itself, in the dQ kernel (see pallas_flash.call).
 BACKWARD_COMPUTES_DELTA = True
 
 
+def _kernels():
+  """(forward, backward) of the target GPU's generation (unsupported_reason checked it)."""
+  _, cc, _ = validation.target_device()
+  return KERNELS[cc[0]]
+
+
+def forward(*args, **kwargs):
+  return _kernels()[0](*args, **kwargs)
+
+
+def backward(*args, **kwargs):
+  return _kernels()[1](*args, **kwargs)
+
+
 def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> str | None:
   """Why the Mosaic GPU kernels cannot run `call` with `config`, or None when they can."""
   cc = call.compute_capability
-  if call.platform != "gpu" or cc is None or cc[0] != 9:
+  if call.platform != "gpu" or cc is None or cc[0] not in KERNELS:
     cc = "" if cc is None else f" (compute capability {cc[0]}.{cc[1]})"
     return f"needs a Hopper GPU (sm_90), this is {call.platform} {call.device_kind!r}{cc}"
   if jnp.dtype(call.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -36,6 +58,6 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
   return None
 
 
-__all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "MosaicConfig",
+__all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "KERNELS", "MosaicConfig", "MosaicDebug",
            "SUPPORTED_FEATURES", "TUNED", "backward", "default_config", "forward",
            "unsupported_reason"]

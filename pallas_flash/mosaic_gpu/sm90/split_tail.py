@@ -1,13 +1,11 @@
-"""The last wave of a grid of equal tiles, split along the streamed axis (the split tail).
+"""The last wave of the forward's grid of equal tiles, split along the keys (the split tail).
 
-A non-causal kernel launches N equal tiles, one CTA each, W of them at a time (W = the SM
+A non-causal forward launches N equal tiles, one CTA each, W of them at a time (W = the SM
 count). When N mod W ≠ 0 its last wave leaves SMs idle for one tile's time: 16 heads at 16K are
 2048 tiles, 15.5 waves of 132, ~3 % of the kernel. The split tail runs the first N − (N mod W)
 tiles one CTA each, in the grid's launch order, and each tile of the last wave as `parts` CTAs,
-part p streaming steps [p·n / parts, (p+1)·n / parts) of its n and writing a float32 partial
-result; XLA merges the parts afterwards (the forward: a log-sum-exp merge of (o, lse); the
-backward: a sum of partial gradients). Used by the forward (MosaicConfig.fwd_split_tail) and
-the split backward's dQ and dK/dV kernels (bwd_split_tail).
+part p streaming key blocks [p·n / parts, (p+1)·n / parts) of its n and writing a float32
+partial (o, lse); XLA merges the parts afterwards (MosaicConfig.fwd_split_tail).
 """
 
 from __future__ import annotations
@@ -18,15 +16,15 @@ import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_flash.mosaic_gpu import _common
 from pallas_flash.mosaic_gpu.config import MosaicConfig
+from pallas_flash.mosaic_gpu.sm90 import common
 
 # tail_parts' cost model, in the time of one forward key-block step at head_dim 128 (two
 # 64-row warpgroups against 128 keys): the fixed cost of a CTA (prologue, epilogue, the
 # partial's store) and of merging one float32 [2, 64, D] partial tensor (an XLA pass over the
-# partials and the scatter into the output). Fitted to the twelfth session's H200 runs of the
-# forward (s12 run2): at 1x16384x16x128 9 parts gained 2.1 %, 5 1.6 %, 3 0.9 %, 17 0.4 %; at
-# 1x8192x16x128 (100 tiles in the last wave of 7.8) 5 parts gained nothing.
+# partials and the scatter into the output). Fitted to H200 runs of the forward: at
+# 1x16384x16x128 9 parts gained 2.1 %, 5 1.6 %, 3 0.9 %, 17 0.4 %; at 1x8192x16x128 (100 tiles
+# in the last wave of 7.8) 5 parts gained nothing.
 PART_OVERHEAD_BLOCKS = 3.0
 MERGE_OVERHEAD_BLOCKS = 6.0
 MAX_TAIL_PARTS = 64
@@ -47,7 +45,7 @@ class TailSplit:
   parts: int
   batch: int
   heads: int
-  num_tiles: int  # tiles per head (q tiles, or the dK/dV kernel's kv tiles)
+  num_tiles: int  # q tiles per head
   heads_fastest: bool
 
   @property
@@ -60,7 +58,7 @@ class TailSplit:
 
   def coords(self, t, div=lax.div, rem=lax.rem):
     """(b, h, tile) of tile t: batch fastest, then tiles of one head (heads_fastest: heads),
-    as _common.launch_grid's grid (without a head group) dispatches them."""
+    as common.launch_grid's grid dispatches them."""
     b, r = rem(t, self.batch), div(t, self.batch)
     if self.heads_fastest:
       return b, rem(r, self.heads), div(r, self.heads)
@@ -88,46 +86,34 @@ class TailSplit:
     return lo, hi
 
 
-def tail_parts(tiles: int, steps: int, wave: int, *, step_cost: float = 1.0,
-               merge_cost: float = MERGE_OVERHEAD_BLOCKS, even: bool = False) -> int:
+def tail_parts(tiles: int, steps: int, wave: int) -> int:
   """How many CTAs each tile of the last wave runs as (1: no split).
 
-  tiles: tiles of the launch; steps: steps per tile, each costing `step_cost` forward
-  key-block steps; wave: CTAs running at once; merge_cost: the merge's fixed cost. Unsplit,
-  the r = tiles mod wave tiles of the last wave take one tile's time, c = steps·step_cost +
+  tiles: tiles of the launch; steps: key-block steps per tile; wave: CTAs running at once.
+  Unsplit, the r = tiles mod wave tiles of the last wave take one tile's time, c = steps +
   PART_OVERHEAD_BLOCKS; as `parts` CTAs each they run in ceil(r·parts / wave) rounds of
-  c' = steps·step_cost / parts + PART_OVERHEAD_BLOCKS, plus merge_cost. Returns the parts (at
-  most `steps`, so that every part streams one; with `even`, only divisors of `steps`) that
-  minimise that, if it is less."""
+  c' = steps / parts + PART_OVERHEAD_BLOCKS, plus the merge. Returns the parts (at most
+  `steps`, so that every part streams one) that minimise that, if it is less."""
   r = tiles % wave
   if not r:
     return 1
-  work = steps * step_cost
-  best, best_cost = 1, work + PART_OVERHEAD_BLOCKS
+  best, best_cost = 1, steps + PART_OVERHEAD_BLOCKS
   for parts in range(2, min(steps, MAX_TAIL_PARTS) + 1):
-    if even and steps % parts:
-      continue
     rounds = -(-r * parts // wave)
-    cost = rounds * (work / parts + PART_OVERHEAD_BLOCKS) + merge_cost
+    cost = rounds * (steps / parts + PART_OVERHEAD_BLOCKS) + MERGE_OVERHEAD_BLOCKS
     if cost < best_cost:
       best, best_cost = parts, cost
   return best
 
 
 def plan(num_tiles: int, heads: int, batch: int, steps: int, *, heads_fastest: bool,
-         config: MosaicConfig, step_cost: float = 1.0,
-         merge_cost: float = MERGE_OVERHEAD_BLOCKS, even: bool = False) -> TailSplit | None:
+         config: MosaicConfig) -> TailSplit | None:
   """The split of a launch of batch · heads · num_tiles tiles of `steps` steps, or None where
-  none pays (whole waves, or the cost model's choice is 1). config.tail_parts forces the parts
-  (capped at `steps`; with `even`, the largest divisor of `steps` up to it) and
-  config.wave_ctas the wave (0: the GPU's SM count)."""
+  none pays (whole waves, or the cost model's choice is 1). config.debug.tail_parts forces the
+  parts (capped at `steps`) and config.debug.wave_ctas the wave (0: the GPU's SM count)."""
   tiles = batch * heads * num_tiles
-  wave = config.wave_ctas or _common.sm_count()
-  forced = min(config.tail_parts, steps)
-  while even and forced > 1 and steps % forced:
-    forced -= 1
-  parts = forced or tail_parts(tiles, steps, wave, step_cost=step_cost, merge_cost=merge_cost,
-                               even=even)
+  wave = config.debug.wave_ctas or common.sm_count()
+  parts = min(config.debug.tail_parts, steps) or tail_parts(tiles, steps, wave)
   if parts < 2 or not tiles % wave:
     return None
   return TailSplit(tiles=tiles, main=tiles - tiles % wave, parts=parts, batch=batch,
@@ -143,12 +129,3 @@ def set_tiles(x, values, split: TailSplit):
   rows = tile[:, None] * rows_per_tile + np.arange(rows_per_tile)
   return x.at[b[:, None], rows, h[:, None]].set(values.astype(x.dtype), unique_indices=True,
                                                  mode="drop")
-
-
-def sum_parts(x, part, split: TailSplit):
-  """x [B, R, H, D] with each split tile set to the sum of its parts' partials: part
-  [tail_tiles · parts, 2, rows, D] float32 (the two warpgroups' rows of each partial). The sum
-  runs over the parts in order, so the result is deterministic."""
-  r, rows = split.tail_tiles, part.shape[1] * part.shape[2]
-  total = part.reshape(r, split.parts, rows, part.shape[-1]).sum(axis=1)
-  return set_tiles(x, total, split)

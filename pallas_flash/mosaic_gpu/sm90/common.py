@@ -1,8 +1,9 @@
-"""Pieces shared by the Mosaic GPU forward and backward kernels."""
+"""Pieces shared by the sm90 kernels: static kernel parameters, masks, launch order, producers."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from typing import Any, NamedTuple
@@ -47,13 +48,8 @@ class KernelParams:
   interpret: bool
   intra_wg_overlap: bool = False  # forward: MosaicConfig.fwd_intra_wg_overlap
   q_registers: bool = False  # forward: MosaicConfig.fwd_q_registers
-  dkdv_schedule: str = "serial"  # dK/dV kernel: MosaicConfig.dkdv_schedule
-  dkdv_pingpong: bool = False  # dK/dV kernel: MosaicConfig.dkdv_pingpong
-  dkdv_fold_stats: bool = False  # dK/dV kernel: MosaicConfig.dkdv_fold_stats
-  bwd_heads_fastest: bool = False  # backward kernels: MosaicConfig.bwd_heads_fastest
-  bwd_head_group: int = 0  # backward kernels: MosaicConfig.bwd_head_group
-  flat_stats: bool = False  # dK/dV-style kernels: MosaicConfig.bwd_flat_stats
-  profile_dir: str = ""  # MosaicConfig.profile_dir
+  dkdv_overlap: bool = False  # dK/dV kernel: MosaicConfig.dkdv_overlap
+  profile_dir: str = ""  # MosaicDebug.profile_dir
   segments: bool = False  # the segment-id path (segment_path): per-tile block limits
   # The backward kernels compare ids (False for a window alone, one document; the forward
   # compares its zero ids all the same).
@@ -61,14 +57,15 @@ class KernelParams:
   v_stages: int = 0  # dQ kernel: depth of the V ring where it differs from K's (0: stages)
   softcap: float | None = None  # AttentionParams.logits_soft_cap
   # AttentionParams.local_window (left, right); the kernels stream its band's blocks through
-  # the segment-id path (band_limits): the forward, and the backward unless window_backward
-  # is "triton".
+  # the segment-id path (band_limits).
   window: tuple[int, int] | None = None
 
-  def stats_view(self, x):
-    """lse / delta [B, H, Tp] as the dK/dV-style kernels take them: a [1, B·H, Tp] view with
-    flat_stats (see MosaicConfig.bwd_flat_stats), else unchanged."""
-    return x.reshape(1, -1, x.shape[2]) if self.flat_stats else x
+  @staticmethod
+  def stats_view(x):
+    """lse / delta [B, H, Tp] as the kernels that stream them take them: a [1, B·H, Tp] view,
+    so that their TMA loads are 2-D at any batch (3-D loads cost 15-20 % of the fused
+    backward at batch 2, docs/mosaic.md)."""
+    return x.reshape(1, -1, x.shape[2])
 
   @property
   def c(self) -> float:
@@ -108,12 +105,8 @@ class KernelParams:
         compute_registers=config.compute_registers,
         producer_registers=config.producer_registers, interpret=config.interpret,
         intra_wg_overlap=config.fwd_intra_wg_overlap, q_registers=config.fwd_q_registers,
-        dkdv_schedule=config.dkdv_schedule,
-        dkdv_pingpong=config.dkdv_pingpong, dkdv_fold_stats=config.dkdv_fold_stats,
-        bwd_heads_fastest=config.bwd_heads_fastest,
-        bwd_head_group=config.bwd_head_group,
-        flat_stats=config.bwd_flat_stats,
-        profile_dir=config.profile_dir, segments=segment_path(params),
+        dkdv_overlap=config.dkdv_overlap,
+        profile_dir=config.debug.profile_dir, segments=segment_path(params),
         segment_ids=params.has_segments,
         softcap=params.logits_soft_cap, window=params.local_window)
 
@@ -385,48 +378,19 @@ def tile_mask(row0, col0, shape, kp: KernelParams, *, transposed: bool = False, 
   return mask
 
 
-def _head_group(heads: int, heads_fastest: bool, head_group: int) -> int:
-  """Heads per launch group, or 0 for the plain orders (see launch_grid)."""
-  g = head_group
-  return g if heads_fastest and 0 < g < heads and heads % g == 0 else 0
-
-
-def launch_grid(tiles, heads, bsz, names, *, heads_fastest: bool, head_group: int = 0,
-                batch_slowest: bool = False) -> dict:
+def launch_grid(tiles, heads, bsz, names, *, heads_fastest: bool) -> dict:
   """plgpu.kernel's grid and grid_names for a (tile, head, batch) launch; names are the tile,
   head and batch axis names.
 
   The grid's *last* dimension varies fastest: Mosaic GPU reverses the grid into CUDA's
   (x, y, z), and CTAs are dispatched x fastest. The batch axis is always last (consecutive
   CTAs take the batch entries of one tile and head), then: tiles (heads_fastest False: all
-  tiles of a head before the next head), heads (True: one tile of every head before the
-  next tile), or, with a head group G (heads_fastest only, G dividing heads), heads within a
-  group of G, then tiles, the groups slowest (see tile_and_head). batch_slowest (without head
-  groups) moves the batch axis first: each batch entry's CTAs in the order above, one entry
-  after the other."""
+  tiles of a head before the next head) or heads (True: one tile of every head before the
+  next tile)."""
   tile_name, head_name, b_name = names
-  g = _head_group(heads, heads_fastest, head_group)
-  if batch_slowest:
-    assert not g, "batch_slowest is not combined with head groups"
-    inner = launch_grid(tiles, heads, 1, names, heads_fastest=heads_fastest)
-    return dict(grid=(bsz, *inner["grid"][:2]), grid_names=(b_name, *inner["grid_names"][:2]))
-  if g:
-    return dict(grid=(heads // g, g * tiles, bsz),
-                grid_names=(f"{head_name}_group", f"{head_name}_{tile_name}", b_name))
   if heads_fastest:
     return dict(grid=(tiles, heads, bsz), grid_names=names)
   return dict(grid=(heads, tiles, bsz), grid_names=(head_name, tile_name, b_name))
-
-
-def tile_and_head(names, heads: int, *, heads_fastest: bool, head_group: int = 0):
-  """(tile, head) of this CTA under the grid of launch_grid(tiles, heads, .., names, ...)."""
-  tile_name, head_name = names
-  g = _head_group(heads, heads_fastest, head_group)
-  if not g:
-    return lax.axis_index(tile_name), lax.axis_index(head_name)
-  flat = lax.axis_index(f"{head_name}_{tile_name}")
-  group = lax.axis_index(f"{head_name}_group")
-  return lax.div(flat, g), group * g + lax.rem(flat, g)
 
 
 def sync(barrier):
@@ -471,3 +435,90 @@ def accumulate(acc, a, a_smem, b_smem, kp: KernelParams):
     plgpu.wgmma(acc_ref, a, b_smem)
 
   return pl.run_state(mm)(plgpu.ACC.init(acc))
+
+
+def at(ref, i):
+  """ref.at[i], or None for the staging buffers that exist only in interpret mode."""
+  return None if ref is None else ref.at[i]
+
+
+def produce(num_steps, stages, streams):
+  """Producer loop: TMA step j of every (gmem, smem ring, ready, free, index) stream into slot
+  j % stages, where index(j) gives the gmem slice (stages: one depth for all streams, or a
+  tuple of one per stream).
+
+  A slot is refilled once its free barrier completed; the last releases are observed as well,
+  since every waiter of an mbarrier must see each of its phases.
+  """
+  if not isinstance(stages, int):
+    if len(set(stages)) > 1:
+      return produce_rings(num_steps, stages, streams)
+    stages = stages[0]
+
+  def load(j, slot):
+    for src, dst, ready, _, index in streams:
+      plgpu.copy_gmem_to_smem(src.at[index(j)], dst.at[slot], ready.at[slot])
+
+  for i in range(stages):
+    pl.when(i < num_steps)(functools.partial(load, i, i))
+
+  @pl.loop(stages, num_steps)
+  def _(j):
+    slot = lax.rem(j, stages)
+    for src, dst, ready, free, index in streams:
+      with jax.named_scope("wait_free"):
+        plgpu.barrier_wait(free.at[slot])
+      plgpu.copy_gmem_to_smem(src.at[index(j)], dst.at[slot], ready.at[slot])
+
+  observe_last_releases([free for _, _, _, free, _ in streams], num_steps, stages)
+
+
+def produce_rings(num_steps, depths, streams):
+  """produce with a ring depth per stream: step j of a stream of depth n waits for the
+  release of step j - n (from j = n on), in stream order, so a shallow ring's wait holds back
+  the deeper rings' next loads only once they are a step ahead."""
+  @pl.loop(0, num_steps)
+  def _(j):
+    for n, (src, dst, ready, free, index) in zip(depths, streams):
+      slot = lax.rem(j, n)
+      pl.when(j >= n)(lambda: plgpu.barrier_wait(free.at[slot]))
+      plgpu.copy_gmem_to_smem(src.at[index(j)], dst.at[slot], ready.at[slot])
+
+  for n, stream in zip(depths, streams):
+    observe_last_releases([stream[3]], num_steps, n)
+
+
+def xla_row_stats(o, lse, do, correction):
+  """The API's preprocessing, for the paths that do not compute it in a kernel: lse with +inf
+  on fully masked rows and delta = rowsum(dO∘O) + correction [B, H, T] float32."""
+  delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32))
+  if correction is not None:
+    delta = delta + correction
+  return jnp.where(lse == -jnp.inf, jnp.inf, lse), delta
+
+
+def segment_inputs(q_seg, kv_seg, t_pad: int, s_pad: int, *, dq_tiles: tuple[int, int],
+                   dkdv_tiles: tuple[int, int], params: AttentionParams):
+  """(dQ kernel's, dK/dV kernel's) segment inputs: the ids q_seg [B, T] / kv_seg [B, S] (zeros,
+  one document, for a window alone) padded to t_pad / s_pad, and the hull of blocks each CTA
+  tile may share an id with (_tiling.segment_block_limits), cut to the local window's band
+  (band_limits).
+
+  dq_tiles: (query rows per dQ CTA, keys per step); dkdv_tiles: (query rows per step, keys per
+  dK/dV CTA)."""
+  (batch, t), s = q_seg.shape, kv_seg.shape[1]
+  q_seg, kv_seg = _tiling.pad_segments(q_seg, kv_seg, t_pad, s_pad)
+  kv_limits = q_limits = None
+  if params.has_segments:
+    kv_limits, _ = _tiling.segment_block_limits(q_seg, kv_seg, block_q=dq_tiles[0],
+                                              block_kv=dq_tiles[1])
+    _, q_limits = _tiling.segment_block_limits(q_seg, kv_seg, block_q=dkdv_tiles[0],
+                                             block_kv=dkdv_tiles[1])
+  if params.local_window is not None:
+    kv_limits = band_limits(
+        kv_limits, params.band, tiles=t_pad // dq_tiles[0], tile_rows=dq_tiles[0],
+        block=dq_tiles[1], length=s, batch=batch)
+    q_limits = band_limits(
+        q_limits, _tiling.mirrored(params.band), tiles=s_pad // dkdv_tiles[1],
+        tile_rows=dkdv_tiles[1], block=dkdv_tiles[0], length=t, batch=batch)
+  return (q_seg, kv_seg, kv_limits), (kv_seg, q_seg, q_limits)

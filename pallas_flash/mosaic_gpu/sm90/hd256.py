@@ -1,4 +1,4 @@
-"""The Mosaic backward at head dim 256 (MosaicConfig.wide_backward="mosaic", the default).
+"""The Mosaic backward at head dim 256.
 
 At D = 256 a warpgroup cannot hold both float32 dK and dV of a 64-row key tile (256 registers
 per thread), so the dK/dV kernel splits the work by role instead of by keys: both consumer
@@ -14,13 +14,10 @@ The dQ kernel is backward.py's, with two K slots and one V slot (see DQ_K_STAGES
 statistics from XLA. Segment ids (and lengths, folded into them): as in the split kernels, a
 CTA streams only the blocks that may share an id with its tile; here every step of a
 segmented call compares ids (the "P" role masks Pᵀ, which the "dS" role then uses). A local
-window streams as one document whose limits are the band's (backward.segment_inputs).
+window streams as one document whose limits are the band's (common.segment_inputs).
 
-On the H200 at 4x4096x8x256 (sixteenth session, fwd+bwd, same run as cuDNN): 431 / 395 TFLOP/s
-non-causal / causal, 1.05x / 1.09x cuDNN; Triton's backward kernels gave 0.57-0.59x. Deviceless
-SASS (`scripts/mosaic_ptxas.py --deviceless --sass --shape 4,4096,8,256
-"bwd_split@wide_backward=mosaic"`): the dK/dV kernel spills nothing; the dQ kernel reloads 43
-spilled words per step (104 causal) at 240 registers.
+Measured on the H200 at 4x4096x8x256 (fwd+bwd, same run as cuDNN): 431 / 395 TFLOP/s
+non-causal / causal, 1.05x / 1.09x cuDNN, where Triton's backward kernels gave 0.57-0.59x.
 """
 
 from __future__ import annotations
@@ -35,13 +32,10 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_flash import _tiling
-from pallas_flash.mosaic_gpu import _common
-from pallas_flash.mosaic_gpu.backward import (LOG2E, _dq_call, _first_q_block, _launch_order,
-                                              _produce_query_streams, _tile_and_head,
-                                              segment_inputs,
-                                              _wait_streams, _xla_row_stats)
-from pallas_flash.mosaic_gpu.config import MosaicConfig
 from pallas_flash.call import AttentionParams
+from pallas_flash.mosaic_gpu.config import MosaicConfig
+from pallas_flash.mosaic_gpu.sm90 import common, kv_stream
+from pallas_flash.mosaic_gpu.sm90.dq import LOG2E, dq_call
 
 # Key rows of a dK/dV CTA (both warpgroups) and query rows per step; key rows per dQ step
 # and the dQ kernel's K and V ring depths: at D = 256 its Q and dO tiles (2 warpgroups x 64
@@ -51,7 +45,7 @@ from pallas_flash.call import AttentionParams
 # the step's first and last products, V only by dPᵀ: with two K slots the next K loads during
 # a whole step, the next V from dPᵀ on; with one of each (the first form) the next K's load
 # waited for the step's last product, and the dQ kernel ran at 371 TFLOP/s against the dK/dV
-# kernel's 601 (sixteenth session, run4, 4x4096x8x256).
+# kernel's 601 (4x4096x8x256).
 BLOCK_KV, BLOCK_Q, BLOCK_KV_DQ, DQ_K_STAGES, DQ_V_STAGES = 64, 64, 64, 2, 1
 
 
@@ -59,7 +53,7 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
                        v_smem, q_scratch, do_scratch, lse_scratch, delta_scratch, p_scratch,
                        st_scratch, kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free,
                        do_free, lse_free, delta_free, p_ready, p_free, *,
-                       kp: _common.KernelParams, seg: _common.SegmentRefs | None = None):
+                       kp: common.KernelParams, seg: common.SegmentRefs | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   Grid over (Sp / block_kv, K, B) in the backward's launch order; dk/dv_ref [B, Sp, K, D]. k/v_smem
@@ -68,21 +62,21 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
   slot over and back), st_scratch [block_kv, block_q] (dSᵀ staging, interpret only). Steps run over
   (q block, query head) with the head minor, from the first q block that sees the keys. seg: the
   keys' and queries' segment ids and per kv tile the hull of q blocks that may share an id with
-  it (backward.py's split dK/dV kernel's); the CTA streams only those and masks every step.
+  it (the split dK/dV kernel's); the CTA streams only those and masks every step.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   wg = lax.axis_index("wg")
   b = lax.axis_index("b")
-  kt, kvh = _tile_and_head(("kt", "kvh"), k_ref.shape[2], kp)
+  kt, kvh = lax.axis_index("kt"), lax.axis_index("kvh")
   k0 = kt * bkv
-  cta_first, cta_last = _first_q_block(k0, kp), kp.t_pad // bq
+  cta_first, cta_last = kv_stream.first_q_block(k0, kp), kp.t_pad // bq
   ids = None
   if seg is not None:
-    first, last, _, _ = _common.segment_limits(seg.limits, b, kt)
+    first, last, _, _ = common.segment_limits(seg.limits, b, kt)
     cta_first, cta_last = jnp.maximum(cta_first, first), jnp.minimum(cta_last, last)
     cta_last = jnp.maximum(cta_last, cta_first)  # no q block: zero steps, dK = dV = 0
     if kp.segment_ids:
-      ids_at = _common.row_and_col_ids(seg, b, k0, bkv, bq)
+      ids_at = common.row_and_col_ids(seg, b, k0, bkv, bq)
       ids = lambda t: ids_at(index(t)[0] * bq)  # noqa: E731  (index: below)
   cta_steps = (cta_last - cta_first) * g_size
   rows = (b, pl.ds(k0, bkv), kvh)
@@ -106,13 +100,13 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
 
     def step(t, dv, *, masked: bool):
       slot, pslot = lax.rem(t, stages), lax.rem(t, 2)
-      q_smem, do_smem = _wait_streams(streams, slot)
-      s_t = _common.smem_matmul(k_smem, q_smem.T, (bkv, bq))
-      lse = plgpu.load(lse_scratch.at[slot], layout=_common.COL)
+      q_smem, do_smem = kv_stream.wait_streams(streams, slot)
+      s_t = common.smem_matmul(k_smem, q_smem.T, (bkv, bq))
+      lse = plgpu.load(lse_scratch.at[slot], layout=common.COL)
       release(slot, streams[2:])  # lse read; delta is the other role's
       p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
       if masked:
-        visible = _common.tile_mask(k0, index(t)[0] * bq, (bkv, bq), kp, transposed=True,
+        visible = common.tile_mask(k0, index(t)[0] * bq, (bkv, bq), kp, transposed=True,
                                     ids=ids and ids(t))
         p_t = jnp.where(visible, p_t, 0.0)
       p16 = p_t.astype(kp.dtype)
@@ -124,9 +118,9 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
       plgpu.commit_smem()
       plgpu.barrier_arrive(p_ready.at[pslot])
       if kp.interpret:  # Pᵀ is in shared memory already: an SMEM-operand wgmma
-        dv = dv + _common.smem_matmul(p_smem, do_smem, dv.shape)
+        dv = dv + common.smem_matmul(p_smem, do_smem, dv.shape)
       else:
-        dv = _common.accumulate(dv, p16, None, do_smem, kp)
+        dv = common.accumulate(dv, p16, None, do_smem, kp)
       release(slot, streams[:2])
       return dv
 
@@ -134,7 +128,7 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
     # Causal: the CTA's first q block holds key k0 (no step is skipped) and every step is
     # masked: past the diagonal the mask is all true. One loop, not a masked and an unmasked
     # one: with two loops of dynamic bounds here the Mosaic GPU interpreter hung, before the
-    # suite set _common.INTERPRET_XLA_FLAG (the split-tail launches' cause; not retried); the
+    # suite set common.INTERPRET_XLA_FLAG (the split-tail launches' cause; not retried); the
     # masks' compares are cheap beside the step's two 256-deep products.
     masked = kp.causal or seg is not None
     dv = lax.fori_loop(0, cta_steps, functools.partial(step, masked=masked), dv)
@@ -154,15 +148,15 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
 
     def step(t, dk):
       slot, pslot = lax.rem(t, stages), lax.rem(t, 2)
-      q_smem, do_smem = _wait_streams(streams, slot)
-      dp_t = _common.smem_matmul(v_smem, do_smem.T, (bkv, bq))
-      delta = plgpu.load(delta_scratch.at[slot], layout=_common.COL)
+      q_smem, do_smem = kv_stream.wait_streams(streams, slot)
+      dp_t = common.smem_matmul(v_smem, do_smem.T, (bkv, bq))
+      delta = plgpu.load(delta_scratch.at[slot], layout=common.COL)
       release(slot, streams[2:])
       plgpu.barrier_wait(p_ready.at[pslot])
       p_t = plgpu.load(p_scratch.at[pslot], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
       plgpu.barrier_arrive(p_free.at[pslot])
       ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
-      dk = _common.accumulate(dk, ds_t.astype(kp.dtype), st_scratch, q_smem, kp)
+      dk = common.accumulate(dk, ds_t.astype(kp.dtype), st_scratch, q_smem, kp)
       release(slot, streams[:2])
       return dk
 
@@ -173,10 +167,10 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
   @pl.when(wg == 2)
   def _producer():
     plgpu.set_max_registers(kp.producer_registers, action="decrease")
-    _produce_query_streams(cta_steps, stages, streams, index, b, bq, kp)
+    kv_stream.produce_query_streams(cta_steps, stages, streams, index, b, bq, kp)
 
 
-def _store_through(acc, smem, dst, kp: _common.KernelParams):
+def _store_through(acc, smem, dst, kp: common.KernelParams):
   """Stores a float32 accumulator [block_kv, D] to GMEM `dst` in kp.dtype, staged through
   `smem` (a tile this warpgroup alone has finished reading), and waits for the copy to read
   it (the kernel ends after its stores; their writes complete before it does)."""
@@ -186,15 +180,15 @@ def _store_through(acc, smem, dst, kp: _common.KernelParams):
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, segs=()):
+def _dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=()):
   """(dK, dV) [B, S', K, D] of q/do [B, T', H, D], k/v [B, S', K, D], T' and S' padded as
-  _common.operand_rows says (tiles cover kp.t_pad / kp.s_pad rows); lse2/delta [B, H, Tp]
+  common.operand_rows says (tiles cover kp.t_pad / kp.s_pad rows); lse2/delta [B, H, Tp]
   (kp.stats_view);
   segs: () or (kv_seg [B, Sp], q_seg [B, Tp], q limits per kv tile) int32."""
   bsz, _, kh, d = k.shape
   s_pad = kp.s_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
-  tiles = _common.smem_transforms(kp.dtype)
+  tiles = common.smem_transforms(kp.dtype)
   ring = [plgpu.Barrier(num_barriers=stages) for _ in range(4)]
   free = [plgpu.Barrier(num_arrivals=2, num_barriers=stages) for _ in range(4)]
   scratch = [
@@ -213,13 +207,13 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: _common.KernelParams, segs=()):
   ]
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
   return plgpu.kernel(
-      _common.with_segment_refs(functools.partial(_dkdv_roles_kernel, kp=kp), 6, bool(segs)),
+      common.with_segment_refs(functools.partial(_dkdv_roles_kernel, kp=kp), 6, bool(segs)),
       out_type=(kv_out, kv_out),
       scratch_types=scratch,
-      **_launch_order(s_pad // bkv, kh, bsz, ("kt", "kvh", "b"), kp),
+      **common.launch_grid(s_pad // bkv, kh, bsz, ("kt", "kvh", "b"), heads_fastest=False),
       num_threads=3, thread_name="wg",
-      compiler_params=_common.compiler_params(kp),
-      interpret=_common.interpret_params(kp.interpret),
+      compiler_params=common.compiler_params(kp),
+      interpret=common.interpret_params(kp.interpret),
   )(q, k, v, do, kp.stats_view(lse2), kp.stats_view(delta), *segs)
 
 
@@ -234,13 +228,13 @@ def kernel_params(q, k, params: AttentionParams, config: MosaicConfig, *, t_pad:
   jax.ShapeDtypeStruct), their tiles covering t_pad / s_pad rows (padded_lengths)."""
   # FA3's register split: a dQ warpgroup holds a 128-register accumulator beside S and dP.
   config = dataclasses.replace(config, compute_registers=240, producer_registers=24)
-  make = functools.partial(_common.KernelParams.make, q, k, params=params, t_pad=t_pad,
+  make = functools.partial(common.KernelParams.make, q, k, params=params, t_pad=t_pad,
                            s_pad=s_pad, kv_len=k.shape[1], config=config)
   kp_dq = dataclasses.replace(make(block_q=BLOCK_Q, block_kv=BLOCK_KV_DQ, stages=DQ_K_STAGES),
                               v_stages=DQ_V_STAGES)
   kp_dkdv = make(block_q=BLOCK_Q, block_kv=BLOCK_KV,
                  stages=min(config.bwd_stages, t_pad // BLOCK_Q))
-  return tuple(dataclasses.replace(x, bwd_head_group=0) for x in (kp_dq, kp_dkdv))
+  return kp_dq, kp_dkdv
 
 
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
@@ -249,26 +243,26 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   as the forward returned it, delta the correction -dlse or None (backward.py's contract) ->
   (dq, dk, dv)."""
   if params.logits_soft_cap is not None:
-    raise ValueError("backward_wide has no soft cap (its dS warpgroup never sees Sᵀ); "
-                     "backward.backward sends capped calls to the Triton kernels")
+    raise ValueError("the head-dim-256 backward has no soft cap (its dS warpgroup never sees "
+                     "Sᵀ); backward.backward sends capped calls to the Triton kernels")
   t, s = q.shape[1], k.shape[1]
   t_pad, s_pad = padded_lengths(t, s)
   kp_dq, kp_dkdv = kernel_params(q, k, params, config, t_pad=t_pad, s_pad=s_pad)
   # As in the split backward: operands padded only to TMA's 8-row tile where the producers'
   # static first loads allow it; rows past the end read as zeros, stores past it are dropped.
-  t_in = _common.operand_rows(t, t_pad, config.interpret, kp_dkdv.stages * kp_dkdv.block_q)
-  s_in = _common.operand_rows(s, s_pad, config.interpret, kp_dq.stages * kp_dq.block_kv)
+  t_in = common.operand_rows(t, t_pad, config.interpret, kp_dkdv.stages * kp_dkdv.block_q)
+  s_in = common.operand_rows(s, s_pad, config.interpret, kp_dq.stages * kp_dq.block_kv)
   qp, dop = _tiling.pad_axis(q, 1, t_in), _tiling.pad_axis(do, 1, t_in)
   kpad, vpad = _tiling.pad_axis(k, 1, s_in), _tiling.pad_axis(v, 1, s_in)
-  lse, delta = _xla_row_stats(o, lse, do, delta)
+  lse, delta = common.xla_row_stats(o, lse, do, delta)
   # Padded rows: lse2 = +inf (P = 0), delta = 0.
   lse2 = _tiling.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
   delta = _tiling.pad_axis(delta, 2, t_pad)
   dq_segs = dkdv_segs = ()
-  if _common.segment_path(params):
-    dq_segs, dkdv_segs = segment_inputs(*_common.path_segment_ids(q, k, q_seg, kv_seg, params),
-                                        t_pad, s_pad, dq_tiles=(2 * BLOCK_Q, BLOCK_KV_DQ),
-                                        dkdv_tiles=(BLOCK_Q, BLOCK_KV), params=params)
-  dq = _dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs)
+  if common.segment_path(params):
+    dq_segs, dkdv_segs = common.segment_inputs(
+        *common.path_segment_ids(q, k, q_seg, kv_seg, params), t_pad, s_pad,
+        dq_tiles=(2 * BLOCK_Q, BLOCK_KV_DQ), dkdv_tiles=(BLOCK_Q, BLOCK_KV), params=params)
+  dq = dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs)
   dk, dv = _dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs)
   return dq[:, :t], dk[:, :s], dv[:, :s]

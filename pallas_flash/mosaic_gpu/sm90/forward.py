@@ -38,10 +38,9 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_flash import _tiling
-from pallas_flash.mosaic_gpu import _common
-from pallas_flash.mosaic_gpu import split_tail
-from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
 from pallas_flash.call import MASK_VALUE, AttentionParams, FeatureArrays
+from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
+from pallas_flash.mosaic_gpu.sm90 import common, split_tail
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -61,7 +60,7 @@ class _SplitRefs(NamedTuple):
 
 def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scratch,
                 lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free, v_free, sched, *,
-                kp: _common.KernelParams, seg: _common.SegmentRefs | None = None,
+                kp: common.KernelParams, seg: common.SegmentRefs | None = None,
                 tail: _SplitRefs | None = None):
   """q_ref [B, Tp, H, D], k_ref/v_ref [B, Sp, K, D] (GMEM), o_ref [B, Tp, H, D], lse_ref [B, H, Tp].
 
@@ -87,12 +86,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   cta_steps = kp.kv_steps(cta_q0 + 2 * bq)
   kv0, full = 0, None  # the CTA's first key block (steps count from it), its full run
   if seg is not None:
-    kv0, cta_steps, full = _common.streamed_kv_range(seg, b, qt, cta_steps)
+    kv0, cta_steps, full = common.streamed_kv_range(seg, b, qt, cta_steps)
   if tail is not None:
     kv0, kv_end = tail.split.bounds(is_part, part_row, kp.num_kv_blocks)
     cta_steps = kv_end - kv0
 
-  sched_sync = functools.partial(_common.sync, sched)
+  sched_sync = functools.partial(common.sync, sched)
 
   @pl.when(wg < 2)
   def _consumer():
@@ -105,7 +104,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
       steps = jnp.clip(steps - kv0, 1, cta_steps)
       # A window alone compares its zero ids too: the kernel the H200 ran in the twentieth
       # session (the backward's windowed kernels skip them, KernelParams.segment_ids).
-      seg_ids = _common.row_and_col_ids(seg, b, q0, bq, bkv)
+      seg_ids = common.row_and_col_ids(seg, b, q0, bq, bkv)
     if tail is not None:
       steps = cta_steps
     with jax.named_scope("prologue"):
@@ -174,10 +173,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
         plgpu.barrier_wait(v_free.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_scratch.at[slot], v_ready.at[slot])
 
-    _common.observe_last_releases((k_free, v_free), cta_steps, stages)
+    common.observe_last_releases((k_free, v_free), cta_steps, stages)
 
 
-def _store_tile(acc, m, l, o_smem, lse_smem, o_dst, lse_dst, kp: _common.KernelParams):
+def _store_tile(acc, m, l, o_smem, lse_smem, o_dst, lse_dst, kp: common.KernelParams):
   """Normalises one WG's tile and starts its TMA stores: O = acc / l [block_q, D] through
   o_smem (the WG's Q buffer, free once its last Q·Kᵀ retired; a split tail's part: a float32
   buffer), lse (natural log) through lse_smem. The caller waits for the stores."""
@@ -193,7 +192,7 @@ def _store_tile(acc, m, l, o_smem, lse_smem, o_dst, lse_dst, kp: _common.KernelP
 
 def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scratch,
                            lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free, v_free,
-                           sched, q_free, *, kp: _common.KernelParams, ctas: int, heads: int,
+                           sched, q_free, *, kp: common.KernelParams, ctas: int, heads: int,
                            batch: int):
   """The non-causal forward as a persistent kernel: `ctas` CTAs (one per SM) loop over the
   (q tile, head, batch) tiles, CTA c taking tiles c, c + ctas, ...
@@ -222,7 +221,7 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
     qt, r = lax.rem(t, nqt), lax.div(t, nqt)
     return lax.div(r, heads), lax.rem(r, heads), qt
 
-  sched_sync = functools.partial(_common.sync, sched)
+  sched_sync = functools.partial(common.sync, sched)
 
   @pl.when(wg < 2)
   def _consumer():
@@ -289,8 +288,8 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
           pl.when(i >= 1)(lambda: plgpu.barrier_wait(q_free.at[lax.rem(i + 1, 2)]))
           load_q(i + 1)
 
-    _common.observe_last_releases((k_free, v_free), tiles * steps, stages)
-    _common.observe_last_releases((q_free,), tiles, 2)
+    common.observe_last_releases((k_free, v_free), tiles * steps, stages)
+    common.observe_last_releases((q_free,), tiles, 2)
 
 
 class _Barriers(NamedTuple):
@@ -314,7 +313,7 @@ def _ring(base):
   return slot
 
 
-def _last_block_first(kp: _common.KernelParams) -> bool:
+def _last_block_first(kp: common.KernelParams) -> bool:
   """Whether the overlapped loop streams a CTA's key blocks last one first, because that block
   is the only one its warpgroups mask: non-causal calls whose last key block is partial, and
   causal calls whose key tile covers both warpgroups' rows (block_kv = 2·block_q: every block
@@ -332,29 +331,29 @@ def _last_block_first(kp: _common.KernelParams) -> bool:
   return kp.kv_tail
 
 
-def _kv_block(j, kv0, steps, kp: _common.KernelParams):
+def _kv_block(j, kv0, steps, kp: common.KernelParams):
   """The key block of a CTA's kv step j (its steps stream blocks [kv0, kv0 + steps)): kv0 + j,
   or with `_last_block_first` the last block at step 0 and kv0 + j - 1 after it. The rotated
   index is computed at run time even from Python ints, so that the producer's first loads
-  have no static offset past the operand's rows (_common.operand_rows)."""
+  have no static offset past the operand's rows (common.operand_rows)."""
   if not _last_block_first(kp):
     return kv0 + j
   return kv0 + lax.rem(jnp.int32(j) + steps - 1, jnp.int32(steps))
 
 
 def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0, steps,
-                   kp: _common.KernelParams, base=None, kv0=0, seg_ids=None, full=None):
+                   kp: common.KernelParams, base=None, kv0=0, seg_ids=None, full=None):
   """One consumer WG's kv loop, S_j then O += P_j·V_j per step -> (acc, m, l).
 
   q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
   mode only). The caller has waited for K_0; `base`: see `_ring`. Step j is key block kv0 + j;
   seg_ids(col0) gives the (row, column) segment ids of the block starting at key col0, and
-  `full` the run of key blocks that share the rows' one id (_common.unmasked_run).
+  `full` the run of key blocks that share the rows' one id (common.unmasked_run).
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
 
-  sched_sync = functools.partial(_common.sync, bars.sched)
+  sched_sync = functools.partial(common.sync, bars.sched)
 
   def step(j, carry, *, masked: bool):
     acc, m, l = carry
@@ -371,11 +370,11 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
     s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
     plgpu.barrier_arrive(bars.k_free.at[slot])
     with jax.named_scope("softmax"):
-      s = _common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
+      s = common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
       if masked:
         col0 = (kv0 + j) * bkv
         ids = None if seg_ids is None else seg_ids(col0)
-        s = jnp.where(_common.tile_mask(q0, col0, (bq, bkv), kp, ids=ids), s, -jnp.inf)
+        s = jnp.where(common.tile_mask(q0, col0, (bq, bkv), kp, ids=ids), s, -jnp.inf)
       # exp2 with softmax_scale·log2(e) folded in: m is kept in scaled log2 units, so each
       # probability is one FFMA plus one ex2. -inf scores give p = 0 without a select since
       # m starts at the finite MASK_VALUE.
@@ -398,7 +397,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
         plgpu.barrier_wait(bars.k_ready.at[ring(j + 1, stages)])
 
     if kp.interpret:
-      acc = acc + _common.staged_matmul(p16, p_smem, v_scratch.at[slot], (bq, kp.d))
+      acc = acc + common.staged_matmul(p16, p_smem, v_scratch.at[slot], (bq, kp.d))
       wait_next_k()
     else:
       def pv(acc_ref):
@@ -411,9 +410,9 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
     return acc, m_new, l
 
   carry = (plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA),
-           plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), _common.ROW),
-           plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _common.ROW))
-  u0, u1 = _common.unmasked_run(q0, steps, kp, kv0=kv0, full=full)
+           plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), common.ROW),
+           plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW))
+  u0, u1 = common.unmasked_run(q0, steps, kp, kv0=kv0, full=full)
   if full is not None:  # the segment-id path: masked blocks before the full run
     carry = lax.fori_loop(0, u0, functools.partial(step, masked=True), carry)
   carry = lax.fori_loop(u0, u1, functools.partial(step, masked=False), carry)
@@ -422,7 +421,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
   return carry
 
 
-def _q_operand(q_smem, kp: _common.KernelParams):
+def _q_operand(q_smem, kp: common.KernelParams):
   """The overlapped loop's Q operand of S = Q·Kᵀ: the SMEM tile, or with kp.q_registers its
   [block_q, D] register copy (the WGMMA layout of a register A operand), loaded once per tile.
 
@@ -435,7 +434,7 @@ def _q_operand(q_smem, kp: _common.KernelParams):
   return q_smem
 
 
-def _softmax(s, m, l, kp: _common.KernelParams):
+def _softmax(s, m, l, kp: common.KernelParams):
   """Online softmax (FA2 Alg. 1) of one score tile s [block_q, block_kv] f32.
 
   m, l [block_q]: running row max (scaled log2 units) and row sum. Returns (p [block_q,
@@ -450,7 +449,7 @@ def _softmax(s, m, l, kp: _common.KernelParams):
 
 
 def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0, steps,
-                        kp: _common.KernelParams, base=None, kv0=0):
+                        kp: common.KernelParams, base=None, kv0=0):
   """One consumer WG's kv loop with FA3's intra-warpgroup 2-stage pipeline -> (acc, m, l).
 
   q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
@@ -464,14 +463,14 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
 
-  sched_sync = functools.partial(_common.sync, bars.sched)
+  sched_sync = functools.partial(common.sync, bars.sched)
   q_op = _q_operand(q_smem, kp)
 
   def softmax(s, j, masked, m, l):
-    s = _common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
+    s = common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
     if masked:
       col0 = _kv_block(j, kv0, steps, kp) * bkv
-      s = jnp.where(_common.visible(q0, col0, (bq, bkv), kp), s, -jnp.inf)
+      s = jnp.where(common.visible(q0, col0, (bq, bkv), kp), s, -jnp.inf)
     return _softmax(s, m, l, kp)
 
   def qk(s_ref):  # K_0 is ready: the caller waited for it
@@ -484,8 +483,8 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
   # Block 0 is masked whenever any block can be: exact where it is not needed, and one tile.
   p, m, l, _ = softmax(
       s, 0, kp.needs_mask, plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32),
-                                             _common.ROW),
-      plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _common.ROW))
+                                             common.ROW),
+      plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW))
   acc = plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA)
   carry = lax.optimization_barrier((acc, p.astype(kp.dtype), m, l))
 
@@ -552,7 +551,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
     # step cost 10 %.)
     split = 0
     if kp.causal:
-      split = jnp.maximum(_common.first_masked_block(q0, kv0 + steps, kp) - kv0 - 1, 0)
+      split = jnp.maximum(common.first_masked_block(q0, kv0 + steps, kp) - kv0 - 1, 0)
     carry = lax.fori_loop(0, split, functools.partial(step, masked=False), carry)
     carry = lax.fori_loop(split, steps - 1, functools.partial(step, masked=True), carry)
   else:
@@ -563,7 +562,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
   plgpu.barrier_arrive(bars.sched)
   plgpu.barrier_wait(bars.v_ready.at[last])
   plgpu.barrier_wait(bars.sched)
-  acc = _common.accumulate(acc, p16, p_smem, v_scratch.at[last], kp)
+  acc = common.accumulate(acc, p16, p_smem, v_scratch.at[last], kp)
   plgpu.barrier_arrive(bars.v_free.at[last])
   return acc, m, l
 
@@ -579,10 +578,10 @@ def _registers(config: MosaicConfig) -> tuple[int, int]:
   return regs
 
 
-def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0, segs=(),
+def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs=(),
              split: split_tail.TailSplit | None = None):
   """Runs the kernel on q [B, T, H, D], k/v [B, S, K, D] -> (o [B, T, H, D], lse [B, H, Tp]),
-  T and S padded as _common.operand_rows says (up to kp.t_pad and kp.s_pad, or less: TMA
+  T and S padded as common.operand_rows says (up to kp.t_pad and kp.s_pad, or less: TMA
   reads rows past the end as zeros and drops stores past it); lse always has kp.t_pad rows.
 
   persistent_ctas > 0 (non-causal, no segments): `_fwd_persistent_kernel` on that many CTAs.
@@ -592,7 +591,7 @@ def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0, seg
   bsz, _, h, d = q.shape
   t_pad = kp.t_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
-  tiles = _common.smem_transforms(kp.dtype)
+  tiles = common.smem_transforms(kp.dtype)
   persistent = persistent_ctas > 0
   scratch = [
       plgpu.SMEM(((2,) if persistent else ()) + (2, bq, d), kp.dtype, transforms=tiles),
@@ -615,7 +614,7 @@ def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0, seg
     out_type += [jax.ShapeDtypeStruct((rows, 2, bq, d), jnp.float32),
                  jax.ShapeDtypeStruct((rows, 2, bq), jnp.float32)]
     scratch.append(plgpu.SMEM((2, bq, d), jnp.float32,
-                              transforms=_common.smem_transforms(jnp.float32)))
+                              transforms=common.smem_transforms(jnp.float32)))
 
     def body(q_ref, k_ref, v_ref, o_ref, lse_ref, o_part, lse_part, *scratch_refs):
       *scratch_refs, o32 = scratch_refs
@@ -632,8 +631,8 @@ def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0, seg
     grid, names = (persistent_ctas,), ("cta",)
     most_steps = kp.num_kv_blocks * -(-kp.num_q_tiles * h * bsz // persistent_ctas)
   else:
-    body = _common.with_segment_refs(functools.partial(_fwd_kernel, kp=kp), 3, bool(segs))
-    launch = _common.launch_grid(kp.num_q_tiles, h, bsz, ("qt", "h", "b"),
+    body = common.with_segment_refs(functools.partial(_fwd_kernel, kp=kp), 3, bool(segs))
+    launch = common.launch_grid(kp.num_q_tiles, h, bsz, ("qt", "h", "b"),
                                  heads_fastest=kp.heads_fastest)
     grid, names = launch["grid"], launch["grid_names"]
     most_steps = kp.num_kv_blocks
@@ -645,8 +644,8 @@ def fwd_call(q, k, v, *, kp: _common.KernelParams, persistent_ctas: int = 0, seg
       # The profiler's event buffer lives in shared memory (~48 B per step-event slot over the
       # 3 WGs): sized for at most PROFILE_STEPS steps, later events are dropped by its bounds
       # check, so long or persistent kernels still fit.
-      compiler_params=_common.compiler_params(kp, min(most_steps, PROFILE_STEPS)),
-      interpret=_common.interpret_params(kp.interpret),
+      compiler_params=common.compiler_params(kp, min(most_steps, PROFILE_STEPS)),
+      interpret=common.interpret_params(kp.interpret),
   )(q, k, v, *segs)
 
 
@@ -665,7 +664,7 @@ def tail_split(q, config: MosaicConfig, params: AttentionParams, kv_blocks: int,
   config.fwd_split_tail, causal, segment ids, the persistent kernel, no room for the float32
   staging tile, or no split that pays)."""
   b, t, h, d = q.shape
-  if (not config.fwd_split_tail or params.is_causal or _common.segment_path(params)
+  if (not config.fwd_split_tail or params.is_causal or common.segment_path(params)
       or persistent
       or smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
                     jnp.dtype(q.dtype).itemsize, tail_staging=True) > SMEM_LIMIT_BYTES):
@@ -697,11 +696,11 @@ def combine_tail(o, lse, o_part, lse_part, split: split_tail.TailSplit):
   return o, lse
 
 
-def window_limits(seg_limits, params: AttentionParams, kp: _common.KernelParams, batch: int):
+def window_limits(seg_limits, params: AttentionParams, kp: common.KernelParams, batch: int):
   """[B, q tiles, 4] key-block limits of the local window's (and causal) band per CTA tile of
-  2·block_q rows (_common.band_limits), intersected with seg_limits, the segment ids' limits,
+  2·block_q rows (common.band_limits), intersected with seg_limits, the segment ids' limits,
   or None."""
-  return _common.band_limits(seg_limits, params.band, tiles=kp.t_pad // (2 * kp.block_q),
+  return common.band_limits(seg_limits, params.band, tiles=kp.t_pad // (2 * kp.block_q),
                              tile_rows=2 * kp.block_q, block=kp.block_kv, length=kp.kv_len,
                              batch=batch)
 
@@ -713,13 +712,13 @@ def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
   length; that kernel balances them by its launch order) and Q's second buffer fits in shared
   memory (not at head_dim 256)."""
   b, t, h, d = q.shape
-  if not config.fwd_persistent or params.is_causal or _common.segment_path(params):
+  if not config.fwd_persistent or params.is_causal or common.segment_path(params):
     return 0
   if smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
                 jnp.dtype(q.dtype).itemsize, persistent=True) > SMEM_LIMIT_BYTES:
     return 0
   tiles = b * h * (_tiling.round_up(t, 2 * config.block_q) // (2 * config.block_q))
-  return min(tiles, config.persistent_ctas or _common.sm_count())
+  return min(tiles, config.debug.persistent_ctas or common.sm_count())
 
 
 def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
@@ -738,7 +737,7 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
     # slot V_j loads only after the other WG frees V_{j-1}, which it does after such a round.
     raise ValueError("MosaicConfig.num_stages=1 deadlocks the causal mosaic forward when there "
                      "is more than one key block; use num_stages >= 2 (the tuned configs use 2)")
-  kp = _common.KernelParams.make(
+  kp = common.KernelParams.make(
       q, k, params=params, block_q=config.block_q, block_kv=config.block_kv,
       stages=min(config.num_stages, s_pad // config.block_kv), t_pad=t_pad, s_pad=s_pad,
       kv_len=s, config=config)
@@ -746,13 +745,13 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
     compute, producer = _registers(config)
     kp = dataclasses.replace(kp, compute_registers=compute, producer_registers=producer,
                              intra_wg_overlap=not kp.segments)
-  t_in = _common.operand_rows(t, t_pad, config.interpret, 0)
-  s_in = _common.operand_rows(s, s_pad, config.interpret, kp.stages * kp.block_kv)
+  t_in = common.operand_rows(t, t_pad, config.interpret, 0)
+  s_in = common.operand_rows(s, s_pad, config.interpret, kp.stages * kp.block_kv)
   qp = _tiling.pad_axis(q, 1, t_in)
   kpad, vpad = _tiling.pad_axis(k, 1, s_in), _tiling.pad_axis(v, 1, s_in)
   segs = ()
   if kp.segments:
-    q_seg, kv_seg = _common.path_segment_ids(q, k, q_seg, kv_seg, params)
+    q_seg, kv_seg = common.path_segment_ids(q, k, q_seg, kv_seg, params)
     q_seg, kv_seg = _tiling.pad_segments(q_seg, kv_seg, t_pad, s_pad)
     kv_limits = None
     if params.has_segments:

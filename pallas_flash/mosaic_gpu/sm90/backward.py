@@ -1,0 +1,116 @@
+"""The Hopper backward: the split kernels (dQ, then dK/dV), the fused kernel, or at head dim
+256 its own pair, chosen by the config; operands padded, segment ids and windows turned into
+the kernels' block limits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import jax.numpy as jnp
+
+from pallas_flash import _tiling
+from pallas_flash.call import AttentionParams, FeatureArrays
+from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
+from pallas_flash.mosaic_gpu.sm90 import common, dkdv, fused, hd256
+from pallas_flash.mosaic_gpu.sm90.dq import LOG2E, dq_call, dq_smem_bytes
+
+
+def padded_lengths(t: int, s: int, config: MosaicConfig) -> tuple[int, int]:
+  """(T, S) padded for the split backward: one length serves both kernels, a multiple of both
+  CTA heights and both tiles."""
+  q_mult = math.lcm(2 * config.block_q_dq, config.block_q_dkv)
+  kv_mult = math.lcm(2 * config.block_kv_dkv, config.block_kv_dq)
+  return _tiling.round_up(t, q_mult), _tiling.round_up(s, kv_mult)
+
+
+def split_kernel_params(q, k, params: AttentionParams, config: MosaicConfig, *, t_pad: int,
+                        s_pad: int):
+  """(dQ kernel's, dK/dV kernel's) KernelParams for q [B, T, H, D], k [B, S, K, D] (arrays or
+  jax.ShapeDtypeStruct), their tiles covering t_pad / s_pad rows."""
+  make = functools.partial(common.KernelParams.make, q, k, params=params, t_pad=t_pad,
+                           s_pad=s_pad, kv_len=k.shape[1], config=config)
+  return (make(block_q=config.block_q_dq, block_kv=config.block_kv_dq,
+               stages=min(config.bwd_stages, s_pad // config.block_kv_dq)),
+          make(block_q=config.block_q_dkv, block_kv=config.block_kv_dkv,
+               stages=min(config.bwd_stages, t_pad // config.block_q_dkv)))
+
+
+def _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *,
+                     params: AttentionParams, config: MosaicConfig):
+  """The Triton backward kernels (Pallas' Triton lowering, on any GPU this backend runs on; in
+  its interpreter when the Mosaic kernels are interpreted), same contract, deterministic, for
+  the one call the Mosaic backward kernels do not take: a soft cap at head dim 256 (hd256.py's
+  dS warpgroup gets Pᵀ through shared memory, never Sᵀ, so it has no cap slope).
+  """
+  from pallas_flash import triton as triton_backend
+  lse, delta = common.xla_row_stats(o, lse, do, delta)
+  triton_config = triton_backend.call_config(q.shape[3], q.dtype, params)
+  return triton_backend.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
+                                 config=triton_config, interpret=config.interpret)
+
+
+def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
+             config: MosaicConfig, arrays: FeatureArrays | None = None):
+  """See pallas_flash.call for the contract (`arrays` unused, as in forward). This backend
+  sets BACKWARD_COMPUTES_DELTA: lse is the forward's (natural log, -inf on fully masked rows)
+  and delta only the correction -dlse [B, H, T] float32, or None when lse has no cotangent.
+  Segment ids: the split kernels load only the blocks that may share an id with their tile and
+  compare ids on those not wholly inside the tile's one document; a local window runs the same
+  path, its band's blocks as the limits (common.segment_inputs). The fused kernel takes
+  neither: it falls back to the split with a warning."""
+  d = q.shape[3]
+  if d > 128 and params.logits_soft_cap is not None:
+    return _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
+                            config=config)
+  if d > 128:  # 256, the one wider head dim the backend takes
+    return hd256.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
+                          config=config)
+  if config.fused_backward:
+    reason = fused.unsupported_reason(q, config)
+    if reason is None and common.segment_path(params):
+      reason = ("segment ids, lengths and local windows are streamed and compared in the "
+                "split kernels only")
+    if reason is None:
+      lse, delta = common.xla_row_stats(o, lse, do, delta)
+      return fused.backward(q, k, v, lse, do, delta, params=params, config=config)
+    warnings.warn(f"fused_backward=True, using the split backward instead: {reason}",
+                  stacklevel=2)
+  return _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
+                         config=config)
+
+
+def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
+                    config: MosaicConfig):
+  """The dQ kernel, then the dK/dV kernel (backward's contract)."""
+  t, s = q.shape[1], k.shape[1]
+  t_pad, s_pad = padded_lengths(t, s, config)
+  kp_dq, kp_dkdv = split_kernel_params(q, k, params, config, t_pad=t_pad, s_pad=s_pad)
+  t_in = common.operand_rows(t, t_pad, config.interpret, kp_dkdv.stages * kp_dkdv.block_q)
+  s_in = common.operand_rows(s, s_pad, config.interpret, kp_dq.stages * kp_dq.block_kv)
+  qp, dop, op = (_tiling.pad_axis(x, 1, t_in) for x in (q, do, o))
+  kpad, vpad = _tiling.pad_axis(k, 1, s_in), _tiling.pad_axis(v, 1, s_in)
+  dq_segs = dkdv_segs = ()
+  if common.segment_path(params):
+    dq_segs, dkdv_segs = common.segment_inputs(
+        *common.path_segment_ids(q, k, q_seg, kv_seg, params), t_pad, s_pad,
+        dq_tiles=(2 * config.block_q_dq, config.block_kv_dq),
+        dkdv_tiles=(config.block_q_dkv, 2 * config.block_kv_dkv), params=params)
+  # Padded rows get lse = +inf (P = 0) and, with O and dO zero there, delta = 0.
+  if dq_smem_bytes(kp_dq, in_kernel=True, correction=delta is not None) <= SMEM_LIMIT_BYTES:
+    # The dQ kernel computes lse2 and delta from O and dO (FA2's preprocessing) and hands them
+    # to the dK/dV kernel, so no XLA op runs before the kernels.
+    lse = _tiling.pad_axis(lse, 2, t_pad, jnp.inf)
+    if delta is not None:
+      delta = _tiling.pad_axis(delta, 2, t_pad)
+    dq, lse2, delta = dq_call(qp, kpad, vpad, dop, op, lse, delta, kp=kp_dq, segs=dq_segs)
+  else:  # the dQ kernel's O tile does not fit beside this config's tiles: XLA's pass
+    lse, delta = common.xla_row_stats(o, lse, do, delta)
+    # lse in log2 units so that P = exp2(S·c − lse2).
+    lse2 = _tiling.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
+    delta = _tiling.pad_axis(delta, 2, t_pad)
+    dq = dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs)
+  dk, dv = dkdv.dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs)
+  return dq[:, :t], dk[:, :s], dv[:, :s]

@@ -1,0 +1,242 @@
+"""The dQ kernel of the split backward (and of the head-dim-256 backward).
+
+A CTA has 2 consumer warpgroups of `block_q` query rows each (Q, dO, lse and delta resident)
+and a TMA producer warpgroup streaming K and V: per key block, S = Q·Kᵀ and dP = dO·Vᵀ (SMEM
+operands), P = exp2(S·c − lse·log2e), dS = P∘(dP − delta), dQ += dS·K (dS from registers).
+With O given, the kernel also computes FA2's preprocessing itself (delta = rowsum(O∘dO), lse
+in log2 units) and stores both for the dK/dV kernel, so fwd+bwd runs no XLA op besides the
+kernels; without it both come from XLA.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_flash.mosaic_gpu.sm90 import common
+
+LOG2E = math.log2(math.e)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, lse2_out_ref,
+                   delta_out_ref, q_scratch, do_scratch, o_scratch, lse_scratch, delta_scratch,
+                   k_scratch, v_scratch, ds_scratch, row_ready, k_ready, v_ready, k_free, v_free,
+                   *, kp: common.KernelParams, seg: common.SegmentRefs | None = None):
+  """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse/delta_ref [B, H, Tp].
+
+  Two forms (absent refs are None). Statistics from XLA (o_ref, lse2_out_ref, delta_out_ref
+  None): lse_ref in log2 units, delta_ref the full delta. Statistics in the kernel: o_ref
+  [B, Tp, H, D], lse_ref natural log (-inf on fully masked rows), delta_ref the correction
+  -dlse or None; the kernel computes lse2 and delta = rowsum(O∘dO) + correction and stores them
+  to lse2_out/delta_out_ref [B, H, Tp] for the dK/dV kernel.
+  Grid (H, Tp / (2·block_q), B) named (h, qt, b); dq_ref [B, Tp, H, D];
+  q/do/o_scratch [2, block_q, D], lse/delta_scratch [2, block_q], k/v_scratch [stages,
+  block_kv, D], ds_scratch [2, block_q, block_kv] (interpret only). seg: segment ids, the
+  forward's way (the CTA streams only the key blocks its tile may share an id with).
+  """
+  bq, bkv, stages, v_stages = kp.block_q, kp.block_kv, kp.stages, kp.dq_v_stages
+  wg = lax.axis_index("wg")
+  b = lax.axis_index("b")
+  qt, h = lax.axis_index("qt"), lax.axis_index("h")
+  if kp.causal:
+    qt = kp.t_pad // (2 * bq) - 1 - qt  # heaviest tiles first, as in the forward
+  cta_q0 = qt * (2 * bq)
+
+  cta_steps = kp.kv_steps(cta_q0 + 2 * bq)
+  kv0, full = 0, None  # the CTA's first key block (steps count from it), its full run
+  if seg is not None:
+    kv0, cta_steps, full = common.streamed_kv_range(seg, b, qt, cta_steps)
+
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(kp.compute_registers, action="increase")
+    q_smem, do_smem = q_scratch.at[wg], do_scratch.at[wg]
+    lse_smem, delta_smem = lse_scratch.at[wg], delta_scratch.at[wg]
+    q0 = cta_q0 + wg * bq
+    rows = (b, pl.ds(q0, bq), h)
+    stats = (b, h, pl.ds(q0, bq))
+    loads = [(q_ref.at[rows], q_smem), (do_ref.at[rows], do_smem),
+             (lse_ref.at[stats], lse_smem)]
+    if delta_ref is not None:
+      loads.append((delta_ref.at[stats], delta_smem))
+    if o_ref is not None:
+      loads.append((o_ref.at[rows], o_scratch.at[wg]))
+    for i, (src, dst) in enumerate(loads):
+      plgpu.copy_gmem_to_smem(src, dst, row_ready.at[wg, i])
+    for i in range(len(loads)):
+      plgpu.barrier_wait(row_ready.at[wg, i])
+    if o_ref is None:
+      lse2 = plgpu.load(lse_smem, layout=common.ROW)
+      delta = plgpu.load(delta_smem, layout=common.ROW)
+    else:
+      lse2, delta = _row_stats(lse_smem, delta_smem if delta_ref is not None else None,
+                                  o_scratch.at[wg], do_smem)
+      # Both vectors go back through the SMEM they came from (each row is read and written by
+      # the warp that owns it) and are stored once for the dK/dV kernel; the epilogue's
+      # wait_smem_to_gmem covers these copies' reads.
+      lse_smem[...] = lse2
+      delta_smem[...] = delta
+      plgpu.commit_smem()
+
+      plgpu.copy_smem_to_gmem(lse_smem, lse2_out_ref.at[stats], commit_group=False)
+      plgpu.copy_smem_to_gmem(delta_smem, delta_out_ref.at[stats], commit_group=False)
+      plgpu.commit_smem_to_gmem_group()
+    steps = kp.kv_steps(q0 + bq)
+    ids = None
+    if seg is not None:
+      steps = jnp.clip(steps - kv0, 1, cta_steps)
+      if kp.segment_ids:
+        ids = common.row_and_col_ids(seg, b, q0, bq, bkv)
+
+    def step(j, dq, *, masked: bool):
+      slot = lax.rem(j, stages)
+      vslot = slot if v_stages == stages else lax.rem(j, v_stages)
+      plgpu.barrier_wait(k_ready.at[slot])
+      if v_stages == stages:
+        plgpu.barrier_wait(v_ready.at[vslot])
+
+      def scores(s_ref, dp_ref):
+        plgpu.wgmma(s_ref, q_smem, k_scratch.at[slot].T)
+        if v_stages != stages:  # a shallower V ring: its load gets until Sᵀ is issued
+          plgpu.barrier_wait(v_ready.at[vslot])
+        plgpu.wgmma(dp_ref, do_smem, v_scratch.at[vslot].T)
+        return s_ref[...], dp_ref[...]
+
+      s, dp = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32),
+                            plgpu.ACC((bq, bkv), jnp.float32))
+      plgpu.barrier_arrive(v_free.at[vslot])
+      s, slope = common.soft_cap_with_slope(s, kp)
+      p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(lse2, s.shape, [0]))
+      if masked:
+        col0 = (kv0 + j) * bkv
+        mask = common.tile_mask(q0, col0, (bq, bkv), kp, ids=ids and ids(col0))
+        p = jnp.where(mask, p, 0.0)
+      if slope is not None:  # P feeds only dS here: the cap's slope dies at once
+        p = p * slope
+      ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+      dq = common.accumulate(dq, ds.astype(kp.dtype), common.at(ds_scratch, wg),
+                             k_scratch.at[slot], kp)
+      plgpu.barrier_arrive(k_free.at[slot])
+      return dq
+
+    def idle_step(j, carry):
+      for ready_, free_, n in ((k_ready, k_free, stages), (v_ready, v_free, v_stages)):
+        slot = lax.rem(j, n)
+        plgpu.barrier_wait(ready_.at[slot])
+        plgpu.barrier_arrive(free_.at[slot])
+      return carry
+
+    dq = plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA)
+    u0, u1 = common.unmasked_run(q0, steps, kp, kv0=kv0, full=full)
+    if seg is not None:
+      dq = lax.fori_loop(0, u0, functools.partial(step, masked=True), dq)
+    dq = lax.fori_loop(u0, u1, functools.partial(step, masked=False), dq)
+    if kp.needs_mask:
+      dq = lax.fori_loop(u1, steps, functools.partial(step, masked=True), dq)
+    if kp.causal or seg is not None:
+      lax.fori_loop(steps, cta_steps, idle_step, None)
+
+    q_smem[...] = (dq * kp.scale).astype(kp.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the kernel's end (see store_dk_dv)
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(kp.producer_registers, action="decrease")
+    kvh = lax.div(h, kp.group)
+    rows = lambda j: (b, pl.ds((kv0 + j) * bkv, bkv), kvh)  # noqa: E731
+    common.produce(cta_steps, (stages, v_stages), ((k_ref, k_scratch, k_ready, k_free, rows),
+                                             (v_ref, v_scratch, v_ready, v_free, rows)))
+
+
+def _row_stats(lse_smem, correction_smem, o_smem, do_smem):
+  """lse2 and delta [block_q] (ROW layout) of a WG's rows, FA2's backward preprocessing.
+
+  lse2 = lse·log2(e) with -inf (a fully masked row) mapped to +inf, so that exp2(S·c − lse2)
+  is 0 there without a select; delta = rowsum(O∘dO) in float32 (a fixed order: each thread's
+  columns, then the shuffles across the row's 4 threads), plus the correction -dlse when
+  correction_smem is given.
+  """
+  lse = plgpu.load(lse_smem, layout=common.ROW)
+  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse) * LOG2E
+  o = plgpu.load(o_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+  do = plgpu.load(do_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+  delta = jnp.sum(o * do, axis=1)
+  if correction_smem is not None:
+    delta = delta + plgpu.load(correction_smem, layout=common.ROW)
+  return lse2, delta
+
+
+def _with_absent_refs(kernel, present, *refs, **kwargs):
+  """Calls kernel with None for each ref whose entry in `present` (the kernel's inputs, then
+  outputs) is False, the given refs elsewhere; scratch refs follow unchanged. Bind kernel and
+  present with functools.partial to get a body for plgpu.kernel."""
+  given = iter(refs)
+  return kernel(*(next(given) if p else None for p in present), *given, **kwargs)
+
+
+def dq_smem_bytes(kp: common.KernelParams, *, in_kernel: bool, correction: bool) -> int:
+  """Shared memory of one dQ CTA (dq_call's scratch): Q, dO (and O with the statistics in the
+  kernel) [2 WGs, block_q, D], lse and delta [2, block_q] float32, the K and V rings, the
+  barriers and 1 KiB that Mosaic adds (the estimate equals its 231,552 B with and 198,784 B
+  without the O tile at head_dim 128, block_q 64, block_kv 128, 2 stages)."""
+  itemsize = jnp.dtype(kp.dtype).itemsize
+  rows = (3 if in_kernel else 2) * 2 * kp.block_q * kp.d * itemsize + 2 * 2 * kp.block_q * 4
+  slots = kp.stages + kp.dq_v_stages
+  ring = slots * kp.block_kv * kp.d * itemsize
+  barriers = 8 * (2 * (3 + (correction or not in_kernel) + in_kernel) + 2 * slots)
+  return rows + ring + barriers + 1024
+
+
+def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=()):
+  """dQ [B, T, H, D], or (dQ, lse2, delta) when o is given: see _bwd_dq_kernel's two forms
+  (o None: lse in log2 units and the full delta; else natural-log lse and delta the correction
+  or None). q, do, o [B, T, H, D] and k, v [B, S, K, D] padded as common.operand_rows says;
+  lse, delta and the lse2 and delta it returns [B, H, Tp]. segs: () or (q_seg [B, Tp], kv_seg
+  [B, Sp], kv limits per q tile) int32."""
+  bsz, _, h, d = q.shape
+  t_pad = kp.t_pad
+  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
+  tiles = common.smem_transforms(kp.dtype)
+  in_kernel = o is not None
+  inputs = (q, k, v, do, o, lse, delta)
+  row_tile = plgpu.SMEM((2, bq, d), kp.dtype, transforms=tiles)
+  scratch = [
+      row_tile,
+      row_tile,
+      row_tile if in_kernel else None,
+      plgpu.SMEM((2, bq), jnp.float32),
+      plgpu.SMEM((2, bq), jnp.float32),
+      plgpu.SMEM((stages, bkv, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((kp.dq_v_stages, bkv, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((2, bq, bkv), kp.dtype, transforms=tiles) if kp.interpret else None,
+      # One per row load of a WG: Q, dO, lse, then delta and O where given.
+      plgpu.Barrier(num_barriers=(2, 3 + (delta is not None) + in_kernel)),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=kp.dq_v_stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=kp.dq_v_stages),
+  ]
+  dq = jax.ShapeDtypeStruct(q.shape, q.dtype)
+  row_stats = jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)
+  out_type = [dq, row_stats, row_stats] if in_kernel else [dq]
+  present = [x is not None for x in inputs] + [True, in_kernel, in_kernel]
+  kernel = functools.partial(_with_absent_refs, functools.partial(_dq_kernel, kp=kp), present)
+  body = common.with_segment_refs(kernel, sum(present) - len(out_type), bool(segs))
+  out = plgpu.kernel(
+      body,
+      out_type=tuple(out_type),
+      scratch_types=scratch,
+      **common.launch_grid(t_pad // (2 * bq), h, bsz, ("qt", "h", "b"), heads_fastest=False),
+      num_threads=3, thread_name="wg",
+      compiler_params=common.compiler_params(),
+      interpret=common.interpret_params(kp.interpret),
+  )(*(x for x in inputs if x is not None), *segs)
+  return tuple(out) if in_kernel else out[0]

@@ -1,0 +1,183 @@
+"""Pieces of the kernels that own key rows and stream the queries: the split dK/dV kernel, the
+fused backward and the head-dim-256 dK/dV kernel.
+
+A consumer warpgroup owns block_kv key rows (K, V resident in SMEM) and streams, per (q block,
+query head) step, Q, dO, lse and delta through `streams`: four (gmem ref, smem ring, ready,
+free) tuples in that order. Products are formed transposed (Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ), so that
+the register operand of dV += Pᵀ·dO and dK += dSᵀ·Q has the warpgroup's key rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_flash.mosaic_gpu.sm90 import common
+
+# Steps per warpgroup that a profiled kernel (MosaicDebug.profile_dir) records: its event
+# buffer lives in shared memory, which the fused kernel nearly fills.
+PROFILE_STEPS = 32
+
+
+def first_q_block(k0, kp: common.KernelParams):
+  """The first query block that sees key k0 (causal: the block holding query k0; else 0)."""
+  if not kp.causal:
+    return 0
+  return jnp.minimum(kp.t_pad // kp.block_q, lax.div(k0, kp.block_q))
+
+def first_unmasked_step(k0, cta_first, kp: common.KernelParams):
+  """Causal: the first step (counted from q block cta_first, G query heads per block) whose
+  q block sees every key of k0 .. k0 + block_kv - 1."""
+  bq = kp.block_q
+  full = jnp.minimum(kp.t_pad // bq, lax.div(k0 + kp.block_kv - 1 + bq - 1, bq))
+  return jnp.maximum(full - cta_first, 0) * kp.group
+
+def load_kv_tiles(k_ref, v_ref, k_smem, v_smem, kv_ready, wg, rows):
+  """TMA-loads WG `wg`'s K and V tiles (k/v_ref[rows]) and waits for both."""
+  plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg, 0])
+  plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg, 1])
+  plgpu.barrier_wait(kv_ready.at[wg, 0])
+  plgpu.barrier_wait(kv_ready.at[wg, 1])
+
+def wait_streams(streams, slot):
+  """Waits until every stream has filled `slot`; returns that slot's Q and dO tiles."""
+  with jax.named_scope("wait_q"):
+    for _, _, ready, _ in streams:
+      plgpu.barrier_wait(ready.at[slot])
+  return streams[0][1].at[slot], streams[1][1].at[slot]
+
+def skip_step(t, carry, *, streams, stages: int):
+  """A step whose q block sees none of this WG's keys: keeps the rings' barriers in phase."""
+  slot = lax.rem(t, stages)
+  for _, _, ready, free in streams:
+    plgpu.barrier_wait(ready.at[slot])
+    plgpu.barrier_arrive(free.at[slot])
+  return carry
+
+def transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, mask_block, kp,
+                          ids=None, early_probs=False):
+  """Pᵀ and dSᵀ [block_kv, block_q] float32 of one step; releases its lse and delta slots.
+
+  Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (SMEM operands), Pᵀ = exp2(Sᵀ·c − lse2), dSᵀ = Pᵀ∘(dPᵀ − delta).
+  mask_block: None when every key of the tile is visible to the step's queries, else a
+  function giving the step's q block (called only then); invisible entries of Pᵀ become 0.
+  ids: (key ids [block_kv] ROW, query ids [block_q] COL) of a segmented call (with mask_block).
+  early_probs: wait for Sᵀ alone and form Pᵀ while dPᵀ runs (the fused kernel's order).
+  """
+  bq, bkv = kp.block_q, kp.block_kv
+
+  def scores(s_ref, dp_ref):
+    plgpu.wgmma(s_ref, k_smem, q_smem.T)
+    plgpu.wgmma(dp_ref, v_smem, do_smem.T)
+    if not early_probs:
+      return s_ref[...], dp_ref[...]
+    # Sᵀ alone is waited for; Pᵀ's exp2s run while dPᵀ is on the tensor cores. delta is
+    # loaded only after dPᵀ's wait, so that its registers are not live through the exp2s.
+    p_t, slope = probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1),
+                          step_stat(streams, slot, 2), k0, mask_block, kp, ids)
+    return p_t, grad_scores_t(p_t, slope, dp_ref[...], step_stat(streams, slot, 3))
+
+  with jax.named_scope("scores"):
+    s_t, dp_t = pl.run_scoped(scores, plgpu.ACC((bkv, bq), jnp.float32),
+                              plgpu.ACC((bkv, bq), jnp.float32))
+  if early_probs:
+    return s_t, dp_t  # already Pᵀ and dSᵀ
+  with jax.named_scope("softmax"):
+    lse, delta = step_stats(streams, slot)
+    p_t, slope = probs_t(s_t, lse, k0, mask_block, kp, ids)
+    ds_t = grad_scores_t(p_t, slope, dp_t, delta)
+  return p_t, ds_t
+
+def step_stats(streams, slot):
+  """The lse (log2 units) and delta column vectors [block_q] of ring slot `slot`, whose
+  buffers are released right after the load."""
+  (_, lse_scratch, _, lse_free), (_, delta_scratch, _, delta_free) = streams[2:]
+  lse = plgpu.load(lse_scratch.at[slot], layout=common.COL)
+  delta = plgpu.load(delta_scratch.at[slot], layout=common.COL)
+  plgpu.barrier_arrive(lse_free.at[slot])
+  plgpu.barrier_arrive(delta_free.at[slot])
+  return lse, delta
+
+def step_stat(streams, slot, which: int):
+  """One row statistic [block_q] COL of ring slot `slot`: lse (which 2) or delta (3), its
+  buffer released right after the load (the fused_overlap step loads delta late).
+  `step_stats` is not built on it: it loads both before releasing either, the order the
+  split kernels ran on the H200."""
+  _, scratch, _, free = streams[which]
+  x = plgpu.load(scratch.at[slot], layout=common.COL)
+  plgpu.barrier_arrive(free.at[slot])
+  return x
+
+def probs_t(s_t, lse, k0, mask_block, kp: common.KernelParams, ids=None):
+  """(Pᵀ, slope): Pᵀ = exp2(soft_cap(Sᵀ)·c − lse2) [block_kv, block_q] with the entries the
+  mask hides set to 0 (mask_block: see transposed_grad_tiles), and the soft cap's slope
+  (common.soft_cap_with_slope; None without a cap) for `grad_scores_t`."""
+  s_t, slope = common.soft_cap_with_slope(s_t, kp)
+  p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+  if mask_block is not None:
+    visible = common.tile_mask(k0, mask_block() * kp.block_q, (kp.block_kv, kp.block_q), kp,
+                                transposed=True, ids=ids)
+    p_t = jnp.where(visible, p_t, 0.0)
+  return p_t, slope
+
+def grad_scores_t(p_t, slope, dp_t, delta):
+  """dSᵀ = Pᵀ∘(dPᵀ − delta) [block_kv, block_q], times the soft cap's slope where there is one
+  (the raw scores' gradient); delta [block_q] COL."""
+  if slope is not None:
+    p_t = p_t * slope
+  return p_t * (dp_t - lax.broadcast_in_dim(delta, p_t.shape, [1]))
+
+def store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, kp: common.KernelParams):
+  """Writes dK·scale and dV [block_kv, D] through the K and V tiles (no longer read), then
+  waits until every SMEM-to-GMEM copy this thread issued, these included, has read its shared
+  memory: the kernel ends here, and its writes to GMEM complete before the kernel does
+  (CUTLASS's epilogues wait the same way), so the SM is free for the next CTA sooner."""
+  k_smem[...] = (dk * kp.scale).astype(kp.dtype)
+  v_smem[...] = dv.astype(kp.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
+  plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
+  plgpu.commit_smem_to_gmem_group()
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+def produce_query_streams(cta_steps, stages, streams, index, b, bq, kp: common.KernelParams):
+  """The producer of the dK/dV-style kernels: the Q and dO rows and the lse and delta entries
+  of step t's (q block, query head) = index(t). lse and delta are KernelParams.stats_view's
+  [1, B·H, Tp], entry (b, h) at row b·H + h."""
+  def q_rows(t):
+    i, h = index(t)
+    return b, pl.ds(i * bq, bq), h
+
+  def stat_rows(t):
+    i, h = index(t)
+    return 0, b * streams[0][0].shape[2] + h, pl.ds(i * bq, bq)  # H: Q's heads
+
+  common.produce(cta_steps, stages, tuple((*stream, rows) for stream, rows in
+                                    zip(streams, (q_rows, q_rows, stat_rows, stat_rows))))
+
+def kv_stream_smem(kp: common.KernelParams, d: int) -> list:
+  """Shared memory of a kernel that owns K/V tiles and streams Q/dO (dK/dV, fused backward):
+  K and V [2 WGs, block_kv, D], the Q and dO rings [stages, block_q, D] and the lse / delta rows
+  of each slot [stages, block_q]."""
+  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
+  tiles = common.smem_transforms(kp.dtype)
+  return [plgpu.SMEM((2, bkv, d), kp.dtype, transforms=tiles),
+          plgpu.SMEM((2, bkv, d), kp.dtype, transforms=tiles),
+          plgpu.SMEM((stages, bq, d), kp.dtype, transforms=tiles),
+          plgpu.SMEM((stages, bq, d), kp.dtype, transforms=tiles),
+          plgpu.SMEM((stages, bq), jnp.float32),
+          plgpu.SMEM((stages, bq), jnp.float32)]
+
+def kv_stream_barriers(kp: common.KernelParams) -> list:
+  """Barriers of kv_stream_smem: the K/V loads [2 WGs, 2], then ready and free (both consumer
+  WGs arrive) rings of Q, dO, lse and delta."""
+  ring = [plgpu.Barrier(num_barriers=kp.stages) for _ in range(4)]
+  free = [plgpu.Barrier(num_arrivals=2, num_barriers=kp.stages) for _ in range(4)]
+  return [plgpu.Barrier(num_barriers=(2, 2)), *ring, *free]
+
+def profile_steps(kp: common.KernelParams) -> int:
+  """The most loop steps a warpgroup of a kernel that streams Q/dO runs (dK/dV, fused)."""
+  return kp.t_pad // kp.block_q * kp.group
