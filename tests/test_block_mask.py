@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 
 import pallas_flash
-from features_testing import run
 from pallas_flash import BlockMask, CausalMask, LocalMask, PrefixLMMask, SegmentMask
 from pallas_flash.triton import TritonConfig
-from testing import FWD_TOL, Case, assert_close_to_ref, make_inputs, random_segments
+from testing import Case, assert_close_to_ref, make_inputs, random_segments, run, tolerance
 
 T, S = 70, 90
 SEG_Q = random_segments(jax.random.key(3), 2, T, num_docs=3)
@@ -89,7 +88,7 @@ def _check(impl, case: Case, mask_fn, *, bq=16, bk=32, seed=0, bias=False):
   (o, lse), grads = run(impl, q, k, v, do, **dict(kwargs))
   up = [x.astype(jnp.float32) for x in (q, k, v, do)]
   (o_ref, lse_ref), grads_ref = run("reference", *up, **dict(kwargs))
-  tol = FWD_TOL[case.dtype]
+  tol = tolerance(case.dtype)
   assert_close_to_ref("out", o, o_ref, tol)
   assert_close_to_ref("lse", lse, lse_ref, max(tol, 1e-5))
   for name, g, g_ref in zip(("dq", "dk", "dv", "dbias"), grads, grads_ref):

@@ -1,5 +1,6 @@
 """Sliding windows, soft cap, ALiBi, dropout and dense bias / mask on every CPU implementation."""
 
+import dataclasses
 import functools
 
 import jax
@@ -8,11 +9,10 @@ import numpy as np
 import pytest
 
 import pallas_flash
-from features_testing import check_features, feature_kwargs, run
 from pallas_flash import dropout
 from pallas_flash.triton import TritonConfig
 from pallas_flash.xla import XlaConfig
-from testing import Case, assert_close_to_ref, make_inputs, max_abs
+from testing import Case, assert_close_to_ref, check_against_reference, make_inputs, max_abs, run
 
 CPU_IMPLS = ("interpret", "xla")
 SMALL = {"interpret": TritonConfig(block_q=32, block_kv=16, block_q_dkv=16, block_kv_dkv=32,
@@ -28,7 +28,7 @@ SINGLE = [("window",), ("window_left",), ("softcap",), ("alibi",), ("dropout",),
 @pytest.mark.parametrize("impl", CPU_IMPLS)
 @pytest.mark.parametrize("names", SINGLE, ids="+".join)
 def test_each_feature_alone(impl, names):
-  check_features(impl, CASE, names, config=SMALL[impl])
+  check_against_reference(impl, dataclasses.replace(CASE, features=names), config=SMALL[impl])
 
 
 COMBINED = [
@@ -47,7 +47,7 @@ COMBINED = [
 @pytest.mark.parametrize("case, names", COMBINED,
                          ids=[f"{c.id}-{'+'.join(n)}" for c, n in COMBINED])
 def test_features_combined(impl, case, names):
-  check_features(impl, case, names, config=SMALL[impl], seed=len(names))
+  check_against_reference(impl, dataclasses.replace(case, features=names), config=SMALL[impl])
 
 
 @pytest.mark.slow
@@ -56,8 +56,9 @@ def test_features_combined(impl, case, names):
 def test_all_features_longer(impl, dtype):
   case = Case(batch=1, q_len=300, kv_len=300, num_heads=4, num_kv_heads=1, dtype=dtype,
               is_causal=True, segments=True)
-  check_features(impl, case, ("window", "softcap", "alibi", "dropout", "bias", "mask"),
-                 config=SMALL[impl])
+  case = dataclasses.replace(case, features=("window", "softcap", "alibi", "dropout", "bias",
+                                             "mask"))
+  check_against_reference(impl, case, config=SMALL[impl])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,12 +237,11 @@ def test_explain_reports_blocks_computed():
 
 
 def test_unbatched_inputs_with_bias_and_dropout():
-  (q, k, v, _), _ = make_inputs(Case(batch=1, q_len=24, kv_len=24))
-  kw = feature_kwargs(("bias", "dropout", "window"), Case(batch=1, q_len=24, kv_len=24))
-  o3 = pallas_flash.flash_attention(q[0], k[0], v[0], kw.pop("bias")[0], **kw)
-  o4 = pallas_flash.flash_attention(q, k, v, feature_kwargs(("bias",), Case(batch=1, q_len=24,
-                                                                            kv_len=24))["bias"],
-                                    **kw)
+  (q, k, v, _), kw = make_inputs(Case(batch=1, q_len=24, kv_len=24,
+                                      features=("bias", "dropout", "window")))
+  bias = kw.pop("bias")
+  o3 = pallas_flash.flash_attention(q[0], k[0], v[0], bias[0], **kw)
+  o4 = pallas_flash.flash_attention(q, k, v, bias, **kw)
   np.testing.assert_array_equal(np.asarray(o3), np.asarray(o4[0]))
 
 

@@ -1,4 +1,10 @@
-"""Test helpers: random inputs, segment ids, tolerances and a comparison that says where it fails."""
+"""What every test shares: one case type, one tolerance table, one comparison with the reference.
+
+A `Case` describes one attention problem (shapes, dtype, masking and optional features);
+`check_against_reference(impl, case)` runs it on an implementation and on the float32
+reference from the same inputs and compares output, log-sum-exp and every gradient by relative
+error against `TOLERANCES`.
+"""
 
 from __future__ import annotations
 
@@ -13,15 +19,29 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_me
 import pallas_flash
 from pallas_flash.mosaic_gpu import MosaicConfig, MosaicDebug
 
-# Relative error max|x - ref| / max|ref| against the float32 reference computed from the same
-# (possibly low-precision) inputs. Gradients get twice the forward budget.
-FWD_TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1.5e-2, jnp.float16: 3e-3}
-GPU_FWD_TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1.5e-2, jnp.float16: 3e-3}
+# Forward relative error max|x - ref| / max|ref| against the float32 reference computed from the
+# same (possibly low-precision) inputs; gradients get twice the budget. float32 on a GPU: the
+# kernels' dots run in TF32 there.
+TOLERANCES = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 1.5e-2,
+              jnp.dtype(jnp.float16): 3e-3, "float32 on gpu": 1e-4}
+# |ref| below this counts as this much, so that references that are (nearly) zero, e.g. the
+# gradient of a one-key softmax, do not turn rounding noise into a huge relative error.
+REL_FLOOR = 0.05
+
+
+def tolerance(dtype) -> float:
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.float32 and jax.default_backend() == "gpu":
+    return TOLERANCES["float32 on gpu"]
+  return TOLERANCES[dtype]
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-  """One attention problem: shapes, dtype and features."""
+  """One attention problem: shapes, dtype, masking and the features it turns on.
+
+  features: names from FEATURES (window, softcap, alibi, dropout, bias, mask, ...).
+  """
 
   batch: int = 2
   q_len: int = 128
@@ -33,18 +53,20 @@ class Case:
   is_causal: bool = False
   segments: bool = False
   lengths: bool = False
+  features: tuple[str, ...] = ()
 
   @property
   def id(self) -> str:
     feats = "".join(f for f, on in (("-causal", self.is_causal), ("-seg", self.segments),
                                     ("-len", self.lengths)) if on)
     return (f"b{self.batch}_t{self.q_len}_s{self.kv_len}_h{self.num_heads}:{self.num_kv_heads}"
-            f"_d{self.head_dim}_{jnp.dtype(self.dtype).name}{feats}")
+            f"_d{self.head_dim}_{jnp.dtype(self.dtype).name}{feats}"
+            + "".join(f"-{f}" for f in self.features))
 
-
-def case_seed(case: Case) -> int:
-  """A seed per case that is the same in every process (str hash() is salted per process)."""
-  return zlib.crc32(case.id.encode()) % 1000
+  @property
+  def seed(self) -> int:
+    """A seed per case, the same in every process (str hash() is salted per process)."""
+    return zlib.crc32(self.id.encode()) % 1000
 
 
 def random_segments(key, batch: int, length: int, num_docs: int = 4) -> jax.Array:
@@ -54,9 +76,36 @@ def random_segments(key, batch: int, length: int, num_docs: int = 4) -> jax.Arra
   return (pos[None, :, None] >= starts[:, None, :]).sum(-1).astype(jnp.int32)
 
 
-def make_inputs(case: Case, seed: int = 0) -> tuple[tuple[jax.Array, ...], dict]:
-  """Fresh random q, k, v, a cotangent and the keyword arguments of the case's features."""
-  keys = jax.random.split(jax.random.key(seed), 8)
+def _features(case: Case, key) -> dict:
+  """flash_attention's keyword arguments for the case's named features."""
+  keys = jax.random.split(key, 4)
+  b, h, t, s = case.batch, case.num_heads, case.q_len, case.kv_len
+  recipes = {
+      "window": lambda: {"local_window_size": (13, 6)},
+      "window_left": lambda: {"local_window_size": (24, 0)},
+      "window_512": lambda: {"local_window_size": (511, 0)},
+      "softcap": lambda: {"logits_soft_cap": 1.5},
+      "alibi": lambda: {"alibi_slopes": 2.0 ** -jnp.arange(1, h + 1, dtype=jnp.float32)},
+      "dropout": lambda: {"dropout_rate": 0.25, "dropout_rng": keys[3]},
+      "bias": lambda: {"bias": jax.random.normal(keys[0], (1, h, t, s))},
+      "bias_bcast": lambda: {"bias": jax.random.normal(keys[1], (b, 1, 1, s))},
+      "mask": lambda: {"mask": jax.random.bernoulli(keys[2], 0.8, (b, 1, t, s))},
+      # Ids in no order: no key block can be skipped.
+      "unsorted_segments": lambda: {
+          "query_segment_ids": jax.random.randint(keys[0], (b, t), 0, 3, jnp.int32),
+          "key_value_segment_ids": jax.random.randint(keys[1], (b, s), 0, 3, jnp.int32)},
+  }
+  kwargs = {}
+  for name in case.features:
+    kwargs.update(recipes[name]())
+  return kwargs
+
+
+def make_inputs(case: Case, seed: int | None = None) -> tuple[tuple[jax.Array, ...], dict]:
+  """Fresh random q, k, v, a cotangent and the keyword arguments of the case's masking and
+  features (seed: the case's own by default)."""
+  seed = case.seed if seed is None else seed
+  keys = jax.random.split(jax.random.key(seed), 9)
   q = jax.random.normal(keys[0], (case.batch, case.q_len, case.num_heads, case.head_dim))
   k = jax.random.normal(keys[1], (case.batch, case.kv_len, case.num_kv_heads, case.head_dim))
   v = jax.random.normal(keys[2], (case.batch, case.kv_len, case.num_kv_heads, case.head_dim))
@@ -72,16 +121,8 @@ def make_inputs(case: Case, seed: int = 0) -> tuple[tuple[jax.Array, ...], dict]
     kwargs["query_seq_lengths"] = jax.random.randint(keys[6], (case.batch,), 0, case.q_len + 1)
     kwargs["key_value_seq_lengths"] = jax.random.randint(keys[7], (case.batch,), 1,
                                                          case.kv_len + 1)
+  kwargs.update(_features(case, keys[8]))
   return (q, k, v, do), kwargs
-
-
-REL_FLOOR = 0.05
-
-
-def rel_err(x, ref) -> float:
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  denom = max(np.abs(ref).max(), REL_FLOOR)
-  return float(np.abs(x - ref).max() / denom)
 
 
 def assert_close_to_ref(name: str, x, ref, tol: float) -> None:
@@ -94,8 +135,6 @@ def assert_close_to_ref(name: str, x, ref, tol: float) -> None:
   finite = np.isfinite(ref)
   assert (np.isinf(x) == np.isinf(ref)).all(), f"{name}: infinities differ from the reference"
   err = np.abs(np.where(finite, x, 0.0) - np.where(finite, ref, 0.0))
-  # The floor keeps references that are exactly zero (with one key the softmax has no gradient)
-  # from turning rounding noise into a huge relative error; unit-scale inputs keep |ref| ~ 1.
   denom = max(np.abs(np.where(finite, ref, 0.0)).max(), REL_FLOOR)
   worst = np.unravel_index(np.argmax(err), err.shape)
   rel = err.max() / denom
@@ -103,41 +142,38 @@ def assert_close_to_ref(name: str, x, ref, tol: float) -> None:
                       f"got {x[worst]:.6g}, want {ref[worst]:.6g}")
 
 
-def outputs_and_grads(impl: str, q, k, v, do, *, config=None, **kwargs):
-  """(o, lse) and (dq, dk, dv) of sum(o * do) for one implementation."""
-  def f(q, k, v):
-    o, lse = pallas_flash.flash_attention(q, k, v, implementation=impl, config=config,
-                                          return_residuals=True, **kwargs)
-    return o, lse
+def run(impl: str, q, k, v, do, *, config=None, **kwargs):
+  """(o, lse) and the gradients (dq, dk, dv[, dbias]) of sum(o * do) for one implementation."""
+  bias = kwargs.pop("bias", None)
+  primals = (q, k, v) if bias is None else (q, k, v, bias)
 
-  (o, lse), vjp = jax.vjp(f, q, k, v)
-  grads = vjp((do, jnp.zeros_like(lse)))
-  return (o, lse), grads
+  def f(q, k, v, bias=None):
+    return pallas_flash.flash_attention(q, k, v, bias, implementation=impl, config=config,
+                                        return_residuals=True, **kwargs)
+
+  (o, lse), vjp = jax.vjp(f, *primals)
+  return (o, lse), vjp((do, jnp.zeros_like(lse)))
 
 
-def check_against_reference(impl: str, case: Case, *, seed: int = 0, config=None,
-                            tol_table=FWD_TOL) -> None:
-  """Forward, lse and gradients of `impl` against the reference on fresh random inputs."""
+def check_against_reference(impl: str, case: Case, *, config=None, seed: int | None = None,
+                            tol: float | None = None) -> None:
+  """Output, lse and every gradient (the bias's too) of `impl` against the float32 reference on
+  fresh random inputs: the oracle sees the same low-precision inputs, upcast, so only the
+  kernel's arithmetic differs."""
   (q, k, v, do), kwargs = make_inputs(case, seed)
-  (o, lse), grads = outputs_and_grads(impl, q, k, v, do, config=config, **kwargs)
-  # The oracle sees the same low-precision inputs, upcast: only the kernel's arithmetic differs.
+  (o, lse), grads = run(impl, q, k, v, do, config=config, **dict(kwargs))
   up = [x.astype(jnp.float32) for x in (q, k, v, do)]
-  (o_ref, lse_ref), grads_ref = outputs_and_grads("reference", *up, **kwargs)
-  tol = tol_table[case.dtype]
-  assert o.dtype == q.dtype
+  (o_ref, lse_ref), grads_ref = run("reference", *up, **dict(kwargs))
+  tol = tolerance(case.dtype) if tol is None else tol
+  assert o.dtype == q.dtype, f"out dtype {o.dtype}"
   assert_close_to_ref("out", o, o_ref, tol)
   assert_close_to_ref("lse", lse, lse_ref, max(tol, 1e-5))
-  for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
-    assert g.dtype == q.dtype, f"{name} dtype {g.dtype}"
+  assert len(grads) == len(grads_ref), (len(grads), len(grads_ref))
+  for name, g, g_ref in zip(("dq", "dk", "dv", "dbias"), grads, grads_ref):
+    assert g.shape == g_ref.shape, f"{name}: shape {g.shape} != {g_ref.shape}"
+    if name != "dbias":
+      assert g.dtype == q.dtype, f"{name} dtype {g.dtype}"
     assert_close_to_ref(name, g, g_ref, 2 * tol)
-
-
-# The Mosaic kernels in the Mosaic GPU interpreter at 64-row tiles: the two consumer warpgroups
-# of a causal CTA need different block counts (the idle-step path), and small lengths give
-# several steps per ring.
-MOSAIC_INTERPRET_SMALL = MosaicConfig(block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=64,
-                                      block_q_dkv=64, block_kv_dkv=64, num_stages=2,
-                                      bwd_stages=2, debug=MosaicDebug(interpret=True))
 
 
 def max_abs(x) -> float:
@@ -148,43 +184,38 @@ def max_abs(x) -> float:
 
 
 def max_rel_err(x, ref) -> float:
-  """max|x - ref| / max|ref| (no floor: for references that are not all zero); NaN, which
-  fails every `<=` check, where x or ref holds a NaN (see max_abs)."""
+  """max|x - ref| / max|ref| (no floor); NaN, which fails every `<=` check, where x or ref
+  holds a NaN (see max_abs)."""
   x, ref = (jnp.asarray(a, jnp.float32) for a in (x, ref))
   return max_abs(x - ref) / max_abs(ref)
 
+
+# The Mosaic kernels in the Mosaic GPU interpreter at 64-row tiles: the two consumer warpgroups
+# of a causal CTA need different block counts (the idle-step path), and short lengths give
+# several steps per ring.
+MOSAIC_INTERPRET = MosaicConfig(block_kv=64, block_kv_dq=64, debug=MosaicDebug(interpret=True))
 
 # An H200 that need not exist: lowering for CUDA on a CPU machine checks tracing, layouts and
 # (for Mosaic) shared memory without a GPU.
 H200 = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
     device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
 
-
-# The Triton kernels' custom call, which jax.export will not serialise unless told: exports of
-# Triton calls (and of the Mosaic backend at head dim 256, whose backward is Triton's) pass it.
+# The Triton kernels' custom call, which jax.export will not serialise unless told.
 TRITON_CALL = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
 
 
-def export_for_h200(fn, *specs, disabled_checks=()) -> jax.export.Exported:
+def export_for_h200(fn, *specs) -> jax.export.Exported:
   """jax.export of jit(fn) for CUDA at the abstract `H200`."""
   with use_abstract_mesh(H200):
     return jax.export.export(jax.jit(fn), platforms=["cuda"],
-                             disabled_checks=list(disabled_checks))(*specs)
+                             disabled_checks=[TRITON_CALL])(*specs)
 
 
-def kernel_specs(b, t, s, h, kh, d, dtype=jnp.bfloat16):
-  """Abstract (q [B, T, H, D], kv [B, S, K, D]) of a kernel case, for lowering without data."""
-  return (jax.ShapeDtypeStruct((b, t, h, d), dtype), jax.ShapeDtypeStruct((b, s, kh, d), dtype))
-
-
-def kernel_inputs(b, t, s, h, kh, d, dtype, seed=0):
-  """Fresh random (q [B, T, H, D], k, v [B, S, K, D], do [B, T, H, D]) in dtype, for the
-  tuple-described kernel cases (B, T, S, H, K, D, ...)."""
-  ks = jax.random.split(jax.random.key(seed), 4)
-  return (jax.random.normal(ks[0], (b, t, h, d), dtype),
-          jax.random.normal(ks[1], (b, s, kh, d), dtype),
-          jax.random.normal(ks[2], (b, s, kh, d), dtype),
-          jax.random.normal(ks[3], (b, t, h, d), dtype))
+def specs(case: Case):
+  """Abstract (q [B, T, H, D], kv [B, S, K, D]) of a case, for lowering without data."""
+  dt = jnp.dtype(case.dtype)
+  return (jax.ShapeDtypeStruct((case.batch, case.q_len, case.num_heads, case.head_dim), dt),
+          jax.ShapeDtypeStruct((case.batch, case.kv_len, case.num_kv_heads, case.head_dim), dt))
 
 
 def on_hopper() -> bool:
@@ -194,10 +225,3 @@ def on_hopper() -> bool:
   except RuntimeError:
     return False
   return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
-
-
-def kernel_case_id(case) -> str:
-  """pytest id of a kernel case (B, T, S, H, K, D, causal[, dtype]), e.g.
-  b1_t1000_s1100_h8:2_d64_causal_bfloat16."""
-  out = "b{}_t{}_s{}_h{}:{}_d{}".format(*case[:6]) + ("_causal" if case[6] else "")
-  return out + ("_" + jnp.dtype(case[7]).name if len(case) > 7 else "")

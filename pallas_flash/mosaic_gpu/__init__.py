@@ -3,7 +3,8 @@
 The kernels of each GPU generation live in a folder of their own (`sm90/`: Hopper); this
 module is the backend contract (pallas_flash.call) and picks the generation's kernels from the
 target's compute capability. Another generation adds its folder with the same `forward` and
-`backward` and an entry in KERNELS.
+`backward` and an entry in KERNELS. With `MosaicConfig(debug=MosaicDebug(interpret=True))`
+the sm90 kernels run in the Mosaic GPU interpreter, on any platform (slowly: for tests).
 """
 
 from __future__ import annotations
@@ -28,24 +29,29 @@ SUPPORTED_FEATURES = frozenset({"logits_soft_cap", "local_window_size"})
 BACKWARD_COMPUTES_DELTA = True
 
 
-def _kernels():
-  """(forward, backward) of the target GPU's generation (unsupported_reason checked it)."""
+def _kernels(config: MosaicConfig):
+  """(forward, backward) of the target GPU's generation (unsupported_reason checked it); the
+  interpreter emulates sm90."""
+  if config.interpret:
+    return KERNELS[9]
   _, cc, _ = validation.target_device()
   return KERNELS[cc[0]]
 
 
-def forward(*args, **kwargs):
-  return _kernels()[0](*args, **kwargs)
+def forward(q, k, v, q_seg, kv_seg, *, config: MosaicConfig, **kwargs):
+  return _kernels(config)[0](q, k, v, q_seg, kv_seg, config=config, **kwargs)
 
 
-def backward(*args, **kwargs):
-  return _kernels()[1](*args, **kwargs)
+def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, config: MosaicConfig, **kwargs):
+  return _kernels(config)[1](q, k, v, q_seg, kv_seg, o, lse, do, delta, config=config,
+                             **kwargs)
 
 
 def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> str | None:
   """Why the Mosaic GPU kernels cannot run `call` with `config`, or None when they can."""
   cc = call.compute_capability
-  if call.platform != "gpu" or cc is None or cc[0] not in KERNELS:
+  interpret = config is not None and config.interpret
+  if not interpret and (call.platform != "gpu" or cc is None or cc[0] not in KERNELS):
     cc = "" if cc is None else f" (compute capability {cc[0]}.{cc[1]})"
     return f"needs a Hopper GPU (sm_90), this is {call.platform} {call.device_kind!r}{cc}"
   if jnp.dtype(call.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):

@@ -6,11 +6,11 @@ import pytest
 from jax.sharding import use_abstract_mesh
 
 import pallas_flash
-from testing import H200, TRITON_CALL, export_for_h200
+from testing import H200, export_for_h200
 
 
 def _export(fn, *specs):
-  return export_for_h200(fn, *specs, disabled_checks=[TRITON_CALL]).mlir_module()
+  return export_for_h200(fn, *specs).mlir_module()
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])

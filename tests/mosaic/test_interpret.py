@@ -1,0 +1,130 @@
+"""Every form of the Mosaic kernels in the Mosaic GPU interpreter, against the reference.
+
+`MosaicConfig(debug=MosaicDebug(interpret=True))` runs TMA, barriers and the warp-specialised
+rings on the CPU and stages register wgmma operands through shared memory (which the
+interpreter can run). Async hazards are not modelled here: tests/mosaic/test_gpu.py runs the
+same forms on a Hopper GPU.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flash
+from pallas_flash.mosaic_gpu import MosaicDebug
+from testing import MOSAIC_INTERPRET, Case, check_against_reference, make_inputs, run
+
+
+def _config(**kw) -> pallas_flash.MosaicConfig:
+  debug = kw.pop("debug", {})
+  return dataclasses.replace(MOSAIC_INTERPRET, **kw,
+                             debug=dataclasses.replace(MOSAIC_INTERPRET.debug, **debug))
+
+
+def _case(t, s, *, h=2, kh=1, d=64, dtype=jnp.bfloat16, **kw) -> Case:
+  return Case(batch=1, q_len=t, kv_len=s, num_heads=h, num_kv_heads=kh, head_dim=d,
+              dtype=dtype, **kw)
+
+
+# (name, config, case): the forward's loops, launch forms and tiles, the backward's kernels
+# (the split dQ and dK/dV kernels run under every forward form), on odd lengths with GQA.
+FORMS = [
+    ("plain", _config(), _case(200, 333, is_causal=True)),
+    ("plain", _config(), _case(333, 200, kh=2, is_causal=True, dtype=jnp.float16)),
+    ("plain", _config(), _case(1, 1)),
+    ("plain", _config(), _case(130, 190, h=4, kh=2, d=128)),
+    # The intra-warpgroup overlap; with block_kv = 2·block_q a causal CTA streams its
+    # diagonal block first; 192-key tiles stream the partial last tile first.
+    ("overlap", _config(fwd_intra_wg_overlap=True), _case(256, 320, dtype=jnp.float16)),
+    ("overlap", _config(fwd_intra_wg_overlap=True, block_kv=128), _case(333, 200, kh=2,
+                                                                          is_causal=True)),
+    ("overlap", _config(fwd_intra_wg_overlap=True, block_kv=192), _case(130, 500, d=128)),
+    # The persistent kernel with several tiles per CTA, heads or q tiles fastest.
+    ("persistent", _config(fwd_persistent=True, heads_fastest=True, block_kv=256,
+                           debug=dict(persistent_ctas=3)), _case(300, 520, h=4, kh=2)),
+    ("persistent", _config(fwd_persistent=True, fwd_intra_wg_overlap=True,
+                           debug=dict(persistent_ctas=2)), _case(256, 200, h=3, kh=1, d=128)),
+    # The last wave split along the keys: 2 CTAs per wave, 3 parts per tail tile.
+    ("split_tail", _config(fwd_split_tail=True, debug=dict(wave_ctas=2, tail_parts=3)),
+     _case(384, 300, h=3, kh=1)),
+    # The dK/dV kernel streaming 128-row q tiles (head dim 64's non-causal default).
+    ("dkdv_q128", _config(block_q_dkv=128), _case(256, 300, h=4, kh=2)),
+    # A dQ tile too tall for O beside it: delta from XLA instead of the dQ kernel.
+    ("xla_delta", _config(block_q_dq=128, block_kv_dq=64), _case(256, 200, d=128)),
+    # The fused backward (head dim 128): non-causal (its split first loop), causal, a key tail.
+    ("fused", _config(fused_backward=True), _case(256, 256, h=4, kh=2, d=128)),
+    ("fused", _config(fused_backward=True), _case(200, 256, d=128, is_causal=True)),
+    ("fused", _config(fused_backward=True), _case(192, 200, d=128, dtype=jnp.float16)),
+    # Head dim 256: its role-split dK/dV kernel and two-K-slot dQ kernel.
+    ("hd256", _config(), _case(190, 130, kh=2, d=256, is_causal=True)),
+    ("hd256", _config(), _case(130, 190, d=256, dtype=jnp.float16)),
+]
+
+
+@pytest.mark.parametrize("name, config, case", FORMS,
+                         ids=[f"{n}-{c.id}" for n, _, c in FORMS])
+def test_kernel_forms_match_reference(name, config, case):
+  del name
+  check_against_reference("mosaic", case, config=config)
+
+
+# Segment ids and lengths (the kernels stream only the blocks that may share an id), windows
+# (the band's blocks) and soft caps, alone and together, at each head dim's kernels.
+FEATURES = [
+    _case(300, 300, h=4, kh=2, is_causal=True, segments=True),
+    _case(200, 330, d=128, segments=True, lengths=True),
+    _case(190, 130, d=256, kh=2, is_causal=True, segments=True),
+    _case(333, 200, kh=2, is_causal=True, features=("window",)),
+    _case(200, 200, d=128, segments=True, features=("window_left",)),
+    _case(130, 190, d=256, is_causal=True, features=("window",)),
+    _case(200, 333, d=128, is_causal=True, features=("softcap",)),
+    _case(190, 130, is_causal=True, lengths=True, features=("softcap", "window_left")),
+    # Head dim 256 with a soft cap: the Triton backward kernels, interpreted.
+    _case(130, 130, d=256, features=("softcap",)),
+    _case(200, 200, h=2, kh=2, features=("unsorted_segments",)),
+]
+
+
+@pytest.mark.parametrize("case", FEATURES, ids=lambda c: c.id)
+def test_features_match_reference(case):
+  check_against_reference("mosaic", case, config=MOSAIC_INTERPRET)
+
+
+def test_rows_that_see_nothing_give_zeros_and_zero_gradients():
+  case = _case(128, 128, h=2, kh=1)
+  (q, k, v, do), _ = make_inputs(case)
+  seg = jnp.zeros((1, 128), jnp.int32)
+  kv_seg = seg.at[:, :64].set(1)  # queries of segment 0 see keys 64.. only
+  q_seg = seg.at[:, :32].set(2)  # ... and queries 0-31 see nothing
+  (o, lse), grads = run("mosaic", q, k, v, do, config=MOSAIC_INTERPRET, query_segment_ids=q_seg,
+                        key_value_segment_ids=kv_seg)
+  assert np.all(np.asarray(o[:, :32]) == 0) and np.all(np.isneginf(np.asarray(lse[..., :32])))
+  assert np.all(np.asarray(grads[0][:, :32]) == 0)
+  assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
+
+
+def test_split_backward_is_bitwise_reproducible():
+  case = _case(200, 256, h=4, kh=2, d=128, is_causal=True, segments=True)
+  (q, k, v, do), kw = make_inputs(case)
+  first = jax.tree.leaves(run("mosaic", q, k, v, do, config=MOSAIC_INTERPRET, **dict(kw)))
+  again = jax.tree.leaves(run("mosaic", q, k, v, do, config=MOSAIC_INTERPRET, **dict(kw)))
+  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(first, again, strict=True))
+
+
+def test_one_stage_causal_forward_is_refused():
+  q = jnp.ones((1, 256, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="num_stages=1 deadlocks"):
+    pallas_flash.flash_attention(q, q, q, is_causal=True, implementation="mosaic",
+                                 config=_config(num_stages=1))
+
+
+def test_interpret_mode_runs_anywhere_and_says_so():
+  q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
+  plain = pallas_flash.explain(q, q, q, config=pallas_flash.MosaicConfig())
+  assert "needs a Hopper GPU" in plain.reasons["mosaic"]
+  interpreted = pallas_flash.explain(
+      q, q, q, config=pallas_flash.MosaicConfig(debug=MosaicDebug(interpret=True)))
+  assert interpreted.reasons["mosaic"] is None

@@ -1,0 +1,235 @@
+"""The Mosaic kernels lowered for an abstract H200 on the CPU, and the rules that configure them.
+
+`jax.export` runs Mosaic's layout inference and dialect lowering in Python and checks shared
+memory against the sm_90 limit; PTX generation and ptxas happen on the GPU only. The default
+calls' kernels are pinned by tests/test_gate.py; these cover the configs a user may choose.
+"""
+
+import collections
+import dataclasses
+import itertools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import use_abstract_mesh
+
+import pallas_flash
+from pallas_flash import mosaic_gpu
+from pallas_flash.call import AttentionParams, CallInfo
+from pallas_flash.mosaic_gpu import TUNED, MosaicConfig, MosaicDebug
+from pallas_flash.mosaic_gpu import config as mconfig
+from pallas_flash.mosaic_gpu.sm90 import common, forward, fused, split_tail
+from testing import H200, Case, export_for_h200, specs
+
+
+def _grad_module(case: Case, config=None, **kw) -> str:
+  q, kv = specs(case)
+
+  def grads(q, k, v):
+    def loss(*a):
+      return pallas_flash.flash_attention(*a, is_causal=case.is_causal, implementation="mosaic",
+                                          config=config, **kw).astype(jnp.float32).sum()
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  return export_for_h200(grads, q, kv, kv).mlir_module()
+
+
+HD128 = Case(batch=1, q_len=2048, kv_len=2048, num_heads=4, num_kv_heads=4, head_dim=128,
+             dtype=jnp.float16)
+
+
+@pytest.mark.parametrize("config", [
+    MosaicConfig(num_stages=3), MosaicConfig(block_kv=192), MosaicConfig(heads_fastest=True),
+    MosaicConfig(bwd_stages=3, block_kv_dq=64), MosaicConfig(dkdv_overlap=True,
+                                                             **mconfig.WIDE_REGISTERS),
+    MosaicConfig(fwd_persistent=True), MosaicConfig(fwd_split_tail=True, block_kv=64),
+    MosaicConfig(fused_backward=True, **mconfig.WIDE_REGISTERS)],
+    ids=["stages3", "kv192", "heads_fastest", "bwd_stages3", "dkdv_overlap", "persistent",
+         "split_tail", "fused"])
+def test_configs_a_user_may_choose_lower_and_fit(config):
+  assert _grad_module(HD128, config).count("custom_call @mosaic_gpu_v2") >= 2
+
+
+def test_shared_memory_overflow_is_reported():
+  q, _ = specs(dataclasses.replace(HD128, head_dim=256))
+  fn = lambda q, k, v: pallas_flash.flash_attention(  # noqa: E731
+      q, k, v, implementation="mosaic", config=MosaicConfig(block_kv=128, num_stages=3))
+  with pytest.raises(Exception, match="shared memory"):
+    export_for_h200(fn, q, q, q)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_split_backward_is_only_the_kernels(causal):
+  """The dQ kernel computes delta = rowsum(O∘dO) and lse in log2 units itself, so fwd+bwd at
+  an aligned length is the three kernels and nothing else; a dQ tile with no room for O beside
+  it runs FA2's preprocessing in XLA instead (a dot_general over O and dO)."""
+  case = dataclasses.replace(HD128, q_len=4096, kv_len=4096, is_causal=causal,
+                             dtype=jnp.bfloat16)
+  q, kv = specs(case)
+
+  def ops(config):
+    def fwd_bwd(q, k, v, do):
+      attn = lambda *a: pallas_flash.flash_attention(  # noqa: E731
+          *a, is_causal=causal, implementation="mosaic", config=config)
+      return jax.vjp(attn, q, k, v)[1](do)
+
+    text = export_for_h200(fwd_bwd, q, kv, kv, q).mlir_module()
+    assert text.count("custom_call @mosaic_gpu_v2") == 3
+    return collections.Counter(re.findall(r"stablehlo\.(\w+)", text))
+
+  assert set(ops(TUNED[(128, causal)])) == {"custom_call"}
+  assert ops(MosaicConfig(block_q_dq=128, block_kv_dq=64))["dot_general"] == 1
+
+
+@pytest.mark.parametrize("head_dim,fused_backward", [(64, False), (128, False), (256, False),
+                                                     (128, True)])
+def test_ragged_operands_are_padded_to_tma_rows_only(head_dim, fused_backward):
+  """q, k, v, dO and O reach the kernels padded to TMA's 8-row tile (300 -> 304, 700 -> 704),
+  not to the tile grid: TMA zero-fills reads and drops stores past the end, so XLA copies
+  nothing but those few rows, in the forward and in every backward kernel."""
+  case = Case(batch=1, q_len=300, kv_len=700, num_heads=4, num_kv_heads=4, head_dim=head_dim,
+              dtype=jnp.bfloat16)
+  config = (dataclasses.replace(TUNED[(head_dim, False)], fused_backward=True)
+            if fused_backward else None)
+  text = _grad_module(case, config)
+  rows = set(map(int, re.findall(rf"tensor<1x(\d+)x4x{head_dim}xbf16>", text)))
+  assert rows == {300, 304, 700, 704}, rows
+  if fused_backward:  # the fused kernel ran: its float32 dQ sum at 304 rows, then sliced
+    assert set(map(int, re.findall(rf"tensor<1x(\d+)x4x{head_dim}xf32>", text))) == {300, 304}
+
+
+@pytest.mark.parametrize("case,kw,match", [
+    (dataclasses.replace(HD128, head_dim=64), {}, "head_dim 64"),
+    (HD128, dict(query_segment_ids=jnp.zeros((1, 2048), jnp.int32)), "segment ids"),
+], ids=["hd64", "segments"])
+def test_fused_config_falls_back_to_the_split_with_a_warning(case, kw, match):
+  config = MosaicConfig(fused_backward=True, **mconfig.WIDE_REGISTERS)
+  with pytest.warns(UserWarning, match=match):
+    text = _grad_module(case, config, **kw)
+  assert text.count("custom_call @mosaic_gpu_v2") == 3
+
+
+def test_fused_shared_memory_estimate_refuses_what_does_not_fit():
+  q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+  assert fused.unsupported_reason(q, MosaicConfig(fused_backward=True)) is None
+  assert "shared memory" in fused.unsupported_reason(
+      q, MosaicConfig(fused_backward=True, fused_stages=4))
+
+
+@pytest.mark.parametrize("make,field", [
+    (lambda: MosaicConfig(block_q=96), "block_q"),
+    (lambda: MosaicConfig(bwd_stages=0), "bwd_stages"),
+    (lambda: MosaicConfig(compute_registers=236), "compute_registers"),
+    # 512: hangs on the GPU (setmaxnreg's pool is 3 x 168)
+    (lambda: MosaicConfig(compute_registers=248, producer_registers=24),
+     "2 \\* compute_registers"),
+    (lambda: MosaicDebug(persistent_ctas=-1), "persistent_ctas"),
+    (lambda: MosaicConfig(debug=dict(interpret=True)), "MosaicDebug")],
+    ids=["block_q", "bwd_stages", "registers", "register_pool", "debug_field", "debug_type"])
+def test_bad_config_is_refused_naming_the_field(make, field):
+  with pytest.raises((ValueError, TypeError), match=field):
+    make()
+
+
+def _info(**kw):
+  base = dict(batch=1, q_len=128, kv_len=128, num_heads=4, num_kv_heads=4, head_dim=128,
+              dtype=jnp.dtype(jnp.bfloat16),
+              params=AttentionParams(scale=1.0, is_causal=False, has_segments=False),
+              platform="gpu", compute_capability=(9, 0), device_kind="NVIDIA H200")
+  base.update(kw)
+  return CallInfo(**base)
+
+
+@pytest.mark.parametrize("kw,config,expected", [
+    (dict(), None, None),
+    (dict(platform="cpu", compute_capability=None, device_kind="cpu"), None,
+     "needs a Hopper GPU"),
+    (dict(compute_capability=(8, 0), device_kind="NVIDIA A100"), None, "needs a Hopper GPU"),
+    (dict(dtype=jnp.dtype(jnp.float32)), None, "float32"),
+    (dict(head_dim=96), None, "head_dim 96"),
+    (dict(params=AttentionParams(scale=1.0, is_causal=True, has_segments=True)), None, None),
+    (dict(params=AttentionParams(scale=1.0, is_causal=True, has_segments=False,
+                                 deterministic=True)),
+     MosaicConfig(fused_backward=True), "deterministic=True rules out"),
+], ids=["ok", "cpu", "ampere", "f32", "hd96", "segments", "deterministic_fused"])
+def test_unsupported_reason(kw, config, expected):
+  reason = mosaic_gpu.unsupported_reason(_info(**kw), config)
+  assert reason is None if expected is None else expected in reason
+
+
+@pytest.mark.parametrize("shape,causal,fused_backward", [
+    ((1, 16384, 16, 16, 128), True, True),  # long causal: the fused backward
+    ((2, 16384, 8, 4, 128), False, True),  # long non-causal GQA: the fused backward
+    ((4, 1024, 16, 16, 128), True, False)],  # short: the split backward
+    ids=["causal_16k", "gqa_noncausal_16k", "causal_1k"])
+def test_explain_reports_the_per_call_config(shape, causal, fused_backward):
+  b, t, h, kh, d = shape
+  q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b, t, kh, d), jnp.bfloat16)
+  with use_abstract_mesh(H200):
+    why = pallas_flash.explain(q, kv, kv, is_causal=causal)
+    passed = pallas_flash.explain(q, kv, kv, is_causal=causal, config=MosaicConfig())
+    deterministic = pallas_flash.explain(q, kv, kv, is_causal=causal, deterministic=True)
+  params = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=False)
+  assert why.chosen == "mosaic"
+  assert why.config == mconfig.call_config(d, params, t, b)
+  assert why.config.fused_backward == fused_backward
+  assert ("fused_backward=True" in str(why)) == fused_backward
+  assert passed.config == MosaicConfig()
+  assert not deterministic.config.fused_backward
+
+
+TILES, HEADS, BATCH = 3, 4, 2
+
+
+@pytest.mark.parametrize("heads_fastest", [False, True])
+def test_launch_grid_order(heads_fastest):
+  """Mosaic GPU reverses plgpu.kernel's grid into CUDA's (x, y, z) and dispatches x fastest,
+  so a row-major walk of the grid is the launch order: after the batch entries, tiles of one
+  head (heads_fastest False) or one tile of every head (True) run together."""
+  launch = common.launch_grid(TILES, HEADS, BATCH, ("t", "h", "b"), heads_fastest=heads_fastest)
+  order = [dict(zip(launch["grid_names"], idx))
+           for idx in itertools.product(*map(range, launch["grid"]))]
+  got = [(at["t"], at["h"], at["b"]) for at in order]
+  outer, inner = ((range(TILES), range(HEADS)) if heads_fastest else (range(HEADS), range(TILES)))
+  want = [(x, y, b) if heads_fastest else (y, x, b) for x in outer for y in inner
+          for b in range(BATCH)]
+  assert got == want
+
+
+def test_split_tail_cost_model_and_launch_order():
+  """The split pays only for a partial last wave, with a few parts; its coordinates follow
+  the forward grid's launch order (batch fastest, then q tiles of one head)."""
+  assert split_tail.tail_parts(tiles=264, steps=128, wave=132) == 1  # whole waves
+  parts = split_tail.tail_parts(tiles=2048, steps=128, wave=132)
+  assert 2 <= parts <= 17
+  config = MosaicConfig(debug=MosaicDebug(wave_ctas=5, tail_parts=2))
+  split = split_tail.plan(3, 2, 2, 8, heads_fastest=False, config=config)
+  assert (split.tiles, split.main, split.parts, split.ctas) == (12, 10, 2, 14)
+  b, h, qt = split.tail_coords()
+  assert list(zip(b.tolist(), h.tolist(), qt.tolist())) == [(0, 1, 2), (1, 1, 2)]
+  assert split_tail.plan(3, 2, 2, 8, heads_fastest=False, config=dataclasses.replace(
+      config, debug=MosaicDebug(wave_ctas=4))) is None  # 12 tiles: whole waves of 4
+
+
+def test_split_tail_merge_equals_the_unsplit_result():
+  """combine_tail: the parts' (o, lse), each normalised over its keys, merge into the tile's
+  attention over all keys."""
+  config = MosaicConfig(debug=MosaicDebug(wave_ctas=3, tail_parts=2))
+  split = split_tail.plan(2, 1, 2, 4, heads_fastest=False, config=config)
+  rows, d = 2 * 64, 8
+  keys = jax.random.split(jax.random.key(0), 3)
+  o_parts = jax.random.normal(keys[0], (split.tail_tiles * split.parts, 2, 64, d))
+  lse_parts = jax.random.normal(keys[1], (split.tail_tiles * split.parts, 2, 64))
+  o = jnp.zeros((2, 2 * rows, 1, d))
+  lse = jnp.zeros((2, 1, 2 * rows))
+  o, lse = forward.combine_tail(o, lse, o_parts, lse_parts, split)
+  w = jax.nn.softmax(lse_parts.reshape(split.tail_tiles, split.parts, rows), axis=1)
+  want = (w[..., None] * o_parts.reshape(split.tail_tiles, split.parts, rows, d)).sum(1)
+  b, h, qt = split.tail_coords()
+  for i in range(split.tail_tiles):
+    got = o[b[i], qt[i] * rows:(qt[i] + 1) * rows, h[i]]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want[i]), rtol=1e-5, atol=1e-6)
