@@ -131,13 +131,6 @@ class _Throughput:
     return out
 
 
-def _trim_log(path: pathlib.Path, last_step: int) -> None:
-  """Drops records after the checkpoint being resumed, so no step appears twice."""
-  if path.exists():
-    keep = [r for r in metrics_lib.read_jsonl(path) if r.get("step", 0) <= last_step]
-    path.write_text("".join(json.dumps(r) + "\n" for r in keep))
-
-
 def _log_train(log, pending: list, rate: dict) -> dict:
   """Writes pending (step, device metrics) pairs; returns the last one as floats."""
   last = {}
@@ -162,11 +155,10 @@ def run(cfg: TrainConfig) -> dict:
     if start is None:
       raise SystemExit(f"--resume: no checkpoint under {out_dir / 'checkpoints'}.")
     ckpt.restore(start, model, optimizer)
-    _trim_log(out_dir / "metrics.jsonl", start)
   init_step = None
   if cfg.init_from is not None and not cfg.resume:
     init_step = load_params(cfg.init_from, model)
-  log = metrics_lib.MetricsLog(out_dir, resume=cfg.resume)
+  log = metrics_lib.MetricsLog(out_dir, resume_at=start if cfg.resume else None)
   if not cfg.resume:
     log.write({"kind": "config", "step": 0, "config": json.loads(json.dumps(
         dataclasses.asdict(cfg), default=str)), "devices": [d.device_kind for d in devices],
