@@ -35,8 +35,10 @@ class TrainConfig:
     segment_ids: mask attention at document boundaries of packed text (needs "ours" to be
       O(T) memory: the baselines build a dense mask).
     eval_every, eval_batches: periodic evaluation; log_every: progress-bar update interval.
-    checkpoint_every: steps between checkpoints (0: only at the end); out_dir: metrics,
-      plot and checkpoints; resume: continue from the latest checkpoint in out_dir.
+    checkpoint_every: steps between checkpoints (0: only at the end); out_dir: the run's
+      directory (run.json, metrics, plot and checkpoints; train/rundir.py); resume: continue
+      the run in out_dir from its newest checkpoint that restores; overwrite: delete the run
+      already in out_dir (its files only) and start this one there.
     init_from: a previous run's out_dir whose latest checkpoint supplies the initial
       parameters (not the optimizer state or step: a fresh schedule starts at step 0); the
       model must be the same, the data (seq_len, batch) may differ. Ignored with resume.
@@ -70,6 +72,7 @@ class TrainConfig:
   checkpoint_every: int = 100
   out_dir: str = "runs/cpu-demo"
   resume: bool = False
+  overwrite: bool = False
   init_from: str | None = None
   max_minutes: float | None = None
   target_accuracy: float | None = None
@@ -152,7 +155,7 @@ def _parser(preset_name: str) -> argparse.ArgumentParser:
   add("--log-every", int, "steps between progress/metrics updates")
   add("--corpus-mb", float, "MB of standard-library source to read")
   add("--checkpoint-every", int, "steps between checkpoints (0: only at the end)")
-  add("--out-dir", str, "directory for metrics.jsonl, loss.png and checkpoints")
+  add("--out-dir", str, "the run's directory: run.json, metrics.jsonl, loss.png, checkpoints")
   add("--max-minutes", float, "stop (eval + checkpoint) after this wall time")
   add("--target-accuracy", float, "stop (eval + checkpoint) once val_accuracy reaches this "
       "fraction")
@@ -172,7 +175,11 @@ def _parser(preset_name: str) -> argparse.ArgumentParser:
                       + _shown_default(preset, "--remat-keeps-attention"))
   p.add_argument("--no-segment-ids", action="store_true",
                  help="let packed documents attend to each other (plain causal attention)")
-  p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+  p.add_argument("--resume", action="store_true",
+                 help="continue the run in --out-dir from its newest checkpoint that restores")
+  p.add_argument("--overwrite", action="store_true",
+                 help="delete the run already in --out-dir (its run.json, metrics.jsonl, "
+                      "loss.png and checkpoints) and start this one there")
   return p
 
 
@@ -196,7 +203,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
   model_kw = {k: getattr(args, k) for k in _MODEL_FLAGS + ("remat_keeps_attention",)
               if getattr(args, k) is not None}
   top = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-         if f.name not in ("preset", "model", "resume", "segment_ids", "implementation")
+         if f.name not in ("preset", "model", "resume", "overwrite", "segment_ids",
+                           "implementation")
          and getattr(args, f.name, None) is not None}
   if args.implementation is not None:
     top["implementation"] = None if args.implementation == "auto" else args.implementation
@@ -204,7 +212,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     top["implementation"] = None
   try:
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model_kw), **top,
-                              resume=args.resume, segment_ids=not args.no_segment_ids)
+                              resume=args.resume, overwrite=args.overwrite,
+                              segment_ids=not args.no_segment_ids)
   except ValueError as e:
     raise SystemExit(f"Bad model configuration: {e}") from None
   validate(cfg)
@@ -228,6 +237,9 @@ def validate(cfg: TrainConfig, num_devices: int = 1) -> None:
     value = getattr(cfg, name)
     if value is not None and not (math.isfinite(value) and value >= least):
       problems.append(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+  if cfg.resume and cfg.overwrite:
+    problems.append("--resume continues the run in --out-dir and --overwrite deletes it; pass "
+                    "one of them")
   if cfg.batch_size % num_devices:
     problems.append(f"batch_size ({cfg.batch_size}) must be divisible by the number of devices "
                     f"({num_devices}) for data parallelism")

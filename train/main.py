@@ -18,6 +18,7 @@ import pallas_flash
 from models.attention import check_attention_runs, make_attention
 from models.transformer import Transformer
 from train import metrics as metrics_lib
+from train import rundir
 from train.checkpoint import Checkpointer, latest_checkpoint_step, load_params
 from train.config import TrainConfig, validate
 from train.data import DataSource
@@ -144,25 +145,27 @@ def _log_train(log, pending: list, rate: dict) -> dict:
 def run(cfg: TrainConfig) -> dict:
   """Trains according to `cfg`; returns {"train": {step: loss}, "eval": last eval metrics}."""
   check_environment(cfg)
+  rundir.check_out_dir(cfg)
   devices = jax.devices()
   mesh = make_mesh(devices)
   out_dir = pathlib.Path(cfg.out_dir)
-  ckpt = Checkpointer(out_dir)
+  if cfg.overwrite:
+    rundir.clear(out_dir)
+  saved = rundir.read(out_dir) if cfg.resume else None
+  run_id = saved["run_id"] if saved else rundir.new_run_id()
+  ckpt = Checkpointer(out_dir, run_id=run_id)
   model, optimizer = build(cfg, mesh)
-  start = 0
+  start, init_step = 0, None
   if cfg.resume:
-    start = ckpt.latest_step()
-    if start is None:
-      raise SystemExit(f"--resume: no checkpoint under {out_dir / 'checkpoints'}.")
-    ckpt.restore(start, model, optimizer)
-  init_step = None
-  if cfg.init_from is not None and not cfg.resume:
+    start = _restore(cfg, ckpt, model, optimizer)
+  elif cfg.init_from is not None:
     init_step = load_params(cfg.init_from, model)
+  rundir.write(out_dir, run_id, cfg)
   log = metrics_lib.MetricsLog(out_dir, resume_at=start if cfg.resume else None)
-  if not cfg.resume:
-    log.write({"kind": "config", "step": 0, "config": json.loads(json.dumps(
-        dataclasses.asdict(cfg), default=str)), "devices": [d.device_kind for d in devices],
-        "num_params": cfg.model.num_params(), "init_from_step": init_step})
+  log.write({"kind": "config", "step": start, "run_id": run_id,
+             "config": rundir.config_json(cfg), "devices": [d.device_kind for d in devices],
+             "num_params": cfg.model.num_params(), "init_from_step": init_step,
+             "resumed_from": start if cfg.resume else None})
   data = DataSource(cfg)
   eval_set = data.eval_batches()
   _print_header(cfg, devices, start)
@@ -176,6 +179,14 @@ def run(cfg: TrainConfig) -> dict:
         f"{log.path}, plot {out_dir / 'loss.png'}" +
         (f"; peak memory {peak / 2**30:.2f} GiB" if peak else ""))
   return {"train": history, "eval": last_eval}
+
+
+def _restore(cfg: TrainConfig, ckpt: Checkpointer, model, optimizer) -> int:
+  """Loads the newest checkpoint that restores; says which newer ones it skipped and why."""
+  start, skipped = ckpt.restore_newest(model, optimizer)
+  for step, reason in skipped:
+    print(f"skipped checkpoint {step}: {reason} (moved to {ckpt.directory / f'{step}.skipped'})")
+  return start
 
 
 def _plot(jsonl: pathlib.Path, png: pathlib.Path, title: str) -> None:

@@ -1,13 +1,16 @@
-"""Checkpoints: an interrupted run resumed with --resume continues with the identical losses."""
+"""Checkpoints: an interrupted run resumed with --resume continues with the identical losses
+(tests/train/test_cli.py runs the same through `python -m train`)."""
 
 import dataclasses
 import json
 
+import jax
 import pytest
 
 from models import ModelConfig
+from train.checkpoint import Checkpointer
 from train.config import PRESETS
-from train.main import run
+from train.main import build, make_mesh, run
 
 TINY = dataclasses.replace(
     PRESETS["cpu-demo"], model=ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2),
@@ -36,6 +39,13 @@ def test_resume_continues_with_identical_losses(tmp_path):
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
   with pytest.raises(SystemExit, match="no checkpoint"):
     run(dataclasses.replace(TINY, out_dir=str(tmp_path), resume=True))
+
+
+def test_resume_never_restores_another_runs_checkpoint(tmp_path):
+  model, optimizer = build(TINY, make_mesh(jax.devices()))
+  Checkpointer(tmp_path, run_id="first").save(3, model, optimizer)
+  with pytest.raises(SystemExit, match="checkpoint 3: written by another run"):
+    Checkpointer(tmp_path, run_id="second").restore_newest(model, optimizer)
 
 
 def test_lagged_logging_records_every_step_once_in_order(tmp_path):

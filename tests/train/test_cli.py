@@ -1,11 +1,13 @@
-"""`python -m train` as a user runs it: killed, then resumed.
+"""`python -m train` as a user runs it: killed, damaged checkpoints and reused --out-dirs.
 
 Every case starts the real command line in a subprocess on CPU with a 12K-parameter model
 (~4 ms a step; a run costs its start-up and compilation, ~6 s from a warm compilation cache),
 and compares what it leaves in --out-dir with one uninterrupted run of the same flags.
 """
 
+import json
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -87,6 +89,10 @@ def _assert_same_run(got, want) -> None:
     np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
 
 
+def _no_traceback(proc) -> str:
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  return proc.stdout + proc.stderr
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _shared_compilation_cache(tmp_path_factory):
@@ -109,6 +115,12 @@ def reference(tmp_path_factory) -> pathlib.Path:
   return out
 
 
+@pytest.fixture
+def copy_of_reference(reference, tmp_path) -> pathlib.Path:
+  shutil.copytree(reference, tmp_path / "run")
+  return tmp_path / "run"
+
+
 def test_killed_during_a_checkpoint_write_resumes_bit_identically(reference, tmp_path):
   out = tmp_path / "run"
   proc, _ = _start(out)
@@ -126,3 +138,53 @@ def test_killed_during_a_checkpoint_write_resumes_bit_identically(reference, tmp
   resumed = _train(out, "--resume")
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   _assert_same_run(out, reference)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "no-metadata", "empty"])
+def test_resume_skips_a_damaged_latest_checkpoint(copy_of_reference, reference, damage):
+  out, latest = copy_of_reference, copy_of_reference / "checkpoints" / str(STEPS)
+  if damage == "truncated":
+    largest = max((p for p in latest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[:100])
+  elif damage == "no-metadata":
+    (latest / "default" / "_METADATA").unlink()
+  else:
+    shutil.rmtree(latest)
+    latest.mkdir()
+  proc = _train(out, "--resume")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert f"skipped checkpoint {STEPS}: " in _no_traceback(proc)
+  assert "resuming at step 50" in proc.stdout
+  assert (out / "checkpoints" / f"{STEPS}.skipped").is_dir()  # kept aside, not deleted
+  _assert_same_run(out, reference)
+
+
+def test_resume_with_no_checkpoint_that_restores_is_one_clear_error(copy_of_reference):
+  for step in (50, STEPS):
+    shutil.rmtree(copy_of_reference / "checkpoints" / str(step) / "default")
+  proc = _train(copy_of_reference, "--resume")
+  assert proc.returncode == 1
+  assert "no checkpoint under" in _no_traceback(proc)
+  assert "checkpoint 60: " in proc.stderr and "checkpoint 50: " in proc.stderr
+
+
+def test_a_new_run_refuses_an_out_dir_that_holds_a_run(copy_of_reference):
+  before = (copy_of_reference / "metrics.jsonl").read_text()
+  proc = _train(copy_of_reference, "--steps", "30", "--seed", "1")
+  assert proc.returncode == 1
+  message = _no_traceback(proc)
+  assert "already holds a run" in message
+  assert "--resume" in message and "--overwrite" in message
+  assert (copy_of_reference / "metrics.jsonl").read_text() == before
+  assert _steps(copy_of_reference) == [50, 60]
+
+
+def test_overwrite_replaces_the_run_in_out_dir(copy_of_reference):
+  proc = _train(copy_of_reference, "--steps", "12", "--seed", "1", "--overwrite")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert _steps(copy_of_reference) == [10, 12]  # none of the old run's 50 and 60
+  assert [r["step"] for r in _records(copy_of_reference, "train")] == list(range(12))
+  configs = _records(copy_of_reference, "config")
+  assert len(configs) == 1 and configs[0]["config"]["seed"] == 1
+  run_json = json.loads((copy_of_reference / "run.json").read_text())
+  assert run_json["run_id"] == configs[0]["run_id"] and run_json["config"]["steps"] == 12

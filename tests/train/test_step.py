@@ -85,8 +85,10 @@ def test_two_devices_train_like_one(tmp_path):
     (["--lr", "-1"], "--lr must be at least 0.0, got -1.0"),
     (["--checkpoint-every", "-5"], "--checkpoint-every must be at least 0"),
     (["--max-minutes", "nan"], "--max-minutes must be at least 0.0, got nan"),
+    (["--resume", "--overwrite"], "pass one of them"),
 ], ids=["preset", "gpu-preset", "implementation", "task", "cudnn", "model", "mosaic-config-xla",
-        "mosaic-config-key", "eval-every", "log-every", "lr", "checkpoint-every", "max-minutes"])
+        "mosaic-config-key", "eval-every", "log-every", "lr", "checkpoint-every", "max-minutes",
+        "resume-overwrite"])
 def test_bad_configuration_fails_at_start_with_a_clear_message(argv, message, tmp_path):
   from train.main import check_environment
 
