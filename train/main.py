@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 import time
@@ -45,31 +44,22 @@ def check_environment(cfg: TrainConfig) -> None:
                        seq_len=cfg.seq_len)
 
 
-# ModelConfig fields that change how the model computes, not what its parameters mean.
-_COMPUTE_ONLY_FIELDS = ("dtype", "remat", "remat_keeps_attention")
-
-
 def check_init_from(cfg: TrainConfig) -> None:
   """Fails before compiling when --init-from names a run without a checkpoint or of another model.
 
-  The run's metrics.jsonl records its ModelConfig; a different rope_theta, say, leaves every
-  shape equal but the parameters would mean something else. Without that record, the shapes
-  are still checked when the parameters load.
+  The run's run.json (or, for older runs, metrics.jsonl) records its ModelConfig; a different
+  rope_theta, say, leaves every shape equal but the parameters would mean something else.
+  Without that record, the shapes are still checked when the parameters load.
   """
   if cfg.init_from is None or cfg.resume:
     return
   latest_checkpoint_step(cfg.init_from)
-  log = pathlib.Path(cfg.init_from) / "metrics.jsonl"
-  records = metrics_lib.read_jsonl(log) if log.exists() else []
-  saved = next((r["config"]["model"] for r in records if r.get("kind") == "config"), None)
-  if saved is None:
-    return
-  ours = json.loads(json.dumps(dataclasses.asdict(cfg.model), default=str))
-  diffs = [f"{k}: {saved.get(k)!r} there, {v!r} here" for k, v in ours.items()
-           if k not in _COMPUTE_ONLY_FIELDS and saved.get(k) != v]
+  saved = rundir.saved_config(cfg.init_from)
+  diffs = [] if saved is None else rundir.model_differences(saved, cfg)
   if diffs:
     raise SystemExit(f"--init-from {cfg.init_from}: that run trained a different model; pass "
-                     "the same model flags (--preset, --d-model, ...):\n  " + "\n  ".join(diffs))
+                     "the same model flags (--preset, --d-model, ...):\n  "
+                     + "\n  ".join(f"{k}: {a!r} there, {b!r} here" for k, a, b in diffs))
 
 
 def make_mesh(devices) -> jax.sharding.Mesh:
@@ -182,10 +172,14 @@ def run(cfg: TrainConfig) -> dict:
 
 
 def _restore(cfg: TrainConfig, ckpt: Checkpointer, model, optimizer) -> int:
-  """Loads the newest checkpoint that restores; says which newer ones it skipped and why."""
+  """Loads the newest checkpoint that restores; says what it skipped and what cfg changes."""
   start, skipped = ckpt.restore_newest(model, optimizer)
   for step, reason in skipped:
     print(f"skipped checkpoint {step}: {reason} (moved to {ckpt.directory / f'{step}.skipped'})")
+  changes = rundir.resume_changes(rundir.saved_config(cfg.out_dir), cfg, start)
+  if changes:
+    print(f"--resume at step {start} with a config that differs from the saved run's (run.json "
+          "records the new one):\n  " + "\n  ".join(changes))
   return start
 
 

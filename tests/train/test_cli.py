@@ -1,4 +1,5 @@
-"""`python -m train` as a user runs it: killed, damaged checkpoints and reused --out-dirs.
+"""`python -m train` as a user runs it: killed, damaged checkpoints, reused --out-dirs, changed
+flags on --resume.
 
 Every case starts the real command line in a subprocess on CPU with a 12K-parameter model
 (~4 ms a step; a run costs its start-up and compilation, ~6 s from a warm compilation cache),
@@ -188,3 +189,24 @@ def test_overwrite_replaces_the_run_in_out_dir(copy_of_reference):
   assert len(configs) == 1 and configs[0]["config"]["seed"] == 1
   run_json = json.loads((copy_of_reference / "run.json").read_text())
   assert run_json["run_id"] == configs[0]["run_id"] and run_json["config"]["steps"] == 12
+
+
+def test_resume_with_another_model_names_the_fields(copy_of_reference):
+  proc = _train(copy_of_reference, "--resume", "--d-model", "32")
+  assert proc.returncode == 1
+  assert "d_model: 16 saved, 32 now" in _no_traceback(proc)
+
+
+def test_resume_says_what_a_changed_seed_lr_and_steps_change(copy_of_reference):
+  proc = _train(copy_of_reference, "--resume", "--steps", "62", "--seed", "1", "--lr", "0.01")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for line in ("steps: 60 -> 62; from step 60 on, the run ends at the new step count",
+               "seed: 0 -> 1; from step 60 on, batches are drawn with the new seed",
+               "lr: 0.003 -> 0.01; from step 60 on, the learning rate differs"):
+    assert line in proc.stdout
+  # What the resumed run uses is recorded: in run.json and in the log's config record.
+  saved = json.loads((copy_of_reference / "run.json").read_text())["config"]
+  assert (saved["steps"], saved["seed"], saved["lr"]) == (62, 1, 0.01)
+  last = _records(copy_of_reference, "config")[-1]
+  assert last["resumed_from"] == STEPS and last["config"]["seed"] == 1
+  assert [r["step"] for r in _records(copy_of_reference, "train")] == list(range(62))
