@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import pathlib
+import signal
+import sys
+import threading
 import time
 
 import jax
@@ -121,6 +124,34 @@ class _Throughput:
     self.t0 = now
     return out
 
+  def restart(self) -> None:
+    """Starts the next interval now: evaluation and checkpoint time is not training throughput."""
+    self.t0 = time.perf_counter()
+
+
+class _StopOnCtrlC:
+  """Within `with`, the first Ctrl-C asks the loop to stop after the current step (it then
+  saves a checkpoint and returns); a second one raises KeyboardInterrupt and aborts."""
+
+  def __enter__(self):
+    self.requested = False
+    # Signal handlers can only be set from the main thread; elsewhere Ctrl-C stays Python's.
+    self._previous = None
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGINT, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    if self.requested:
+      raise KeyboardInterrupt
+    self.requested = True
+    print("\nCtrl-C: stopping after this step to save a checkpoint (Ctrl-C again aborts).",
+          file=sys.stderr, flush=True)
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGINT, self._previous)
+
 
 def _log_train(log, pending: list, rate: dict) -> dict:
   """Writes pending (step, device metrics) pairs; returns the last one as floats."""
@@ -133,7 +164,12 @@ def _log_train(log, pending: list, rate: dict) -> dict:
 
 
 def run(cfg: TrainConfig) -> dict:
-  """Trains according to `cfg`; returns {"train": {step: loss}, "eval": last eval metrics}."""
+  """Trains according to `cfg`.
+
+  Returns:
+    {"train": {step: loss}, "eval": last eval metrics, "interrupted": whether Ctrl-C stopped
+    the run (after saving a checkpoint of its last step)}.
+  """
   check_environment(cfg)
   rundir.check_out_dir(cfg)
   devices = jax.devices()
@@ -161,14 +197,16 @@ def run(cfg: TrainConfig) -> dict:
   _print_header(cfg, devices, start)
   if init_step is not None:
     print(f"parameters from {cfg.init_from} (step {init_step}); optimizer and step count fresh")
-  history, last_eval = _loop(cfg, model, optimizer, data, eval_set, mesh, log, ckpt, start)
+  with _StopOnCtrlC() as ctrl_c:
+    history, last_eval = _loop(cfg, model, optimizer, data, eval_set, mesh, log, ckpt, start,
+                               ctrl_c)
   _plot(log.path, out_dir / "loss.png", title=f"{cfg.preset} ({cfg.task})")
   ckpt.close()
   peak = metrics_lib.peak_memory_bytes(devices[0])
   print(f"done: {json.dumps({k: round(v, 4) for k, v in last_eval.items()})}; metrics "
         f"{log.path}, plot {out_dir / 'loss.png'}" +
         (f"; peak memory {peak / 2**30:.2f} GiB" if peak else ""))
-  return {"train": history, "eval": last_eval}
+  return {"train": history, "eval": last_eval, "interrupted": ctrl_c.requested}
 
 
 def _restore(cfg: TrainConfig, ckpt: Checkpointer, model, optimizer) -> int:
@@ -191,14 +229,14 @@ def _plot(jsonl: pathlib.Path, png: pathlib.Path, title: str) -> None:
     print(f"no {png.name}: {e}")
 
 
-def _loop(cfg, model, optimizer, data, eval_set, mesh, log, ckpt, start):
+def _loop(cfg, model, optimizer, data, eval_set, mesh, log, ckpt, start, ctrl_c):
   history, pending, last_eval = {}, [], {}
   rate = _Throughput(cfg, jax.devices())
-  t_start, step = time.time(), start
+  t_start, done = time.time(), start
   if start == 0:  # the curve starts from the untrained model
     last_eval = _eval_and_log(model, eval_set, mesh, log, 0, None)
-  bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, dynamic_ncols=True)
-  for step in bar:
+  bar = tqdm(initial=start, total=cfg.steps, dynamic_ncols=True)
+  for step in range(start, cfg.steps):
     batch = _shard_batch(data.train_batch(step), mesh, accum_axis=True)
     pending.append((step, train_step(model, optimizer, batch)))
     done = step + 1
@@ -210,26 +248,32 @@ def _loop(cfg, model, optimizer, data, eval_set, mesh, log, ckpt, start):
       history.update({s: float(m["loss"]) for s, m in jax.device_get(ready)})
       pending = pending[len(ready):]
       bar.set_postfix(_postfix(last, speed))
+    bar.update()  # before any break below, so the bar ends at the step reached
     if done % cfg.eval_every == 0 or done == cfg.steps:
       last_eval = _eval_and_log(model, eval_set, mesh, log, done, bar)
-      rate.t0 = time.perf_counter()  # evaluation time is not training throughput
+      rate.restart()
       if _reached_target(cfg, last_eval):
         bar.write(f"--target-accuracy {cfg.target_accuracy} reached at step {done}.")
         break
     if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
       ckpt.save(done, model, optimizer)
+      rate.restart()
     if cfg.max_minutes is not None and time.time() - t_start > 60 * cfg.max_minutes:
       bar.write(f"--max-minutes {cfg.max_minutes} reached at step {done}.")
       break
+    if ctrl_c.requested:
+      break
   bar.close()
-  done = step + 1 if cfg.steps > start else start
   if pending:
     history.update({s: float(m["loss"]) for s, m in jax.device_get(pending)})
     _log_train(log, pending, {})
-  if done % cfg.eval_every and done != cfg.steps:
+  if done % cfg.eval_every and done != cfg.steps and not ctrl_c.requested:
     last_eval = _eval_and_log(model, eval_set, mesh, log, done, None)
   if ckpt.latest_step() != done:
     ckpt.save(done, model, optimizer)
+  if ctrl_c.requested:
+    print(f"interrupted at step {done}: saved checkpoint {done}; `--resume` (same flags and "
+          "--out-dir) continues from it.", file=sys.stderr)
   return history, last_eval
 
 

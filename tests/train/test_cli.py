@@ -1,5 +1,5 @@
 """`python -m train` as a user runs it: killed, damaged checkpoints, reused --out-dirs, changed
-flags on --resume.
+flags on --resume, Ctrl-C.
 
 Every case starts the real command line in a subprocess on CPU with a 12K-parameter model
 (~4 ms a step; a run costs its start-up and compilation, ~6 s from a warm compilation cache),
@@ -9,6 +9,7 @@ and compares what it leaves in --out-dir with one uninterrupted run of the same 
 import json
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -210,3 +211,21 @@ def test_resume_says_what_a_changed_seed_lr_and_steps_change(copy_of_reference):
   last = _records(copy_of_reference, "config")[-1]
   assert last["resumed_from"] == STEPS and last["config"]["seed"] == 1
   assert [r["step"] for r in _records(copy_of_reference, "train")] == list(range(62))
+
+
+def test_ctrl_c_saves_a_checkpoint_of_the_last_step_and_exits_cleanly(tmp_path):
+  out = tmp_path / "run"
+  # Long enough never to finish; checkpoints only at the end, so the one saved is Ctrl-C's.
+  proc, output = _start(out, "--steps", "100000", "--checkpoint-every", "0")
+  log = out / "metrics.jsonl"
+  _wait_for(lambda: log.exists() and '"kind": "train", "step": 3' in log.read_text(), proc,
+            "step 3 was logged")
+  proc.send_signal(signal.SIGINT)
+  proc.wait(timeout=120)
+  text = output.read_text()
+  assert proc.returncode == 130, text[-3000:]
+  assert "Traceback" not in text, text[-3000:]
+  trained = [r["step"] for r in _records(out, "train")]
+  assert trained == list(range(len(trained)))
+  assert _steps(out) == [len(trained)]  # every step trained is in the checkpoint
+  assert f"saved checkpoint {len(trained)}" in text
