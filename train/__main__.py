@@ -10,8 +10,8 @@
   ./scripts/retrieval_gpu.sh               # retrieval at 16K on one H200 (curriculum)
 
 Ctrl-C stops after the current step and saves a checkpoint (exit status 130); a second
-Ctrl-C aborts at once. See docs/training.md; `python -m train.compare` benchmarks attention
-implementations.
+Ctrl-C aborts without saving. See docs/training.md; `python -m train.compare` benchmarks
+attention implementations.
 """
 
 import sys
