@@ -16,14 +16,19 @@ attention implementations.
 
 import sys
 
-from train.config import parse_args
-from train.main import run
+
+def main() -> int:
+  """Runs the command line; returns the exit status (130 after Ctrl-C, as shells report it)."""
+  try:
+    from train.config import parse_args  # here, so that a Ctrl-C while jax loads is caught too
+    from train.main import run
+
+    return 130 if run(parse_args())["interrupted"] else 0
+  except KeyboardInterrupt:  # before the training loop, or a second Ctrl-C
+    print("\naborted by Ctrl-C; `--resume` continues from the last checkpoint saved, if any.",
+          file=sys.stderr)
+    return 130
+
 
 if __name__ == "__main__":
-  try:
-    interrupted = run(parse_args())["interrupted"]
-  except KeyboardInterrupt:  # before training started, or a second Ctrl-C
-    print("\naborted by Ctrl-C; `--resume` continues from the last checkpoint saved.",
-          file=sys.stderr)
-    interrupted = True
-  sys.exit(130 if interrupted else 0)  # 128 + SIGINT, as a shell reports a Ctrl-C'd command
+  sys.exit(main())
