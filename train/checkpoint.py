@@ -6,7 +6,10 @@ state, so restoring these two is all an exact resume needs.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import pathlib
+import shutil
 
 import jax
 import orbax.checkpoint as ocp
@@ -14,19 +17,32 @@ from flax import nnx
 
 
 class Checkpointer:
-  """Saves {model, optimizer} states under out_dir/checkpoints/<step>; keeps the last few."""
+  """Saves {model, optimizer} states under out_dir/checkpoints/<step>; keeps the last few.
 
-  def __init__(self, out_dir: str | pathlib.Path, max_to_keep: int = 2):
-    directory = pathlib.Path(out_dir).absolute() / "checkpoints"
+  Every checkpoint records `run_id` (rundir.py), and restore_newest skips those of any other
+  run: checkpoints of two runs never mix.
+  """
+
+  def __init__(self, out_dir: str | pathlib.Path, run_id: str | None = None,
+               max_to_keep: int = 2):
+    self.directory = pathlib.Path(out_dir).absolute() / "checkpoints"
+    self.run_id = run_id
+    # Naming the handler lets orbax read a step's metadata without warning that it could not.
     self.manager = ocp.CheckpointManager(
-        directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+        self.directory, item_handlers=ocp.StandardCheckpointHandler(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
   def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer) -> None:
     state = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
-    self.manager.save(step, args=ocp.args.StandardSave(state))
+    # orbax declines (returns False) to save at or below its latest step; saying so loudly
+    # keeps an older checkpoint from passing for this run's.
+    if not self.manager.save(step, args=ocp.args.StandardSave(state),
+                             custom_metadata={"run_id": self.run_id}):
+      raise RuntimeError(f"orbax did not save step {step}: {self.directory} already holds "
+                         f"step {self.latest_step()}.")
     self.manager.wait_until_finished()
 
   def restore(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer) -> None:
@@ -39,8 +55,82 @@ class Checkpointer:
     nnx.update(model, restored["model"])
     nnx.update(optimizer, restored["optimizer"])
 
+  def restore_newest(self, model: nnx.Module,
+                     optimizer: nnx.Optimizer) -> tuple[int, list[tuple[int, str]]]:
+    """Restores the newest checkpoint that restores; returns its step and the (step, reason)
+    of each newer one skipped.
+
+    A skipped checkpoint (a truncated file, missing metadata, an empty directory, another
+    run's) is moved aside to <step>.skipped once an older one restores: orbax never saves at
+    or below an existing step, so left in place it would block saving that step again.
+    SystemExit, with every reason, if none restores.
+    """
+    skipped = []
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        reason = self._skip_reason(step)
+        if reason is None:
+          with _asyncio_errors_silenced():
+            self.restore(step, model, optimizer)
+      except Exception as e:  # noqa: BLE001  orbax and tensorstore raise bare Exceptions
+        reason = _one_line(e)
+      if reason is None:
+        self._move_aside([s for s, _ in skipped])
+        return step, skipped
+      skipped.append((step, reason))
+    if not skipped:
+      raise SystemExit(f"--resume: no checkpoint under {self.directory}; a run that stopped "
+                       "before its first checkpoint starts again with --overwrite.")
+    raise SystemExit(f"--resume: no checkpoint under {self.directory} restores:\n  " +
+                     "\n  ".join(f"checkpoint {s}: {r}" for s, r in skipped))
+
+  def _skip_reason(self, step: int) -> str | None:
+    """Why `step` cannot be this run's checkpoint, as far as its directory tells."""
+    path = self.directory / str(step)
+    if not any(path.iterdir()):
+      return "empty directory"
+    if self.manager.item_metadata(step) is None:  # restoring it fails with a cryptic tree error
+      return "its tree metadata (default/_METADATA) is missing"
+    saved_by = (self.manager.metadata(step).custom_metadata or {}).get("run_id")
+    if saved_by is not None and self.run_id is not None and saved_by != self.run_id:
+      return f"written by another run ({saved_by}, not {self.run_id} of run.json)"
+    return None
+
+  def _move_aside(self, steps: list[int]) -> None:
+    for step in steps:
+      target = self.directory / f"{step}.skipped"
+      shutil.rmtree(target, ignore_errors=True)
+      (self.directory / str(step)).rename(target)
+    if steps:
+      self.manager.reload()
+
   def close(self) -> None:
     self.manager.close()
+
+
+@contextlib.contextmanager
+def _asyncio_errors_silenced():
+  """orbax reads a checkpoint's arrays in concurrent asyncio tasks; when a damaged file fails
+  one, asyncio logs every other failed task with its traceback (hundreds of lines) as it shuts
+  down. The first failure is raised, and reported on one line, all the same."""
+  logger = logging.getLogger("asyncio")
+  level = logger.level
+  logger.setLevel(logging.CRITICAL)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+
+
+def _one_line(error: BaseException) -> str:
+  """The innermost cause of `error` on one line: orbax wraps tensorstore's precise message
+  (e.g. "OUT_OF_RANGE: ... byte range [76181, 91137) is not valid ...") in a generic one."""
+  seen = {id(error)}
+  while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
+    error = inner
+    seen.add(id(error))
+  line = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+  return line if len(line) <= 300 else line[:297] + "..."
 
 
 def _key_str(key) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import pathlib
 
 from models.attention import ATTENTION_KINDS
@@ -34,8 +35,10 @@ class TrainConfig:
     segment_ids: mask attention at document boundaries of packed text (needs "ours" to be
       O(T) memory: the baselines build a dense mask).
     eval_every, eval_batches: periodic evaluation; log_every: progress-bar update interval.
-    checkpoint_every: steps between checkpoints (0: only at the end); out_dir: metrics,
-      plot and checkpoints; resume: continue from the latest checkpoint in out_dir.
+    checkpoint_every: steps between checkpoints (0: only at the end); out_dir: the run's
+      directory (run.json, metrics, plot and checkpoints; train/rundir.py); resume: continue
+      the run in out_dir from its newest checkpoint that restores; overwrite: delete the run
+      already in out_dir (its files only) and start this one there.
     init_from: a previous run's out_dir whose latest checkpoint supplies the initial
       parameters (not the optimizer state or step: a fresh schedule starts at step 0); the
       model must be the same, the data (seq_len, batch) may differ. Ignored with resume.
@@ -69,6 +72,7 @@ class TrainConfig:
   checkpoint_every: int = 100
   out_dir: str = "runs/cpu-demo"
   resume: bool = False
+  overwrite: bool = False
   init_from: str | None = None
   max_minutes: float | None = None
   target_accuracy: float | None = None
@@ -112,12 +116,28 @@ PRESETS: dict[str, TrainConfig] = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
+def _shown_default(preset: TrainConfig, flag: str) -> str:
+  """' (default: X)' for a flag, X the preset's value; '' where the preset sets none."""
+  name = flag.removeprefix("--").replace("-", "_")
+  value = getattr(preset if hasattr(preset, name) else preset.model, name)
+  if name == "implementation" and value is None:
+    value = "auto"
+  return "" if value in (None, "") else f" (default: {value})"
+
+
+def _parser(preset_name: str) -> argparse.ArgumentParser:
+  """The command line, its help showing `preset_name`'s values as the defaults.
+
+  Every flag defaults to None, meaning "the preset's", so that only the flags given override it.
+  """
+  preset = PRESETS[preset_name]
   p = argparse.ArgumentParser(
       prog="python -m train", description="Train a byte-level transformer on pallas_flash.",
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--preset", default="cpu-demo", help=f"one of {sorted(PRESETS)}")
-  add = lambda name, typ, help: p.add_argument(name, type=typ, default=None, help=help)  # noqa
+      epilog=f"Defaults shown are preset {preset_name}'s; `--preset NAME --help` shows another's.")
+  p.add_argument("--preset", default="cpu-demo",
+                 help=f"one of {sorted(PRESETS)} (default: cpu-demo)")
+  add = lambda name, typ, help: p.add_argument(  # noqa: E731
+      name, type=typ, default=None, help=help + _shown_default(preset, name))
   add("--task", str, f"one of {TASKS}")
   add("--seq-len", int, "tokens per sequence")
   add("--batch-size", int, "sequences per micro-batch, all devices together")
@@ -130,12 +150,12 @@ def _parser() -> argparse.ArgumentParser:
       "key=value,... overrides of each attention call's default Mosaic config (experiments)")
   add("--implementation", str, "pallas_flash implementation for --attention ours "
       "(auto = fastest available)")
-  add("--eval-every", int, "steps between evaluations")
+  add("--eval-every", int, "steps between evaluations (and at the last step)")
   add("--eval-batches", int, "batches per evaluation")
   add("--log-every", int, "steps between progress/metrics updates")
   add("--corpus-mb", float, "MB of standard-library source to read")
   add("--checkpoint-every", int, "steps between checkpoints (0: only at the end)")
-  add("--out-dir", str, "directory for metrics.jsonl, loss.png and checkpoints")
+  add("--out-dir", str, "the run's directory: run.json, metrics.jsonl, loss.png, checkpoints")
   add("--max-minutes", float, "stop (eval + checkpoint) after this wall time")
   add("--target-accuracy", float, "stop (eval + checkpoint) once val_accuracy reaches this "
       "fraction")
@@ -151,11 +171,26 @@ def _parser() -> argparse.ArgumentParser:
   add("--dtype", str, "compute dtype: float32 or bfloat16")
   p.add_argument("--remat-keeps-attention", action=argparse.BooleanOptionalAction, default=None,
                  help="with remat (h200-long), keep attention's outputs instead of running its "
-                      "forward again in the backward pass (default: the preset's)")
+                      "forward again in the backward pass"
+                      + _shown_default(preset, "--remat-keeps-attention"))
   p.add_argument("--no-segment-ids", action="store_true",
                  help="let packed documents attend to each other (plain causal attention)")
-  p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+  p.add_argument("--resume", action="store_true",
+                 help="continue the run in --out-dir from its newest checkpoint that restores")
+  p.add_argument("--overwrite", action="store_true",
+                 help="delete the run already in --out-dir (its run.json, metrics.jsonl, "
+                      "loss.png and checkpoints) and start this one there")
   return p
+
+
+def _preset_name(argv: list[str] | None) -> str:
+  """--preset's value, read before the full parser exists (its help shows that preset's)."""
+  pre = argparse.ArgumentParser(add_help=False)
+  pre.add_argument("--preset", default="cpu-demo")
+  name = pre.parse_known_args(argv)[0].preset
+  if name not in PRESETS:
+    raise SystemExit(f"Unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
+  return name
 
 
 _MODEL_FLAGS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "rope_theta", "dtype")
@@ -163,14 +198,13 @@ _MODEL_FLAGS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "rope_theta", "d
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
   """The preset named by --preset with every given flag applied on top; validated."""
-  args = _parser().parse_args(argv)
-  if args.preset not in PRESETS:
-    raise SystemExit(f"Unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}.")
+  args = _parser(_preset_name(argv)).parse_args(argv)
   cfg = PRESETS[args.preset]
   model_kw = {k: getattr(args, k) for k in _MODEL_FLAGS + ("remat_keeps_attention",)
               if getattr(args, k) is not None}
   top = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-         if f.name not in ("preset", "model", "resume", "segment_ids", "implementation")
+         if f.name not in ("preset", "model", "resume", "overwrite", "segment_ids",
+                           "implementation")
          and getattr(args, f.name, None) is not None}
   if args.implementation is not None:
     top["implementation"] = None if args.implementation == "auto" else args.implementation
@@ -178,11 +212,18 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     top["implementation"] = None
   try:
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model_kw), **top,
-                              resume=args.resume, segment_ids=not args.no_segment_ids)
+                              resume=args.resume, overwrite=args.overwrite,
+                              segment_ids=not args.no_segment_ids)
   except ValueError as e:
     raise SystemExit(f"Bad model configuration: {e}") from None
   validate(cfg)
   return cfg
+
+
+# The smallest value each numeric setting can run with (checked before anything compiles).
+_AT_LEAST = {"seq_len": 1, "batch_size": 1, "grad_accum": 1, "steps": 1, "warmup_steps": 0,
+             "lr": 0.0, "eval_every": 1, "eval_batches": 1, "log_every": 1,
+             "checkpoint_every": 0, "max_minutes": 0.0, "num_pairs": 1}
 
 
 def validate(cfg: TrainConfig, num_devices: int = 1) -> None:
@@ -192,9 +233,13 @@ def validate(cfg: TrainConfig, num_devices: int = 1) -> None:
     problems.append(f"--task must be one of {TASKS}, got {cfg.task!r}")
   if cfg.attention not in ATTENTION_KINDS:
     problems.append(f"--attention must be one of {ATTENTION_KINDS}, got {cfg.attention!r}")
-  for name in ("seq_len", "batch_size", "grad_accum", "steps"):
-    if getattr(cfg, name) < 1:
-      problems.append(f"{name} must be positive, got {getattr(cfg, name)}")
+  for name, least in _AT_LEAST.items():
+    value = getattr(cfg, name)
+    if value is not None and not (math.isfinite(value) and value >= least):
+      problems.append(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+  if cfg.resume and cfg.overwrite:
+    problems.append("--resume continues the run in --out-dir and --overwrite deletes it; pass "
+                    "one of them")
   if cfg.batch_size % num_devices:
     problems.append(f"batch_size ({cfg.batch_size}) must be divisible by the number of devices "
                     f"({num_devices}) for data parallelism")

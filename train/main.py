@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
+import signal
+import sys
+import threading
 import time
 
 import jax
@@ -18,6 +20,7 @@ import pallas_flash
 from models.attention import check_attention_runs, make_attention
 from models.transformer import Transformer
 from train import metrics as metrics_lib
+from train import rundir
 from train.checkpoint import Checkpointer, latest_checkpoint_step, load_params
 from train.config import TrainConfig, validate
 from train.data import DataSource
@@ -44,31 +47,22 @@ def check_environment(cfg: TrainConfig) -> None:
                        seq_len=cfg.seq_len)
 
 
-# ModelConfig fields that change how the model computes, not what its parameters mean.
-_COMPUTE_ONLY_FIELDS = ("dtype", "remat", "remat_keeps_attention")
-
-
 def check_init_from(cfg: TrainConfig) -> None:
   """Fails before compiling when --init-from names a run without a checkpoint or of another model.
 
-  The run's metrics.jsonl records its ModelConfig; a different rope_theta, say, leaves every
-  shape equal but the parameters would mean something else. Without that record, the shapes
-  are still checked when the parameters load.
+  The run's run.json (or, for older runs, metrics.jsonl) records its ModelConfig; a different
+  rope_theta, say, leaves every shape equal but the parameters would mean something else.
+  Without that record, the shapes are still checked when the parameters load.
   """
   if cfg.init_from is None or cfg.resume:
     return
   latest_checkpoint_step(cfg.init_from)
-  log = pathlib.Path(cfg.init_from) / "metrics.jsonl"
-  records = metrics_lib.read_jsonl(log) if log.exists() else []
-  saved = next((r["config"]["model"] for r in records if r.get("kind") == "config"), None)
-  if saved is None:
-    return
-  ours = json.loads(json.dumps(dataclasses.asdict(cfg.model), default=str))
-  diffs = [f"{k}: {saved.get(k)!r} there, {v!r} here" for k, v in ours.items()
-           if k not in _COMPUTE_ONLY_FIELDS and saved.get(k) != v]
+  saved = rundir.saved_config(cfg.init_from)
+  diffs = [] if saved is None else rundir.model_differences(saved, cfg)
   if diffs:
     raise SystemExit(f"--init-from {cfg.init_from}: that run trained a different model; pass "
-                     "the same model flags (--preset, --d-model, ...):\n  " + "\n  ".join(diffs))
+                     "the same model flags (--preset, --d-model, ...):\n  "
+                     + "\n  ".join(f"{k}: {a!r} there, {b!r} here" for k, a, b in diffs))
 
 
 def make_mesh(devices) -> jax.sharding.Mesh:
@@ -130,12 +124,33 @@ class _Throughput:
     self.t0 = now
     return out
 
+  def restart(self) -> None:
+    """Starts the next interval now: evaluation and checkpoint time is not training throughput."""
+    self.t0 = time.perf_counter()
 
-def _trim_log(path: pathlib.Path, last_step: int) -> None:
-  """Drops records after the checkpoint being resumed, so no step appears twice."""
-  if path.exists():
-    keep = [r for r in metrics_lib.read_jsonl(path) if r.get("step", 0) <= last_step]
-    path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+
+class _StopOnCtrlC:
+  """Within `with`, the first Ctrl-C asks the loop to stop after the current step (it then
+  saves a checkpoint and returns); a second one raises KeyboardInterrupt and aborts."""
+
+  def __enter__(self):
+    self.requested = False
+    # Signal handlers can only be set from the main thread; elsewhere Ctrl-C stays Python's.
+    self._previous = None
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGINT, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    if self.requested:
+      raise KeyboardInterrupt
+    self.requested = True
+    print("\nCtrl-C: stopping after this step to save a checkpoint (Ctrl-C again aborts).",
+          file=sys.stderr, flush=True)
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGINT, self._previous)
 
 
 def _log_train(log, pending: list, rate: dict) -> dict:
@@ -149,41 +164,61 @@ def _log_train(log, pending: list, rate: dict) -> dict:
 
 
 def run(cfg: TrainConfig) -> dict:
-  """Trains according to `cfg`; returns {"train": {step: loss}, "eval": last eval metrics}."""
+  """Trains according to `cfg`.
+
+  Returns:
+    {"train": {step: loss}, "eval": last eval metrics, "interrupted": whether Ctrl-C stopped
+    the run (after saving a checkpoint of its last step)}.
+  """
   check_environment(cfg)
+  rundir.check_out_dir(cfg)
   devices = jax.devices()
   mesh = make_mesh(devices)
   out_dir = pathlib.Path(cfg.out_dir)
-  ckpt = Checkpointer(out_dir)
+  if cfg.overwrite:
+    rundir.clear(out_dir)
+  saved = rundir.read(out_dir) if cfg.resume else None
+  run_id = saved["run_id"] if saved else rundir.new_run_id()
+  ckpt = Checkpointer(out_dir, run_id=run_id)
   model, optimizer = build(cfg, mesh)
-  start = 0
+  start, init_step = 0, None
   if cfg.resume:
-    start = ckpt.latest_step()
-    if start is None:
-      raise SystemExit(f"--resume: no checkpoint under {out_dir / 'checkpoints'}.")
-    ckpt.restore(start, model, optimizer)
-    _trim_log(out_dir / "metrics.jsonl", start)
-  init_step = None
-  if cfg.init_from is not None and not cfg.resume:
+    start = _restore(cfg, ckpt, model, optimizer)
+  elif cfg.init_from is not None:
     init_step = load_params(cfg.init_from, model)
-  log = metrics_lib.MetricsLog(out_dir, resume=cfg.resume)
-  if not cfg.resume:
-    log.write({"kind": "config", "step": 0, "config": json.loads(json.dumps(
-        dataclasses.asdict(cfg), default=str)), "devices": [d.device_kind for d in devices],
-        "num_params": cfg.model.num_params(), "init_from_step": init_step})
+  rundir.write(out_dir, run_id, cfg)
+  log = metrics_lib.MetricsLog(out_dir, resume_at=start if cfg.resume else None)
+  log.write({"kind": "config", "step": start, "run_id": run_id,
+             "config": rundir.config_json(cfg), "devices": [d.device_kind for d in devices],
+             "num_params": cfg.model.num_params(), "init_from_step": init_step,
+             "resumed_from": start if cfg.resume else None})
   data = DataSource(cfg)
   eval_set = data.eval_batches()
   _print_header(cfg, devices, start)
   if init_step is not None:
     print(f"parameters from {cfg.init_from} (step {init_step}); optimizer and step count fresh")
-  history, last_eval = _loop(cfg, model, optimizer, data, eval_set, mesh, log, ckpt, start)
+  with _StopOnCtrlC() as ctrl_c:
+    history, last_eval = _loop(cfg, model, optimizer, data, eval_set, mesh, log, ckpt, start,
+                               ctrl_c)
   _plot(log.path, out_dir / "loss.png", title=f"{cfg.preset} ({cfg.task})")
   ckpt.close()
   peak = metrics_lib.peak_memory_bytes(devices[0])
   print(f"done: {json.dumps({k: round(v, 4) for k, v in last_eval.items()})}; metrics "
         f"{log.path}, plot {out_dir / 'loss.png'}" +
         (f"; peak memory {peak / 2**30:.2f} GiB" if peak else ""))
-  return {"train": history, "eval": last_eval}
+  return {"train": history, "eval": last_eval, "interrupted": ctrl_c.requested}
+
+
+def _restore(cfg: TrainConfig, ckpt: Checkpointer, model, optimizer) -> int:
+  """Loads the newest checkpoint that restores; says what it skipped and what cfg changes."""
+  start, skipped = ckpt.restore_newest(model, optimizer)
+  for step, reason in skipped:
+    print(f"skipped checkpoint {step}: {reason} (moved to {ckpt.directory / f'{step}.skipped'})")
+  changes = rundir.resume_changes(rundir.saved_config(cfg.out_dir), cfg, start)
+  if changes:
+    print(f"--resume at step {start} with a config that differs from the saved run's (run.json "
+          "records the new one):\n  " + "\n  ".join(changes))
+  return start
 
 
 def _plot(jsonl: pathlib.Path, png: pathlib.Path, title: str) -> None:
@@ -194,14 +229,14 @@ def _plot(jsonl: pathlib.Path, png: pathlib.Path, title: str) -> None:
     print(f"no {png.name}: {e}")
 
 
-def _loop(cfg, model, optimizer, data, eval_set, mesh, log, ckpt, start):
+def _loop(cfg, model, optimizer, data, eval_set, mesh, log, ckpt, start, ctrl_c):
   history, pending, last_eval = {}, [], {}
   rate = _Throughput(cfg, jax.devices())
-  t_start, step = time.time(), start
+  t_start, done = time.time(), start
   if start == 0:  # the curve starts from the untrained model
     last_eval = _eval_and_log(model, eval_set, mesh, log, 0, None)
-  bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, dynamic_ncols=True)
-  for step in bar:
+  bar = tqdm(initial=start, total=cfg.steps, dynamic_ncols=True)
+  for step in range(start, cfg.steps):
     batch = _shard_batch(data.train_batch(step), mesh, accum_axis=True)
     pending.append((step, train_step(model, optimizer, batch)))
     done = step + 1
@@ -213,26 +248,32 @@ def _loop(cfg, model, optimizer, data, eval_set, mesh, log, ckpt, start):
       history.update({s: float(m["loss"]) for s, m in jax.device_get(ready)})
       pending = pending[len(ready):]
       bar.set_postfix(_postfix(last, speed))
+    bar.update()  # before any break below, so the bar ends at the step reached
     if done % cfg.eval_every == 0 or done == cfg.steps:
       last_eval = _eval_and_log(model, eval_set, mesh, log, done, bar)
-      rate.t0 = time.perf_counter()  # evaluation time is not training throughput
+      rate.restart()
       if _reached_target(cfg, last_eval):
         bar.write(f"--target-accuracy {cfg.target_accuracy} reached at step {done}.")
         break
     if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
       ckpt.save(done, model, optimizer)
+      rate.restart()
     if cfg.max_minutes is not None and time.time() - t_start > 60 * cfg.max_minutes:
       bar.write(f"--max-minutes {cfg.max_minutes} reached at step {done}.")
       break
+    if ctrl_c.requested:
+      break
   bar.close()
-  done = step + 1 if cfg.steps > start else start
   if pending:
     history.update({s: float(m["loss"]) for s, m in jax.device_get(pending)})
     _log_train(log, pending, {})
-  if done % cfg.eval_every and done != cfg.steps:
+  if done % cfg.eval_every and done != cfg.steps and not ctrl_c.requested:
     last_eval = _eval_and_log(model, eval_set, mesh, log, done, None)
   if ckpt.latest_step() != done:
     ckpt.save(done, model, optimizer)
+  if ctrl_c.requested:
+    print(f"interrupted at step {done}: saved checkpoint {done}; `--resume` (same flags and "
+          "--out-dir) continues from it.", file=sys.stderr)
   return history, last_eval
 
 

@@ -27,14 +27,22 @@ def peak_memory_bytes(device: jax.Device) -> int | None:
 
 
 class MetricsLog:
-  """Appends one JSON object per line to out_dir/metrics.jsonl (kept across --resume)."""
+  """Appends one JSON object per line to out_dir/metrics.jsonl.
 
-  def __init__(self, out_dir: str | pathlib.Path, *, resume: bool):
+  A new run starts the file afresh. `resume_at=N` (continuing from checkpoint N) keeps what
+  checkpoint N holds: the train records of steps < N (record k is step k's update, which
+  checkpoint k + 1 is the first to contain) and the other records at steps <= N; "time" then
+  continues from the last record kept, so it counts training time across interruptions.
+  """
+
+  def __init__(self, out_dir: str | pathlib.Path, *, resume_at: int | None = None):
     self.path = pathlib.Path(out_dir) / "metrics.jsonl"
     self.path.parent.mkdir(parents=True, exist_ok=True)
-    if not resume and self.path.exists():
-      self.path.unlink()
-    self.start = time.time()
+    kept = []
+    if resume_at is not None and self.path.exists():
+      kept = [r for r in read_jsonl(self.path) if _held_by_checkpoint(r, resume_at)]
+    self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    self.start = time.time() - (kept[-1].get("time", 0.0) if kept else 0.0)
 
   def write(self, record: dict) -> None:
     record = {"time": round(time.time() - self.start, 3), **record}
@@ -42,9 +50,18 @@ class MetricsLog:
       f.write(json.dumps(record) + "\n")
 
 
+def _held_by_checkpoint(record: dict, step: int) -> bool:
+  """Whether checkpoint `step`'s state already contains what `record` reports."""
+  if record.get("kind") == "train":
+    return record["step"] < step
+  return record.get("step", 0) <= step
+
+
 def read_jsonl(path: str | pathlib.Path) -> list[dict]:
-  path = pathlib.Path(path)
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  """The records of a JSONL file; a last line without its newline (a run killed while writing
+  it) is not a record."""
+  lines = pathlib.Path(path).read_text().split("\n")[:-1]
+  return [json.loads(line) for line in lines if line.strip()]
 
 
 def plot_losses(jsonl: str | pathlib.Path, png: str | pathlib.Path, title: str = "") -> None:

@@ -1,13 +1,21 @@
-"""Checkpoints: an interrupted run resumed with --resume continues with the identical losses."""
+"""Checkpoints: an interrupted run resumed with --resume continues with the identical losses;
+the loop's progress bar, throughput and Ctrl-C handling around them (tests/train/test_cli.py
+runs the same through `python -m train`)."""
 
 import dataclasses
 import json
+import re
+import signal
+import time
+import types
 
+import jax
 import pytest
 
 from models import ModelConfig
+from train.checkpoint import Checkpointer
 from train.config import PRESETS
-from train.main import run
+from train.main import build, make_mesh, run
 
 TINY = dataclasses.replace(
     PRESETS["cpu-demo"], model=ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2),
@@ -38,6 +46,13 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     run(dataclasses.replace(TINY, out_dir=str(tmp_path), resume=True))
 
 
+def test_resume_never_restores_another_runs_checkpoint(tmp_path):
+  model, optimizer = build(TINY, make_mesh(jax.devices()))
+  Checkpointer(tmp_path, run_id="first").save(3, model, optimizer)
+  with pytest.raises(SystemExit, match="checkpoint 3: written by another run"):
+    Checkpointer(tmp_path, run_id="second").restore_newest(model, optimizer)
+
+
 def test_lagged_logging_records_every_step_once_in_order(tmp_path):
   # log_every 2 logs one step behind the newest (its device work still queued); evaluation and
   # checkpoint steps (6; 4, 8) and the last log everything: every step appears once, in order.
@@ -52,3 +67,45 @@ def test_lagged_logging_records_every_step_once_in_order(tmp_path):
   kinds = [(r["kind"], r["step"]) for r in records if r["kind"] in ("train", "eval")]
   assert kinds.index(("train", 5)) < kinds.index(("eval", 6))
   assert any("tokens_per_s" in r for r in records if r["kind"] == "train")
+
+
+def test_progress_bar_ends_at_the_step_a_time_limit_stopped_at(tmp_path, capsys):
+  run(dataclasses.replace(TINY, out_dir=str(tmp_path), max_minutes=0.0))  # stops after step 1
+  shown = re.findall(r"(\d+)/5 \[", capsys.readouterr().err)
+  assert shown and shown[-1] == "1", shown
+
+
+def test_tokens_per_s_leaves_out_checkpoint_time(tmp_path, monkeypatch):
+  """A save that takes 1000 s on the loop's clock must not make the next steps look slow."""
+  from train import main
+
+  clock = types.SimpleNamespace(offset=0.0)
+  monkeypatch.setattr(main, "time", types.SimpleNamespace(
+      perf_counter=lambda: time.perf_counter() + clock.offset,
+      time=lambda: time.time() + clock.offset))
+  save = main.Checkpointer.save
+
+  def slow_save(self, *args):
+    save(self, *args)
+    clock.offset += 1000.0
+
+  monkeypatch.setattr(main.Checkpointer, "save", slow_save)
+  run(dataclasses.replace(TINY, out_dir=str(tmp_path), steps=7, checkpoint_every=2,
+                          eval_every=7))
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  rates = {r["step"]: r["tokens_per_s"] for r in records if "tokens_per_s" in r}
+  assert {2, 4, 6} <= rates.keys(), rates  # the first steps after each checkpoint
+  assert min(rates.values()) > 10, rates  # one step's 256 tokens in under 25 s
+
+
+def test_first_ctrl_c_asks_to_stop_and_a_second_aborts():
+  from train.main import _StopOnCtrlC
+
+  before = signal.getsignal(signal.SIGINT)
+  with _StopOnCtrlC() as ctrl_c:
+    assert not ctrl_c.requested
+    signal.raise_signal(signal.SIGINT)
+    assert ctrl_c.requested
+    with pytest.raises(KeyboardInterrupt):
+      signal.raise_signal(signal.SIGINT)
+  assert signal.getsignal(signal.SIGINT) is before

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -79,13 +80,39 @@ def test_two_devices_train_like_one(tmp_path):
     (["--d-model", "130"], "divisible by n_heads"),
     (["--mosaic-config", "fused_backward=True"], "applies to --attention ours on the Mosaic"),
     (["--implementation", "mosaic", "--mosaic-config", "fused=1"], "MosaicConfig field"),
+    (["--eval-every", "0"], "--eval-every must be at least 1, got 0"),
+    (["--log-every", "0"], "--log-every must be at least 1, got 0"),
+    (["--lr", "-1"], "--lr must be at least 0.0, got -1.0"),
+    (["--checkpoint-every", "-5"], "--checkpoint-every must be at least 0"),
+    (["--max-minutes", "nan"], "--max-minutes must be at least 0.0, got nan"),
+    (["--resume", "--overwrite"], "pass one of them"),
 ], ids=["preset", "gpu-preset", "implementation", "task", "cudnn", "model", "mosaic-config-xla",
-        "mosaic-config-key"])
+        "mosaic-config-key", "eval-every", "log-every", "lr", "checkpoint-every", "max-minutes",
+        "resume-overwrite"])
 def test_bad_configuration_fails_at_start_with_a_clear_message(argv, message, tmp_path):
   from train.main import check_environment
 
   with pytest.raises(SystemExit, match=message):
     check_environment(parse_args(argv + ["--out-dir", str(tmp_path)]))
+
+
+@pytest.mark.parametrize("preset,flag,default", [
+    ("cpu-demo", "--seq-len SEQ_LEN", "1024"),
+    ("h200-long", "--seq-len SEQ_LEN", "16384"),
+    ("cpu-demo", "--lr LR", "0.003"),
+    ("cpu-demo", "--implementation IMPLEMENTATION", "xla"),
+    ("h200-long", "--implementation IMPLEMENTATION", "auto"),
+    ("h200-long", "--remat-keeps-attention, --no-remat-keeps-attention", "True"),
+])
+def test_help_shows_the_presets_values(preset, flag, default, capsys):
+  with pytest.raises(SystemExit) as exit_:
+    parse_args(["--preset", preset, "--help"])
+  assert exit_.value.code == 0
+  text = " ".join(capsys.readouterr().out.split())  # unwrapped
+  assert "(default: None)" not in text
+  # the flag's entry in the options list (the usage line brackets it: "[--seq-len SEQ_LEN]")
+  shown = re.search(re.escape(flag) + r" [^[]*?\(default: ([^)]*)\)", text)
+  assert shown is not None and shown.group(1) == default, text
 
 
 def test_batch_must_divide_over_devices():
