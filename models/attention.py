@@ -52,38 +52,14 @@ def _per_device(fn, mesh: Mesh, axis: str):
   return call
 
 
-def _with_mosaic_overrides(implementation: str | None, overrides: str):
-  """pallas_flash.flash_attention run with the config each call would run without one
-  (`pallas_flash.explain`'s, shape by shape) and `overrides` ('key=value,...') applied."""
-  from pallas_flash.mosaic_gpu.config import MosaicConfig, with_overrides
-
-  def attend(q, k, v, **kw):
-    why = pallas_flash.explain(q, k, v, **kw)
-    name = implementation or why.chosen
-    if name != "mosaic" or not isinstance(why.config, MosaicConfig):
-      because = why.reasons.get("mosaic") or "it was not asked for"
-      raise ValueError(f"Mosaic config overrides {overrides!r} need the Mosaic kernels, but "
-                       f"this call runs {name!r} (mosaic: {because})")
-    return pallas_flash.flash_attention(q, k, v, implementation=implementation,
-                                        config=with_overrides(why.config, overrides), **kw)
-
-  return attend
-
-
 @functools.cache  # one function object per setting: nnx.jit caches compilations on it
 def make_attention(kind: str = "ours", *, implementation: str | None = None, config=None,
-                   mesh: Mesh | None = None, batch_axis: str = "data", config_overrides: str = ""):
+                   mesh: Mesh | None = None, batch_axis: str = "data"):
   """The attention function for `kind`, split over `mesh`'s batch axis when it has >1 device.
 
-  config: a backend config for every call; config_overrides ('key=value,...', kind "ours" on
-  the Mosaic kernels, not with config): applied to each call's own default config instead,
-  so that the rules that choose it by shape (e.g. the fused backward) still apply.
+  config: a backend config for every call (None: each call's default).
   """
-  if config_overrides and (kind != "ours" or config is not None):
-    raise ValueError("config_overrides apply to kind 'ours' without a config")
-  if kind == "ours" and config_overrides:
-    fn = _with_mosaic_overrides(implementation, config_overrides)
-  elif kind == "ours":
+  if kind == "ours":
     fn = functools.partial(pallas_flash.flash_attention, implementation=implementation,
                            config=config)
   elif kind in ("cudnn", "xla"):

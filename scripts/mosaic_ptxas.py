@@ -42,22 +42,16 @@ VARIANTS = {
     "fwd": ("fwd", False, {}),
     "fwd_causal": ("fwd", True, {}),
     "fwd_plain": ("fwd", False, dict(fwd_intra_wg_overlap=False)),
-    "fwd_overlap": ("fwd", False, dict(fwd_intra_wg_overlap=True)),
-    "fwd_overlap_causal": ("fwd", True, dict(fwd_intra_wg_overlap=True)),
-    "fwd_persistent": ("fwd", False, dict(fwd_persistent=True)),
+    "fwd_persistent": ("fwd", False, dict(fwd_persistent=True, block_kv=128,
+                                          fwd_q_registers=True)),
     "bwd_split": ("fwdbwd", False, {}),
     "bwd_split_causal": ("fwdbwd", True, {}),
-    "bwd_pingpong": ("fwdbwd", False, dict(dkdv_pingpong=True)),
-    "bwd_dkdv_overlap": ("fwdbwd", False, dict(dkdv_schedule="overlap")),
-    "bwd_dkdv_overlap_causal": ("fwdbwd", True, dict(dkdv_schedule="overlap")),
-    "bwd_pingpong_causal": ("fwdbwd", True, dict(dkdv_pingpong=True)),
-    "bwd_fused_shared": ("fwdbwd", False, dict(fused_backward=True, fused_dq_shared=True)),
-    "bwd_fused_overlap": ("fwdbwd", False, dict(fused_backward=True, fused_dq_shared=True,
-                                                 fused_overlap=True)),
-    # config.FUSED_LONG_CAUSAL (spelled out: this table is read before jax is imported).
-    "bwd_fused_long_causal": ("fwdbwd", True, dict(
-        fused_backward=True, fused_dq_shared=True, fused_defer_dq=True, fused_defer_inline=True,
-        compute_registers=240, producer_registers=24, fused_auto_barriers=False)),
+    "bwd_dkdv_serial": ("fwdbwd", False, dict(dkdv_overlap=False)),
+    # config.FUSED (spelled out: this table is read before jax is imported).
+    "bwd_fused": ("fwdbwd", False, dict(fused_backward=True, compute_registers=240,
+                                        producer_registers=24)),
+    "bwd_fused_causal": ("fwdbwd", True, dict(fused_backward=True, compute_registers=240,
+                                              producer_registers=24)),
     # Segment ids (documents of 1000 tokens): the plain forward loop and the split backward
     # with the id loads and comparisons. `segments` is not a MosaicConfig field.
     "fwd_segments_causal": ("fwd", True, dict(segments=True)),
@@ -70,7 +64,7 @@ VARIANTS = {
     # local_window_size (1023, 0): the segment-id path over the band's blocks. Not a config field.
     "fwd_window": ("fwd", False, dict(window=1023)),
     "fwd_window_causal": ("fwd", True, dict(window=1023)),
-    "bwd_window_causal": ("fwdbwd", True, dict(window=1023, window_backward="mosaic")),
+    "bwd_window_causal": ("fwdbwd", True, dict(window=1023)),
 }
 
 

@@ -7,8 +7,8 @@ cd "$root"
 # --durations: the slowest tests, so that a suite creeping towards CI's budget shows where.
 # -n: one pytest-xdist worker per core (PALLAS_FLASH_TEST_WORKERS overrides; 0 runs in-process):
 # the interpret-mode cases are single-threaded Python, so a 2-core CI machine runs two at once.
-# --timeout: a kernel whose pipeline never drains hangs the interpreter as it hangs the GPU (the
-# twenty-first session's windowed forward did); the thread method ends that worker, which fails
+# --timeout: a kernel whose pipeline never drains hangs the interpreter as it hangs the GPU; the
+# thread method ends that worker, which fails
 # the test and lets xdist start another, instead of the suite running into CI's limit. No single
 # test comes near 15 minutes (see --durations).
 # -m "not slow": the interpreter cases of kernel forms no default runs and the longest CPU cases

@@ -54,7 +54,6 @@ def _config(args, attention: str, seq_len: int):
       cfg, attention=attention, seq_len=seq_len, batch_size=args.batch_size, grad_accum=1,
       segment_ids=args.documents > 1, task="retrieval",
       implementation=(args.implementation if attention == "ours" else None),
-      mosaic_config=(args.mosaic_config if attention == "ours" else ""),
       steps=max(cfg.steps, 2 * args.steps + 4), warmup_steps=1)
 
 
@@ -114,7 +113,6 @@ def _measure(cfg, steps: int, model=None, optimizer=None, documents: int = 0) ->
   flops = cfg.model.flops_per_token(cfg.seq_len) * tokens_per_s
   mem = metrics.peak_memory_bytes(devices[0])
   return dict(attention=cfg.attention, implementation=cfg.implementation,
-              mosaic_config=cfg.mosaic_config or None,
               remat_keeps_attention=cfg.model.remat_keeps_attention, seq_len=cfg.seq_len,
               batch_size=cfg.batch_size, step_ms=1e3 * step_s, tokens_per_s=tokens_per_s,
               mfu=None if peak is None else flops / (peak * len(devices)),
@@ -242,8 +240,6 @@ def _forward_flags(args) -> list[str]:
            "--documents", str(args.documents)]
   if args.implementation:
     flags += ["--implementation", args.implementation]
-  if args.mosaic_config:
-    flags += ["--mosaic-config", args.mosaic_config]
   if args.remat_keeps_attention is not None:
     flags += ["--remat-keeps-attention" if args.remat_keeps_attention
               else "--no-remat-keeps-attention"]
@@ -258,8 +254,7 @@ def format_header() -> str:
 
 def format_row(r: dict) -> str:
   fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
-  name = r["attention"] + (f"({r['implementation']})" if r.get("implementation") else "") \
-      + ("+cfg" if r.get("mosaic_config") else "")
+  name = r["attention"] + (f"({r['implementation']})" if r.get("implementation") else "")
   return (f"{name:<18}{fmt(r.get('seq_len'), 'd'):>9}{fmt(r.get('tokens_per_s'), ',.0f'):>11}"
           f"{fmt(r.get('mfu') and 100 * r['mfu'], '.1f'):>7}{fmt(r.get('step_ms'), '.1f'):>10}"
           f"{fmt(r.get('peak_gib'), '.2f'):>10}{fmt(r.get('compile_s'), '.1f'):>11}  "
@@ -289,9 +284,6 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--remat-keeps-attention", action=argparse.BooleanOptionalAction, default=None,
                  help="the rematerialised blocks keep attention's outputs (ModelConfig; "
                       "default: the preset's)")
-  p.add_argument("--mosaic-config", default="",
-                 help="ours on Mosaic: 'key=value,...' overrides of each call's default "
-                      "MosaicConfig")
   p.add_argument("--seq-len", type=int, default=16_384, help="throughput: tokens per sequence")
   p.add_argument("--batch-size", type=int, default=1)
   p.add_argument("--steps", type=int, default=5,

@@ -28,10 +28,6 @@ class TrainConfig:
       to lr * min_lr_ratio; weight_decay, b1, b2: AdamW; grad_clip: global-norm clipping.
     attention: "ours" (pallas_flash), "cudnn" or "xla" (jax.nn.dot_product_attention baselines).
     implementation: pallas_flash implementation for attention="ours" (None: fastest here).
-    mosaic_config: 'key=value,...' overrides of the MosaicConfig each of the model's attention
-      calls runs by default (`pallas_flash.explain(...).config`: the tuned one, with the fused
-      backward where its rules choose it), an experiment knob (e.g. 'fused_backward=False'
-      for the split backward); "" keeps the defaults.
     segment_ids: mask attention at document boundaries of packed text (needs "ours" to be
       O(T) memory: the baselines build a dense mask).
     eval_every, eval_batches: periodic evaluation; log_every: progress-bar update interval.
@@ -64,7 +60,6 @@ class TrainConfig:
   grad_clip: float = 1.0
   attention: str = "ours"
   implementation: str | None = "xla"
-  mosaic_config: str = ""
   segment_ids: bool = True
   eval_every: int = 50
   eval_batches: int = 4
@@ -146,8 +141,6 @@ def _parser(preset_name: str) -> argparse.ArgumentParser:
   add("--warmup-steps", int, "linear warm-up steps")
   add("--lr", float, "peak learning rate")
   add("--attention", str, f"one of {ATTENTION_KINDS}")
-  add("--mosaic-config", str,
-      "key=value,... overrides of each attention call's default Mosaic config (experiments)")
   add("--implementation", str, "pallas_flash implementation for --attention ours "
       "(auto = fastest available)")
   add("--eval-every", int, "steps between evaluations (and at the last step)")
@@ -252,17 +245,6 @@ def validate(cfg: TrainConfig, num_devices: int = 1) -> None:
   if cfg.init_from is not None and _same_dir(cfg.init_from, cfg.out_dir):
     problems.append("--init-from must name another run's directory, not --out-dir (a new run "
                     "replaces its own metrics and checkpoints; use --resume to continue it)")
-  if cfg.mosaic_config:
-    if cfg.attention != "ours" or cfg.implementation not in (None, "mosaic"):
-      problems.append("--mosaic-config applies to --attention ours on the Mosaic kernels "
-                      f"(--implementation mosaic or auto), got attention={cfg.attention!r}, "
-                      f"implementation={cfg.implementation!r}")
-    else:
-      from pallas_flash.mosaic_gpu.config import MosaicConfig, with_overrides
-      try:
-        with_overrides(MosaicConfig(), cfg.mosaic_config)
-      except (ValueError, TypeError) as e:
-        problems.append(f"--mosaic-config: {e}")
   if problems:
     raise SystemExit("Bad training configuration:\n  " + "\n  ".join(problems))
 

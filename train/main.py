@@ -86,7 +86,7 @@ def _place(tree, mesh: jax.sharding.Mesh):
 def build(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> tuple[Transformer, nnx.Optimizer]:
   """Model and optimizer, their states placed on `mesh`."""
   attention_fn = make_attention(cfg.attention, implementation=cfg.implementation, mesh=mesh,
-                                batch_axis=BATCH_AXIS, config_overrides=cfg.mosaic_config)
+                                batch_axis=BATCH_AXIS)
   model = Transformer(cfg.model, attention_fn=attention_fn, rngs=nnx.Rngs(cfg.seed))
   nnx.update(model, _place(nnx.state(model), mesh))
   optimizer = make_optimizer(model, cfg)

@@ -37,7 +37,6 @@ _EFFECTS = {
     "task": _DATA, "seq_len": _DATA, "batch_size": _DATA, "grad_accum": _DATA,
     "corpus_mb": _DATA, "num_pairs": _DATA, "segment_ids": _DATA,
     "dtype": _COMPUTE, "attention": _COMPUTE, "implementation": _COMPUTE,
-    "mosaic_config": _COMPUTE,
 }
 
 

@@ -1,7 +1,7 @@
 """Benchmarks for pallas_flash: `python -m pallas_flash.bench --help`.
 
 shapes.py (named, tagged shapes), flops.py (FLOP convention), timing.py (what is timed and how),
-checks.py (the error measure), variants.py (config A/B comparisons), memory.py (peak memory
+checks.py (the error measure), memory.py (peak memory
 against sequence length), __main__.py (the CLI, checks and tables).
 See docs/perf.md for how the numbers are produced.
 """

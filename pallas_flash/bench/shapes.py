@@ -5,7 +5,7 @@ Tags:
   anchors  the four 16K-token shapes of shared/ANCHORS.md (the default)
   long     1 x 32768 x 16 x 128 (the 32K row of ANCHORS.md)
   quick    two anchors (seq 4K, head dim 128 and 64) for a fast look
-  short    16 x 1024 x 16 x 64 (issue 3's head-dim-64 target shape)
+  short    16 x 1024 x 16 x 64 (head dim 64 at 1K)
   train    2 x 16384 x 8 x 128 with 4 kv heads, the h200-long training preset's attention
   ragged   lengths off the 128-row tile grid (1 x 5000 x 16 x 128, 4 x 1000 x 16 x 128,
            4 x 4000 x 8 x 256)
@@ -65,9 +65,9 @@ SHAPES: tuple[ShapeSpec, ...] = (
     _spec("b1_t16k_h16_d128", 1, 16384, 16, 128, "anchors"),
     _spec("b4_t4k_h32_d64", 4, 4096, 32, 64, "anchors", "quick"),
     _spec("b1_t32k_h16_d128", 1, 32768, 16, 128, "long"),
-    # Issue 3's head-dim-64 target shape (>= 0.9x cuDNN at 1K).
+    # Head dim 64 at 1K, the shortest calls a model makes.
     _spec("b16_t1k_h16_d64", 16, 1024, 16, 64, "short"),
-    # The soft-cap / ALiBi / dropout rows of scripts/features_bench.py (causal there).
+    # Where the features are measured against plain attention (docs/perf.md).
     _spec("b1_t8k_h16_d128", 1, 8192, 16, 128, "features"),
     # The h200-long preset's attention (train/config.py): the shape the training step runs,
     # where the anchors' B=1, H=16 rows have ranked backward variants differently.
@@ -76,11 +76,10 @@ SHAPES: tuple[ShapeSpec, ...] = (
     # FUSED_MAX_BATCH; non-causal, FUSED_NONCAUSAL_MAX_BATCH, 16).
     _spec("b8_t4k_h16_d128", 8, 4096, 16, 128, "batch8"),
     # Head dim 256 (Gemma's), 16K tokens per call like the anchors: the Mosaic forward and
-    # backward_wide.py's backward kernels.
+    # mosaic_gpu/sm90/hd256.py's backward kernels.
     _spec("b4_t4k_h8_d256", 4, 4096, 8, 256, "d256"),
-    # Lengths off the 128-row tile grid (multiples of 8, which cuDNN takes): the eighteenth
-    # session found 1x5000 at 0.69x cuDNN's forward, where every anchor, a multiple of 128,
-    # looked fine.
+    # Lengths off the 128-row tile grid (multiples of 8, which cuDNN takes): 1x5000 once ran at
+    # 0.69x cuDNN's forward where every anchor, a multiple of 128, looked fine.
     _spec("b1_t5000_h16_d128", 1, 5000, 16, 128, "ragged"),
     _spec("b4_t1000_h16_d128", 4, 1000, 16, 128, "ragged"),
     _spec("b4_t4000_h8_d256", 4, 4000, 8, 256, "ragged"),
@@ -94,15 +93,32 @@ TAGS: frozenset[str] = frozenset().union(*(s.tags for s in SHAPES))
 MEMORY_BATCH, MEMORY_HEADS, MEMORY_HEAD_DIM = 1, 16, 128
 
 
+def parse_shape(name: str) -> ShapeSpec:
+  """"BxTxHxD" or "BxTxHxDxK" (K kv heads; default H) -> the ShapeSpec of that shape."""
+  dims = [int(x) for x in name.split("x")]
+  if len(dims) not in (4, 5):
+    raise ValueError(f"shape {name!r}: expected BxTxHxD or BxTxHxDxK")
+  b, t, h, d = dims[:4]
+  return ShapeSpec(name=name, batch=b, seq_len=t, num_heads=h, head_dim=d,
+                   num_kv_heads=dims[4] if len(dims) == 5 else h)
+
+
+def _is_shape(word: str) -> bool:
+  return word.count("x") in (3, 4) and word.replace("x", "").isdigit()
+
+
 def select_shapes(selector: str) -> list[ShapeSpec]:
-  """Shapes named by a comma list of tags and/or shape names, in registry order."""
+  """Shapes named by a comma list of tags, registry names and BxTxHxD[xK] shapes, registry
+  shapes first, in registry order."""
   wanted = {w.strip() for w in selector.split(",") if w.strip()}
+  given = [parse_shape(w) for w in sorted(wanted) if _is_shape(w)]
+  wanted -= {s.name for s in given}
   names = {s.name for s in SHAPES}
   unknown = wanted - names - TAGS
-  if unknown or not wanted:
+  if unknown or not (wanted or given):
     raise ValueError(f"Unknown shapes or tags {sorted(unknown)}; tags: {sorted(TAGS)}, "
-                     f"names: {sorted(names)}.")
-  return [s for s in SHAPES if s.name in wanted or s.tags & wanted]
+                     f"names: {sorted(names)}, or BxTxHxD[xK].")
+  return [s for s in SHAPES if s.name in wanted or s.tags & wanted] + given
 
 
 def check_spec(spec: ShapeSpec, *, seq_cap: int, head_cap: int = 2) -> ShapeSpec:

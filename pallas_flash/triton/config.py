@@ -47,16 +47,15 @@ class TritonConfig:
         raise ValueError(f"TritonConfig.{name} must be >= 1, got {getattr(self, name)}.")
 
 
-# Keyed by (head_dim_padded, is_causal, dtype itemsize). Measured on one H200 with
-# `python -m pallas_flash.bench --impl triton` (see docs/perf.md for the sweep); rows without a
-# measurement note are the heuristic default and say so.
+# Keyed by (head_dim_padded, is_causal, dtype itemsize). Measured on one H200 with the bench's
+# interleaved timing, each row's alternatives in one run; rows without a measurement note are
+# the heuristic default and say so.
 TUNED: dict[tuple[int, bool, int], TritonConfig] = {
     # Heuristic (not swept): hd64 forward measured 0.77-0.80x cuDNN with these on the H200.
     (64, False, 2): TritonConfig(block_q=128, block_kv=64, num_warps=4, num_stages=3),
     (64, True, 2): TritonConfig(block_q=128, block_kv=64, num_warps=4, num_stages=3),
     # Forward swept on one H200, 2026-11-29, commit 6dfeb72:
-    # `scripts/triton_sweep.py --mode fwd --shapes b4_t4k_h16_d128,b1_t16k_h16_d128`
-    # (docs/results/2026-11-29-s2/sweep.json). TFLOP/s 4K / 16K, non-causal | causal:
+    # forward TFLOP/s at 4x4096x16x128 / 1x16384x16x128, non-causal | causal:
     #   128x128 8w 3st 444/490 | 376/449   128x64 8w 3st 414/441 | 355/431
     #   128x64 8w 4st  412/441 | 358/426   128x128 8w 2st 402/431 | 340/383
     #   128x128 4w 3st 321/277 | 255/314   64x64 4w 3st  372/387 | 368/383
@@ -65,8 +64,7 @@ TUNED: dict[tuple[int, bool, int], TritonConfig] = {
     (128, True, 2): TritonConfig(block_q=128, block_kv=128, num_warps=8, num_stages=3),
     # D=256: forward heuristic (a 128-row accumulator spills; halved tiles). Backward swept on
     # one H200, 2026-12-01 (the Mosaic backend's backward at this head dim):
-    # `scripts/triton_sweep.py --mode fwdbwd --bwd-d256 [--bwd-extra] --shapes b4_t4k_h8_d256`
-    # (docs/results/2026-12-01-s14/run7-8), fwd+bwd TFLOP/s non-causal | causal, blocks
+    # fwd+bwd TFLOP/s at 4x4096x8x256, non-causal | causal, blocks
     # q_dkv x kv_dkv / q_dq x kv_dq, warps, stages:
     #   64x32/32x64 4w 2st 234.0 | 209.2   128x32/32x128 4w 2st 214.0 | 188.9
     #   64x32/32x64 4w 3st 207.3 | 186.6   64x64/64x64 8w 1st  192.0 | 144.0
@@ -89,8 +87,7 @@ WIDE_FLOAT32 = TritonConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2, 
 # Forward tiles for calls whose per-element work differs from plain attention, keyed by
 # (feature, head_dim_padded, is_causal, dtype itemsize); the backward keeps TUNED's (its sweep
 # with the feature on picked the same backward tiles). Measured on one H200, 2026-11-29,
-# commit ba77277: `scripts/triton_sweep.py --shapes b1_t8k_h16_d128 --features softcap,dropout
-# --causal yes --short` (docs/results/2026-11-29-s3/): soft-cap 30 forward TFLOP/s
+# commit ba77277, causal 1x8192x16x128: soft-cap 30 forward TFLOP/s
 #   64x64 4w 3st 380.8, 128x128 8w 3st 353.7, 128x64 8w 353.3, 128x64 4w 334.1
 # (dropout 0.1 kept 128x128 8w: 325.7 vs 321.7 at 64x64).
 # Non-causal (same day, commit dff7f71): 64x64 4w 442.7, 128x128 8w 431.8, 128x64 8w 422.6.

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_flash.bench import __main__ as bench
-from pallas_flash.bench import flops, shapes, timing, variants
+from pallas_flash.bench import flops, shapes, timing
 
 FAST = ["--iters", "2", "--min-loop-ms", "1", "--settle-ms", "0"]
 META = ("device_kind", "jax_version", "git_commit", "date")
@@ -202,13 +202,15 @@ def test_a_call_failing_in_the_timing_rounds_marks_only_its_row(tmp_path, monkey
   assert by_impl["jax_xla"]["status"] == "error" and "boom" in by_impl["jax_xla"]["reason"]
 
 
-def test_variant_shapes_parse_with_optional_kv_heads():
-  spec = variants.parse_shape("2x16384x8x128x4")
+def test_shapes_parse_with_optional_kv_heads():
+  spec = shapes.parse_shape("2x16384x8x128x4")
   assert (spec.batch, spec.seq_len, spec.num_heads, spec.head_dim, spec.num_kv_heads) == \
       (2, 16384, 8, 128, 4)
-  assert variants.parse_shape("1x4096x16x64").num_kv_heads == 16
+  assert shapes.parse_shape("1x4096x16x64").num_kv_heads == 16
   with pytest.raises(ValueError, match="BxTxHxD"):
-    variants.parse_shape("4096x16x64")
+    shapes.parse_shape("4096x16x64")
+  (given,) = shapes.select_shapes("1x4096x16x64")
+  assert given.name == "1x4096x16x64" and given.num_heads == 16
 
 
 def test_flop_convention():
@@ -219,7 +221,7 @@ def test_flop_convention():
 
 
 def test_window_flops_count_the_band():
-  spec = variants.parse_shape("2x1000x4x64")
+  spec = shapes.parse_shape("2x1000x4x64")
   per_pair = 4 * 2 * 4 * 64
   assert flops.window_flops(spec, left=0, mode="fwd") == per_pair * 1000
   assert flops.window_flops(spec, left=999, mode="fwd") == per_pair * 1000 * 1001 / 2

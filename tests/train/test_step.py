@@ -78,17 +78,14 @@ def test_two_devices_train_like_one(tmp_path):
     (["--task", "poetry"], "--task must be one of"),
     (["--attention", "cudnn"], "needs an NVIDIA GPU"),
     (["--d-model", "130"], "divisible by n_heads"),
-    (["--mosaic-config", "fused_backward=True"], "applies to --attention ours on the Mosaic"),
-    (["--implementation", "mosaic", "--mosaic-config", "fused=1"], "MosaicConfig field"),
     (["--eval-every", "0"], "--eval-every must be at least 1, got 0"),
     (["--log-every", "0"], "--log-every must be at least 1, got 0"),
     (["--lr", "-1"], "--lr must be at least 0.0, got -1.0"),
     (["--checkpoint-every", "-5"], "--checkpoint-every must be at least 0"),
     (["--max-minutes", "nan"], "--max-minutes must be at least 0.0, got nan"),
     (["--resume", "--overwrite"], "pass one of them"),
-], ids=["preset", "gpu-preset", "implementation", "task", "cudnn", "model", "mosaic-config-xla",
-        "mosaic-config-key", "eval-every", "log-every", "lr", "checkpoint-every", "max-minutes",
-        "resume-overwrite"])
+], ids=["preset", "gpu-preset", "implementation", "task", "cudnn", "model", "eval-every",
+        "log-every", "lr", "checkpoint-every", "max-minutes", "resume-overwrite"])
 def test_bad_configuration_fails_at_start_with_a_clear_message(argv, message, tmp_path):
   from train.main import check_environment
 
@@ -121,12 +118,10 @@ def test_batch_must_divide_over_devices():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mosaic_config", ["", "fused_backward=True"], ids=["default", "fused"])
-def test_gpu_kernels_train_in_bf16(tmp_path, mosaic_config):
-  """The automatic (fastest GPU) implementation trains the model in bf16 and lowers the loss,
-  also with --mosaic-config overrides (applied to each attention call's default config)."""
+def test_gpu_kernels_train_in_bf16(tmp_path):
+  """The automatic (fastest GPU) implementation trains the model in bf16 and lowers the loss."""
   model = ModelConfig(d_model=128, n_layers=2, n_heads=2, n_kv_heads=1, dtype="bfloat16")
   cfg = dataclasses.replace(TINY, model=model, implementation=None, seq_len=1024,
-                            out_dir=str(tmp_path), mosaic_config=mosaic_config)
+                            out_dir=str(tmp_path))
   losses = [v for _, v in sorted(run(cfg)["train"].items())]
   assert np.mean(losses[-5:]) < np.mean(losses[:3]) - 1.0, losses

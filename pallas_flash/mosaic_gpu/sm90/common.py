@@ -198,7 +198,7 @@ def profiler_smem_bytes(steps: int, warpgroups: int = 3) -> int:
 # callbacks run on XLA's intra-op thread pool (one thread per core): on a 2-core machine two
 # consumer warpgroups waiting for their first K/V tile hold both threads, and the producer's
 # computation, which would issue that copy, never gets one. The launch deadlocks with no CPU
-# in use (the "interpreter hangs" of the twelfth to fourteenth sessions). XLA reads the flag
+# in use. XLA reads the flag
 # when its CPU client starts, so it must be in XLA_FLAGS before JAX's first computation.
 INTERPRET_XLA_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 _warned_interpret_flag = False

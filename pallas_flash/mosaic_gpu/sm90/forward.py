@@ -102,8 +102,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     seg_ids = None
     if seg is not None:
       steps = jnp.clip(steps - kv0, 1, cta_steps)
-      # A window alone compares its zero ids too: the kernel the H200 ran in the twentieth
-      # session (the backward's windowed kernels skip them, KernelParams.segment_ids).
+      # A window alone compares its zero ids too, as the measured kernel does (the backward's
+      # windowed kernels skip them, KernelParams.segment_ids).
       seg_ids = common.row_and_col_ids(seg, b, q0, bq, bkv)
     if tail is not None:
       steps = cta_steps
@@ -320,9 +320,9 @@ def _last_block_first(kp: common.KernelParams) -> bool:
   before the diagonal one is wholly visible to the CTA's rows, and the diagonal block, or the
   key tail where the range stops at S, is the last of both warpgroups' equal ranges). No
   segment ids (they take the plain loop). The last block then is the loop's first, whose
-  softmax runs before the loop and is masked anyway, and no loop step _tiling.
+  softmax runs before the loop and is masked anyway, and no loop step masks.
   Non-causal, masking every step instead (a peeled masked last step makes ptxas serialise the
-  wgmmas, C7512) cost 10 % at 1x5000x16x128 (nineteenth session, run2: 508 -> 565 TFLOP/s);
+  wgmmas, C7512) cost 10 % at 1x5000x16x128 (H200: 508 against 565 TFLOP/s);
   causal calls ran the diagonal block as a masked step after the unmasked loop."""
   if not kp.intra_wg_overlap or kp.segments:
     return False

@@ -1,1 +1,0 @@
-cd .snap/new && export PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false && timeout -s INT 330 python3 -m pytest -q -p no:cacheprovider tests/mosaic/test_mosaic_gpu.py -k "segments_forward or test_head_dim_256_mosaic_backward" > $OUT/pytest.log 2>&1; echo "pytest rc=$?" >> $OUT/pytest.log; tail -4 $OUT/pytest.log
