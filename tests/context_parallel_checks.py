@@ -81,6 +81,16 @@ GROUPS: dict[str, list[CPCase]] = {
     "interpret": [  # the Triton kernels (Pallas interpreter) as the ring's local backend
         CPCase(2, implementation="interpret", batch=1, segments=True, softcap=2.0),
     ],
+    "sharding": [
+        # B-jit: jit on a mesh with Explicit axes (data 2 x context P); B-eager: concrete
+        # arrays on an Auto mesh, outside jit. strategy None: the rule picks (all-gather at
+        # these sizes); "ring" lowers the rule's threshold so that the ring runs.
+        CPCase(4, entry="B-jit", strategy=None, lengths=True),
+        CPCase(4, entry="B-jit", kv_heads=1, segments=True),
+        CPCase(8, entry="B-eager", layout="contiguous", causal=False, window=(4, 4),
+               seq_len=64),
+        CPCase(4, entry="B-errors", strategy=None),
+    ],
 }
 
 
@@ -218,6 +228,37 @@ def _xla_computing_delta():
     ring.ring_attention_fn.cache_clear()
 
 
+def _check_refusals(case: CPCase) -> None:
+  """Entry point B names what it cannot run: K/V split unlike the query, features that need
+  global positions. Traced only, nothing compiles."""
+  import jax
+  import numpy as np
+  from jax.sharding import AxisType
+  from jax.sharding import PartitionSpec as P
+
+  import pallas_flash
+
+  (q, k, v, _, _), _ = _inputs(case)
+  mesh = jax.make_mesh((case.axis_size,), ("context",), axis_types=(AxisType.Explicit,),
+                       devices=jax.devices()[:case.axis_size])
+  attend = lambda q, k, v, **kw: jax.eval_shape(
+      lambda q, k, v: pallas_flash.flash_attention(q, k, v, implementation="xla", **kw), q, k, v)
+  with jax.set_mesh(mesh):
+    seq = [jax.sharding.reshard(x, P(None, "context")) for x in (q, k, v)]
+    try:
+      attend(seq[0], jax.sharding.reshard(k, P()), seq[2])
+      raise AssertionError("key sharded unlike the query was accepted")
+    except ValueError as e:
+      assert "split the same way" in str(e), e
+    try:
+      attend(*seq, alibi_slopes=np.ones(4, np.float32))
+      raise AssertionError("ALiBi on a sharded sequence was accepted")
+    except NotImplementedError as e:
+      assert "alibi_slopes" in str(e), e
+    out = attend(*seq, is_causal=True)  # and a supported call traces
+    assert out.shape == q.shape
+
+
 def check(case: CPCase) -> None:
   import jax
   import jax.numpy as jnp
@@ -227,6 +268,9 @@ def check(case: CPCase) -> None:
   import pallas_flash
   from pallas_flash.context_parallel import context_parallel_explain, plan
 
+  if case.entry == "B-errors":
+    _check_refusals(case)
+    return
   args, kwargs = _inputs(case)
   context = contextlib.ExitStack()
   if case.computes_delta:
