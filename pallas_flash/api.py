@@ -20,6 +20,7 @@ from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 from pallas_flash import _tiling, backends, masks, validation
 from pallas_flash.backends import IMPLEMENTATIONS, Implementation
 from pallas_flash.call import AttentionParams, FeatureArrays
+from pallas_flash.context_parallel import sharding as _cp_sharding
 from pallas_flash.reference import attention_reference
 
 __all__ = ["CHECKPOINT_NAME", "IMPLEMENTATIONS", "Explanation", "explain", "flash_attention"]
@@ -231,7 +232,16 @@ def flash_attention(
   Returns:
     The output [B, T, H, D] in the input dtype; with return_residuals, (output, lse). A query that
     sees no key gets zeros (and zero gradients), never NaN.
+
+  Inputs whose sharding splits the sequence axis over mesh axes (Explicit axes under jit, or
+  concrete arrays) run context-parallel: ring or all-gather attention under shard_map
+  (`pallas_flash.context_parallel`, docs/context_parallel.md).
   """
+  # -- context parallelism: a sequence split over mesh axes runs as ring / all-gather
+  # attention under shard_map (pallas_flash.context_parallel.sharding). --
+  if (cp := _cp_sharding.sequence_sharding(query, key, value)) is not None:
+    return _cp_sharding.sharded_attention(**locals())  # the arguments above, and cp
+  # --
   call = validation.canonicalize(query, key, value, scale=scale, is_causal=is_causal,
                        query_seq_lengths=query_seq_lengths,
                        key_value_seq_lengths=key_value_seq_lengths,
