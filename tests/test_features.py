@@ -43,9 +43,14 @@ COMBINED = [
 ]
 
 
-@pytest.mark.parametrize("impl", CPU_IMPLS)
-@pytest.mark.parametrize("case, names", COMBINED,
-                         ids=[f"{c.id}-{'+'.join(n)}" for c, n in COMBINED])
+# The xla path runs every combination, the interpreted Triton kernels the first two (each
+# feature's kernel code is covered alone above).
+COMBINED_RUNS = ([("xla", c, n) for c, n in COMBINED]
+                 + [("interpret", c, n) for c, n in COMBINED[:2]])
+
+
+@pytest.mark.parametrize("impl, case, names", COMBINED_RUNS,
+                         ids=[f"{i}-{c.id}-{'+'.join(n)}" for i, c, n in COMBINED_RUNS])
 def test_features_combined(impl, case, names):
   check_against_reference(impl, dataclasses.replace(case, features=names), config=SMALL[impl])
 
@@ -89,7 +94,8 @@ def test_dbias_is_reduced_over_broadcast_axes():
   # (A bias constant along the key axis has a zero gradient: softmax ignores row shifts.)
   for shape in [(16, 16), (1, 1, 1, 16), (2, 1, 1, 16), (1, 2, 16, 16)]:
     bias = jax.random.normal(jax.random.key(3), shape)
-    for impl in ("interpret", "xla"):
+    # The interpreted Triton kernels reduce over a broadcast batch and head axis once each.
+    for impl in ("interpret", "xla") if shape in ((2, 1, 1, 16), (1, 2, 16, 16)) else ("xla",):
       _, grads = run(impl, q, k, v, do, bias=bias)
       _, grads_ref = run("reference", q, k, v, do, bias=bias)
       assert grads[3].shape == shape

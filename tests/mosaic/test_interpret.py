@@ -33,34 +33,29 @@ def _case(t, s, *, h=2, kh=1, d=64, dtype=jnp.bfloat16, **kw) -> Case:
 # (the split dQ and dK/dV kernels run under every forward form), on odd lengths with GQA.
 FORMS = [
     ("plain", _config(), _case(200, 333, is_causal=True)),
-    ("plain", _config(), _case(333, 200, kh=2, is_causal=True, dtype=jnp.float16)),
-    ("plain", _config(), _case(1, 1)),
-    ("plain", _config(), _case(130, 190, h=4, kh=2, d=128)),
+    ("plain", _config(), _case(130, 190, h=4, kh=2, d=128, dtype=jnp.float16)),
     # The intra-warpgroup overlap; with block_kv = 2·block_q a causal CTA streams its
     # diagonal block first; 192-key tiles stream the partial last tile first.
-    ("overlap", _config(fwd_intra_wg_overlap=True), _case(256, 320, dtype=jnp.float16)),
     ("overlap", _config(fwd_intra_wg_overlap=True, block_kv=128), _case(333, 200, kh=2,
                                                                           is_causal=True)),
     ("overlap", _config(fwd_intra_wg_overlap=True, block_kv=192), _case(130, 500, d=128)),
     # The persistent kernel with several tiles per CTA, heads or q tiles fastest.
     ("persistent", _config(fwd_persistent=True, heads_fastest=True, block_kv=256,
-                           debug=dict(persistent_ctas=3)), _case(300, 520, h=4, kh=2)),
+                           debug=dict(persistent_ctas=2)), _case(200, 300, h=3)),
     ("persistent", _config(fwd_persistent=True, fwd_intra_wg_overlap=True,
-                           debug=dict(persistent_ctas=2)), _case(256, 200, h=3, kh=1, d=128)),
+                           debug=dict(persistent_ctas=2)), _case(200, 200, h=3, d=128)),
     # The last wave split along the keys: 2 CTAs per wave, 3 parts per tail tile.
     ("split_tail", _config(fwd_split_tail=True, debug=dict(wave_ctas=2, tail_parts=3)),
-     _case(384, 300, h=3, kh=1)),
+     _case(384, 192, h=3)),
     # The dK/dV kernel streaming 128-row q tiles (head dim 64's non-causal default).
-    ("dkdv_q128", _config(block_q_dkv=128), _case(256, 300, h=4, kh=2)),
+    ("dkdv_q128", _config(block_q_dkv=128), _case(256, 200, h=2, kh=2)),
     # A dQ tile too tall for O beside it: delta from XLA instead of the dQ kernel.
-    ("xla_delta", _config(block_q_dq=128, block_kv_dq=64), _case(256, 200, d=128)),
-    # The fused backward (head dim 128): non-causal (its split first loop), causal, a key tail.
+    ("xla_delta", _config(block_q_dq=128, block_kv_dq=64), _case(256, 128, d=128)),
+    # The fused backward (head dim 128): non-causal (its split first loop), causal with a tail.
     ("fused", _config(fused_backward=True), _case(256, 256, h=4, kh=2, d=128)),
-    ("fused", _config(fused_backward=True), _case(200, 256, d=128, is_causal=True)),
-    ("fused", _config(fused_backward=True), _case(192, 200, d=128, dtype=jnp.float16)),
+    ("fused", _config(fused_backward=True), _case(200, 200, d=128, is_causal=True)),
     # Head dim 256: its role-split dK/dV kernel and two-K-slot dQ kernel.
-    ("hd256", _config(), _case(190, 130, kh=2, d=256, is_causal=True)),
-    ("hd256", _config(), _case(130, 190, d=256, dtype=jnp.float16)),
+    ("hd256", _config(), _case(130, 190, kh=2, d=256, is_causal=True)),
 ]
 
 
@@ -77,11 +72,8 @@ FEATURES = [
     _case(300, 300, h=4, kh=2, is_causal=True, segments=True),
     _case(200, 330, d=128, segments=True, lengths=True),
     _case(190, 130, d=256, kh=2, is_causal=True, segments=True),
-    _case(333, 200, kh=2, is_causal=True, features=("window",)),
     _case(200, 200, d=128, segments=True, features=("window_left",)),
-    _case(130, 190, d=256, is_causal=True, features=("window",)),
-    _case(200, 333, d=128, is_causal=True, features=("softcap",)),
-    _case(190, 130, is_causal=True, lengths=True, features=("softcap", "window_left")),
+    _case(190, 130, is_causal=True, lengths=True, features=("softcap", "window")),
     # Head dim 256 with a soft cap: the Triton backward kernels, interpreted.
     _case(130, 130, d=256, features=("softcap",)),
     _case(200, 200, h=2, kh=2, features=("unsorted_segments",)),
@@ -107,7 +99,7 @@ def test_rows_that_see_nothing_give_zeros_and_zero_gradients():
 
 
 def test_split_backward_is_bitwise_reproducible():
-  case = _case(200, 256, h=4, kh=2, d=128, is_causal=True, segments=True)
+  case = _case(128, 192, kh=1, is_causal=True, segments=True)
   (q, k, v, do), kw = make_inputs(case)
   first = jax.tree.leaves(run("mosaic", q, k, v, do, config=MOSAIC_INTERPRET, **dict(kw)))
   again = jax.tree.leaves(run("mosaic", q, k, v, do, config=MOSAIC_INTERPRET, **dict(kw)))

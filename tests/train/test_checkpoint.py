@@ -23,6 +23,7 @@ TINY = dataclasses.replace(
     eval_batches=1, log_every=1, checkpoint_every=0)
 
 
+@pytest.mark.slow  # the CLI runs of tests/train/test_cli.py cover it in the routine run
 def test_resume_continues_with_identical_losses(tmp_path):
   full = run(dataclasses.replace(TINY, out_dir=str(tmp_path / "full")))
   stopped_dir = str(tmp_path / "stopped")

@@ -55,6 +55,7 @@ def test_steady_step_seconds_never_goes_negative(times, expected):
   assert latency_s == (None if expected[1] is None else pytest.approx(expected[1]))
 
 
+@pytest.mark.slow  # four training processes, about a minute; -m slow runs it
 def test_throughput_rows_alternate_rounds(capsys):
   from train import compare
 
