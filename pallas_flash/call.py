@@ -39,7 +39,7 @@ Masking is one rule for every backend: key j is visible to query i iff
 q_seg[i] == kv_seg[j] (when segment ids are given), j <= i (when causal),
 i - left <= j <= i + right (with local_window=(left, right)), mask[b, h, i, j] (dense mask) and
 block_mask.mask_fn (a block-sparse mask, which excludes causal, window and segment ids).
-Sequence lengths are folded into the segment ids by the API (see api._fold_lengths).
+Sequence lengths are folded into the segment ids by the API (validation._fold_lengths).
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ WIDE_FLOAT32 = TritonConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2, 
 # Non-causal (same day, commit dff7f71): 64x64 4w 442.7, 128x128 8w 431.8, 128x64 8w 422.6.
 # "dense" (a [.., T, S] bias or mask tile streams next to K and V): 128x128 tiles with 3 stages
 # asked for 352-384 KiB of shared memory on the H200 (limit 227 KiB) in
-# tests/test_gpu_features.py; 64-key tiles and 2 stages halve the tiles and drop a buffer.
+# tests/test_gpu_triton.py; 64-key tiles and 2 stages halve the tiles and drop a buffer.
 FEATURE_TUNED: dict[tuple[str, int, bool, int], dict] = {
     ("softcap", 128, False, 2): dict(block_q=64, block_kv=64, num_warps=4, num_stages=3),
     ("softcap", 128, True, 2): dict(block_q=64, block_kv=64, num_warps=4, num_stages=3),

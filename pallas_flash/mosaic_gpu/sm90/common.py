@@ -168,7 +168,7 @@ def compiler_params(kp: KernelParams | None = None, steps: int = 0, *,
   """kp: the kernel's parameters (only kp.profile_dir is read); steps: the most loop steps a
   warpgroup runs, to size the profiler's event buffer. auto_barriers False: Pallas adds no
   warpgroup barrier around shared-memory stores (`unsafe_no_auto_barriers`); the kernel's own
-  fences and barriers must order them (see backward_fused.fused_call)."""
+  fences and barriers must order them (see fused.fused_call)."""
   # approx_math: exp2 -> ex2.approx.ftz.f32, log2 -> lg2.approx (one MUFU op each).
   # reduction_scratch_bytes=0: only per-row reductions (inside a warp) are used, and the 2 KiB
   # it would reserve is what lets 3 stages or 192-row kv tiles fit at head_dim 128.

@@ -10,7 +10,7 @@ pair, as the head-dim-128 kernel's), each warpgroup holds one 128-register accum
 warpgroup needs only K and the "dS" warpgroup only V. dSᵀ uses the 16-bit Pᵀ (the split kernel
 at D <= 128 uses float32 Pᵀ), which adds one 16-bit rounding to dSᵀ before its own.
 
-The dQ kernel is backward.py's, with two K slots and one V slot (see DQ_K_STAGES) and the row
+The dQ kernel is dq.py's, with two K slots and one V slot (see DQ_K_STAGES) and the row
 statistics from XLA. Segment ids (and lengths, folded into them): as in the split kernels, a
 CTA streams only the blocks that may share an id with its tile; here every step of a
 segmented call compares ids (the "P" role masks Pᵀ, which the "dS" role then uses). A local
