@@ -6,6 +6,8 @@ Needs only jax: the Flax layers are in `pallas_flash.flax`, the benchmark in
 
 from pallas_flash import dropout, masks
 from pallas_flash.api import CHECKPOINT_NAME, IMPLEMENTATIONS, Explanation, explain, flash_attention
+from pallas_flash.decode import (DecodeExplanation, TritonDecodeConfig, XlaDecodeConfig,
+                                 decode_attention, decode_explain, decode_reference)
 from pallas_flash.merge import merge_attention_states
 from pallas_flash.masks import BlockMask, CausalMask, LocalMask, PrefixLMMask, SegmentMask
 from pallas_flash.mosaic_gpu.config import MosaicConfig
@@ -15,7 +17,8 @@ from pallas_flash.xla import XlaConfig
 
 __version__ = "0.2.0"
 
-__all__ = ["CHECKPOINT_NAME", "IMPLEMENTATIONS", "BlockMask", "CausalMask", "Explanation",
-           "LocalMask", "MosaicConfig", "PrefixLMMask", "SegmentMask", "TritonConfig", "XlaConfig",
-           "__version__", "attention_reference", "dropout", "explain", "flash_attention", "masks",
-           "merge_attention_states"]
+__all__ = ["CHECKPOINT_NAME", "IMPLEMENTATIONS", "BlockMask", "CausalMask", "DecodeExplanation",
+           "Explanation", "LocalMask", "MosaicConfig", "PrefixLMMask", "SegmentMask",
+           "TritonConfig", "TritonDecodeConfig", "XlaConfig", "XlaDecodeConfig", "__version__",
+           "attention_reference", "decode_attention", "decode_explain", "decode_reference",
+           "dropout", "explain", "flash_attention", "masks", "merge_attention_states"]

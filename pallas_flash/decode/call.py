@@ -1,0 +1,101 @@
+"""Static description of one decode call, and the contract every decode backend provides.
+
+Shape letters (as in pallas_flash.call): B batch, T = Tq new query tokens per sequence, H query
+heads, K key/value heads, G = H // K, D head dim, L the cache's capacity per sequence, P pages in
+the pool, M = Tq * G query rows per key/value head (GQA packing).
+
+Backend contract (pallas_flash.decode.xla and pallas_flash.decode.triton provide it; a Mosaic
+kernel for Hopper would be a third module with the same five names, see decode/api.py):
+
+  attend(q, key_cache, value_cache, lengths, page_table, *, params, config) -> (o, lse)
+    q [B, K, M, D] in the cache dtype, already rotated: row r is query token r // G of head
+      (kv head) * G + r % G.
+    key_cache, value_cache: contiguous [B, L, K, D], or a page pool [P, page_size, K, D] with
+      page_table [B, max_pages] int32 (None for a contiguous cache). New tokens are already
+      appended.
+    lengths [B] int32: n_b, the valid tokens of each sequence (after the append), in [0, L].
+      Query row r sits at position n_b - Tq + r // G and sees keys
+      max(0, pos - window) .. pos (end-aligned causal).
+    o [S, B, K, M, D] float32 and lse [S, B, K, M] float32 (natural log): each of the S key
+      splits normalised over its own keys (o = 0, lse = -inf where a split saw no key); the API
+      merges them with merge_attention_states. S = params.num_splits, or 1 for a backend that
+      merges itself.
+    `config` is the resolved one (config_for): the API resolves it once per call.
+  unsupported_reason(info: DecodeInfo, config) -> str | None
+  config_for(info: DecodeInfo, config: CONFIG_TYPE | None) -> CONFIG_TYPE: the config the call
+    runs (the given one completed with the backend's defaults, fitted to the call).
+  tiles(config) -> (block_m, block_kv): rows and keys one program handles per step (what the
+    split heuristic counts programs and blocks with; block_m None: all M rows at once).
+  CONFIG_TYPE: the backend's frozen config dataclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeInfo:
+  """Shapes, features and target device of a decode call: what `decode_explain` reasons about.
+
+  Attributes:
+    capacity: L, the most tokens a sequence can hold (L_max, or max_pages * page_size).
+    page_size, num_pages, max_pages: the paged layout (None for a contiguous cache).
+    appends: new_key / new_value are written into the cache by this call.
+    window: query at position p sees keys p - window .. p (None: all earlier keys).
+    num_cores: streaming multiprocessors of the target GPU (None off-GPU).
+  """
+
+  batch: int
+  q_len: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  dtype: jnp.dtype
+  capacity: int
+  page_size: int | None
+  num_pages: int | None
+  max_pages: int | None
+  appends: bool
+  scale: float
+  window: int | None
+  logits_soft_cap: float | None
+  rotary: bool
+  platform: str
+  compute_capability: tuple[int, int] | None
+  device_kind: str
+  num_cores: int | None
+
+  @property
+  def group(self) -> int:
+    return self.num_heads // self.num_kv_heads
+
+  @property
+  def rows(self) -> int:
+    """M = Tq * G: the query rows one key/value head serves (GQA packing)."""
+    return self.q_len * self.group
+
+  @property
+  def paged(self) -> bool:
+    return self.page_size is not None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeParams:
+  """What a backend needs to know statically (hashable: kernels are cached on it)."""
+
+  scale: float
+  q_len: int
+  group: int
+  window: int | None
+  logits_soft_cap: float | None
+  num_splits: int
+  page_size: int | None
+
+  @classmethod
+  def create(cls, info: DecodeInfo, num_splits: int) -> DecodeParams:
+    return cls(scale=info.scale, q_len=info.q_len, group=info.group, window=info.window,
+               logits_soft_cap=info.logits_soft_cap, num_splits=num_splits,
+               page_size=info.page_size)
