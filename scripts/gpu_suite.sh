@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call: ./scripts/gpu_suite.sh STAGE...
 # Stages: env tests mosaic-tests sweep bench long memory features fused retrieval profile ptxas
-# mosaic-sweep bwd-kernels (PTXAS_VARIANTS: scripts/mosaic_ptxas.py variants, default all;
+# mosaic-sweep bwd-kernels decode (the decode grid; DECODE_ARGS e.g. --quick) decode-tests (PTXAS_VARIANTS: scripts/mosaic_ptxas.py variants, default all;
 # PTXAS_SHAPE B,T,H,D; MOSAIC_VARIANTS: mosaic_gpu_check.py --sweep variants, default the
 # split backward against the opt-in deferred fused one; BWD_OVERRIDES: MosaicConfig key=value for
 # bwd-kernels; GPU_MARK: the tests stage's marker expression, e.g. "gpu and not fused" for the
@@ -38,6 +38,8 @@ for stage in "$@"; do
                     --variants "$MOSAIC_VARIANTS" ;;
     bwd-kernels) run bwd-kernels $py scripts/mosaic_bwd_kernels.py --out "$OUT" ${BWD_OVERRIDES:-} ;;
     bench) run bench $py -m pallas_flash.bench --shapes "${SHAPES:-anchors}" --impl "${IMPLS:-triton,mosaic,cudnn,jax_xla}" --json "$OUT/bench.json" ;;
+    decode) run decode $py -m pallas_flash.bench --decode ${DECODE_ARGS:-} --json "$OUT/decode.json" ;;
+    decode-tests) run decode-tests $py -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_decode.py ;;
     long) run long $py -m pallas_flash.bench --shapes long --impl "${IMPLS:-triton,mosaic,cudnn}" --json "$OUT/bench_long.json" ;;
     memory) XLA_PYTHON_CLIENT_MEM_FRACTION=.95 run memory $py -m pallas_flash.bench --memory --impl "${MEM_IMPLS:-triton}" \
               --max-seq "${MAX_SEQ:-262144}" --json "$OUT/memory.json" ;;
