@@ -266,20 +266,38 @@ def test_explain_on_cpu_and_for_h200():
   assert "triton" in str(gpu) and "66" in str(gpu)
 
 
+@pytest.mark.parametrize("num_splits", [1, None], ids=["one_split", "auto_splits"])
 @pytest.mark.parametrize("paged", [False, True])
-def test_triton_kernel_lowers_for_h200(paged):
+def test_triton_kernel_lowers_for_h200(paged, num_splits):
+  """One Triton kernel without splits, the decode kernel and its merge kernel with them, and
+  no other launch: the query is read in place and the outputs written in their layouts."""
   b, h, kh, d = 2, 32, 8, 128
   q = jax.ShapeDtypeStruct((b, 4, h, d), jnp.bfloat16)
   new = jax.ShapeDtypeStruct((b, 4, kh, d), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((40, 64, kh, d) if paged else (b, 1000, kh, d), jnp.bfloat16)
-  table = jax.ShapeDtypeStruct((b, 20), jnp.int32) if paged else None
+  kv = jax.ShapeDtypeStruct((40, 64, kh, d) if paged else (b, 1024, kh, d), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((b, 16), jnp.int32) if paged else None
   lens = jax.ShapeDtypeStruct((b,), jnp.int32)
 
   def f(q, kc, vc, lens, table, nk, nv):
     return pallas_flash.decode_attention(q, kc, vc, lens, page_table=table, new_key=nk,
                                          new_value=nv, rotary=1e4, logits_soft_cap=30.0,
-                                         local_window_size=256, implementation="triton")
+                                         local_window_size=256, num_splits=num_splits,
+                                         implementation="triton")
 
   module = export_for_h200(f, q, kv, kv, lens, table, new, new,
                            disabled_checks=[TRITON_CALL]).mlir_module()
-  assert module.count("xla.gpu.triton") == 1
+  assert module.count("xla.gpu.triton") == (1 if num_splits == 1 else 2)
+
+
+def test_attention_alone_is_one_or_two_kernels_on_h200():
+  """Without append or rotary nothing but the Triton kernels is left in the compiled call."""
+  q = jax.ShapeDtypeStruct((1, 1, 32, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)
+  lens = jax.ShapeDtypeStruct((1,), jnp.int32)
+  f = lambda q, k, v, lens: pallas_flash.decode_attention(q, k, v, lens)  # noqa: E731
+  module = export_for_h200(f, q, kv, kv, lens, disabled_checks=[TRITON_CALL]).mlir_module()
+  body = module[module.index("func.func public @main"):]
+  assert body.count("xla.gpu.triton") == 2
+  for op in ("stablehlo.transpose", "stablehlo.pad", "stablehlo.exponential",
+             "stablehlo.reduce"):
+    assert op not in body, op

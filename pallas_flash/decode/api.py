@@ -2,7 +2,7 @@
 
 validate (decode.validation) -> choose the implementation, resolve its config and the split
 count once (`_plan`, also what `decode_explain` reports) -> append the new tokens and rotate
-(decode.cache) -> the backend's split-KV partial results -> merge_attention_states.
+(decode.cache) -> the backend's split-KV attention, which merges its splits itself.
 
 Implementations follow one contract (decode.call): "triton" (Triton-lowered Pallas kernel, any
 NVIDIA GPU from Ampere), "interpret" (that kernel in the Pallas interpreter, any platform),
@@ -26,7 +26,6 @@ from pallas_flash.decode import cache, validation
 from pallas_flash.decode import config as decode_config
 from pallas_flash.decode.call import DecodeInfo, DecodeParams
 from pallas_flash.decode.reference import decode_reference
-from pallas_flash.merge import merge_attention_states
 
 __all__ = ["IMPLEMENTATIONS", "DecodeExplanation", "decode_attention", "decode_explain"]
 
@@ -168,23 +167,6 @@ def decode_explain(query, key_cache, value_cache, cache_seqlens, **kwargs) -> De
   return _plan(info, implementation, config, num_splits)
 
 
-def _pack(q: jax.Array, num_kv_heads: int) -> jax.Array:
-  """[B, Tq, H, D] -> [B, K, Tq * G, D]: row t * G + g is token t of head k * G + g."""
-  b, t, h, d = q.shape
-  g = h // num_kv_heads
-  return q.reshape(b, t, num_kv_heads, g, d).transpose(0, 2, 1, 3, 4).reshape(
-      b, num_kv_heads, t * g, d)
-
-
-def _unpack(o: jax.Array, lse: jax.Array, info: DecodeInfo) -> tuple[jax.Array, jax.Array]:
-  """Partials [S, B, K, M, D] / [S, B, K, M] -> [S, B, Tq, H, D] / [S, B, H, Tq]."""
-  s, b, kh = o.shape[:3]
-  t, g = info.q_len, info.group
-  o = o.reshape(s, b, kh, t, g, -1).transpose(0, 1, 3, 2, 4, 5).reshape(s, b, t, kh * g, -1)
-  lse = lse.reshape(s, b, kh, t, g).transpose(0, 1, 2, 4, 3).reshape(s, b, kh * g, t)
-  return o, lse
-
-
 def decode_attention(
     query: jax.Array,
     key_cache: jax.Array,
@@ -283,7 +265,7 @@ def decode_attention(
 
 
 def _run(call: validation.DecodeCall, plan: DecodeExplanation):
-  """Append, rotate, attend with the planned backend, merge the splits."""
+  """Append, rotate, attend with the planned backend."""
   info = call.info
   rot = dict(theta=call.rotary_theta, cos=call.rotary_cos, sin=call.rotary_sin)
   k_cache, v_cache = call.key_cache, call.value_cache
@@ -295,16 +277,12 @@ def _run(call: validation.DecodeCall, plan: DecodeExplanation):
     k_cache, v_cache, lengths = cache.append(info, k_cache, v_cache, new_key, call.new_value,
                                              call.seqlens, call.page_table)
   else:
-    lengths = jnp.clip(call.seqlens, 0, info.capacity)
+    lengths = call.seqlens  # the backends clamp them to [0, L]
   q = call.q
   if info.rotary:
-    q = cache.rotate(q, jnp.maximum(cache.query_positions(info, lengths), 0), **rot)
+    positions = cache.query_positions(info, jnp.clip(lengths, 0, info.capacity))
+    q = cache.rotate(q, jnp.maximum(positions, 0), **rot)
   params = DecodeParams.create(info, plan.num_splits)
-  o, lse = _load(plan.chosen).attend(_pack(q, info.num_kv_heads), k_cache, v_cache, lengths,
-                                     call.page_table, params=params, config=plan.config)
-  o, lse = _unpack(o, lse, info)
-  if o.shape[0] == 1:
-    out, lse = o[0], lse[0]
-  else:
-    out, lse = merge_attention_states(o, lse)
-  return out.astype(info.dtype), lse, k_cache, v_cache
+  out, lse = _load(plan.chosen).attend(q, k_cache, v_cache, lengths, call.page_table,
+                                       params=params, config=plan.config)
+  return out, lse, k_cache, v_cache

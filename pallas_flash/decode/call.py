@@ -2,24 +2,25 @@
 
 Shape letters (as in pallas_flash.call): B batch, T = Tq new query tokens per sequence, H query
 heads, K key/value heads, G = H // K, D head dim, L the cache's capacity per sequence, P pages in
-the pool, M = Tq * G query rows per key/value head (GQA packing).
+the pool, M = Tq * G query rows per key/value head (GQA packing: row r is token r // G of head
+k * G + r % G, so one read of a kv head's keys serves all its query heads and tokens).
 
 Backend contract (pallas_flash.decode.xla and pallas_flash.decode.triton provide it; a Mosaic
 kernel for Hopper would be a third module with the same five names, see decode/api.py):
 
-  attend(q, key_cache, value_cache, lengths, page_table, *, params, config) -> (o, lse)
-    q [B, K, M, D] in the cache dtype, already rotated: row r is query token r // G of head
-      (kv head) * G + r % G.
+  attend(q, key_cache, value_cache, lengths, page_table, *, params, config) -> (out, lse)
+    q [B, Tq, H, D] in the cache dtype, already rotated.
     key_cache, value_cache: contiguous [B, L, K, D], or a page pool [P, page_size, K, D] with
       page_table [B, max_pages] int32 (None for a contiguous cache). New tokens are already
       appended.
-    lengths [B] int32: n_b, the valid tokens of each sequence (after the append), in [0, L].
-      Query row r sits at position n_b - Tq + r // G and sees keys
-      max(0, pos - window) .. pos (end-aligned causal).
-    o [S, B, K, M, D] float32 and lse [S, B, K, M] float32 (natural log): each of the S key
-      splits normalised over its own keys (o = 0, lse = -inf where a split saw no key); the API
-      merges them with merge_attention_states. S = params.num_splits, or 1 for a backend that
-      merges itself.
+    lengths [B] int32: n_b, the valid tokens of each sequence (after the append); values
+      outside [0, L] (unchecked calls) are clamped by the backend. Query token i sits at
+      position n_b - Tq + i and sees keys max(0, pos - window) .. pos (end-aligned causal).
+    out [B, Tq, H, D] in q.dtype (zeros for a query that sees no key) and lse [B, H, Tq]
+      float32, natural log (-inf there). With params.num_splits = S > 1 the backend splits
+      each sequence's keys into S ranges (where they start is computed on device from the
+      lengths), computes a normalised partial per range and combines them
+      (merge_attention_states' rule: the xla backend calls it, the Triton one has a kernel).
     `config` is the resolved one (config_for): the API resolves it once per call.
   unsupported_reason(info: DecodeInfo, config) -> str | None
   config_for(info: DecodeInfo, config: CONFIG_TYPE | None) -> CONFIG_TYPE: the config the call

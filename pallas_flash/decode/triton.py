@@ -21,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_flash import _tiling
 from pallas_flash.call import MASK_VALUE
 from pallas_flash.decode import config as decode_config
 from pallas_flash.decode.call import DecodeInfo, DecodeParams
@@ -82,9 +83,14 @@ class _KernelParams:
   head_dim: int  # D of the cache (columns past it are masked)
   block_m: int
   block_kv: int
+  capacity: int  # L: lengths are clamped to [0, L]
   num_pages: int | None
   max_pages: int | None
   approx_tanh: bool
+
+  @property
+  def rows(self) -> int:
+    return self.params.q_len * self.params.group
 
   @property
   def scale_log2(self) -> float:
@@ -103,37 +109,80 @@ def _scores(qk, p: _KernelParams):
   return t * (cap * common.LOG2E)
 
 
+def _col_index(cols, p: _KernelParams):
+  """(column indices to address D features with, their mask or None).
+
+  The index stays a bare iota whenever D is a power of two: Triton vectorises an access only
+  along an axis it can prove contiguous, and a clamp (jnp.minimum) would hide that.
+  """
+  if p.head_dim == cols.shape[0]:
+    return cols, None
+  return jnp.minimum(cols, p.head_dim - 1), (cols < p.head_dim)[None, :]
+
+
+def _and(a, b):
+  return b if a is None else a if b is None else a & b
+
+
 def _load_rows(ref, rows, cols, row_ok, p: _KernelParams):
-  """ref[rows, cols] ([block_kv, D_pad]) with zeros where a row is not in the cache or a column
-  is padding."""
-  mask = None
-  if row_ok is not None:
-    mask = row_ok[:, None]
-  if p.head_dim != cols.shape[0]:
-    col_ok = (cols < p.head_dim)[None, :]
-    mask = col_ok if mask is None else mask & col_ok
-  view = ref.at[rows[:, None], jnp.minimum(cols, p.head_dim - 1)[None, :]]
-  if mask is None:
-    return view[...]
-  return pltriton.load(view, mask=mask, other=0)
+  """ref[rows, cols] as [block_kv, D_pad], zeros where a row is not in the cache. Padding
+  columns (D not a power of two) repeat column D - 1: the query's padding columns are zero,
+  so scores ignore them, and outputs there equal column D - 1's (see _store_rows)."""
+  cols, _ = _col_index(cols, p)
+  view = ref.at[rows[:, None], cols[None, :]]
+  return view[...] if row_ok is None else pltriton.load(view, mask=row_ok[:, None], other=0)
+
+
+def _tile_rows(row0, p: _KernelParams):
+  """GQA-packed rows row0 .. row0 + block_m - 1: (token t, head g of the kv head's group),
+  row r being token r // G, head r % G.
+
+  Padding rows (r >= M) repeat the last real row, so they compute and write exactly its
+  values: stores stay correct wherever masked-off lanes do write (the interpreter's scatter).
+  """
+  real = jnp.minimum(row0 + lax.broadcasted_iota(jnp.int32, (p.block_m,), 0), p.rows - 1)
+  return real // p.params.group, real % p.params.group
+
+
+def _load_q(q_ref, t, g, cols, p: _KernelParams):
+  """The tile's query rows [block_m, D_pad] from q_ref [Tq, G, D] (zeros past D)."""
+  cols, col_ok = _col_index(cols, p)
+  view = q_ref.at[t[:, None], g[:, None], cols[None, :]]
+  return view[...] if col_ok is None else pltriton.load(view, mask=col_ok, other=0)
+
+
+def _store_rows(o_ref, lse_ref, o, lse, t, g, cols, p: _KernelParams):
+  """Writes a tile's rows into o_ref [Tq, G, D] and lse_ref [G, Tq]: the output's
+  [B, Tq, H, D] and [B, H, Tq] layouts, seen per (sequence, kv head).
+
+  Unmasked: padding rows and columns address the last real row / column and hold exactly its
+  values, so their writes repeat it (a masked store would be as cheap on a GPU, but the
+  interpreter's masked scatter writes stale values for masked-off duplicates).
+  """
+  cols, _ = _col_index(cols, p)
+  o_ref[t[:, None], g[:, None], cols[None, :]] = o.astype(o_ref.dtype)
+  lse_ref[g, t] = lse
 
 
 def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, o_ref, lse_ref, *,
                    p: _KernelParams):
   """One row tile of one (sequence, kv head) against one split of its keys.
 
-  Refs after BlockSpec slicing: lengths_ref [B_pad] int32 (n_b, tokens after the append);
-  q_ref [block_m, D_pad]; k_ref / v_ref [L, D] (this sequence and kv head of a contiguous cache)
-  or [P * page_size, D] (this kv head of the pool); pt_ref [max_pages_pad] int32 (this
-  sequence's page table, None when contiguous); o_ref [block_m, D_pad] float32, lse_ref
-  [block_m] float32 (this split's normalised output and log-sum-exp).
+  Refs after BlockSpec slicing: lengths_ref [B_pad] int32 (n_b, tokens after the append,
+  clamped here to [0, L]); q_ref [Tq, G, D] (this sequence's query heads of this kv head);
+  k_ref / v_ref [L, D] (this sequence and kv head of a contiguous cache) or [P * page_size, D]
+  (this kv head of the pool); pt_ref [max_pages_pad] int32 (this sequence's page table, None
+  when contiguous). With one split, o_ref [Tq, G, D] and lse_ref [G, Tq] are the final outputs
+  (query dtype; float32); with S splits, o_ref [block_m, D_pad] and lse_ref [block_m] are this
+  split's float32 partials, normalised over its keys (_merge_kernel combines them).
   Grid: (row tiles, S splits, B * K).
   """
   mi, si, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   prm, bm, bk = p.params, p.block_m, p.block_kv
-  n = lengths_ref[bh // p.num_kv_heads]
+  n = jnp.clip(lengths_ref[bh // p.num_kv_heads], 0, p.capacity)
   row0 = mi * bm
-  q_pos = n - prm.q_len + (row0 + lax.broadcasted_iota(jnp.int32, (bm,), 0)) // prm.group
+  t, g = _tile_rows(row0, p)
+  q_pos = n - prm.q_len + t
   t_first = row0 // prm.group
   t_last = jnp.minimum((row0 + bm - 1) // prm.group, prm.q_len - 1)
   # Keys the tile's real rows see: [lo, hi); blocks of them split into S runs.
@@ -152,8 +201,9 @@ def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, o_ref, lse_ref, *,
     full_lo = (jnp.maximum(n - prm.q_len + t_last - prm.window, 0) + bk - 1) // bk
   mid_lo = jnp.clip(full_lo, start, end)
   mid_hi = jnp.clip(full_hi, mid_lo, end)
-  q = q_ref[...]
-  cols = lax.broadcasted_iota(jnp.int32, (q.shape[1],), 0)
+  d_pad = common.padded_head_dim(p.head_dim)
+  cols = lax.broadcasted_iota(jnp.int32, (d_pad,), 0)
+  q = _load_q(q_ref, t, g, cols, p)  # [block_m, D_pad]
 
   def step(j, carry, *, masked: bool):
     m_prev, l_prev, acc = carry
@@ -181,69 +231,128 @@ def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, o_ref, lse_ref, *,
     return m_next, alpha * l_prev + probs.sum(axis=1), acc
 
   carry = (jnp.full((bm,), MASK_VALUE, jnp.float32), jnp.zeros((bm,), jnp.float32),
-           jnp.zeros((bm, q.shape[1]), jnp.float32))
+           jnp.zeros((bm, d_pad), jnp.float32))
   carry = lax.fori_loop(start, mid_lo, functools.partial(step, masked=True), carry)
   carry = lax.fori_loop(mid_lo, mid_hi, functools.partial(step, masked=False), carry)
   m, l, acc = lax.fori_loop(mid_hi, end, functools.partial(step, masked=True), carry)
   empty = l == 0.0  # an empty split (or a query that sees no key): o = 0, lse = -inf
   l_safe = jnp.where(empty, 1.0, l)
-  o_ref[...] = acc * (1.0 / l_safe)[:, None]
-  lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * common.LN2)
+  o = acc * (1.0 / l_safe)[:, None]
+  lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * common.LN2)
+  if prm.num_splits == 1:
+    _store_rows(o_ref, lse_ref, o, lse, t, g, cols, p)
+  else:
+    o_ref[...] = o
+    lse_ref[...] = lse
+
+
+def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, p: _KernelParams):
+  """Combines the S splits of one row tile (merge_attention_states' rule, one pass).
+
+  Refs: o_ref [S, block_m, D_pad] and lse_ref [S, block_m] float32 partials; out_ref [Tq, G, D]
+  and lse_out_ref [G, Tq] as the decode kernel's single-split outputs. Grid: (row tiles,
+  B * K).
+  """
+  t, g = _tile_rows(pl.program_id(0) * p.block_m, p)
+  cols = lax.broadcasted_iota(jnp.int32, (o_ref.shape[-1],), 0)
+
+  def body(s, carry):
+    m_prev, total, acc = carry
+    lse = lse_ref[s]
+    empty = lse == -jnp.inf
+    m_next = jnp.maximum(m_prev, jnp.where(empty, MASK_VALUE, lse))
+    alpha = jnp.exp(m_prev - m_next)
+    w = jnp.where(empty, 0.0, jnp.exp(lse - m_next))  # an empty split weighs nothing
+    return m_next, alpha * total + w, alpha[:, None] * acc + w[:, None] * o_ref[s]
+
+  bm = p.block_m
+  m, total, acc = lax.fori_loop(0, p.params.num_splits, body, (
+      jnp.full((bm,), MASK_VALUE, jnp.float32), jnp.zeros((bm,), jnp.float32),
+      jnp.zeros((bm, o_ref.shape[-1]), jnp.float32)))
+  empty = total == 0.0
+  safe = jnp.where(empty, 1.0, total)
+  _store_rows(out_ref, lse_out_ref, acc * (1.0 / safe)[:, None],
+              jnp.where(empty, -jnp.inf, m + jnp.log(safe)), t, g, cols, p)
 
 
 def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodeParams,
            config: TritonDecodeConfig, interpret: bool):
   """Split-KV decode attention; the contract is in pallas_flash.decode.call. `config` is
-  resolved (config_for)."""
-  b, kh, m, d = q.shape
+  resolved (config_for). One kernel when there is one split; with S splits the decode kernel
+  writes float32 partials and _merge_kernel combines them into the final layout."""
+  b, tq, h, d = q.shape
+  kh = key_cache.shape[2]
+  g = h // kh
   bm, bk = tiles(config)
   d_pad = common.padded_head_dim(d)
-  m_pad = -(-m // bm) * bm
-  q = jnp.pad(q, ((0, 0), (0, 0), (0, m_pad - m), (0, d_pad - d)))
-  lengths = jnp.pad(lengths, (0, common.pl_next_pow2(b) - b))
+  m_pad = -(-tq * g // bm) * bm
+  lengths = _tiling.pad_axis(lengths, 0, common.pl_next_pow2(b))  # scalar loads: 2^n long
   paged = params.page_size is not None
   if paged:
     num_pages, max_pages = key_cache.shape[0], page_table.shape[1]
-    page_table = jnp.pad(page_table, ((0, 0), (0, common.pl_next_pow2(max_pages) - max_pages)))
+    capacity = max_pages * params.page_size
+    page_table = _tiling.pad_axis(page_table, 1, common.pl_next_pow2(max_pages))
     key_cache = key_cache.reshape(-1, kh, d)  # [P * page_size, K, D]: a free view of the pool
     value_cache = value_cache.reshape(-1, kh, d)
     kv_spec = pl.BlockSpec((key_cache.shape[0], None, d), lambda mi, si, bh: (0, bh % kh, 0))
     pt_spec = pl.BlockSpec((None, page_table.shape[1]), lambda mi, si, bh: (bh // kh, 0))
   else:
     num_pages = max_pages = None
-    kv_spec = pl.BlockSpec((None, key_cache.shape[1], None, d),
+    capacity = key_cache.shape[1]
+    kv_spec = pl.BlockSpec((None, capacity, None, d),
                            lambda mi, si, bh: (bh // kh, 0, bh % kh, 0))
     pt_spec = None
   kp = _KernelParams(params=params, num_kv_heads=kh, head_dim=d, block_m=bm, block_kv=bk,
-                     num_pages=num_pages, max_pages=max_pages,
+                     capacity=capacity, num_pages=num_pages, max_pages=max_pages,
                      approx_tanh=not interpret and jnp.dtype(q.dtype).itemsize == 2)
   s_num = params.num_splits
-
-  def q_map(mi, si, bh):
-    return bh // kh, bh % kh, mi, 0
-
-  def o_map(mi, si, bh):
-    return si, bh // kh, bh % kh, mi, 0
-
-  def lse_map(mi, si, bh):
-    return si, bh // kh, bh % kh, mi
-
+  q = q.reshape(b, tq, kh, g, d)  # free views: the kernels address rows (t, g) directly
+  # Per (sequence, kv head): q / out [Tq, G, D], lse [G, Tq] (index maps for grids whose last
+  # axis is B * K).
+  slab = lambda *_, bh: (bh // kh, 0, bh % kh, 0, 0)  # noqa: E731
+  lse_slab = lambda *_, bh: (bh // kh, bh % kh, 0, 0)  # noqa: E731
+  out_shapes = [jax.ShapeDtypeStruct((b, tq, kh, g, d), q.dtype),
+                jax.ShapeDtypeStruct((b, kh, g, tq), jnp.float32)]
+  final_specs = [pl.BlockSpec((None, tq, None, g, d), lambda mi, si, bh: slab(bh=bh)),
+                 pl.BlockSpec((None, None, g, tq), lambda mi, si, bh: lse_slab(bh=bh))]
+  if s_num == 1:
+    out_specs, partial_shapes = final_specs, out_shapes
+  else:
+    out_specs = [pl.BlockSpec((None, None, None, bm, d_pad),
+                              lambda mi, si, bh: (si, bh // kh, bh % kh, mi, 0)),
+                 pl.BlockSpec((None, None, None, bm), lambda mi, si, bh: (si, bh // kh, bh % kh,
+                                                                          mi))]
+    partial_shapes = [jax.ShapeDtypeStruct((s_num, b, kh, m_pad, d_pad), jnp.float32),
+                      jax.ShapeDtypeStruct((s_num, b, kh, m_pad), jnp.float32)]
   o, lse = pl.pallas_call(
       functools.partial(_decode_kernel, p=kp),
       grid=(m_pad // bm, s_num, b * kh),
       in_specs=[pl.BlockSpec(lengths.shape, lambda *_: (0,)),
-                pl.BlockSpec((None, None, bm, d_pad), q_map), kv_spec, kv_spec, pt_spec],
-      out_specs=[pl.BlockSpec((None, None, None, bm, d_pad), o_map),
-                 pl.BlockSpec((None, None, None, bm), lse_map)],
-      out_shape=[jax.ShapeDtypeStruct((s_num, b, kh, m_pad, d_pad), jnp.float32),
-                 jax.ShapeDtypeStruct((s_num, b, kh, m_pad), jnp.float32)],
+                pl.BlockSpec((None, tq, None, g, d), lambda mi, si, bh: slab(bh=bh)),
+                kv_spec, kv_spec, pt_spec],
+      out_specs=out_specs,
+      out_shape=partial_shapes,
       compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
                                               num_stages=config.num_stages),
       interpret=interpret,
       name="pallas_flash_decode",
   )(lengths, q, key_cache, value_cache, page_table)
-  return o[..., :m, :d], lse[..., :m]
-
+  if s_num > 1:
+    o, lse = pl.pallas_call(
+        functools.partial(_merge_kernel, p=kp),
+        grid=(m_pad // bm, b * kh),
+        in_specs=[pl.BlockSpec((s_num, None, None, bm, d_pad),
+                               lambda mi, bh: (0, bh // kh, bh % kh, mi, 0)),
+                  pl.BlockSpec((s_num, None, None, bm), lambda mi, bh: (0, bh // kh, bh % kh,
+                                                                        mi))],
+        out_specs=[pl.BlockSpec((None, tq, None, g, d), lambda mi, bh: slab(bh=bh)),
+                   pl.BlockSpec((None, None, g, tq), lambda mi, bh: lse_slab(bh=bh))],
+        out_shape=out_shapes,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
+        interpret=interpret,
+        name="pallas_flash_decode_merge",
+    )(o, lse)
+  return o.reshape(b, tq, h, d), lse.reshape(b, h, tq)
 
 
 __all__ = ["CONFIG_TYPE", "attend", "config_for", "tiles", "unsupported_reason"]

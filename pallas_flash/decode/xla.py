@@ -8,12 +8,14 @@ GQA-packed rows), so CPU tests of merging and ragged splits exercise the real pa
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_flash.call import MASK_VALUE
 from pallas_flash.decode.call import DecodeInfo, DecodeParams
 from pallas_flash.decode.config import XlaDecodeConfig
+from pallas_flash.merge import merge_attention_states
 
 CONFIG_TYPE = XlaDecodeConfig
 _HI = lax.Precision.HIGHEST
@@ -74,9 +76,40 @@ def _rows_of(keys, b_idx, info_paged, page_table, page_size, num_pages, capacity
   return page * page_size + keys % page_size
 
 
+def _pack(q: jax.Array, num_kv_heads: int) -> jax.Array:
+  """[B, Tq, H, D] -> [B, K, Tq * G, D]: row t * G + g is token t of head k * G + g."""
+  b, t, h, d = q.shape
+  g = h // num_kv_heads
+  return q.reshape(b, t, num_kv_heads, g, d).transpose(0, 2, 1, 3, 4).reshape(
+      b, num_kv_heads, t * g, d)
+
+
+def _unpack(o: jax.Array, lse: jax.Array, q_len: int) -> tuple[jax.Array, jax.Array]:
+  """Partials [S, B, K, M, D] / [S, B, K, M] -> [S, B, Tq, H, D] / [S, B, H, Tq]."""
+  s, b, kh, m, d = o.shape
+  g = m // q_len
+  o = o.reshape(s, b, kh, q_len, g, d).transpose(0, 1, 3, 2, 4, 5).reshape(s, b, q_len, -1, d)
+  lse = lse.reshape(s, b, kh, q_len, g).transpose(0, 1, 2, 4, 3).reshape(s, b, -1, q_len)
+  return o, lse
+
+
 def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodeParams,
            config: XlaDecodeConfig):
-  """Split-KV attention; the contract is in pallas_flash.decode.call."""
+  """Split-KV attention; the contract is in pallas_flash.decode.call. The S splits' partials
+  are combined by merge_attention_states."""
+  kh = key_cache.shape[2]
+  o, lse = _unpack(*_partials(_pack(q, kh), key_cache, value_cache, lengths, page_table,
+                              params=params, config=config), params.q_len)
+  if o.shape[0] > 1:
+    out, lse = merge_attention_states(o, lse)
+  else:
+    out, lse = o[0], lse[0]
+  return out.astype(q.dtype), lse
+
+
+def _partials(q, key_cache, value_cache, lengths, page_table, *, params: DecodeParams,
+              config: XlaDecodeConfig):
+  """q [B, K, M, D] packed -> float32 (o [S, B, K, M, D], lse [S, B, K, M]) per split."""
   b, kh, m, d = q.shape
   s_num, bk = params.num_splits, config.block_kv
   paged = params.page_size is not None
@@ -86,6 +119,7 @@ def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodePara
   else:
     num_pages = page_size = None
     capacity = key_cache.shape[1]
+  lengths = jnp.clip(lengths, 0, capacity)
   k_flat = key_cache.reshape(-1, kh, d)  # [B*L or P*page, K, D]
   v_flat = value_cache.reshape(-1, kh, d)
   start, end = split_ranges(lengths, params=params, rows=m, block_kv=bk)  # [S, B]
