@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from pallas_flash.decode import cache, validation
 from pallas_flash.decode import config as decode_config
-from pallas_flash.decode.call import DecodeInfo, DecodeParams
+from pallas_flash.decode.call import DecodeInfo, DecodeParams, sequence_lengths
 from pallas_flash.decode.reference import decode_reference
 
 __all__ = ["IMPLEMENTATIONS", "DecodeExplanation", "decode_attention", "decode_explain"]
@@ -274,15 +274,15 @@ def _run(call: validation.DecodeCall, plan: DecodeExplanation):
     if info.rotary:
       pos = jnp.clip(call.seqlens, 0, info.capacity)[:, None] + jnp.arange(info.q_len)[None, :]
       new_key = cache.rotate(new_key, pos, **rot)
-    k_cache, v_cache, lengths = cache.append(info, k_cache, v_cache, new_key, call.new_value,
-                                             call.seqlens, call.page_table)
-  else:
-    lengths = call.seqlens  # the backends clamp them to [0, L]
+    k_cache, v_cache = cache.append(info, k_cache, v_cache, new_key, call.new_value,
+                                    call.seqlens, call.page_table)
   q = call.q
   if info.rotary:
-    positions = cache.query_positions(info, jnp.clip(lengths, 0, info.capacity))
-    q = cache.rotate(q, jnp.maximum(positions, 0), **rot)
+    lengths = sequence_lengths(call.seqlens, q_len=info.q_len, appends=info.appends,
+                               capacity=info.capacity)
+    q = cache.rotate(q, jnp.maximum(cache.query_positions(info, lengths), 0), **rot)
   params = DecodeParams.create(info, plan.num_splits)
-  out, lse = _load(plan.chosen).attend(q, k_cache, v_cache, lengths, call.page_table,
+  # The backends derive each sequence's length from cache_seqlens themselves (no XLA op).
+  out, lse = _load(plan.chosen).attend(q, k_cache, v_cache, call.seqlens, call.page_table,
                                        params=params, config=plan.config)
   return out, lse, k_cache, v_cache

@@ -48,9 +48,9 @@ def rotate(x: jax.Array, positions: jax.Array, *, theta: float | None, cos: jax.
 def append(info: DecodeInfo, key_cache, value_cache, new_key, new_value, seqlens, page_table):
   """Writes the new tokens at positions seqlens .. seqlens + Tq - 1 of each sequence.
 
-  Returns (key_cache, value_cache, lengths [B] int32 = tokens held afterwards). Tokens past the
-  capacity (or on a page index outside the pool) are dropped, never written elsewhere; the
-  lengths are clipped to the capacity (checked=True reports such calls).
+  Returns (key_cache, value_cache). Tokens past the capacity (or on a page index outside the
+  pool) are dropped, never written elsewhere (checked=True reports such calls); the
+  attention's lengths follow from call.sequence_lengths.
   """
   lens = jnp.clip(seqlens, 0, info.capacity)
   pos = lens[:, None] + jnp.arange(info.q_len, dtype=jnp.int32)[None, :]  # [B, Tq]
@@ -64,7 +64,7 @@ def append(info: DecodeInfo, key_cache, value_cache, new_key, new_value, seqlens
     index = (jnp.arange(info.batch)[:, None], jnp.where(pos < info.capacity, pos, info.capacity))
   key_cache = key_cache.at[index].set(new_key, mode="drop")
   value_cache = value_cache.at[index].set(new_value, mode="drop")
-  return key_cache, value_cache, jnp.minimum(lens + info.q_len, info.capacity)
+  return key_cache, value_cache
 
 
 def query_positions(info: DecodeInfo, lengths: jax.Array) -> jax.Array:

@@ -13,9 +13,11 @@ kernel for Hopper would be a third module with the same five names, see decode/a
     key_cache, value_cache: contiguous [B, L, K, D], or a page pool [P, page_size, K, D] with
       page_table [B, max_pages] int32 (None for a contiguous cache). New tokens are already
       appended.
-    lengths [B] int32: n_b, the valid tokens of each sequence (after the append); values
-      outside [0, L] (unchecked calls) are clamped by the backend. Query token i sits at
-      position n_b - Tq + i and sees keys max(0, pos - window) .. pos (end-aligned causal).
+    lengths [B] int32: cache_seqlens as passed (before the append). The backend derives n_b,
+      the valid tokens of each sequence, as `sequence_lengths` does: clamped to [0, L]
+      (unchecked calls may pass anything), plus Tq when params.appends. Query token i sits
+      at position n_b - Tq + i and sees keys max(0, pos - window) .. pos (end-aligned
+      causal).
     out [B, Tq, H, D] in q.dtype (zeros for a query that sees no key) and lse [B, H, Tq]
       float32, natural log (-inf there). With params.num_splits = S > 1 the backend splits
       each sequence's keys into S ranges (where they start is computed on device from the
@@ -94,9 +96,18 @@ class DecodeParams:
   logits_soft_cap: float | None
   num_splits: int
   page_size: int | None
+  appends: bool = False  # the call appended its Tq tokens: n_b = seqlens + Tq
 
   @classmethod
   def create(cls, info: DecodeInfo, num_splits: int) -> DecodeParams:
     return cls(scale=info.scale, q_len=info.q_len, group=info.group, window=info.window,
                logits_soft_cap=info.logits_soft_cap, num_splits=num_splits,
-               page_size=info.page_size)
+               page_size=info.page_size, appends=info.appends)
+
+
+def sequence_lengths(seqlens, *, q_len: int, appends: bool, capacity: int):
+  """n_b: the tokens each sequence holds during the attention (after the append), from
+  cache_seqlens as passed: clamped to [0, L] first (what an unchecked call may hold), plus
+  Tq when the call appended, at most L (the tokens that did not fit were dropped)."""
+  n = jnp.clip(seqlens, 0, capacity)
+  return jnp.minimum(n + q_len, capacity) if appends else n

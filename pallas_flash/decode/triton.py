@@ -21,7 +21,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_flash import _tiling
 from pallas_flash.call import MASK_VALUE
 from pallas_flash.decode import config as decode_config
 from pallas_flash.decode.call import DecodeInfo, DecodeParams
@@ -83,7 +82,7 @@ class _KernelParams:
   head_dim: int  # D of the cache (columns past it are masked)
   block_m: int
   block_kv: int
-  capacity: int  # L: lengths are clamped to [0, L]
+  capacity: int  # L: n_b is clamped to [0, L]
   num_pages: int | None
   max_pages: int | None
   approx_tanh: bool
@@ -168,10 +167,10 @@ def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, o_ref, lse_ref, *,
                    p: _KernelParams):
   """One row tile of one (sequence, kv head) against one split of its keys.
 
-  Refs after BlockSpec slicing: lengths_ref [B_pad] int32 (n_b, tokens after the append,
-  clamped here to [0, L]); q_ref [Tq, G, D] (this sequence's query heads of this kv head);
+  Refs after BlockSpec slicing: lengths_ref [B] int32 (cache_seqlens as passed: n_b follows
+  as in call.sequence_lengths); q_ref [Tq, G, D] (this sequence's query heads of this kv head);
   k_ref / v_ref [L, D] (this sequence and kv head of a contiguous cache) or [P * page_size, D]
-  (this kv head of the pool); pt_ref [max_pages_pad] int32 (this sequence's page table, None
+  (this kv head of the pool); pt_ref [max_pages] int32 (this sequence's page table, None
   when contiguous). With one split, o_ref [Tq, G, D] and lse_ref [G, Tq] are the final outputs
   (query dtype; float32); with S splits, o_ref [block_m, D_pad] and lse_ref [block_m] are this
   split's float32 partials, normalised over its keys (_merge_kernel combines them).
@@ -179,7 +178,9 @@ def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, o_ref, lse_ref, *,
   """
   mi, si, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   prm, bm, bk = p.params, p.block_m, p.block_kv
-  n = jnp.clip(lengths_ref[bh // p.num_kv_heads], 0, p.capacity)
+  n = jnp.clip(lengths_ref[bh // p.num_kv_heads], 0, p.capacity)  # call.sequence_lengths
+  if prm.appends:
+    n = jnp.minimum(n + prm.q_len, p.capacity)
   row0 = mi * bm
   t, g = _tile_rows(row0, p)
   q_pos = n - prm.q_len + t
@@ -286,12 +287,10 @@ def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodePara
   bm, bk = tiles(config)
   d_pad = common.padded_head_dim(d)
   m_pad = -(-tq * g // bm) * bm
-  lengths = _tiling.pad_axis(lengths, 0, common.pl_next_pow2(b))  # scalar loads: 2^n long
   paged = params.page_size is not None
   if paged:
     num_pages, max_pages = key_cache.shape[0], page_table.shape[1]
     capacity = max_pages * params.page_size
-    page_table = _tiling.pad_axis(page_table, 1, common.pl_next_pow2(max_pages))
     key_cache = key_cache.reshape(-1, kh, d)  # [P * page_size, K, D]: a free view of the pool
     value_cache = value_cache.reshape(-1, kh, d)
     kv_spec = pl.BlockSpec((key_cache.shape[0], None, d), lambda mi, si, bh: (0, bh % kh, 0))

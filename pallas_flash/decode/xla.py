@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_flash.call import MASK_VALUE
-from pallas_flash.decode.call import DecodeInfo, DecodeParams
+from pallas_flash.decode.call import DecodeInfo, DecodeParams, sequence_lengths
 from pallas_flash.decode.config import XlaDecodeConfig
 from pallas_flash.merge import merge_attention_states
 
@@ -119,7 +119,8 @@ def _partials(q, key_cache, value_cache, lengths, page_table, *, params: DecodeP
   else:
     num_pages = page_size = None
     capacity = key_cache.shape[1]
-  lengths = jnp.clip(lengths, 0, capacity)
+  lengths = sequence_lengths(lengths, q_len=params.q_len, appends=params.appends,
+                             capacity=capacity)
   k_flat = key_cache.reshape(-1, kh, d)  # [B*L or P*page, K, D]
   v_flat = value_cache.reshape(-1, kh, d)
   start, end = split_ranges(lengths, params=params, rows=m, block_kv=bk)  # [S, B]
