@@ -2,12 +2,15 @@
 
   python -m train.sample --run runs/cpu-demo --prompt "def "
   python -m train.sample --run runs/h200-long --batch 64 --max-new-tokens 512 --profile
+  python -m train.sample --preset h200-long --batch 64 --max-new-tokens 512 --profile --quiet
 
 Reads the run's model config (the first record of its metrics.jsonl) and the parameters of
 its latest checkpoint, then generates with `models.generate` (prefill and decode steps in one
 jit). Prints the text of each sequence; on a GPU it also reports tokens/s per sequence and in
 total. --profile times one decode step and the attention calls inside it (decode_attention at
-the step's shapes) to report attention's share of a step.
+the step's shapes) to report attention's share of a step. --preset NAME instead of --run
+samples from a freshly initialised model of that training preset (speed only: the text is
+noise).
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from train.checkpoint import load_params
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(prog="python -m train.sample", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--run", required=True, help="a training run's out_dir (with checkpoints/)")
+  src = p.add_mutually_exclusive_group(required=True)
+  src.add_argument("--run", help="a training run's out_dir (with checkpoints/)")
+  src.add_argument("--preset", help="a training preset's model, randomly initialised (speed)")
   p.add_argument("--prompt", default="def ", help="text to continue (bytes are tokens)")
   p.add_argument("--max-new-tokens", type=int, default=256)
   p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
@@ -40,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--profile", action="store_true",
                  help="report a decode step's time and attention's share of it")
+  p.add_argument("--quiet", action="store_true", help="do not print the sequences")
   return p.parse_args(argv)
 
 
@@ -104,9 +110,22 @@ def attention_share(model: Transformer, batch: int, context: int, step_s: float)
           "kv_tb_per_s": kv_bytes * c.n_layers / attn_s / 1e12}
 
 
+def preset_model(name: str) -> Transformer:
+  """A randomly initialised model of a training preset (train.config.PRESETS)."""
+  from train.config import PRESETS
+  if name not in PRESETS:
+    raise SystemExit(f"Unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
+  return Transformer(PRESETS[name].model, rngs=nnx.Rngs(0))
+
+
 def main(argv: list[str] | None = None) -> list[str]:
   opts = parse_args(argv)
-  model, step = load_model(opts.run)
+  if opts.run is not None:
+    model, step = load_model(opts.run)
+    source = f"{opts.run} (step {step}"
+  else:
+    model = preset_model(opts.preset)
+    source = f"preset {opts.preset} (random parameters"
   prompt = encode(opts.prompt)
   if not prompt:
     raise SystemExit("--prompt must not be empty.")
@@ -114,12 +133,12 @@ def main(argv: list[str] | None = None) -> list[str]:
   kw = dict(temperature=opts.temperature, top_k=opts.top_k or None, page_size=opts.page_size,
             rng=jax.random.key(opts.seed))
   device = jax.devices()[0]
-  print(f"{opts.run} (step {step}, {model.config.num_params() / 1e6:.2f}M parameters) on "
+  print(f"{source}, {model.config.num_params() / 1e6:.2f}M parameters) on "
         f"{device.device_kind}: {opts.batch} x {opts.max_new_tokens} tokens after a "
         f"{len(prompt)}-byte prompt")
   out, first_s = _timed(lambda: generate(model, tokens, opts.max_new_tokens, **kw))
   texts = [opts.prompt + decode_bytes(row) for row in jax.device_get(out)]
-  for i, text in enumerate(texts):
+  for i, text in enumerate([] if opts.quiet else texts):
     print(f"--- sequence {i}\n{text}")
   if device.platform == "gpu" or opts.profile:
     _, total_s = _timed(lambda: generate(model, tokens, opts.max_new_tokens, **kw))

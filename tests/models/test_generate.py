@@ -68,3 +68,13 @@ def test_sample_command_on_a_trained_run(tmp_path, capsys):
                    for row in want]
   with pytest.raises(SystemExit, match="--run"):
     main(["--run", str(tmp_path / "missing")])
+
+
+def test_sample_command_on_a_preset_model(capsys):
+  """--preset: a random model of a training preset, for speed (cpu-demo here)."""
+  from train.sample import main
+
+  texts = main(["--preset", "cpu-demo", "--max-new-tokens", "4", "--quiet"])
+  assert len(texts) == 1 and texts[0].startswith("def ")
+  out = capsys.readouterr().out
+  assert "preset cpu-demo (random parameters" in out and "--- sequence" not in out
