@@ -156,11 +156,20 @@ def _page_table(batch: int, cache: int, page_size: int, seed: int) -> np.ndarray
 
 
 def _call(impl: str, layout: str, *, ours_kw: dict, page_size: int):
-  """fn(q, k, v, lens, table) for one implementation, or None where it does not apply."""
+  """fn(q, k, v, lens, table) for one implementation, or None where it does not apply.
+
+  k and v come as contiguous [B, L, K, D] caches; paged calls view them as a pool
+  [B * L / page, page, K, D] inside the jitted function (a free bitcast there: eagerly,
+  a reshape would copy GiBs), read through a shuffled page table. jaxops_paged gets its own
+  layout [K, pages, page, D], copied once outside the timed calls.
+  """
+  pool = lambda x: x.reshape(-1, page_size, *x.shape[2:])  # noqa: E731
   if impl in OURS:
     kw = dict(ours_kw) if impl == "ours" else {"implementation": impl}
-    return lambda q, k, v, lens, table: pallas_flash.decode_attention(
-        q, k, v, lens, page_table=table, **kw)
+    if layout == "paged":
+      return lambda q, k, v, lens, table: pallas_flash.decode_attention(
+          q, pool(k), pool(v), lens, page_table=table, **kw)
+    return lambda q, k, v, lens, table: pallas_flash.decode_attention(q, k, v, lens, **kw)
   if layout == "paged":
     if impl != "jaxops_paged":
       return None
@@ -181,6 +190,17 @@ def _call(impl: str, layout: str, *, ours_kw: dict, page_size: int):
     from jax.experimental.pallas.ops.gpu import decode_attention as ops_decode
     return lambda q, k, v, lens, table: ops_decode.gqa(q[:, 0], k, v, kv_seq_len=lens)
   return None
+
+
+@functools.partial(jax.jit, static_argnames=("page_size",))
+def _sequences(x, table, idx, *, page_size):
+  """Sequences idx of a cache [B, L, K, D] read through the paged view and `table` (None:
+  directly): [len(idx), L, K, D], what the reference checks against."""
+  if table is None:
+    return x[idx]
+  pool = x.reshape(-1, page_size, *x.shape[2:])
+  j = jnp.arange(x.shape[1])
+  return pool[table[idx][:, j // page_size], j % page_size]
 
 
 class _TorchDone:
@@ -237,7 +257,7 @@ def _row(kind: str, impl: str, **fields) -> dict:
 
 def _check(out, ref, idx, dtype) -> tuple[float, str]:
   out = jnp.asarray(out)
-  out = out.reshape(out.shape[0], 1, *out.shape[-2:])[np.asarray(idx)]
+  out = out.reshape(out.shape[0], 1, *out.shape[-2:])[idx]
   err = float(checks.rel_err(out, ref))
   return err, "ok" if err <= TOLERANCE[jnp.dtype(dtype).name] else "FAIL"
 
@@ -268,34 +288,31 @@ def run_point(grid: Grid, batch: int, cache: int, layout: str, impls: list[str],
   kh, d, h = grid.num_kv_heads, grid.head_dim, grid.num_heads
   itemsize = jnp.dtype(dtype).itemsize
   table = None
-  kv = {"ours": (k, v)}
   if layout == "paged":
     table = jnp.asarray(_page_table(batch, cache, grid.page_size, opts.seed))
-    pool = lambda x: x.reshape(-1, grid.page_size, kh, d)  # noqa: E731 -- free view
-    kv["ours"] = (pool(k), pool(v))
   calls = {i: _call(i, layout, ours_kw=_ours_kwargs(opts), page_size=grid.page_size)
            for i in impls if i not in ("torch", "flash")}
   calls = {i: f for i, f in calls.items() if f is not None}
+  kv = {}
   if "jaxops_paged" in calls:  # its layout [K, pages, page, D]: a copy made once, not timed
-    kv["jaxops_paged"] = tuple(jnp.moveaxis(x, 2, 0) for x in kv["ours"])
+    move = jax.jit(lambda x: jnp.moveaxis(x.reshape(-1, grid.page_size, kh, d), 2, 0))
+    kv["jaxops_paged"] = (move(k), move(v))
   lens_spec = jax.ShapeDtypeStruct((batch,), jnp.int32)
-  args = {i: (q, *kv.get("ours" if i in OURS else i, (k, v)), lens_spec, table) for i in calls}
+  args = {i: (q, *kv.get(i, (k, v)), lens_spec, table) for i in calls}
   start = time.perf_counter()
   compiled = _compile_all(calls, args)
   compile_s = time.perf_counter() - start
   rows = []
+  idx = jnp.asarray(sorted({0, batch - 1}))
+  ref_kv = [_sequences(x, table, idx, page_size=grid.page_size).astype(jnp.float32)
+            for x in (k, v)]
   for mode in grid.lengths:
     lens = jnp.asarray(_lengths(mode, batch, cache, opts.seed + batch))
     read = 2 * int(np.asarray(lens, np.int64).sum()) * kh * d * itemsize
     base = dict(layout=layout, lengths=mode, batch=batch, cache=cache, num_heads=h,
                 num_kv_heads=kh, head_dim=d, dtype=jnp.dtype(dtype).name, bytes_read=read,
                 compile_s=compile_s)
-    idx = sorted({0, batch - 1})
-    ref_args = (q[np.asarray(idx)], *(x if table is not None else x[np.asarray(idx)]
-                                       for x in kv["ours"]))
-    ref = pallas_flash.decode_reference(
-        *(x.astype(jnp.float32) for x in ref_args), lens[np.asarray(idx)],
-        page_table=None if table is None else table[np.asarray(idx)])[0]
+    ref = pallas_flash.decode_reference(q[idx].astype(jnp.float32), *ref_kv, lens[idx])[0]
     fns, group = {}, []
     for impl in impls:
       row = _row("decode", impl, **base)
