@@ -44,9 +44,11 @@ class Block(nnx.Module):
     self.mlp_norm = nnx.RMSNorm(config.d_model, dtype=dtype, rngs=rngs)
     self.mlp = SwiGLU(config.d_model, config.hidden_dim, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x, segment_ids, positions):
-    """x [B, T, d_model] (float32 residual stream); segment_ids, positions [B, T] or None."""
-    h = self.attn(self.attn_norm(x), segment_ids=segment_ids, positions=positions)
+  def __call__(self, x, segment_ids, positions, decode: bool = False):
+    """x [B, T, d_model] (float32 residual stream); segment_ids, positions [B, T] or None;
+    decode: attend through the layer's KV cache (FlashMultiHeadAttention.init_cache)."""
+    h = self.attn(self.attn_norm(x), segment_ids=segment_ids, positions=positions,
+                  decode=decode)
     x = x + h.astype(x.dtype)
     return x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
 
@@ -92,25 +94,43 @@ class Transformer(nnx.Module):
         config.d_model, config.vocab_size, use_bias=False, dtype=config.compute_dtype,
         kernel_init=_init, rngs=rngs)
 
+  def init_cache(self, batch_size: int, max_length: int, *,
+                 page_size: int | None = None) -> None:
+    """Empty KV caches in every block for generation (`models.generate`): contiguous, or paged
+    with `page_size` (see FlashMultiHeadAttention.init_cache), in the compute dtype."""
+    for block in self.blocks:
+      block.attn.init_cache(batch_size, max_length, dtype=self.config.compute_dtype,
+                            page_size=page_size)
+
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-               positions: jax.Array | None = None) -> jax.Array:
+               positions: jax.Array | None = None, *, decode: bool = False) -> jax.Array:
     """Next-token logits.
 
     Args:
       tokens: [B, T] int32 bytes.
       segment_ids: [B, T] int32 document ids of packed sequences, or None (one document).
       positions: [B, T] int32 position within each document; default arange(T).
+      decode: append the T tokens to the KV caches (`init_cache`) and attend over them: the
+        prompt once, then one token per step (no segment ids or positions then).
 
     Returns:
       [B, T, vocab_size] float32 logits (the softmax runs in float32 whatever the compute dtype).
     """
     x = self.embed(tokens).astype(jnp.float32)  # [B, T, d_model]
+    if decode:
+      for block in self.blocks:
+        x = block(x, segment_ids, positions, decode=True)
+      return self._logits(x)
     call = _call_block
     if self.config.remat:
       call = (_call_block_remat_keep_attention if self.config.remat_keeps_attention
               else _call_block_remat)
     for block in self.blocks:
       x = call(block, x, segment_ids, positions)
+    return self._logits(x)
+
+  def _logits(self, x: jax.Array) -> jax.Array:
+    """[B, T, d_model] residual stream -> [B, T, vocab] float32 logits."""
     x = self.final_norm(x)
     if self.lm_head is None:
       logits = self.embed.attend(x.astype(self.config.compute_dtype))

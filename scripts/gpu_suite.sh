@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What the GPU machine checks and measures, in one call: ./scripts/gpu_suite.sh STAGE...
-# Stages: env tests bench long memory retrieval ptxas. GPU_MARK: the tests stage's marker
-# expression (default "gpu"); GPU_TESTS: its paths; SHAPES / IMPLS: the bench stage's shapes and
+# Stages: env tests bench long memory retrieval ptxas decode (the decode grid; DECODE_ARGS, e.g.
+# --quick) decode-tests. GPU_MARK: the tests stage's marker expression (default "gpu"); GPU_TESTS:
+# its paths; SHAPES / IMPLS: the bench stage's shapes and
 # implementations; PTXAS_SHAPE B,T,H,D and PTXAS_VARIANTS (scripts/mosaic_ptxas.py variants).
 # Results go to $OUT (default ./gpu_out). Each stage is cut off after ${STAGE_LIMIT_S:-900} s.
 set -uo pipefail
@@ -26,6 +27,8 @@ for stage in "$@"; do
     ptxas) run ptxas bash -c "$py scripts/mosaic_ptxas.py --out /tmp/pf_ptxas --reps 50 \
              --shape ${PTXAS_SHAPE:-4,4096,16,128} \
              ${PTXAS_VARIANTS:-} && cp /tmp/pf_ptxas/ptxas/report.json '$OUT/ptxas_report.json'" ;;
+    decode) run decode $py -m pallas_flash.bench --decode ${DECODE_ARGS:-} --json "$OUT/decode.json" ;;
+    decode-tests) run decode-tests $py -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_decode.py ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done

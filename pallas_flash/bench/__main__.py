@@ -6,6 +6,7 @@ Usage (from the repository root; see docs/perf.md for how numbers are produced):
   python -m pallas_flash.bench --impl triton,mosaic,cudnn,jax_xla --json bench.json
   python -m pallas_flash.bench --memory --impl mosaic --max-seq 1048576
   python -m pallas_flash.bench --shapes cpu --impl xla,reference --iters 2 --settle-ms 0  # CPU
+  python -m pallas_flash.bench --decode [--quick]   # KV-cache decode bandwidth (bench/decode.py)
 
 Implementations: mosaic, triton, xla (blockwise), interpret, reference (pallas_flash), cudnn and
 jax_xla (jax.nn.dot_product_attention with implementation="cudnn" / "xla", materialising).
@@ -30,7 +31,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from pallas_flash.bench import checks, flops, memory, shapes, timing
+from pallas_flash.bench import checks, decode, flops, memory, shapes, timing
 from pallas_flash.mosaic_gpu import config as mosaic_config
 from pallas_flash.call import AttentionParams
 
@@ -49,10 +50,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--mode", default="fwd,fwdbwd", help="comma list of fwd, fwdbwd")
   p.add_argument("--causal", default="both", choices=sorted(_CAUSAL))
   p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-  p.add_argument("--iters", type=int, default=5, help="timed loops (median is reported)")
-  p.add_argument("--min-loop-ms", type=float, default=50.0, help="minimum duration of a loop")
-  p.add_argument("--settle-ms", type=float, default=1000.0,
-                 help="untimed interleaved loops before the timed ones (clocks settle under load)")
+  p.add_argument("--iters", type=int, default=None,
+                 help=f"timed loops (median is reported); default 5 ({decode.ITERS} --decode)")
+  p.add_argument("--min-loop-ms", type=float, default=None,
+                 help=f"minimum duration of a loop; default 50 ({decode.MIN_LOOP_MS:g} --decode)")
+  p.add_argument("--settle-ms", type=float, default=None,
+                 help="untimed interleaved loops before the timed ones (clocks settle under "
+                 f"load); default 1000 ({decode.SETTLE_MS:g} --decode)")
   p.add_argument("--check-seq-cap", type=int, default=4096,
                  help="longest sequence checked against the reference (see shapes.check_spec)")
   p.add_argument("--xla-cap-gib", type=float, default=32.0,
@@ -64,7 +68,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--max-seq", type=int, default=1 << 20, help="memory mode: longest length")
   p.add_argument("--heads", type=int, default=shapes.MEMORY_HEADS, help="memory mode: H")
   p.add_argument("--head-dim", type=int, default=shapes.MEMORY_HEAD_DIM, help="memory mode: D")
-  return p.parse_args(argv)
+  decode.add_arguments(p)
+  opts = p.parse_args(argv)
+  defaults = ((decode.ITERS, decode.MIN_LOOP_MS, decode.SETTLE_MS) if opts.decode
+              else (5, 50.0, 1000.0))
+  for name, default in zip(("iters", "min_loop_ms", "settle_ms"), defaults):
+    if getattr(opts, name) is None:
+      setattr(opts, name, default)
+  return opts
 
 
 def git_commit() -> str | None:
@@ -333,7 +344,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
   dtype = DTYPES[opts.dtype]
   meta = run_metadata()
   print(" ".join(f"{k}={v}" for k, v in meta.items()))
-  if opts.memory:
+  if opts.decode:
+    rows = decode.run_decode(opts, dtype, on_rows=lambda r: _write_json(opts, r, meta))
+  elif opts.memory:
     specs = shapes.memory_specs(start=opts.start_seq, max_seq=opts.max_seq, heads=opts.heads,
                                 head_dim=opts.head_dim)
     if not specs:

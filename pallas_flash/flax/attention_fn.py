@@ -14,6 +14,16 @@ is still a T x S input (and the bias gradient a T x S output). A causal mask bui
 `make_causal_mask` is never recognised as causal (it is a traced array), so it costs a dense mask
 read and disables block skipping: pass `is_causal=True` to the layer call or use
 `make_attention_fn(is_causal=True)` and drop the mask for the cheapest path.
+
+Cached decoding (`decode=True` in Flax's layers): each step calls the attention with one query
+token against the whole cache and a mask hiding the cache positions not written yet. Such a
+call (one query, more keys, a mask) runs `pallas_flash.decode_attention` with each sequence's
+length read from its mask (the last visible key + 1): split-KV over the cache, every query head
+of a kv head served by one read of it. The query is the newest token, so causality (a bound
+`is_causal=True`, whose top-left rule would show it key 0 only) is the mask's. A mask that
+also hides keys before the last visible one (left padding) cannot be expressed as a length: the
+step then returns NaN rather than a wrong answer; pass `cache_steps=False` to
+`make_attention_fn` to run such steps on `flash_attention` with the dense mask instead.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_flash.api import flash_attention
+from pallas_flash.decode import decode_attention
 
 
 @functools.cache
@@ -129,6 +140,7 @@ def flash_attention_fn(
     config: Any = None,
     query_segment_ids: jax.Array | None = None,
     key_value_segment_ids: jax.Array | None = None,
+    cache_steps: bool = True,
 ) -> jax.Array:
   """Drop-in `attention_fn` for `nnx.MultiHeadAttention` and `linen.MultiHeadDotProductAttention`.
 
@@ -154,6 +166,9 @@ def flash_attention_fn(
     scale: softmax scale, default 1/sqrt(D).
     implementation, config: passed to `pallas_flash.flash_attention`.
     query_segment_ids, key_value_segment_ids: [batch..., T] / [batch..., S] packed-document ids.
+    cache_steps: run cached decode steps (one query, more keys, a mask: what Flax's layers call
+      with decode=True) on `decode_attention` with lengths read from the mask (see the module
+      docstring); False runs them on `flash_attention` with the dense mask.
 
   Returns:
     [batch..., T, H, D] in the compute dtype.
@@ -181,6 +196,11 @@ def flash_attention_fn(
                   is_causal=is_causal)
   batch_shape = query.shape[:-3]
   q, k, v = map(_flatten_batch, (query, key, value))
+  if (cache_steps and mask is not None and bias is None and q.shape[1] == 1 < k.shape[1]
+      and query_segment_ids is None):
+    out = _cache_step(q, k, v, _flatten_dense("mask", mask, batch_shape), scale=scale,
+                      implementation=implementation)
+    return out.reshape(*batch_shape, *out.shape[-3:])
   q_seg, kv_seg = (None if s is None else jnp.asarray(s).reshape(-1, s.shape[-1])
                    for s in (query_segment_ids, key_value_segment_ids))
   dropout_kw = {}
@@ -192,6 +212,41 @@ def flash_attention_fn(
                         key_value_segment_ids=kv_seg, implementation=implementation,
                         config=config, **dropout_kw)
   return out.reshape(*batch_shape, *out.shape[-3:])
+
+
+def _cache_step(q, k, v, mask, *, scale, implementation) -> jax.Array:
+  """One query token [B, 1, H, D] against a cache k/v [B, S, K, D] whose visible keys the mask
+  [B|1, H|1, 1, S] gives, on decode_attention: the length of each sequence is its last visible
+  key + 1. NaN where the mask hides a key before that (a length cannot express it).
+
+  Differentiable: the backward is flash_attention's with the dense mask (decode kernels have
+  none), so a one-query training call that happens to look like a cache step still trains.
+  """
+  b, s_len = q.shape[0], k.shape[1]
+  # The decode kernels' names are flash_attention's, except Mosaic's (none yet for decode).
+  impl = None if implementation in (None, "mosaic") else implementation
+
+  def dense(q, k, v, mask):
+    return flash_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
+
+  @jax.custom_vjp
+  def step(q, k, v, mask):
+    visible = jnp.broadcast_to(mask[:, :, 0, :], (b, mask.shape[1], s_len))  # [B, H|1, S]
+    positions = jnp.arange(1, s_len + 1, dtype=jnp.int32)
+    lengths = jnp.max(jnp.where(visible, positions, 0), axis=(1, 2))  # [B]
+    holes = jnp.any(~visible & (positions <= lengths[:, None, None]), axis=(1, 2))
+    out = decode_attention(q, k, v, lengths, scale=scale, implementation=impl)
+    return jnp.where(holes[:, None, None, None], jnp.nan, out)
+
+  def step_fwd(q, k, v, mask):
+    return step(q, k, v, mask), (q, k, v, mask)
+
+  def step_bwd(res, cot):
+    q, k, v, mask = res
+    return (*jax.vjp(lambda q, k, v: dense(q, k, v, mask), q, k, v)[1](cot), None)
+
+  step.defvjp(step_fwd, step_bwd)
+  return step(q, k, v, mask)
 
 
 def _causal_mask(t: int, s: int) -> jax.Array:
@@ -210,7 +265,8 @@ def _segment_mask(q_seg, kv_seg):
 
 
 def make_attention_fn(*, is_causal: bool | None = None, scale: float | None = None,
-                      implementation: str | None = None, config: Any = None):
+                      implementation: str | None = None, config: Any = None,
+                      cache_steps: bool = True):
   """`flash_attention_fn` with kernel options bound, ready for `attention_fn=`.
 
   Args:
@@ -218,11 +274,13 @@ def make_attention_fn(*, is_causal: bool | None = None, scale: float | None = No
       `is_causal`, such as linen's); None keeps the per-call value.
     scale: softmax scale, default 1/sqrt(D).
     implementation, config: passed to `pallas_flash.flash_attention`.
+    cache_steps: run cached decode steps on `decode_attention` (see flash_attention_fn).
 
   Returns:
     A function with `flax.nnx.dot_product_attention`'s signature.
   """
-  kernel_kw = dict(scale=scale, implementation=implementation, config=config)
+  kernel_kw = dict(scale=scale, implementation=implementation, config=config,
+                   cache_steps=cache_steps)
   bound_causal = is_causal
   if is_causal is None:
     return functools.partial(flash_attention_fn, **kernel_kw)

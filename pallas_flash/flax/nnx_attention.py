@@ -6,7 +6,9 @@ so `nnx.update(flax_layer, nnx.state(flash_layer, nnx.Param))` moves weights eit
 What it adds over `nnx.MultiHeadAttention(attention_fn=...)`: segment ids for packed documents,
 per-document rotary positions, the structured masks and logit transforms the kernels compute
 without any T x S array (`local_window_size`, `logits_soft_cap`, `alibi_slopes`) and the kernel
-`implementation`/`config`, all as constructor arguments.
+`implementation`/`config`, all as constructor arguments; and a KV cache for generation
+(`init_cache`, then `__call__(..., decode=True)` for the prompt and each new token) on
+`pallas_flash.decode_attention`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_flash.api import flash_attention
+from pallas_flash.decode import decode_attention
 from pallas_flash.flax.rotary import apply_rotary
 
 # The signature every attention function this layer calls must have (pallas_flash.flash_attention
@@ -80,6 +83,7 @@ class FlashMultiHeadAttention(nnx.Module):
       implementation: str | None = None,
       config: Any = None,
       attention_fn: AttentionFn | None = None,
+      decode_implementation: str | None = None,
       rngs: nnx.Rngs,
   ):
     """Builds the projections.
@@ -100,7 +104,9 @@ class FlashMultiHeadAttention(nnx.Module):
         True for `alibi_slopes(num_heads)`, or one slope per query head (fixed, not trained).
       implementation, config: passed to `pallas_flash.flash_attention`.
       attention_fn: replaces `pallas_flash.flash_attention` (same keyword signature, see
-        `AttentionFn`); `implementation`/`config` are then not used.
+        `AttentionFn`); `implementation`/`config` are then not used. Cached decoding
+        (`decode=True`) always runs `pallas_flash.decode_attention`.
+      decode_implementation: `decode_attention`'s implementation for `decode=True` calls.
       rngs: parameter initialisation.
     """
     qkv_features = qkv_features or in_features
@@ -133,6 +139,12 @@ class FlashMultiHeadAttention(nnx.Module):
     self.alibi = alibi
     self.attention_fn = attention_fn or functools.partial(
         flash_attention, implementation=implementation, config=config)
+    self.decode_implementation = decode_implementation
+    # The KV cache (init_cache): None until then.
+    self.cached_key: nnx.Cache | None = nnx.data(None)
+    self.cached_value: nnx.Cache | None = nnx.data(None)
+    self.cache_seqlens: nnx.Cache | None = nnx.data(None)
+    self.page_table: nnx.Cache | None = nnx.data(None)
     linear = functools.partial(
         nnx.LinearGeneral, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
         bias_init=bias_init, use_bias=use_bias, kernel_metadata=kernel_metadata, rngs=rngs)
@@ -155,6 +167,7 @@ class FlashMultiHeadAttention(nnx.Module):
       positions: jax.Array | None = None,
       kv_positions: jax.Array | None = None,
       is_causal: bool | None = None,
+      decode: bool = False,
   ) -> jax.Array:
     """Attends from `inputs_q` to `inputs_kv` (self-attention when None).
 
@@ -165,10 +178,16 @@ class FlashMultiHeadAttention(nnx.Module):
       positions: [B, T] rotary positions, default arange(T) (pass per-document positions for
         packed sequences); kv_positions: [B, S], default `positions` for self-attention.
       is_causal: overrides the constructor's default.
+      decode: append this call's T tokens to the KV cache (`init_cache` first) and attend
+        causally over the cache, the new tokens at positions cache_seqlens .. + T - 1 (rotary
+        there too): the prompt once, then one token per step. Self-attention only; no
+        segment ids, positions or ALiBi.
 
     Returns:
       [B, T, out_features] in the compute dtype.
     """
+    if decode:
+      return self._decode(inputs_q, inputs_kv, segment_ids, positions)
     self_attention = inputs_kv is None
     inputs_kv = inputs_q if self_attention else inputs_kv
     query = self.query(inputs_q)  # [B, T, H, D]
@@ -183,6 +202,59 @@ class FlashMultiHeadAttention(nnx.Module):
         query_segment_ids=segment_ids, key_value_segment_ids=kv_segment_ids,
         **self._feature_kwargs())  # [B, T, H, D]
     return self.out(x)
+
+  def init_cache(self, batch_size: int, max_length: int, *, dtype: Any = None,
+                 page_size: int | None = None) -> None:
+    """Allocates an empty KV cache for `batch_size` sequences of up to `max_length` tokens.
+
+    Contiguous [B, max_length, K, D] buffers, or with `page_size` a page pool
+    [B * max_length / page_size, page_size, K, D] and a page table giving sequence b pages
+    b * n .. b * n + n - 1 (`page_table` can be replaced, e.g. by a serving engine's
+    allocator). dtype: the cache's, default the layer's compute dtype (`dtype`, else the
+    parameters'). Calling it again starts empty.
+    """
+    dtype = dtype or self.query.dtype or self.query.param_dtype
+    shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
+    if page_size is not None:
+      if max_length % page_size:
+        raise ValueError(f"max_length ({max_length}) must be a multiple of page_size "
+                         f"({page_size}).")
+      pages = max_length // page_size
+      shape = (batch_size * pages, page_size, self.num_kv_heads, self.head_dim)
+      self.page_table = nnx.Cache(jnp.arange(batch_size * pages, dtype=jnp.int32).reshape(
+          batch_size, pages))
+    else:
+      self.page_table = nnx.data(None)
+    self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
+    self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+    self.cache_seqlens = nnx.Cache(jnp.zeros((batch_size,), jnp.int32))
+
+  def _decode(self, inputs, inputs_kv, segment_ids, positions) -> jax.Array:
+    """Appends the T new tokens of `inputs` [B, T, in] and attends over the cache."""
+    if self.cached_key is None:
+      raise ValueError("decode=True needs a KV cache: call init_cache(batch_size, max_length) "
+                       "first.")
+    unsupported = [name for name, given in (("inputs_kv", inputs_kv is not None),
+                                            ("segment_ids", segment_ids is not None),
+                                            ("positions", positions is not None),
+                                            ("alibi", self.alibi is not None)) if given]
+    if unsupported:
+      raise ValueError(f"decode=True does not take {', '.join(unsupported)}: the cache gives "
+                       "the positions, and decode_attention is causal self-attention without "
+                       "segments or ALiBi.")
+    query = self.query(inputs)  # [B, T, H, D]
+    dtype = self.cached_key.dtype
+    key = self.key(inputs).astype(dtype)  # [B, T, K, D]
+    value = self.value(inputs).astype(dtype)
+    table = None if self.page_table is None else self.page_table[...]
+    x, k_cache, v_cache = decode_attention(
+        query.astype(dtype), self.cached_key[...], self.cached_value[...],
+        self.cache_seqlens[...], page_table=table, new_key=key, new_value=value,
+        rotary=self.rope_theta, local_window_size=self.local_window_size,
+        logits_soft_cap=self.logits_soft_cap, implementation=self.decode_implementation)
+    self.cached_key[...], self.cached_value[...] = k_cache, v_cache
+    self.cache_seqlens[...] = self.cache_seqlens[...] + inputs.shape[1]
+    return self.out(x.astype(query.dtype))
 
   def _feature_kwargs(self) -> dict:
     """The optional attention features this layer uses (none: a plain AttentionFn suffices)."""

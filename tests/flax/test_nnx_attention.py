@@ -119,3 +119,40 @@ def test_alibi_slopes_schedule():
   assert alibi_slopes(6) == alibi_slopes(4) + tuple(2.0 ** (-(2 * h + 1)) for h in range(2))
   with pytest.raises(ValueError, match="one slope per query head"):
     FlashMultiHeadAttention(4, 32, alibi=(0.5, 0.25), rngs=nnx.Rngs(0))
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache: init_cache, then decode=True for the prompt and each new token
+
+
+@pytest.mark.parametrize("page_size", [None, 4], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("features", [{}, {"local_window_size": (5, 0), "logits_soft_cap": 20.0}],
+                         ids=["plain", "window_softcap"])
+def test_prefill_then_steps_equal_the_full_causal_forward(page_size, features):
+  layer = FlashMultiHeadAttention(4, 32, num_kv_heads=2, is_causal=True, rope_theta=1e4,
+                                  implementation="xla", rngs=nnx.Rngs(0), **features)
+  x = jax.random.normal(jax.random.key(1), (2, 11, 32))
+  full = layer(x)
+  layer.init_cache(2, 16, page_size=page_size)
+
+  @nnx.jit
+  def step(layer, xt):
+    return layer(xt, decode=True)
+
+  outs = [step(layer, x[:, :6])] + [step(layer, x[:, t:t + 1]) for t in range(6, 11)]
+  assert_close(jnp.concatenate(outs, axis=1), full, tol=1e-5, what="cached decode")
+  np.testing.assert_array_equal(np.asarray(layer.cache_seqlens[...]), [11, 11])
+  layer.init_cache(2, 16, page_size=page_size)  # starts empty again
+  assert_close(step(layer, x[:, :3]), full[:, :3], tol=1e-5, what="after re-init")
+
+
+def test_decode_needs_a_cache_and_no_positions():
+  layer = FlashMultiHeadAttention(4, 32, is_causal=True, rngs=nnx.Rngs(0))
+  x = jnp.zeros((1, 2, 32))
+  with pytest.raises(ValueError, match="init_cache"):
+    layer(x, decode=True)
+  layer.init_cache(1, 8)
+  with pytest.raises(ValueError, match="does not take positions"):
+    layer(x, decode=True, positions=jnp.zeros((1, 2), jnp.int32))
+  with pytest.raises(ValueError, match="multiple of page_size"):
+    layer.init_cache(1, 10, page_size=4)

@@ -1,0 +1,517 @@
+"""Decode benchmark (`python -m pallas_flash.bench --decode`): KV-cache attention bandwidth.
+
+Per point (batch B x cache length L, contiguous or paged cache, uniform or ragged lengths):
+every implementation is checked against the float32 reference on its own output (the first and
+last sequence), then timed in interleaved rounds together with a jnp copy of the same bytes.
+Reported: microseconds per call, bandwidth = bytes of K and V the call must read (2 * sum of
+lengths * K * D * itemsize) / time, and that bandwidth as a fraction of the copy's
+(2 * bytes / time: a copy reads and writes them). Anchors: `jax.nn.dot_product_attention` with
+`key_value_seq_lengths` (cudnn, xla), jax's Pallas ops `decode_attention.gqa` and (paged)
+`paged_attention`, torch `scaled_dot_product_attention` (uniform lengths, when importable);
+each anchor cell gives its microseconds and our speed-up over it.
+
+Chunked prefill rows: Tq new tokens (B = 1) against a 32K cache, end-aligned causal, in TFLOP/s
+(4 * H * D * visible pairs) next to `flash_attention` running the same mask (a window
+(n, n - Tq) over the n cached keys) and cuDNN's.
+
+Shapes: 32 query / 8 kv heads, D 128 (Llama-3-8B's attention), page 64. --quick: four
+points and one prefill row. The full grid compiles each point's executables in parallel and
+times 3 interleaved rounds of 20 ms loops, to finish in about 3-4 minutes on one H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_flash
+from pallas_flash.bench import checks, flops, timing
+
+# Our implementations (pallas_flash.decode_attention; "ours" = implementation=None) and the
+# anchors.
+OURS = ("ours", "xla", "interpret")
+ANCHORS = ("cudnn", "jax_xla", "jaxops_gqa", "jaxops_paged", "torch")
+DECODE_IMPLS = OURS + ANCHORS
+PREFILL_ANCHORS = ("flash", "cudnn")
+# max|x - ref| / max|ref| above which a row is FAIL (the attention benchmark's tolerances).
+TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}
+# Decode-mode timing defaults (the flags override them): short loops, few rounds.
+ITERS, MIN_LOOP_MS, SETTLE_MS = 3, 20.0, 0.0
+COPY_CAP_BYTES = 4 << 30  # the copy's bandwidth saturates far below this
+TILE_KEYS = 4096  # random keys generated per sequence, tiled along L (no 32 GiB RNG buffers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+  """Points of one benchmark run."""
+
+  batches: tuple[int, ...]
+  caches: tuple[int, ...]
+  num_heads: int = 32
+  num_kv_heads: int = 8
+  head_dim: int = 128
+  page_size: int = 64
+  prefill_q_lens: tuple[int, ...] = (512, 1024, 2048, 4096)
+  prefill_cache: int = 32768
+  lengths: tuple[str, ...] = ("uniform", "ragged")
+
+
+GRIDS = {
+    "full": Grid(batches=(1, 8, 32, 64, 128), caches=(1024, 8192, 32768, 131072)),
+    "quick": Grid(batches=(1, 32), caches=(1024, 32768), prefill_q_lens=(1024,),
+                  lengths=("uniform",)),
+    "cpu": Grid(batches=(1, 3), caches=(64, 96), num_heads=4, num_kv_heads=2, head_dim=32,
+                page_size=16, prefill_q_lens=(8,), prefill_cache=96),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  g = p.add_argument_group("decode mode (--decode)")
+  g.add_argument("--decode", action="store_true", help="the decode / KV-cache benchmark")
+  g.add_argument("--quick", action="store_true", help="decode: a few points (grid 'quick')")
+  g.add_argument("--grid", default=None, choices=sorted(GRIDS),
+                 help="decode: point grid (default full; cpu: tiny shapes for tests)")
+  g.add_argument("--batches", default=None, help="decode: comma list overriding the grid's")
+  g.add_argument("--caches", default=None, help="decode: comma list of cache lengths")
+  g.add_argument("--layouts", default="contiguous,paged", help="decode: contiguous,paged")
+  g.add_argument("--lengths", default=None, help="decode: uniform,ragged")
+  g.add_argument("--prefill", default="yes", choices=("yes", "no", "only"),
+                 help="decode: the chunked-prefill rows")
+  g.add_argument("--max-cache-gib", type=float, default=32.0,
+                 help="decode: skip points whose K+V cache exceeds this")
+  for name in ("block-kv", "block-m", "num-warps", "num-stages", "num-splits"):
+    g.add_argument(f"--{name}", type=int, default=None,
+                   help=f"decode: {name.replace('-', '_')} of ours (Triton) for sweeps")
+
+
+def _grid(opts) -> Grid:
+  grid = GRIDS[opts.grid or ("quick" if opts.quick else "full")]
+  ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
+  if opts.batches:
+    grid = dataclasses.replace(grid, batches=ints(opts.batches))
+  if opts.caches:
+    grid = dataclasses.replace(grid, caches=ints(opts.caches))
+  if opts.lengths:
+    grid = dataclasses.replace(grid, lengths=tuple(opts.lengths.split(",")))
+  return grid
+
+
+def _impls(opts) -> list[str]:
+  if opts.impl:
+    impls = [i.strip() for i in opts.impl.split(",") if i.strip()]
+    unknown = set(impls) - set(DECODE_IMPLS) - set(PREFILL_ANCHORS)
+    if unknown:
+      raise SystemExit(f"Unknown decode implementations {sorted(unknown)}; choose from "
+                       f"{DECODE_IMPLS + ('flash',)}.")
+    return impls
+  if jax.devices()[0].platform == "gpu":
+    return ["ours", *ANCHORS, "flash"]
+  return ["ours", "jax_xla", "flash"]
+
+
+def _ours_kwargs(opts) -> dict:
+  """implementation / config / num_splits of 'ours' (the flags force the Triton kernel)."""
+  fields = {f: getattr(opts, f) for f in ("block_kv", "block_m", "num_warps", "num_stages")}
+  kw = {"num_splits": opts.num_splits}
+  if any(v is not None for v in fields.values()):
+    kw.update(implementation="triton", config=pallas_flash.TritonDecodeConfig(**fields))
+  return kw
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _random_cache(key, *, shape, dtype):
+  """[B, L, K, D] normal values: TILE_KEYS random keys per sequence, tiled along L."""
+  b, length, kh, d = shape
+  block = min(length, TILE_KEYS)
+  x = jax.random.normal(key, (b, block, kh, d), dtype)
+  return jnp.tile(x, (1, -(-length // block), 1, 1))[:, :length]
+
+
+def _lengths(mode: str, batch: int, cache: int, seed: int) -> np.ndarray:
+  if mode == "uniform":
+    return np.full(batch, cache, np.int32)
+  return np.random.default_rng(seed).integers(1, cache + 1, batch).astype(np.int32)
+
+
+def _page_table(batch: int, cache: int, page_size: int, seed: int) -> np.ndarray:
+  """Every sequence gets cache / page_size pages of the pool in a random order."""
+  pages = batch * (cache // page_size)
+  return np.random.default_rng(seed).permutation(pages).astype(np.int32).reshape(batch, -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The calls (each returns out [B, 1, H, D] or [B, H, D]; `lens` is traced)
+
+
+def _call(impl: str, layout: str, *, ours_kw: dict, page_size: int):
+  """fn(q, k, v, lens, table) for one implementation, or None where it does not apply.
+
+  k and v come as contiguous [B, L, K, D] caches; paged calls view them as a pool
+  [B * L / page, page, K, D] inside the jitted function (a free bitcast there: eagerly,
+  a reshape would copy GiBs), read through a shuffled page table. jaxops_paged gets its own
+  layout [K, pages, page, D], copied once outside the timed calls.
+  """
+  pool = lambda x: x.reshape(-1, page_size, *x.shape[2:])  # noqa: E731
+  if impl in OURS:
+    kw = dict(ours_kw) if impl == "ours" else {"implementation": impl}
+    if layout == "paged":
+      return lambda q, k, v, lens, table: pallas_flash.decode_attention(
+          q, pool(k), pool(v), lens, page_table=table, **kw)
+    return lambda q, k, v, lens, table: pallas_flash.decode_attention(q, k, v, lens, **kw)
+  if layout == "paged":
+    if impl != "jaxops_paged":
+      return None
+    from jax.experimental.pallas.ops.gpu import paged_attention as paged
+
+    def run(q, k, v, lens, table):
+      pages_per_seq = table.shape[1]
+      k_splits = math.gcd(16, pages_per_seq)  # it needs pages_per_seq % k_splits == 0
+      return paged.paged_attention(q[:, 0], k, v, table, lens, k_splits=k_splits,
+                                   pages_per_compute_block=min(8, pages_per_seq // k_splits))
+
+    return run
+  if impl in ("cudnn", "jax_xla"):
+    name = "cudnn" if impl == "cudnn" else "xla"
+    return lambda q, k, v, lens, table: jax.nn.dot_product_attention(
+        q, k, v, key_value_seq_lengths=lens, implementation=name)
+  if impl == "jaxops_gqa":
+    from jax.experimental.pallas.ops.gpu import decode_attention as ops_decode
+    return lambda q, k, v, lens, table: ops_decode.gqa(q[:, 0], k, v, kv_seq_len=lens)
+  return None
+
+
+@functools.partial(jax.jit, static_argnames=("page_size",))
+def _sequences(x, table, idx, *, page_size):
+  """Sequences idx of a cache [B, L, K, D] read through the paged view and `table` (None:
+  directly): [len(idx), L, K, D], what the reference checks against."""
+  if table is None:
+    return x[idx]
+  pool = x.reshape(-1, page_size, *x.shape[2:])
+  j = jnp.arange(x.shape[1])
+  return pool[table[idx][:, j // page_size], j % page_size]
+
+
+class _TorchDone:
+  """What the torch anchor returns per call: jax.block_until_ready syncs the CUDA stream."""
+
+  def block_until_ready(self):
+    import torch
+    torch.cuda.synchronize()
+    return self
+
+
+def _torch_call(q, k, v):
+  """torch SDPA on zero-copy views of the jax arrays ([B, H|K, T|L, D] by transposes)."""
+  import torch
+  import torch.nn.functional as F  # noqa: N812
+
+  qt, kt, vt = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+
+  def run(*_):
+    out = F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+    return out
+
+  def timed():
+    run()
+    return _TorchDone()
+
+  def result():
+    return jnp.asarray(run().transpose(1, 2).float().cpu().numpy())
+
+  return timed, result
+
+
+def _compile_all(fns: dict, args: dict) -> dict:
+  """{name: compiled or Exception}: each fn jitted and compiled for its args, in parallel
+  (XLA and Triton compile in C++ off the GIL)."""
+  def one(name):
+    try:
+      return jax.jit(fns[name]).lower(*args[name]).compile()
+    except Exception as e:  # noqa: BLE001 -- a failing anchor only marks its row
+      return e
+
+  with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(fns))) as pool:
+    return dict(zip(fns, pool.map(one, fns)))
+
+
+# ---------------------------------------------------------------------------------------------
+# One point
+
+
+def _row(kind: str, impl: str, **fields) -> dict:
+  return {"kind": kind, "impl": impl, "status": "skip", "reason": None, "us": None,
+          "device_us": None, "rel_err": None, **fields}
+
+
+def _check(out, ref, idx, dtype) -> tuple[float, str]:
+  out = jnp.asarray(out)
+  out = out.reshape(out.shape[0], 1, *out.shape[-2:])[idx]
+  err = float(checks.rel_err(out, ref))
+  return err, "ok" if err <= TOLERANCE[jnp.dtype(dtype).name] else "FAIL"
+
+
+def _device_us(exe, args: tuple, iterations: int = 5) -> float | None:
+  """Median GPU time per call of a compiled executable (CUPTI: the sum of its kernels'
+  durations, without launch gaps), or None off-GPU or without CUPTI."""
+  if jax.devices()[0].platform != "gpu":
+    return None
+  try:
+    from jax.experimental.mosaic.gpu import profiler
+    _, per_iter = profiler.measure(exe, iterations=iterations)(*args)
+  except Exception:  # noqa: BLE001 -- CUPTI missing or busy: wall time only
+    return None
+  return None if not per_iter else float(np.median(per_iter)) * 1e3
+
+
+def _time(fns: dict, opts) -> dict:
+  """timing.time_interleaved over zero-argument closures."""
+  return timing.time_interleaved(fns, (), iters=opts.iters, min_loop_s=opts.min_loop_ms / 1e3,
+                                 settle_s=opts.settle_ms / 1e3)
+
+
+def run_point(grid: Grid, batch: int, cache: int, layout: str, impls: list[str], dtype,
+              opts, inputs) -> list[dict]:
+  """Rows of one (B, L, layout) for every lengths mode in the grid."""
+  q, k, v = inputs
+  kh, d, h = grid.num_kv_heads, grid.head_dim, grid.num_heads
+  itemsize = jnp.dtype(dtype).itemsize
+  table = None
+  if layout == "paged":
+    table = jnp.asarray(_page_table(batch, cache, grid.page_size, opts.seed))
+  calls = {i: _call(i, layout, ours_kw=_ours_kwargs(opts), page_size=grid.page_size)
+           for i in impls if i not in ("torch", "flash")}
+  calls = {i: f for i, f in calls.items() if f is not None}
+  kv = {}
+  if "jaxops_paged" in calls:  # its layout [K, pages, page, D]: a copy made once, not timed
+    move = jax.jit(lambda x: jnp.moveaxis(x.reshape(-1, grid.page_size, kh, d), 2, 0))
+    kv["jaxops_paged"] = (move(k), move(v))
+  lens_spec = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  args = {i: (q, *kv.get(i, (k, v)), lens_spec, table) for i in calls}
+  start = time.perf_counter()
+  compiled = _compile_all(calls, args)
+  compile_s = time.perf_counter() - start
+  rows = []
+  idx = jnp.asarray(sorted({0, batch - 1}))
+  ref_kv = [_sequences(x, table, idx, page_size=grid.page_size).astype(jnp.float32)
+            for x in (k, v)]
+  for mode in grid.lengths:
+    lens = jnp.asarray(_lengths(mode, batch, cache, opts.seed + batch))
+    read = 2 * int(np.asarray(lens, np.int64).sum()) * kh * d * itemsize
+    base = dict(layout=layout, lengths=mode, batch=batch, cache=cache, num_heads=h,
+                num_kv_heads=kh, head_dim=d, dtype=jnp.dtype(dtype).name, bytes_read=read,
+                compile_s=compile_s)
+    ref = pallas_flash.decode_reference(q[idx].astype(jnp.float32), *ref_kv, lens[idx])[0]
+    fns, group = {}, []
+    for impl in impls:
+      row = _row("decode", impl, **base)
+      group.append(row)
+      if impl == "torch":
+        if layout != "contiguous" or mode != "uniform":
+          row["reason"] = "uniform contiguous caches only (SDPA has no lengths)"
+          continue
+        try:
+          timed, result = _torch_call(q, k, v)
+          row["rel_err"], row["status"] = _check(result(), ref, idx, dtype)
+          fns[impl] = timed
+        except Exception as e:  # noqa: BLE001 -- no torch, or a torch error
+          row.update(status="error", reason=f"{type(e).__name__}: {str(e)[:200]}")
+        continue
+      if impl not in compiled:
+        row["reason"] = f"not a {layout}-cache implementation"
+        continue
+      exe = compiled[impl]
+      if isinstance(exe, Exception):
+        row.update(status="error", reason=f"{type(exe).__name__}: {str(exe).strip()[:300]}")
+        continue
+      call_args = (*args[impl][:3], lens, table)
+      try:
+        row["rel_err"], row["status"] = _check(exe(*call_args), ref, idx, dtype)
+      except Exception as e:  # noqa: BLE001
+        row.update(status="error", reason=f"{type(e).__name__}: {str(e).strip()[:300]}")
+        continue
+      fns[impl] = functools.partial(exe, *call_args)
+      row["device_us"] = _device_us(exe, call_args)
+      if row["device_us"]:
+        row["device_tbs"] = read / row["device_us"] / 1e6
+    copy_elems = min(read, COPY_CAP_BYTES, k.size * itemsize) // itemsize
+    copy = jax.jit(lambda x, n=copy_elems: x.reshape(-1)[:n] + jnp.ones((), x.dtype))
+    copy = copy.lower(k).compile()
+    fns["copy"] = functools.partial(copy, k)
+    times = _time(fns, opts)
+    copy_bw = 2 * copy_elems * itemsize / times["copy"].median_s
+    copy_dev = _device_us(copy, (k,))
+    for row in group:
+      row["copy_tbs"] = copy_bw / 1e12
+      if copy_dev and row.get("device_us"):  # the same fraction in GPU time
+        row["device_copy_fraction"] = (read / row["device_us"]) / (2 * copy_elems * itemsize
+                                                                   / copy_dev)
+      if (t := times.get(row["impl"])) is not None:
+        row.update(us=t.median_s * 1e6, tbs=read / t.median_s / 1e12,
+                   copy_fraction=read / t.median_s / copy_bw)
+    ours = next((r for r in group if r["impl"] == impls[0] and r["us"]), None)
+    for row in group:
+      row["ours_speedup"] = ours["us"] and row["us"] and row["us"] / ours["us"] if ours else None
+    rows += group
+  return rows
+
+
+def run_prefill(grid: Grid, impls: list[str], dtype, opts) -> list[dict]:
+  """Chunked prefill: B = 1, Tq tokens, no append, n = the cache length (end-aligned)."""
+  h, kh, d, n = grid.num_heads, grid.num_kv_heads, grid.head_dim, grid.prefill_cache
+  keys = jax.random.split(jax.random.key(opts.seed + 7), 3)
+  k = _random_cache(keys[1], shape=(1, n, kh, d), dtype=dtype)
+  v = _random_cache(keys[2], shape=(1, n, kh, d), dtype=dtype)
+  lens = jnp.full((1,), n, jnp.int32)
+  g = h // kh
+  rows = []
+  for tq in grid.prefill_q_lens:
+    q = jax.random.normal(keys[0], (1, tq, h, d), dtype)
+    pairs = tq * (n - tq) + tq * (tq + 1) // 2
+    flop = 4.0 * h * d * pairs
+    window = (n, n - tq)  # query i (at n - tq + i) sees keys 0 .. n - tq + i
+    calls = {"ours": lambda q, k, v: pallas_flash.decode_attention(q, k, v, lens,
+                                                                   **_ours_kwargs(opts))}
+    if "flash" in impls:
+      calls["flash"] = functools.partial(pallas_flash.flash_attention, local_window_size=window)
+    if "cudnn" in impls and jax.devices()[0].platform == "gpu":
+      calls["cudnn"] = functools.partial(jax.nn.dot_product_attention, local_window_size=window,
+                                         implementation="cudnn")
+    compiled = _compile_all(calls, {i: (q, k, v) for i in calls})
+    ref = pallas_flash.decode_reference(q[:, :, :g].astype(jnp.float32),
+                                        k[:, :, :1].astype(jnp.float32),
+                                        v[:, :, :1].astype(jnp.float32), lens)[0]
+    fns, group = {}, []
+    for impl, exe in compiled.items():
+      row = _row("prefill", impl, q_len=tq, cache=n, batch=1, num_heads=h, num_kv_heads=kh,
+                 head_dim=d, dtype=jnp.dtype(dtype).name, flops=flop)
+      group.append(row)
+      if isinstance(exe, Exception):
+        row.update(status="error", reason=f"{type(exe).__name__}: {str(exe).strip()[:300]}")
+        continue
+      out = exe(q, k, v)[:, :, :g]
+      row["rel_err"] = float(checks.rel_err(out, ref))
+      row["status"] = "ok" if row["rel_err"] <= TOLERANCE[jnp.dtype(dtype).name] else "FAIL"
+      fns[impl] = functools.partial(exe, q, k, v)
+    times = _time(fns, opts) if fns else {}
+    for row in group:
+      if (t := times.get(row["impl"])) is not None:
+        row.update(us=t.median_s * 1e6, tflops=flop / t.median_s / 1e12)
+    ours = group[0]
+    for row in group:
+      row["ours_ratio"] = (ours.get("tflops") and row.get("tflops")
+                           and ours["tflops"] / row["tflops"])
+    rows += group
+    print_prefill(group)
+  return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Printing
+
+
+def _tokens(n: int) -> str:
+  return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def _f(x, spec: str) -> str:
+  return "-" if x is None else format(x, spec)
+
+
+def _anchor_cell(r: dict) -> str:
+  if r["status"] in ("skip", "error"):
+    return r["status"]
+  cell = f"{r['us']:.1f} ({r['ours_speedup']:.2f}x)" if r["us"] and r["ours_speedup"] else "-"
+  return cell + ("!" if r["status"] == "FAIL" else "")
+
+
+def print_header(impls: list[str], grid: Grid, dtype) -> None:
+  anchors = [i for i in impls if i not in ("flash",) and i != impls[0]]
+  print(f"\ndecode, {jnp.dtype(dtype).name}, H {grid.num_heads} / K {grid.num_kv_heads}, "
+        f"D {grid.head_dim}, page {grid.page_size}. TB/s = K+V bytes read / time; %copy = that"
+        " / (2 x bytes / a jnp copy's time); us: per call, back to back; dev us: its kernels'"
+        " GPU time (CUPTI); anchors: us (our speed-up); ! = FAIL")
+  print(f"| layout | lengths | B | cache | MiB read | copy TB/s | {impls[0]} us | dev us | TB/s "
+        "| %copy | err | " + " | ".join(anchors) + " |")
+  print("|---" * (11 + len(anchors)) + "|")
+
+
+def print_rows(rows: list[dict], impls: list[str]) -> None:
+  """One table line per (layout, lengths, B, cache)."""
+  anchors = [i for i in impls if i not in ("flash",) and i != impls[0]]
+  by_key: dict[tuple, dict[str, dict]] = {}
+  for r in rows:
+    by_key.setdefault((r["layout"], r["lengths"], r["batch"], r["cache"]), {})[r["impl"]] = r
+  for (layout, mode, b, cache), group in by_key.items():
+    ours = group.get(impls[0])
+    if ours is None:
+      continue
+    pct = ours.get("copy_fraction") and 100 * ours["copy_fraction"]
+    cells = [layout, mode, str(b), _tokens(cache), f"{ours['bytes_read'] / 2**20:.4g}",
+             _f(ours.get("copy_tbs"), ".2f"),
+             _f(ours["us"], ".1f") + ("!" if ours["status"] == "FAIL" else ""),
+             _f(ours.get("device_us"), ".1f"), _f(ours.get("tbs"), ".2f"), _f(pct, ".0f"), _f(ours["rel_err"], ".0e")]
+    cells += [_anchor_cell(group[a]) if a in group else "" for a in anchors]
+    print("| " + " | ".join(cells) + " |", flush=True)
+
+
+def print_prefill(group: list[dict]) -> None:
+  r0 = group[0]
+  cells = []
+  for r in group:
+    cell = f"{r['impl']} {flops.format_tflops(r.get('tflops'))} TFLOP/s"
+    if r is not r0 and r.get("ours_ratio"):
+      cell += f" (ours {r['ours_ratio']:.2f}x)"
+    if r["status"] != "ok":
+      cell += f" {r['status']}"
+    cells.append(cell)
+  print(f"prefill Tq={r0['q_len']} cache {_tokens(r0['cache'])}: " + ", ".join(cells),
+        flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+
+
+def run_decode(opts, dtype, on_rows=lambda rows: None) -> list[dict]:
+  """Every decode point and prefill row; prints as it goes and passes rows to `on_rows`."""
+  grid, impls = _grid(opts), _impls(opts)
+  layouts = [x.strip() for x in opts.layouts.split(",") if x.strip()]
+  rows: list[dict] = []
+  if opts.prefill != "only":
+    print_header(impls, grid, dtype)
+    for cache in grid.caches:
+      for batch in grid.batches:
+        gib = 2 * batch * cache * grid.num_kv_heads * grid.head_dim * jnp.dtype(dtype).itemsize
+        if gib / 2**30 > opts.max_cache_gib:
+          print(f"| skip B={batch} cache {cache}: K+V {gib / 2**30:.0f} GiB > "
+                f"--max-cache-gib {opts.max_cache_gib:g} |")
+          continue
+        keys = jax.random.split(jax.random.key(opts.seed), 3)
+        shape = (batch, cache, grid.num_kv_heads, grid.head_dim)
+        inputs = (jax.random.normal(keys[0], (batch, 1, grid.num_heads, grid.head_dim), dtype),
+                  _random_cache(keys[1], shape=shape, dtype=dtype),
+                  _random_cache(keys[2], shape=shape, dtype=dtype))
+        for layout in layouts:
+          point = run_point(grid, batch, cache, layout, impls, dtype, opts, inputs)
+          print_rows(point, impls)
+          rows += point
+          on_rows(rows)
+        del inputs
+  if opts.prefill != "no" and grid.prefill_q_lens:
+    print(f"\nchunked prefill, B 1, cache {_tokens(grid.prefill_cache)} (end-aligned causal), "
+          f"TFLOP/s = 4 H D x visible pairs / time; flash = flash_attention with the same mask")
+    rows += run_prefill(grid, [i for i in impls if i in PREFILL_ANCHORS], dtype, opts)
+    on_rows(rows)
+  return rows

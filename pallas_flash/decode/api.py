@@ -1,0 +1,288 @@
+"""decode_attention: attention of new query tokens against a KV cache, with the cache append.
+
+validate (decode.validation) -> choose the implementation, resolve its config and the split
+count once (`_plan`, also what `decode_explain` reports) -> append the new tokens and rotate
+(decode.cache) -> the backend's split-KV attention, which merges its splits itself.
+
+Implementations follow one contract (decode.call): "triton" (Triton-lowered Pallas kernel, any
+NVIDIA GPU from Ampere), "interpret" (that kernel in the Pallas interpreter, any platform),
+"xla" (the same plan in lax loops, any platform), "reference" (materialising, for tests).
+"mosaic" is the slot for a Hopper kernel: listed first in the automatic order, it refuses every
+call until a module with the contract is registered in `_MODULES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+from pallas_flash.decode import cache, validation
+from pallas_flash.decode import config as decode_config
+from pallas_flash.decode.call import DecodeInfo, DecodeParams, sequence_lengths
+from pallas_flash.decode.reference import decode_reference
+
+__all__ = ["IMPLEMENTATIONS", "DecodeExplanation", "decode_attention", "decode_explain"]
+
+Implementation = Literal["mosaic", "triton", "interpret", "xla", "reference"]
+IMPLEMENTATIONS: tuple[str, ...] = ("mosaic", "triton", "interpret", "xla", "reference")
+AUTO_ORDER: tuple[str, ...] = ("mosaic", "triton", "xla")  # fastest first
+
+_MODULES = {
+    "triton": ("pallas_flash.decode.triton", {"interpret": False}),
+    "interpret": ("pallas_flash.decode.triton", {"interpret": True}),
+    "xla": ("pallas_flash.decode.xla", {}),
+}
+_NO_MOSAIC = ("no Mosaic (Hopper) decode kernel yet; the Triton kernel runs on Hopper "
+              "(a module with decode.call's contract would register here)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Backend:
+  name: str
+  attend: Callable
+  unsupported_reason: Callable[[DecodeInfo, Any], str | None]
+  config_for: Callable[[DecodeInfo, Any], Any]
+  tiles: Callable[[Any], tuple[int, int]]
+  config_type: type
+
+
+@functools.cache
+def _load(name: str) -> _Backend | str:
+  """The backend `name`, or the reason it cannot run here."""
+  if name not in _MODULES:
+    return _NO_MOSAIC
+  module_name, kwargs = _MODULES[name]
+  try:
+    mod = importlib.import_module(module_name)
+  except ImportError as e:
+    return f"cannot import {module_name}: {e}"
+  bind = (lambda f: functools.partial(f, **kwargs)) if kwargs else (lambda f: f)
+  return _Backend(name, bind(mod.attend), bind(mod.unsupported_reason), mod.config_for,
+                  mod.tiles, mod.CONFIG_TYPE)
+
+
+def _reason(name: str, info: DecodeInfo, config) -> str | None:
+  if name == "reference":
+    return None if config is None else "the reference takes no config"
+  backend = _load(name)
+  if isinstance(backend, str):
+    return backend
+  if config is not None and not isinstance(config, backend.config_type):
+    return (f"config is a {type(config).__name__}, but {name!r} takes a "
+            f"{backend.config_type.__name__}")
+  return backend.unsupported_reason(info, config)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeExplanation:
+  """What `decode_attention` runs for a call: the implementation, its config, the split count
+  and why; and why each other implementation was not chosen."""
+
+  chosen: str | None  # None: nothing can run the call
+  reasons: dict[str, str | None]  # None: could run it
+  config: Any = None  # the resolved config `chosen` runs
+  num_splits: int = 1
+  splits_reason: str = ""
+  block_m: int | None = None  # query rows per program
+  block_kv: int | None = None  # keys per step
+  programs: int | None = None  # programs of the kernel's grid
+
+  def __str__(self) -> str:
+    if self.chosen is None:
+      lines = ["decode_attention cannot run this call"]
+    else:
+      lines = [f"decode_attention runs {self.chosen!r} with num_splits={self.num_splits} "
+               f"({self.splits_reason})"]
+      if self.config is not None:
+        lines.append(f"  config: {self.config}")
+      if self.programs is not None:
+        lines.append(f"  {self.programs} programs of {self.block_m} query rows, "
+                     f"{self.block_kv} keys per step")
+    for name, why in self.reasons.items():
+      if name == self.chosen:
+        continue
+      if why is None:
+        why = "can run, but " + ("is never chosen automatically (testing only)"
+                                 if name in ("interpret", "reference")
+                                 else "a faster implementation applies")
+      lines.append(f"  {name}: {why}")
+    return "\n".join(lines)
+
+
+def _plan(info: DecodeInfo, implementation, config, num_splits) -> DecodeExplanation:
+  """The implementation, resolved config and split count of a call (raises if none can run)."""
+  if implementation is not None and implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"Unknown implementation {implementation!r}; choose one of "
+                     f"{IMPLEMENTATIONS} or None for automatic.")
+  if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)
+                                 or num_splits < 1):
+    raise ValueError(f"`num_splits` must be None (chosen from the shapes) or a Python int >= 1, "
+                     f"got {num_splits!r}.")
+  reasons = {name: _reason(name, info, config) for name in IMPLEMENTATIONS}
+  if implementation is not None:
+    if reasons[implementation] is not None:
+      raise NotImplementedError(f"implementation={implementation!r} cannot run this call: "
+                                f"{reasons[implementation]}")
+    chosen = implementation
+  else:
+    chosen = next((n for n in AUTO_ORDER if reasons[n] is None), None)
+    if chosen is None:
+      raise NotImplementedError("No implementation can run this call:\n" + "\n".join(
+          f"  {n}: {r}" for n, r in reasons.items()))
+  if chosen == "reference":
+    return DecodeExplanation(chosen, reasons, None, 1, "the reference scores every key at once")
+  backend = _load(chosen)
+  resolved = backend.config_for(info, config)
+  block_m, block_kv = backend.tiles(resolved)
+  block_m = block_m or info.rows
+  if num_splits is None:
+    splits, why = decode_config.choose_num_splits(info, block_m=block_m, block_kv=block_kv)
+  else:
+    splits, why = num_splits, "num_splits was passed"
+  programs = info.batch * info.num_kv_heads * -(-info.rows // block_m) * splits
+  return DecodeExplanation(chosen, reasons, resolved, splits, why, block_m, block_kv, programs)
+
+
+def decode_explain(query, key_cache, value_cache, cache_seqlens, **kwargs) -> DecodeExplanation:
+  """Says what `decode_attention(query, key_cache, value_cache, cache_seqlens, **kwargs)` runs.
+
+  Takes decode_attention's arguments (arrays or `jax.ShapeDtypeStruct`s; `implementation`
+  explains that one instead of the automatic choice, `config` and `num_splits` are honoured)
+  and computes nothing. Print the result for a readable report: the implementation, its
+  config, the split count and why, and why each other implementation was not chosen.
+  """
+  implementation = kwargs.pop("implementation", None)
+  config = kwargs.pop("config", None)
+  num_splits = kwargs.pop("num_splits", None)
+  for name in ("return_residuals", "checked"):
+    kwargs.pop(name, None)
+  info = validation.abstract_info(query, key_cache, value_cache, cache_seqlens,
+                                  validation.with_defaults(kwargs))
+  return _plan(info, implementation, config, num_splits)
+
+
+def decode_attention(
+    query: jax.Array,
+    key_cache: jax.Array,
+    value_cache: jax.Array,
+    cache_seqlens: jax.Array,
+    *,
+    page_table: jax.Array | None = None,
+    new_key: jax.Array | None = None,
+    new_value: jax.Array | None = None,
+    rotary: float | tuple[jax.Array, jax.Array] | None = None,
+    scale: float | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    return_residuals: bool = False,
+    num_splits: int | None = None,
+    implementation: Implementation | None = None,
+    config: Any = None,
+    checked: bool = False,
+):
+  """Attention of Tq >= 1 new query tokens per sequence against a KV cache (forward only).
+
+  Causality is aligned to the END of each sequence (bottom-right, as FlashAttention's
+  `flash_attn_with_kvcache`), unlike `flash_attention`'s top-left `is_causal`: with n_b the
+  tokens sequence b holds after this call (cache_seqlens[b] + Tq when new tokens are appended,
+  else cache_seqlens[b], whose last Tq tokens are then the queries' own), query token i sits at
+  position n_b - Tq + i and sees keys 0 .. n_b - Tq + i. A query with no visible key (n_b <
+  Tq - i without an append) gets zeros and lse -inf.
+
+  Everything static comes from shapes, so the call works inside `jit`, `lax.scan` and
+  `lax.while_loop` generation loops with no host planning and no device-to-host copy.
+
+  Args:
+    query: [B, Tq, H, D], in the cache's dtype (bfloat16, float16 or float32).
+    key_cache, value_cache: contiguous [B, L_max, K, D], or a page pool [num_pages, page_size,
+      K, D] with `page_table`. H % K == 0 (MHA, GQA, MQA). Positions at or past a sequence's
+      length are never read into the result, whatever they hold (stale tokens, NaN).
+    cache_seqlens: int32 [B], tokens in each sequence's cache before this call, in [0, L].
+    page_table: int32 [B, max_pages_per_seq]: entry p of row b is the pool page holding
+      positions p * page_size .. (p + 1) * page_size - 1 of sequence b (any order, any page
+      size; entries past the pages a sequence uses are ignored). L = max_pages * page_size.
+    new_key, new_value: [B, Tq, K, D] tokens written at positions cache_seqlens ..
+      cache_seqlens + Tq - 1 before attending; the updated caches are returned. The write is a
+      scatter of the new tokens only: in place (no cache copy) when the cache buffers are
+      donated to the enclosing `jit` (`donate_argnums`) or carried by `scan` / `while_loop`.
+    rotary: rotary embedding of the query and the new keys (rotate-half layout, as
+      `flax.nnx.RoPE` and Llama) at their positions n_b - Tq + i: a base period (e.g. 10000.0)
+      or (cos, sin) tables [max_position >= L, R / 2] rotating the first R features (any
+      scaling scheme). Keys already in the cache must have been rotated when written.
+    scale: softmax scale, default 1 / sqrt(D). A static Python float.
+    local_window_size: sliding window as in `flash_attention`: an int w or (left, right); the
+      query at position p sees keys p - left .. p (causality cuts the right side).
+    logits_soft_cap: c > 0 replaces each scaled logit s by c * tanh(s / c).
+    return_residuals: also return the float32 log-sum-exp [B, H, Tq] (natural log), e.g. to
+      merge with attention over other keys (`merge_attention_states`).
+    num_splits: key splits per sequence (split-KV); None chooses from the shapes (see
+      `decode_explain`). Each split's range is computed on device from the lengths.
+    implementation: None picks the fastest that can run the call ("triton" on GPU, "xla"
+      elsewhere); or "triton", "interpret", "xla", "reference" ("mosaic" is reserved).
+    config: a `TritonDecodeConfig` or `XlaDecodeConfig` overriding the backend's tiles.
+    checked: add `jax.experimental.checkify` checks of the values (lengths within the cache,
+      the append fitting, used pages inside the pool); run the caller under
+      `checkify.checkify` to get them as errors. Without it, eager calls (concrete values)
+      are checked and raise a ValueError, while under `jit` bad values are not detected:
+      lengths are clipped to [0, L], appended tokens that do not fit (or land on a page index
+      outside the pool) are dropped, page indices are clamped into the pool when read, so no
+      memory outside the caches is ever read or written, and the affected sequences' outputs
+      are meaningless.
+
+  Returns:
+    out [B, Tq, H, D] in query.dtype; with return_residuals (out, lse); with new_key/new_value
+    the updated caches follow: (out, key_cache, value_cache) or
+    (out, lse, key_cache, value_cache).
+  """
+  call = validation.canonicalize(query, key_cache, value_cache, cache_seqlens,
+                                 page_table=page_table, new_key=new_key, new_value=new_value,
+                                 rotary=rotary, scale=scale, local_window_size=local_window_size,
+                                 logits_soft_cap=logits_soft_cap)
+  if not isinstance(checked, bool):
+    raise TypeError(f"`checked` must be a Python bool, got {checked!r}.")
+  info = call.info
+  plan = _plan(info, implementation, config, num_splits)
+  if checked:
+    validation.runtime_checks(call)
+  if plan.chosen == "reference":
+    rot = (call.rotary_cos, call.rotary_sin) if call.rotary_cos is not None else call.rotary_theta
+    out, lse, k_cache, v_cache = decode_reference(
+        call.q, call.key_cache, call.value_cache, jnp.clip(call.seqlens, 0, info.capacity),
+        page_table=call.page_table, new_key=call.new_key, new_value=call.new_value, rotary=rot,
+        scale=info.scale, local_window_size=info.window, logits_soft_cap=info.logits_soft_cap)
+  else:
+    out, lse, k_cache, v_cache = _run(call, plan)
+  results = (out, lse) if return_residuals else (out,)
+  if info.appends:
+    results += (k_cache, v_cache)
+  return results[0] if len(results) == 1 else results
+
+
+def _run(call: validation.DecodeCall, plan: DecodeExplanation):
+  """Append, rotate, attend with the planned backend."""
+  info = call.info
+  rot = dict(theta=call.rotary_theta, cos=call.rotary_cos, sin=call.rotary_sin)
+  k_cache, v_cache = call.key_cache, call.value_cache
+  if info.appends:
+    new_key = call.new_key
+    if info.rotary:
+      pos = jnp.clip(call.seqlens, 0, info.capacity)[:, None] + jnp.arange(info.q_len)[None, :]
+      new_key = cache.rotate(new_key, pos, **rot)
+    k_cache, v_cache = cache.append(info, k_cache, v_cache, new_key, call.new_value,
+                                    call.seqlens, call.page_table)
+  q = call.q
+  if info.rotary:
+    lengths = sequence_lengths(call.seqlens, q_len=info.q_len, appends=info.appends,
+                               capacity=info.capacity)
+    q = cache.rotate(q, jnp.maximum(cache.query_positions(info, lengths), 0), **rot)
+  params = DecodeParams.create(info, plan.num_splits)
+  # The backends derive each sequence's length from cache_seqlens themselves (no XLA op).
+  out, lse = _load(plan.chosen).attend(q, k_cache, v_cache, call.seqlens, call.page_table,
+                                       params=params, config=plan.config)
+  return out, lse, k_cache, v_cache

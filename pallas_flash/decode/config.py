@@ -1,0 +1,97 @@
+"""Decode configs and the split-KV heuristic.
+
+The split count is chosen from static shapes only (batch, kv heads, rows, the cache's capacity
+and the GPU's SM count), so it costs no host planning and no device-to-host copy: inside a
+`jit`-compiled generation loop it is a constant. Where each split starts and ends is computed on
+the device from the lengths (`cache_seqlens`), so ragged batches split every sequence evenly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_flash.decode.call import DecodeInfo
+
+
+def _is_pow2(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TritonDecodeConfig:
+  """Tiling of the Triton decode kernel.
+
+  A program owns `block_m` query rows (Tq * G rows of one kv head, padded to 16) and streams
+  `block_kv` keys per step through `num_stages` buffers; None picks the default for the call.
+  """
+
+  block_kv: int | None = None
+  block_m: int | None = None
+  num_warps: int | None = None
+  num_stages: int | None = None
+
+  def __post_init__(self):
+    for name in ("block_kv", "block_m"):
+      value = getattr(self, name)
+      if value is not None and (not _is_pow2(value) or value < 16):
+        raise ValueError(f"TritonDecodeConfig.{name} must be a power of two >= 16, got {value}.")
+    if self.num_warps is not None and not _is_pow2(self.num_warps):
+      raise ValueError(f"TritonDecodeConfig.num_warps must be a power of two, got "
+                       f"{self.num_warps}.")
+    if self.num_stages is not None and self.num_stages < 1:
+      raise ValueError(f"TritonDecodeConfig.num_stages must be >= 1, got {self.num_stages}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class XlaDecodeConfig:
+  """Keys per step of the blockwise XLA decode path (None: sized so that a step's float32
+  scores stay near 16 MiB)."""
+
+  block_kv: int | None = None
+
+  def __post_init__(self):
+    if self.block_kv is not None and self.block_kv < 1:
+      raise ValueError(f"XlaDecodeConfig.block_kv must be positive, got {self.block_kv}.")
+
+
+# First guesses, not yet swept on the H200 (`python -m pallas_flash.bench --decode
+# --block-kv/--num-warps/--num-stages` sweeps them): decode tiles (at most 64 rows) stream 128
+# keys with 4 warps and 3 stages, 2 x 32 KiB of K and V per stage at D = 128; prefill-sized tiles
+# take the flash forward's tuned 128 x 128, 8 warps, 3 stages (triton/config.py).
+DECODE_TRITON = TritonDecodeConfig(block_kv=128, block_m=64, num_warps=4, num_stages=3)
+PREFILL_TRITON = TritonDecodeConfig(block_kv=128, block_m=128, num_warps=8, num_stages=3)
+# Rows above which a call takes the prefill tiles (Tq * G > 64: e.g. 17+ tokens at G = 4).
+PREFILL_ROWS = 64
+
+# Programs the heuristic aims for: this many per SM. Several decode programs fit on one SM at
+# once (each holds a 16-64 row tile), and more programs than SMs soften the last wave's tail.
+PROGRAMS_PER_CORE = 4
+DEFAULT_NUM_CORES = 132  # an H100 / H200, when the device does not say
+
+
+def choose_num_splits(info: DecodeInfo, *, block_m: int, block_kv: int) -> tuple[int, str]:
+  """(num_splits, why) for a call whose programs own `block_m` rows and step `block_kv` keys.
+
+  Splits multiply the B * K * ceil(M / block_m) programs until they fill the GPU
+  PROGRAMS_PER_CORE times over, but never below one key block per split: each split of a long
+  cache streams its own contiguous range, and the float32 partial results (M x D per split,
+  tiny next to the keys) are merged afterwards. Off-GPU one split: splits only spread work
+  over SMs.
+  """
+  programs = info.batch * info.num_kv_heads * -(-info.rows // block_m)
+  blocks = -(-info.capacity // block_kv)
+  if info.platform != "gpu":
+    return 1, "one split off-GPU (splits spread work over a GPU's SMs)"
+  cores = info.num_cores or DEFAULT_NUM_CORES
+  target = PROGRAMS_PER_CORE * cores
+  wanted = -(-target // programs)
+  splits = max(1, min(wanted, blocks))
+  why = (f"{programs} programs (B={info.batch} x K={info.num_kv_heads} x "
+         f"{-(-info.rows // block_m)} row tiles) x {splits} splits ~ "
+         f"{PROGRAMS_PER_CORE} per SM on {cores} SMs")
+  if wanted > blocks:
+    why += f", capped at one {block_kv}-key block per split ({blocks} blocks)"
+  elif splits == 1 and programs >= target:
+    why = (f"{programs} programs (B x K x row tiles) already fill {cores} SMs "
+           f"{programs / cores:.1f}x: no split")
+  return splits, why

@@ -1,0 +1,61 @@
+"""`python -m pallas_flash.bench --decode` on CPU at tiny shapes: rows checked, then timed, with
+bandwidth, the copy fraction and the anchors' ratios (never asserting on speed)."""
+
+import json
+import math
+
+import pytest
+
+from pallas_flash.bench import __main__ as bench
+
+FAST = ["--iters", "1", "--min-loop-ms", "1", "--settle-ms", "0"]
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> list[dict]:
+  out = tmp_path_factory.mktemp("decode") / "rows.json"
+  bench.main(["--decode", "--grid", "cpu", "--dtype", "f32", "--batches", "3", "--caches",
+              "96", "--impl", "ours,jax_xla,torch,flash", *FAST, "--json", str(out)])
+  return json.loads(out.read_text())
+
+
+def test_every_point_has_checked_and_timed_rows(rows):
+  decode = [r for r in rows if r["kind"] == "decode"]
+  points = {(r["layout"], r["lengths"]) for r in decode}
+  assert points == {(lay, mode) for lay in ("contiguous", "paged")
+                    for mode in ("uniform", "ragged")}
+  for r in decode:
+    if r["impl"] == "ours" or (r["impl"] == "jax_xla" and r["layout"] == "contiguous"):
+      assert r["status"] == "ok" and r["rel_err"] < 1e-4, r
+      assert r["us"] > 0 and r["tbs"] > 0 and math.isfinite(r["copy_fraction"]), r
+      assert r["ours_speedup"] > 0 and r["copy_tbs"] > 0
+    elif r["impl"] == "torch":  # SDPA has no lengths; without torch installed, an error row
+      assert r["status"] in ("ok", "error", "skip")
+    else:
+      assert r["status"] == "skip", r  # jax.nn takes no page table
+
+
+def test_bytes_read_count_the_valid_tokens(rows):
+  for r in rows:
+    if r["kind"] == "decode" and r["lengths"] == "uniform":
+      assert r["bytes_read"] == 2 * r["batch"] * r["cache"] * r["num_kv_heads"] * 32 * 4
+    elif r["kind"] == "decode":
+      assert 0 < r["bytes_read"] <= 2 * r["batch"] * r["cache"] * r["num_kv_heads"] * 32 * 4
+
+
+def test_prefill_rows_compare_with_flash_attention(rows):
+  prefill = {r["impl"]: r for r in rows if r["kind"] == "prefill"}
+  assert set(prefill) == {"ours", "flash"}
+  n, tq = prefill["ours"]["cache"], prefill["ours"]["q_len"]
+  assert prefill["ours"]["flops"] == 4.0 * 4 * 32 * (tq * (n - tq) + tq * (tq + 1) // 2)
+  for r in prefill.values():
+    assert r["status"] == "ok" and r["tflops"] > 0, r
+  assert prefill["flash"]["ours_ratio"] > 0
+
+
+def test_points_over_the_memory_cap_are_skipped(tmp_path, capsys):
+  out = tmp_path / "rows.json"
+  bench.main(["--decode", "--grid", "cpu", "--dtype", "f32", "--batches", "3", "--caches",
+              "96", "--max-cache-gib", "0", "--prefill", "no", *FAST, "--json", str(out)])
+  assert json.loads(out.read_text()) == []
+  assert "skip B=3 cache 96" in capsys.readouterr().out

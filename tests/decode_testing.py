@@ -1,0 +1,141 @@
+"""Decode test cases: random caches (contiguous or paged, pages shuffled), poisoned where no
+sequence holds a token, and the comparison of an implementation with the float32 reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from testing import FWD_TOL, assert_close_to_ref
+
+import pallas_flash
+
+# A page-table entry past the pages a sequence uses: never a valid page, must be ignored.
+GARBAGE_PAGE = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+  """One decode problem. seqlens: cache_seqlens per sequence (before the append)."""
+
+  seqlens: tuple[int, ...] = (0, 37, 99)
+  q_len: int = 1
+  num_heads: int = 8
+  num_kv_heads: int = 2
+  head_dim: int = 32
+  capacity: int = 100  # L: L_max, or max_pages * page_size when paged
+  page_size: int | None = None
+  append: bool = False
+  window: int | None = None
+  softcap: float | None = None
+  rotary: float | str | None = None  # a base period, or "tables"
+  dtype: type = jnp.float32
+
+  @property
+  def batch(self) -> int:
+    return len(self.seqlens)
+
+  @property
+  def id(self) -> str:
+    parts = [(f"b{self.batch}_t{self.q_len}_h{self.num_heads}:{self.num_kv_heads}"
+              f"_d{self.head_dim}_L{self.capacity}"), jnp.dtype(self.dtype).name]
+    for name, on in (("page", self.page_size), ("append", self.append), ("win", self.window),
+                     ("cap", self.softcap), ("rope", self.rotary)):
+      if on:
+        parts.append(name if on is True else f"{name}{on}")
+    return "-".join(parts)
+
+
+def case_seed(case: DecodeCase) -> int:
+  return zlib.crc32(case.id.encode()) % 1000
+
+
+def make_decode_inputs(case: DecodeCase, seed: int = 0):
+  """(query, key_cache, value_cache, cache_seqlens, kwargs) with NaN in every cache slot no
+  sequence holds (before the append) and garbage in unused page-table entries."""
+  rng = np.random.default_rng(seed)
+  b, t, kh, d, cap = case.batch, case.q_len, case.num_kv_heads, case.head_dim, case.capacity
+  lens = np.asarray(case.seqlens, np.int32)
+  q = rng.standard_normal((b, t, case.num_heads, d), np.float32)
+  logical_k = rng.standard_normal((b, cap, kh, d), np.float32)
+  logical_v = rng.standard_normal((b, cap, kh, d), np.float32)
+  held = np.arange(cap)[None, :] < lens[:, None]  # [B, L]
+  logical_k[~held], logical_v[~held] = np.nan, np.nan
+  kwargs: dict = {}
+  if case.page_size is None:
+    k_cache, v_cache = logical_k, logical_v
+  else:
+    ps = case.page_size
+    max_pages = -(-cap // ps)
+    assert max_pages * ps == cap, "paged cases give capacity = max_pages * page_size"
+    num_pages = b * max_pages + 3  # spare pages that no sequence uses
+    order = rng.permutation(num_pages)  # pages out of order, sequences interleaved
+    used = np.minimum(-(-(lens + (t if case.append else 0)) // ps), max_pages)
+    table = np.full((b, max_pages), GARBAGE_PAGE, np.int32)
+    k_cache = np.full((num_pages, ps, kh, d), np.nan, np.float32)
+    v_cache = np.full((num_pages, ps, kh, d), np.nan, np.float32)
+    taken = 0
+    for i in range(b):
+      for p in range(used[i]):
+        page = order[taken]
+        taken += 1
+        table[i, p] = page
+        k_cache[page] = logical_k[i, p * ps:(p + 1) * ps]
+        v_cache[page] = logical_v[i, p * ps:(p + 1) * ps]
+    kwargs["page_table"] = jnp.asarray(table)
+  if case.append:
+    kwargs["new_key"] = jnp.asarray(rng.standard_normal((b, t, kh, d), np.float32), case.dtype)
+    kwargs["new_value"] = jnp.asarray(rng.standard_normal((b, t, kh, d), np.float32), case.dtype)
+  if case.window is not None:
+    kwargs["local_window_size"] = case.window
+  if case.softcap is not None:
+    kwargs["logits_soft_cap"] = case.softcap
+  if case.rotary == "tables":
+    ang = np.arange(cap)[:, None] * (1.0 / 500.0 ** (np.arange(0, d // 2, 2) / (d // 2)))
+    kwargs["rotary"] = (jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang),
+                                                                           jnp.float32))
+  elif case.rotary is not None:
+    kwargs["rotary"] = case.rotary
+  arrays = (jnp.asarray(q, case.dtype), jnp.asarray(k_cache, case.dtype),
+            jnp.asarray(v_cache, case.dtype), jnp.asarray(lens))
+  return (*arrays, kwargs)
+
+
+def fill_page_table(table: jax.Array, num_pages: int) -> jax.Array:
+  """`table` with its unused (garbage) entries given the pool's free pages, so that sequences
+  can grow into them (e.g. a generation loop's appends)."""
+  table = np.asarray(table).copy()
+  free = iter(sorted(set(range(num_pages)) - set(table[table != GARBAGE_PAGE].tolist())))
+  for idx in np.argwhere(table == GARBAGE_PAGE):
+    table[tuple(idx)] = next(free)
+  return jnp.asarray(table)
+
+
+def _upcast(kwargs: dict) -> dict:
+  return {n: (x.astype(jnp.float32) if n in ("new_key", "new_value") else x)
+          for n, x in kwargs.items()}
+
+
+def check_decode(impl: str, case: DecodeCase, *, seed: int = 0, tol_table=FWD_TOL,
+                 **call_kwargs) -> None:
+  """Output, lse and (with an append) the updated caches of `impl` against the float32
+  reference on the same (upcast) inputs."""
+  q, kc, vc, lens, kwargs = make_decode_inputs(case, seed)
+  got = pallas_flash.decode_attention(q, kc, vc, lens, return_residuals=True,
+                                      implementation=impl, **kwargs, **call_kwargs)
+  up = [x.astype(jnp.float32) for x in (q, kc, vc)]
+  want = pallas_flash.decode_reference(*up, lens, **_upcast(kwargs))
+  tol = tol_table[case.dtype]
+  assert got[0].dtype == q.dtype and got[0].shape == q.shape
+  assert_close_to_ref("out", got[0], want[0], tol)
+  assert_close_to_ref("lse", got[1], want[1], max(tol, 1e-5))
+  if case.append:
+    for name, x, ref in zip(("key_cache", "value_cache"), got[2:], want[2:]):
+      assert x.shape == ref.shape and x.dtype == q.dtype
+      # The new tokens land in the cache dtype (rotated in float32, then rounded).
+      assert_close_to_ref(name, x, ref, 0.0 if case.rotary is None else tol)
+  else:
+    assert len(got) == 2

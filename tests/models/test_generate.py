@@ -1,0 +1,80 @@
+"""Generation on the KV cache: teacher-forced logits of a full forward equal each step's, the
+sampling rules, and `python -m train.sample` on a freshly trained tiny run."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import ModelConfig, Transformer, generate, sample_logits
+
+TINY = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return Transformer(TINY, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("page_size", [None, 4], ids=["contiguous", "paged"])
+def test_greedy_steps_equal_the_teacher_forced_forward(model, page_size):
+  prompt = jax.random.randint(jax.random.key(1), (2, 5), 0, 256)
+  tokens, logits = generate(model, prompt, 6, page_size=page_size, return_logits=True)
+  full = model(jnp.concatenate([prompt, tokens], axis=1))  # [2, 11, 256]
+  # Step i drew token i from the logits at position P - 1 + i of the whole sequence.
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, 4:10]), atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(tokens), np.asarray(jnp.argmax(full[:, 4:10], -1)))
+  assert int(model.blocks[0].attn.cache_seqlens[...][0]) == 10  # the context, less the last
+
+
+def test_sampling_stays_in_the_top_k_and_follows_the_key(model):
+  prompt = jnp.full((3, 4), 100, jnp.int32)
+  kw = dict(temperature=1.5, top_k=3, return_logits=True)
+  tokens, logits = generate(model, prompt, 5, rng=jax.random.key(7), **kw)
+  top3 = np.asarray(jax.lax.top_k(logits, 3)[1])  # [B, N, 3]
+  assert (top3 == np.asarray(tokens)[..., None]).any(-1).all()
+  again, _ = generate(model, prompt, 5, rng=jax.random.key(7), **kw)
+  np.testing.assert_array_equal(np.asarray(again), np.asarray(tokens))
+
+
+def test_sample_logits_rules():
+  logits = jnp.array([[0.0, 5.0, 1.0, -2.0]])
+  assert int(sample_logits(logits, jax.random.key(0))[0]) == 1
+  draws = jax.vmap(lambda k: sample_logits(logits, k, temperature=10.0, top_k=2))(
+      jax.random.split(jax.random.key(0), 200))
+  assert set(np.asarray(draws).ravel().tolist()) == {1, 2}
+
+
+def test_sample_command_on_a_trained_run(tmp_path, capsys):
+  from train.config import PRESETS
+  from train.main import run
+  from train.sample import load_model, main
+
+  cfg = dataclasses.replace(
+      PRESETS["cpu-demo"], task="retrieval", model=TINY, seq_len=64, batch_size=2, steps=2,
+      warmup_steps=1, eval_every=2, eval_batches=1, log_every=1, checkpoint_every=0,
+      out_dir=str(tmp_path))
+  run(cfg)
+  texts = main(["--run", str(tmp_path), "--prompt", "def ", "--max-new-tokens", "8",
+                "--temperature", "0", "--batch", "2", "--page-size", "4", "--profile"])
+  out = capsys.readouterr().out
+  assert "step 2" in out and "tokens/s per sequence" in out and "attention" in out
+  trained, _ = load_model(tmp_path)
+  want = generate(trained, jnp.array([list(b"def ")] * 2), 8)
+  assert texts == ["def " + bytes(np.asarray(row).tolist()).decode("utf-8", "replace")
+                   for row in want]
+  with pytest.raises(SystemExit, match="--run"):
+    main(["--run", str(tmp_path / "missing")])
+
+
+def test_sample_command_on_a_preset_model(capsys):
+  """--preset: a random model of a training preset, for speed (cpu-demo here)."""
+  from train.sample import main
+
+  texts = main(["--preset", "cpu-demo", "--max-new-tokens", "4", "--quiet"])
+  assert len(texts) == 1 and texts[0].startswith("def ")
+  out = capsys.readouterr().out
+  assert "preset cpu-demo (random parameters" in out and "--- sequence" not in out

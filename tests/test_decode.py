@@ -1,0 +1,307 @@
+"""decode_attention on CPU: the xla path and the Triton kernel in the Pallas interpreter against
+the float32 reference (poisoned caches, ragged lengths, pages out of order, appends, GQA/MQA,
+windows, soft caps, rotary), the end-aligned causal rule, split merging, use in jit / scan,
+cache donation, bad input and the checked mode."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from decode_testing import DecodeCase, case_seed, check_decode, fill_page_table, make_decode_inputs
+from jax.experimental import checkify
+from jax.sharding import use_abstract_mesh
+from testing import H200, TRITON_CALL, assert_close_to_ref, export_for_h200
+
+import pallas_flash
+from pallas_flash.decode import TritonDecodeConfig, XlaDecodeConfig
+from pallas_flash.flax.rotary import apply_rotary
+
+IMPLS = ["xla", "interpret"]
+
+CASES = [
+    # Tq = 1, GQA, ragged lengths including 0 and L_max, no append (the queries' own keys are
+    # the last cache entries).
+    DecodeCase(seqlens=(0, 37, 100), q_len=1, capacity=100),
+    # Tq > 1 with an append that fills one sequence to L_max; MQA; float16.
+    DecodeCase(seqlens=(97, 5, 0), q_len=3, num_heads=4, num_kv_heads=1, capacity=100,
+               append=True, dtype=jnp.float16),
+    # Paged: page 16 never divides a length, pages shuffled and interleaved, appends that cross
+    # a page boundary (30 + 3 and 47 + 3 spill into the next page), garbage table entries.
+    DecodeCase(seqlens=(30, 0, 47, 61), q_len=3, capacity=64, page_size=16, append=True),
+    # MHA, window and soft cap, bfloat16, paged page 32 with rotary (base period).
+    DecodeCase(seqlens=(64, 9), q_len=2, num_heads=4, num_kv_heads=4, capacity=96, page_size=32,
+               append=True, window=20, softcap=5.0, rotary=10_000.0, dtype=jnp.bfloat16),
+    # Rotary from tables over half the features; head_dim 48 (padded to 64 in the kernel).
+    DecodeCase(seqlens=(50, 3), q_len=2, head_dim=48, capacity=80, append=True,
+               rotary="tables"),
+]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_matches_reference(impl, case, num_splits):
+  # Small key tiles, so that one sequence spans several tiles and splits.
+  config = (XlaDecodeConfig(block_kv=16) if impl == "xla" else TritonDecodeConfig(block_kv=16))
+  check_decode(impl, case, seed=case_seed(case), num_splits=num_splits, config=config)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunked_prefill_rows_span_several_tiles(impl):
+  """Tq * G = 80 rows: two 64-row tiles on the kernel (prefill tiles), unmasked tiles below the
+  diagonal, masked ones on it; with a window, masked ones at its start too."""
+  case = DecodeCase(seqlens=(60, 0), q_len=20, num_heads=8, num_kv_heads=2, capacity=96,
+                    append=True, window=33)
+  config = (XlaDecodeConfig(block_kv=16) if impl == "xla"
+            else TritonDecodeConfig(block_kv=16, block_m=64))
+  check_decode(impl, case, seed=1, num_splits=2, config=config)
+
+
+def test_reference_is_end_aligned_causal_attention():
+  """The oracle itself: each sequence's answer equals flash_attention's top-left causal
+  attention over its n_b tokens, read at the last Tq query positions."""
+  case = DecodeCase(seqlens=(20, 41), q_len=4, capacity=48, append=True)
+  q, kc, vc, lens, kw = make_decode_inputs(case)
+  out, lse, kc2, vc2 = pallas_flash.decode_reference(q, kc, vc, lens, **kw)
+  for b, n in enumerate(np.asarray(lens) + case.q_len):
+    full_q = jnp.zeros((1, n, case.num_heads, case.head_dim)).at[0, n - case.q_len:].set(q[b])
+    o, l = pallas_flash.flash_attention(full_q, kc2[b:b + 1, :n], vc2[b:b + 1, :n],
+                                        is_causal=True, return_residuals=True,
+                                        implementation="reference")
+    assert_close_to_ref("out", out[b], o[0, n - case.q_len:], 1e-6)
+    assert_close_to_ref("lse", lse[b], l[0, :, n - case.q_len:], 1e-6)
+
+
+def test_merge_of_split_caches_equals_one_call():
+  """merge_attention_states of decodes over two halves of the cache = one decode (Tq = 1)."""
+  case = DecodeCase(seqlens=(70, 31, 99), capacity=100)
+  q, kc, vc, lens, _ = make_decode_inputs(case)
+  cut = 40
+  first = pallas_flash.decode_attention(q, kc[:, :cut], vc[:, :cut], jnp.minimum(lens, cut),
+                                        return_residuals=True)
+  second = pallas_flash.decode_attention(q, kc[:, cut:], vc[:, cut:],
+                                         jnp.maximum(lens - cut, 0), return_residuals=True)
+  merged = pallas_flash.merge_attention_states([first[0], second[0]], [first[1], second[1]])
+  whole = pallas_flash.decode_attention(q, kc, vc, lens, return_residuals=True)
+  assert_close_to_ref("out", merged[0], whole[0], 1e-5)
+  assert_close_to_ref("lse", merged[1], whole[1], 1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_split_counts_agree(impl):
+  """Any split count (more splits than key blocks included) gives the same result."""
+  case = DecodeCase(seqlens=(3, 77, 100), capacity=100)
+  q, kc, vc, lens, _ = make_decode_inputs(case)
+  config = XlaDecodeConfig(block_kv=16) if impl == "xla" else TritonDecodeConfig(block_kv=16)
+  outs = [pallas_flash.decode_attention(q, kc, vc, lens, num_splits=s, implementation=impl,
+                                        config=config) for s in (1, 4, 11)]
+  for o in outs[1:]:
+    assert_close_to_ref("out", o, outs[0], 1e-5)
+
+
+def test_rotary_equals_pre_rotated_inputs():
+  """rotary=theta rotates q and the new keys at positions cache_seqlens + i, as apply_rotary."""
+  case = DecodeCase(seqlens=(10, 52), q_len=2, capacity=64, append=True)
+  q, kc, vc, lens, kw = make_decode_inputs(case)
+  pos = lens[:, None] + jnp.arange(2)[None, :]
+  got = pallas_flash.decode_attention(q, kc, vc, lens, rotary=1000.0, **kw)
+  rot = dict(kw, new_key=apply_rotary(kw["new_key"], pos, theta=1000.0))
+  want = pallas_flash.decode_attention(apply_rotary(q, pos, theta=1000.0), kc, vc, lens, **rot)
+  for name, x, ref in zip(("out", "key_cache", "value_cache"), got, want):
+    assert_close_to_ref(name, x, ref, 1e-5)
+
+
+def test_append_writes_only_the_new_tokens():
+  case = DecodeCase(seqlens=(30, 0, 47, 61), q_len=3, capacity=64, page_size=16, append=True)
+  q, kc, vc, lens, kw = make_decode_inputs(case)
+  _, kc2, _ = pallas_flash.decode_attention(q, kc, vc, lens, **kw)
+  table = np.asarray(kw["page_table"])
+  expected = np.asarray(kc).copy()
+  for b, n in enumerate(np.asarray(lens)):
+    for i in range(3):
+      p = n + i
+      expected[table[b, p // 16], p % 16] = np.asarray(kw["new_key"][b, i])
+  np.testing.assert_array_equal(np.asarray(kc2), expected)  # NaN == NaN here
+
+
+def test_generation_loop_in_scan_with_donated_cache():
+  """Tokens appended one per step inside lax.scan under jit with the caches donated: the
+  final caches and the last step's output equal one reference call over all steps' tokens."""
+  case = DecodeCase(seqlens=(5, 20), q_len=1, capacity=32, page_size=8, append=True)
+  q, kc, vc, lens, kw = make_decode_inputs(case)
+  steps = 6
+  keys = jax.random.normal(jax.random.key(1), (steps, 2, 1, 2, 32))
+  vals = jax.random.normal(jax.random.key(2), (steps, 2, 1, 2, 32))
+
+  @jax.jit
+  def generate(kc, vc, lens, table):
+    def step(carry, kv):
+      kc, vc, lens = carry
+      out, kc, vc = pallas_flash.decode_attention(q, kc, vc, lens, page_table=table,
+                                                  new_key=kv[0], new_value=kv[1])
+      return (kc, vc, lens + 1), out
+
+    (kc, vc, lens), outs = jax.lax.scan(step, (kc, vc, lens), (keys, vals))
+    return kc, vc, outs[-1]
+
+  table = fill_page_table(kw["page_table"], kc.shape[0])  # room to grow
+  kc_n, vc_n, last = generate(kc, vc, lens, table)
+  ref = pallas_flash.decode_reference(q, kc_n, vc_n, lens + steps, page_table=table)
+  assert_close_to_ref("out", last, ref[0], 1e-5)
+  # The steps' tokens are where they belong.
+  table = np.asarray(table)
+  for b, n in enumerate(np.asarray(lens)):
+    for s in range(steps):
+      p = n + s
+      np.testing.assert_array_equal(np.asarray(kc_n[table[b, p // 8], p % 8]),
+                                    np.asarray(keys[s, b, 0]))
+  # Donated to jit, the caches are updated in place (aliased to the outputs, never copied);
+  # without donation XLA copies each cache once before the scatter.
+  q, kc, vc, lens, kw = make_decode_inputs(DecodeCase(seqlens=(5, 20), capacity=32,
+                                                      append=True))
+  cache_copy = f"f32[{','.join(map(str, kc.shape))}]{{3,2,1,0}} copy("
+  for donate, copies in (((0, 1), 0), ((), 2)):
+    step = jax.jit(lambda kc, vc, lens, q, k, v: pallas_flash.decode_attention(
+        q, kc, vc, lens, new_key=k, new_value=v)[1:], donate_argnums=donate)
+    hlo = step.lower(kc, vc, lens, q, kw["new_key"], kw["new_value"]).compile().as_text()
+    assert hlo.count(cache_copy) == copies, (donate, hlo)
+    assert ("input_output_alias" in hlo) == bool(donate)
+
+
+def test_under_jit_bad_values_are_contained():
+  """Documented behaviour without checks: lengths clip to the cache, tokens that do not fit are
+  dropped, pages outside the pool are never read or written."""
+  case = DecodeCase(seqlens=(62, 10), q_len=3, capacity=64, page_size=16, append=True)
+  q, kc, vc, lens, kw = make_decode_inputs(case)
+  f = jax.jit(lambda lens, table: pallas_flash.decode_attention(
+      q, kc, vc, lens, page_table=table, new_key=kw["new_key"], new_value=kw["new_value"]))
+  table = kw["page_table"].at[1, 0].set(-5)
+  out, kc2, _ = f(lens, table)  # 62 + 3 overflows the 64 slots; a page index -5
+  assert np.isfinite(np.asarray(out[0])).all()  # positions 61..63 of a 64-token sequence
+  new, old = np.asarray(kc2), np.asarray(kc)
+  changed = ~((new == old) | (np.isnan(new) & np.isnan(old)))
+  touched = np.flatnonzero(changed.any(axis=(1, 2, 3)))
+  assert set(touched) <= {int(table[0, 3])}  # only sequence 0's last page got a token
+
+
+def test_checked_mode_reports_values_through_checkify():
+  case = DecodeCase(seqlens=(60, 10), q_len=3, capacity=64, page_size=16, append=True)
+  q, kc, vc, lens, kw = make_decode_inputs(case)
+
+  def f(lens, table):
+    return pallas_flash.decode_attention(q, kc, vc, lens, page_table=table, checked=True,
+                                         new_key=kw["new_key"], new_value=kw["new_value"])
+
+  checked = checkify.checkify(jax.jit(f))
+  err, _ = checked(lens, kw["page_table"])
+  assert err.get() is None
+  err, _ = checked(jnp.array([62, 10], jnp.int32), kw["page_table"])
+  assert "sequence 0 (cache_seqlens[0] = 62) would overflow" in err.get()
+  err, _ = checked(lens, kw["page_table"].at[1, 0].set(99))
+  assert "page_table[1, 0] = 99 is outside the pool" in err.get()
+  err, _ = checked(jnp.array([70, 10], jnp.int32), kw["page_table"])
+  assert "cache_seqlens[0] = 70 exceeds" in err.get()
+  with pytest.raises(ValueError, match="checkify"):  # staged without checkify.checkify
+    jax.jit(f)(lens, kw["page_table"])
+
+
+def _bad_inputs():
+  q, kc, vc, lens, kw = make_decode_inputs(DecodeCase(seqlens=(30, 10), q_len=2, capacity=64,
+                                                      page_size=16))
+  table = kw["page_table"]
+  nk = jnp.zeros((2, 2, 2, 32))
+  return [
+      ("table rank", (q, kc, vc, lens), dict(page_table=table[0]), ValueError,
+       r"`page_table` must have rank 2 \[batch, max_pages_per_seq\]"),
+      ("table dtype", (q, kc, vc, lens), dict(page_table=table.astype(jnp.float32)), TypeError,
+       r"`page_table` must be an int32 array .*astype\(jnp.int32\)"),
+      ("lengths past L", (q, kc, vc, jnp.array([65, 3], jnp.int32)), dict(page_table=table),
+       ValueError, r"cache_seqlens\[0\] = 65 exceeds the cache's capacity of 64 tokens"),
+      ("overflowing append", (q, kc, vc, jnp.array([30, 63], jnp.int32)),
+       dict(page_table=table.at[1].set(jnp.arange(4)), new_key=nk, new_value=nk), ValueError,
+       r"appending q_len = 2 tokens to sequence 1 \(cache_seqlens\[1\] = 63\) would overflow "
+       r"the cache of 64 tokens"),
+      ("page outside the pool", (q, kc, vc, lens), dict(page_table=table.at[0, 1].set(kc.shape[0])),
+       ValueError, r"page_table\[0, 1\] = 11 is outside the pool of 11 pages"),
+      ("lengths dtype", (q, kc, vc, lens.astype(jnp.float32)), dict(page_table=table), TypeError,
+       r"`cache_seqlens` must be an int32 array"),
+      ("new_key alone", (q, kc, vc, lens), dict(page_table=table, new_key=nk), ValueError,
+       "both `new_key` and `new_value`"),
+      ("new_key shape", (q, kc, vc, lens), dict(page_table=table, new_key=nk[:, :1],
+                                                new_value=nk[:, :1]), ValueError,
+       r"`new_key` must have shape \(2, 2, 2, 32\)"),
+      ("contiguous batch", (q, kc, vc, lens), {}, ValueError, "pass `page_table`"),
+      ("dtypes", (q.astype(jnp.bfloat16), kc, vc, lens), dict(page_table=table), TypeError,
+       "share one dtype"),
+      ("num_splits", (q, kc, vc, lens), dict(page_table=table, num_splits=0), ValueError,
+       "`num_splits` must be None"),
+      ("config type", (q, kc, vc, lens), dict(page_table=table, implementation="xla",
+                                              config=TritonDecodeConfig()),
+       NotImplementedError, "takes a XlaDecodeConfig"),
+      ("mosaic", (q, kc, vc, lens), dict(page_table=table, implementation="mosaic"),
+       NotImplementedError, "no Mosaic"),
+      ("rotary tables", (q, kc, vc, lens), dict(page_table=table, rotary=(jnp.ones((10, 8)),) * 2),
+       ValueError, "cover positions 0..9, but the cache holds 64"),
+  ]
+
+
+@pytest.mark.parametrize("args,kwargs,error,match", [c[1:] for c in _bad_inputs()],
+                         ids=[c[0] for c in _bad_inputs()])
+def test_bad_input_names_the_argument_and_the_fix(args, kwargs, error, match):
+  with pytest.raises(error, match=match):
+    pallas_flash.decode_attention(*args, **kwargs)
+
+
+def test_explain_on_cpu_and_for_h200():
+  q = jax.ShapeDtypeStruct((1, 1, 32, 128), jnp.bfloat16)
+  lens = jax.ShapeDtypeStruct((1,), jnp.int32)
+  kv = jax.ShapeDtypeStruct((1, 131072, 8, 128), jnp.bfloat16)
+  cpu = pallas_flash.decode_explain(q, kv, kv, lens)
+  assert cpu.chosen == "xla" and cpu.num_splits == 1 and "off-GPU" in cpu.splits_reason
+  with use_abstract_mesh(H200):
+    gpu = pallas_flash.decode_explain(q, kv, kv, lens)
+    # B = 1, K = 8: 8 programs per split; 4 per SM on 132 SMs -> 66 splits of 2K keys.
+    assert (gpu.chosen, gpu.num_splits, gpu.block_kv) == ("triton", 66, 128)
+    big = jax.ShapeDtypeStruct((128, 8192, 8, 128), jnp.bfloat16)
+    qb = jax.ShapeDtypeStruct((128, 1, 32, 128), jnp.bfloat16)
+    assert pallas_flash.decode_explain(qb, big, big, jax.ShapeDtypeStruct((128,), jnp.int32)
+                                       ).num_splits == 1
+    assert pallas_flash.decode_explain(q, kv, kv, lens, num_splits=3).num_splits == 3
+  assert "triton" in str(gpu) and "66" in str(gpu)
+
+
+@pytest.mark.parametrize("num_splits", [1, None], ids=["one_split", "auto_splits"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_triton_kernel_lowers_for_h200(paged, num_splits):
+  """One Triton kernel without splits, the decode kernel and its merge kernel with them, and
+  no other launch: the query is read in place and the outputs written in their layouts."""
+  b, h, kh, d = 2, 32, 8, 128
+  q = jax.ShapeDtypeStruct((b, 4, h, d), jnp.bfloat16)
+  new = jax.ShapeDtypeStruct((b, 4, kh, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((40, 64, kh, d) if paged else (b, 1024, kh, d), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((b, 16), jnp.int32) if paged else None
+  lens = jax.ShapeDtypeStruct((b,), jnp.int32)
+
+  def f(q, kc, vc, lens, table, nk, nv):
+    return pallas_flash.decode_attention(q, kc, vc, lens, page_table=table, new_key=nk,
+                                         new_value=nv, rotary=1e4, logits_soft_cap=30.0,
+                                         local_window_size=256, num_splits=num_splits,
+                                         implementation="triton")
+
+  module = export_for_h200(f, q, kv, kv, lens, table, new, new,
+                           disabled_checks=[TRITON_CALL]).mlir_module()
+  assert module.count("xla.gpu.triton") == (1 if num_splits == 1 else 2)
+
+
+def test_attention_alone_is_one_or_two_kernels_on_h200():
+  """Without append or rotary nothing but the Triton kernels is left in the compiled call."""
+  q = jax.ShapeDtypeStruct((1, 1, 32, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)
+  lens = jax.ShapeDtypeStruct((1,), jnp.int32)
+  f = lambda q, k, v, lens: pallas_flash.decode_attention(q, k, v, lens)  # noqa: E731
+  module = export_for_h200(f, q, kv, kv, lens, disabled_checks=[TRITON_CALL]).mlir_module()
+  body = module[module.index("func.func public @main"):]
+  assert body.count("xla.gpu.triton") == 2
+  for op in ("stablehlo.transpose", "stablehlo.pad", "stablehlo.exponential",
+             "stablehlo.reduce"):
+    assert op not in body, op

@@ -1,0 +1,81 @@
+"""The Triton decode kernel on a real GPU at serving sizes, against the float32 reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from decode_testing import DecodeCase, case_seed, check_decode, fill_page_table, make_decode_inputs
+from testing import GPU_FWD_TOL, assert_close_to_ref
+
+import pallas_flash
+
+pytestmark = pytest.mark.gpu
+
+
+def _ragged(batch: int, capacity: int, seed: int, q_len: int = 0) -> tuple[int, ...]:
+  """Lengths in [0, capacity - q_len], the first 0 and the last full (after the append)."""
+  rng = np.random.default_rng(seed)
+  lens = rng.integers(0, capacity - q_len + 1, batch)
+  lens[0], lens[-1] = 0, capacity - q_len
+  return tuple(int(x) for x in lens)
+
+
+_LLAMA = dict(num_heads=32, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16)
+CASES = [
+    DecodeCase(seqlens=_ragged(8, 8192, 0), capacity=8192, **_LLAMA),
+    DecodeCase(seqlens=_ragged(8, 8192, 1), capacity=8192, page_size=64, **_LLAMA),
+    DecodeCase(seqlens=(8192,) * 8, capacity=8192, page_size=64, **_LLAMA),
+    DecodeCase(seqlens=(131072,), capacity=131072, **_LLAMA),
+    DecodeCase(seqlens=(1024,), capacity=1024, **_LLAMA),
+    # Speculative verification: 4 tokens appended and rotated, pages of 16.
+    DecodeCase(seqlens=_ragged(4, 4096, 2, q_len=4), q_len=4, capacity=4096, page_size=16,
+               append=True, rotary=500_000.0, **_LLAMA),
+    # Window and soft cap (Gemma-like), page 256.
+    DecodeCase(seqlens=_ragged(8, 8192, 3), capacity=8192, page_size=256, window=4096,
+               softcap=50.0, **_LLAMA),
+    # Other head dims, dtypes and group sizes.
+    DecodeCase(seqlens=_ragged(4, 5000, 4), num_heads=16, num_kv_heads=2, head_dim=64,
+               capacity=5000, dtype=jnp.float16),
+    DecodeCase(seqlens=_ragged(2, 3000, 5, q_len=2), q_len=2, num_heads=8, num_kv_heads=1,
+               head_dim=256, capacity=3008, page_size=32, append=True),
+    DecodeCase(seqlens=_ragged(2, 2000, 6), num_heads=8, num_kv_heads=8, head_dim=96,
+               capacity=2000, dtype=jnp.float32),
+    # Chunked prefill: 1024 new tokens appended to a 31K cache (two 128-row tiles per token
+    # block of the kernel at G = 4).
+    DecodeCase(seqlens=(31744,), q_len=1024, capacity=32768, append=True, **_LLAMA),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_triton_decode_against_reference(case):
+  check_decode("triton", case, seed=case_seed(case), tol_table=GPU_FWD_TOL)
+
+
+def test_default_is_triton_and_splits_long_caches():
+  q, kc, vc, lens, _ = make_decode_inputs(CASES[3])
+  explanation = pallas_flash.decode_explain(q, kc, vc, lens)
+  assert explanation.chosen == "triton" and explanation.num_splits > 1, str(explanation)
+
+
+def test_generation_loop_on_gpu():
+  """64 appended tokens in a jitted lax.scan with donated caches, equal to the reference."""
+  case = DecodeCase(seqlens=_ragged(8, 1024 - 64, 7), capacity=1024, page_size=64,
+                    append=True, **_LLAMA)
+  q, kc, vc, lens, kw = make_decode_inputs(case)
+  new = jax.random.normal(jax.random.key(0), (2, 64, 8, 1, 8, 128), jnp.bfloat16)
+  table = fill_page_table(kw["page_table"], kc.shape[0])
+
+  def generate(kc, vc, lens):
+    def step(carry, kv):
+      kc, vc, lens = carry
+      out, kc, vc = pallas_flash.decode_attention(q, kc, vc, lens, page_table=table,
+                                                  new_key=kv[0], new_value=kv[1])
+      return (kc, vc, lens + 1), out
+
+    (kc, vc, _), outs = jax.lax.scan(step, (kc, vc, lens), (new[0], new[1]))
+    return kc, vc, outs[-1]
+
+  kc_n, vc_n, last = jax.jit(generate, donate_argnums=(0, 1))(kc, vc, lens)
+  ref = pallas_flash.decode_reference(q.astype(jnp.float32), kc_n.astype(jnp.float32),
+                                      vc_n.astype(jnp.float32), lens + 64, page_table=table)
+  assert_close_to_ref("out", last, ref[0], GPU_FWD_TOL[jnp.bfloat16])
