@@ -9,7 +9,7 @@ import zlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from testing import FWD_TOL, assert_close_to_ref
+from testing import assert_close_to_ref, tolerance
 
 import pallas_flash
 
@@ -119,8 +119,7 @@ def _upcast(kwargs: dict) -> dict:
           for n, x in kwargs.items()}
 
 
-def check_decode(impl: str, case: DecodeCase, *, seed: int = 0, tol_table=FWD_TOL,
-                 **call_kwargs) -> None:
+def check_decode(impl: str, case: DecodeCase, *, seed: int = 0, **call_kwargs) -> None:
   """Output, lse and (with an append) the updated caches of `impl` against the float32
   reference on the same (upcast) inputs."""
   q, kc, vc, lens, kwargs = make_decode_inputs(case, seed)
@@ -128,7 +127,7 @@ def check_decode(impl: str, case: DecodeCase, *, seed: int = 0, tol_table=FWD_TO
                                       implementation=impl, **kwargs, **call_kwargs)
   up = [x.astype(jnp.float32) for x in (q, kc, vc)]
   want = pallas_flash.decode_reference(*up, lens, **_upcast(kwargs))
-  tol = tol_table[case.dtype]
+  tol = tolerance(case.dtype)
   assert got[0].dtype == q.dtype and got[0].shape == q.shape
   assert_close_to_ref("out", got[0], want[0], tol)
   assert_close_to_ref("lse", got[1], want[1], max(tol, 1e-5))

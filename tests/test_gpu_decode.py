@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from decode_testing import DecodeCase, case_seed, check_decode, fill_page_table, make_decode_inputs
-from testing import GPU_FWD_TOL, assert_close_to_ref
+from testing import assert_close_to_ref, tolerance
 
 import pallas_flash
 
@@ -48,7 +48,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_triton_decode_against_reference(case):
-  check_decode("triton", case, seed=case_seed(case), tol_table=GPU_FWD_TOL)
+  check_decode("triton", case, seed=case_seed(case))
 
 
 def test_default_is_triton_and_splits_long_caches():
@@ -78,4 +78,4 @@ def test_generation_loop_on_gpu():
   kc_n, vc_n, last = jax.jit(generate, donate_argnums=(0, 1))(kc, vc, lens)
   ref = pallas_flash.decode_reference(q.astype(jnp.float32), kc_n.astype(jnp.float32),
                                       vc_n.astype(jnp.float32), lens + 64, page_table=table)
-  assert_close_to_ref("out", last, ref[0], GPU_FWD_TOL[jnp.bfloat16])
+  assert_close_to_ref("out", last, ref[0], tolerance(jnp.bfloat16))
