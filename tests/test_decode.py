@@ -10,7 +10,7 @@ import pytest
 from decode_testing import DecodeCase, case_seed, check_decode, fill_page_table, make_decode_inputs
 from jax.experimental import checkify
 from jax.sharding import use_abstract_mesh
-from testing import H200, TRITON_CALL, assert_close_to_ref, export_for_h200
+from testing import H200, assert_close_to_ref, export_for_h200
 
 import pallas_flash
 from pallas_flash.decode import TritonDecodeConfig, XlaDecodeConfig
@@ -288,8 +288,7 @@ def test_triton_kernel_lowers_for_h200(paged, num_splits):
                                          local_window_size=256, num_splits=num_splits,
                                          implementation="triton")
 
-  module = export_for_h200(f, q, kv, kv, lens, table, new, new,
-                           disabled_checks=[TRITON_CALL]).mlir_module()
+  module = export_for_h200(f, q, kv, kv, lens, table, new, new).mlir_module()
   assert module.count("xla.gpu.triton") == (1 if num_splits == 1 else 2)
 
 
@@ -299,7 +298,7 @@ def test_attention_alone_is_one_or_two_kernels_on_h200():
   kv = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)
   lens = jax.ShapeDtypeStruct((1,), jnp.int32)
   f = lambda q, k, v, lens: pallas_flash.decode_attention(q, k, v, lens)  # noqa: E731
-  module = export_for_h200(f, q, kv, kv, lens, disabled_checks=[TRITON_CALL]).mlir_module()
+  module = export_for_h200(f, q, kv, kv, lens).mlir_module()
   body = module[module.index("func.func public @main"):]
   assert body.count("xla.gpu.triton") == 2
   for op in ("stablehlo.transpose", "stablehlo.pad", "stablehlo.exponential",
