@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
-from pallas_flash import _tiling, backends, masks, validation
+from pallas_flash import _tiling, backends, masks, merge, validation
 from pallas_flash.backends import IMPLEMENTATIONS, Implementation
 from pallas_flash.call import AttentionParams, FeatureArrays
 from pallas_flash.context_parallel import sharding as _cp_sharding
@@ -84,6 +84,7 @@ def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
   config = kwargs.pop("config", None)
   kwargs.pop("implementation", None)
   kwargs.pop("return_residuals", None)
+  kwargs.pop("sinks", None)  # applied after any backend: no influence on the choice
   info = validation.abstract_call_info(query, key, value,
                                        validation.with_defaults(kwargs))
   reasons = {name: backends.reason(name, info, config) for name in IMPLEMENTATIONS}
@@ -179,6 +180,7 @@ def flash_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     block_mask: masks.BlockMask | None = None,
+    sinks: jax.Array | None = None,
     deterministic: bool = False,
     return_residuals: bool = False,
     implementation: Implementation | None = None,
@@ -216,6 +218,10 @@ def flash_attention(
       blocks and apply the element mask on partial ones only. Replaces is_causal,
       local_window_size, segment ids, lengths and `mask` (combining them raises); its block
       sizes are the kernels' (see docs/features.md). Not supported by "mosaic".
+    sinks: float [H]: a learnable logit per query head that joins every row's softmax
+      denominator with a zero value (attention sinks, gpt-oss), differentiable. Not in
+      jax.nn. Every implementation computes the call without them and rescales each row by
+      sigmoid(lse - sink) (`merge.add_sinks`): an elementwise pass over the output.
     deterministic: True guarantees bitwise-identical gradients run to run. Every default path
       gives them but one: the Mosaic backward of long head-dim-128 calls (causal: at least 8K
       keys and at most 8 batch entries; non-causal: at least 2K keys, a multiple of 128, at
@@ -231,7 +237,7 @@ def flash_attention(
 
   Returns:
     The output [B, T, H, D] in the input dtype; with return_residuals, (output, lse). A query that
-    sees no key gets zeros (and zero gradients), never NaN.
+    sees no key gets zeros (and zero gradients), never NaN; with sinks its lse is the sink's.
 
   Inputs whose sharding splits the sequence axis over mesh axes (Explicit axes under jit, or
   concrete arrays) run context-parallel: ring or all-gather attention under shard_map
@@ -240,7 +246,12 @@ def flash_attention(
   # -- context parallelism: a sequence split over mesh axes runs as ring / all-gather
   # attention under shard_map (pallas_flash.context_parallel.sharding). --
   if (cp := _cp_sharding.sequence_sharding(query, key, value)) is not None:
-    return _cp_sharding.sharded_attention(**locals())  # the arguments above, and cp
+    args = {n: x for n, x in locals().items() if n != "sinks"}  # the arguments above, and cp
+    if sinks is None:
+      return _cp_sharding.sharded_attention(**args)
+    o, lse = _cp_sharding.sharded_attention(**{**args, "return_residuals": True})
+    o, lse = merge.add_sinks(o, lse, validation.check_sinks(sinks, query.shape[-2]))
+    return (o, lse) if return_residuals else o
   # --
   call = validation.canonicalize(query, key, value, scale=scale, is_causal=is_causal,
                        query_seq_lengths=query_seq_lengths,
@@ -251,13 +262,17 @@ def flash_attention(
                        alibi_slopes=alibi_slopes, dropout_rate=dropout_rate,
                        dropout_rng=dropout_rng, block_mask=block_mask,
                        deterministic=deterministic)
+  if sinks is not None:
+    sinks = validation.check_sinks(sinks, call.q.shape[2])
   name = backends.choose(call.info, implementation, config)
   args = (call.q, call.k, call.v, call.q_seg, call.kv_seg)
-  if name == "reference":
-    o, lse = attention_reference(*args, params=call.info.params, arrays=call.arrays)
+  if name == "reference":  # defines sinks directly, as an extra softmax column
+    o, lse = attention_reference(*args, params=call.info.params, arrays=call.arrays, sinks=sinks)
   else:
     config = backends.resolve_config(name, call.info, config)
     o, lse = _differentiable(name, call.info.params, config)(*args, call.arrays)
+    if sinks is not None:
+      o, lse = merge.add_sinks(o, lse, sinks)
   if call.unbatched:
     o, lse = o[0], lse[0]
   return (o, lse) if return_residuals else o

@@ -53,3 +53,26 @@ def merge_attention_states(outputs: jax.Array | Sequence[jax.Array],
   out = (weights * outputs.astype(jnp.float32)).sum(axis=0)
   lse = jnp.where(total == 0.0, -jnp.inf, m + jnp.log(safe))
   return out.astype(outputs.dtype), lse
+
+
+def add_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Attention with attention sinks from attention without them.
+
+  A sink is one more logit per head that joins every row's softmax denominator and carries a
+  zero value (gpt-oss): a merge with the state (out 0, lse sink), so each row is rescaled by
+  sigmoid(lse - sink) and its log-sum-exp becomes logaddexp(lse, sink).
+
+  Args:
+    out: [B, T, H, D] attention over the keys; lse: [B, H, T] float32, -inf for no key.
+    sinks: [H] float, one logit per query head (in the scaled-logit units of `lse`).
+
+  Returns:
+    (out [B, T, H, D] in out's dtype, lse [B, H, T] float32). A row that saw no key keeps zeros
+    and gets lse = sink. Differentiable in all three arguments, with finite gradients there.
+  """
+  sink = sinks.astype(jnp.float32)[None, :, None]  # [1, H, 1]
+  rel = lse - sink  # [B, H, T]
+  # sigmoid and softplus are finite with zero slope at rel = -inf (a row that saw no key).
+  weight = jax.nn.sigmoid(rel).transpose(0, 2, 1)[..., None]  # [B, T, H, 1]
+  out = (out.astype(jnp.float32) * weight).astype(out.dtype)
+  return out, sink + jax.nn.softplus(rel)

@@ -53,6 +53,7 @@ def attention_reference(
     *,
     params: AttentionParams,
     arrays: FeatureArrays | None = None,
+    sinks: jax.Array | None = None,
     precision: jax.lax.Precision = jax.lax.Precision.HIGHEST,
 ) -> tuple[jax.Array, jax.Array]:
   """Attention with the full [B, H, T, S] score matrix, differentiable by plain autodiff.
@@ -62,9 +63,11 @@ def attention_reference(
     q_seg, kv_seg: [B, T] / [B, S] int32 segment ids, or both None.
     params: scale, masking and the optional features.
     arrays: the features' arrays (bias, dense mask, ALiBi slopes, dropout seed).
+    sinks: [H] float: one extra logit per head in every row's softmax, with a zero value.
 
   Returns:
-    o [B, T, H, D] in q.dtype (zeros on fully masked rows) and lse [B, H, T] float32 (-inf there).
+    o [B, T, H, D] in q.dtype (zeros on fully masked rows) and lse [B, H, T] float32 (-inf there;
+    with sinks, the sink's logit).
   """
   arrays = arrays or FeatureArrays()
   b, t, h, d = q.shape
@@ -82,10 +85,15 @@ def attention_reference(
   if mask is not None:
     logits = jnp.where(mask, logits, -jnp.inf)
   m = jnp.max(logits, axis=-1, keepdims=True)
+  if sinks is not None:  # the sink's column: a logit [1, H, 1, 1] whose value row is zero
+    sink = sinks.astype(jnp.float32)[None, :, None, None]
+    m = jnp.maximum(m, sink)
   # A fully masked row has m = -inf; shift by 0 there so that exp gives 0, not NaN.
   m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
   p = jnp.exp(logits - m)
   l = jnp.sum(p, axis=-1, keepdims=True)  # [B, H, T, 1]
+  if sinks is not None:
+    l = l + jnp.exp(sink - m)
   l_safe = jnp.where(l == 0.0, 1.0, l)
   p = p / l_safe
   if params.dropout_rate > 0.0:

@@ -329,3 +329,16 @@ def with_defaults(kwargs: dict) -> dict:
   if unknown:
     raise TypeError(f"Unexpected arguments {sorted(unknown)}.")
   return {n: kwargs.get(n, default) for n, default in DEFAULTS.items()}
+
+
+def check_sinks(sinks, num_heads: int) -> jax.Array:
+  """`sinks` as a float array [num_heads] (one logit per query head), or a clear error."""
+  if not hasattr(sinks, "shape") or not hasattr(sinks, "dtype"):
+    raise TypeError(f"`sinks` must be a float array of shape (num_heads,), got "
+                    f"{type(sinks).__name__}.")
+  if sinks.shape != (num_heads,):
+    raise ValueError(f"`sinks` must have shape (num_heads,) = ({num_heads},): one logit per "
+                     f"query head, got {tuple(sinks.shape)}.")
+  if not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise TypeError(f"`sinks` must be a float array, got {sinks.dtype}.")
+  return sinks

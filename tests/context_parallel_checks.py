@@ -40,6 +40,7 @@ class CPCase:
   entry: str = "A"  # A: shard_map + context_parallel_attention; B*: flash_attention (sharding)
   masked_rows: bool = False  # some queries see no key at all
   lengths: bool = False  # sequence lengths (entry point B folds them into segment ids)
+  sinks: bool = False  # attention sinks (entry point B)
   steps: tuple[int, ...] | None = None  # expected ring steps (skipped ones are not run)
   implementation: str = "xla"  # the local backend (entry point A)
   # The ring drives "xla" as a backend with BACKWARD_COMPUTES_DELTA (as "mosaic" is): its
@@ -52,7 +53,8 @@ class CPCase:
              self.strategy or "auto",
              "causal" if self.causal else "full", f"kv{self.kv_heads}", self.dtype]
     feats += [n for n, on in (("seg", self.segments), ("masked", self.masked_rows),
-                              ("len", self.lengths), ("delta", self.computes_delta)) if on]
+                              ("len", self.lengths), ("delta", self.computes_delta),
+                              ("sinks", self.sinks)) if on]
     if self.window:
       feats.append(f"w{self.window[0]}-{self.window[1]}")
     if self.softcap:
@@ -86,7 +88,7 @@ GROUPS: dict[str, list[CPCase]] = {
         # arrays on an Auto mesh, outside jit. strategy None: the rule picks (all-gather at
         # these sizes); "ring" lowers the rule's threshold so that the ring runs.
         CPCase(4, entry="B-jit", strategy=None, lengths=True),
-        CPCase(4, entry="B-jit", kv_heads=1, segments=True),
+        CPCase(4, entry="B-jit", kv_heads=1, segments=True, sinks=True),
         CPCase(8, entry="B-eager", layout="contiguous", causal=False, window=(4, 4),
                seq_len=64),
         CPCase(4, entry="B-errors", strategy=None),
@@ -118,6 +120,8 @@ def _inputs(case: CPCase):
     if case.masked_rows:  # these queries' ids match no key
       seg = np.where(rng.random((b, t)) < 0.2, seg + 100, seg).astype(np.int32)
     kwargs.update(query_segment_ids=jnp.asarray(seg), key_value_segment_ids=jnp.asarray(kv_seg))
+  if case.sinks:
+    kwargs["sinks"] = jnp.asarray(normal(h))
   if case.lengths:
     kwargs.update(query_seq_lengths=jnp.asarray([t - 5, t]),
                   key_value_seq_lengths=jnp.asarray([t, 9]))

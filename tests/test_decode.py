@@ -72,6 +72,23 @@ def test_reference_is_end_aligned_causal_attention():
     assert_close_to_ref("lse", lse[b], l[0, :, n - case.q_len:], 1e-6)
 
 
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_sinks_equal_flash_attentions_reference(impl):
+  case = DecodeCase(seqlens=(0, 20, 41), q_len=3, capacity=48, append=True)
+  q, kc, vc, lens, kw = make_decode_inputs(case)
+  sinks = jnp.linspace(-2.0, 2.0, case.num_heads)
+  out, lse, kc2, vc2 = pallas_flash.decode_attention(q, kc, vc, lens, sinks=sinks,
+                                                     return_residuals=True, implementation=impl,
+                                                     **kw)
+  for b, n in enumerate(np.asarray(lens) + case.q_len):
+    full_q = jnp.zeros((1, n, case.num_heads, case.head_dim)).at[0, n - case.q_len:].set(q[b])
+    o, l = pallas_flash.flash_attention(full_q, kc2[b:b + 1, :n], vc2[b:b + 1, :n],
+                                        is_causal=True, sinks=sinks, return_residuals=True,
+                                        implementation="reference")
+    assert_close_to_ref("out", out[b], o[0, n - case.q_len:], 1e-5)
+    assert_close_to_ref("lse", lse[b], l[0, :, n - case.q_len:], 1e-5)
+
+
 def test_merge_of_split_caches_equals_one_call():
   """merge_attention_states of decodes over two halves of the cache = one decode (Tq = 1)."""
   case = DecodeCase(seqlens=(70, 31, 99), capacity=100)

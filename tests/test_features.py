@@ -22,7 +22,7 @@ SMALL = {"interpret": TritonConfig(block_q=32, block_kv=16, block_q_dkv=16, bloc
 CASE = Case(batch=2, q_len=70, kv_len=90, num_heads=4, num_kv_heads=2, head_dim=32)
 
 SINGLE = [("window",), ("window_left",), ("softcap",), ("alibi",), ("dropout",), ("bias",),
-          ("bias_bcast",), ("mask",)]
+          ("bias_bcast",), ("mask",), ("sinks",)]
 
 
 @pytest.mark.parametrize("impl", CPU_IMPLS)
@@ -40,6 +40,9 @@ COMBINED = [
      ("window", "alibi", "bias_bcast", "mask")),
     (Case(q_len=40, kv_len=40, is_causal=True, head_dim=32, num_heads=2, num_kv_heads=1),
      ("softcap", "bias", "mask", "dropout")),
+    # Lengths leave whole rows without a key: their lse is the sink's.
+    (Case(q_len=50, kv_len=83, lengths=True, head_dim=32, dtype=jnp.bfloat16),
+     ("window", "softcap", "bias", "sinks")),
 ]
 
 
@@ -89,6 +92,20 @@ def test_bias_and_mask_match_jax_nn():
     assert_close_to_ref(impl, got, jax.nn.dot_product_attention(q, k, v, bias, mask), 2e-5)
 
 
+def test_sinks_match_an_extra_key_in_jax_nn():
+  # A sink is a key with logit `sink` and value 0: jax.nn with one zero key (logit 0) whose
+  # bias is the sink computes the same softmax.
+  (q, k, v, _), _ = make_inputs(Case(q_len=20, kv_len=30, num_heads=4, num_kv_heads=4))
+  sinks = jnp.array([-1.0, 0.5, 3.0, -30.0])
+  zero = jnp.zeros((2, 1, 4, 64))
+  bias = jnp.zeros((1, 4, 1, 31)).at[..., 30].set(sinks[:, None])
+  want = jax.nn.dot_product_attention(q, jnp.concatenate([k, zero], 1),
+                                      jnp.concatenate([v, zero], 1), bias, is_causal=False)
+  for impl in ("reference", "xla"):
+    got = pallas_flash.flash_attention(q, k, v, sinks=sinks, implementation=impl)
+    assert_close_to_ref(impl, got, want, 2e-5)
+
+
 def test_dbias_is_reduced_over_broadcast_axes():
   (q, k, v, do), _ = make_inputs(Case(q_len=16, kv_len=16, num_heads=2, num_kv_heads=2))
   # (A bias constant along the key axis has a zero gradient: softmax ignores row shifts.)
@@ -114,6 +131,18 @@ def test_rows_that_see_nothing_give_zeros_and_zero_gradients(impl):
   assert np.all(o[:, 26:] == 0) and np.all(o[:, 3:5] == 0)
   assert all(np.isfinite(np.asarray(g)).all() for g in grads)
   assert np.all(np.asarray(grads[0])[:, 26:] == 0)
+
+
+@pytest.mark.parametrize("impl", ("xla", "reference"))
+def test_rows_that_see_nothing_with_sinks(impl):
+  case = Case(q_len=32, kv_len=20, num_heads=2, num_kv_heads=1, head_dim=16, is_causal=True)
+  (q, k, v, do), kw = make_inputs(case)
+  sinks = jnp.array([0.5, -2.0])
+  (o, lse), (dq, dk, dv, dsinks) = run(impl, q, k, v, do, local_window_size=(6, 0),
+                                       sinks=sinks, **kw)
+  assert np.all(np.asarray(o)[:, 26:] == 0) and np.all(np.asarray(dq)[:, 26:] == 0)
+  assert np.all(np.asarray(lse)[:, :, 26:] == np.asarray(sinks)[None, :, None])
+  assert all(np.isfinite(np.asarray(g)).all() for g in (dq, dk, dv, dsinks))
 
 
 @pytest.mark.parametrize("impl", CPU_IMPLS)
@@ -215,6 +244,9 @@ KV = jnp.ones((2, 24, 2, 32), jnp.float32)
     ({"bias": jnp.ones((16, 23))}, ValueError, "each axis must be 1 or the full size"),
     ({"bias": jnp.ones((16, 24), jnp.int32)}, TypeError, "`bias` must be a float array"),
     ({"mask": jnp.ones((16, 24))}, TypeError, "`mask` must be a boolean array"),
+    ({"sinks": jnp.ones(2)}, ValueError, r"`sinks` must have shape \(num_heads,\) = \(4,\)"),
+    ({"sinks": jnp.ones(4, jnp.int32)}, TypeError, "`sinks` must be a float array"),
+    ({"sinks": 1.0}, TypeError, "`sinks` must be a float array of shape"),
 ])
 def test_bad_feature_arguments(kwargs, error, match):
   with pytest.raises(error, match=match):

@@ -88,6 +88,7 @@ def _features(case: Case, key) -> dict:
       "alibi": lambda: {"alibi_slopes": 2.0 ** -jnp.arange(1, h + 1, dtype=jnp.float32)},
       "dropout": lambda: {"dropout_rate": 0.25, "dropout_rng": keys[3]},
       "bias": lambda: {"bias": jax.random.normal(keys[0], (1, h, t, s))},
+      "sinks": lambda: {"sinks": 2.0 * jax.random.normal(keys[3], (h,))},
       "bias_bcast": lambda: {"bias": jax.random.normal(keys[1], (b, 1, 1, s))},
       "mask": lambda: {"mask": jax.random.bernoulli(keys[2], 0.8, (b, 1, t, s))},
       # Ids in no order: no key block can be skipped.
@@ -142,17 +143,22 @@ def assert_close_to_ref(name: str, x, ref, tol: float) -> None:
                       f"got {x[worst]:.6g}, want {ref[worst]:.6g}")
 
 
+# Differentiable keyword arguments: their gradients are compared too, in this order.
+DIFFERENTIABLE_KWARGS = ("bias", "sinks")
+
+
 def run(impl: str, q, k, v, do, *, config=None, **kwargs):
-  """(o, lse) and the gradients (dq, dk, dv[, dbias]) of sum(o * do) for one implementation."""
-  bias = kwargs.pop("bias", None)
-  primals = (q, k, v) if bias is None else (q, k, v, bias)
+  """(o, lse) and the gradients (dq, dk, dv[, dbias][, dsinks]) of sum(o * do) for one
+  implementation."""
+  extra = {n: kwargs.pop(n) for n in DIFFERENTIABLE_KWARGS if kwargs.get(n) is not None}
 
-  def f(q, k, v, bias=None):
-    return pallas_flash.flash_attention(q, k, v, bias, implementation=impl, config=config,
-                                        return_residuals=True, **kwargs)
+  def f(q, k, v, extra):
+    return pallas_flash.flash_attention(q, k, v, implementation=impl, config=config,
+                                        return_residuals=True, **extra, **kwargs)
 
-  (o, lse), vjp = jax.vjp(f, *primals)
-  return (o, lse), vjp((do, jnp.zeros_like(lse)))
+  (o, lse), vjp = jax.vjp(f, q, k, v, extra)
+  dq, dk, dv, dextra = vjp((do, jnp.zeros_like(lse)))
+  return (o, lse), (dq, dk, dv, *(dextra[n] for n in DIFFERENTIABLE_KWARGS if n in dextra))
 
 
 def check_against_reference(impl: str, case: Case, *, config=None, seed: int | None = None,
@@ -169,9 +175,10 @@ def check_against_reference(impl: str, case: Case, *, config=None, seed: int | N
   assert_close_to_ref("out", o, o_ref, tol)
   assert_close_to_ref("lse", lse, lse_ref, max(tol, 1e-5))
   assert len(grads) == len(grads_ref), (len(grads), len(grads_ref))
-  for name, g, g_ref in zip(("dq", "dk", "dv", "dbias"), grads, grads_ref):
+  names = ("dq", "dk", "dv") + tuple(f"d{n}" for n in DIFFERENTIABLE_KWARGS if n in kwargs)
+  for name, g, g_ref in zip(names, grads, grads_ref):
     assert g.shape == g_ref.shape, f"{name}: shape {g.shape} != {g_ref.shape}"
-    if name != "dbias":
+    if name in ("dq", "dk", "dv"):
       assert g.dtype == q.dtype, f"{name} dtype {g.dtype}"
     assert_close_to_ref(name, g, g_ref, 2 * tol)
 

@@ -464,7 +464,8 @@ def print_rows(rows: list[dict], impls: list[str]) -> None:
     cells = [layout, mode, str(b), _tokens(cache), f"{ours['bytes_read'] / 2**20:.4g}",
              _f(ours.get("copy_tbs"), ".2f"),
              _f(ours["us"], ".1f") + ("!" if ours["status"] == "FAIL" else ""),
-             _f(ours.get("device_us"), ".1f"), _f(ours.get("tbs"), ".2f"), _f(pct, ".0f"), _f(ours["rel_err"], ".0e")]
+             _f(ours.get("device_us"), ".1f"), _f(ours.get("tbs"), ".2f"), _f(pct, ".0f"),
+             _f(ours["rel_err"], ".0e")]
     cells += [_anchor_cell(group[a]) if a in group else "" for a in anchors]
     print("| " + " | ".join(cells) + " |", flush=True)
 

@@ -234,6 +234,7 @@ def context_parallel_explain(query, key, value, *, axis_size: int | None = None,
   implementation = kwargs.pop("implementation", None)
   config = kwargs.pop("config", None)
   kwargs.pop("return_residuals", None)
+  kwargs.pop("sinks", None)  # flash_attention applies them after the plan runs
   info = validation.abstract_call_info(query, key, value, validation.with_defaults(kwargs))
   return decide(info, axis_size, layout=layout, strategy=strategy,
                 implementation=implementation, config=config)

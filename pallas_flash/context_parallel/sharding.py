@@ -203,6 +203,7 @@ def explain_sharded(query, key, value, **kwargs):
   implementation = kwargs.pop("implementation", None)
   config = kwargs.pop("config", None)
   kwargs.pop("return_residuals", None)
+  kwargs.pop("sinks", None)  # flash_attention applies them after the plan runs
   info = validation.abstract_call_info(query, key, value, validation.with_defaults(kwargs))
   return decide(_local_info(info, cp), cp.axis_size, layout=_layout(info), strategy=None,
                 implementation=implementation, config=config)

@@ -22,6 +22,8 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
+from pallas_flash import merge
+from pallas_flash import validation as attention_validation
 from pallas_flash.decode import cache, validation
 from pallas_flash.decode import config as decode_config
 from pallas_flash.decode.call import DecodeInfo, DecodeParams, sequence_lengths
@@ -160,7 +162,7 @@ def decode_explain(query, key_cache, value_cache, cache_seqlens, **kwargs) -> De
   implementation = kwargs.pop("implementation", None)
   config = kwargs.pop("config", None)
   num_splits = kwargs.pop("num_splits", None)
-  for name in ("return_residuals", "checked"):
+  for name in ("return_residuals", "checked", "sinks"):
     kwargs.pop(name, None)
   info = validation.abstract_info(query, key_cache, value_cache, cache_seqlens,
                                   validation.with_defaults(kwargs))
@@ -180,6 +182,7 @@ def decode_attention(
     scale: float | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     return_residuals: bool = False,
     num_splits: int | None = None,
     implementation: Implementation | None = None,
@@ -219,6 +222,8 @@ def decode_attention(
     local_window_size: sliding window as in `flash_attention`: an int w or (left, right); the
       query at position p sees keys p - left .. p (causality cuts the right side).
     logits_soft_cap: c > 0 replaces each scaled logit s by c * tanh(s / c).
+    sinks: float [H] attention sinks, as in `flash_attention` (applied to the output after
+      the kernels; lse then includes the sink).
     return_residuals: also return the float32 log-sum-exp [B, H, Tq] (natural log), e.g. to
       merge with attention over other keys (`merge_attention_states`).
     num_splits: key splits per sequence (split-KV); None chooses from the shapes (see
@@ -246,6 +251,8 @@ def decode_attention(
                                  logits_soft_cap=logits_soft_cap)
   if not isinstance(checked, bool):
     raise TypeError(f"`checked` must be a Python bool, got {checked!r}.")
+  if sinks is not None:
+    sinks = attention_validation.check_sinks(sinks, call.q.shape[2])
   info = call.info
   plan = _plan(info, implementation, config, num_splits)
   if checked:
@@ -258,6 +265,8 @@ def decode_attention(
         scale=info.scale, local_window_size=info.window, logits_soft_cap=info.logits_soft_cap)
   else:
     out, lse, k_cache, v_cache = _run(call, plan)
+  if sinks is not None:
+    out, lse = merge.add_sinks(out, lse, sinks)
   results = (out, lse) if return_residuals else (out,)
   if info.appends:
     results += (k_cache, v_cache)
