@@ -192,7 +192,9 @@ def flash_attention(
 
   Args:
     query: [B, T, H, D] (or [T, H, D] together with key and value).
-    key, value: [B, S, K, D], H % K == 0 (MHA, GQA, MQA).
+    key, value: [B, S, K, D] and [B, S, K, Dv], H % K == 0 (MHA, GQA, MQA). Dv may differ from
+      D (MLA trains 192 / 128; not in jax.nn): the output is then [B, T, H, Dv]. "mosaic" and
+      context parallelism take Dv == D only.
     bias: additive logits bias broadcastable to [B, H, T, S] (each axis 1 or full, rank <= 4, as
       in jax.nn), differentiable (its gradient is summed over broadcast axes). Dense: it costs
       T*S memory and reads; prefer the structured arguments below where they apply.

@@ -158,6 +158,7 @@ class CallInfo:
   num_heads: int
   num_kv_heads: int
   head_dim: int
+  value_head_dim: int  # may differ from head_dim (query/key), e.g. MLA's 192 / 128
   dtype: jnp.dtype
   params: AttentionParams
   platform: str  # "cpu", "gpu", ...

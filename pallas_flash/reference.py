@@ -101,6 +101,6 @@ def attention_reference(
     p = jnp.where(keep, p / (1.0 - params.dropout_rate), 0.0)
   p = p.reshape(b, kh, g, t, s_len)
   o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32), precision=precision)
-  o = o.reshape(b, t, h, d).astype(q.dtype)
+  o = o.reshape(b, t, h, v.shape[3]).astype(q.dtype)
   lse = jnp.where(l[..., 0] == 0.0, -jnp.inf, m[..., 0] + jnp.log(l_safe[..., 0]))
   return o, lse

@@ -36,9 +36,9 @@ def _check_inputs(query, key, value) -> None:
   for name, x in (("query", query), ("key", key), ("value", value)):
     _check_array(name, x)
   b, t, h, d = query.shape
-  if key.shape != value.shape:
-    raise ValueError(f"`key` and `value` must have the same shape, got {key.shape} and "
-                     f"{value.shape}.")
+  if key.shape[:3] != value.shape[:3]:
+    raise ValueError(f"`key` and `value` must have the same batch, length and heads (the head "
+                     f"dims may differ), got shapes {key.shape} and {value.shape}.")
   if key.shape[0] != b:
     raise ValueError(f"`query` and `key` must have the same batch size, got {b} and "
                      f"{key.shape[0]}.")
@@ -198,7 +198,7 @@ def canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
                            **features)
   platform, cc, kind = target_device()
   info = CallInfo(batch=b, q_len=t, kv_len=s, num_heads=h, num_kv_heads=key.shape[2],
-                  head_dim=d, dtype=jnp.dtype(query.dtype), params=params, platform=platform,
+                  head_dim=d, value_head_dim=value.shape[3], dtype=jnp.dtype(query.dtype), params=params, platform=platform,
                   compute_capability=cc, device_kind=kind)
   return Call(query, key, value, q_seg, kv_seg, arrays, info, unbatched)
 

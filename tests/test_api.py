@@ -18,7 +18,7 @@ KV = jnp.ones((2, 24, 2, 32), jnp.float32)
 @pytest.mark.parametrize("args, kwargs, error, match", [
     ((Q[0, :, 0], KV, KV), {}, ValueError, "`query` must have rank 4"),
     ((Q, KV[..., 0], KV[..., 0]), {}, ValueError, "`key` must have rank 4"),
-    ((Q, KV, KV[:, :10]), {}, ValueError, "`key` and `value` must have the same shape"),
+    ((Q, KV, KV[:, :10]), {}, ValueError, "`key` and `value` must have the same batch, length"),
     ((Q, KV[:1], KV[:1]), {}, ValueError, "same batch size"),
     ((Q, KV[..., :16], KV[..., :16]), {}, ValueError, "same head_dim"),
     ((Q[:, :, :3], KV, KV), {}, ValueError, "must be a multiple of num_heads"),

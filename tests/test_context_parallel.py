@@ -163,6 +163,13 @@ def test_position_dependent_features_are_refused(kw):
     pallas_flash.context_parallel_explain(s, s, s, axis_size=4, **kw)
 
 
+def test_a_value_head_dim_of_its_own_is_refused():
+  s = _spec(1, 64, 4)
+  v = jax.ShapeDtypeStruct((*s.shape[:3], 2 * s.shape[3]), s.dtype)
+  with pytest.raises(NotImplementedError, match="one head dim for query, key and value"):
+    pallas_flash.context_parallel_explain(s, s, v, axis_size=4)
+
+
 def test_zigzag_needs_even_local_lengths():
   s = _spec(1, 7, 4)
   with pytest.raises(ValueError, match="2 equal chunks"):

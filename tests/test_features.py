@@ -58,6 +58,29 @@ def test_features_combined(impl, case, names):
   check_against_reference(impl, dataclasses.replace(case, features=names), config=SMALL[impl])
 
 
+# A value head dim other than the query/key one (MLA trains 192 / 128), both ways round.
+VALUE_DIMS = [(Case(q_len=70, kv_len=90, head_dim=48, value_head_dim=32, is_causal=True,
+                    segments=True), ("softcap", "bias")),
+              (Case(q_len=77, kv_len=77, head_dim=32, value_head_dim=64, dtype=jnp.bfloat16),
+               ("window", "dropout", "sinks"))]
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("case, names", VALUE_DIMS, ids=[c.id for c, _ in VALUE_DIMS])
+def test_value_head_dim_differs(impl, case, names):
+  check_against_reference(impl, dataclasses.replace(case, features=names), config=SMALL[impl])
+
+
+def test_value_head_dim_matches_jax_nn_on_zero_padded_values():
+  # Zero columns appended to V change no other column: jax.nn (one head dim) is the oracle.
+  (q, k, v, _), _ = make_inputs(Case(q_len=20, kv_len=30, head_dim=32, value_head_dim=16))
+  want = jax.nn.dot_product_attention(q, k, jnp.pad(v, ((0, 0),) * 3 + ((0, 16),)),
+                                      is_causal=True)[..., :16]
+  for impl in ("reference", "xla"):
+    got = pallas_flash.flash_attention(q, k, v, is_causal=True, implementation=impl)
+    assert_close_to_ref(impl, got, want, 2e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", CPU_IMPLS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])

@@ -49,6 +49,7 @@ class Case:
   num_heads: int = 4
   num_kv_heads: int = 2
   head_dim: int = 64
+  value_head_dim: int | None = None  # None: head_dim
   dtype: type = jnp.float32
   is_causal: bool = False
   segments: bool = False
@@ -59,8 +60,9 @@ class Case:
   def id(self) -> str:
     feats = "".join(f for f, on in (("-causal", self.is_causal), ("-seg", self.segments),
                                     ("-len", self.lengths)) if on)
+    dv = "" if self.value_head_dim is None else f"v{self.value_head_dim}"
     return (f"b{self.batch}_t{self.q_len}_s{self.kv_len}_h{self.num_heads}:{self.num_kv_heads}"
-            f"_d{self.head_dim}_{jnp.dtype(self.dtype).name}{feats}"
+            f"_d{self.head_dim}{dv}_{jnp.dtype(self.dtype).name}{feats}"
             + "".join(f"-{f}" for f in self.features))
 
   @property
@@ -109,8 +111,9 @@ def make_inputs(case: Case, seed: int | None = None) -> tuple[tuple[jax.Array, .
   keys = jax.random.split(jax.random.key(seed), 9)
   q = jax.random.normal(keys[0], (case.batch, case.q_len, case.num_heads, case.head_dim))
   k = jax.random.normal(keys[1], (case.batch, case.kv_len, case.num_kv_heads, case.head_dim))
-  v = jax.random.normal(keys[2], (case.batch, case.kv_len, case.num_kv_heads, case.head_dim))
-  do = jax.random.normal(keys[3], q.shape)
+  dv = case.head_dim if case.value_head_dim is None else case.value_head_dim
+  v = jax.random.normal(keys[2], (case.batch, case.kv_len, case.num_kv_heads, dv))
+  do = jax.random.normal(keys[3], (*q.shape[:3], dv))
   q, k, v, do = (x.astype(case.dtype) for x in (q, k, v, do))
   kwargs: dict = {"is_causal": case.is_causal}
   if case.segments:

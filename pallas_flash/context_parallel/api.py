@@ -80,6 +80,10 @@ class ContextParallelExplanation:
 
 
 def _check_features(info: CallInfo) -> None:
+  if info.value_head_dim != info.head_dim:
+    raise NotImplementedError(
+        f"context parallelism takes one head dim for query, key and value, got "
+        f"{info.head_dim} and a value head dim of {info.value_head_dim}.")
   unsupported = info.params.features - SUPPORTED_FEATURES
   if unsupported:
     raise NotImplementedError(

@@ -58,6 +58,9 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
     return f"wgmma kernels take bfloat16 or float16, not {jnp.dtype(call.dtype).name}"
   if call.head_dim not in SUPPORTED_HEAD_DIMS:
     return f"head_dim {call.head_dim} is not one of {SUPPORTED_HEAD_DIMS}"
+  if call.value_head_dim != call.head_dim:
+    return (f"value head dim {call.value_head_dim} != query/key head dim {call.head_dim}: the "
+            "wgmma kernels take one head dim")
   if call.params.deterministic and config is not None and config.fused_backward:
     return ("config.fused_backward=True sums dQ with float32 atomics in a varying order, "
             "which deterministic=True rules out; pass fused_backward=False (the split backward)")

@@ -35,7 +35,8 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta
                      fn_refs, dk_ref, dv_ref, *, p: KernelParams):
   """dK, dV of one key block, summed over every query head of its group and every query block.
 
-  Refs: q_ref/do_ref [T_pad, G, Dp]; k_ref/v_ref/dk_ref/dv_ref [block_kv, Dp];
+  Refs: q_ref [T_pad, G, Dp], do_ref [T_pad, G, Dvp]; k_ref/dk_ref [block_kv, Dp], v_ref/dv_ref
+  [block_kv, Dvp] (Dvp: the value head dim padded);
   lse_ref/delta_ref [G, T_pad] (lse +inf on empty rows); qs_ref [T_pad], ks_ref [block_kv];
   bias_ref/mask_ref [G, T_pad, block_kv] (or [T_pad, block_kv] when shared by the heads);
   slopes_ref [H_pad]; dropout keys rk_ref [G, T_pad], ck_ref [S_pad]; limits_ref [4] (query
@@ -111,7 +112,8 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta
     return lax.fori_loop(full_hi, last, functools.partial(q_step, g=g, masked=True), carry)
 
   zeros = jnp.zeros(k.shape, jnp.float32)
-  dk, dv = lax.fori_loop(0, p.group_size, head_step, (zeros, zeros))
+  zeros_v = zeros if v.shape == k.shape else jnp.zeros(v.shape, jnp.float32)
+  dk, dv = lax.fori_loop(0, p.group_size, head_step, (zeros, zeros_v))
   dk_ref[...] = (dk * p.scale).astype(dk_ref.dtype)
   dv_ref[...] = (dv * inv_keep if p.dropout_rate else dv).astype(dv_ref.dtype)
 
@@ -121,7 +123,8 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_r
                    fn_refs, dq_ref, dbias_ref, *, p: KernelParams):
   """dQ of one query block against all key blocks it sees (and its rows of dbias).
 
-  Refs: q_ref/do_ref/dq_ref [block_q, Dp]; k_ref/v_ref [S_pad, Dp]; lse_ref/delta_ref [block_q];
+  Refs: q_ref/dq_ref [block_q, Dp], do_ref [block_q, Dvp]; k_ref [S_pad, Dp], v_ref [S_pad, Dvp];
+  lse_ref/delta_ref [block_q];
   qs_ref [block_q], ks_ref [S_pad]; bias_ref/mask_ref/dbias_ref [block_q, S_pad];
   slopes_ref [H_pad]; dropout keys rk_ref [block_q], ck_ref [S_pad]; limits_ref [4] (key blocks
   sharing a segment id); with a block mask, table_ref [nk] / counts_ref [2] (as in the forward)
@@ -192,7 +195,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   """Pallas-Triton FlashAttention backward; the contract is in pallas_flash.call."""
   del o
   b, t, h, d = q.shape
-  s_len, kh = k.shape[1], k.shape[2]
+  s_len, kh, dv_len = k.shape[1], k.shape[2], v.shape[3]
   bm = arrays.block_mask if arrays is not None else None
   if bm is not None:  # the block mask's tables fix every kernel's blocks
     blocks = dict(q_dkv=bm.block_q, kv_dkv=bm.block_kv, q_dq=bm.block_q, kv_dq=bm.block_kv)
@@ -205,8 +208,8 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   q_mult, kv_mult = max(blocks["q_dkv"], blocks["q_dq"]), max(blocks["kv_dkv"], blocks["kv_dq"])
   q, k, v, q_seg, kv_seg = common.pad_inputs(q, k, v, q_seg, kv_seg, q_multiple=q_mult,
                                              kv_multiple=kv_mult)
-  t_pad, s_pad, d_pad = q.shape[1], k.shape[1], q.shape[3]
-  do = _tiling.pad_axis(_tiling.pad_axis(do, 1, t_pad), 3, d_pad)
+  t_pad, s_pad, d_pad, dv_pad = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
+  do = _tiling.pad_axis(_tiling.pad_axis(do, 1, t_pad), 3, dv_pad)
   lse = _tiling.pad_axis(lse, 2, t_pad, jnp.inf)  # padded rows: probabilities exactly 0
   delta = _tiling.pad_axis(delta, 2, t_pad)
   bias, mask, slopes, row_keys, col_keys = common.pad_arrays(arrays, batch=b, heads=h,
@@ -230,9 +233,9 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   dk, dv = pl.pallas_call(
       functools.partial(_bwd_dkdv_kernel, p=p),
       grid=(p.num_kv_blocks, b, kh),
-      in_specs=[*_dkdv_in_specs(p, t_pad, d_pad, args, q_limits), *sparse_specs],
-      out_specs=[pl.BlockSpec((None, p.block_kv, None, d_pad),
-                              lambda j, bi, ki: (bi, j, ki, 0))] * 2,
+      in_specs=[*_dkdv_in_specs(p, t_pad, (d_pad, dv_pad), args, q_limits), *sparse_specs],
+      out_specs=[pl.BlockSpec((None, p.block_kv, None, width), lambda j, bi, ki: (bi, j, ki, 0))
+                 for width in (d_pad, dv_pad)],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=compiler_params,
       interpret=interpret,
@@ -253,14 +256,14 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   dq, *dbias = pl.pallas_call(
       functools.partial(_bwd_dq_kernel if params.has_bias else _no_dbias(_bwd_dq_kernel), p=p),
       grid=(p.num_q_blocks, b, h),
-      in_specs=[*_dq_in_specs(p, s_pad, d_pad, args, kv_limits), *sparse_specs],
+      in_specs=[*_dq_in_specs(p, s_pad, (d_pad, dv_pad), args, kv_limits), *sparse_specs],
       out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=compiler_params,
       interpret=interpret,
       name="pallas_flash_bwd_dq",
   )(*args, kv_limits, *sparse_args)
-  grads = (dq[:, :t, :, :d], dk[:, :s_len, :, :d], dv[:, :s_len, :, :d])
+  grads = (dq[:, :t, :, :d], dk[:, :s_len, :, :d], dv[:, :s_len, :, :dv_len])
   if not params.has_bias:
     return grads
   shape = arrays.bias.shape
@@ -274,8 +277,10 @@ def _no_dbias(kernel):
   return without_dbias
 
 
-def _dkdv_in_specs(p: KernelParams, t_pad: int, d_pad: int, args, limits):
+def _dkdv_in_specs(p: KernelParams, t_pad: int, widths: tuple[int, int], args, limits):
+  """widths: the padded q/k and v head dims."""
   g = p.group_size
+  d_pad, dv_pad = widths
   segments, bias, mask, slopes, row_keys, col_keys = args[3] is not None, *args[8:]
 
   def group_map(j, bi, ki):  # the G query heads of key/value head ki
@@ -297,12 +302,14 @@ def _dkdv_in_specs(p: KernelParams, t_pad: int, d_pad: int, args, limits):
     return pl.BlockSpec((None, g if p.bias_per_head else None, t_pad, p.block_kv), dense_map)
 
   q_spec = pl.BlockSpec((None, t_pad, g, d_pad), group_map)
-  kv_spec = pl.BlockSpec((None, p.block_kv, None, d_pad), kv_map)
+  do_spec = pl.BlockSpec((None, t_pad, g, dv_pad), group_map)
+  k_spec = pl.BlockSpec((None, p.block_kv, None, d_pad), kv_map)
+  v_spec = pl.BlockSpec((None, p.block_kv, None, dv_pad), kv_map)
   stats_spec = pl.BlockSpec((None, g, t_pad), stats_map)
-  return [q_spec, kv_spec, kv_spec,
+  return [q_spec, k_spec, v_spec,
           pl.BlockSpec((None, t_pad), lambda j, bi, ki: (bi, 0)) if segments else None,
           pl.BlockSpec((None, p.block_kv), lambda j, bi, ki: (bi, j)) if segments else None,
-          q_spec, stats_spec, stats_spec, dense_spec(bias), dense_spec(mask), whole_spec(slopes),
+          do_spec, stats_spec, stats_spec, dense_spec(bias), dense_spec(mask), whole_spec(slopes),
           None if row_keys is None else stats_spec, whole_spec(col_keys),
           None if limits is None else pl.BlockSpec((None, None, 4), lambda j, bi, ki: (bi, j, 0))]
 
@@ -313,8 +320,10 @@ def _dq_q_map(p: KernelParams):
   return q_map
 
 
-def _dq_in_specs(p: KernelParams, s_pad: int, d_pad: int, args, limits):
+def _dq_in_specs(p: KernelParams, s_pad: int, widths: tuple[int, int], args, limits):
+  """widths: the padded q/k and v head dims."""
   q_map = _dq_q_map(p)
+  d_pad, dv_pad = widths
   segments, bias, mask, slopes, row_keys, col_keys = args[3] is not None, *args[8:]
 
   def kv_map(i, bi, hi):
@@ -333,13 +342,15 @@ def _dq_in_specs(p: KernelParams, s_pad: int, d_pad: int, args, limits):
     return pl.BlockSpec((None, None, p.block_q, s_pad), dense_map)
 
   q_spec = pl.BlockSpec((None, p.block_q, None, d_pad), q_map)
-  kv_spec = pl.BlockSpec((None, s_pad, None, d_pad), kv_map)
+  do_spec = pl.BlockSpec((None, p.block_q, None, dv_pad), q_map)
+  k_spec = pl.BlockSpec((None, s_pad, None, d_pad), kv_map)
+  v_spec = pl.BlockSpec((None, s_pad, None, dv_pad), kv_map)
   stats_spec = pl.BlockSpec((None, None, p.block_q), stats_map)
-  return [q_spec, kv_spec, kv_spec,
+  return [q_spec, k_spec, v_spec,
           pl.BlockSpec((None, p.block_q), lambda i, bi, hi: (bi, q_map(i, bi, hi)[1]))
           if segments else None,
           pl.BlockSpec((None, s_pad), lambda i, bi, hi: (bi, 0)) if segments else None,
-          q_spec, stats_spec, stats_spec, dense_spec(bias), dense_spec(mask), whole_spec(slopes),
+          do_spec, stats_spec, stats_spec, dense_spec(bias), dense_spec(mask), whole_spec(slopes),
           None if row_keys is None else stats_spec, whole_spec(col_keys),
           None if limits is None else pl.BlockSpec((None, None, 4),
                                                    lambda i, bi, hi: (bi, q_map(i, bi, hi)[1], 0))]

@@ -152,13 +152,14 @@ def tuned_feature(params: AttentionParams) -> str | None:
 
 
 def pad_inputs(q, k, v, q_seg, kv_seg, *, q_multiple: int, kv_multiple: int):
-  """Pads sequences to block multiples and the head dim to a power of two (zeros change no dot)."""
+  """Pads sequences to block multiples and the head dims (q/k's, v's) to powers of two (zeros
+  change no dot)."""
   t, s, d = q.shape[1], k.shape[1], q.shape[3]
   t_pad, s_pad, d_pad = (_tiling.round_up(t, q_multiple), _tiling.round_up(s, kv_multiple),
                          padded_head_dim(d))
   q = _tiling.pad_axis(_tiling.pad_axis(q, 1, t_pad), 3, d_pad)
   k = _tiling.pad_axis(_tiling.pad_axis(k, 1, s_pad), 3, d_pad)
-  v = _tiling.pad_axis(_tiling.pad_axis(v, 1, s_pad), 3, d_pad)
+  v = _tiling.pad_axis(_tiling.pad_axis(v, 1, s_pad), 3, padded_head_dim(v.shape[3]))
   q_seg, kv_seg = _tiling.pad_segments(q_seg, kv_seg, t_pad, s_pad)
   return q, k, v, q_seg, kv_seg
 

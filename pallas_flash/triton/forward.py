@@ -22,7 +22,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, bias_ref, mask_ref, slopes_
                 p: KernelParams):
   """One query block against the key blocks it may see.
 
-  Refs after BlockSpec slicing: q_ref/o_ref [block_q, Dp]; k_ref/v_ref [S_pad, Dp];
+  Refs after BlockSpec slicing: q_ref [block_q, Dp]; k_ref [S_pad, Dp]; v_ref [S_pad, Dvp];
+  o_ref [block_q, Dvp] (Dvp: the value head dim padded, Dp unless it differs);
   qs_ref [block_q] and ks_ref [S_pad] int32 segment ids; bias_ref [block_q, S_pad] (any float);
   mask_ref [block_q, S_pad] int8; slopes_ref [H_pad] float32; dropout keys rk_ref [block_q] and
   ck_ref [S_pad] int32; limits_ref [4] int32 (key blocks sharing a segment id, then those in the
@@ -77,10 +78,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, bias_ref, mask_ref, slopes_
     acc = acc + common.dot(probs.astype(v.dtype), v)
     return m_next, l_next, acc
 
-  d_pad = q_ref.shape[-1]
+  dv_pad = v_ref.shape[-1]
   carry = (jnp.full((p.block_q,), 0.0 if p.fixed_max else MASK_VALUE, jnp.float32),
            jnp.zeros((p.block_q,), jnp.float32),
-           jnp.zeros((p.block_q, d_pad), jnp.float32))
+           jnp.zeros((p.block_q, dv_pad), jnp.float32))
   if p.block_sparse:
     m, l, acc = common.sparse_loop(table_ref, counts_ref, step, carry)
   else:
@@ -99,14 +100,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, bias_ref, mask_ref, slopes_
 def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: TritonConfig,
             interpret: bool, arrays: FeatureArrays | None = None):
   """Pallas-Triton FlashAttention forward; the contract is in pallas_flash.call."""
-  b, t, h, d = q.shape
-  s_len, kh = k.shape[1], k.shape[2]
+  b, t, h, _ = q.shape
+  s_len, kh, dv_len = k.shape[1], k.shape[2], v.shape[3]
   bm = arrays.block_mask if arrays is not None else None
   bq, bk = ((bm.block_q, bm.block_kv) if bm is not None else
             (common.fit_block(config.block_q, t), common.fit_block(config.block_kv, s_len)))
   q, k, v, q_seg, kv_seg = common.pad_inputs(q, k, v, q_seg, kv_seg, q_multiple=bq,
                                              kv_multiple=bk)
-  t_pad, s_pad, d_pad = q.shape[1], k.shape[1], q.shape[3]
+  t_pad, s_pad, d_pad, dv_pad = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
   bias, mask, slopes, row_keys, col_keys = common.pad_arrays(arrays, batch=b, heads=h,
                                                              t_pad=t_pad, s_pad=s_pad)
   kv_limits, _ = common.segment_limits(q_seg, kv_seg, block_q=bq, block_kv=bk)
@@ -127,7 +128,7 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: TritonCo
   in_specs = [
       pl.BlockSpec((None, bq, None, d_pad), q_map),
       pl.BlockSpec((None, s_pad, None, d_pad), kv_map),
-      pl.BlockSpec((None, s_pad, None, d_pad), kv_map),
+      pl.BlockSpec((None, s_pad, None, dv_pad), kv_map),
       None if q_seg is None else pl.BlockSpec((None, bq), lambda i, bi, hi: (bi, _reversed(i, p))),
       None if kv_seg is None else pl.BlockSpec((None, s_pad), lambda i, bi, hi: (bi, 0)),
       dense_spec(bias, p), dense_spec(mask, p), whole_spec(slopes),
@@ -138,21 +139,21 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: TritonCo
                                                   lambda i, bi, hi: (bi, _reversed(i, p), 0)),
       *sparse_specs,
   ]
-  out_specs = [pl.BlockSpec((None, bq, None, d_pad), q_map),
+  out_specs = [pl.BlockSpec((None, bq, None, dv_pad), q_map),
                pl.BlockSpec((None, None, bq), lse_map)]
   o, lse = pl.pallas_call(
       functools.partial(_fwd_kernel, p=p),
       grid=(p.num_q_blocks, b, h),
       in_specs=in_specs,
       out_specs=out_specs,
-      out_shape=[jax.ShapeDtypeStruct((b, t_pad, h, d_pad), q.dtype),
+      out_shape=[jax.ShapeDtypeStruct((b, t_pad, h, dv_pad), q.dtype),
                  jax.ShapeDtypeStruct((b, h, t_pad), jnp.float32)],
       compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
                                               num_stages=config.num_stages),
       interpret=interpret,
       name="pallas_flash_fwd",
   )(q, k, v, q_seg, kv_seg, bias, mask, slopes, row_keys, col_keys, kv_limits, *sparse_args)
-  return o[:, :t, :, :d], lse[:, :, :t]
+  return o[:, :t, :, :dv_len], lse[:, :, :t]
 
 
 def dense_spec(x, p: KernelParams):

@@ -214,7 +214,8 @@ def _prepare(q, k, v, q_seg, kv_seg, arrays: FeatureArrays, params: AttentionPar
 def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: XlaConfig,
             arrays: FeatureArrays | None = None):
   """See pallas_flash.call for the contract."""
-  b, t, h, d = q.shape
+  b, t, h, _ = q.shape
+  dv = v.shape[3]  # the value head dim, which may differ from the query/key one
   q, k, v, q_seg, ctx = _prepare(q, k, v, q_seg, kv_seg, arrays or FeatureArrays(), params,
                                  config)
   bq, bk = ctx.bq, ctx.bk
@@ -245,7 +246,7 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: XlaConfi
 
     init = (jnp.full((b, kh, g, bq), MASK_VALUE, jnp.float32),
             jnp.zeros((b, kh, g, bq), jnp.float32),
-            jnp.zeros((b, kh, g, bq, d), jnp.float32))
+            jnp.zeros((b, kh, g, bq, dv), jnp.float32))
     m, l, acc = ctx.kv_loop(i, nk, kv_step, init)
     l_safe = jnp.where(l == 0.0, 1.0, l)
     o = acc / (l_safe * (1.0 - params.dropout_rate))[..., None]  # [B, K, G, bq, D]
@@ -255,7 +256,7 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: XlaConfi
   nq = q.shape[1] // bq
   qs_blocks = None if q_seg is None else _blocks(q_seg, bq)
   o, lse = lax.map(q_block, (jnp.arange(nq), _blocks(q, bq), qs_blocks))
-  o = _unblocks(o).reshape(b, -1, h, d)[:, :t]
+  o = _unblocks(o).reshape(b, -1, h, dv)[:, :t]
   lse = jnp.moveaxis(lse, 0, 2).reshape(b, h, -1)[:, :, :t]
   return o, lse
 
@@ -271,7 +272,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   bq, bk = ctx.bq, ctx.bk
   kh, g = q.shape[2], q.shape[3]
   t_pad, s_pad = q.shape[1], k.shape[1]
-  do = _tiling.pad_axis(do, 1, t_pad).reshape(q.shape)
+  do = _tiling.pad_axis(do, 1, t_pad).reshape(*q.shape[:4], v.shape[3])
   # Padded rows get lse = +inf so that their probabilities are exactly 0.
   lse = _tiling.pad_axis(lse, 2, t_pad, jnp.inf).reshape(b, kh, g, t_pad)
   delta = _tiling.pad_axis(delta, 2, t_pad).reshape(b, kh, g, t_pad)
@@ -319,8 +320,8 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
                            preferred_element_type=jnp.float32)
       return dk, dv
 
-    zeros = jnp.zeros(k_blk.shape, jnp.float32)
-    dk, dv = ctx.q_loop(j, nq, q_step, (zeros, zeros))
+    dk, dv = ctx.q_loop(j, nq, q_step, (jnp.zeros(k_blk.shape, jnp.float32),
+                                        jnp.zeros(v_blk.shape, jnp.float32)))
     return dk * params.scale, dv
 
   qs_blocks = None if q_seg is None else _blocks(q_seg, bq)

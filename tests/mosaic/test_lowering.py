@@ -134,12 +134,18 @@ def test_bad_config_is_refused_naming_the_field(make, field):
     make()
 
 
+def test_a_value_head_dim_of_its_own_falls_back_with_a_reason():
+  from pallas_flash import mosaic_gpu
+  assert "value head dim 64" in mosaic_gpu.unsupported_reason(_info(value_head_dim=64))
+
+
 def _info(**kw):
   base = dict(batch=1, q_len=128, kv_len=128, num_heads=4, num_kv_heads=4, head_dim=128,
               dtype=jnp.dtype(jnp.bfloat16),
               params=AttentionParams(scale=1.0, is_causal=False, has_segments=False),
               platform="gpu", compute_capability=(9, 0), device_kind="NVIDIA H200")
   base.update(kw)
+  base.setdefault("value_head_dim", base["head_dim"])
   return CallInfo(**base)
 
 
