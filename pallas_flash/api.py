@@ -201,7 +201,8 @@ def flash_attention(
     query_seq_lengths, key_value_seq_lengths: int32 [B] valid lengths of right-padded sequences.
     query_segment_ids, key_value_segment_ids: int32 [B, T] / [B, S]; a query attends only to keys
       of its own segment (packed documents). key_value_segment_ids defaults to query_segment_ids
-      when T == S.
+      when T == S. Ids -2**31 and -2**31 + 1 are reserved (they mark padded positions): concrete
+      ids are checked.
     local_window_size: sliding-window attention as in jax.nn: an int w (= (w, w)) or (left,
       right); query i sees keys i - left .. i + right. Combines with is_causal and segment ids.
       Key blocks outside the band are skipped: cost grows with T * window, not T * S.

@@ -81,6 +81,20 @@ def _check_lengths_range(name: str, x, upper: int) -> None:
     raise ValueError(f"`{name}` values must lie in [0, {upper}], got range [{lo}, {hi}].")
 
 
+# The smallest segment id a user may pass: the two below mark padded positions (call.py).
+MIN_SEGMENT_ID = max(Q_PAD_SEGMENT, KV_PAD_SEGMENT) + 1
+
+
+def _check_segment_ids_range(name: str, x) -> None:
+  if x is None or isinstance(x, jax.core.Tracer):
+    return  # Under jit values are unknown: see the checks run under checkify.
+  lo = int(np.asarray(x).min())
+  if lo < MIN_SEGMENT_ID:
+    raise ValueError(f"`{name}` holds {lo}, an id reserved for padded positions (ids below "
+                     f"{MIN_SEGMENT_ID} = -2**31 + 2); use ids >= {MIN_SEGMENT_ID}, e.g. "
+                     "non-negative ones.")
+
+
 def _fold_lengths(q_seg, kv_seg, q_lens, kv_lens, t: int, s: int):
   """Expresses right-padding lengths as segment ids: padded positions get ids nothing matches."""
   if q_seg is None and q_lens is None and kv_lens is None:
@@ -181,6 +195,8 @@ def canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
                              "Segment ids are [batch, q_len] int32.")
   kv_seg = _check_index_array("key_value_segment_ids", key_value_segment_ids, (b, s),
                               "Segment ids are [batch, kv_len] int32.")
+  _check_segment_ids_range("query_segment_ids", q_seg)
+  _check_segment_ids_range("key_value_segment_ids", kv_seg)
   q_seg, kv_seg = _fold_lengths(q_seg, kv_seg, q_lens, kv_lens, t, s)
   _check_block_mask(block_mask, (b, t, s), is_causal=is_causal, q_seg=q_seg, mask=mask,
                     local_window_size=local_window_size)

@@ -73,6 +73,18 @@ def test_concrete_lengths_closed_over_by_jit():
         q, k, v, query_seq_lengths=too_long))(q, k, v)
 
 
+@pytest.mark.parametrize("name", ["query_segment_ids", "key_value_segment_ids"])
+@pytest.mark.parametrize("reserved", [-2**31, -2**31 + 1])
+def test_reserved_segment_ids_are_rejected(name, reserved):
+  """The two ids that mark padded positions inside the kernels: the blocked paths returned
+  zeros for them while the reference attended."""
+  ids = {"query_segment_ids": jnp.zeros((2, 16), jnp.int32),
+         "key_value_segment_ids": jnp.zeros((2, 24), jnp.int32)}
+  ids[name] = ids[name].at[1, 3].set(reserved)
+  with pytest.raises(ValueError, match=f"`{name}` holds {reserved}, an id reserved"):
+    pallas_flash.flash_attention(Q, KV, KV, implementation="xla", **ids)
+
+
 def test_bad_config_values():
   with pytest.raises(ValueError, match="block_q must be a power of two"):
     TritonConfig(block_q=48)
