@@ -234,10 +234,14 @@ def flash_attention(
     The output [B, T, H, D] in the input dtype; with return_residuals, (output, lse). A query that
     sees no key gets zeros (and zero gradients), never NaN.
 
+  Differentiable in reverse mode (jax.grad, jax.vjp; a custom_vjp). Forward mode (jax.jvp,
+  jax.jacfwd) raises a TypeError except with implementation="reference".
+
   Inputs whose sharding splits the sequence axis over mesh axes (Explicit axes under jit, or
   concrete arrays) run context-parallel: ring or all-gather attention under shard_map
   (`pallas_flash.context_parallel`, docs/context_parallel.md).
   """
+  validation.check_reverse_mode(implementation, query=query, key=key, value=value, bias=bias)
   # -- context parallelism: a sequence split over mesh axes runs as ring / all-gather
   # attention under shard_map (pallas_flash.context_parallel.sharding). --
   if (cp := _cp_sharding.sequence_sharding(query, key, value)) is not None:

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters.ad import JVPTracer, Zero
 
 from pallas_flash import dropout, masks
 from pallas_flash.call import (KV_PAD_SEGMENT, Q_PAD_SEGMENT, AttentionParams, CallInfo,
@@ -57,6 +58,20 @@ def _check_inputs(query, key, value) -> None:
                     f"{query.dtype}, {key.dtype}, {value.dtype}; cast them first.")
   if jnp.dtype(query.dtype) not in [jnp.dtype(t) for t in SUPPORTED_DTYPES]:
     raise TypeError(f"Unsupported dtype {query.dtype}: use bfloat16, float16 or float32.")
+
+
+def check_reverse_mode(implementation, **arrays) -> None:
+  """Forward mode (jax.jvp, jax.jacfwd) cannot pass the custom_vjp; say so before JAX's
+  TypeError, which names neither the function nor a way out. Only the reference has a JVP."""
+  if implementation == "reference":
+    return
+  for name, x in arrays.items():
+    if isinstance(x, JVPTracer) and not isinstance(x.tangent, Zero):
+      raise TypeError(
+          f"flash_attention has no forward-mode derivative (jax.jvp, jax.jacfwd; `{name}` "
+          "carries a tangent): its custom_vjp backward recomputes scores blockwise. Use "
+          "reverse mode (jax.grad, jax.vjp, jax.jacrev), or implementation=\"reference\", "
+          "which supports forward mode but materialises the [T, S] scores.")
 
 
 def _check_index_array(name: str, x, shape: tuple[int, ...], fix: str):

@@ -201,3 +201,21 @@ def test_checkpoint_name_lets_remat_keep_o_and_lse(impl, capsys):
   saved = capsys.readouterr().out
   assert saved.count(f"named '{pallas_flash.CHECKPOINT_NAME}'") == 2, saved  # o and lse
   np.testing.assert_allclose(jax.grad(kept)(w), jax.grad(f)(w), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jit_jvp", "jacfwd"])
+def test_forward_mode_raises_a_clear_error_and_runs_on_the_reference(transform):
+  q = jax.random.normal(jax.random.key(0), (1, 8, 2, 16))
+
+  def f(q, implementation="xla"):
+    return pallas_flash.flash_attention(q, q, q, is_causal=True, implementation=implementation)
+
+  run = {"jvp": lambda f: jax.jvp(f, (q,), (q,))[1],
+         "jit_jvp": lambda f: jax.jit(lambda q: jax.jvp(f, (q,), (q,))[1])(q),
+         "jacfwd": lambda f: jax.jacfwd(lambda q: f(q).sum())(q)}[transform]
+  with pytest.raises(TypeError, match="no forward-mode derivative.*implementation=\"reference\""):
+    run(f)
+  want = run(lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True))
+  assert_close_to_ref(transform, run(lambda q: f(q, "reference")), want, 1e-5)
+  # Forward over reverse (jax.hessian's order) passes the custom_vjp.
+  jax.jvp(jax.grad(lambda q: f(q).sum()), (q,), (q,))
