@@ -18,6 +18,7 @@ import numpy as np
 from jax.interpreters.ad import JVPTracer, Zero
 
 from pallas_flash import dropout, masks
+from pallas_flash.backends import check_implementation
 from pallas_flash.call import (KV_PAD_SEGMENT, Q_PAD_SEGMENT, AttentionParams, CallInfo,
                                FeatureArrays)
 
@@ -188,6 +189,10 @@ def canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
                                                                 key_value_seq_lengths))
     query_segment_ids, key_value_segment_ids = map(_add_batch, (query_segment_ids,
                                                                 key_value_segment_ids))
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise TypeError(f"`is_causal` must be a Python bool (static: it picks the blocks to compute), "
+                    f"got {type(is_causal).__name__}; under jit pass it as a static argument "
+                    "(static_argnames) or close over it.")
   if scale is None:
     scale = 1.0 / math.sqrt(d)
   elif not isinstance(scale, (int, float)) or not math.isfinite(scale):
@@ -270,6 +275,21 @@ def _check_window(w) -> tuple[int, int] | None:
   return int(pair[0]), int(pair[1])
 
 
+def _check_soft_cap(c) -> None:
+  if c is not None and (not isinstance(c, (int, float)) or isinstance(c, bool)
+                        or not math.isfinite(c) or c <= 0):
+    raise ValueError(f"`logits_soft_cap` must be a positive finite Python float (static), got "
+                     f"{c!r}.")
+
+
+def check_layer_options(*, local_window_size=None, logits_soft_cap=None,
+                        implementation=None) -> None:
+  """The static options a layer binds, checked when it is built rather than at its first call."""
+  _check_window(local_window_size)
+  _check_soft_cap(logits_soft_cap)
+  check_implementation(implementation)
+
+
 def _check_dense(name: str, x, full: tuple[int, int, int, int]):
   """Bias / mask as jax.nn takes them: rank <= 4, broadcastable to [B, H, T, S].
 
@@ -284,7 +304,7 @@ def _check_dense(name: str, x, full: tuple[int, int, int, int]):
   if x.ndim > 4 or any(n not in (1, f) for n, f in zip((1,) * (4 - x.ndim) + x.shape, full)):
     raise ValueError(
         f"`{name}` must broadcast to [batch, num_heads, q_len, kv_len] = {full}, got shape "
-        f"{x.shape}: each axis must be 1 or the full size. Dense {name}es cost T*S memory; "
+        f"{x.shape}: each axis must be 1 or the full size. A dense {name} costs T*S memory; "
         "prefer is_causal, local_window_size, segment ids or alibi_slopes where they fit.")
   shape = (1,) * (4 - x.ndim) + x.shape
   return jnp.broadcast_to(x.reshape(shape), shape[:2] + full[2:])
@@ -295,11 +315,7 @@ def _canonicalize_features(full, *, bias, mask, local_window_size, logits_soft_c
   """Validated feature arguments: (AttentionParams fields, FeatureArrays)."""
   b, h, t, s = full
   window = _check_window(local_window_size)
-  if logits_soft_cap is not None and (
-      not isinstance(logits_soft_cap, (int, float)) or isinstance(logits_soft_cap, bool)
-      or not math.isfinite(logits_soft_cap) or logits_soft_cap <= 0):
-    raise ValueError(f"`logits_soft_cap` must be a positive finite Python float (static), got "
-                     f"{logits_soft_cap!r}.")
+  _check_soft_cap(logits_soft_cap)
   if not isinstance(dropout_rate, (int, float)) or not 0.0 <= dropout_rate < 1.0:
     raise ValueError(f"`dropout_rate` must be a Python float in [0, 1), got {dropout_rate!r}.")
   seed = None
@@ -307,6 +323,7 @@ def _canonicalize_features(full, *, bias, mask, local_window_size, logits_soft_c
     if dropout_rng is None:
       raise ValueError("`dropout_rate` > 0 needs `dropout_rng`, a JAX PRNG key "
                        "(e.g. jax.random.key(0)); pass dropout_rate=0.0 for no dropout.")
+    _check_rng(dropout_rng)
     seed = dropout.seed_from_rng(dropout_rng)
   slopes = None
   if alibi_slopes is not None:
@@ -329,6 +346,16 @@ def _canonicalize_features(full, *, bias, mask, local_window_size, logits_soft_c
                 has_alibi=slopes is not None, dropout_rate=float(dropout_rate),
                 has_bias=bias is not None, has_mask=mask is not None)
   return fields, FeatureArrays(bias=bias, mask=mask, alibi_slopes=slopes, dropout_seed=seed)
+
+
+def _check_rng(rng) -> None:
+  dtype = getattr(rng, "dtype", None)
+  is_key = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+  raw_key = dtype == jnp.uint32 and getattr(rng, "shape", None) == (2,)
+  if not (is_key or raw_key):
+    raise TypeError(f"`dropout_rng` must be a JAX PRNG key (jax.random.key(seed), or a raw "
+                    f"uint32[2] jax.random.PRNGKey), got {type(rng).__name__} "
+                    f"{getattr(rng, 'dtype', rng)!s}.")
 
 
 def abstract_call_info(query, key, value, kwargs: dict) -> CallInfo:

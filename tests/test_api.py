@@ -219,3 +219,53 @@ def test_forward_mode_raises_a_clear_error_and_runs_on_the_reference(transform):
   assert_close_to_ref(transform, run(lambda q: f(q, "reference")), want, 1e-5)
   # Forward over reverse (jax.hessian's order) passes the custom_vjp.
   jax.jvp(jax.grad(lambda q: f(q).sum()), (q,), (q,))
+
+
+def _nnx_layer(**kw):
+  from flax import nnx
+
+  from pallas_flash.flax import FlashMultiHeadAttention
+  return FlashMultiHeadAttention(4, 32, rngs=nnx.Rngs(0), **kw)
+
+
+def _cached_layer():
+  layer = _nnx_layer()
+  layer.init_cache(1, 8)
+  return layer
+
+
+def _make_attention_fn(**kw):
+  from pallas_flash.flax import make_attention_fn
+  return make_attention_fn(**kw)
+
+
+X32, X24 = jnp.ones((1, 8, 32)), jnp.ones((1, 8, 24))
+SEG = jnp.zeros((1, 8), jnp.int32)
+
+
+@pytest.mark.parametrize("name, error, make_error", [
+    ("dropout_rng", TypeError, lambda: pallas_flash.flash_attention(
+        Q, Q, Q, dropout_rate=0.1, dropout_rng=3)),
+    ("is_causal", TypeError, lambda: jax.jit(
+        lambda q, c: pallas_flash.flash_attention(q, q, q, is_causal=c))(Q, True)),
+    ("inputs_q", ValueError, lambda: _nnx_layer()(X24)),
+    ("inputs_kv", ValueError, lambda: _nnx_layer()(X32, X24)),
+    ("inputs", ValueError, lambda: _cached_layer()(X24, decode=True)),
+    ("kv_segment_ids", ValueError, lambda: _nnx_layer()(X32, X32[:, :6], segment_ids=SEG)),
+    ("mask", ValueError, lambda: pallas_flash.flash_attention(Q, Q, Q, mask=jnp.ones((3, 16, 16),
+                                                                                     bool))),
+    ("local_window_size", ValueError, lambda: _nnx_layer(local_window_size=-1)),
+    ("local_window_size", TypeError, lambda: _nnx_layer(local_window_size=(1, 2, 3))),
+    ("logits_soft_cap", ValueError, lambda: _nnx_layer(logits_soft_cap=0.0)),
+    ("implementation", ValueError, lambda: _nnx_layer(implementation="cuda")),
+    ("decode_implementation", ValueError, lambda: _nnx_layer(decode_implementation="cuda")),
+    ("implementation", ValueError, lambda: _make_attention_fn(implementation="cuda")),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_errors_name_the_argument(name, error, make_error):
+  """Each bad argument fails with its own name in the message: at the call for call arguments,
+  when a layer (or attention_fn) is built for the options it binds."""
+  with pytest.raises(error) as info:
+    make_error()
+  message = str(info.value)
+  assert f"`{name}`" in message or f" {name}=" in message, message
+  assert "maskes" not in message

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_flash.api import flash_attention
+from pallas_flash.backends import check_implementation
 from pallas_flash.decode import decode_attention
 
 
@@ -284,6 +285,7 @@ def make_attention_fn(*, is_causal: bool | None = None, scale: float | None = No
   Returns:
     A function with `flax.nnx.dot_product_attention`'s signature.
   """
+  check_implementation(implementation)  # when the layer is built, not at its first call
   kernel_kw = dict(scale=scale, implementation=implementation, config=config,
                    cache_steps=cache_steps)
   bound_causal = is_causal
