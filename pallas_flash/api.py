@@ -84,6 +84,7 @@ def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
   config = kwargs.pop("config", None)
   kwargs.pop("implementation", None)
   kwargs.pop("return_residuals", None)
+  kwargs.pop("checked", None)
   info = validation.abstract_call_info(query, key, value,
                                        validation.with_defaults(kwargs))
   reasons = {name: backends.reason(name, info, config) for name in IMPLEMENTATIONS}
@@ -181,6 +182,7 @@ def flash_attention(
     block_mask: masks.BlockMask | None = None,
     deterministic: bool = False,
     return_residuals: bool = False,
+    checked: bool = False,
     implementation: Implementation | None = None,
     config: Any = None,
 ):
@@ -198,11 +200,13 @@ def flash_attention(
     scale: softmax scale, default 1/sqrt(D). A static Python float.
     is_causal: query i attends to keys 0..i, exactly as `jax.nn.dot_product_attention`, also
       when T != S (top-left alignment: the mask is the top-left corner of a square causal mask).
-    query_seq_lengths, key_value_seq_lengths: int32 [B] valid lengths of right-padded sequences.
+    query_seq_lengths, key_value_seq_lengths: int32 [B] valid lengths of right-padded sequences,
+      in [0, T] / [0, S]. Concrete lengths outside raise a ValueError; under jit they are data
+      and are clipped to that range silently unless `checked=True`.
     query_segment_ids, key_value_segment_ids: int32 [B, T] / [B, S]; a query attends only to keys
       of its own segment (packed documents). key_value_segment_ids defaults to query_segment_ids
       when T == S. Ids -2**31 and -2**31 + 1 are reserved (they mark padded positions): concrete
-      ids are checked.
+      ids holding them raise a ValueError; under jit only `checked=True` detects them.
     local_window_size: sliding-window attention as in jax.nn: an int w (= (w, w)) or (left,
       right); query i sees keys i - left .. i + right. Combines with is_causal and segment ids.
       Key blocks outside the band are skipped: cost grows with T * window, not T * S.
@@ -225,6 +229,9 @@ def flash_attention(
       split backward there instead, and rejects a config with `fused_backward=True`.
     return_residuals: also return the float32 log-sum-exp [B, H, T] (natural log, -inf for a
       query with no visible key), e.g. to merge partial attentions.
+    checked: add `jax.experimental.checkify` checks of the values jit cannot see (lengths in
+      range, no reserved segment id); run the caller under `checkify.checkify(f)` (jitted or
+      not) and read `err.throw()`. Costs a reduction over the lengths and ids.
     implementation: None picks the fastest that can run the call (see `explain`); "mosaic"
       (Hopper), "triton" (GPU), "interpret" (the Triton kernels in the Pallas interpreter, any
       platform), "xla" (blockwise jnp, O(N) memory, any platform) or "reference" (materialising).
@@ -255,7 +262,7 @@ def flash_attention(
                        local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
                        alibi_slopes=alibi_slopes, dropout_rate=dropout_rate,
                        dropout_rng=dropout_rng, block_mask=block_mask,
-                       deterministic=deterministic)
+                       deterministic=deterministic, checked=checked)
   name = backends.choose(call.info, implementation, config)
   args = (call.q, call.k, call.v, call.q_seg, call.kv_seg)
   if name == "reference":

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 from jax.interpreters.ad import JVPTracer, Zero
 
 from pallas_flash import dropout, masks
@@ -88,7 +89,7 @@ def _check_index_array(name: str, x, shape: tuple[int, ...], fix: str):
 
 def _check_lengths_range(name: str, x, upper: int) -> None:
   if x is None or isinstance(x, jax.core.Tracer):
-    return  # Under jit values are unknown: out-of-range lengths clip to [0, upper].
+    return  # Under jit values are unknown: clipped to [0, upper], checked with checked=True.
   # numpy, not jnp: a concrete array closed over by a jitted function would become a tracer
   # through jnp.min while that function is traced.
   values = np.asarray(x)
@@ -103,12 +104,31 @@ MIN_SEGMENT_ID = max(Q_PAD_SEGMENT, KV_PAD_SEGMENT) + 1
 
 def _check_segment_ids_range(name: str, x) -> None:
   if x is None or isinstance(x, jax.core.Tracer):
-    return  # Under jit values are unknown: see the checks run under checkify.
+    return  # Under jit values are unknown: checked with checked=True (_runtime_checks).
   lo = int(np.asarray(x).min())
   if lo < MIN_SEGMENT_ID:
     raise ValueError(f"`{name}` holds {lo}, an id reserved for padded positions (ids below "
                      f"{MIN_SEGMENT_ID} = -2**31 + 2); use ids >= {MIN_SEGMENT_ID}, e.g. "
                      "non-negative ones.")
+
+
+def _runtime_checks(q_lens, kv_lens, q_seg, kv_seg, t: int, s: int) -> None:
+  """The value checks of concrete calls as `jax.experimental.checkify` checks (checked=True):
+  they hold under jit, and the caller reads them with `checkify.checkify(f)(...)` then
+  `err.throw()`. Each names the argument and the first offending index."""
+  for name, lens, upper in (("query_seq_lengths", q_lens, t),
+                            ("key_value_seq_lengths", kv_lens, s)):
+    if lens is not None:
+      bad = (lens < 0) | (lens > upper)
+      b = jnp.argmax(bad)
+      checkify.check(~bad.any(), f"`{name}`[{{b}}] = {{n}} lies outside [0, {upper}]; "
+                     "unchecked calls clip it", b=b, n=lens[b])
+  for name, seg in (("query_segment_ids", q_seg), ("key_value_segment_ids", kv_seg)):
+    if seg is not None:
+      bad = seg < MIN_SEGMENT_ID
+      b, i = jnp.unravel_index(jnp.argmax(bad), seg.shape)
+      checkify.check(~bad.any(), f"`{name}`[{{b}}, {{i}}] = {{v}} is an id reserved for "
+                     f"padded positions; use ids >= {MIN_SEGMENT_ID}", b=b, i=i, v=seg[b, i])
 
 
 def _fold_lengths(q_seg, kv_seg, q_lens, kv_lens, t: int, s: int):
@@ -177,7 +197,7 @@ def canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
                   key_value_seq_lengths, query_segment_ids, key_value_segment_ids,
                   bias=None, mask=None, local_window_size=None, logits_soft_cap=None,
                   alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
-                  block_mask=None, deterministic=False) -> Call:
+                  block_mask=None, deterministic=False, checked=False) -> Call:
   unbatched = all(getattr(x, "ndim", None) == 3 for x in (query, key, value))
   if unbatched:
     query, key, value = (jnp.asarray(x)[None] for x in (query, key, value))
@@ -217,6 +237,10 @@ def canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
                               "Segment ids are [batch, kv_len] int32.")
   _check_segment_ids_range("query_segment_ids", q_seg)
   _check_segment_ids_range("key_value_segment_ids", kv_seg)
+  if not isinstance(checked, bool):
+    raise TypeError(f"`checked` must be a Python bool, got {checked!r}.")
+  if checked:
+    _runtime_checks(q_lens, kv_lens, q_seg, kv_seg, t, s)
   q_seg, kv_seg = _fold_lengths(q_seg, kv_seg, q_lens, kv_lens, t, s)
   _check_block_mask(block_mask, (b, t, s), is_causal=is_causal, q_seg=q_seg, mask=mask,
                     local_window_size=local_window_size)

@@ -1,5 +1,6 @@
 """The public API: validation errors, explain, dispatch, and JAX transformations."""
 
+import functools
 import re
 
 import jax
@@ -269,3 +270,31 @@ def test_errors_name_the_argument(name, error, make_error):
   message = str(info.value)
   assert f"`{name}`" in message or f" {name}=" in message, message
   assert "maskes" not in message
+
+
+@pytest.mark.parametrize("name, value, match", [
+    ("query_seq_lengths", jnp.array([16, 17]), r"`query_seq_lengths`\[1\] = 17 lies outside"),
+    ("key_value_seq_lengths", jnp.array([-1, 3]),
+     r"`key_value_seq_lengths`\[0\] = -1 lies outside \[0, 24\]"),
+    ("query_segment_ids", jnp.zeros((2, 16), jnp.int32).at[1, 5].set(-2**31),
+     r"`query_segment_ids`\[1, 5\] = -2147483648 is an id reserved"),
+    ("key_value_segment_ids", jnp.zeros((2, 24), jnp.int32).at[0, 7].set(-2**31 + 1),
+     r"`key_value_segment_ids`\[0, 7\] = -2147483647 is an id reserved"),
+])
+def test_checked_mode_reports_bad_values_under_jit(name, value, match):
+  from jax.experimental import checkify
+  kwargs = {"query_segment_ids": jnp.zeros((2, 16), jnp.int32),
+            "key_value_segment_ids": jnp.zeros((2, 24), jnp.int32)} if "segment" in name else {}
+
+  def f(q, k, v, x, checked=True):
+    return pallas_flash.flash_attention(q, k, v, implementation="xla", checked=checked,
+                                        **{**kwargs, name: x})
+
+  good = jnp.clip(value, 0, None) if "segment" in name else jnp.clip(value, 0, 16)
+  err, _ = checkify.checkify(jax.jit(f))(Q, KV, KV, good)
+  err.throw()  # valid values pass
+  err, out = checkify.checkify(jax.jit(f))(Q, KV, KV, value)
+  with pytest.raises(ValueError, match=match):
+    err.throw()
+  assert out.shape == Q.shape
+  jax.jit(functools.partial(f, checked=False))(Q, KV, KV, value)  # unchecked: no error
