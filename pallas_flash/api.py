@@ -33,7 +33,8 @@ class Explanation:
   chosen: str | None  # None: no automatic choice can run the call
   reasons: dict[str, str | None]  # None: could run this call
   # Fraction of (query block, key block) pairs the blocked kernels compute, from causal masking
-  # and the local window at `block_q x block_kv` (segment ids and dense masks skip nothing).
+  # and the local window at `block_q x block_kv`: the blocks of `config` (else 128 x 128 when
+  # nothing can run). Segment ids and dense masks skip nothing here.
   blocks_computed: float = 1.0
   block_shape: tuple[int, int] = (128, 128)
   # The config `chosen` runs: the one passed, else the backend's default for this call (the
@@ -88,15 +89,16 @@ def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
   info = validation.abstract_call_info(query, key, value,
                                        validation.with_defaults(kwargs))
   reasons = {name: backends.reason(name, info, config) for name in IMPLEMENTATIONS}
+  chosen = backends.auto_choice(reasons)
+  used = None if chosen is None else backends.resolve_config(chosen, info, config)
   bm = kwargs.get("block_mask")
   if bm is not None:
     block, fraction = (bm.block_q, bm.block_kv), bm.fraction_computed()
   else:
-    block = (getattr(config, "block_q", 128), getattr(config, "block_kv", 128))
+    tiles = used if used is not None else config  # the blocks of the kernels that run
+    block = (getattr(tiles, "block_q", 128), getattr(tiles, "block_kv", 128))
     fraction = _tiling.fraction_computed(q_len=info.q_len, kv_len=info.kv_len, block_q=block[0],
                                        block_kv=block[1], band=info.params.band)
-  chosen = backends.auto_choice(reasons)
-  used = None if chosen is None else backends.resolve_config(chosen, info, config)
   return Explanation(chosen, reasons, fraction, block, used)
 
 

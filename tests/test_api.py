@@ -1,5 +1,6 @@
 """The public API: validation errors, explain, dispatch, and JAX transformations."""
 
+import contextlib
 import functools
 import re
 
@@ -298,3 +299,21 @@ def test_checked_mode_reports_bad_values_under_jit(name, value, match):
     err.throw()
   assert out.shape == Q.shape
   jax.jit(functools.partial(f, checked=False))(Q, KV, KV, value)  # unchecked: no error
+
+
+def test_explain_reports_blocks_computed_at_the_chosen_config():
+  from jax.sharding import use_abstract_mesh
+
+  from testing import H200
+  q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
+  fractions = set()
+  for mesh in (None, H200):  # xla on this CPU, mosaic on an abstract H200
+    with use_abstract_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+      ex = pallas_flash.explain(q, q, q, is_causal=True)
+    block = (ex.config.block_q, ex.config.block_kv)
+    assert ex.block_shape == block, (ex.chosen, ex.block_shape, block)
+    want = pallas_flash._tiling.fraction_computed(q_len=1024, kv_len=1024, block_q=block[0],
+                                                  block_kv=block[1], band=(None, 0))
+    assert ex.blocks_computed == want and f"{block[0]}x{block[1]} score blocks" in str(ex)
+    fractions.add(want)
+  assert len(fractions) == 2  # the two backends' blocks differ
