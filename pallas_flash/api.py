@@ -248,13 +248,22 @@ def flash_attention(
 
   Inputs whose sharding splits the sequence axis over mesh axes (Explicit axes under jit, or
   concrete arrays) run context-parallel: ring or all-gather attention under shard_map
-  (`pallas_flash.context_parallel`, docs/context_parallel.md).
+  (`pallas_flash.context_parallel`, docs/context_parallel.md). Inputs split over batch or heads
+  only run per shard under shard_map, the output sharded like the query (not with dropout or
+  block_mask). On Auto axes under jit nothing is visible: the partitioner places the call, and
+  it runs the Pallas kernels whole on every device.
   """
   validation.check_reverse_mode(implementation, query=query, key=key, value=value, bias=bias)
   # -- context parallelism: a sequence split over mesh axes runs as ring / all-gather
   # attention under shard_map (pallas_flash.context_parallel.sharding). --
   if (cp := _cp_sharding.sequence_sharding(query, key, value)) is not None:
     return _cp_sharding.sharded_attention(**locals())  # the arguments above, and cp
+  # Batch / head splits visible here run per shard under shard_map, so that every backend's
+  # loops and kernels see local shapes (Explicit axes cannot enter their carries). Dropout and
+  # block masks index global batch / head positions and stay on the global call.
+  if (dropout_rate == 0.0 and block_mask is None
+      and (split := _cp_sharding.batch_head_sharding(query)) is not None):
+    return _cp_sharding.split_attention(flash_attention, **locals())
   # --
   call = validation.canonicalize(query, key, value, scale=scale, is_causal=is_causal,
                        query_seq_lengths=query_seq_lengths,
