@@ -27,7 +27,8 @@ class ShardCase:
   split: str  # "batch" | "heads" | "both" (a 2 x 2 mesh)
   implementation: str
   kv_heads: int = 4
-  features: tuple[str, ...] = ()  # "segments", "lengths", "bias", "window", "alibi"
+  # "segments", "lengths", "bias", "window", "alibi"; "refused": kv heads that cannot split
+  features: tuple[str, ...] = ()
 
   @property
   def id(self) -> str:
@@ -44,6 +45,7 @@ CASES = [
     ShardCase("explicit", "batch", "xla", kv_heads=2,
               features=("segments", "lengths", "bias", "window", "alibi")),
     ShardCase("explicit", "heads", "interpret", features=("bias", "alibi", "lengths")),
+    ShardCase("explicit", "heads", "xla", kv_heads=2, features=("refused",)),
 ]
 
 
@@ -93,6 +95,13 @@ def check(case: ShardCase) -> None:
     return jnp.sum(o * do), o
 
   grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+  if "refused" in case.features:
+    try:
+      pallas_flash.flash_attention(jax.device_put(q, NamedSharding(mesh, spec)), k, v)
+    except ValueError as e:
+      assert "heads of `key` and `value`" in str(e), e
+      return
+    raise AssertionError("kv heads that cannot split like the query's were accepted")
   (_, o_ref), g_ref = grad(q, k, v, "reference")
   kv_spec = P(*spec[:2], None) if case.kv_heads == 1 else spec
   placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in ((q, spec), (k, kv_spec),

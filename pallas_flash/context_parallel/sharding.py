@@ -254,6 +254,12 @@ def split_attention(flash_attention, split: BatchHeadSharding, query, key, value
   batched = query.ndim == 4
   b_ax = split.batch if batched else None
   kv_h = split.heads if key.shape[-2] > 1 else None  # MQA: the one kv head serves every shard
+  shards = math.prod(split.mesh.shape[a] for a in _names(split.heads))
+  if kv_h is not None and key.shape[-2] % shards:
+    raise ValueError(
+        f"The query's heads are split over {shards} devices ({split.heads}), which must also "
+        f"split the {key.shape[-2]} heads of `key` and `value` (query head h uses kv head "
+        "h // G); shard the heads over a divisor of the kv head count, or repeat the kv heads.")
   lead = (b_ax,) if batched else ()
 
   def spec_of(name, x):
