@@ -33,7 +33,8 @@ class Explanation:
   chosen: str | None  # None: no automatic choice can run the call
   reasons: dict[str, str | None]  # None: could run this call
   # Fraction of (query block, key block) pairs the blocked kernels compute, from causal masking
-  # and the local window at `block_q x block_kv` (segment ids and dense masks skip nothing).
+  # and the local window at `block_q x block_kv`: the blocks of `config` (else 128 x 128 when
+  # nothing can run). Segment ids and dense masks skip nothing here.
   blocks_computed: float = 1.0
   block_shape: tuple[int, int] = (128, 128)
   # The config `chosen` runs: the one passed, else the backend's default for this call (the
@@ -85,18 +86,20 @@ def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
   kwargs.pop("implementation", None)
   kwargs.pop("return_residuals", None)
   kwargs.pop("sinks", None)  # applied after any backend: no influence on the choice
+  kwargs.pop("checked", None)
   info = validation.abstract_call_info(query, key, value,
                                        validation.with_defaults(kwargs))
   reasons = {name: backends.reason(name, info, config) for name in IMPLEMENTATIONS}
+  chosen = backends.auto_choice(reasons)
+  used = None if chosen is None else backends.resolve_config(chosen, info, config)
   bm = kwargs.get("block_mask")
   if bm is not None:
     block, fraction = (bm.block_q, bm.block_kv), bm.fraction_computed()
   else:
-    block = (getattr(config, "block_q", 128), getattr(config, "block_kv", 128))
+    tiles = used if used is not None else config  # the blocks of the kernels that run
+    block = (getattr(tiles, "block_q", 128), getattr(tiles, "block_kv", 128))
     fraction = _tiling.fraction_computed(q_len=info.q_len, kv_len=info.kv_len, block_q=block[0],
                                        block_kv=block[1], band=info.params.band)
-  chosen = backends.auto_choice(reasons)
-  used = None if chosen is None else backends.resolve_config(chosen, info, config)
   return Explanation(chosen, reasons, fraction, block, used)
 
 
@@ -183,6 +186,7 @@ def flash_attention(
     sinks: jax.Array | None = None,
     deterministic: bool = False,
     return_residuals: bool = False,
+    checked: bool = False,
     implementation: Implementation | None = None,
     config: Any = None,
 ):
@@ -202,10 +206,13 @@ def flash_attention(
     scale: softmax scale, default 1/sqrt(D). A static Python float.
     is_causal: query i attends to keys 0..i, exactly as `jax.nn.dot_product_attention`, also
       when T != S (top-left alignment: the mask is the top-left corner of a square causal mask).
-    query_seq_lengths, key_value_seq_lengths: int32 [B] valid lengths of right-padded sequences.
+    query_seq_lengths, key_value_seq_lengths: int32 [B] valid lengths of right-padded sequences,
+      in [0, T] / [0, S]. Concrete lengths outside raise a ValueError; under jit they are data
+      and are clipped to that range silently unless `checked=True`.
     query_segment_ids, key_value_segment_ids: int32 [B, T] / [B, S]; a query attends only to keys
       of its own segment (packed documents). key_value_segment_ids defaults to query_segment_ids
-      when T == S.
+      when T == S. Ids -2**31 and -2**31 + 1 are reserved (they mark padded positions): concrete
+      ids holding them raise a ValueError; under jit only `checked=True` detects them.
     local_window_size: sliding-window attention as in jax.nn: an int w (= (w, w)) or (left,
       right); query i sees keys i - left .. i + right. Combines with is_causal and segment ids.
       Key blocks outside the band are skipped: cost grows with T * window, not T * S.
@@ -232,6 +239,9 @@ def flash_attention(
       split backward there instead, and rejects a config with `fused_backward=True`.
     return_residuals: also return the float32 log-sum-exp [B, H, T] (natural log, -inf for a
       query with no visible key), e.g. to merge partial attentions.
+    checked: add `jax.experimental.checkify` checks of the values jit cannot see (lengths in
+      range, no reserved segment id); run the caller under `checkify.checkify(f)` (jitted or
+      not) and read `err.throw()`. Costs a reduction over the lengths and ids.
     implementation: None picks the fastest that can run the call (see `explain`); "mosaic"
       (Hopper), "triton" (GPU), "interpret" (the Triton kernels in the Pallas interpreter, any
       platform), "xla" (blockwise jnp, O(N) memory, any platform) or "reference" (materialising).
@@ -241,10 +251,17 @@ def flash_attention(
     The output [B, T, H, D] in the input dtype; with return_residuals, (output, lse). A query that
     sees no key gets zeros (and zero gradients), never NaN; with sinks its lse is the sink's.
 
+  Differentiable in reverse mode (jax.grad, jax.vjp; a custom_vjp). Forward mode (jax.jvp,
+  jax.jacfwd) raises a TypeError except with implementation="reference".
+
   Inputs whose sharding splits the sequence axis over mesh axes (Explicit axes under jit, or
   concrete arrays) run context-parallel: ring or all-gather attention under shard_map
-  (`pallas_flash.context_parallel`, docs/context_parallel.md).
+  (`pallas_flash.context_parallel`, docs/context_parallel.md). Inputs split over batch or heads
+  only run per shard under shard_map, the output sharded like the query (not with dropout or
+  block_mask). On Auto axes under jit nothing is visible: the partitioner places the call, and
+  it runs the Pallas kernels whole on every device.
   """
+  validation.check_reverse_mode(implementation, query=query, key=key, value=value, bias=bias)
   # -- context parallelism: a sequence split over mesh axes runs as ring / all-gather
   # attention under shard_map (pallas_flash.context_parallel.sharding). --
   if (cp := _cp_sharding.sequence_sharding(query, key, value)) is not None:
@@ -254,6 +271,12 @@ def flash_attention(
     o, lse = _cp_sharding.sharded_attention(**{**args, "return_residuals": True})
     o, lse = merge.add_sinks(o, lse, validation.check_sinks(sinks, query.shape[-2]))
     return (o, lse) if return_residuals else o
+  # Batch / head splits visible here run per shard under shard_map, so that every backend's
+  # loops and kernels see local shapes (Explicit axes cannot enter their carries). Dropout and
+  # block masks index global batch / head positions and stay on the global call.
+  if (dropout_rate == 0.0 and block_mask is None
+      and (split := _cp_sharding.batch_head_sharding(query)) is not None):
+    return _cp_sharding.split_attention(flash_attention, **locals())
   # --
   call = validation.canonicalize(query, key, value, scale=scale, is_causal=is_causal,
                        query_seq_lengths=query_seq_lengths,
@@ -263,7 +286,7 @@ def flash_attention(
                        local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
                        alibi_slopes=alibi_slopes, dropout_rate=dropout_rate,
                        dropout_rng=dropout_rng, block_mask=block_mask,
-                       deterministic=deterministic)
+                       deterministic=deterministic, checked=checked)
   if sinks is not None:
     sinks = validation.check_sinks(sinks, call.q.shape[2])
   name = backends.choose(call.info, implementation, config)

@@ -81,11 +81,15 @@ def auto_choice(reasons: dict[str, str | None]) -> str | None:
   return next((name for name in AUTO_ORDER if reasons[name] is None), None)
 
 
+def check_implementation(implementation) -> None:
+  if implementation is not None and implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"Unknown implementation={implementation!r}; choose one of "
+                     f"{IMPLEMENTATIONS} or None for automatic.")
+
+
 def choose(info: CallInfo, implementation: str | None, config) -> str:
   """The implementation to run; raises NotImplementedError with every reason when none can."""
-  if implementation is not None and implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"Unknown implementation {implementation!r}; choose one of "
-                     f"{IMPLEMENTATIONS} or None for automatic.")
+  check_implementation(implementation)
   if implementation is not None:
     why = reason(implementation, info, config)
     if why is not None:

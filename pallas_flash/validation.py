@@ -15,8 +15,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
+from jax.interpreters.ad import JVPTracer, Zero
 
 from pallas_flash import dropout, masks
+from pallas_flash.backends import check_implementation
 from pallas_flash.call import (KV_PAD_SEGMENT, Q_PAD_SEGMENT, AttentionParams, CallInfo,
                                FeatureArrays)
 
@@ -59,6 +62,20 @@ def _check_inputs(query, key, value) -> None:
     raise TypeError(f"Unsupported dtype {query.dtype}: use bfloat16, float16 or float32.")
 
 
+def check_reverse_mode(implementation, **arrays) -> None:
+  """Forward mode (jax.jvp, jax.jacfwd) cannot pass the custom_vjp; say so before JAX's
+  TypeError, which names neither the function nor a way out. Only the reference has a JVP."""
+  if implementation == "reference":
+    return
+  for name, x in arrays.items():
+    if isinstance(x, JVPTracer) and not isinstance(x.tangent, Zero):
+      raise TypeError(
+          f"flash_attention has no forward-mode derivative (jax.jvp, jax.jacfwd; `{name}` "
+          "carries a tangent): its custom_vjp backward recomputes scores blockwise. Use "
+          "reverse mode (jax.grad, jax.vjp, jax.jacrev), or implementation=\"reference\", "
+          "which supports forward mode but materialises the [T, S] scores.")
+
+
 def _check_index_array(name: str, x, shape: tuple[int, ...], fix: str):
   if x is None:
     return None
@@ -72,13 +89,46 @@ def _check_index_array(name: str, x, shape: tuple[int, ...], fix: str):
 
 def _check_lengths_range(name: str, x, upper: int) -> None:
   if x is None or isinstance(x, jax.core.Tracer):
-    return  # Under jit values are unknown: out-of-range lengths clip to [0, upper].
+    return  # Under jit values are unknown: clipped to [0, upper], checked with checked=True.
   # numpy, not jnp: a concrete array closed over by a jitted function would become a tracer
   # through jnp.min while that function is traced.
   values = np.asarray(x)
   lo, hi = int(values.min()), int(values.max())
   if lo < 0 or hi > upper:
     raise ValueError(f"`{name}` values must lie in [0, {upper}], got range [{lo}, {hi}].")
+
+
+# The smallest segment id a user may pass: the two below mark padded positions (call.py).
+MIN_SEGMENT_ID = max(Q_PAD_SEGMENT, KV_PAD_SEGMENT) + 1
+
+
+def _check_segment_ids_range(name: str, x) -> None:
+  if x is None or isinstance(x, jax.core.Tracer):
+    return  # Under jit values are unknown: checked with checked=True (_runtime_checks).
+  lo = int(np.asarray(x).min())
+  if lo < MIN_SEGMENT_ID:
+    raise ValueError(f"`{name}` holds {lo}, an id reserved for padded positions (ids below "
+                     f"{MIN_SEGMENT_ID} = -2**31 + 2); use ids >= {MIN_SEGMENT_ID}, e.g. "
+                     "non-negative ones.")
+
+
+def _runtime_checks(q_lens, kv_lens, q_seg, kv_seg, t: int, s: int) -> None:
+  """The value checks of concrete calls as `jax.experimental.checkify` checks (checked=True):
+  they hold under jit, and the caller reads them with `checkify.checkify(f)(...)` then
+  `err.throw()`. Each names the argument and the first offending index."""
+  for name, lens, upper in (("query_seq_lengths", q_lens, t),
+                            ("key_value_seq_lengths", kv_lens, s)):
+    if lens is not None:
+      bad = (lens < 0) | (lens > upper)
+      b = jnp.argmax(bad)
+      checkify.check(~bad.any(), f"`{name}`[{{b}}] = {{n}} lies outside [0, {upper}]; "
+                     "unchecked calls clip it", b=b, n=lens[b])
+  for name, seg in (("query_segment_ids", q_seg), ("key_value_segment_ids", kv_seg)):
+    if seg is not None:
+      bad = seg < MIN_SEGMENT_ID
+      b, i = jnp.unravel_index(jnp.argmax(bad), seg.shape)
+      checkify.check(~bad.any(), f"`{name}`[{{b}}, {{i}}] = {{v}} is an id reserved for "
+                     f"padded positions; use ids >= {MIN_SEGMENT_ID}", b=b, i=i, v=seg[b, i])
 
 
 def _fold_lengths(q_seg, kv_seg, q_lens, kv_lens, t: int, s: int):
@@ -147,7 +197,7 @@ def canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
                   key_value_seq_lengths, query_segment_ids, key_value_segment_ids,
                   bias=None, mask=None, local_window_size=None, logits_soft_cap=None,
                   alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
-                  block_mask=None, deterministic=False) -> Call:
+                  block_mask=None, deterministic=False, checked=False) -> Call:
   unbatched = all(getattr(x, "ndim", None) == 3 for x in (query, key, value))
   if unbatched:
     query, key, value = (jnp.asarray(x)[None] for x in (query, key, value))
@@ -159,6 +209,10 @@ def canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
                                                                 key_value_seq_lengths))
     query_segment_ids, key_value_segment_ids = map(_add_batch, (query_segment_ids,
                                                                 key_value_segment_ids))
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise TypeError(f"`is_causal` must be a Python bool (static: it picks the blocks to compute), "
+                    f"got {type(is_causal).__name__}; under jit pass it as a static argument "
+                    "(static_argnames) or close over it.")
   if scale is None:
     scale = 1.0 / math.sqrt(d)
   elif not isinstance(scale, (int, float)) or not math.isfinite(scale):
@@ -181,6 +235,12 @@ def canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
                              "Segment ids are [batch, q_len] int32.")
   kv_seg = _check_index_array("key_value_segment_ids", key_value_segment_ids, (b, s),
                               "Segment ids are [batch, kv_len] int32.")
+  _check_segment_ids_range("query_segment_ids", q_seg)
+  _check_segment_ids_range("key_value_segment_ids", kv_seg)
+  if not isinstance(checked, bool):
+    raise TypeError(f"`checked` must be a Python bool, got {checked!r}.")
+  if checked:
+    _runtime_checks(q_lens, kv_lens, q_seg, kv_seg, t, s)
   q_seg, kv_seg = _fold_lengths(q_seg, kv_seg, q_lens, kv_lens, t, s)
   _check_block_mask(block_mask, (b, t, s), is_causal=is_causal, q_seg=q_seg, mask=mask,
                     local_window_size=local_window_size)
@@ -239,6 +299,21 @@ def _check_window(w) -> tuple[int, int] | None:
   return int(pair[0]), int(pair[1])
 
 
+def _check_soft_cap(c) -> None:
+  if c is not None and (not isinstance(c, (int, float)) or isinstance(c, bool)
+                        or not math.isfinite(c) or c <= 0):
+    raise ValueError(f"`logits_soft_cap` must be a positive finite Python float (static), got "
+                     f"{c!r}.")
+
+
+def check_layer_options(*, local_window_size=None, logits_soft_cap=None,
+                        implementation=None) -> None:
+  """The static options a layer binds, checked when it is built rather than at its first call."""
+  _check_window(local_window_size)
+  _check_soft_cap(logits_soft_cap)
+  check_implementation(implementation)
+
+
 def _check_dense(name: str, x, full: tuple[int, int, int, int]):
   """Bias / mask as jax.nn takes them: rank <= 4, broadcastable to [B, H, T, S].
 
@@ -253,7 +328,7 @@ def _check_dense(name: str, x, full: tuple[int, int, int, int]):
   if x.ndim > 4 or any(n not in (1, f) for n, f in zip((1,) * (4 - x.ndim) + x.shape, full)):
     raise ValueError(
         f"`{name}` must broadcast to [batch, num_heads, q_len, kv_len] = {full}, got shape "
-        f"{x.shape}: each axis must be 1 or the full size. Dense {name}es cost T*S memory; "
+        f"{x.shape}: each axis must be 1 or the full size. A dense {name} costs T*S memory; "
         "prefer is_causal, local_window_size, segment ids or alibi_slopes where they fit.")
   shape = (1,) * (4 - x.ndim) + x.shape
   return jnp.broadcast_to(x.reshape(shape), shape[:2] + full[2:])
@@ -264,11 +339,7 @@ def _canonicalize_features(full, *, bias, mask, local_window_size, logits_soft_c
   """Validated feature arguments: (AttentionParams fields, FeatureArrays)."""
   b, h, t, s = full
   window = _check_window(local_window_size)
-  if logits_soft_cap is not None and (
-      not isinstance(logits_soft_cap, (int, float)) or isinstance(logits_soft_cap, bool)
-      or not math.isfinite(logits_soft_cap) or logits_soft_cap <= 0):
-    raise ValueError(f"`logits_soft_cap` must be a positive finite Python float (static), got "
-                     f"{logits_soft_cap!r}.")
+  _check_soft_cap(logits_soft_cap)
   if not isinstance(dropout_rate, (int, float)) or not 0.0 <= dropout_rate < 1.0:
     raise ValueError(f"`dropout_rate` must be a Python float in [0, 1), got {dropout_rate!r}.")
   seed = None
@@ -276,6 +347,7 @@ def _canonicalize_features(full, *, bias, mask, local_window_size, logits_soft_c
     if dropout_rng is None:
       raise ValueError("`dropout_rate` > 0 needs `dropout_rng`, a JAX PRNG key "
                        "(e.g. jax.random.key(0)); pass dropout_rate=0.0 for no dropout.")
+    _check_rng(dropout_rng)
     seed = dropout.seed_from_rng(dropout_rng)
   slopes = None
   if alibi_slopes is not None:
@@ -298,6 +370,16 @@ def _canonicalize_features(full, *, bias, mask, local_window_size, logits_soft_c
                 has_alibi=slopes is not None, dropout_rate=float(dropout_rate),
                 has_bias=bias is not None, has_mask=mask is not None)
   return fields, FeatureArrays(bias=bias, mask=mask, alibi_slopes=slopes, dropout_seed=seed)
+
+
+def _check_rng(rng) -> None:
+  dtype = getattr(rng, "dtype", None)
+  is_key = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+  raw_key = dtype == jnp.uint32 and getattr(rng, "shape", None) == (2,)
+  if not (is_key or raw_key):
+    raise TypeError(f"`dropout_rng` must be a JAX PRNG key (jax.random.key(seed), or a raw "
+                    f"uint32[2] jax.random.PRNGKey), got {type(rng).__name__} "
+                    f"{getattr(rng, 'dtype', rng)!s}.")
 
 
 def abstract_call_info(query, key, value, kwargs: dict) -> CallInfo:

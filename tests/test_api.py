@@ -1,5 +1,7 @@
 """The public API: validation errors, explain, dispatch, and JAX transformations."""
 
+import contextlib
+import functools
 import re
 
 import jax
@@ -71,6 +73,18 @@ def test_concrete_lengths_closed_over_by_jit():
   with pytest.raises(ValueError, match="must lie in"):
     jax.jit(lambda q, k, v: pallas_flash.flash_attention(
         q, k, v, query_seq_lengths=too_long))(q, k, v)
+
+
+@pytest.mark.parametrize("name", ["query_segment_ids", "key_value_segment_ids"])
+@pytest.mark.parametrize("reserved", [-2**31, -2**31 + 1])
+def test_reserved_segment_ids_are_rejected(name, reserved):
+  """The two ids that mark padded positions inside the kernels: the blocked paths returned
+  zeros for them while the reference attended."""
+  ids = {"query_segment_ids": jnp.zeros((2, 16), jnp.int32),
+         "key_value_segment_ids": jnp.zeros((2, 24), jnp.int32)}
+  ids[name] = ids[name].at[1, 3].set(reserved)
+  with pytest.raises(ValueError, match=f"`{name}` holds {reserved}, an id reserved"):
+    pallas_flash.flash_attention(Q, KV, KV, implementation="xla", **ids)
 
 
 def test_bad_config_values():
@@ -189,3 +203,117 @@ def test_checkpoint_name_lets_remat_keep_o_and_lse(impl, capsys):
   saved = capsys.readouterr().out
   assert saved.count(f"named '{pallas_flash.CHECKPOINT_NAME}'") == 2, saved  # o and lse
   np.testing.assert_allclose(jax.grad(kept)(w), jax.grad(f)(w), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jit_jvp", "jacfwd"])
+def test_forward_mode_raises_a_clear_error_and_runs_on_the_reference(transform):
+  q = jax.random.normal(jax.random.key(0), (1, 8, 2, 16))
+
+  def f(q, implementation="xla"):
+    return pallas_flash.flash_attention(q, q, q, is_causal=True, implementation=implementation)
+
+  run = {"jvp": lambda f: jax.jvp(f, (q,), (q,))[1],
+         "jit_jvp": lambda f: jax.jit(lambda q: jax.jvp(f, (q,), (q,))[1])(q),
+         "jacfwd": lambda f: jax.jacfwd(lambda q: f(q).sum())(q)}[transform]
+  with pytest.raises(TypeError, match="no forward-mode derivative.*implementation=\"reference\""):
+    run(f)
+  want = run(lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True))
+  assert_close_to_ref(transform, run(lambda q: f(q, "reference")), want, 1e-5)
+  # Forward over reverse (jax.hessian's order) passes the custom_vjp.
+  jax.jvp(jax.grad(lambda q: f(q).sum()), (q,), (q,))
+
+
+def _nnx_layer(**kw):
+  from flax import nnx
+
+  from pallas_flash.flax import FlashMultiHeadAttention
+  return FlashMultiHeadAttention(4, 32, rngs=nnx.Rngs(0), **kw)
+
+
+def _cached_layer():
+  layer = _nnx_layer()
+  layer.init_cache(1, 8)
+  return layer
+
+
+def _make_attention_fn(**kw):
+  from pallas_flash.flax import make_attention_fn
+  return make_attention_fn(**kw)
+
+
+X32, X24 = jnp.ones((1, 8, 32)), jnp.ones((1, 8, 24))
+SEG = jnp.zeros((1, 8), jnp.int32)
+
+
+@pytest.mark.parametrize("name, error, make_error", [
+    ("dropout_rng", TypeError, lambda: pallas_flash.flash_attention(
+        Q, Q, Q, dropout_rate=0.1, dropout_rng=3)),
+    ("is_causal", TypeError, lambda: jax.jit(
+        lambda q, c: pallas_flash.flash_attention(q, q, q, is_causal=c))(Q, True)),
+    ("inputs_q", ValueError, lambda: _nnx_layer()(X24)),
+    ("inputs_kv", ValueError, lambda: _nnx_layer()(X32, X24)),
+    ("inputs", ValueError, lambda: _cached_layer()(X24, decode=True)),
+    ("kv_segment_ids", ValueError, lambda: _nnx_layer()(X32, X32[:, :6], segment_ids=SEG)),
+    ("mask", ValueError, lambda: pallas_flash.flash_attention(Q, Q, Q, mask=jnp.ones((3, 16, 16),
+                                                                                     bool))),
+    ("local_window_size", ValueError, lambda: _nnx_layer(local_window_size=-1)),
+    ("local_window_size", TypeError, lambda: _nnx_layer(local_window_size=(1, 2, 3))),
+    ("logits_soft_cap", ValueError, lambda: _nnx_layer(logits_soft_cap=0.0)),
+    ("implementation", ValueError, lambda: _nnx_layer(implementation="cuda")),
+    ("decode_implementation", ValueError, lambda: _nnx_layer(decode_implementation="cuda")),
+    ("implementation", ValueError, lambda: _make_attention_fn(implementation="cuda")),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_errors_name_the_argument(name, error, make_error):
+  """Each bad argument fails with its own name in the message: at the call for call arguments,
+  when a layer (or attention_fn) is built for the options it binds."""
+  with pytest.raises(error) as info:
+    make_error()
+  message = str(info.value)
+  assert f"`{name}`" in message or f" {name}=" in message, message
+  assert "maskes" not in message
+
+
+@pytest.mark.parametrize("name, value, match", [
+    ("query_seq_lengths", jnp.array([16, 17]), r"`query_seq_lengths`\[1\] = 17 lies outside"),
+    ("key_value_seq_lengths", jnp.array([-1, 3]),
+     r"`key_value_seq_lengths`\[0\] = -1 lies outside \[0, 24\]"),
+    ("query_segment_ids", jnp.zeros((2, 16), jnp.int32).at[1, 5].set(-2**31),
+     r"`query_segment_ids`\[1, 5\] = -2147483648 is an id reserved"),
+    ("key_value_segment_ids", jnp.zeros((2, 24), jnp.int32).at[0, 7].set(-2**31 + 1),
+     r"`key_value_segment_ids`\[0, 7\] = -2147483647 is an id reserved"),
+])
+def test_checked_mode_reports_bad_values_under_jit(name, value, match):
+  from jax.experimental import checkify
+  kwargs = {"query_segment_ids": jnp.zeros((2, 16), jnp.int32),
+            "key_value_segment_ids": jnp.zeros((2, 24), jnp.int32)} if "segment" in name else {}
+
+  def f(q, k, v, x, checked=True):
+    return pallas_flash.flash_attention(q, k, v, implementation="xla", checked=checked,
+                                        **{**kwargs, name: x})
+
+  good = jnp.clip(value, 0, None) if "segment" in name else jnp.clip(value, 0, 16)
+  err, _ = checkify.checkify(jax.jit(f))(Q, KV, KV, good)
+  err.throw()  # valid values pass
+  err, out = checkify.checkify(jax.jit(f))(Q, KV, KV, value)
+  with pytest.raises(ValueError, match=match):
+    err.throw()
+  assert out.shape == Q.shape
+  jax.jit(functools.partial(f, checked=False))(Q, KV, KV, value)  # unchecked: no error
+
+
+def test_explain_reports_blocks_computed_at_the_chosen_config():
+  from jax.sharding import use_abstract_mesh
+
+  from testing import H200
+  q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
+  fractions = set()
+  for mesh in (None, H200):  # xla on this CPU, mosaic on an abstract H200
+    with use_abstract_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+      ex = pallas_flash.explain(q, q, q, is_causal=True)
+    block = (ex.config.block_q, ex.config.block_kv)
+    assert ex.block_shape == block, (ex.chosen, ex.block_shape, block)
+    want = pallas_flash._tiling.fraction_computed(q_len=1024, kv_len=1024, block_q=block[0],
+                                                  block_kv=block[1], band=(None, 0))
+    assert ex.blocks_computed == want and f"{block[0]}x{block[1]} score blocks" in str(ex)
+    fractions.add(want)
+  assert len(fractions) == 2  # the two backends' blocks differ

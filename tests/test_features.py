@@ -291,10 +291,11 @@ def test_backend_without_a_feature_is_skipped_with_a_reason(monkeypatch):
 def test_explain_reports_blocks_computed():
   q = jax.ShapeDtypeStruct((1, 4096, 4, 64), jnp.bfloat16)
   assert pallas_flash.explain(q, q, q).blocks_computed == 1.0
-  causal = pallas_flash.explain(q, q, q, is_causal=True).blocks_computed
-  assert causal == pytest.approx((32 * 33 / 2) / 32**2)
+  causal = pallas_flash.explain(q, q, q, is_causal=True)
+  n = 4096 // causal.block_shape[0]  # the chosen xla config's square blocks
+  assert causal.blocks_computed == pytest.approx((n * (n + 1) / 2) / n**2)
   window = pallas_flash.explain(q, q, q, is_causal=True, local_window_size=(511, 0))
-  assert window.blocks_computed < 0.15 and "blocks computed" in str(window)
+  assert window.blocks_computed < 0.2 and "blocks computed" in str(window)
 
 
 def test_unbatched_inputs_with_bias_and_dropout():

@@ -207,3 +207,96 @@ def explain_sharded(query, key, value, **kwargs):
   info = validation.abstract_call_info(query, key, value, validation.with_defaults(kwargs))
   return decide(_local_info(info, cp), cp.axis_size, layout=_layout(info), strategy=None,
                 implementation=implementation, config=config)
+
+
+# Batch and head splits (no sequence split): each device's shard is a whole attention problem,
+# so the call runs per shard under shard_map, with any implementation.
+
+@dataclasses.dataclass(frozen=True)
+class BatchHeadSharding:
+  """The mesh axes splitting the query's batch and head axes (entries of a PartitionSpec)."""
+
+  mesh: object  # jax.sharding.Mesh (concrete arrays) or AbstractMesh (traced, explicit axes)
+  batch: object  # None, an axis name or a tuple of them
+  heads: object
+  traced: bool
+
+
+def _entry(names: tuple[str, ...] | None):
+  return None if not names else names[0] if len(names) == 1 else names
+
+
+def batch_head_sharding(query) -> BatchHeadSharding | None:
+  """How the query's batch and head axes are split over visible mesh axes (Explicit under jit,
+  any on concrete arrays), or None when neither is. Call after `sequence_sharding`."""
+  if getattr(query, "ndim", None) not in (3, 4):
+    return None
+  found = _sharding_of(query)
+  if found is None:
+    return None
+  mesh, spec, traced = found
+  b, _, h, d = ((None,) if query.ndim == 3 else ()) + spec
+  if d is not None:
+    raise ValueError("flash_attention cannot split the head_dim axis; reshard it replicated.")
+  size = lambda names: math.prod(mesh.shape[a] for a in names or ())  # noqa: E731
+  if size(b) == 1 and size(h) == 1:
+    return None
+  return BatchHeadSharding(mesh, _entry(b), _entry(h), traced)
+
+
+def split_attention(flash_attention, split: BatchHeadSharding, query, key, value, bias=None,
+                    mask=None, *, return_residuals=False, checked=False, implementation=None,
+                    config=None, cp=None, **kwargs):
+  """flash_attention(query, key, value, ...) per batch / head shard under shard_map: the
+  output is sharded like the query; key, value and the other arrays are resharded to match."""
+  del cp
+  # Validate the global call first, so errors and checked=True's checks see global shapes.
+  sinks = kwargs.pop("sinks", None)
+  call = validation.canonicalize(query, key, value, bias=bias, mask=mask, checked=checked,
+                                 **kwargs)
+  if sinks is not None:
+    kwargs["sinks"] = validation.check_sinks(sinks, call.q.shape[2])
+  batched = query.ndim == 4
+  b_ax = split.batch if batched else None
+  kv_h = split.heads if key.shape[-2] > 1 else None  # MQA: the one kv head serves every shard
+  shards = math.prod(split.mesh.shape[a] for a in _names(split.heads))
+  if kv_h is not None and key.shape[-2] % shards:
+    raise ValueError(
+        f"The query's heads are split over {shards} devices ({split.heads}), which must also "
+        f"split the {key.shape[-2]} heads of `key` and `value` (query head h uses kv head "
+        "h // G); shard the heads over a divisor of the kv head count, or repeat the kv heads.")
+  lead = (b_ax,) if batched else ()
+
+  def spec_of(name, x):
+    if name in ("bias", "mask"):  # right-aligned with [B, H, T, S]; broadcast axes stay whole
+      b, h = ((1,) * (4 - x.ndim) + tuple(x.shape))[:2]
+      entries = (b_ax if b == query.shape[0] else None,
+                 split.heads if h == query.shape[-2] else None, None, None)
+      return P(*entries[4 - x.ndim:])
+    if name in ("alibi_slopes", "sinks"):  # [H]
+      return P(split.heads)
+    return P(*lead, *[None] * (x.ndim - len(lead)))  # lengths [B], segment ids [B, T]
+
+  arrays = {n: x for n, x in dict(kwargs, bias=bias, mask=mask).items()
+            if hasattr(x, "shape") and hasattr(x, "dtype")}
+  statics = {n: x for n, x in kwargs.items() if n not in arrays}
+  q_spec = P(*lead, None, split.heads, None)
+  kv_spec = P(*lead, None, kv_h, None)
+  specs = {n: spec_of(n, x) for n, x in arrays.items()}
+  lse_spec = P(*lead, split.heads, None)
+
+  def place(x, spec):
+    sharding = NamedSharding(split.mesh, spec)
+    return jax.sharding.reshard(x, sharding) if split.traced else jax.device_put(x, sharding)
+
+  def local(q, k, v, arrays):
+    return flash_attention(q, k, v, **arrays, **statics, return_residuals=True,
+                           implementation=implementation, config=config)
+
+  fn = jax.shard_map(local, mesh=split.mesh, in_specs=(q_spec, kv_spec, kv_spec, specs),
+                     out_specs=(q_spec, lse_spec), check_vma=False)
+  if not split.traced:  # concrete arrays outside jit: compile the whole shard_map once
+    fn = jax.jit(fn)
+  o, lse = fn(place(query, q_spec), place(key, kv_spec), place(value, kv_spec),
+              {n: place(x, specs[n]) for n, x in arrays.items()})
+  return (o, lse) if return_residuals else o

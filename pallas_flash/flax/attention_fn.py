@@ -23,7 +23,8 @@ of a kv head served by one read of it. The query is the newest token, so causali
 `is_causal=True`, whose top-left rule would show it key 0 only) is the mask's. A mask that
 also hides keys before the last visible one (left padding) cannot be expressed as a length: the
 step then returns NaN rather than a wrong answer; pass `cache_steps=False` to
-`make_attention_fn` to run such steps on `flash_attention` with the dense mask instead.
+`make_attention_fn` to run such steps on `flash_attention` with the dense mask instead (the
+mask is their causality there too).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_flash.api import flash_attention
+from pallas_flash.backends import check_implementation
 from pallas_flash.decode import decode_attention
 
 
@@ -196,8 +198,12 @@ def flash_attention_fn(
                   is_causal=is_causal)
   batch_shape = query.shape[:-3]
   q, k, v = map(_flatten_batch, (query, key, value))
-  if (cache_steps and mask is not None and bias is None and q.shape[1] == 1 < k.shape[1]
-      and query_segment_ids is None):
+  cache_step = mask is not None and q.shape[1] == 1 < k.shape[1] and query_segment_ids is None
+  if cache_step:
+    # The newest token against the cache: its mask is the causality; a bound is_causal's
+    # top-left rule would show it key 0 only.
+    is_causal = False
+  if cache_step and cache_steps and bias is None:
     out = _cache_step(q, k, v, _flatten_dense("mask", mask, batch_shape), scale=scale,
                       implementation=implementation)
     return out.reshape(*batch_shape, *out.shape[-3:])
@@ -279,6 +285,7 @@ def make_attention_fn(*, is_causal: bool | None = None, scale: float | None = No
   Returns:
     A function with `flax.nnx.dot_product_attention`'s signature.
   """
+  check_implementation(implementation)  # when the layer is built, not at its first call
   kernel_kw = dict(scale=scale, implementation=implementation, config=config,
                    cache_steps=cache_steps)
   bound_causal = is_causal

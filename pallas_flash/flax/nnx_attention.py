@@ -23,7 +23,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_flash import validation
 from pallas_flash.api import flash_attention
+from pallas_flash.decode import IMPLEMENTATIONS as DECODE_IMPLEMENTATIONS
 from pallas_flash.decode import decode_attention
 from pallas_flash.flax.rotary import apply_rotary
 
@@ -134,6 +136,12 @@ class FlashMultiHeadAttention(nnx.Module):
                          f"{len(alibi)}.")
     if isinstance(local_window_size, list):
       local_window_size = tuple(local_window_size)
+    validation.check_layer_options(local_window_size=local_window_size,
+                                   logits_soft_cap=logits_soft_cap,
+                                   implementation=implementation)
+    if decode_implementation not in (None, *DECODE_IMPLEMENTATIONS):
+      raise ValueError(f"Unknown decode_implementation={decode_implementation!r}; choose one of "
+                       f"{DECODE_IMPLEMENTATIONS} or None for automatic.")
     # Static Python values (tuples, floats): part of the module's structure, not its state.
     self.local_window_size, self.logits_soft_cap = local_window_size, logits_soft_cap
     self.alibi = alibi
@@ -190,6 +198,13 @@ class FlashMultiHeadAttention(nnx.Module):
       return self._decode(inputs_q, inputs_kv, segment_ids, positions)
     self_attention = inputs_kv is None
     inputs_kv = inputs_q if self_attention else inputs_kv
+    self._check_features(inputs_q=inputs_q, inputs_kv=inputs_kv)
+    if segment_ids is not None and kv_segment_ids is None and (
+        inputs_kv.shape[-2] != inputs_q.shape[-2]):
+      raise ValueError(f"`kv_segment_ids` [B, S] is required with `segment_ids` when the key "
+                       f"length ({inputs_kv.shape[-2]}) differs from the query length "
+                       f"({inputs_q.shape[-2]}); it defaults to `segment_ids` only when they "
+                       "match.")
     query = self.query(inputs_q)  # [B, T, H, D]
     key = self.key(inputs_kv)  # [B, S, K, D]
     value = self.value(inputs_kv)  # [B, S, K, D]
@@ -242,6 +257,7 @@ class FlashMultiHeadAttention(nnx.Module):
       raise ValueError(f"decode=True does not take {', '.join(unsupported)}: the cache gives "
                        "the positions, and decode_attention is causal self-attention without "
                        "segments or ALiBi.")
+    self._check_features(inputs=inputs)
     query = self.query(inputs)  # [B, T, H, D]
     dtype = self.cached_key.dtype
     key = self.key(inputs).astype(dtype)  # [B, T, K, D]
@@ -255,6 +271,12 @@ class FlashMultiHeadAttention(nnx.Module):
     self.cached_key[...], self.cached_value[...] = k_cache, v_cache
     self.cache_seqlens[...] = self.cache_seqlens[...] + inputs.shape[1]
     return self.out(x.astype(query.dtype))
+
+  def _check_features(self, **inputs) -> None:
+    for name, x in inputs.items():
+      if x.shape[-1] != self.in_features:
+        raise ValueError(f"`{name}` has {x.shape[-1]} features (last axis), but the layer was "
+                         f"built with in_features={self.in_features}.")
 
   def _feature_kwargs(self) -> dict:
     """The optional attention features this layer uses (none: a plain AttentionFn suffices)."""

@@ -308,6 +308,28 @@ def test_linen_decode_with_bound_causal_equals_the_full_causal_forward():
   assert_close(got, full, what="decoded")
 
 
+@pytest.mark.parametrize("cache_steps", [True, False])
+def test_linen_decode_with_bound_causal_equals_flax_decode(cache_steps):
+  """Issue 41's case against Flax's own attention over the same cache (its mask gives the
+  causality): a bound is_causal=True must not apply top-left causality to the one-query steps,
+  on decode_attention or (cache_steps=False) on flash_attention with the dense mask."""
+  x = jax.random.normal(jax.random.key(2), (2, 6, 32))
+  make = functools.partial(linen.MultiHeadDotProductAttention, num_heads=4, qkv_features=32,
+                           decode=True)
+  ours = make(attention_fn=make_attention_fn(is_causal=True, implementation="xla",
+                                             cache_steps=cache_steps))
+  variables = ours.init(jax.random.key(3), x)
+
+  def decoded(layer):
+    def step(cache, xt):
+      y, upd = layer.apply({"params": variables["params"], "cache": cache}, xt,
+                           mutable=["cache"])
+      return y, upd["cache"]
+    return _decode_steps(step, variables["cache"], x)
+
+  assert_close(decoded(ours), decoded(make()), what="decoded")
+
+
 @pytest.mark.parametrize("impl", ["xla", "interpret"])
 def test_nnx_decode_runs_cache_steps_on_decode_attention(impl, monkeypatch):
   calls = []
