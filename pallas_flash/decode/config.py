@@ -63,35 +63,34 @@ PREFILL_TRITON = TritonDecodeConfig(block_kv=128, block_m=128, num_warps=8, num_
 # Rows above which a call takes the prefill tiles (Tq * G > 64: e.g. 17+ tokens at G = 4).
 PREFILL_ROWS = 64
 
-# Programs the heuristic aims for: this many per SM. Several decode programs fit on one SM at
-# once (each holds a 16-64 row tile), and more programs than SMs soften the last wave's tail.
-PROGRAMS_PER_CORE = 4
+# Key blocks each split streams at least: with fewer, the merge kernel and each program's
+# pipeline start cost more than the split buys (B = 1, 1K cache: 4 splits 9.9 µs, 8 splits 11.4).
+MIN_BLOCKS_PER_SPLIT = 2
 DEFAULT_NUM_CORES = 132  # an H100 / H200, when the device does not say
 
 
 def choose_num_splits(info: DecodeInfo, *, block_m: int, block_kv: int) -> tuple[int, str]:
   """(num_splits, why) for a call whose programs own `block_m` rows and step `block_kv` keys.
 
-  Splits multiply the B * K * ceil(M / block_m) programs until they fill the GPU
-  PROGRAMS_PER_CORE times over, but never below one key block per split: each split of a long
-  cache streams its own contiguous range, and the float32 partial results (M x D per split,
-  tiny next to the keys) are merged afterwards. Off-GPU one split: splits only spread work
-  over SMs.
+  Splits multiply the B * K * ceil(M / block_m) programs up to one wave, about one program
+  per SM, and never below MIN_BLOCKS_PER_SPLIT key blocks per split. Measured on the H200
+  (bench --decode, 2026-12-04), B = 1 at 128K: 16 splits 3.78 TB/s, 33 splits 3.04, 66
+  splits 2.40; B = 8 at 8K: 2 splits 3.65, 9 splits 2.80. Ragged batches would gain from
+  more splits (uneven lengths unbalance the one wave; docs/decode.md). Off-GPU one split.
   """
   programs = info.batch * info.num_kv_heads * -(-info.rows // block_m)
   blocks = -(-info.capacity // block_kv)
   if info.platform != "gpu":
     return 1, "one split off-GPU (splits spread work over a GPU's SMs)"
   cores = info.num_cores or DEFAULT_NUM_CORES
-  target = PROGRAMS_PER_CORE * cores
-  wanted = -(-target // programs)
-  splits = max(1, min(wanted, blocks))
+  wanted = cores // programs
+  cap = max(1, blocks // MIN_BLOCKS_PER_SPLIT)
+  splits = max(1, min(wanted, cap))
   why = (f"{programs} programs (B={info.batch} x K={info.num_kv_heads} x "
-         f"{-(-info.rows // block_m)} row tiles) x {splits} splits ~ "
-         f"{PROGRAMS_PER_CORE} per SM on {cores} SMs")
-  if wanted > blocks:
-    why += f", capped at one {block_kv}-key block per split ({blocks} blocks)"
-  elif splits == 1 and programs >= target:
-    why = (f"{programs} programs (B x K x row tiles) already fill {cores} SMs "
+         f"{-(-info.rows // block_m)} row tiles) x {splits} splits: one wave on {cores} SMs")
+  if wanted > cap:
+    why += f", capped at {MIN_BLOCKS_PER_SPLIT} {block_kv}-key blocks per split"
+  elif splits == 1:
+    why = (f"{programs} programs (B x K x row tiles) fill {cores} SMs "
            f"{programs / cores:.1f}x: no split")
   return splits, why
