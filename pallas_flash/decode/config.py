@@ -66,31 +66,33 @@ PREFILL_ROWS = 64
 # Key blocks each split streams at least: with fewer, the merge kernel and each program's
 # pipeline start cost more than the split buys (B = 1, 1K cache: 4 splits 9.9 µs, 8 splits 11.4).
 MIN_BLOCKS_PER_SPLIT = 2
+# Splits of at least this many key blocks may go past one wave, up to WAVES: the extra waves
+# cost uniform batches little there and let ragged ones balance (B = 8 at 128K: 2 splits
+# uniform 4.51 / ragged 3.01 TB/s, 9 splits 4.13 / 3.81).
+LONG_SPLIT_BLOCKS = 64
+WAVES = 4
 DEFAULT_NUM_CORES = 132  # an H100 / H200, when the device does not say
 
 
 def choose_num_splits(info: DecodeInfo, *, block_m: int, block_kv: int) -> tuple[int, str]:
   """(num_splits, why) for a call whose programs own `block_m` rows and step `block_kv` keys.
 
-  Splits multiply the B * K * ceil(M / block_m) programs up to one wave, about one program
-  per SM, and never below MIN_BLOCKS_PER_SPLIT key blocks per split. Measured on the H200
-  (bench --decode, 2026-12-04), B = 1 at 128K: 16 splits 3.78 TB/s, 33 splits 3.04, 66
-  splits 2.40; B = 8 at 8K: 2 splits 3.65, 9 splits 2.80. Ragged batches would gain from
-  more splits (uneven lengths unbalance the one wave; docs/decode.md). Off-GPU one split.
+  Splits multiply the B * K * ceil(M / block_m) programs up to one wave (about one program
+  per SM), and up to WAVES waves while each split keeps LONG_SPLIT_BLOCKS key blocks; never
+  below MIN_BLOCKS_PER_SPLIT blocks per split. Measured on the H200 (bench --decode,
+  2026-12-04): B = 1 at 128K, 16 splits 3.78 TB/s, 33 splits 3.04, 66 splits 2.40; B = 8 at
+  8K, 2 splits 3.65, 9 splits 2.80. Off-GPU one split.
   """
   programs = info.batch * info.num_kv_heads * -(-info.rows // block_m)
   blocks = -(-info.capacity // block_kv)
   if info.platform != "gpu":
     return 1, "one split off-GPU (splits spread work over a GPU's SMs)"
   cores = info.num_cores or DEFAULT_NUM_CORES
-  wanted = cores // programs
-  cap = max(1, blocks // MIN_BLOCKS_PER_SPLIT)
-  splits = max(1, min(wanted, cap))
+  one_wave = cores // programs
+  long_splits = min(-(-WAVES * cores // programs), blocks // LONG_SPLIT_BLOCKS)
+  splits = max(1, min(max(one_wave, long_splits), blocks // MIN_BLOCKS_PER_SPLIT))
+  waves = splits * programs / cores
   why = (f"{programs} programs (B={info.batch} x K={info.num_kv_heads} x "
-         f"{-(-info.rows // block_m)} row tiles) x {splits} splits: one wave on {cores} SMs")
-  if wanted > cap:
-    why += f", capped at {MIN_BLOCKS_PER_SPLIT} {block_kv}-key blocks per split"
-  elif splits == 1:
-    why = (f"{programs} programs (B x K x row tiles) fill {cores} SMs "
-           f"{programs / cores:.1f}x: no split")
+         f"{-(-info.rows // block_m)} row tiles) x {splits} splits of "
+         f"{-(-blocks // splits)} {block_kv}-key blocks: {waves:.1f} waves on {cores} SMs")
   return splits, why
