@@ -53,3 +53,19 @@ def test_triton_features_long(names):
   case = Case(batch=1, q_len=8192, kv_len=8192, num_heads=4, num_kv_heads=1, head_dim=128,
               dtype=jnp.bfloat16, is_causal=True, segments=True, features=names)
   check_against_reference("triton", case)
+
+
+# MLA's head dims (query/key 192, value 128) and the reverse, with sinks on some.
+VALUE_DIM_CASES = [
+    (Case(batch=2, q_len=2048, kv_len=2048, num_heads=8, num_kv_heads=8, head_dim=192,
+          value_head_dim=128, dtype=jnp.bfloat16, is_causal=True), ()),
+    (Case(batch=2, q_len=1000, kv_len=1537, num_heads=8, num_kv_heads=2, head_dim=64,
+          value_head_dim=128, dtype=jnp.bfloat16, segments=True), ("sinks",)),
+    (Case(batch=2, q_len=2048, kv_len=2048, num_heads=8, num_kv_heads=2, head_dim=128,
+          dtype=jnp.bfloat16, is_causal=True), ("sinks", "softcap")),
+]
+
+
+@pytest.mark.parametrize("case, names", VALUE_DIM_CASES, ids=[c.id for c, _ in VALUE_DIM_CASES])
+def test_triton_value_head_dim_and_sinks(case, names):
+  check_against_reference("triton", dataclasses.replace(case, features=names))
