@@ -220,6 +220,9 @@ def check_call(query, key, value, descale, out_dtype) -> tuple[Fp8Scales, Any]:
   for name, x in arrays.items():
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(f"`{name}` must be a jax or numpy array, got {type(x).__name__}.")
+    if len(x.shape) not in (3, 4):
+      raise ValueError(f"`{name}` must have rank 4 [batch, seq_len, num_heads, head_dim] (or "
+                       f"rank 3 without batch), got shape {tuple(x.shape)}.")
     if name not in fp8:
       raise TypeError(
           f"`{name}` is {x.dtype} while {', '.join(f'`{n}`' for n in fp8)} "
@@ -316,8 +319,7 @@ def explain_fp8(explain_fn, query, key, value, **kwargs) -> Fp8Explanation:
   scales, out = check_call(query, key, value, descale, out_dtype)
   f32 = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (query, key, value)]
   base = explain_fn(*f32, **kwargs)
-  layouts = sorted({_scale_layout(jnp.ndim(s), query.ndim) if not hasattr(s, "shape")
-                    else _scale_layout(len(s.shape), query.ndim)
+  layouts = sorted({_scale_layout(len(s.shape), len(query.shape))
                     for s in (scales.q, scales.k, scales.v)})
   note = (f"FP8 (float8_e4m3fn, scales per {'/'.join(layouts)}): no FP8 kernel yet; the "
           f"inputs are dequantized to float32 and run as below (the reference semantics), "
