@@ -72,6 +72,11 @@ def _not_chosen(name: str) -> str:
   return "a faster implementation applies"
 
 
+def _fp8():
+  """pallas_flash.fp8, which takes FP8 calls; imported late because it builds on this module."""
+  from pallas_flash import fp8
+  return fp8
+
 
 def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
   """Says which implementation `flash_attention(query, key, value, ...)` would run.
@@ -81,6 +86,8 @@ def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
   blocked kernels compute under causal masking and the local window, or under `block_mask`
   (whose tables must then be concrete). Print the result for a readable report.
   """
+  if _fp8().is_fp8_call(query, key, value, kwargs.get("descale"), kwargs.get("out_dtype")):
+    return _fp8().explain_fp8(explain, query, key, value, bias=bias, mask=mask, **kwargs)
   kwargs.update(bias=bias, mask=mask)
   config = kwargs.pop("config", None)
   kwargs.pop("implementation", None)
@@ -184,6 +191,8 @@ def flash_attention(
     dropout_rng: jax.Array | None = None,
     block_mask: masks.BlockMask | None = None,
     sinks: jax.Array | None = None,
+    descale: Any = None,
+    out_dtype: Any = None,
     deterministic: bool = False,
     return_residuals: bool = False,
     checked: bool = False,
@@ -231,6 +240,12 @@ def flash_attention(
       denominator with a zero value (attention sinks, gpt-oss), differentiable. Not in
       jax.nn. Every implementation computes the call without them and rescales each row by
       sigmoid(lse - sink) (`merge.add_sinks`): an elementwise pass over the output.
+    descale: with float8_e4m3fn query/key/value: their descale factors, (q_scale, k_scale,
+      v_scale) or a `pallas_flash.fp8.Fp8Scales` (per tensor, per (batch, head) or per block),
+      as `pallas_flash.fp8.quantize` returns them. No FP8 kernel exists yet: every
+      implementation but "mosaic" (which refuses) runs the float32 attention on the
+      dequantized inputs. No gradient with respect to FP8 inputs; see docs/fp8.md.
+    out_dtype: the output dtype of an FP8 call (default bfloat16).
     deterministic: True guarantees bitwise-identical gradients run to run. Every default path
       gives them but one: the Mosaic backward of long head-dim-128 calls (causal: at least 8K
       keys and at most 8 batch entries; non-causal: at least 2K keys, a multiple of 128, at
@@ -261,6 +276,9 @@ def flash_attention(
   block_mask). On Auto axes under jit nothing is visible: the partitioner places the call, and
   it runs the Pallas kernels whole on every device.
   """
+  if _fp8().is_fp8_call(query, key, value, descale, out_dtype):
+    return _fp8().flash_attention_fp8(flash_attention, **locals())
+  del descale, out_dtype  # FP8 only; the paths below pass locals() on
   validation.check_reverse_mode(implementation, query=query, key=key, value=value, bias=bias)
   # -- context parallelism: a sequence split over mesh axes runs as ring / all-gather
   # attention under shard_map (pallas_flash.context_parallel.sharding). --

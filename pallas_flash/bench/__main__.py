@@ -7,6 +7,7 @@ Usage (from the repository root; see docs/perf.md for how numbers are produced):
   python -m pallas_flash.bench --memory --impl mosaic --max-seq 1048576
   python -m pallas_flash.bench --shapes cpu --impl xla,reference --iters 2 --settle-ms 0  # CPU
   python -m pallas_flash.bench --decode [--quick]   # KV-cache decode bandwidth (bench/decode.py)
+  python -m pallas_flash.bench --fp8 [--quick]      # FP8 accuracy report (bench/fp8.py)
 
 Implementations: mosaic, triton, xla (blockwise), interpret, reference (pallas_flash), cudnn and
 jax_xla (jax.nn.dot_product_attention with implementation="cudnn" / "xla", materialising).
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_flash.bench import checks, decode, flops, memory, shapes, timing
+from pallas_flash.bench import fp8 as fp8_report
 from pallas_flash.mosaic_gpu import config as mosaic_config
 from pallas_flash.call import AttentionParams
 
@@ -69,6 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--heads", type=int, default=shapes.MEMORY_HEADS, help="memory mode: H")
   p.add_argument("--head-dim", type=int, default=shapes.MEMORY_HEAD_DIM, help="memory mode: D")
   decode.add_arguments(p)
+  fp8_report.add_arguments(p)
   opts = p.parse_args(argv)
   defaults = ((decode.ITERS, decode.MIN_LOOP_MS, decode.SETTLE_MS) if opts.decode
               else (5, 50.0, 1000.0))
@@ -344,7 +347,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
   dtype = DTYPES[opts.dtype]
   meta = run_metadata()
   print(" ".join(f"{k}={v}" for k, v in meta.items()))
-  if opts.decode:
+  if opts.fp8:
+    rows = fp8_report.run_fp8(opts)
+  elif opts.decode:
     rows = decode.run_decode(opts, dtype, on_rows=lambda r: _write_json(opts, r, meta))
   elif opts.memory:
     specs = shapes.memory_specs(start=opts.start_seq, max_seq=opts.max_seq, heads=opts.heads,

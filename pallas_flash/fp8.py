@@ -1,0 +1,379 @@
+"""FP8 (float8_e4m3fn) attention: descale factors, quantisation and the Hadamard rotation.
+
+`flash_attention(q8, k8, v8, descale=Fp8Scales(...))` takes e4m3 query/key/value whose real
+values are `float32(x8) * scale`. There is no FP8 kernel yet (issue 44's Hopper wgmma forward
+is not built): every implementation runs the reference semantics, the inputs dequantized to
+float32 and the float32 attention on them (`triton` on a GPU, `xla` on CPU), the output cast
+to `out_dtype` (bfloat16 by default). That is correct and checkable but no faster than bf16;
+"mosaic" refuses FP8 calls until its kernel exists.
+
+Scales, per input x [B, N, heads, D] (drop B for rank-3 inputs), float32:
+  []                    one per tensor
+  [B, heads]            one per (batch, head)
+  [B, ceil(N/block), heads]  one per `block` positions of each head (Fp8Scales.block)
+A future kernel folds per-tensor and per-(batch, head) q/k scales into the softmax scale and
+the v scale into the output; per-block scales rescale each score / output tile.
+
+Gradients: `flash_attention` refuses to differentiate FP8 inputs or their scales (an e4m3
+cotangent flushes everything below 2**-9 to zero, and an FP8 array is a quantised copy, not a
+parameter). `quantized_attention(q, k, v, ...)` takes the bf16 activations, quantises them
+(`quantize`) and differentiates straight through the quantiser: its gradient is the
+attention's gradient at the dequantized values, carried to q, k, v as if quantisation were
+the identity (through the rotation when `rotate=True`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_flash import api
+
+__all__ = ["E4M3_MAX", "Fp8Scales", "dequantize", "hadamard_rotation", "quantize",
+           "quantized_attention"]
+
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448: quantize maps each scale group's max here
+MOSAIC_REASON = ("mosaic has no FP8 kernel yet (issue 44: the Hopper wgmma FP8 forward is not "
+                 "built); FP8 calls run the reference semantics on the implementations that "
+                 "take float32")
+_OUT_DTYPES = tuple(jnp.dtype(t) for t in (jnp.bfloat16, jnp.float16, jnp.float32))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "k", "v"],
+                   meta_fields=["block"])
+@dataclasses.dataclass(frozen=True)
+class Fp8Scales:
+  """Descale factors of FP8 query/key/value: the real value of an entry is float(x8) * scale.
+
+  q: [] | [B, H] | [B, ceil(T/block), H]; k, v: [] | [B, K] | [B, ceil(S/block), K]
+  (float32; see the module docstring). block: positions per scale of the per-block layout
+  (static), None when no scale is per block. `descale=(q, k, v)` is the same with block=None.
+  """
+
+  q: Any
+  k: Any
+  v: Any
+  block: int | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Scales and quantisation
+
+
+def _scale_layout(scale_ndim: int, x_ndim: int) -> str:
+  return {0: "tensor", x_ndim - 2: "head", x_ndim - 1: "block"}.get(scale_ndim, "bad")
+
+
+def _broadcast_scale(scale, shape: tuple[int, ...], block: int | None):
+  """`scale` broadcastable against x of `shape` [*B, N, heads, D] (float32)."""
+  scale = jnp.asarray(scale, jnp.float32)
+  layout = _scale_layout(scale.ndim, len(shape))
+  if layout == "tensor":
+    return scale
+  if layout == "head":  # [*B, heads]
+    return scale[..., None, :, None]
+  return jnp.repeat(scale, block, axis=-2)[..., :shape[-3], :, None]  # [*B, N, heads, 1]
+
+
+def dequantize(x8, scale, block: int | None = None) -> jax.Array:
+  """float32(x8) * scale, with `scale` in one of the layouts of the module docstring."""
+  return x8.astype(jnp.float32) * _broadcast_scale(scale, x8.shape, block)
+
+
+def _quantize_one(x, block) -> tuple[jax.Array, jax.Array]:
+  """(e4m3 x / scale, scale) with each group's max |x| mapped to E4M3_MAX."""
+  x = x.astype(jnp.float32)
+  if block is None:
+    amax = jnp.max(jnp.abs(x))
+  elif block == "head":
+    amax = jnp.max(jnp.abs(x), axis=(-3, -1))  # [*B, heads]
+  else:
+    n = x.shape[-3]
+    blocks = -(-n // block)
+    pad = [(0, 0)] * (x.ndim - 3) + [(0, blocks * block - n), (0, 0), (0, 0)]
+    xb = jnp.pad(jnp.abs(x), pad).reshape(*x.shape[:-3], blocks, block, *x.shape[-2:])
+    amax = jnp.max(xb, axis=(-3, -1))  # [*B, blocks, heads]
+  scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+  # Clip: e4m3fn has no infinity, and a quotient rounding just above 448 would become NaN.
+  scaled = jnp.clip(x / _broadcast_scale(scale, x.shape, block if block != "head" else None),
+                    -E4M3_MAX, E4M3_MAX)
+  return scaled.astype(E4M3), scale
+
+
+def hadamard_rotation(head_dim: int, key: jax.Array | None = None) -> jax.Array:
+  """A random orthogonal [D, D] float32 matrix diag(signs) @ H / sqrt(D), H the Sylvester
+  Hadamard matrix and signs random ±1 (FA3's incoherent processing). The same rotation on Q
+  and K leaves Q·Kᵀ unchanged and spreads an outlier over all D entries of its row.
+  key: a JAX PRNG key for the signs; None uses jax.random.key(0)."""
+  if head_dim < 1 or head_dim & (head_dim - 1):
+    raise ValueError(f"the Hadamard rotation needs a power-of-two `head_dim` (64, 128, 256), "
+                     f"got {head_dim}; quantize with rotate=False.")
+  h = np.ones((1, 1), np.float32)
+  while h.shape[0] < head_dim:
+    h = np.block([[h, h], [h, -h]])
+  key = jax.random.key(0) if key is None else key
+  signs = jax.random.rademacher(key, (head_dim,), jnp.float32)
+  return signs[:, None] * jnp.asarray(h / math.sqrt(head_dim))
+
+
+def _rotate(x, rotation) -> jax.Array:
+  return jnp.einsum("...d,de->...e", x.astype(jnp.float32), rotation,
+                    precision=jax.lax.Precision.HIGHEST)
+
+
+def _check_block_option(block) -> None:
+  if block is None or block == "head":
+    return
+  if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+    raise ValueError(f"`block` must be None (one scale per tensor), \"head\" (per batch and "
+                     f"head) or a positive int (per that many positions of each head), got "
+                     f"{block!r}.")
+
+
+def quantize(q, k, v, *, rotate: bool = False, block: int | str | None = None,
+             key: jax.Array | None = None) -> tuple[tuple[jax.Array, ...], Fp8Scales]:
+  """bf16 (or any float) q, k, v -> ((q8, k8, v8) in float8_e4m3fn, Fp8Scales).
+
+  Each scale group's max |x| maps to 448, e4m3's max; `flash_attention(*fp8, descale=scales)`
+  then attends on them. Args:
+    q, k, v: [B, T, H, D], [B, S, K, D], [B, S, K, Dv] (or rank 3 without B).
+    rotate: multiply q and k by one random orthogonal Hadamard rotation along head_dim first
+      (`hadamard_rotation`; power-of-two D). Q·Kᵀ, and so the attention, is unchanged, while
+      outliers spread over their rows and quantise more finely. v is not rotated.
+    block: None: one scale per tensor; "head": per (batch, head); an int n: per n sequence
+      positions of each head (FA3's block quantisation; match the kernel's blocks, e.g. 128).
+    key: PRNG key of the rotation's signs (None: jax.random.key(0)).
+  """
+  _check_block_option(block)
+  if rotate:
+    rotation = hadamard_rotation(q.shape[-1], key)
+    q, k = _rotate(q, rotation), _rotate(k, rotation)
+  (q8, sq), (k8, sk), (v8, sv) = (_quantize_one(x, block) for x in (q, k, v))
+  return (q8, k8, v8), Fp8Scales(sq, sk, sv, block if isinstance(block, int) else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks
+
+
+def _is_fp8(x) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return (dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+          and jnp.dtype(dtype).itemsize == 1)
+
+
+def is_fp8_call(query, key, value, descale, out_dtype) -> bool:
+  """Whether flash_attention hands the call to this module."""
+  return (descale is not None or out_dtype is not None
+          or any(_is_fp8(x) for x in (query, key, value)))
+
+
+_NAMES = ("query", "key", "value")
+
+
+def _check_scale(name: str, scale, x, block, heads_name: str):
+  if not hasattr(scale, "shape") or not hasattr(scale, "dtype"):
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+      scale = np.float32(scale)
+    else:
+      raise TypeError(f"`{name}` must be a float32 scalar or array, got "
+                      f"{type(scale).__name__}.")
+  if not jnp.issubdtype(scale.dtype, jnp.floating):
+    raise TypeError(f"`{name}` must be a float array (float32), got {scale.dtype}.")
+  *b, n, h, _ = x.shape
+  layouts = {"tensor": (), "head": (*b, h)}
+  if block is not None:
+    layouts["block"] = (*b, -(-n // block), h)
+  if tuple(scale.shape) not in layouts.values():
+    per_block = (f"[{', '.join(map(str, (*b, f'ceil({n}/block)', h)))}] per block with "
+                 "Fp8Scales(..., block=n)" if block is None else
+                 f"{layouts['block']} per block of {block}")
+    raise ValueError(
+        f"`{name}` has shape {tuple(scale.shape)}; for an input of shape {tuple(x.shape)} a "
+        f"scale is [] per tensor, {layouts['head']} per (batch, {heads_name}), or "
+        f"{per_block}.")
+  if not isinstance(scale, jax.core.Tracer) and not isinstance(scale, jax.ShapeDtypeStruct):
+    values = np.asarray(scale, np.float32)
+    if not (np.isfinite(values).all() and (values > 0).all()):
+      raise ValueError(f"`{name}` must be finite and positive (a descale factor multiplies "
+                       f"the FP8 values), got values in [{values.min()}, {values.max()}].")
+  return scale
+
+
+def check_call(query, key, value, descale, out_dtype) -> tuple[Fp8Scales, Any]:
+  """The FP8 call's arguments checked: (scales, out dtype); each error names the argument."""
+  arrays = dict(zip(_NAMES, (query, key, value)))
+  fp8 = [n for n, x in arrays.items() if _is_fp8(x)]
+  if not fp8:
+    which = "`descale`" if descale is not None else "`out_dtype`"
+    raise ValueError(
+        f"{which} applies to float8_e4m3fn inputs only, but query/key/value are "
+        f"{getattr(query, 'dtype', type(query).__name__)}: drop it (cast the output yourself), "
+        "or quantise them with pallas_flash.fp8.quantize(q, k, v).")
+  for name, x in arrays.items():
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"`{name}` must be a jax or numpy array, got {type(x).__name__}.")
+    if len(x.shape) not in (3, 4):
+      raise ValueError(f"`{name}` must have rank 4 [batch, seq_len, num_heads, head_dim] (or "
+                       f"rank 3 without batch), got shape {tuple(x.shape)}.")
+    if name not in fp8:
+      raise TypeError(
+          f"`{name}` is {x.dtype} while {', '.join(f'`{n}`' for n in fp8)} "
+          f"{'is' if len(fp8) == 1 else 'are'} FP8: FP8 attention takes query, key and value "
+          "all in float8_e4m3fn; quantise all three with pallas_flash.fp8.quantize(q, k, v).")
+    if jnp.dtype(x.dtype) != E4M3:
+      raise TypeError(
+          f"`{name}` is {x.dtype}, but FP8 attention takes float8_e4m3fn (3 mantissa bits; "
+          "e5m2 and the other float8 formats are for gradients or other hardware); quantise "
+          "with pallas_flash.fp8.quantize(q, k, v).")
+  if descale is None:
+    raise ValueError("float8 query/key/value need `descale`: "
+                     "descale=(q_scale, k_scale, v_scale) or a pallas_flash.fp8.Fp8Scales, as "
+                     "returned by pallas_flash.fp8.quantize (use (1.0, 1.0, 1.0) for values "
+                     "already at scale).")
+  if isinstance(descale, (tuple, list)):
+    if len(descale) != 3:
+      raise ValueError(f"`descale` must be (q_scale, k_scale, v_scale), got {len(descale)} "
+                       "entries.")
+    descale = Fp8Scales(*descale)
+  if not isinstance(descale, Fp8Scales):
+    raise TypeError(f"`descale` must be a (q_scale, k_scale, v_scale) tuple or a "
+                    f"pallas_flash.fp8.Fp8Scales, got {type(descale).__name__}.")
+  block = descale.block
+  if block is not None and (not isinstance(block, int) or isinstance(block, bool) or block < 1):
+    raise ValueError(f"`descale.block` must be a positive int or None, got {block!r}.")
+  scales = [_check_scale(f"descale.{f}", getattr(descale, f), x, block, heads)
+            for f, x, heads in (("q", query, "query head"), ("k", key, "kv head"),
+                                ("v", value, "kv head"))]
+  out = jnp.bfloat16 if out_dtype is None else out_dtype
+  try:
+    out = jnp.dtype(out)
+  except TypeError:
+    out = None
+  if out not in _OUT_DTYPES:
+    raise TypeError(f"`out_dtype` must be bfloat16, float16 or float32, got {out_dtype!r}.")
+  return Fp8Scales(*scales, block), out
+
+
+# ---------------------------------------------------------------------------------------------
+# flash_attention and explain on FP8 inputs (api.py hands FP8 calls here)
+
+_NO_GRAD = (
+    "flash_attention has no gradient with respect to float8 inputs or their descale factors: "
+    "an e4m3 cotangent would flush every gradient below 2**-9 to zero, and an FP8 array is a "
+    "quantised copy, not a parameter. To train through FP8 attention, differentiate the bf16 "
+    "activations with pallas_flash.fp8.quantized_attention(q, k, v, ...): its backward is "
+    "straight-through (the attention's gradient at the dequantized values).")
+
+
+@jax.custom_vjp
+def _dequantize_inputs(q8, k8, v8, scales: Fp8Scales):
+  return tuple(dequantize(x, s, scales.block)
+               for x, s in ((q8, scales.q), (k8, scales.k), (v8, scales.v)))
+
+
+def _dequantize_fwd(q8, k8, v8, scales):
+  return _dequantize_inputs(q8, k8, v8, scales), None
+
+
+def _dequantize_bwd(_, cotangents):
+  raise TypeError(_NO_GRAD)
+
+
+_dequantize_inputs.defvjp(_dequantize_fwd, _dequantize_bwd)
+
+
+def flash_attention_fp8(attention_fn, *, query, key, value, descale, out_dtype, **kwargs):
+  """`flash_attention` on FP8 inputs: checked, dequantized to float32 (no gradient), run by
+  `attention_fn` (flash_attention itself) on the chosen float32 implementation, cast."""
+  scales, out = check_call(query, key, value, descale, out_dtype)
+  if kwargs.get("implementation") == "mosaic":
+    raise NotImplementedError(f"implementation='mosaic' cannot run this call: {MOSAIC_REASON}.")
+  q, k, v = _dequantize_inputs(query, key, value, scales)
+  result = attention_fn(q, k, v, **kwargs)
+  if isinstance(result, tuple):  # return_residuals: (o, lse)
+    return (result[0].astype(out), *result[1:])
+  return result.astype(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Explanation(api.Explanation):
+  """An `Explanation` of an FP8 call, with a first line saying how FP8 runs today."""
+
+  fp8: str = ""
+
+  def __str__(self) -> str:
+    return self.fp8 + "\n" + super().__str__()
+
+
+def explain_fp8(explain_fn, query, key, value, **kwargs) -> Fp8Explanation:
+  """`explain` of an FP8 call: that of the float32 call it runs, "mosaic" refused."""
+  descale, out_dtype = kwargs.pop("descale", None), kwargs.pop("out_dtype", None)
+  scales, out = check_call(query, key, value, descale, out_dtype)
+  f32 = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (query, key, value)]
+  base = explain_fn(*f32, **kwargs)
+  layouts = sorted({_scale_layout(len(s.shape), len(query.shape))
+                    for s in (scales.q, scales.k, scales.v)})
+  note = (f"FP8 (float8_e4m3fn, scales per {'/'.join(layouts)}): no FP8 kernel yet; the "
+          f"inputs are dequantized to float32 and run as below (the reference semantics), "
+          f"the output cast to {out.name}")
+  fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+  fields["reasons"] = {**base.reasons, "mosaic": MOSAIC_REASON}
+  return Fp8Explanation(**fields, fp8=note)
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16 activations to FP8 attention in one differentiable call
+
+
+@jax.custom_vjp
+def _straight_through(x, x_hat):
+  """x_hat forward; the cotangent goes to x unchanged (quantisation treated as identity)."""
+  return x_hat
+
+
+def _straight_through_fwd(x, x_hat):
+  return x_hat, jnp.zeros((0,), x.dtype)  # residual: x's dtype only
+
+
+def _straight_through_bwd(res, g):
+  return g.astype(res.dtype), None
+
+
+_straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
+
+
+def quantized_attention(q, k, v, *, rotate: bool = False, block: int | str | None = None,
+                        key: jax.Array | None = None, out_dtype=None, **kwargs):
+  """FP8 attention on bf16 (or any float) activations: `quantize` then `flash_attention`.
+
+  Same forward as `flash_attention(*quantize(q, k, v, ...))`; differentiable with respect to
+  q, k, v by the straight-through estimator (and to bias / sinks as usual). kwargs: those of
+  flash_attention (is_causal, segment ids, implementation, ...). Output: out_dtype, default
+  bfloat16.
+  """
+  _check_block_option(block)
+  rotation = hadamard_rotation(q.shape[-1], key) if rotate else None
+  inputs = [q, k, v]
+  if rotation is not None:
+    inputs[:2] = (_rotate(x, rotation) for x in inputs[:2])
+  (q8, k8, v8), scales = quantize(*(jax.lax.stop_gradient(x) for x in inputs), block=block)
+  if kwargs.get("implementation") == "mosaic":
+    raise NotImplementedError(f"implementation='mosaic' cannot run this call: {MOSAIC_REASON}.")
+  # The reference semantics, as flash_attention_fp8 runs them, but differentiable: the
+  # dequantized values forward, the cotangent straight through to the (rotated) inputs.
+  deq = (dequantize(x8, s, scales.block)
+         for x8, s in ((q8, scales.q), (k8, scales.k), (v8, scales.v)))
+  args = [_straight_through(x, x_hat) for x, x_hat in zip(inputs, deq)]
+  _, out = check_call(q8, k8, v8, scales, out_dtype)
+  result = api.flash_attention(*args, **kwargs)
+  if isinstance(result, tuple):
+    return (result[0].astype(out), *result[1:])
+  return result.astype(out)
