@@ -377,7 +377,8 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
     plgpu.barrier_arrive(bars.k_free.at[slot])
     with jax.named_scope("softmax"):
       s = common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
-      s = common.alibi(s, q0, (kv0 + j) * bkv, slope)  # on every block, masked or not
+      if slope is not None:  # on every block, masked or not
+        s = common.alibi(s, q0, (kv0 + j) * bkv, slope)
       if masked:
         col0 = (kv0 + j) * bkv
         ids = None if seg_ids is None else seg_ids(col0)
