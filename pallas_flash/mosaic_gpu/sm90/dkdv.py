@@ -82,12 +82,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
       slot = lax.rem(t, stages)
       bias = alibi_at(t)  # the slope's load runs ahead of the waits
       q_smem, do_smem = kv_stream.wait_streams(streams, slot)
-      if kp.dkdv_overlap and not (kp.interpret or masked):
+      if kp.dkdv_overlap and not (kp.interpret or masked or kp.alibi):
         # Unmasked steps only: the mask's iotas on top of the overlap's live registers spill
-        # inside the loop (deviceless SASS); masked steps issue dV and dK back to back.
+        # inside the loop (deviceless SASS); masked steps issue dV and dK back to back. ALiBi's
+        # position vectors take the masked steps' form too (not yet checked with ptxas).
         return _overlapped_step(
             dk, dv, (k_smem, v_smem, q_smem, do_smem), streams, slot, k0,
-            (do_free.at[slot], q_free.at[slot]), kp, bias)
+            (do_free.at[slot], q_free.at[slot]), kp)
       p_t, ds_t = kv_stream.transposed_grad_tiles(
           k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
           (lambda: index(t)[0]) if masked else None, kp, ids=ids and ids(t), bias=bias)
@@ -161,12 +162,10 @@ def _dk_dv_updates(dk, dv, p_t, ds_t, q_smem, do_smem, st_smem, frees, kp):
   return dk, dv
 
 
-def _overlapped_step(dk, dv, tiles, streams, slot, k0, frees, kp: common.KernelParams,
-                     bias=None):
+def _overlapped_step(dk, dv, tiles, streams, slot, k0, frees, kp: common.KernelParams):
   """One unmasked dK/dV step with kp.dkdv_overlap: the elementwise work runs under matmuls.
 
-  tiles: the WG's K, V and the step's Q, dO SMEM tiles; frees: as in `_dk_dv_updates`; bias:
-  the step's ALiBi (kv_stream.alibi_steps) or None. wgmma
+  tiles: the WG's K, V and the step's Q, dO SMEM tiles; frees: as in `_dk_dv_updates`. wgmma
   groups retire in issue order:
 
     issue Sᵀ, dPᵀ | wait 1: Sᵀ -> Pᵀ (dPᵀ running) | issue dV += Pᵀ·dO |
@@ -189,7 +188,7 @@ def _overlapped_step(dk, dv, tiles, streams, slot, k0, frees, kp: common.KernelP
       plgpu.wgmma(dp_ref, v_smem, do_smem.T)
       lse, delta = kv_stream.step_stats(streams, slot)
       p_t, slope = kv_stream.probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), lse, k0,
-                                     None, kp, bias=bias)
+                                     None, kp)
       plgpu.wgmma(dv_ref, p_t.astype(kp.dtype), do_smem)
       dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)
       return kv_stream.grad_scores_t(p_t, slope, dp_t, delta)
