@@ -162,8 +162,9 @@ def alibi(s, row0, col0, slope):
   symmetric); slope is the head's raw_alibi_slopes entry, None for no ALiBi (s unchanged).
 
   Applied after the soft cap and before the mask, as every backend does. The offset 2**23
-  of both position vectors cancels exactly in the difference, so each entry costs a subtract
-  and an FMA (the |.| folds into it), and a tile [bq] + [bkv] integer adds."""
+  of both position vectors cancels exactly in the difference, so each entry costs a subtract,
+  an absolute value and an FMA (FP32 pipe, no conversion), and a tile rows + cols integer
+  adds for the position vectors."""
   if slope is None:
     return s
   rows = _alibi_positions(row0, s.shape[0], ROW)
