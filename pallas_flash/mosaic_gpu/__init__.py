@@ -15,6 +15,7 @@ from pallas_flash import validation
 from pallas_flash.call import CallInfo
 from pallas_flash.mosaic_gpu.config import TUNED, MosaicConfig, MosaicDebug, default_config
 from pallas_flash.mosaic_gpu.sm90 import backward as sm90_backward
+from pallas_flash.mosaic_gpu.sm90 import common as sm90_common
 from pallas_flash.mosaic_gpu.sm90 import forward as sm90_forward
 
 CONFIG_TYPE = MosaicConfig
@@ -22,8 +23,9 @@ CONFIG_TYPE = MosaicConfig
 KERNELS = {9: (sm90_forward.forward, sm90_backward.backward)}
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # Optional features (pallas_flash.call.FEATURES) the kernels take; calls with any other run
-# elsewhere. The soft cap's backward at head_dim 256 runs the Triton kernels.
-SUPPORTED_FEATURES = frozenset({"logits_soft_cap", "local_window_size"})
+# elsewhere. The soft cap's backward at head_dim 256 runs the Triton kernels. ALiBi's
+# -slope·|i - j| is added to each score tile in the kernels (sm90/common.alibi).
+SUPPORTED_FEATURES = frozenset({"logits_soft_cap", "local_window_size", "alibi_slopes"})
 # `backward` takes the forward's lse and only the lse cotangent's correction as delta, and
 # computes rowsum(O∘dO) itself, in the dQ kernel (see pallas_flash.call).
 BACKWARD_COMPUTES_DELTA = True
@@ -61,6 +63,9 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
   if call.value_head_dim != call.head_dim:
     return (f"value head dim {call.value_head_dim} != query/key head dim {call.head_dim}: the "
             "wgmma kernels take one head dim")
+  if call.params.has_alibi and max(call.q_len, call.kv_len) >= sm90_common.ALIBI_MAX_LEN:
+    return (f"ALiBi distances are exact below {sm90_common.ALIBI_MAX_LEN} positions, this call "
+            f"has {max(call.q_len, call.kv_len)}")
   if call.params.deterministic and config is not None and config.fused_backward:
     return ("config.fused_backward=True sums dQ with float32 atomics in a varying order, "
             "which deterministic=True rules out; pass fused_backward=False (the split backward)")

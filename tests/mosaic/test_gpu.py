@@ -119,6 +119,30 @@ def test_features(case):
   _assert_reproducible(case)
 
 
+# ALiBi (issue 43): the training shape causal and not (the overlapped forward, persistent
+# non-causal), head dim 64 with segment ids, persistent and split-tail forwards, 192-key tiles
+# with a key tail, a window with a soft cap, head dim 256; every one on the Mosaic kernels
+# (explain), against the reference.
+ALIBI_CASES = [
+    _case(4, 2048, 2048, 8, 2, 128, True, features=("alibi",)),
+    _case(4, 2048, 2048, 8, 2, 128, False, features=("alibi",)),
+    _case(2, 1000, 1100, 8, 2, 64, True, segments=True, features=("alibi",)),
+    _case(1, 2048, 2048, 4, 4, 64, False, jnp.float16, features=("alibi",)),
+    _case(1, 4096, 4096, 33, 33, 64, False, features=("alibi",)),
+    _case(1, 8000, 8000, 4, 2, 128, False, features=("alibi",)),
+    _case(1, 3000, 3000, 4, 2, 128, True, lengths=True, features=("alibi", "window", "softcap")),
+    _case(1, 1024, 1024, 4, 2, 256, True, features=("alibi",)),
+]
+
+
+@pytest.mark.parametrize("case", ALIBI_CASES, ids=lambda c: c.id)
+def test_alibi(case):
+  (q, k, v, _), kw = make_inputs(case)
+  assert pallas_flash.explain(q, k, v, **kw).chosen == "mosaic"
+  check_against_reference("mosaic", case)
+  _assert_reproducible(case)
+
+
 def test_deterministic_long_causal_gradients():
   """deterministic=True (the split backward) is bitwise equal run to run at 16K causal; the
   default there, the fused kernel (float32 atomics), agrees with it closely."""

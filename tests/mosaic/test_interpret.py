@@ -85,6 +85,42 @@ def test_features_match_reference(case):
   check_against_reference("mosaic", case, config=MOSAIC_INTERPRET)
 
 
+# ALiBi (-slope·|i - j| added to every score tile in the kernels): alone, with causal masking
+# and segment ids, with a window, a soft cap and lengths, GQA through the overlapped forward
+# and at head dim 256 (its role-split dK/dV kernel adds it in the Pᵀ role). The slopes
+# 2⁻¹ .. 2⁻ᴴ shift these short rows' logits by up to ~150, so a wrong sign, unit or distance
+# moves the output far past the tolerance.
+ALIBI = [
+    ("plain", _config(), _case(200, 170, features=("alibi",))),
+    ("causal_segments", _config(), _case(300, 300, h=4, kh=2, is_causal=True, segments=True,
+                                         features=("alibi",))),
+    ("window_softcap", _config(), _case(190, 130, is_causal=True, lengths=True,
+                                        features=("alibi", "softcap", "window"))),
+    ("overlap_gqa", _config(fwd_intra_wg_overlap=True, block_kv=128),
+     _case(333, 200, h=4, kh=1, d=128, dtype=jnp.float16, is_causal=True, features=("alibi",))),
+    ("hd256", _config(), _case(130, 190, d=256, is_causal=True, features=("alibi",))),
+]
+# The other forward forms and the head-dim-256 capped backward (Triton kernels, interpreted):
+# slow in the interpreter.
+ALIBI_SLOW = [
+    ("persistent", _config(fwd_persistent=True, fwd_intra_wg_overlap=True,
+                           debug=dict(persistent_ctas=2)),
+     _case(200, 200, h=3, d=128, features=("alibi",))),
+    ("split_tail", _config(fwd_split_tail=True, debug=dict(wave_ctas=2, tail_parts=3)),
+     _case(384, 192, h=3, features=("alibi",))),
+    ("hd256_softcap", _config(), _case(130, 130, d=256, features=("alibi", "softcap"))),
+]
+
+
+@pytest.mark.parametrize(
+    "name, config, case",
+    ALIBI + [pytest.param(*f, marks=pytest.mark.slow) for f in ALIBI_SLOW],
+    ids=[f"{n}-{c.id}" for n, _, c in ALIBI + ALIBI_SLOW])
+def test_alibi_matches_reference(name, config, case):
+  del name
+  check_against_reference("mosaic", case, config=config)
+
+
 def test_rows_that_see_nothing_give_zeros_and_zero_gradients():
   case = _case(128, 128, h=2, kh=1)
   (q, k, v, do), _ = make_inputs(case)

@@ -104,7 +104,8 @@ def test_ragged_operands_are_padded_to_tma_rows_only(head_dim, fused_backward):
 @pytest.mark.parametrize("case,kw,match", [
     (dataclasses.replace(HD128, head_dim=64), {}, "head_dim 64"),
     (HD128, dict(query_segment_ids=jnp.zeros((1, 2048), jnp.int32)), "segment ids"),
-], ids=["hd64", "segments"])
+    (HD128, dict(alibi_slopes=jnp.ones(4, jnp.float32)), "ALiBi"),
+], ids=["hd64", "segments", "alibi"])
 def test_fused_config_falls_back_to_the_split_with_a_warning(case, kw, match):
   config = MosaicConfig(fused_backward=True, **mconfig.WIDE_REGISTERS)
   with pytest.warns(UserWarning, match=match):
@@ -160,7 +161,13 @@ def _info(**kw):
     (dict(params=AttentionParams(scale=1.0, is_causal=True, has_segments=False,
                                  deterministic=True)),
      MosaicConfig(fused_backward=True), "deterministic=True rules out"),
-], ids=["ok", "cpu", "ampere", "f32", "hd96", "segments", "deterministic_fused"])
+    (dict(params=AttentionParams(scale=1.0, is_causal=True, has_segments=False,
+                                 has_alibi=True)), None, None),
+    (dict(q_len=2**23, kv_len=2**23, params=AttentionParams(
+        scale=1.0, is_causal=True, has_segments=False, has_alibi=True)), None,
+     "ALiBi distances are exact below"),
+], ids=["ok", "cpu", "ampere", "f32", "hd96", "segments", "deterministic_fused", "alibi",
+        "alibi_8m"])
 def test_unsupported_reason(kw, config, expected):
   reason = mosaic_gpu.unsupported_reason(_info(**kw), config)
   assert reason is None if expected is None else expected in reason
@@ -186,6 +193,34 @@ def test_explain_reports_the_per_call_config(shape, causal, fused_backward):
   assert ("fused_backward=True" in str(why)) == fused_backward
   assert passed.config == MosaicConfig()
   assert not deterministic.config.fused_backward
+
+
+# ALiBi in each default form: hd64 persistent (1K), split tail (4K), causal; hd128 persistent
+# overlapped (2K), 192-key grid (8K, where plain calls take the fused backward), causal (Q in
+# registers, dK/dV overlap); hd256. Every one lowers with its shared memory within the H200's.
+ALIBI_FORMS = [(64, False, 1024), (64, False, 4096), (64, True, 2048), (128, False, 2048),
+               (128, False, 8192), (128, True, 2048), (256, True, 1024)]
+
+
+@pytest.mark.parametrize("head_dim,causal,kv_len", ALIBI_FORMS,
+                         ids=[f"d{d}_{'causal' if c else 'full'}_{s}" for d, c, s in ALIBI_FORMS])
+def test_alibi_default_kernels_lower_and_fit(head_dim, causal, kv_len):
+  case = Case(batch=1, q_len=kv_len, kv_len=kv_len, num_heads=4, num_kv_heads=2,
+              head_dim=head_dim, dtype=jnp.bfloat16, is_causal=causal)
+  text = _grad_module(case, alibi_slopes=jnp.linspace(0.1, 1.0, 4, dtype=jnp.float32))
+  assert text.count("custom_call @mosaic_gpu_v2") == 3  # forward, dQ, dK/dV: not fused
+
+
+def test_explain_runs_alibi_on_mosaic_without_the_fused_backward():
+  """ALiBi runs on the Mosaic kernels; a long causal call, which takes the fused backward
+  without it, runs the split backward (the fused kernel does not add ALiBi)."""
+  q = jax.ShapeDtypeStruct((1, 16384, 16, 128), jnp.bfloat16)
+  slopes = jax.ShapeDtypeStruct((16,), jnp.float32)
+  with use_abstract_mesh(H200):
+    why = pallas_flash.explain(q, q, q, is_causal=True, alibi_slopes=slopes)
+    plain = pallas_flash.explain(q, q, q, is_causal=True)
+  assert why.chosen == "mosaic" and why.reasons["mosaic"] is None
+  assert plain.config.fused_backward and not why.config.fused_backward
 
 
 TILES, HEADS, BATCH = 3, 4, 2

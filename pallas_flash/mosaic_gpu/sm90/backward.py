@@ -39,7 +39,8 @@ def split_kernel_params(q, k, params: AttentionParams, config: MosaicConfig, *, 
 
 
 def _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *,
-                     params: AttentionParams, config: MosaicConfig):
+                     params: AttentionParams, config: MosaicConfig,
+                     arrays: FeatureArrays | None = None):
   """The Triton backward kernels (Pallas' Triton lowering, on any GPU this backend runs on; in
   its interpreter when the Mosaic kernels are interpreted), same contract, deterministic, for
   the one call the Mosaic backward kernels do not take: a soft cap at head dim 256 (hd256.py's
@@ -49,42 +50,48 @@ def _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *,
   lse, delta = common.xla_row_stats(o, lse, do, delta)
   triton_config = triton_backend.call_config(q.shape[3], q.dtype, params)
   return triton_backend.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
-                                 config=triton_config, interpret=config.interpret)
+                                 config=triton_config, interpret=config.interpret,
+                                 arrays=arrays)
 
 
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
              config: MosaicConfig, arrays: FeatureArrays | None = None):
-  """See pallas_flash.call for the contract (`arrays` unused, as in forward). This backend
+  """See pallas_flash.call for the contract (of `arrays` only the ALiBi slopes are read, as in
+  forward; every kernel that forms P adds ALiBi, none needs more for dS). This backend
   sets BACKWARD_COMPUTES_DELTA: lse is the forward's (natural log, -inf on fully masked rows)
   and delta only the correction -dlse [B, H, T] float32, or None when lse has no cotangent.
   Segment ids: the split kernels load only the blocks that may share an id with their tile and
   compare ids on those not wholly inside the tile's one document; a local window runs the same
   path, its band's blocks as the limits (common.segment_inputs). The fused kernel takes
-  neither: it falls back to the split with a warning."""
+  none of them, nor ALiBi: it falls back to the split with a warning."""
   d = q.shape[3]
+  slopes = common.raw_alibi_slopes(arrays, params)
   if d > 128 and params.logits_soft_cap is not None:
     return _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
-                            config=config)
+                            config=config, arrays=arrays)
   if d > 128:  # 256, the one wider head dim the backend takes
     return hd256.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
-                          config=config)
+                          config=config, slopes=slopes)
   if config.fused_backward:
     reason = fused.unsupported_reason(q, config)
     if reason is None and common.segment_path(params):
       reason = ("segment ids, lengths and local windows are streamed and compared in the "
                 "split kernels only")
+    if reason is None and params.has_alibi:
+      reason = "ALiBi is added in the split kernels only"
     if reason is None:
       lse, delta = common.xla_row_stats(o, lse, do, delta)
       return fused.backward(q, k, v, lse, do, delta, params=params, config=config)
     warnings.warn(f"fused_backward=True, using the split backward instead: {reason}",
                   stacklevel=2)
   return _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
-                         config=config)
+                         config=config, slopes=slopes)
 
 
 def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
-                    config: MosaicConfig):
-  """The dQ kernel, then the dK/dV kernel (backward's contract)."""
+                    config: MosaicConfig, slopes=()):
+  """The dQ kernel, then the dK/dV kernel (backward's contract; slopes: () or ALiBi's
+  (common.raw_alibi_slopes [H],))."""
   t, s = q.shape[1], k.shape[1]
   t_pad, s_pad = padded_lengths(t, s, config)
   kp_dq, kp_dkdv = split_kernel_params(q, k, params, config, t_pad=t_pad, s_pad=s_pad)
@@ -105,12 +112,15 @@ def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: Attent
     lse = _tiling.pad_axis(lse, 2, t_pad, jnp.inf)
     if delta is not None:
       delta = _tiling.pad_axis(delta, 2, t_pad)
-    dq, lse2, delta = dq_call(qp, kpad, vpad, dop, op, lse, delta, kp=kp_dq, segs=dq_segs)
+    dq, lse2, delta = dq_call(qp, kpad, vpad, dop, op, lse, delta, kp=kp_dq, segs=dq_segs,
+                              slopes=slopes)
   else:  # the dQ kernel's O tile does not fit beside this config's tiles: XLA's pass
     lse, delta = common.xla_row_stats(o, lse, do, delta)
     # lse in log2 units so that P = exp2(S·c − lse2).
     lse2 = _tiling.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
     delta = _tiling.pad_axis(delta, 2, t_pad)
-    dq = dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs)
-  dk, dv = dkdv.dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs)
+    dq = dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs,
+                 slopes=slopes)
+  dk, dv = dkdv.dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs,
+                          slopes=slopes)
   return dq[:, :t], dk[:, :s], dv[:, :s]

@@ -17,7 +17,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_flash import _tiling
 from pallas_flash.mosaic_gpu.config import MosaicConfig
-from pallas_flash.call import AttentionParams
+from pallas_flash.call import AttentionParams, FeatureArrays
 
 # Per-row vectors (m, l, lse, delta) of a wgmma accumulator tile; `COL` for its columns.
 ROW = plgpu.Layout.WGMMA.reduce(1)
@@ -59,6 +59,8 @@ class KernelParams:
   # AttentionParams.local_window (left, right); the kernels stream its band's blocks through
   # the segment-id path (band_limits).
   window: tuple[int, int] | None = None
+  # AttentionParams.has_alibi: the kernels take raw_alibi_slopes' [H] vector as an input.
+  alibi: bool = False
 
   @staticmethod
   def stats_view(x):
@@ -108,7 +110,7 @@ class KernelParams:
         dkdv_overlap=config.dkdv_overlap,
         profile_dir=config.debug.profile_dir, segments=segment_path(params),
         segment_ids=params.has_segments,
-        softcap=params.logits_soft_cap, window=params.local_window)
+        softcap=params.logits_soft_cap, window=params.local_window, alibi=params.has_alibi)
 
 
 def soft_cap(s, kp: KernelParams):
@@ -130,6 +132,46 @@ def soft_cap_with_slope(s, kp: KernelParams):
     return s, None
   t = jnp.tanh(s * (kp.scale / kp.softcap))
   return t * (kp.softcap / kp.scale), 1.0 - t * t
+
+
+# Longest sequence the ALiBi distances handle: positions are built as float32 2**23 + i from
+# the bits of an int32 (`_alibi_positions`), exact below 2**23.
+ALIBI_MAX_LEN = 2**23
+_F32_TWO_POW_23 = 0x4B000000  # the float32 2**23's bits
+
+
+def raw_alibi_slopes(arrays: FeatureArrays | None, params: AttentionParams) -> tuple:
+  """() without ALiBi, else (-slopes / scale,) [H] float32: ALiBi's -slope·|i - j| on the
+  scaled logits in the raw-score units the kernels keep scores in (they multiply by
+  c = scale·log2(e) only inside exp2, after the soft cap), so a tile takes it with one FMA."""
+  if not params.has_alibi:
+    return ()
+  return (arrays.alibi_slopes.astype(jnp.float32) * (-1.0 / params.scale),)
+
+
+def _alibi_positions(pos0, n: int, layout):
+  """2**23 + pos0 + arange(n) float32 [n] in `layout`, from the bits of the int32 sum: an
+  integer add per entry instead of an int-to-float conversion (a quarter-rate op, like ex2)."""
+  idx = plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=layout) + (pos0 + _F32_TWO_POW_23)
+  return lax.bitcast_convert_type(idx, jnp.float32)
+
+
+def alibi(s, row0, col0, slope):
+  """Raw scores s [rows, cols] float32 plus ALiBi's slope·|row - col|, row = row0 + r and
+  col = col0 + c (queries and keys, or keys and queries in a transposed tile: the distance is
+  symmetric); slope is the head's raw_alibi_slopes entry, None for no ALiBi (s unchanged).
+
+  Applied after the soft cap and before the mask, as every backend does. The offset 2**23
+  of both position vectors cancels exactly in the difference, so each entry costs a subtract,
+  an absolute value and an FMA (FP32 pipe, no conversion), and a tile rows + cols integer
+  adds for the position vectors."""
+  if slope is None:
+    return s
+  rows = _alibi_positions(row0, s.shape[0], ROW)
+  cols = _alibi_positions(col0, s.shape[1], COL)
+  dist = jnp.abs(lax.broadcast_in_dim(rows, s.shape, [0])
+                 - lax.broadcast_in_dim(cols, s.shape, [1]))
+  return s + slope * dist
 
 
 def sm_count() -> int:
@@ -274,14 +316,17 @@ class SegmentRefs(NamedTuple):
   limits: Any
 
 
-def with_segment_refs(kernel, num_inputs: int, segmented: bool):
-  """A plgpu.kernel body for `kernel(*inputs, *outputs, *scratch, seg=...)` whose call passes
-  the 3 SegmentRefs arrays after its `num_inputs` inputs when `segmented`."""
+def with_segment_refs(kernel, num_inputs: int, segmented: bool, alibi: bool = False):
+  """A plgpu.kernel body for `kernel(*inputs, *outputs, *scratch, seg=...[, slopes=...])`
+  whose call passes the 3 SegmentRefs arrays after its `num_inputs` inputs when `segmented`,
+  then with `alibi` the raw_alibi_slopes [H] (GMEM), handed over as `slopes`."""
   def body(*refs):
-    if not segmented:
+    if not (segmented or alibi):
       return kernel(*refs, seg=None)
-    return kernel(*refs[:num_inputs], *refs[num_inputs + 3:],
-                  seg=SegmentRefs(*refs[num_inputs:num_inputs + 3]))
+    n = num_inputs + 3 * segmented
+    seg = SegmentRefs(*refs[num_inputs:n]) if segmented else None
+    extra = dict(slopes=refs[n]) if alibi else {}
+    return kernel(*refs[:num_inputs], *refs[n + alibi:], seg=seg, **extra)
   return body
 
 

@@ -24,7 +24,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
                  v_scratch, q_scratch, do_scratch, lse_scratch, delta_scratch, st_scratch,
                  kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free, do_free,
                  lse_free, delta_free, *, kp: common.KernelParams,
-                 seg: common.SegmentRefs | None = None):
+                 seg: common.SegmentRefs | None = None, slopes=None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [1, B·H, Tp].
 
   Grid (K, Sp / (2·block_kv), B) named (kvh, kt, b); dk/dv_ref [B, Sp, K, D]
@@ -35,7 +35,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
 
   seg: segment ids of the key rows and of the queries, and per kv tile the hull of q blocks
   that may share an id with it: the CTA streams only those, and compares ids on each except
-  the q blocks wholly inside the tile's one document.
+  the q blocks wholly inside the tile's one document. slopes: ALiBi's
+  common.raw_alibi_slopes [H] (GMEM), or None.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   wg = lax.axis_index("wg")
@@ -74,19 +75,23 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
       ids_at = common.row_and_col_ids(seg, b, k0, bkv, bq)
       ids = lambda t: ids_at(index(t)[0] * bq)  # noqa: E731
 
+    alibi_at = kv_stream.alibi_steps(slopes, k0, index, kp)
+
     def step(t, carry, *, masked: bool):
       dk, dv = carry
       slot = lax.rem(t, stages)
+      bias = alibi_at(t)  # the slope's load runs ahead of the waits
       q_smem, do_smem = kv_stream.wait_streams(streams, slot)
-      if kp.dkdv_overlap and not (kp.interpret or masked):
+      if kp.dkdv_overlap and not (kp.interpret or masked or kp.alibi):
         # Unmasked steps only: the mask's iotas on top of the overlap's live registers spill
-        # inside the loop (deviceless SASS); masked steps issue dV and dK back to back.
+        # inside the loop (deviceless SASS); masked steps issue dV and dK back to back. ALiBi's
+        # position vectors take the masked steps' form too (not yet checked with ptxas).
         return _overlapped_step(
             dk, dv, (k_smem, v_smem, q_smem, do_smem), streams, slot, k0,
             (do_free.at[slot], q_free.at[slot]), kp)
       p_t, ds_t = kv_stream.transposed_grad_tiles(
           k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
-          (lambda: index(t)[0]) if masked else None, kp, ids=ids and ids(t))
+          (lambda: index(t)[0]) if masked else None, kp, ids=ids and ids(t), bias=bias)
       return _dk_dv_updates(dk, dv, p_t, ds_t, q_smem, do_smem, st_smem,
                             (do_free.at[slot], q_free.at[slot]), kp)
 
@@ -199,10 +204,10 @@ def _overlapped_step(dk, dv, tiles, streams, slot, k0, frees, kp: common.KernelP
   return dk, dv
 
 
-def dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=()):
+def dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slopes=()):
   """(dK, dV) [B, S, K, D] for q, do [B, T, H, D] and k, v [B, S, K, D], T and S padded as
   common.operand_rows says; lse2, delta [B, H, Tp]. segs: () or (kv_seg [B, Sp], q_seg
-  [B, Tp], q limits per kv tile) int32."""
+  [B, Tp], q limits per kv tile) int32. slopes: () or (common.raw_alibi_slopes [H],)."""
   bsz, _, kh, d = k.shape
   s_pad = kp.s_pad
   bq, bkv = kp.block_q, kp.block_kv
@@ -214,7 +219,8 @@ def dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=()):
   ]
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
   return plgpu.kernel(
-      common.with_segment_refs(functools.partial(_dkdv_kernel, kp=kp), 6, bool(segs)),
+      common.with_segment_refs(functools.partial(_dkdv_kernel, kp=kp), 6, bool(segs),
+                               alibi=bool(slopes)),
       out_type=(kv_out, kv_out),
       scratch_types=scratch,
       **common.launch_grid(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"), heads_fastest=False),
@@ -224,4 +230,4 @@ def dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=()):
       compiler_params=common.compiler_params(
           kp, min(kv_stream.profile_steps(kp), kv_stream.PROFILE_STEPS)),
       interpret=common.interpret_params(kp.interpret),
-  )(q, k, v, do, kp.stats_view(lse2), kp.stats_view(delta), *segs)
+  )(q, k, v, do, kp.stats_view(lse2), kp.stats_view(delta), *segs, *slopes)

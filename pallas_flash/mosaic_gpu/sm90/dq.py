@@ -27,7 +27,8 @@ LOG2E = math.log2(math.e)
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, lse2_out_ref,
                    delta_out_ref, q_scratch, do_scratch, o_scratch, lse_scratch, delta_scratch,
                    k_scratch, v_scratch, ds_scratch, row_ready, k_ready, v_ready, k_free, v_free,
-                   *, kp: common.KernelParams, seg: common.SegmentRefs | None = None):
+                   *, kp: common.KernelParams, seg: common.SegmentRefs | None = None,
+                   slopes=None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse/delta_ref [B, H, Tp].
 
   Two forms (absent refs are None). Statistics from XLA (o_ref, lse2_out_ref, delta_out_ref
@@ -38,7 +39,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
   Grid (H, Tp / (2·block_q), B) named (h, qt, b); dq_ref [B, Tp, H, D];
   q/do/o_scratch [2, block_q, D], lse/delta_scratch [2, block_q], k/v_scratch [stages,
   block_kv, D], ds_scratch [2, block_q, block_kv] (interpret only). seg: segment ids, the
-  forward's way (the CTA streams only the key blocks its tile may share an id with).
+  forward's way (the CTA streams only the key blocks its tile may share an id with). slopes:
+  ALiBi's common.raw_alibi_slopes [H] (GMEM), or None.
   """
   bq, bkv, stages, v_stages = kp.block_q, kp.block_kv, kp.stages, kp.dq_v_stages
   wg = lax.axis_index("wg")
@@ -88,6 +90,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
       plgpu.copy_smem_to_gmem(delta_smem, delta_out_ref.at[stats], commit_group=False)
       plgpu.commit_smem_to_gmem_group()
     steps = kp.kv_steps(q0 + bq)
+    alibi_slope = None if slopes is None else slopes[h]  # one scalar load per CTA
     ids = None
     if seg is not None:
       steps = jnp.clip(steps - kv0, 1, cta_steps)
@@ -112,6 +115,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
                             plgpu.ACC((bq, bkv), jnp.float32))
       plgpu.barrier_arrive(v_free.at[vslot])
       s, slope = common.soft_cap_with_slope(s, kp)
+      if alibi_slope is not None:  # a constant per score: dS is unchanged
+        s = common.alibi(s, q0, (kv0 + j) * bkv, alibi_slope)
       p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(lse2, s.shape, [0]))
       if masked:
         col0 = (kv0 + j) * bkv
@@ -195,12 +200,12 @@ def dq_smem_bytes(kp: common.KernelParams, *, in_kernel: bool, correction: bool)
   return rows + ring + barriers + 1024
 
 
-def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=()):
+def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slopes=()):
   """dQ [B, T, H, D], or (dQ, lse2, delta) when o is given: see _bwd_dq_kernel's two forms
   (o None: lse in log2 units and the full delta; else natural-log lse and delta the correction
   or None). q, do, o [B, T, H, D] and k, v [B, S, K, D] padded as common.operand_rows says;
   lse, delta and the lse2 and delta it returns [B, H, Tp]. segs: () or (q_seg [B, Tp], kv_seg
-  [B, Sp], kv limits per q tile) int32."""
+  [B, Sp], kv limits per q tile) int32. slopes: () or (common.raw_alibi_slopes [H],)."""
   bsz, _, h, d = q.shape
   t_pad = kp.t_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
@@ -229,7 +234,8 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=()):
   out_type = [dq, row_stats, row_stats] if in_kernel else [dq]
   present = [x is not None for x in inputs] + [True, in_kernel, in_kernel]
   kernel = functools.partial(_with_absent_refs, functools.partial(_dq_kernel, kp=kp), present)
-  body = common.with_segment_refs(kernel, sum(present) - len(out_type), bool(segs))
+  body = common.with_segment_refs(kernel, sum(present) - len(out_type), bool(segs),
+                                  alibi=bool(slopes))
   out = plgpu.kernel(
       body,
       out_type=tuple(out_type),
@@ -238,5 +244,5 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=()):
       num_threads=3, thread_name="wg",
       compiler_params=common.compiler_params(),
       interpret=common.interpret_params(kp.interpret),
-  )(*(x for x in inputs if x is not None), *segs)
+  )(*(x for x in inputs if x is not None), *segs, *slopes)
   return tuple(out) if in_kernel else out[0]

@@ -61,7 +61,7 @@ class _SplitRefs(NamedTuple):
 def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scratch,
                 lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free, v_free, sched, *,
                 kp: common.KernelParams, seg: common.SegmentRefs | None = None,
-                tail: _SplitRefs | None = None):
+                tail: _SplitRefs | None = None, slopes=None):
   """q_ref [B, Tp, H, D], k_ref/v_ref [B, Sp, K, D] (GMEM), o_ref [B, Tp, H, D], lse_ref [B, H, Tp].
 
   Grid (H, q tiles, B), or (q tiles, H, B) with kp.heads_fastest; q_scratch [2, block_q, D],
@@ -70,7 +70,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   key blocks that may share an id (_tiling.segment_block_limits): the CTA streams only those
   blocks, at least one, and compares ids on each except the run of blocks that lie wholly
   inside the tile's one document. tail (non-causal, no seg): a one-dimensional grid of
-  tail.split.ctas CTAs in the same launch order, see split_tail.TailSplit.
+  tail.split.ctas CTAs in the same launch order, see split_tail.TailSplit. slopes: ALiBi's
+  common.raw_alibi_slopes [H] (GMEM), or None.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   wg = lax.axis_index("wg")
@@ -107,6 +108,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
       seg_ids = common.row_and_col_ids(seg, b, q0, bq, bkv)
     if tail is not None:
       steps = cta_steps
+    slope = None if slopes is None else slopes[h]  # one scalar load per CTA
     with jax.named_scope("prologue"):
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_ready.at[wg])
       plgpu.barrier_wait(q_ready.at[wg])
@@ -130,7 +132,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     elif tail is not None:
       loop = functools.partial(loop, kv0=kv0)
     carry = loop(q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
-                 _Barriers(k_ready, v_ready, k_free, v_free, sched), q0=q0, steps=steps, kp=kp)
+                 _Barriers(k_ready, v_ready, k_free, v_free, sched), q0=q0, steps=steps, kp=kp,
+                 slope=slope)
     if kp.causal or seg is not None:
       lax.fori_loop(steps, cta_steps, idle_step, None)
     pl.when(wg == 0)(sched_sync)
@@ -193,7 +196,7 @@ def _store_tile(acc, m, l, o_smem, lse_smem, o_dst, lse_dst, kp: common.KernelPa
 def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scratch,
                            lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free, v_free,
                            sched, q_free, *, kp: common.KernelParams, ctas: int, heads: int,
-                           batch: int):
+                           batch: int, slopes=None):
   """The non-causal forward as a persistent kernel: `ctas` CTAs (one per SM) loop over the
   (q tile, head, batch) tiles, CTA c taking tiles c, c + ctas, ...
 
@@ -205,7 +208,7 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
 
   q_scratch [2 (tile parity), 2 (WG), block_q, D]; q_ready [4] indexed parity·2 + WG (TMA
   arrivals); q_free [2] (2 arrivals: both WGs stored that parity's tile and the TMA has read
-  its O out of the buffer). Other operands as in `_fwd_kernel`.
+  its O out of the buffer). Other operands (slopes too) as in `_fwd_kernel`.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   nqt, steps = kp.num_q_tiles, kp.num_kv_blocks  # non-causal: every tile sees every key block
@@ -240,7 +243,8 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
         plgpu.barrier_wait(k_ready.at[lax.rem(i * steps, stages)])
       pl.when(wg == 1)(sched_sync)
       carry = loop(q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
-                   bars, q0=q0, steps=steps, kp=kp, base=i * steps)
+                   bars, q0=q0, steps=steps, kp=kp, base=i * steps,
+                   slope=None if slopes is None else slopes[h])
       pl.when(wg == 0)(sched_sync)
       with jax.named_scope("epilogue"):
         _store_tile(*carry, q_smem, lse_scratch.at[wg], o_ref.at[b, pl.ds(q0, bq), h],
@@ -342,13 +346,15 @@ def _kv_block(j, kv0, steps, kp: common.KernelParams):
 
 
 def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0, steps,
-                   kp: common.KernelParams, base=None, kv0=0, seg_ids=None, full=None):
+                   kp: common.KernelParams, base=None, kv0=0, seg_ids=None, full=None,
+                   slope=None):
   """One consumer WG's kv loop, S_j then O += P_j·V_j per step -> (acc, m, l).
 
   q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
   mode only). The caller has waited for K_0; `base`: see `_ring`. Step j is key block kv0 + j;
   seg_ids(col0) gives the (row, column) segment ids of the block starting at key col0, and
-  `full` the run of key blocks that share the rows' one id (common.unmasked_run).
+  `full` the run of key blocks that share the rows' one id (common.unmasked_run). slope: the
+  head's ALiBi slope in raw-score units (common.alibi), or None.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
@@ -371,6 +377,8 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
     plgpu.barrier_arrive(bars.k_free.at[slot])
     with jax.named_scope("softmax"):
       s = common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
+      if slope is not None:  # on every block, masked or not
+        s = common.alibi(s, q0, (kv0 + j) * bkv, slope)
       if masked:
         col0 = (kv0 + j) * bkv
         ids = None if seg_ids is None else seg_ids(col0)
@@ -449,7 +457,7 @@ def _softmax(s, m, l, kp: common.KernelParams):
 
 
 def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0, steps,
-                        kp: common.KernelParams, base=None, kv0=0):
+                        kp: common.KernelParams, base=None, kv0=0, slope=None):
   """One consumer WG's kv loop with FA3's intra-warpgroup 2-stage pipeline -> (acc, m, l).
 
   q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
@@ -458,7 +466,8 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
   softmax while P_j·V_j is still in flight; O is rescaled once that has retired. The last P·V
   follows the loop. Each matmul pair sits between the same two schedule-barrier rounds per
   block as in the plain loop, so the two WGs still alternate (ping-pong) and the idle steps of
-  a causal CTA are unchanged. `base`: see `_ring`; step j is key block `_kv_block(j, ...)`.
+  a causal CTA are unchanged. `base`: see `_ring`; step j is key block `_kv_block(j, ...)`;
+  slope: as in `_plain_kv_loop`.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
@@ -468,8 +477,10 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
 
   def softmax(s, j, masked, m, l):
     s = common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
-    if masked:
+    if masked or slope is not None:
       col0 = _kv_block(j, kv0, steps, kp) * bkv
+      s = common.alibi(s, q0, col0, slope)  # on every block, masked or not
+    if masked:
       s = jnp.where(common.visible(q0, col0, (bq, bkv), kp), s, -jnp.inf)
     return _softmax(s, m, l, kp)
 
@@ -579,7 +590,7 @@ def _registers(config: MosaicConfig) -> tuple[int, int]:
 
 
 def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs=(),
-             split: split_tail.TailSplit | None = None):
+             split: split_tail.TailSplit | None = None, slopes=()):
   """Runs the kernel on q [B, T, H, D], k/v [B, S, K, D] -> (o [B, T, H, D], lse [B, H, Tp]),
   T and S padded as common.operand_rows says (up to kp.t_pad and kp.s_pad, or less: TMA
   reads rows past the end as zeros and drops stores past it); lse always has kp.t_pad rows.
@@ -587,7 +598,8 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
   persistent_ctas > 0 (non-causal, no segments): `_fwd_persistent_kernel` on that many CTAs.
   segs: () or the padded (q_seg [B, Tp], kv_seg [B, Sp], kv_limits [B, q tiles, 4]) int32.
   split (non-causal, no segments, not persistent): the split tail; the result is then
-  (o, lse, o_part, lse_part) with the tail tiles of o and lse unwritten (`combine_tail`)."""
+  (o, lse, o_part, lse_part) with the tail tiles of o and lse unwritten (`combine_tail`).
+  slopes: () or ALiBi's (common.raw_alibi_slopes [H],), an input after q, k, v and segs."""
   bsz, _, h, d = q.shape
   t_pad = kp.t_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
@@ -616,10 +628,11 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
     scratch.append(plgpu.SMEM((2, bq, d), jnp.float32,
                               transforms=common.smem_transforms(jnp.float32)))
 
-    def body(q_ref, k_ref, v_ref, o_ref, lse_ref, o_part, lse_part, *scratch_refs):
-      *scratch_refs, o32 = scratch_refs
+    def body(q_ref, k_ref, v_ref, *refs):
+      slopes_ref = refs[0] if slopes else None
+      o_ref, lse_ref, o_part, lse_part, *scratch_refs, o32 = refs[len(slopes):]
       _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch_refs, kp=kp,
-                  tail=_SplitRefs(split, o_part, lse_part, o32))
+                  tail=_SplitRefs(split, o_part, lse_part, o32), slopes=slopes_ref)
 
     grid, names = (split.ctas,), ("t",)
     most_steps = kp.num_kv_blocks
@@ -628,10 +641,13 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
     scratch.append(plgpu.Barrier(num_arrivals=2, num_barriers=2))
     body = functools.partial(_fwd_persistent_kernel, kp=kp, ctas=persistent_ctas, heads=h,
                              batch=bsz)
+    if slopes:
+      body = _with_slopes_ref(body)
     grid, names = (persistent_ctas,), ("cta",)
     most_steps = kp.num_kv_blocks * -(-kp.num_q_tiles * h * bsz // persistent_ctas)
   else:
-    body = common.with_segment_refs(functools.partial(_fwd_kernel, kp=kp), 3, bool(segs))
+    body = common.with_segment_refs(functools.partial(_fwd_kernel, kp=kp), 3, bool(segs),
+                                    alibi=bool(slopes))
     launch = common.launch_grid(kp.num_q_tiles, h, bsz, ("qt", "h", "b"),
                                  heads_fastest=kp.heads_fastest)
     grid, names = launch["grid"], launch["grid_names"]
@@ -646,7 +662,15 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
       # check, so long or persistent kernels still fit.
       compiler_params=common.compiler_params(kp, min(most_steps, PROFILE_STEPS)),
       interpret=common.interpret_params(kp.interpret),
-  )(q, k, v, *segs)
+  )(q, k, v, *segs, *slopes)
+
+
+def _with_slopes_ref(kernel):
+  """A body for kernel(q, k, v, *outputs, *scratch, slopes=...) whose call passes the ALiBi
+  slopes as a fourth input."""
+  def body(q_ref, k_ref, v_ref, slopes_ref, *refs):
+    return kernel(q_ref, k_ref, v_ref, *refs, slopes=slopes_ref)
+  return body
 
 
 def smem_bytes(d: int, block_q: int, block_kv: int, stages: int, itemsize: int = 2, *,
@@ -723,8 +747,9 @@ def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
 
 def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
             config: MosaicConfig, arrays: FeatureArrays | None = None):
-  """See pallas_flash.call for the contract; `arrays` is unused (the features taken,
-  logits_soft_cap and local_window_size, live in params). With segment ids or a window the
+  """See pallas_flash.call for the contract; of `arrays` only the ALiBi slopes are read (the
+  other features taken, logits_soft_cap and local_window_size, live in params); ALiBi runs in
+  every form, added to each score tile (common.alibi). With segment ids or a window the
   grid kernel runs its plain kv loop (no persistent form, no intra-warpgroup overlap); only
   the key blocks that may share an id with a q tile, or lie in its band, are loaded, and ids
   and bounds are compared on those that do not lie wholly inside them."""
@@ -762,6 +787,7 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
     segs = (q_seg, kv_seg, kv_limits)
   ctas = persistent_ctas(q, config, params)
   split = tail_split(q, config, params, kp.num_kv_blocks, ctas > 0)
-  out = fwd_call(qp, kpad, vpad, kp=kp, persistent_ctas=ctas, segs=segs, split=split)
+  out = fwd_call(qp, kpad, vpad, kp=kp, persistent_ctas=ctas, segs=segs, split=split,
+                 slopes=common.raw_alibi_slopes(arrays, params))
   o, lse = out if split is None else combine_tail(*out, split)
   return o[:, :t], lse[:, :, :t]

@@ -53,7 +53,8 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
                        v_smem, q_scratch, do_scratch, lse_scratch, delta_scratch, p_scratch,
                        st_scratch, kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free,
                        do_free, lse_free, delta_free, p_ready, p_free, *,
-                       kp: common.KernelParams, seg: common.SegmentRefs | None = None):
+                       kp: common.KernelParams, seg: common.SegmentRefs | None = None,
+                       slopes=None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   Grid over (Sp / block_kv, K, B) in the backward's launch order; dk/dv_ref [B, Sp, K, D]. k/v_smem
@@ -62,7 +63,9 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
   slot over and back), st_scratch [block_kv, block_q] (dSᵀ staging, interpret only). Steps run over
   (q block, query head) with the head minor, from the first q block that sees the keys. seg: the
   keys' and queries' segment ids and per kv tile the hull of q blocks that may share an id with
-  it (the split dK/dV kernel's); the CTA streams only those and masks every step.
+  it (the split dK/dV kernel's); the CTA streams only those and masks every step. slopes:
+  ALiBi's common.raw_alibi_slopes [H] (GMEM) or None; only the "P" role, which forms Pᵀ,
+  adds it (dSᵀ needs no change: ALiBi is a constant per score).
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   wg = lax.axis_index("wg")
@@ -97,11 +100,15 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
     plgpu.set_max_registers(kp.compute_registers, action="increase")
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[0])
     plgpu.barrier_wait(kv_ready.at[0])
+    alibi_at = kv_stream.alibi_steps(slopes, k0, index, kp)
 
     def step(t, dv, *, masked: bool):
       slot, pslot = lax.rem(t, stages), lax.rem(t, 2)
+      bias = alibi_at(t)  # the slope's load runs ahead of the waits
       q_smem, do_smem = kv_stream.wait_streams(streams, slot)
       s_t = common.smem_matmul(k_smem, q_smem.T, (bkv, bq))
+      if bias is not None:
+        s_t = bias(s_t)
       lse = plgpu.load(lse_scratch.at[slot], layout=common.COL)
       release(slot, streams[2:])  # lse read; delta is the other role's
       p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
@@ -180,11 +187,12 @@ def _store_through(acc, smem, dst, kp: common.KernelParams):
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=()):
+def _dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slopes=()):
   """(dK, dV) [B, S', K, D] of q/do [B, T', H, D], k/v [B, S', K, D], T' and S' padded as
   common.operand_rows says (tiles cover kp.t_pad / kp.s_pad rows); lse2/delta [B, H, Tp]
   (kp.stats_view);
-  segs: () or (kv_seg [B, Sp], q_seg [B, Tp], q limits per kv tile) int32."""
+  segs: () or (kv_seg [B, Sp], q_seg [B, Tp], q limits per kv tile) int32; slopes: () or
+  (common.raw_alibi_slopes [H],)."""
   bsz, _, kh, d = k.shape
   s_pad = kp.s_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
@@ -207,14 +215,15 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=()):
   ]
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
   return plgpu.kernel(
-      common.with_segment_refs(functools.partial(_dkdv_roles_kernel, kp=kp), 6, bool(segs)),
+      common.with_segment_refs(functools.partial(_dkdv_roles_kernel, kp=kp), 6, bool(segs),
+                               alibi=bool(slopes)),
       out_type=(kv_out, kv_out),
       scratch_types=scratch,
       **common.launch_grid(s_pad // bkv, kh, bsz, ("kt", "kvh", "b"), heads_fastest=False),
       num_threads=3, thread_name="wg",
       compiler_params=common.compiler_params(kp),
       interpret=common.interpret_params(kp.interpret),
-  )(q, k, v, do, kp.stats_view(lse2), kp.stats_view(delta), *segs)
+  )(q, k, v, do, kp.stats_view(lse2), kp.stats_view(delta), *segs, *slopes)
 
 
 def padded_lengths(t: int, s: int) -> tuple[int, int]:
@@ -238,10 +247,10 @@ def kernel_params(q, k, params: AttentionParams, config: MosaicConfig, *, t_pad:
 
 
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
-             config: MosaicConfig):
+             config: MosaicConfig, slopes=()):
   """q/do [B, T, H, D] (D = 256), k/v [B, S, K, D], q/kv_seg [B, T] / [B, S] int32 or None, lse
-  as the forward returned it, delta the correction -dlse or None (backward.py's contract) ->
-  (dq, dk, dv)."""
+  as the forward returned it, delta the correction -dlse or None (backward.py's contract),
+  slopes () or ALiBi's (common.raw_alibi_slopes [H],) -> (dq, dk, dv)."""
   if params.logits_soft_cap is not None:
     raise ValueError("the head-dim-256 backward has no soft cap (its dS warpgroup never sees "
                      "Sᵀ); backward.backward sends capped calls to the Triton kernels")
@@ -263,6 +272,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
     dq_segs, dkdv_segs = common.segment_inputs(
         *common.path_segment_ids(q, k, q_seg, kv_seg, params), t_pad, s_pad,
         dq_tiles=(2 * BLOCK_Q, BLOCK_KV_DQ), dkdv_tiles=(BLOCK_Q, BLOCK_KV), params=params)
-  dq = dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs)
-  dk, dv = _dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs)
+  dq = dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs, slopes=slopes)
+  dk, dv = _dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs,
+                      slopes=slopes)
   return dq[:, :t], dk[:, :s], dv[:, :s]

@@ -9,6 +9,8 @@ the register operand of dV += Pᵀ·dO and dK += dSᵀ·Q has the warpgroup's ke
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -58,7 +60,7 @@ def skip_step(t, carry, *, streams, stages: int):
   return carry
 
 def transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, mask_block, kp,
-                          ids=None, early_probs=False):
+                          ids=None, early_probs=False, bias=None):
   """Pᵀ and dSᵀ [block_kv, block_q] float32 of one step; releases its lse and delta slots.
 
   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (SMEM operands), Pᵀ = exp2(Sᵀ·c − lse2), dSᵀ = Pᵀ∘(dPᵀ − delta).
@@ -66,6 +68,7 @@ def transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, ma
   function giving the step's q block (called only then); invisible entries of Pᵀ become 0.
   ids: (key ids [block_kv] ROW, query ids [block_q] COL) of a segmented call (with mask_block).
   early_probs: wait for Sᵀ alone and form Pᵀ while dPᵀ runs (the fused kernel's order).
+  bias: None, or the step's ALiBi on a raw Sᵀ tile (`alibi_steps`).
   """
   bq, bkv = kp.block_q, kp.block_kv
 
@@ -77,7 +80,7 @@ def transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, ma
     # Sᵀ alone is waited for; Pᵀ's exp2s run while dPᵀ is on the tensor cores. delta is
     # loaded only after dPᵀ's wait, so that its registers are not live through the exp2s.
     p_t, slope = probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1),
-                          step_stat(streams, slot, 2), k0, mask_block, kp, ids)
+                          step_stat(streams, slot, 2), k0, mask_block, kp, ids, bias)
     return p_t, grad_scores_t(p_t, slope, dp_ref[...], step_stat(streams, slot, 3))
 
   with jax.named_scope("scores"):
@@ -87,7 +90,7 @@ def transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, ma
     return s_t, dp_t  # already Pᵀ and dSᵀ
   with jax.named_scope("softmax"):
     lse, delta = step_stats(streams, slot)
-    p_t, slope = probs_t(s_t, lse, k0, mask_block, kp, ids)
+    p_t, slope = probs_t(s_t, lse, k0, mask_block, kp, ids, bias)
     ds_t = grad_scores_t(p_t, slope, dp_t, delta)
   return p_t, ds_t
 
@@ -111,17 +114,36 @@ def step_stat(streams, slot, which: int):
   plgpu.barrier_arrive(free.at[slot])
   return x
 
-def probs_t(s_t, lse, k0, mask_block, kp: common.KernelParams, ids=None):
-  """(Pᵀ, slope): Pᵀ = exp2(soft_cap(Sᵀ)·c − lse2) [block_kv, block_q] with the entries the
-  mask hides set to 0 (mask_block: see transposed_grad_tiles), and the soft cap's slope
-  (common.soft_cap_with_slope; None without a cap) for `grad_scores_t`."""
+def probs_t(s_t, lse, k0, mask_block, kp: common.KernelParams, ids=None, bias=None):
+  """(Pᵀ, slope): Pᵀ = exp2((soft_cap(Sᵀ) + bias)·c − lse2) [block_kv, block_q] with the
+  entries the mask hides set to 0 (mask_block: see transposed_grad_tiles; bias: ALiBi's
+  `alibi_steps`, or None), and the soft cap's slope (common.soft_cap_with_slope; None without
+  a cap) for `grad_scores_t` (ALiBi adds a constant: no slope)."""
   s_t, slope = common.soft_cap_with_slope(s_t, kp)
+  if bias is not None:
+    s_t = bias(s_t)
   p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
   if mask_block is not None:
     visible = common.tile_mask(k0, mask_block() * kp.block_q, (kp.block_kv, kp.block_q), kp,
                                 transposed=True, ids=ids)
     p_t = jnp.where(visible, p_t, 0.0)
   return p_t, slope
+
+def alibi_steps(slopes, k0, index, kp: common.KernelParams):
+  """bias_at(t): the ALiBi of step t on a raw Sᵀ tile (keys k0.. by the step's queries), for
+  a kernel whose step t streams (q block, query head) = index(t); None without slopes (the
+  raw_alibi_slopes [H] GMEM ref). Call it at the top of a step: it loads the head's slope
+  there (once per CTA when a kv head has one query head), ahead of the step's waits."""
+  if slopes is None:
+    return lambda t: None
+  cta_slope = slopes[index(0)[1]] if kp.group == 1 else None
+
+  def bias_at(t):
+    block, head = index(t)
+    slope = cta_slope if kp.group == 1 else slopes[head]
+    return functools.partial(common.alibi, row0=k0, col0=block * kp.block_q, slope=slope)
+
+  return bias_at
 
 def grad_scores_t(p_t, slope, dp_t, delta):
   """dSᵀ = Pᵀ∘(dPᵀ − delta) [block_kv, block_q], times the soft cap's slope where there is one
