@@ -96,7 +96,7 @@ def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
   kwargs.pop("checked", None)
   info = validation.abstract_call_info(query, key, value,
                                        validation.with_defaults(kwargs))
-  reasons = {name: backends.reason(name, info, config) for name in IMPLEMENTATIONS}
+  reasons = {name: backends.auto_reason(name, info, config) for name in IMPLEMENTATIONS}
   chosen = backends.auto_choice(reasons)
   used = None if chosen is None else backends.resolve_config(chosen, info, config)
   bm = kwargs.get("block_mask")

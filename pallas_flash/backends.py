@@ -44,6 +44,8 @@ class Backend:
   config_type: type
   features: frozenset[str]  # the optional features (call.FEATURES) it implements
   computes_delta: bool = False  # BACKWARD_COMPUTES_DELTA
+  # Features it runs only when named (UNMEASURED_FEATURES): never an automatic choice.
+  unmeasured: frozenset[str] = frozenset()
 
 
 @functools.cache
@@ -57,7 +59,8 @@ def load(name: str) -> Backend | str:
   bind = (lambda f: functools.partial(f, **kwargs)) if kwargs else (lambda f: f)
   return Backend(name, bind(mod.forward), bind(mod.backward), bind(mod.unsupported_reason),
                  mod.default_config, mod.CONFIG_TYPE, frozenset(mod.SUPPORTED_FEATURES),
-                 bool(getattr(mod, "BACKWARD_COMPUTES_DELTA", False)))
+                 bool(getattr(mod, "BACKWARD_COMPUTES_DELTA", False)),
+                 frozenset(getattr(mod, "UNMEASURED_FEATURES", ())))
 
 
 def reason(name: str, info: CallInfo, config) -> str | None:
@@ -74,6 +77,16 @@ def reason(name: str, info: CallInfo, config) -> str | None:
   if missing:
     return f"{name} does not support {', '.join(sorted(missing))} yet"
   return backend.unsupported_reason(info, config)
+
+
+def auto_reason(name: str, info: CallInfo, config) -> str | None:
+  """`reason`, plus the features `name` runs only when asked for by name."""
+  why = reason(name, info, config)
+  if why is None and name != "reference" and not isinstance(backend := load(name), str):
+    if unmeasured := info.params.features & backend.unmeasured:
+      why = (f"{name} runs {', '.join(sorted(unmeasured))} only when asked for "
+             f"(implementation={name!r}): not yet measured on the GPU")
+  return why
 
 
 def auto_choice(reasons: dict[str, str | None]) -> str | None:
@@ -95,7 +108,7 @@ def choose(info: CallInfo, implementation: str | None, config) -> str:
     if why is not None:
       raise NotImplementedError(f"implementation={implementation!r} cannot run this call: {why}")
     return implementation
-  reasons = {name: reason(name, info, config) for name in IMPLEMENTATIONS}
+  reasons = {name: auto_reason(name, info, config) for name in IMPLEMENTATIONS}
   chosen = auto_choice(reasons)
   if chosen is None:
     raise NotImplementedError("No implementation can run this call:\n" + "\n".join(

@@ -122,7 +122,7 @@ def test_features(case):
 # ALiBi (issue 43): the training shape causal and not (the overlapped forward, persistent
 # non-causal), head dim 64 with segment ids, persistent and split-tail forwards, 192-key tiles
 # with a key tail, a window with a soft cap, head dim 256; every one on the Mosaic kernels
-# (explain), against the reference.
+# (by name: not yet the automatic choice), against the reference.
 ALIBI_CASES = [
     _case(4, 2048, 2048, 8, 2, 128, True, features=("alibi",)),
     _case(4, 2048, 2048, 8, 2, 128, False, features=("alibi",)),
@@ -137,8 +137,6 @@ ALIBI_CASES = [
 
 @pytest.mark.parametrize("case", ALIBI_CASES, ids=lambda c: c.id)
 def test_alibi(case):
-  (q, k, v, _), kw = make_inputs(case)
-  assert pallas_flash.explain(q, k, v, **kw).chosen == "mosaic"
   check_against_reference("mosaic", case)
   _assert_reproducible(case)
 
