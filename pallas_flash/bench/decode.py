@@ -76,7 +76,9 @@ GRIDS = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
   g = p.add_argument_group("decode mode (--decode)")
   g.add_argument("--decode", action="store_true", help="the decode / KV-cache benchmark")
-  g.add_argument("--quick", action="store_true", help="decode: a few points (grid 'quick')")
+  g.add_argument("--quick", action="store_true",
+                 help="decode: a few points (grid 'quick'); features: a tiny shape and short "
+                 "loops (a CPU smoke run)")
   g.add_argument("--grid", default=None, choices=sorted(GRIDS),
                  help="decode: point grid (default full; cpu: tiny shapes for tests)")
   g.add_argument("--batches", default=None, help="decode: comma list overriding the grid's")
@@ -464,7 +466,8 @@ def print_rows(rows: list[dict], impls: list[str]) -> None:
     cells = [layout, mode, str(b), _tokens(cache), f"{ours['bytes_read'] / 2**20:.4g}",
              _f(ours.get("copy_tbs"), ".2f"),
              _f(ours["us"], ".1f") + ("!" if ours["status"] == "FAIL" else ""),
-             _f(ours.get("device_us"), ".1f"), _f(ours.get("tbs"), ".2f"), _f(pct, ".0f"), _f(ours["rel_err"], ".0e")]
+             _f(ours.get("device_us"), ".1f"), _f(ours.get("tbs"), ".2f"), _f(pct, ".0f"),
+             _f(ours["rel_err"], ".0e")]
     cells += [_anchor_cell(group[a]) if a in group else "" for a in anchors]
     print("| " + " | ".join(cells) + " |", flush=True)
 
