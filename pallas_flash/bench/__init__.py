@@ -2,7 +2,8 @@
 
 shapes.py (named, tagged shapes), flops.py (FLOP convention), timing.py (what is timed and how),
 checks.py (the error measure), memory.py (peak memory
-against sequence length), __main__.py (the CLI, checks and tables).
+against sequence length), decode.py (--decode), features.py (--features: each feature against
+plain attention and cuDNN), __main__.py (the CLI, checks and tables).
 See docs/perf.md for how the numbers are produced.
 """
 

@@ -8,6 +8,7 @@ Usage (from the repository root; see docs/perf.md for how numbers are produced):
   python -m pallas_flash.bench --shapes cpu --impl xla,reference --iters 2 --settle-ms 0  # CPU
   python -m pallas_flash.bench --decode [--quick]   # KV-cache decode bandwidth (bench/decode.py)
   python -m pallas_flash.bench --fp8 [--quick]      # FP8 accuracy report (bench/fp8.py)
+  python -m pallas_flash.bench --features [LIST] --json features.json  # bench/features.py
 
 Implementations: mosaic, triton, xla (blockwise), interpret, reference (pallas_flash), cudnn and
 jax_xla (jax.nn.dot_product_attention with implementation="cudnn" / "xla", materialising).
@@ -32,14 +33,13 @@ import time
 import jax
 import jax.numpy as jnp
 
-from pallas_flash.bench import checks, decode, flops, memory, shapes, timing
+from pallas_flash.bench import checks, decode, features, flops, memory, shapes, timing
 from pallas_flash.bench import fp8 as fp8_report
 from pallas_flash.mosaic_gpu import config as mosaic_config
 from pallas_flash.call import AttentionParams
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
-# max|x - ref| / max|ref| above which a row is FAIL (outputs and gradients alike).
-TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}
+TOLERANCE = checks.TOLERANCE
 _CAUSAL = {"both": (False, True), "no": (False,), "yes": (True,)}
 
 
@@ -72,9 +72,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--head-dim", type=int, default=shapes.MEMORY_HEAD_DIM, help="memory mode: D")
   decode.add_arguments(p)
   fp8_report.add_arguments(p)
+  features.add_arguments(p)
   opts = p.parse_args(argv)
   defaults = ((decode.ITERS, decode.MIN_LOOP_MS, decode.SETTLE_MS) if opts.decode
-              else (5, 50.0, 1000.0))
+              else features.QUICK_TIMING if opts.features and opts.quick else (5, 50.0, 1000.0))
   for name, default in zip(("iters", "min_loop_ms", "settle_ms"), defaults):
     if getattr(opts, name) is None:
       setattr(opts, name, default)
@@ -202,21 +203,13 @@ def run_group(impls: list[str], spec: shapes.ShapeSpec, args: tuple, *, mode: st
   interleaved rounds (timing.time_interleaved); returns their JSON rows in `impls` order."""
   prepared = [prepare_case(i, spec, args, mode=mode, is_causal=is_causal, opts=opts,
                            reference=reference) for i in impls]
-  to_time = {row["impl"]: compiled for row, compiled in prepared if compiled is not None}
   kw = dict(iters=opts.iters, min_loop_s=opts.min_loop_ms / 1e3, settle_s=opts.settle_ms / 1e3)
-  try:
-    timings = timing.time_interleaved(to_time, args, **kw)
-  except Exception:  # noqa: BLE001 -- find the failing one: time each on its own
-    timings = {}
-    for row, compiled in prepared:
-      if compiled is None:
-        continue
-      try:
-        timings.update(timing.time_interleaved({row["impl"]: compiled}, args, **kw))
-      except Exception as e:  # noqa: BLE001 -- one broken row must not stop the table
-        row.update(status="error", reason=f"{type(e).__name__}: {str(e).strip()[:300]}")
+  timings = timing.time_each({row["impl"]: compiled for row, compiled in prepared}, args, **kw)
   for row, _ in prepared:
-    if (t := timings.get(row["impl"])) is not None:
+    t = timings[row["impl"]]
+    if isinstance(t, Exception):
+      row.update(status="error", reason=f"{type(t).__name__}: {str(t).strip()[:300]}")
+    elif t is not None:
       row.update(ms=t.median_s * 1e3, tflops=flops.tflops(row["flops"], t.median_s),
                  loop_ms=[s * 1e3 for s in t.loop_s], calls_per_loop=t.calls_per_loop)
   return [row for row, _ in prepared]
@@ -235,9 +228,7 @@ def _add_ratios(rows: list[dict]) -> None:
       continue
     r["ratio_cudnn"] = r["tflops"] / cudnn["tflops"]
     if r is not cudnn and r.get("loop_ms") and cudnn.get("loop_ms"):
-      r["round_ratios"] = [b / a for a, b in zip(r["loop_ms"], cudnn["loop_ms"])]
-      r["rounds_faster"] = sum(x > 1 for x in r["round_ratios"])
-      r["rounds_p"] = timing.sign_test_p(r["rounds_faster"], len(r["round_ratios"]))
+      r.update(timing.paired_rounds(r["loop_ms"], cudnn["loop_ms"]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,6 +342,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = fp8_report.run_fp8(opts)
   elif opts.decode:
     rows = decode.run_decode(opts, dtype, on_rows=lambda r: _write_json(opts, r, meta))
+  elif opts.features:
+    rows = features.run_features(opts, dtype, on_rows=lambda r: _write_json(opts, r, meta))
   elif opts.memory:
     specs = shapes.memory_specs(start=opts.start_seq, max_seq=opts.max_seq, heads=opts.heads,
                                 head_dim=opts.head_dim)

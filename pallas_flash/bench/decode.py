@@ -76,7 +76,9 @@ GRIDS = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
   g = p.add_argument_group("decode mode (--decode)")
   g.add_argument("--decode", action="store_true", help="the decode / KV-cache benchmark")
-  g.add_argument("--quick", action="store_true", help="decode: a few points (grid 'quick')")
+  g.add_argument("--quick", action="store_true",
+                 help="decode: a few points (grid 'quick'); features: a tiny shape and short "
+                 "loops (a CPU smoke run)")
   g.add_argument("--grid", default=None, choices=sorted(GRIDS),
                  help="decode: point grid (default full; cpu: tiny shapes for tests)")
   g.add_argument("--batches", default=None, help="decode: comma list overriding the grid's")

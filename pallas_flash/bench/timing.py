@@ -186,3 +186,31 @@ def time_interleaved(fns: dict[str, Callable], args: tuple, *, iters: int = 5,
       loops[names[j]].append(seconds_per_call(fns[names[j]], args, calls[names[j]]))
   return {name: Timing(statistics.median(ls), tuple(ls), calls[name])
           for name, ls in loops.items()}
+
+
+def time_each(fns: dict[str, Callable | None], args: tuple,
+              **kw) -> dict[str, Timing | Exception | None]:
+  """time_interleaved over the fns that are not None; where the interleaved rounds raise,
+  each fn is timed on its own to find the failing one. Returns per name its Timing, the
+  exception it raised, or None (no fn)."""
+  named = {name: fn for name, fn in fns.items() if fn is not None}
+  try:
+    timings: dict = time_interleaved(named, args, **kw)
+  except Exception:  # noqa: BLE001 -- find the failing one: time each on its own
+    timings = {}
+    for name, fn in named.items():
+      try:
+        timings.update(time_interleaved({name: fn}, args, **kw))
+      except Exception as e:  # noqa: BLE001 -- one broken fn must not stop the table
+        timings[name] = e
+  return {name: timings.get(name) for name in fns}
+
+
+def paired_rounds(loop_ms: list[float], base_loop_ms: list[float]) -> dict:
+  """Round by round of one interleaved timing: round_ratios = the base's loop time / this
+  one's (above 1: faster than the base in that round), rounds_faster (how many are above 1)
+  and rounds_p, the sign test's p-value of that split (sign_test_p)."""
+  ratios = [b / a for a, b in zip(loop_ms, base_loop_ms)]
+  faster = sum(x > 1 for x in ratios)
+  return {"round_ratios": ratios, "rounds_faster": faster,
+          "rounds_p": sign_test_p(faster, len(ratios))}

@@ -1,0 +1,98 @@
+"""`python -m pallas_flash.bench --features` on CPU (--quick shapes, --impl xla): every row of
+the grid checked against the reference, then timed next to plain attention; cuDNN's column
+degrades to "—" (never asserting on speed)."""
+
+import json
+import math
+
+import pytest
+
+from pallas_flash.bench import __main__ as bench
+from pallas_flash.bench import features, flops, shapes
+
+FAST = ["--quick", "--iters", "1"]
+FIELDS = ("feature", "mode", "causal", "label", "impl", "explain", "status", "rel_errs",
+          "rel_err", "check_shape", "tflops", "ms", "flops", "ratio_plain", "plain_impl",
+          "plain_label", "ratio_cudnn", "cudnn_status", "cudnn_tflops", "device_kind")
+
+
+def _run(tmp_path, *argv: str) -> list[dict]:
+  out = tmp_path / "rows.json"
+  bench.main(["--features", *argv, *FAST, "--json", str(out)])
+  return json.loads(out.read_text())
+
+
+def _assert_checked_and_timed(row: dict, outputs: set[str]) -> None:
+  assert all(k in row for k in FIELDS), sorted(set(FIELDS) - set(row))
+  assert row["status"] == "ok" and row["impl"] == row["explain"] == "xla", row
+  assert set(row["rel_errs"]) == outputs, row
+  assert 0 <= row["rel_err"] < row["tolerance"], row
+  assert math.isfinite(row["tflops"]) and row["tflops"] > 0, row
+  assert row["ratio_plain"] > 0 and row["plain_impl"] == "xla", row
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory) -> list[dict]:
+  return _run(tmp_path_factory.mktemp("grid"), "--impl", "xla", "--mode", "fwd")
+
+
+def test_every_feature_has_a_checked_and_timed_row(grid):
+  assert [(r["feature"], r["causal"]) for r in grid] == [
+      (f.name, f.causal) for f in features.FEATURES]
+  for row in grid:
+    _assert_checked_and_timed(row, {"o"})
+    assert row["cudnn_status"] == "—" and row["ratio_cudnn"] is None  # no GPU here
+    assert row["check_shape"] == row["label"].replace("x4x", "x2x").split("/")[0] + (
+        "/K1" if row["feature"] == "gqa" else "")
+
+
+def test_ratios_to_plain_compare_with_the_same_causality_at_the_grids_head_dim(grid):
+  base = shapes.parse_shape(features.QUICK_SHAPE)
+  by = {(r["feature"], r["causal"]): r for r in grid}
+  assert by[("plain", False)]["ratio_plain"] == by[("causal", True)]["ratio_plain"] == 1.0
+  for row in grid:
+    assert row["plain_feature"] == ("causal" if row["causal"] else "plain")
+    assert row["plain_label"] == "x".join(map(str, base.shape))
+  assert by[("gqa", True)]["num_kv_heads"] == 2 and by[("hd80", True)]["head_dim"] == 80
+
+
+def test_flops_count_plain_work_and_the_band_for_windows(grid):
+  for row in grid:
+    spec = shapes.ShapeSpec(name="x", batch=row["batch"], seq_len=row["seq_len"],
+                            num_heads=row["num_heads"], head_dim=row["head_dim"])
+    if row["feature"] in ("window", "blockmask"):
+      want = flops.window_flops(spec, left=row["seq_len"] // 4, mode="fwd")
+    else:
+      want = flops.attention_flops(spec, is_causal=row["causal"], mode="fwd")
+    assert row["flops"] == want, row["feature"]
+
+
+def test_gradients_incl_dbias_are_checked_on_a_leading_slice(tmp_path):
+  rows = _run(tmp_path, "--features", "bias,segments,sinks,dropout,blockmask", "--impl", "xla",
+              "--mode", "fwdbwd", "--check-seq-cap", "64")
+  assert [r["feature"] for r in rows] == ["segments", "sinks", "dropout", "bias", "blockmask"]
+  for row in rows:
+    grads = {"dq", "dk", "dv"} | ({"dbias"} if row["feature"] == "bias" else set())
+    _assert_checked_and_timed(row, grads)
+    assert row["check_shape"] == "1x64x2x32"
+
+
+def test_cudnn_rejecting_a_call_prints_a_dash(tmp_path, monkeypatch, capsys):
+  monkeypatch.setattr(features, "_on_gpu", lambda: True)  # cuDNN then fails on the CPU
+  rows = _run(tmp_path, "--features", "bias,softcap", "--impl", "xla,cudnn", "--mode", "fwd")
+  by = {r["feature"]: r for r in rows}
+  assert by["bias"]["cudnn_status"] == "error" and by["bias"]["cudnn_reason"]
+  assert by["softcap"]["cudnn_status"] == "—"  # no such feature in cuDNN
+  for row in rows:
+    _assert_checked_and_timed(row, {"o"})
+    assert row["ratio_cudnn"] is None
+  table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| bias ")]
+  assert table and table[0].endswith("| — | — |")
+
+
+def test_feature_selection():
+  assert [f.name for f in features.select("hd")] == [f"hd{d}" for d in features.HEAD_DIMS
+                                                     for _ in range(2)]
+  assert len(features.select("all")) == len(features.FEATURES)
+  with pytest.raises(SystemExit, match="Unknown features"):
+    features.select("nope")
