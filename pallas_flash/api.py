@@ -84,6 +84,7 @@ def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
   config = kwargs.pop("config", None)
   kwargs.pop("implementation", None)
   kwargs.pop("return_residuals", None)
+  kwargs.pop("return_residual", None)
   info = validation.abstract_call_info(query, key, value,
                                        validation.with_defaults(kwargs))
   reasons = {name: backends.reason(name, info, config) for name in IMPLEMENTATIONS}
@@ -181,6 +182,7 @@ def flash_attention(
     block_mask: masks.BlockMask | None = None,
     deterministic: bool = False,
     return_residuals: bool = False,
+    return_residual: bool = False,
     implementation: Implementation | None = None,
     config: Any = None,
 ):
@@ -223,24 +225,41 @@ def flash_attention(
       sums dQ with float32 atomics in a varying order, as cuDNN's backward does; True runs the
       split backward there instead, and rejects a config with `fused_backward=True`.
     return_residuals: also return the float32 log-sum-exp [B, H, T] (natural log, -inf for a
-      query with no visible key), e.g. to merge partial attentions.
+      query with no visible key), e.g. to merge partial attentions. It is differentiable: a
+      loss that uses it gets its exact gradient, whose cotangent adds p * dlse to the score
+      gradient (so reaches dQ and dK).
+    return_residual: jax.nn's name and convention: also return the log-sum-exp as [B, T, H]
+      in the input dtype under `stop_gradient`, exactly as `jax.nn.dot_product_attention`
+      (except -inf, not a large negative number, for a query with no visible key). A loss
+      that uses it then gets jax.nn's gradient, which treats the lse as a constant and so
+      lacks the p * dlse term above. Passing both raises a ValueError.
     implementation: None picks the fastest that can run the call (see `explain`); "mosaic"
       (Hopper), "triton" (GPU), "interpret" (the Triton kernels in the Pallas interpreter, any
       platform), "xla" (blockwise jnp, O(N) memory, any platform) or "reference" (materialising).
     config: a backend config (`TritonConfig`, `XlaConfig`, `MosaicConfig`) to override tuning.
 
   Returns:
-    The output [B, T, H, D] in the input dtype; with return_residuals, (output, lse). A query that
+    The output [B, T, H, D] in the input dtype; with return_residuals or return_residual,
+    (output, lse) in the layout above. A query that
     sees no key gets zeros (and zero gradients), never NaN.
 
   Inputs whose sharding splits the sequence axis over mesh axes (Explicit axes under jit, or
   concrete arrays) run context-parallel: ring or all-gather attention under shard_map
   (`pallas_flash.context_parallel`, docs/context_parallel.md).
   """
+  if return_residuals and return_residual:
+    raise ValueError("Pass one of `return_residuals` (float32 [B, H, T], differentiable) and "
+                     "`return_residual` (jax.nn's: [B, T, H] in the input dtype, "
+                     "stop_gradient), not both.")
+  jax_nn_lse = return_residual
+  del return_residual
+  return_residuals = return_residuals or jax_nn_lse
   # -- context parallelism: a sequence split over mesh axes runs as ring / all-gather
   # attention under shard_map (pallas_flash.context_parallel.sharding). --
   if (cp := _cp_sharding.sequence_sharding(query, key, value)) is not None:
-    return _cp_sharding.sharded_attention(**locals())  # the arguments above, and cp
+    kwargs = dict(locals())  # the arguments above, and cp
+    del kwargs["jax_nn_lse"]
+    return _as_jax_nn(_cp_sharding.sharded_attention(**kwargs), jax_nn_lse)
   # --
   call = validation.canonicalize(query, key, value, scale=scale, is_causal=is_causal,
                        query_seq_lengths=query_seq_lengths,
@@ -260,4 +279,13 @@ def flash_attention(
     o, lse = _differentiable(name, call.info.params, config)(*args, call.arrays)
   if call.unbatched:
     o, lse = o[0], lse[0]
-  return (o, lse) if return_residuals else o
+  return _as_jax_nn((o, lse), jax_nn_lse) if return_residuals else o
+
+
+def _as_jax_nn(results, jax_nn_lse: bool):
+  """(o, lse) with lse in jax.nn's residual convention when asked: [..., T, H], o's dtype,
+  stop_gradient (return_residual); unchanged otherwise (return_residuals, or o alone)."""
+  if not jax_nn_lse:
+    return results
+  o, lse = results
+  return o, jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(o.dtype))
