@@ -176,6 +176,7 @@ def flash_attention(
     key_value_segment_ids: jax.Array | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
+    logits_soft_cap_order: str = "cap_then_bias",
     alibi_slopes: jax.Array | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
@@ -208,6 +209,13 @@ def flash_attention(
       right); query i sees keys i - left .. i + right. Combines with is_causal and segment ids.
       Key blocks outside the band are skipped: cost grows with T * window, not T * S.
     logits_soft_cap: c > 0 replaces each scaled logit s by c * tanh(s / c) (Gemma 2, Grok).
+    logits_soft_cap_order: where an additive bias (`bias` and `alibi_slopes` alike) enters
+      relative to the cap. "cap_then_bias" (default, FlashAttention-2's order for ALiBi):
+      c * tanh(s / c) + bias, so a large bias still masks or boosts beyond the cap.
+      "bias_then_cap" (tokamax's, and the cap applied to the whole logits): c * tanh((s + bias)
+      / c), bounded by c. Gemma 2 and Grok cap logits with no additive bias, where both agree;
+      pick the order of the model whose weights you load. Mosaic takes no bias or ALiBi, so
+      the order never reaches it.
     alibi_slopes: float [H]: adds -slope[h] * |i - j| to the logits (ALiBi), computed in the
       kernels so no [T, S] bias exists. Slopes get no gradient.
     dropout_rate, dropout_rng: dropout on the attention probabilities with a JAX PRNG key. The
@@ -267,6 +275,7 @@ def flash_attention(
                        query_segment_ids=query_segment_ids,
                        key_value_segment_ids=key_value_segment_ids, bias=bias, mask=mask,
                        local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+                       logits_soft_cap_order=logits_soft_cap_order,
                        alibi_slopes=alibi_slopes, dropout_rate=dropout_rate,
                        dropout_rng=dropout_rng, block_mask=block_mask,
                        deterministic=deterministic)

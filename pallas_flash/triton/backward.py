@@ -150,7 +150,9 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_r
                                p, mask_ref[:, kv_slice] if p.has_mask else None,
                                fn=(fn_refs, b, qi * p.block_q, j * p.block_kv))
       probs = jnp.where(mask, probs, 0.0)
-    if tanh is not None and not p.has_bias:  # fold c·tanh's derivative into P: tanh dies here
+    # Fold c·tanh's derivative into P (tanh dies here) unless a bias added after the cap needs
+    # dS before it.
+    if tanh is not None and (not p.has_bias or p.bias_in_cap):
       probs = probs * (1.0 - tanh * tanh)
       tanh = None
     dp = common.dot(do, v, trans_b=True)
@@ -160,7 +162,7 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_r
                              -delta[:, None])
     else:
       ds = probs * (dp - delta[:, None])
-    if p.has_bias:  # the bias enters after the soft cap: its gradient is dS before tanh's
+    if p.has_bias:  # dS before tanh's derivative for a bias after the cap, after it inside
       dbias_ref[:, kv_slice] = ds
     if tanh is not None:
       ds = ds * (1.0 - tanh * tanh)

@@ -42,6 +42,7 @@ class KernelParams:
   band: tuple[int | None, int | None] = (None, None)  # AttentionParams.band
   has_mask: bool = False  # a dense int8 mask block comes with the scores
   softcap: float | None = None
+  bias_in_cap: bool = False  # AttentionParams.bias_in_cap
   has_alibi: bool = False
   dropout_rate: float = 0.0
   # Soft-cap's tanh as one MUFU instruction (tanh.approx.f32, relative error 2**-11, below the
@@ -66,6 +67,7 @@ class KernelParams:
   def create(cls, params: AttentionParams, *, dtype, interpret: bool, **kwargs) -> KernelParams:
     return cls(scale=params.scale, is_causal=params.is_causal, has_segments=params.has_segments,
                band=params.band, has_mask=params.has_mask, softcap=params.logits_soft_cap,
+               bias_in_cap=params.bias_in_cap,
                has_alibi=params.has_alibi, dropout_rate=params.dropout_rate,
                approx_tanh=not interpret and jnp.dtype(dtype).itemsize == 2,
                fixed_max=(params.logits_soft_cap is not None
@@ -232,6 +234,8 @@ def logits(qk, rows, cols, slope, bias, p: KernelParams):
   """
   if p.softcap is None and slope is None and bias is None:
     return qk * p.scale_log2, None
+  if p.bias_in_cap:
+    return _logits_bias_in_cap(qk, rows, cols, slope, bias, p)
   t = None
   if p.softcap is not None:
     if p.approx_tanh:
@@ -247,6 +251,20 @@ def logits(qk, rows, cols, slope, bias, p: KernelParams):
   if bias is not None:
     s = s + bias.astype(jnp.float32) * LOG2E
   return s, t
+
+
+def _logits_bias_in_cap(qk, rows, cols, slope, bias, p: KernelParams):
+  """`logits` for c·tanh((scale·qk - slope·|i - j| + bias) / c), in natural units until the cap."""
+  s = qk * p.scale
+  if slope is not None:
+    s = s - slope * jnp.abs(rows[:, None] - cols[None, :]).astype(jnp.float32)
+  if bias is not None:
+    s = s + bias.astype(jnp.float32)
+  if p.approx_tanh:
+    t = pltriton.approx_tanh(s * (1.0 / p.softcap))
+  else:
+    t = 1.0 - 2.0 / (1.0 + jnp.exp2(s * (2.0 * LOG2E / p.softcap)))
+  return t * (p.softcap * LOG2E), t
 
 
 
