@@ -94,6 +94,7 @@ def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
   kwargs.pop("return_residuals", None)
   kwargs.pop("sinks", None)  # applied after any backend: no influence on the choice
   kwargs.pop("checked", None)
+  kwargs.pop("return_residual", None)
   info = validation.abstract_call_info(query, key, value,
                                        validation.with_defaults(kwargs))
   reasons = {name: backends.auto_reason(name, info, config) for name in IMPLEMENTATIONS}
@@ -186,6 +187,7 @@ def flash_attention(
     key_value_segment_ids: jax.Array | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
+    logits_soft_cap_order: str = "cap_then_bias",
     alibi_slopes: jax.Array | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
@@ -195,6 +197,7 @@ def flash_attention(
     out_dtype: Any = None,
     deterministic: bool = False,
     return_residuals: bool = False,
+    return_residual: bool = False,
     checked: bool = False,
     implementation: Implementation | None = None,
     config: Any = None,
@@ -226,6 +229,13 @@ def flash_attention(
       right); query i sees keys i - left .. i + right. Combines with is_causal and segment ids.
       Key blocks outside the band are skipped: cost grows with T * window, not T * S.
     logits_soft_cap: c > 0 replaces each scaled logit s by c * tanh(s / c) (Gemma 2, Grok).
+    logits_soft_cap_order: where an additive bias (`bias` and `alibi_slopes` alike) enters
+      relative to the cap. "cap_then_bias" (default, FlashAttention-2's order for ALiBi):
+      c * tanh(s / c) + bias, so a large bias still masks or boosts beyond the cap.
+      "bias_then_cap" (tokamax's, and the cap applied to the whole logits): c * tanh((s + bias)
+      / c), bounded by c. Gemma 2 and Grok cap logits with no additive bias, where both agree;
+      pick the order of the model whose weights you load. Mosaic takes no bias or ALiBi, so
+      the order never reaches it.
     alibi_slopes: float [H]: adds -slope[h] * |i - j| to the logits (ALiBi), computed in the
       kernels so no [T, S] bias exists. Slopes get no gradient.
     dropout_rate, dropout_rng: dropout on the attention probabilities with a JAX PRNG key. The
@@ -253,7 +263,14 @@ def flash_attention(
       sums dQ with float32 atomics in a varying order, as cuDNN's backward does; True runs the
       split backward there instead, and rejects a config with `fused_backward=True`.
     return_residuals: also return the float32 log-sum-exp [B, H, T] (natural log, -inf for a
-      query with no visible key), e.g. to merge partial attentions.
+      query with no visible key), e.g. to merge partial attentions. It is differentiable: a
+      loss that uses it gets its exact gradient, whose cotangent adds p * dlse to the score
+      gradient (so reaches dQ and dK).
+    return_residual: jax.nn's name and convention: also return the log-sum-exp as [B, T, H]
+      in the input dtype under `stop_gradient`, exactly as `jax.nn.dot_product_attention`
+      (except -inf, not a large negative number, for a query with no visible key). A loss
+      that uses it then gets jax.nn's gradient, which treats the lse as a constant and so
+      lacks the p * dlse term above. Passing both raises a ValueError.
     checked: add `jax.experimental.checkify` checks of the values jit cannot see (lengths in
       range, no reserved segment id); run the caller under `checkify.checkify(f)` (jitted or
       not) and read `err.throw()`. Costs a reduction over the lengths and ids.
@@ -263,8 +280,9 @@ def flash_attention(
     config: a backend config (`TritonConfig`, `XlaConfig`, `MosaicConfig`) to override tuning.
 
   Returns:
-    The output [B, T, H, D] in the input dtype; with return_residuals, (output, lse). A query that
-    sees no key gets zeros (and zero gradients), never NaN; with sinks its lse is the sink's.
+    The output [B, T, H, D] in the input dtype; with return_residuals or return_residual,
+    (output, lse) in the layout above. A query that sees no key gets zeros (and zero
+    gradients), never NaN; with sinks its lse is the sink's.
 
   Differentiable in reverse mode (jax.grad, jax.vjp; a custom_vjp). Forward mode (jax.jvp,
   jax.jacfwd) raises a TypeError except with implementation="reference".
@@ -280,21 +298,33 @@ def flash_attention(
     return _fp8().flash_attention_fp8(flash_attention, **locals())
   del descale, out_dtype  # FP8 only; the paths below pass locals() on
   validation.check_reverse_mode(implementation, query=query, key=key, value=value, bias=bias)
+  if return_residuals and return_residual:
+    raise ValueError("Pass one of `return_residuals` (float32 [B, H, T], differentiable) and "
+                     "`return_residual` (jax.nn's: [B, T, H] in the input dtype, "
+                     "stop_gradient), not both.")
+  jax_nn_lse = return_residual
+  del return_residual
   # -- context parallelism: a sequence split over mesh axes runs as ring / all-gather
   # attention under shard_map (pallas_flash.context_parallel.sharding). --
   if (cp := _cp_sharding.sequence_sharding(query, key, value)) is not None:
-    args = {n: x for n, x in locals().items() if n != "sinks"}  # the arguments above, and cp
-    if sinks is None:
+    # the arguments above, and cp
+    args = {n: x for n, x in locals().items() if n not in ("sinks", "jax_nn_lse")}
+    if sinks is None and not jax_nn_lse:
       return _cp_sharding.sharded_attention(**args)
     o, lse = _cp_sharding.sharded_attention(**{**args, "return_residuals": True})
-    o, lse = merge.add_sinks(o, lse, validation.check_sinks(sinks, query.shape[-2]))
-    return (o, lse) if return_residuals else o
+    if sinks is not None:
+      o, lse = merge.add_sinks(o, lse, validation.check_sinks(sinks, query.shape[-2]))
+    return _as_jax_nn((o, lse), jax_nn_lse) if return_residuals or jax_nn_lse else o
   # Batch / head splits visible here run per shard under shard_map, so that every backend's
   # loops and kernels see local shapes (Explicit axes cannot enter their carries). Dropout and
   # block masks index global batch / head positions and stay on the global call.
   if (dropout_rate == 0.0 and block_mask is None
       and (split := _cp_sharding.batch_head_sharding(query)) is not None):
-    return _cp_sharding.split_attention(flash_attention, **locals())
+    args = {n: x for n, x in locals().items() if n != "jax_nn_lse"}
+    results = _cp_sharding.split_attention(
+        flash_attention, **{**args, "return_residuals": return_residuals or jax_nn_lse})
+    return _as_jax_nn(results, jax_nn_lse)
+  return_residuals = return_residuals or jax_nn_lse
   # --
   call = validation.canonicalize(query, key, value, scale=scale, is_causal=is_causal,
                        query_seq_lengths=query_seq_lengths,
@@ -302,6 +332,7 @@ def flash_attention(
                        query_segment_ids=query_segment_ids,
                        key_value_segment_ids=key_value_segment_ids, bias=bias, mask=mask,
                        local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+                       logits_soft_cap_order=logits_soft_cap_order,
                        alibi_slopes=alibi_slopes, dropout_rate=dropout_rate,
                        dropout_rng=dropout_rng, block_mask=block_mask,
                        deterministic=deterministic, checked=checked)
@@ -318,4 +349,13 @@ def flash_attention(
       o, lse = merge.add_sinks(o, lse, sinks)
   if call.unbatched:
     o, lse = o[0], lse[0]
-  return (o, lse) if return_residuals else o
+  return _as_jax_nn((o, lse), jax_nn_lse) if return_residuals else o
+
+
+def _as_jax_nn(results, jax_nn_lse: bool):
+  """(o, lse) with lse in jax.nn's residual convention when asked: [..., T, H], o's dtype,
+  stop_gradient (return_residual); unchanged otherwise (return_residuals, or o alone)."""
+  if not jax_nn_lse:
+    return results
+  o, lse = results
+  return o, jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(o.dtype))

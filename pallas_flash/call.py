@@ -34,6 +34,8 @@ reads them into one record):
 Logits are computed in this order (FlashAttention-2's softcap/ALiBi order; bias as jax.nn):
   s = scale * q·kᵀ;  s = c·tanh(s / c) (soft cap);  s += -slope_h·|i - j| (ALiBi);  s += bias;
   then masking, softmax, dropout on the probabilities (kept ones scaled by 1 / (1 - rate)).
+  With params.bias_in_cap (logits_soft_cap_order="bias_then_cap") ALiBi and the bias go inside
+  the cap instead: s = c·tanh((scale * q·kᵀ - slope_h·|i - j| + bias) / c).
 
 Masking is one rule for every backend: key j is visible to query i iff
 q_seg[i] == kv_seg[j] (when segment ids are given), j <= i (when causal),
@@ -71,6 +73,9 @@ class AttentionParams:
     local_window: (left, right): query i sees keys i - left .. i + right (jax.nn's
       local_window_size); None for no window.
     logits_soft_cap: c in c·tanh(s / c), or None.
+    bias_in_cap: ALiBi and the bias are added before the soft cap (c·tanh((s + bias) / c))
+      rather than after it; True only when a cap and ALiBi or a bias are both present, so that
+      calls the order cannot change keep one static description.
     has_alibi: arrays.alibi_slopes [H] float32 is present.
     dropout_rate: probability of dropping an attention probability; 0 for no dropout (then
       arrays.dropout_seed is None).
@@ -87,6 +92,7 @@ class AttentionParams:
   has_segments: bool
   local_window: tuple[int, int] | None = None
   logits_soft_cap: float | None = None
+  bias_in_cap: bool = False
   has_alibi: bool = False
   dropout_rate: float = 0.0
   has_bias: bool = False

@@ -32,8 +32,8 @@ band_mask = _tiling.band_mask
 def logits_modifiers(logits, *, params: AttentionParams, arrays: FeatureArrays, q_len: int,
                      kv_len: int):
   """Soft cap, ALiBi and bias applied to scaled logits [B, H, T, S] (see params for the order)."""
-  if params.logits_soft_cap is not None:
-    c = params.logits_soft_cap
+  c = params.logits_soft_cap
+  if c is not None and not params.bias_in_cap:
     logits = c * jnp.tanh(logits / c)
   if params.has_alibi:
     dist = jnp.abs(jnp.arange(q_len)[:, None] - jnp.arange(kv_len)[None, :])  # [T, S]
@@ -41,6 +41,8 @@ def logits_modifiers(logits, *, params: AttentionParams, arrays: FeatureArrays, 
     logits = logits - slopes[None, :, None, None] * dist.astype(jnp.float32)
   if params.has_bias:
     logits = logits + arrays.bias.astype(jnp.float32)
+  if params.bias_in_cap:
+    logits = c * jnp.tanh(logits / c)
   return logits
 
 

@@ -196,8 +196,8 @@ def _add_batch(x):
 def canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
                   key_value_seq_lengths, query_segment_ids, key_value_segment_ids,
                   bias=None, mask=None, local_window_size=None, logits_soft_cap=None,
-                  alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
-                  block_mask=None, deterministic=False, checked=False) -> Call:
+                  logits_soft_cap_order="cap_then_bias", alibi_slopes=None, dropout_rate=0.0,
+                  dropout_rng=None, block_mask=None, deterministic=False, checked=False) -> Call:
   unbatched = all(getattr(x, "ndim", None) == 3 for x in (query, key, value))
   if unbatched:
     query, key, value = (jnp.asarray(x)[None] for x in (query, key, value))
@@ -246,7 +246,8 @@ def canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
                     local_window_size=local_window_size)
   features, arrays = _canonicalize_features(
       (b, h, t, s), bias=bias, mask=mask, local_window_size=local_window_size,
-      logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, dropout_rate=dropout_rate,
+      logits_soft_cap=logits_soft_cap, logits_soft_cap_order=logits_soft_cap_order,
+      alibi_slopes=alibi_slopes, dropout_rate=dropout_rate,
       dropout_rng=dropout_rng)
   if block_mask is not None:
     features["block_mask_blocks"] = (block_mask.block_q, block_mask.block_kv)
@@ -334,12 +335,19 @@ def _check_dense(name: str, x, full: tuple[int, int, int, int]):
   return jnp.broadcast_to(x.reshape(shape), shape[:2] + full[2:])
 
 
+SOFT_CAP_ORDERS = ("cap_then_bias", "bias_then_cap")
+
+
 def _canonicalize_features(full, *, bias, mask, local_window_size, logits_soft_cap,
-                           alibi_slopes, dropout_rate, dropout_rng):
+                           logits_soft_cap_order, alibi_slopes, dropout_rate, dropout_rng):
   """Validated feature arguments: (AttentionParams fields, FeatureArrays)."""
   b, h, t, s = full
   window = _check_window(local_window_size)
   _check_soft_cap(logits_soft_cap)
+  if logits_soft_cap_order not in SOFT_CAP_ORDERS:
+    raise ValueError(f"`logits_soft_cap_order` must be one of {SOFT_CAP_ORDERS}, got "
+                     f"{logits_soft_cap_order!r}: \"cap_then_bias\" computes c*tanh(s/c) + bias, "
+                     "\"bias_then_cap\" c*tanh((s + bias)/c).")
   if not isinstance(dropout_rate, (int, float)) or not 0.0 <= dropout_rate < 1.0:
     raise ValueError(f"`dropout_rate` must be a Python float in [0, 1), got {dropout_rate!r}.")
   seed = None
@@ -367,6 +375,8 @@ def _canonicalize_features(full, *, bias, mask, local_window_size, logits_soft_c
   mask = _check_dense("mask", mask, full)
   fields = dict(local_window=window,
                 logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+                bias_in_cap=(logits_soft_cap_order == "bias_then_cap" and logits_soft_cap
+                             is not None and (bias is not None or slopes is not None)),
                 has_alibi=slopes is not None, dropout_rate=float(dropout_rate),
                 has_bias=bias is not None, has_mask=mask is not None)
   return fields, FeatureArrays(bias=bias, mask=mask, alibi_slopes=slopes, dropout_seed=seed)
@@ -400,7 +410,8 @@ def abstract_call_info(query, key, value, kwargs: dict) -> CallInfo:
 DEFAULTS = {"scale": None, "is_causal": False, "query_seq_lengths": None,
             "key_value_seq_lengths": None, "query_segment_ids": None,
             "key_value_segment_ids": None, "bias": None, "mask": None,
-            "local_window_size": None, "logits_soft_cap": None, "alibi_slopes": None,
+            "local_window_size": None, "logits_soft_cap": None,
+            "logits_soft_cap_order": "cap_then_bias", "alibi_slopes": None,
             "dropout_rate": 0.0, "dropout_rng": None, "block_mask": None,
             "deterministic": False}
 

@@ -11,7 +11,8 @@ import pytest
 
 import pallas_flash
 from pallas_flash.triton import TritonConfig
-from testing import Case, assert_close_to_ref, make_inputs, max_abs, max_rel_err
+from testing import (TOLERANCES, Case, assert_close_to_ref, make_inputs, max_abs,
+                     max_rel_err)
 
 Q = jnp.ones((2, 16, 4, 32), jnp.float32)
 KV = jnp.ones((2, 24, 2, 32), jnp.float32)
@@ -317,3 +318,64 @@ def test_explain_reports_blocks_computed_at_the_chosen_config():
     assert ex.blocks_computed == want and f"{block[0]}x{block[1]} score blocks" in str(ex)
     fractions.add(want)
   assert len(fractions) == 2  # the two backends' blocks differ
+def _lse_loss_grads(attention, q, k, v, do, w):
+  """Gradients of sum(o * do) + sum(lse * w), w [B, T, H], for an attention returning
+  (o, lse [B, T, H]), and its outputs."""
+  def loss(q, k, v):
+    o, lse = attention(q, k, v)
+    return (o.astype(jnp.float32) * do).sum() + (lse.astype(jnp.float32) * w).sum(), (o, lse)
+  return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+
+@pytest.mark.parametrize("impl", ["xla", "reference"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_return_residual_is_jax_nns(impl, dtype):
+  """jax.nn's `return_residual`: lse [B, T, H] in the input dtype under stop_gradient, so the
+  value and every gradient of a loss that uses it match jax.nn.dot_product_attention's."""
+  (q, k, v, do), _ = make_inputs(Case(q_len=64, kv_len=48, num_kv_heads=4, dtype=dtype))
+  w = jax.random.normal(jax.random.key(1), q.shape[:3])
+  grads, (o, lse) = _lse_loss_grads(lambda *a: pallas_flash.flash_attention(
+      *a, is_causal=True, implementation=impl, return_residual=True), q, k, v, do, w)
+  grads_nn, (o_nn, lse_nn) = _lse_loss_grads(lambda *a: jax.nn.dot_product_attention(
+      *a, is_causal=True, implementation="xla", return_residual=True), q, k, v, do, w)
+  assert lse.shape == lse_nn.shape == q.shape[:3] and lse.dtype == lse_nn.dtype == dtype
+  tol = 2 * TOLERANCES[jnp.dtype(dtype)]
+  for name, x, ref in zip(("out", "lse", "dq", "dk", "dv"), (o, lse, *grads),
+                          (o_nn, lse_nn, *grads_nn)):
+    assert_close_to_ref(name, x, ref, tol)
+
+
+@pytest.mark.parametrize("impl", ["xla", "reference"])
+def test_return_residuals_gradient_is_exact(impl):
+  """`return_residuals`: lse [B, H, T] float32 with its gradient: jax.nn's gradient of the
+  output term plus the exact gradient of the lse term, which jax.nn's stop_gradient drops."""
+  (q, k, v, do), _ = make_inputs(Case(q_len=64, kv_len=48, num_kv_heads=4))
+  w = jax.random.normal(jax.random.key(1), q.shape[:3])
+
+  def ours(q, k, v):
+    o, lse = pallas_flash.flash_attention(q, k, v, implementation=impl, return_residuals=True)
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == jnp.float32
+    return o, jnp.swapaxes(lse, 1, 2)
+
+  grads, (o, lse) = _lse_loss_grads(ours, q, k, v, do, w)
+  grads_nn, (o_nn, lse_nn) = _lse_loss_grads(lambda *a: jax.nn.dot_product_attention(
+      *a, implementation="xla", return_residual=True), q, k, v, do, w)
+
+  def lse_term(q, k):  # the exact lse, differentiable, in plain jnp
+    logits = jnp.einsum("bthd,bshd->bths", q, k, precision="highest") / np.sqrt(q.shape[-1])
+    return (jax.nn.logsumexp(logits, axis=-1) * w).sum()
+
+  d_lse = jax.grad(lse_term, argnums=(0, 1))(q, k)
+  tol = 2 * TOLERANCES[jnp.dtype(jnp.float32)]
+  assert_close_to_ref("out", o, o_nn, tol)
+  assert_close_to_ref("lse", lse, lse_nn, tol)
+  assert_close_to_ref("dq", grads[0], grads_nn[0] + d_lse[0], tol)
+  assert_close_to_ref("dk", grads[1], grads_nn[1] + d_lse[1], tol)
+  assert_close_to_ref("dv", grads[2], grads_nn[2], tol)
+  # The two conventions' dQ differ far beyond the tolerance: the test tells them apart.
+  assert max_rel_err(grads_nn[0] + d_lse[0], grads_nn[0]) > 10 * tol
+
+
+def test_return_residual_and_residuals_together_are_rejected():
+  with pytest.raises(ValueError, match="`return_residuals`.*`return_residual`.*not both"):
+    pallas_flash.flash_attention(Q, KV, KV, return_residuals=True, return_residual=True)

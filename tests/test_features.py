@@ -370,3 +370,59 @@ def test_dense_bias_and_mask_tiles_fit_shared_memory(head_dim, causal):
   per_stage = (2 * cfg.block_kv * head_dim * 2  # K and V, bf16
                + cfg.block_q * cfg.block_kv * (4 + 1))  # float32 bias, int8 mask
   assert cfg.num_stages * per_stage + cfg.block_q * head_dim * 2 <= 200 * 1024, cfg
+
+
+SOFT_CAP_ORDER_CASES = [
+    Case(batch=1, q_len=128, kv_len=128, num_heads=2, num_kv_heads=1, features=f)
+    for f in [("softcap", "bias_std5", order) for order in ("cap_then_bias", "bias_then_cap")]
+    + [("softcap", "alibi", "bias_std5", "bias_then_cap")]]
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+@pytest.mark.parametrize("case", SOFT_CAP_ORDER_CASES, ids=lambda c: c.id)
+def test_soft_cap_order_with_a_bias(impl, case):
+  """Output, lse and dq/dk/dv/dbias of both soft-cap orders (bias std 5) against the reference."""
+  check_against_reference(impl, case, config=SMALL[impl])
+
+
+@pytest.mark.parametrize("order", ["cap_then_bias", "bias_then_cap"])
+def test_reference_soft_cap_order_is_the_formula(order):
+  """The reference computes c*tanh(s/c) + bias or c*tanh((s + bias)/c), ALiBi counted as bias."""
+  case = Case(batch=1, q_len=64, kv_len=64, num_heads=2, num_kv_heads=2,
+              features=("softcap", "alibi", "bias_std5", order))
+  (q, k, v, _), kw = make_inputs(case)
+  c = kw["logits_soft_cap"]
+  s = jnp.einsum("bthd,bshd->bhts", q, k, precision="highest") / np.sqrt(case.head_dim)
+  pos = jnp.arange(case.q_len)
+  bias = kw["bias"] - kw["alibi_slopes"][:, None, None] * jnp.abs(pos[:, None] - pos[None, :])
+  by_order = {"cap_then_bias": c * jnp.tanh(s / c) + bias,
+              "bias_then_cap": c * jnp.tanh((s + bias) / c)}
+  want, other = (jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(by_order[o], -1), v,
+                            precision="highest") for o in (order, *set(by_order) - {order}))
+  got = pallas_flash.flash_attention(q, k, v, implementation="reference", **kw)
+  assert_close_to_ref("out", got, want, 1e-5)
+  assert max_abs(want - other) > 0.1  # the orders differ far beyond the tolerance here
+
+
+def test_soft_cap_order_is_checked_and_mosaic_takes_no_bias():
+  q = jnp.ones((1, 16, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="`logits_soft_cap_order` must be one of"):
+    pallas_flash.flash_attention(q, q, q, logits_soft_cap=5.0, logits_soft_cap_order="before")
+  why = pallas_flash.explain(q, q, q, jnp.ones((16, 16)), logits_soft_cap=5.0,
+                             logits_soft_cap_order="bias_then_cap").reasons["mosaic"]
+  assert "does not support bias" in why
+
+
+def test_bias_then_cap_lowers_to_triton_for_h200():
+  """The bfloat16 path (tanh.approx inside the cap) lowers, forward and backward."""
+  from testing import export_for_h200
+
+  q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct((1, 2, 256, 256), jnp.float32)
+
+  def g(q, k, v, bias):
+    return jax.grad(lambda *a: pallas_flash.flash_attention(
+        *a, logits_soft_cap=30.0, logits_soft_cap_order="bias_then_cap",
+        implementation="triton").astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))(q, k, v, bias)
+
+  assert export_for_h200(g, q, q, q, bias).mlir_module().count("xla.gpu.triton") == 3

@@ -1,5 +1,7 @@
 """The oracle itself: against jax.nn.dot_product_attention, and its gradients numerically."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,3 +72,28 @@ def test_poisoned_padding_does_not_leak(impl):
   got = pallas_flash.flash_attention(jnp.where(q_pad, jnp.nan, q), jnp.where(kv_pad, jnp.nan, k),
                                      jnp.where(kv_pad, 1e30, v), implementation=impl, **kw)
   assert_close_to_ref("out", got, want, 2e-5)
+
+
+def test_float32_dv_error_is_within_a_factor_of_plain_float32():
+  """Issue 46's shape and inputs (uniform in [1, 2): large logits, |qk·scale| ~ 20): the Triton
+  kernels' float32 dV against a float64 truth, within 2x the error of plain float32 jnp
+  (measured 4.3e-5 against 2.5e-5, 1.75x; 5.8e-5, 2.4x, with the lse round trip that
+  triton/common.probabilities avoids). The rest of the gap is the float32 lse itself (the max
+  rounded at |s| ~ 30 in log2 units, about 2 ulps) and the blocked summation order."""
+  keys = jax.random.split(jax.random.key(0), 4)
+  q, do = (jax.random.uniform(kk, (2, 256, 4, 64), jnp.float32, 1, 2) for kk in keys[::3])
+  k, v = (jax.random.uniform(kk, (2, 8, 4, 64), jnp.float32, 1, 2) for kk in keys[1:3])
+
+  def plain(q, k, v):
+    s = jnp.einsum("bthd,bshd->bhts", q, k, precision="highest") / np.sqrt(q.shape[-1])
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v, precision="highest")
+
+  def dv_of(f, *args):
+    return jax.vjp(f, *args)[1](do.astype(args[0].dtype))[2]
+
+  with jax.enable_x64(True):
+    truth = np.asarray(dv_of(plain, *(x.astype(jnp.float64) for x in (q, k, v))))
+  err_plain = np.abs(np.asarray(dv_of(plain, q, k, v), np.float64) - truth).max()
+  kernel = functools.partial(pallas_flash.flash_attention, implementation="interpret")
+  err = np.abs(np.asarray(dv_of(kernel, q, k, v), np.float64) - truth).max()
+  assert err <= 2.0 * err_plain, f"dV error {err:.3g} vs plain float32's {err_plain:.3g}"

@@ -3,11 +3,12 @@
 `flax.nnx.MultiHeadAttention(attention_fn=...)` and `flax.linen.MultiHeadDotProductAttention(
 attention_fn=...)` call it exactly like `flax.nnx.dot_product_attention`. Calls run on the kernels
 of `pallas_flash.flash_attention`, including a dense `bias` or boolean `mask` and dropout with
-`broadcast_dropout=False`. Three things fall back to Flax's dense attention, with a one-time
-warning naming why: dropout with `broadcast_dropout=True` (Flax's default: one [T, S] dropout mask
-shared by every batch element and head; the kernels draw an independent mask per (batch, head,
-row, column) from a hash and cannot share one), sowing attention weights (`sow_weights=True`;
-the kernels never form them) and linen's custom einsum arguments.
+`broadcast_dropout=False`. Four things fall back to Flax's dense attention (linen's inside a
+linen module, else nnx's), with a one-time warning naming why: dropout with
+`broadcast_dropout=True` (Flax's default: one [T, S] dropout mask shared by every batch element
+and head; the kernels draw an independent mask per (batch, head, row, column) from a hash and
+cannot share one), sowing attention weights (`sow_weights=True`; the kernels never form them),
+linen's custom einsum arguments, and dtypes the kernels lack (float64, complex64).
 
 A dense `bias` or `mask` runs in the kernels without storing [B, H, T, S] probabilities, but it
 is still a T x S input (and the bias gradient a T x S output). A causal mask built with
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 from pallas_flash.api import flash_attention
 from pallas_flash.backends import check_implementation
 from pallas_flash.decode import decode_attention
+from pallas_flash.validation import SUPPORTED_DTYPES
 
 
 @functools.cache
@@ -54,9 +56,12 @@ def _dropout_active(dropout_rate, deterministic) -> bool:
   return dropout_rate > 0.0 and not deterministic
 
 
-def _fallback_reason(*, dropout_rate, deterministic, broadcast_dropout, module,
+def _fallback_reason(*, dtype, dropout_rate, deterministic, broadcast_dropout, module,
                      linen_only) -> str | None:
   """Why a call cannot run on the flash kernels, or None when it can."""
+  if jnp.dtype(dtype) not in [jnp.dtype(t) for t in SUPPORTED_DTYPES]:
+    return (f"the kernels compute in bfloat16, float16 or float32, and the layer's dtype is "
+            f"{jnp.dtype(dtype)}; pass dtype=jnp.float32 to the layer to run them")
   if _dropout_active(dropout_rate, deterministic) and broadcast_dropout:
     return (f"attention dropout (dropout_rate={dropout_rate}) with broadcast_dropout=True shares "
             "one [T, S] dropout mask over batch and heads, while the kernels draw an independent "
@@ -109,7 +114,7 @@ def _dense(query, key, value, *, kwargs: dict, linen_kw: dict, module, is_causal
   """Flax's own dense attention: linen's when the call came from linen, else nnx's."""
   from flax import linen, nnx  # local: importing pallas_flash must not require flax
 
-  from_linen = isinstance(module, linen.Module) or any(
+  from_linen = isinstance(module, linen.Module) or _inside_linen_module() or any(
       v is not None for k, v in linen_kw.items() if k != "force_fp32_for_softmax")
   if from_linen:  # linen's dot_product_attention has no is_causal: express it as a mask
     if is_causal:
@@ -117,6 +122,14 @@ def _dense(query, key, value, *, kwargs: dict, linen_kw: dict, module, is_causal
     return linen.dot_product_attention(query, key, value, module=module, **kwargs, **linen_kw)
   return nnx.dot_product_attention(query, key, value, module=module, is_causal=is_causal,
                                    **kwargs)
+
+
+def _inside_linen_module() -> bool:
+  """Whether a linen module's method is running: its layers call attention_fn with the same
+  arguments nnx's pass, and differ in their dense attention (nnx's softmax is float32)."""
+  from flax.linen import module as linen_module
+  stack = getattr(getattr(linen_module, "_context", None), "module_stack", None)
+  return bool(stack) and stack[-1] is not None
 
 
 def flash_attention_fn(
@@ -179,9 +192,9 @@ def flash_attention_fn(
   linen_only = {n for n, v in (("qk_attn_weights_einsum", qk_attn_weights_einsum),
                                ("attn_weights_value_einsum", attn_weights_value_einsum))
                 if v is not None}
-  reason = _fallback_reason(dropout_rate=dropout_rate, deterministic=deterministic,
-                            broadcast_dropout=broadcast_dropout, module=module,
-                            linen_only=linen_only)
+  reason = _fallback_reason(dtype=query.dtype, dropout_rate=dropout_rate,
+                            deterministic=deterministic, broadcast_dropout=broadcast_dropout,
+                            module=module, linen_only=linen_only)
   if reason is not None:
     _warn_once(reason)
     if query_segment_ids is not None:

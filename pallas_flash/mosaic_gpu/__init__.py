@@ -63,6 +63,9 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
     return f"wgmma kernels take bfloat16 or float16, not {jnp.dtype(call.dtype).name}"
   if call.head_dim not in SUPPORTED_HEAD_DIMS:
     return f"head_dim {call.head_dim} is not one of {SUPPORTED_HEAD_DIMS}"
+  if call.params.bias_in_cap:
+    return ("logits_soft_cap_order='bias_then_cap' (ALiBi inside the soft cap) is not in the "
+            "wgmma kernels")
   if call.value_head_dim != call.head_dim:
     return (f"value head dim {call.value_head_dim} != query/key head dim {call.head_dim}: the "
             "wgmma kernels take one head dim")

@@ -59,12 +59,14 @@ def _bwd_dkdv_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta
     q_slice = pl.ds(pl.multiple_of(i * p.block_q, p.block_q), p.block_q)
     q_pos = _iota(p.block_q, i * p.block_q)
     q, do = q_ref[q_slice, g, :], do_ref[q_slice, g, :]
-    lse2 = lse_ref[g, q_slice] * common.LOG2E
+    lse = lse_ref[g, q_slice]
+    lse2 = lse * common.LOG2E
     head = kh * p.group_size + g
     slope = slopes_ref[head] if p.has_alibi else None
     bias_t = dense_t(bias_ref, g, q_slice) if p.has_bias else None
-    s_t, tanh_t = common.logits(common.dot(k, q, trans_b=True), kv_pos, q_pos, slope, bias_t, p)
-    p_t = jnp.exp2(s_t - lse2[None, :])  # [block_kv, block_q]
+    p_t, tanh_t = common.probabilities(common.dot(k, q, trans_b=True), lse, lse2, kv_pos,
+                                       q_pos, slope, bias_t, p, lse_on_rows=False)
+    # p_t: [block_kv, block_q]
     if masked:
       mask = common.block_mask(q_pos, kv_pos, qs_ref[q_slice] if p.has_segments else None,
                                kv_seg, p, dense_t(mask_ref, g, q_slice).T if p.has_mask else None,
@@ -134,7 +136,8 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_r
   qi = p.num_q_blocks - 1 - pl.program_id(0) if p.is_causal else pl.program_id(0)
   b, h = pl.program_id(1), pl.program_id(2)
   q, do = q_ref[...], do_ref[...]
-  lse2 = lse_ref[...] * common.LOG2E
+  lse = lse_ref[...]
+  lse2 = lse * common.LOG2E
   delta = delta_ref[...]
   q_pos = _iota(p.block_q, qi * p.block_q)
   q_seg = qs_ref[...] if p.has_segments else None
@@ -145,15 +148,17 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_r
     kv_slice = pl.ds(pl.multiple_of(j * p.block_kv, p.block_kv), p.block_kv)
     kv_pos = _iota(p.block_kv, j * p.block_kv)
     k, v = k_ref[kv_slice, :], v_ref[kv_slice, :]
-    s, tanh = common.logits(common.dot(q, k, trans_b=True), q_pos, kv_pos, slope,
-                            bias_ref[:, kv_slice] if p.has_bias else None, p)
-    probs = jnp.exp2(s - lse2[:, None])  # [block_q, block_kv]
+    probs, tanh = common.probabilities(  # [block_q, block_kv]
+        common.dot(q, k, trans_b=True), lse, lse2, q_pos, kv_pos, slope,
+        bias_ref[:, kv_slice] if p.has_bias else None, p, lse_on_rows=True)
     if masked:
       mask = common.block_mask(q_pos, kv_pos, q_seg, ks_ref[kv_slice] if p.has_segments else None,
                                p, mask_ref[:, kv_slice] if p.has_mask else None,
                                fn=(fn_refs, b, qi * p.block_q, j * p.block_kv))
       probs = jnp.where(mask, probs, 0.0)
-    if tanh is not None and not p.has_bias:  # fold c·tanh's derivative into P: tanh dies here
+    # Fold c·tanh's derivative into P (tanh dies here) unless a bias added after the cap needs
+    # dS before it.
+    if tanh is not None and (not p.has_bias or p.bias_in_cap):
       probs = probs * (1.0 - tanh * tanh)
       tanh = None
     dp = common.dot(do, v, trans_b=True)
@@ -163,7 +168,7 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_r
                              -delta[:, None])
     else:
       ds = probs * (dp - delta[:, None])
-    if p.has_bias:  # the bias enters after the soft cap: its gradient is dS before tanh's
+    if p.has_bias:  # dS before tanh's derivative for a bias after the cap, after it inside
       dbias_ref[:, kv_slice] = ds
     if tanh is not None:
       ds = ds * (1.0 - tanh * tanh)

@@ -42,6 +42,7 @@ class KernelParams:
   band: tuple[int | None, int | None] = (None, None)  # AttentionParams.band
   has_mask: bool = False  # a dense int8 mask block comes with the scores
   softcap: float | None = None
+  bias_in_cap: bool = False  # AttentionParams.bias_in_cap
   has_alibi: bool = False
   dropout_rate: float = 0.0
   # Soft-cap's tanh as one MUFU instruction (tanh.approx.f32, relative error 2**-11, below the
@@ -54,6 +55,9 @@ class KernelParams:
   # (P cast to float16 would overflow above 65504).
   fixed_max: bool = False
   has_bias: bool = False
+  # float32 inputs: the lse goes between log2 and natural units with fewer roundings at its
+  # magnitude (see `probabilities`); 16-bit inputs keep the shorter code, their rounding is larger.
+  precise_lse: bool = False
   bias_per_batch: bool = False  # the bias has a batch axis (else it broadcasts over batch)
   bias_per_head: bool = False
   # Block mask: the mask function's pytree structure, the kind of each of its leaves and the
@@ -66,13 +70,14 @@ class KernelParams:
   def create(cls, params: AttentionParams, *, dtype, interpret: bool, **kwargs) -> KernelParams:
     return cls(scale=params.scale, is_causal=params.is_causal, has_segments=params.has_segments,
                band=params.band, has_mask=params.has_mask, softcap=params.logits_soft_cap,
+               bias_in_cap=params.bias_in_cap,
                has_alibi=params.has_alibi, dropout_rate=params.dropout_rate,
                approx_tanh=not interpret and jnp.dtype(dtype).itemsize == 2,
                fixed_max=(params.logits_soft_cap is not None
                           and params.logits_soft_cap <= FIXED_MAX_SOFTCAP
                           and not params.has_alibi and not params.has_bias
                           and jnp.dtype(dtype) != jnp.float16),
-               has_bias=params.has_bias, **kwargs)
+               has_bias=params.has_bias, precise_lse=jnp.dtype(dtype) == jnp.float32, **kwargs)
 
   @property
   def block_sparse(self) -> bool:
@@ -233,6 +238,8 @@ def logits(qk, rows, cols, slope, bias, p: KernelParams):
   """
   if p.softcap is None and slope is None and bias is None:
     return qk * p.scale_log2, None
+  if p.bias_in_cap:
+    return _logits_bias_in_cap(qk, rows, cols, slope, bias, p)
   t = None
   if p.softcap is not None:
     if p.approx_tanh:
@@ -248,6 +255,39 @@ def logits(qk, rows, cols, slope, bias, p: KernelParams):
   if bias is not None:
     s = s + bias.astype(jnp.float32) * LOG2E
   return s, t
+
+
+def probabilities(qk, lse, lse2, rows, cols, slope, bias, p: KernelParams, *, lse_on_rows):
+  """exp(logits - lse) of a tile, recomputed from the raw qk tile, and `logits`' tanh.
+
+  lse / lse2: the log-sum-exp in natural / log2 units, one per row of the tile (lse_on_rows)
+  or per column (the transposed frame); broadcast here, after the scores, so that 16-bit
+  kernels lower as before. For float32
+  inputs without logit modifiers the difference is taken in natural units before scaling by
+  log2(e): rounding qk·scale·log2(e) and lse·log2(e) (|x| ~ 30 for D = 64) each cost a relative
+  error in P of up to 1e-6, which made dV 2x less accurate than plain float32 attention.
+  """
+  def along(x):
+    return x[:, None] if lse_on_rows else x[None, :]
+
+  if p.precise_lse and p.softcap is None and slope is None and bias is None:
+    return jnp.exp2((qk * p.scale - along(lse)) * LOG2E), None
+  s, t = logits(qk, rows, cols, slope, bias, p)
+  return jnp.exp2(s - along(lse2)), t
+
+
+def _logits_bias_in_cap(qk, rows, cols, slope, bias, p: KernelParams):
+  """`logits` for c·tanh((scale·qk - slope·|i - j| + bias) / c), in natural units until the cap."""
+  s = qk * p.scale
+  if slope is not None:
+    s = s - slope * jnp.abs(rows[:, None] - cols[None, :]).astype(jnp.float32)
+  if bias is not None:
+    s = s + bias.astype(jnp.float32)
+  if p.approx_tanh:
+    t = pltriton.approx_tanh(s * (1.0 / p.softcap))
+  else:
+    t = 1.0 - 2.0 / (1.0 + jnp.exp2(s * (2.0 * LOG2E / p.softcap)))
+  return t * (p.softcap * LOG2E), t
 
 
 

@@ -94,7 +94,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, bias_ref, mask_ref, slopes_
   l_safe = jnp.where(empty, 1.0, l)
   # Dropout's 1 / (1 - rate) rescaling folds into the final normalisation.
   o_ref[...] = (acc * (1.0 / (l_safe * (1.0 - p.dropout_rate)))[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * common.LN2)
+  if p.precise_lse:  # m·ln2 + log2(l)·ln2: no rounding of the sum at |m| (common.probabilities)
+    lse = m * common.LN2 + jnp.log2(l_safe) * common.LN2
+  else:
+    lse = (m + jnp.log2(l_safe)) * common.LN2
+  lse_ref[...] = jnp.where(empty, -jnp.inf, lse)
 
 
 def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams, config: TritonConfig,

@@ -108,7 +108,7 @@ class _Ctx:
     s = jnp.einsum("bqkgd,bskd->bkgqs", q_blk, k_blk, precision=_HI,
                    preferred_element_type=jnp.float32) * p.scale
     t = None
-    if p.logits_soft_cap is not None:
+    if p.logits_soft_cap is not None and not p.bias_in_cap:
       t = jnp.tanh(s / p.logits_soft_cap)
       s = p.logits_soft_cap * t
     if p.has_alibi:
@@ -116,6 +116,9 @@ class _Ctx:
       s = s - self.slopes[None, :, :, None, None] * dist
     if p.has_bias:
       s = s + self.tile("bias", i, j).astype(jnp.float32)
+    if p.bias_in_cap:
+      t = jnp.tanh(s / p.logits_soft_cap)
+      s = p.logits_soft_cap * t
     mask = _tiling.band_mask(q_pos, kv_pos, p.band)
     if self.kv_len % self.bk:
       tail = (kv_pos < self.kv_len)[None, :]
@@ -339,7 +342,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
 
 def _block_grads(q_blk, k_blk, v_blk, do_blk, lse_blk, delta_blk, qs_blk, i, j, *, ctx: _Ctx):
   """Of one block pair, each [B, K, G, bq, bk]: the probabilities that multiplied V (dropped and
-  rescaled), the gradient of the pre-soft-cap scores, and that of the logits (= dbias)."""
+  rescaled), the gradient of the pre-soft-cap scores, and that of the bias (dbias)."""
   params = ctx.params
   sc, t, mask = ctx.logits(q_blk, k_blk, qs_blk, i, j)
   p = jnp.exp(sc - lse_blk[..., None])
@@ -353,7 +356,8 @@ def _block_grads(q_blk, k_blk, v_blk, do_blk, lse_blk, delta_blk, qs_blk, i, j, 
     dp = jnp.where(keep, dp * inv, 0.0)
     p_v = jnp.where(keep, p * inv, 0.0)
   ds = p * (dp - delta_blk[..., None])
-  ds_logits = ds
+  ds_capped = ds
   if t is not None:  # d/ds of c·tanh(s/c) = 1 - tanh²
     ds = ds * (1.0 - t * t)
-  return p_v, ds, ds_logits
+  # A bias added after the cap gets the capped logits' gradient, one inside it the scores'.
+  return p_v, ds, ds if params.bias_in_cap else ds_capped

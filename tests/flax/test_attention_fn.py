@@ -17,7 +17,8 @@ TOL = 2e-5  # float32 on CPU: relative to the largest reference magnitude
 
 
 def rel_err(x, ref, floor: float = 1e-30) -> float:
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  as_64 = np.complex128 if np.iscomplexobj(x) or np.iscomplexobj(ref) else np.float64
+  x, ref = np.asarray(x, as_64), np.asarray(ref, as_64)
   return float(np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), floor))
 
 
@@ -374,3 +375,45 @@ def test_cache_step_gradients_are_flash_attention_s():
   ref_fn = lambda q, k, v: nnx.dot_product_attention(  # noqa: E731
       q, k, v, mask=jnp.broadcast_to(prefix, (2, 4, 1, 20)))
   _assert_matches_flax(fn, ref_fn, (q, k, v), "cache step", argnums=(0, 1, 2))
+
+
+# Flax's own dense attention in these dtypes: linen's computes in float64 throughout, nnx's
+# (what a call from outside linen falls back to) reaches float64 at about 1e-7.
+X64_TOL = {"float64": 1e-12, "complex64": TOL}
+
+
+@pytest.mark.parametrize("dtype", ["float64", "complex64"])
+def test_dtypes_the_kernels_lack_fall_back_to_flax(dtype):
+  """float64 / complex64 inputs from outside linen run on nnx's dense attention, with a warning:
+  values and gradients equal to it."""
+  with jax.enable_x64(dtype == "float64"):
+    q, k, v = (x.astype(dtype) for x in _qkv(np.random.randint(1 << 30), k=4))
+    if dtype == "complex64":
+      q, k, v = (x * jnp.exp(0.3j * x) for x in (q, k, v))
+    mask = _mask(0, (2, 1, 20, 20))
+    with pytest.warns(UserWarning, match=f"dtype is {dtype}"):
+      out, vjp = jax.vjp(lambda q, k, v: flash_attention_fn(q, k, v, mask=mask), q, k, v)
+    ref, ref_vjp = jax.vjp(lambda q, k, v: nnx.dot_product_attention(q, k, v, mask=mask),
+                           q, k, v)
+    assert out.dtype == ref.dtype == dtype
+    assert_close(out, ref, tol=X64_TOL[dtype], what="output")
+    cot = jax.random.normal(jax.random.key(1), out.shape).astype(dtype)
+    for i, (g, g_ref) in enumerate(zip(vjp(cot), ref_vjp(cot))):
+      assert_close(g, g_ref, tol=X64_TOL[dtype], what=f"grad {i}")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "complex64"])
+def test_linen_layer_in_a_dtype_the_kernels_lack_runs_as_flaxs(dtype):
+  """A linen layer in float64 / complex64 gives what it gives with linen.dot_product_attention."""
+  with jax.enable_x64(dtype == "float64"):
+    layer = linen.MultiHeadDotProductAttention(
+        num_heads=4, qkv_features=32, dtype=dtype, param_dtype=dtype,
+        attention_fn=make_attention_fn(implementation="xla"))
+    flax_layer = layer.clone(attention_fn=linen.dot_product_attention)
+    x = jax.random.normal(jax.random.key(0), (2, 12, 32)).astype(dtype)
+    with pytest.warns(UserWarning, match=f"dtype is {dtype}"):
+      params = layer.init(jax.random.key(1), x)
+      out = layer.apply(params, x)
+    assert out.dtype == dtype
+    ref = flax_layer.apply(params, x)
+    assert_close(out, ref, tol=X64_TOL[dtype], what=f"{dtype} layer")
