@@ -13,5 +13,5 @@ cd "$root"
 # test comes near 15 minutes (see --durations).
 # -m "not slow": the interpreter cases of kernel forms no default runs and the longest CPU cases
 # stay out of the routine run (CI's); a later -m replaces it (-m slow, or -m "" for everything).
-exec .venv/bin/python -m pytest -q --durations=15 -n "${PALLAS_FLASH_TEST_WORKERS:-auto}" \
+exec .venv/bin/python -m pytest -q --durations=15 -n "${PALLAS_FLASH_TEST_WORKERS:-auto}" --dist loadgroup \
   --timeout "${PALLAS_FLASH_TEST_TIMEOUT:-900}" --timeout-method thread -m "not slow" "$@"

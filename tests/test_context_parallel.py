@@ -28,7 +28,10 @@ from pallas_flash.context_parallel import sharding
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-@pytest.mark.parametrize("group", list(checks.GROUPS))
+# ring-8 (an 8-device ring with soft cap, masked rows and a window's skipped steps) repeats
+# what ring-2-4 and all-gather cover at 8 devices: it runs with -m slow.
+@pytest.mark.parametrize("group", [pytest.param(g, marks=pytest.mark.slow) if g == "ring-8"
+                                   else g for g in checks.GROUPS])
 def test_against_reference_on_8_devices(group):
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent),

@@ -17,6 +17,10 @@ from pallas_flash.bench import flops, shapes, timing
 FAST = ["--iters", "2", "--min-loop-ms", "1", "--settle-ms", "0"]
 META = ("device_kind", "jax_version", "git_commit", "date")
 
+# One worker runs the module: its module-scoped rows fixture then runs once, not once per
+# xdist worker (scripts/test.sh passes --dist loadgroup).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 
 def _run(tmp_path, *argv: str) -> list[dict]:
   out = tmp_path / "rows.json"

@@ -10,6 +10,10 @@ from pallas_flash.bench import __main__ as bench
 
 FAST = ["--iters", "1", "--min-loop-ms", "1", "--settle-ms", "0"]
 
+# One worker runs the module: its module-scoped rows fixture then runs once, not once per
+# xdist worker (scripts/test.sh passes --dist loadgroup).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory) -> list[dict]:

@@ -92,17 +92,17 @@ def test_features_match_reference(case):
 # moves the output far past the tolerance.
 ALIBI = [
     ("plain", _config(), _case(200, 170, features=("alibi",))),
-    ("causal_segments", _config(), _case(300, 300, h=4, kh=2, is_causal=True, segments=True,
-                                         features=("alibi",))),
     ("window_softcap", _config(), _case(190, 130, is_causal=True, lengths=True,
                                         features=("alibi", "softcap", "window"))),
+]
+# Mosaic runs ALiBi only when asked (not yet measured on an H200, so no default path): the
+# other forms, GQA and head dim 256 run with -m slow.
+ALIBI_SLOW = [
+    ("causal_segments", _config(), _case(300, 300, h=4, kh=2, is_causal=True, segments=True,
+                                         features=("alibi",))),
     ("overlap_gqa", _config(fwd_intra_wg_overlap=True, block_kv=128),
      _case(333, 200, h=4, kh=1, d=128, dtype=jnp.float16, is_causal=True, features=("alibi",))),
     ("hd256", _config(), _case(130, 190, d=256, is_causal=True, features=("alibi",))),
-]
-# The other forward forms and the head-dim-256 capped backward (Triton kernels, interpreted):
-# slow in the interpreter.
-ALIBI_SLOW = [
     ("persistent", _config(fwd_persistent=True, fwd_intra_wg_overlap=True,
                            debug=dict(persistent_ctas=2)),
      _case(200, 200, h=3, d=128, features=("alibi",))),
