@@ -32,7 +32,8 @@ def _ids(pairs):
 
 LENGTHS = [(1, 1), (17, 17), (128, 128), (300, 300), (17, 300), (300, 17), (128, 1000)]
 SHAPES = _matrix([Case(q_len=t, kv_len=s, is_causal=c, num_heads=2, num_kv_heads=1)
-                  for t, s in LENGTHS for c in (False, True)], interpreted={0, 5, 8, 11})
+                  for t, s in LENGTHS for c in (False, True)], interpreted={0, 5, 8, 11},
+                 xla={0, 1, 3, 4, 7, 8, 9, 11, 12})
 
 
 @pytest.mark.parametrize("impl, case", SHAPES, ids=_ids(SHAPES))
@@ -56,7 +57,7 @@ SEGMENTS = _matrix([Case(q_len=t, kv_len=s, dtype=dt, is_causal=c, segments=seg,
                     for dt in (jnp.float32, jnp.bfloat16)
                     for c in (False, True)
                     for seg, ln in ((True, False), (False, True), (True, True))],
-                   interpreted={5, 14, 22}, xla={0, 2, 4, 5, 7, 10, 12, 16, 20, 23})
+                   interpreted={5, 14, 22}, xla={0, 4, 7, 12, 16, 23})
 
 
 @pytest.mark.parametrize("impl, case", SEGMENTS, ids=_ids(SEGMENTS))

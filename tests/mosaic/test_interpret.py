@@ -33,15 +33,17 @@ def _case(t, s, *, h=2, kh=1, d=64, dtype=jnp.bfloat16, **kw) -> Case:
 # (the split dQ and dK/dV kernels run under every forward form), on odd lengths with GQA.
 FORMS = [
     ("plain", _config(), _case(200, 333, is_causal=True)),
-    ("plain", _config(), _case(130, 190, h=4, kh=2, d=128, dtype=jnp.float16)),
+    pytest.param("plain", _config(), _case(130, 190, h=4, kh=2, d=128, dtype=jnp.float16),
+                 marks=pytest.mark.slow),
     # The intra-warpgroup overlap; with block_kv = 2·block_q a causal CTA streams its
     # diagonal block first; 192-key tiles stream the partial last tile first.
     ("overlap", _config(fwd_intra_wg_overlap=True, block_kv=128), _case(333, 200, kh=2,
                                                                           is_causal=True)),
     ("overlap", _config(fwd_intra_wg_overlap=True, block_kv=192), _case(130, 500, d=128)),
     # The persistent kernel with several tiles per CTA, heads or q tiles fastest.
-    ("persistent", _config(fwd_persistent=True, heads_fastest=True, block_kv=256,
-                           debug=dict(persistent_ctas=2)), _case(200, 300, h=3)),
+    pytest.param("persistent", _config(fwd_persistent=True, heads_fastest=True, block_kv=256,
+                                       debug=dict(persistent_ctas=2)), _case(200, 300, h=3),
+                 marks=pytest.mark.slow),  # heads_fastest is no default
     ("persistent", _config(fwd_persistent=True, fwd_intra_wg_overlap=True,
                            debug=dict(persistent_ctas=2)), _case(200, 200, h=3, d=128)),
     # The last wave split along the keys: 2 CTAs per wave, 3 parts per tail tile.
@@ -59,8 +61,8 @@ FORMS = [
 ]
 
 
-@pytest.mark.parametrize("name, config, case", FORMS,
-                         ids=[f"{n}-{c.id}" for n, _, c in FORMS])
+@pytest.mark.parametrize("name, config, case", FORMS, ids=[
+    f"{f[0]}-{f[2].id}" for f in (getattr(f, "values", f) for f in FORMS)])
 def test_kernel_forms_match_reference(name, config, case):
   del name
   check_against_reference("mosaic", case, config=config)
@@ -92,12 +94,12 @@ def test_features_match_reference(case):
 # moves the output far past the tolerance.
 ALIBI = [
     ("plain", _config(), _case(200, 170, features=("alibi",))),
-    ("window_softcap", _config(), _case(190, 130, is_causal=True, lengths=True,
-                                        features=("alibi", "softcap", "window"))),
 ]
 # Mosaic runs ALiBi only when asked (not yet measured on an H200, so no default path): the
 # other forms, GQA and head dim 256 run with -m slow.
 ALIBI_SLOW = [
+    ("window_softcap", _config(), _case(190, 130, is_causal=True, lengths=True,
+                                        features=("alibi", "softcap", "window"))),
     ("causal_segments", _config(), _case(300, 300, h=4, kh=2, is_causal=True, segments=True,
                                          features=("alibi",))),
     ("overlap_gqa", _config(fwd_intra_wg_overlap=True, block_kv=128),
