@@ -31,6 +31,7 @@ def _assert_checked_and_timed(row: dict, outputs: set[str]) -> None:
   assert row["ratio_plain"] > 0 and row["plain_impl"] == "xla", row
 
 
+@pytest.mark.slow  # 22 rows, ~14 s on 2 cores; the test below runs three rows end to end
 def test_the_whole_grid(tmp_path):
   """One run of the grid (a module fixture would run once per xdist worker)."""
   grid = _run(tmp_path, "--impl", "xla", "--mode", "fwd")
