@@ -17,6 +17,8 @@ import contextlib
 import dataclasses
 import json
 import os
+import pathlib
+import subprocess
 import sys
 
 DEVICES = 8
@@ -338,23 +340,45 @@ def _check_steps(case: CPCase, kwargs) -> None:
   assert sends == 2 * runs, f"{sends} collective-permutes (k and v) for ring steps {case.steps}"
 
 
-def main(group: str) -> None:
+def run_on_host_devices(cases, check_case, devices: int) -> None:
+  """Runs `check_case` on each case with `devices` host CPU devices (before jax starts its CPU
+  client) and prints one JSON line {case id: error or null}."""
   os.environ["XLA_FLAGS"] = " ".join([
-      os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={DEVICES}",
+      os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={devices}",
       # Compiling dominates these small cases; optimising the CPU code does not pay.
       "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"])
   import jax
 
   jax.config.update("jax_platforms", "cpu")
-  assert len(jax.devices()) == DEVICES, jax.devices()
+  assert len(jax.devices()) == devices, jax.devices()
   results = {}
-  for case in GROUPS[group]:
+  for case in cases:
     try:
-      check(case)
+      check_case(case)
       results[case.id] = None
     except Exception as e:  # noqa: BLE001 (reported per case by the test)
-      results[case.id] = f"{type(e).__name__}: {e}"
+      results[case.id] = f"{type(e).__name__}: {str(e)[:2000]}"
   print(json.dumps(results))
+
+
+def assert_all_pass_in_subprocess(script: str, cases, *args: str) -> None:
+  """Runs `python tests/<script> ARGS` (run_on_host_devices in a fresh process) and fails
+  with every failing case's error, or when a case did not report."""
+  here = pathlib.Path(__file__).resolve().parent
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join(filter(None, [str(here.parent),
+                                                      os.environ.get("PYTHONPATH")])))
+  proc = subprocess.run([sys.executable, str(here / script), *args], capture_output=True,
+                        text=True, cwd=here.parent, env=env, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  results = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert set(results) == {case.id for case in cases}
+  failed = {name: why for name, why in results.items() if why is not None}
+  assert not failed, "\n".join(f"{name}: {why}" for name, why in failed.items())
+
+
+def main(group: str) -> None:
+  run_on_host_devices(GROUPS[group], check, DEVICES)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ partitioner can split: see `auto_splits`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 
@@ -128,21 +127,8 @@ def check(case: ShardCase) -> None:
 
 
 def main() -> None:
-  os.environ["XLA_FLAGS"] = " ".join([
-      os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={DEVICES}",
-      "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"])
-  import jax
-
-  jax.config.update("jax_platforms", "cpu")
-  assert len(jax.devices()) == DEVICES, jax.devices()
-  results = {}
-  for case in CASES:
-    try:
-      check(case)
-      results[case.id] = None
-    except Exception as e:  # noqa: BLE001 (reported per case by the test)
-      results[case.id] = f"{type(e).__name__}: {str(e)[:2000]}"
-  print(json.dumps(results))
+  from context_parallel_checks import run_on_host_devices
+  run_on_host_devices(CASES, check, DEVICES)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,6 @@ entry points)."""
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import context_parallel_checks as checks
 import jax
 import jax.numpy as jnp
@@ -25,25 +19,13 @@ from pallas_flash.context_parallel import layout as layouts
 from pallas_flash.context_parallel import plan as plans
 from pallas_flash.context_parallel import sharding
 
-HERE = pathlib.Path(__file__).resolve().parent
-
 
 # ring-8 (an 8-device ring with soft cap, masked rows and a window's skipped steps) repeats
 # what ring-2-4 and all-gather cover at 8 devices: it runs with -m slow.
 @pytest.mark.parametrize("group", [pytest.param(g, marks=pytest.mark.slow) if g == "ring-8"
                                    else g for g in checks.GROUPS])
 def test_against_reference_on_8_devices(group):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent),
-                                                      os.environ.get("PYTHONPATH")])))
-  proc = subprocess.run([sys.executable, str(HERE / "context_parallel_checks.py"), group],
-                        capture_output=True, text=True, cwd=HERE.parent, env=env, timeout=600,
-                        check=False)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  results = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert set(results) == {case.id for case in checks.GROUPS[group]}
-  failed = {name: why for name, why in results.items() if why is not None}
-  assert not failed, "\n".join(f"{name}: {why}" for name, why in failed.items())
+  checks.assert_all_pass_in_subprocess("context_parallel_checks.py", checks.GROUPS[group], group)
 
 
 # The planner, checked exhaustively without devices
