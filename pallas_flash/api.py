@@ -302,29 +302,26 @@ def flash_attention(
     raise ValueError("Pass one of `return_residuals` (float32 [B, H, T], differentiable) and "
                      "`return_residual` (jax.nn's: [B, T, H] in the input dtype, "
                      "stop_gradient), not both.")
-  jax_nn_lse = return_residual
+  jax_nn_lse = return_residual  # the lse is returned, then converted by _as_jax_nn
+  return_residuals = return_residuals or jax_nn_lse
   del return_residual
   # -- context parallelism: a sequence split over mesh axes runs as ring / all-gather
   # attention under shard_map (pallas_flash.context_parallel.sharding). --
   if (cp := _cp_sharding.sequence_sharding(query, key, value)) is not None:
     # the arguments above, and cp
     args = {n: x for n, x in locals().items() if n not in ("sinks", "jax_nn_lse")}
-    if sinks is None and not jax_nn_lse:
-      return _cp_sharding.sharded_attention(**args)
+    if sinks is None:
+      return _as_jax_nn(_cp_sharding.sharded_attention(**args), jax_nn_lse)
     o, lse = _cp_sharding.sharded_attention(**{**args, "return_residuals": True})
-    if sinks is not None:
-      o, lse = merge.add_sinks(o, lse, validation.check_sinks(sinks, query.shape[-2]))
-    return _as_jax_nn((o, lse), jax_nn_lse) if return_residuals or jax_nn_lse else o
+    o, lse = merge.add_sinks(o, lse, validation.check_sinks(sinks, query.shape[-2]))
+    return _as_jax_nn((o, lse), jax_nn_lse) if return_residuals else o
   # Batch / head splits visible here run per shard under shard_map, so that every backend's
   # loops and kernels see local shapes (Explicit axes cannot enter their carries). Dropout and
   # block masks index global batch / head positions and stay on the global call.
   if (dropout_rate == 0.0 and block_mask is None
       and (split := _cp_sharding.batch_head_sharding(query)) is not None):
     args = {n: x for n, x in locals().items() if n != "jax_nn_lse"}
-    results = _cp_sharding.split_attention(
-        flash_attention, **{**args, "return_residuals": return_residuals or jax_nn_lse})
-    return _as_jax_nn(results, jax_nn_lse)
-  return_residuals = return_residuals or jax_nn_lse
+    return _as_jax_nn(_cp_sharding.split_attention(flash_attention, **args), jax_nn_lse)
   # --
   call = validation.canonicalize(query, key, value, scale=scale, is_causal=is_causal,
                        query_seq_lengths=query_seq_lengths,
