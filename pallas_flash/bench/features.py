@@ -375,8 +375,14 @@ def _our_call(case: _Case, forced: str | None) -> tuple[str | None, str | None, 
   a skip reason in place of the implementation where it cannot run."""
   how = _explain(case)
   impl = forced or how.chosen
-  if impl is None or how.reasons.get(impl) is not None:
+  if impl is None or (not forced and how.reasons.get(impl) is not None):
     return None, how.chosen, None, None
+  if forced:  # explain()'s reasons include what automatic choice avoids but a named call runs
+    q, k, v, _, arrays = case.args
+    try:
+      jax.eval_shape(_ours(forced, case.feature, case.static), q, k, v, arrays)
+    except NotImplementedError:
+      return None, how.chosen, None, None
   # A BlockMask's blocks are the config's: the slice's rebuilt mask brings them.
   config = how.config if impl == how.chosen and "block_mask" not in case.args[4] else None
   return (impl, how.chosen, _ours(impl, case.feature, case.static),
@@ -408,7 +414,8 @@ def run_features(opts, dtype, on_rows=lambda rows: None) -> list[dict]:
     if impl is None:
       how = _explain(case)
       reason = how.reasons.get(forced) if forced else "explain() finds no implementation"
-      return impl, chosen, {"status": "skip", "reason": reason}, None
+      return impl, chosen, {"status": "skip", "reason": reason, "rel_errs": None,
+                            "rel_err": None, "compile_s": None}, None
     return (impl, chosen, *_prepare(case, attn, rerun=rerun))
 
   def baseline(mode, causal):
