@@ -227,6 +227,7 @@ def _bad_inputs():
                                                       page_size=16))
   table = kw["page_table"]
   nk = jnp.zeros((2, 2, 2, 32))
+  contiguous = make_decode_inputs(DecodeCase(seqlens=(30, 10), q_len=2, capacity=64))[:4]
   return [
       ("table rank", (q, kc, vc, lens), dict(page_table=table[0]), ValueError,
        r"`page_table` must have rank 2 \[batch, max_pages_per_seq\]"),
@@ -259,6 +260,14 @@ def _bad_inputs():
        NotImplementedError, "no Mosaic"),
       ("rotary tables", (q, kc, vc, lens), dict(page_table=table, rotary=(jnp.ones((10, 8)),) * 2),
        ValueError, "cover positions 0..9, but the cache holds 64"),
+      ("flash paged", (q, kc, vc, lens), dict(page_table=table, implementation="flash"),
+       NotImplementedError, "'flash' cannot run this call: a paged cache"),
+      ("flash window", contiguous, dict(implementation="flash", local_window_size=8),
+       NotImplementedError, "'flash' cannot run this call: a local window"),
+      ("flash num_splits", contiguous, dict(implementation="flash", num_splits=2),
+       NotImplementedError, "num_splits splits the keys"),
+      ("flash config type", contiguous, dict(implementation="flash", config=XlaDecodeConfig()),
+       NotImplementedError, "takes a FlashSplitConfig"),
   ]
 
 
@@ -267,6 +276,11 @@ def _bad_inputs():
 def test_bad_input_names_the_argument_and_the_fix(args, kwargs, error, match):
   with pytest.raises(error, match=match):
     pallas_flash.decode_attention(*args, **kwargs)
+
+
+def test_flash_split_config_names_flash_attentions_implementations():
+  with pytest.raises(ValueError, match="flash_implementation must be None or one of"):
+    pallas_flash.FlashSplitConfig(flash_implementation="cudnn")
 
 
 def test_explain_on_cpu_and_for_h200():

@@ -79,3 +79,57 @@ def test_generation_loop_on_gpu():
   ref = pallas_flash.decode_reference(q.astype(jnp.float32), kc_n.astype(jnp.float32),
                                       vc_n.astype(jnp.float32), lens + 64, page_table=table)
   assert_close_to_ref("out", last, ref[0], tolerance(jnp.bfloat16))
+
+
+# The chunked-prefill route ("flash": the cached prefix and the chunk as two flash_attention
+# calls on the Mosaic kernels, merged), chosen automatically for these on an H200. Ragged
+# lengths: an empty cache, one shorter than the chunk (no append: its first queries see no
+# key) and a full one; NaN in every slot past the lengths.
+PREFILL_CASES = [
+    DecodeCase(seqlens=_ragged(4, 8192, 10, q_len=512), q_len=512, capacity=8192, append=True,
+               **_LLAMA),
+    DecodeCase(seqlens=(0, 300, 20000, 32768), q_len=512, capacity=32768, **_LLAMA),
+    DecodeCase(seqlens=_ragged(2, 32768, 11, q_len=512), q_len=512, capacity=32768,
+               append=True, rotary=500_000.0, softcap=50.0, **_LLAMA),
+    DecodeCase(seqlens=_ragged(3, 16384, 12, q_len=1024), q_len=1024, num_heads=16,
+               num_kv_heads=2, head_dim=64, capacity=16384, append=True, dtype=jnp.float16),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: c.id)
+def test_prefill_route_against_reference(case):
+  q, kc, vc, lens, kw = make_decode_inputs(case)
+  explanation = pallas_flash.decode_explain(q, kc, vc, lens, **kw)
+  assert explanation.chosen == "flash", str(explanation)
+  assert explanation.config.flash_implementation == "mosaic", str(explanation)
+  check_decode(None, case, seed=case_seed(case))
+
+
+def test_chunked_prefill_loop_on_the_route():
+  """A 2048-token prompt appended in four 512-token chunks inside a jitted lax.scan with the
+  caches donated: the last chunk's output equals the reference over the final caches."""
+  case = DecodeCase(seqlens=(1000, 0, 6144), q_len=512, capacity=8192, append=True, **_LLAMA)
+  _, kc, vc, lens, _ = make_decode_inputs(case)
+  b, chunks, t = case.batch, 4, case.q_len
+  keys = jax.random.split(jax.random.key(3), 3)
+  qs = jax.random.normal(keys[0], (chunks, b, t, 32, 128), jnp.bfloat16)
+  ks = jax.random.normal(keys[1], (chunks, b, t, 8, 128), jnp.bfloat16)
+  vs = jax.random.normal(keys[2], (chunks, b, t, 8, 128), jnp.bfloat16)
+  assert pallas_flash.decode_explain(qs[0], kc, vc, lens, new_key=ks[0],
+                                     new_value=vs[0]).chosen == "flash"
+
+  def prefill(kc, vc, lens):
+    def step(carry, x):
+      kc, vc, lens = carry
+      out, kc, vc = pallas_flash.decode_attention(x[0], kc, vc, lens, new_key=x[1],
+                                                  new_value=x[2], rotary=10_000.0)
+      return (kc, vc, lens + t), out
+
+    (kc, vc, _), outs = jax.lax.scan(step, (kc, vc, lens), (qs, ks, vs))
+    return kc, vc, outs[-1]
+
+  kc_n, vc_n, last = jax.jit(prefill, donate_argnums=(0, 1))(kc, vc, lens)
+  ref = pallas_flash.decode_reference(qs[-1].astype(jnp.float32), kc_n.astype(jnp.float32),
+                                      vc_n.astype(jnp.float32), lens + chunks * t,
+                                      rotary=10_000.0)
+  assert_close_to_ref("out", last, ref[0], tolerance(jnp.bfloat16))

@@ -11,8 +11,11 @@ lengths * K * D * itemsize) / time, and that bandwidth as a fraction of the copy
 each anchor cell gives its microseconds and our speed-up over it.
 
 Chunked prefill rows: Tq new tokens (B = 1) against a 32K cache, end-aligned causal, in TFLOP/s
-(4 * H * D * visible pairs) next to `flash_attention` running the same mask (a window
-(n, n - Tq) over the n cached keys) and cuDNN's.
+(4 * H * D * visible pairs): ours (the default path: on Hopper from FLASH_SPLIT_MIN_Q_LEN
+tokens the "flash" route, two flash_attention calls merged; the row names the path) next to
+split_kv (the split-KV kernel: implementation "triton" on GPU, "xla" off it), `flash_attention`
+running the same mask in one call (a window (n, n - Tq) over the n cached keys) and cuDNN's;
+each anchor cell gives ours / anchor.
 
 Shapes: 32 query / 8 kv heads, D 128 (Llama-3-8B's attention), page 64. --quick: four
 points and one prefill row. The full grid compiles each point's executables in parallel and
@@ -40,7 +43,8 @@ from pallas_flash.bench import checks, flops, timing
 OURS = ("ours", "xla", "interpret")
 ANCHORS = ("cudnn", "jax_xla", "jaxops_gqa", "jaxops_paged", "torch")
 DECODE_IMPLS = OURS + ANCHORS
-PREFILL_ANCHORS = ("flash", "cudnn")
+PREFILL_ANCHORS = ("split_kv", "flash", "cudnn")
+PREFILL_ONLY = ("split_kv", "flash")  # anchors of the prefill rows only
 # max|x - ref| / max|ref| above which a row is FAIL (the attention benchmark's tolerances).
 TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}
 # Decode-mode timing defaults (the flags override them): short loops, few rounds.
@@ -59,7 +63,7 @@ class Grid:
   num_kv_heads: int = 8
   head_dim: int = 128
   page_size: int = 64
-  prefill_q_lens: tuple[int, ...] = (512, 1024, 2048, 4096)
+  prefill_q_lens: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
   prefill_cache: int = 32768
   lengths: tuple[str, ...] = ("uniform", "ragged")
 
@@ -112,11 +116,11 @@ def _impls(opts) -> list[str]:
     unknown = set(impls) - set(DECODE_IMPLS) - set(PREFILL_ANCHORS)
     if unknown:
       raise SystemExit(f"Unknown decode implementations {sorted(unknown)}; choose from "
-                       f"{DECODE_IMPLS + ('flash',)}.")
+                       f"{DECODE_IMPLS + PREFILL_ONLY}.")
     return impls
   if jax.devices()[0].platform == "gpu":
-    return ["ours", *ANCHORS, "flash"]
-  return ["ours", "jax_xla", "flash"]
+    return ["ours", *ANCHORS, *PREFILL_ONLY]
+  return ["ours", "jax_xla", *PREFILL_ONLY]
 
 
 def _ours_kwargs(opts) -> dict:
@@ -293,7 +297,7 @@ def run_point(grid: Grid, batch: int, cache: int, layout: str, impls: list[str],
   if layout == "paged":
     table = jnp.asarray(_page_table(batch, cache, grid.page_size, opts.seed))
   calls = {i: _call(i, layout, ours_kw=_ours_kwargs(opts), page_size=grid.page_size)
-           for i in impls if i not in ("torch", "flash")}
+           for i in impls if i != "torch"}
   calls = {i: f for i, f in calls.items() if f is not None}
   kv = {}
   if "jaxops_paged" in calls:  # its layout [K, pages, page, D]: a copy made once, not timed
@@ -386,8 +390,13 @@ def run_prefill(grid: Grid, impls: list[str], dtype, opts) -> list[dict]:
     pairs = tq * (n - tq) + tq * (tq + 1) // 2
     flop = 4.0 * h * d * pairs
     window = (n, n - tq)  # query i (at n - tq + i) sees keys 0 .. n - tq + i
-    calls = {"ours": lambda q, k, v: pallas_flash.decode_attention(q, k, v, lens,
-                                                                   **_ours_kwargs(opts))}
+    ours_kw = _ours_kwargs(opts)
+    calls = {"ours": lambda q, k, v: pallas_flash.decode_attention(q, k, v, lens, **ours_kw)}
+    path = pallas_flash.decode_explain(q, k, v, lens, **ours_kw).chosen
+    if "split_kv" in impls:
+      split_kv = "triton" if jax.devices()[0].platform == "gpu" else "xla"
+      calls["split_kv"] = functools.partial(pallas_flash.decode_attention,
+                                            cache_seqlens=lens, implementation=split_kv)
     if "flash" in impls:
       calls["flash"] = functools.partial(pallas_flash.flash_attention, local_window_size=window)
     if "cudnn" in impls and jax.devices()[0].platform == "gpu":
@@ -400,7 +409,8 @@ def run_prefill(grid: Grid, impls: list[str], dtype, opts) -> list[dict]:
     fns, group = {}, []
     for impl, exe in compiled.items():
       row = _row("prefill", impl, q_len=tq, cache=n, batch=1, num_heads=h, num_kv_heads=kh,
-                 head_dim=d, dtype=jnp.dtype(dtype).name, flops=flop)
+                 head_dim=d, dtype=jnp.dtype(dtype).name, flops=flop,
+                 path=path if impl == "ours" else None)
       group.append(row)
       if isinstance(exe, Exception):
         row.update(status="error", reason=f"{type(exe).__name__}: {str(exe).strip()[:300]}")
@@ -442,7 +452,7 @@ def _anchor_cell(r: dict) -> str:
 
 
 def print_header(impls: list[str], grid: Grid, dtype) -> None:
-  anchors = [i for i in impls if i not in ("flash",) and i != impls[0]]
+  anchors = impls[1:]
   print(f"\ndecode, {jnp.dtype(dtype).name}, H {grid.num_heads} / K {grid.num_kv_heads}, "
         f"D {grid.head_dim}, page {grid.page_size}. TB/s = K+V bytes read / time; %copy = that"
         " / (2 x bytes / a jnp copy's time); us: per call, back to back; dev us: its kernels'"
@@ -454,7 +464,7 @@ def print_header(impls: list[str], grid: Grid, dtype) -> None:
 
 def print_rows(rows: list[dict], impls: list[str]) -> None:
   """One table line per (layout, lengths, B, cache)."""
-  anchors = [i for i in impls if i not in ("flash",) and i != impls[0]]
+  anchors = impls[1:]
   by_key: dict[tuple, dict[str, dict]] = {}
   for r in rows:
     by_key.setdefault((r["layout"], r["lengths"], r["batch"], r["cache"]), {})[r["impl"]] = r
@@ -476,7 +486,8 @@ def print_prefill(group: list[dict]) -> None:
   r0 = group[0]
   cells = []
   for r in group:
-    cell = f"{r['impl']} {flops.format_tflops(r.get('tflops'))} TFLOP/s"
+    name = f"{r['impl']} [{r['path']}]" if r.get("path") else r["impl"]
+    cell = f"{name} {flops.format_tflops(r.get('tflops'))} TFLOP/s"
     if r is not r0 and r.get("ours_ratio"):
       cell += f" (ours {r['ours_ratio']:.2f}x)"
     if r["status"] != "ok":
@@ -493,10 +504,11 @@ def print_prefill(group: list[dict]) -> None:
 def run_decode(opts, dtype, on_rows=lambda rows: None) -> list[dict]:
   """Every decode point and prefill row; prints as it goes and passes rows to `on_rows`."""
   grid, impls = _grid(opts), _impls(opts)
+  decode_impls = [i for i in impls if i not in PREFILL_ONLY]
   layouts = [x.strip() for x in opts.layouts.split(",") if x.strip()]
   rows: list[dict] = []
   if opts.prefill != "only":
-    print_header(impls, grid, dtype)
+    print_header(decode_impls, grid, dtype)
     for cache in grid.caches:
       for batch in grid.batches:
         gib = 2 * batch * cache * grid.num_kv_heads * grid.head_dim * jnp.dtype(dtype).itemsize
@@ -510,14 +522,16 @@ def run_decode(opts, dtype, on_rows=lambda rows: None) -> list[dict]:
                   _random_cache(keys[1], shape=shape, dtype=dtype),
                   _random_cache(keys[2], shape=shape, dtype=dtype))
         for layout in layouts:
-          point = run_point(grid, batch, cache, layout, impls, dtype, opts, inputs)
-          print_rows(point, impls)
+          point = run_point(grid, batch, cache, layout, decode_impls, dtype, opts, inputs)
+          print_rows(point, decode_impls)
           rows += point
           on_rows(rows)
         del inputs
   if opts.prefill != "no" and grid.prefill_q_lens:
     print(f"\nchunked prefill, B 1, cache {_tokens(grid.prefill_cache)} (end-aligned causal), "
-          f"TFLOP/s = 4 H D x visible pairs / time; flash = flash_attention with the same mask")
+          f"TFLOP/s = 4 H D x visible pairs / time; ours [the path it ran]; split_kv = the "
+          f"split-KV kernel; flash = flash_attention with the same mask in one call; "
+          f"(ours Nx) = ours / anchor")
     rows += run_prefill(grid, [i for i in impls if i in PREFILL_ANCHORS], dtype, opts)
     on_rows(rows)
   return rows

@@ -7,8 +7,10 @@ count once (`_plan`, also what `decode_explain` reports) -> append the new token
 Implementations follow one contract (decode.call): "triton" (Triton-lowered Pallas kernel, any
 NVIDIA GPU from Ampere), "interpret" (that kernel in the Pallas interpreter, any platform),
 "xla" (the same plan in lax loops, any platform), "reference" (materialising, for tests).
-"mosaic" is the slot for a Hopper kernel: listed first in the automatic order, it refuses every
-call until a module with the contract is registered in `_MODULES`.
+"mosaic" is the slot for a Hopper kernel: it refuses every call until a module with the
+contract is registered in `_MODULES`. "flash" is the chunked-prefill route (decode.flash_split):
+the cached prefix and the new tokens as two `flash_attention` calls, merged; chosen first
+where it pays (long chunks whose pieces flash_attention runs on its Mosaic kernels).
 """
 
 from __future__ import annotations
@@ -24,16 +26,16 @@ import jax.numpy as jnp
 
 from pallas_flash import merge
 from pallas_flash import validation as attention_validation
-from pallas_flash.decode import cache, validation
+from pallas_flash.decode import cache, flash_split, validation
 from pallas_flash.decode import config as decode_config
 from pallas_flash.decode.call import DecodeInfo, DecodeParams, sequence_lengths
 from pallas_flash.decode.reference import decode_reference
 
 __all__ = ["IMPLEMENTATIONS", "DecodeExplanation", "decode_attention", "decode_explain"]
 
-Implementation = Literal["mosaic", "triton", "interpret", "xla", "reference"]
-IMPLEMENTATIONS: tuple[str, ...] = ("mosaic", "triton", "interpret", "xla", "reference")
-AUTO_ORDER: tuple[str, ...] = ("mosaic", "triton", "xla")  # fastest first
+Implementation = Literal["flash", "mosaic", "triton", "interpret", "xla", "reference"]
+IMPLEMENTATIONS: tuple[str, ...] = ("flash", "mosaic", "triton", "interpret", "xla", "reference")
+AUTO_ORDER: tuple[str, ...] = ("flash", "mosaic", "triton", "xla")  # fastest first
 
 _MODULES = {
     "triton": ("pallas_flash.decode.triton", {"interpret": False}),
@@ -69,7 +71,11 @@ def _load(name: str) -> _Backend | str:
                   mod.tiles, mod.CONFIG_TYPE)
 
 
-def _reason(name: str, info: DecodeInfo, config) -> str | None:
+def _reason(name: str, info: DecodeInfo, config, num_splits=None, *,
+            auto: bool = False) -> str | None:
+  """Why `name` cannot run the call (auto: or is not chosen for it automatically)."""
+  if name == flash_split.NAME:
+    return flash_split.reason(info, config, num_splits, auto=auto)
   if name == "reference":
     return None if config is None else "the reference takes no config"
   backend = _load(name)
@@ -84,7 +90,8 @@ def _reason(name: str, info: DecodeInfo, config) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class DecodeExplanation:
   """What `decode_attention` runs for a call: the implementation, its config, the split count
-  and why; and why each other implementation was not chosen."""
+  and why; and why each other implementation was not chosen. `route` says which path runs:
+  the split-KV kernel of `chosen`, or (chosen "flash") the chunked-prefill route."""
 
   chosen: str | None  # None: nothing can run the call
   reasons: dict[str, str | None]  # None: could run it
@@ -94,10 +101,14 @@ class DecodeExplanation:
   block_m: int | None = None  # query rows per program
   block_kv: int | None = None  # keys per step
   programs: int | None = None  # programs of the kernel's grid
+  route: str = ""
 
   def __str__(self) -> str:
     if self.chosen is None:
       lines = ["decode_attention cannot run this call"]
+    elif self.chosen == flash_split.NAME:
+      lines = [f"decode_attention runs {self.chosen!r}: {self.route}",
+               f"  config: {self.config}"]
     else:
       lines = [f"decode_attention runs {self.chosen!r} with num_splits={self.num_splits} "
                f"({self.splits_reason})"]
@@ -126,8 +137,10 @@ def _plan(info: DecodeInfo, implementation, config, num_splits) -> DecodeExplana
                                  or num_splits < 1):
     raise ValueError(f"`num_splits` must be None (chosen from the shapes) or a Python int >= 1, "
                      f"got {num_splits!r}.")
-  reasons = {name: _reason(name, info, config) for name in IMPLEMENTATIONS}
+  reasons = {name: _reason(name, info, config, num_splits, auto=True) for name in IMPLEMENTATIONS}
   if implementation is not None:
+    # Asked for by name: only whether it can run counts (the route's threshold does not).
+    reasons[implementation] = _reason(implementation, info, config, num_splits)
     if reasons[implementation] is not None:
       raise NotImplementedError(f"implementation={implementation!r} cannot run this call: "
                                 f"{reasons[implementation]}")
@@ -139,6 +152,14 @@ def _plan(info: DecodeInfo, implementation, config, num_splits) -> DecodeExplana
           f"  {n}: {r}" for n, r in reasons.items()))
   if chosen == "reference":
     return DecodeExplanation(chosen, reasons, None, 1, "the reference scores every key at once")
+  if chosen == flash_split.NAME:
+    resolved = flash_split.config_for(info, config)
+    why = ("implementation='flash' was passed" if implementation is not None else
+           "config is a FlashSplitConfig" if config is not None else
+           f"Tq={info.q_len} >= FLASH_SPLIT_MIN_Q_LEN={decode_config.FLASH_SPLIT_MIN_Q_LEN} "
+           f"on flash_attention's {resolved.flash_implementation!r} kernels")
+    return DecodeExplanation(chosen, reasons, resolved, 1, "flash_attention splits no keys",
+                             route=f"{flash_split.describe(info, resolved)}; {why}")
   backend = _load(chosen)
   resolved = backend.config_for(info, config)
   block_m, block_kv = backend.tiles(resolved)
@@ -148,7 +169,8 @@ def _plan(info: DecodeInfo, implementation, config, num_splits) -> DecodeExplana
   else:
     splits, why = num_splits, "num_splits was passed"
   programs = info.batch * info.num_kv_heads * -(-info.rows // block_m) * splits
-  return DecodeExplanation(chosen, reasons, resolved, splits, why, block_m, block_kv, programs)
+  return DecodeExplanation(chosen, reasons, resolved, splits, why, block_m, block_kv, programs,
+                           route=f"the split-KV kernel of {chosen!r}")
 
 
 def decode_explain(query, key_cache, value_cache, cache_seqlens, **kwargs) -> DecodeExplanation:
@@ -228,9 +250,14 @@ def decode_attention(
       merge with attention over other keys (`merge_attention_states`).
     num_splits: key splits per sequence (split-KV); None chooses from the shapes (see
       `decode_explain`). Each split's range is computed on device from the lengths.
-    implementation: None picks the fastest that can run the call ("triton" on GPU, "xla"
-      elsewhere); or "triton", "interpret", "xla", "reference" ("mosaic" is reserved).
-    config: a `TritonDecodeConfig` or `XlaDecodeConfig` overriding the backend's tiles.
+    implementation: None picks the fastest that can run the call: "flash" for chunked prefill
+      on Hopper (Tq >= decode.config.FLASH_SPLIT_MIN_Q_LEN, contiguous cache, no window),
+      else "triton" on GPU and "xla" elsewhere (`decode_explain` says which and why); or one
+      of "flash", "triton", "interpret", "xla", "reference" ("mosaic" is reserved). "flash"
+      runs the cached prefix and the new tokens as two `flash_attention` calls and merges
+      them (docs/decode.md); by name it runs on any platform.
+    config: a `TritonDecodeConfig` or `XlaDecodeConfig` overriding the backend's tiles, or a
+      `FlashSplitConfig` (flash_attention's implementation and config for the "flash" route).
     checked: add `jax.experimental.checkify` checks of the values (lengths within the cache,
       the append fitting, used pages inside the pool); run the caller under
       `checkify.checkify` to get them as errors. Without it, eager calls (concrete values)
@@ -278,6 +305,7 @@ def _run(call: validation.DecodeCall, plan: DecodeExplanation):
   info = call.info
   rot = dict(theta=call.rotary_theta, cos=call.rotary_cos, sin=call.rotary_sin)
   k_cache, v_cache = call.key_cache, call.value_cache
+  new_key = None
   if info.appends:
     new_key = call.new_key
     if info.rotary:
@@ -290,6 +318,10 @@ def _run(call: validation.DecodeCall, plan: DecodeExplanation):
     lengths = sequence_lengths(call.seqlens, q_len=info.q_len, appends=info.appends,
                                capacity=info.capacity)
     q = cache.rotate(q, jnp.maximum(cache.query_positions(info, lengths), 0), **rot)
+  if plan.chosen == flash_split.NAME:
+    out, lse = flash_split.attend(q, k_cache, v_cache, call.seqlens, new_key, call.new_value,
+                                  info=info, config=plan.config)
+    return out, lse, k_cache, v_cache
   params = DecodeParams.create(info, plan.num_splits)
   # The backends derive each sequence's length from cache_seqlens themselves (no XLA op).
   out, lse = _load(plan.chosen).attend(q, k_cache, v_cache, call.seqlens, call.page_table,

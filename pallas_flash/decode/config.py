@@ -9,7 +9,9 @@ the device from the lengths (`cache_seqlens`), so ragged batches split every seq
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+from pallas_flash import backends as flash_backends
 from pallas_flash.decode.call import DecodeInfo
 
 
@@ -52,6 +54,38 @@ class XlaDecodeConfig:
   def __post_init__(self):
     if self.block_kv is not None and self.block_kv < 1:
       raise ValueError(f"XlaDecodeConfig.block_kv must be positive, got {self.block_kv}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FlashSplitConfig:
+  """The chunked-prefill route (implementation "flash", decode/flash_split.py): the call as
+  two `flash_attention` calls (the cached prefix, the new tokens), merged.
+
+  flash_implementation: flash_attention's implementation for both calls; None takes the one
+    flash_attention's `explain` chooses for them ("mosaic" on Hopper, "xla" off-GPU).
+    "xla", "interpret" or "reference" run the route on a CPU for tests.
+  flash_config: that implementation's config (a MosaicConfig, TritonConfig or XlaConfig) for
+    both calls; None: each call's default.
+  """
+
+  flash_implementation: str | None = None
+  flash_config: Any = None
+
+  def __post_init__(self):
+    if (self.flash_implementation is not None
+        and self.flash_implementation not in flash_backends.IMPLEMENTATIONS):
+      raise ValueError(f"FlashSplitConfig.flash_implementation must be None or one of "
+                       f"flash_attention's {flash_backends.IMPLEMENTATIONS}, got "
+                       f"{self.flash_implementation!r}.")
+
+
+# Query tokens from which `implementation=None` runs a call on the "flash" route, where
+# flash_attention would run its pieces on the Mosaic (Hopper) kernels. Below it a chunk fills
+# few of those kernels' 128-row query tiles (B * H * ceil(Tq / 128) CTAs: 64 at B = 1, 32
+# heads, Tq = 256, half of an H200's SMs), while the split-KV kernel packs Tq * G rows per kv
+# head and splits the keys to fill the GPU. A first guess between the two, not yet measured on
+# the GPU (`python -m pallas_flash.bench --decode --prefill only` times both at 256-4096).
+FLASH_SPLIT_MIN_Q_LEN = 256
 
 
 # First guesses, not yet swept on the H200 (`python -m pallas_flash.bench --decode

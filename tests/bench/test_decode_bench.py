@@ -19,7 +19,7 @@ pytestmark = pytest.mark.xdist_group(__name__)
 def rows(tmp_path_factory) -> list[dict]:
   out = tmp_path_factory.mktemp("decode") / "rows.json"
   bench.main(["--decode", "--grid", "cpu", "--dtype", "f32", "--batches", "3", "--caches",
-              "96", "--impl", "ours,jax_xla,torch,flash", *FAST, "--json", str(out)])
+              "96", "--impl", "ours,jax_xla,torch,split_kv,flash", *FAST, "--json", str(out)])
   return json.loads(out.read_text())
 
 
@@ -49,12 +49,13 @@ def test_bytes_read_count_the_valid_tokens(rows):
 
 def test_prefill_rows_compare_with_flash_attention(rows):
   prefill = {r["impl"]: r for r in rows if r["kind"] == "prefill"}
-  assert set(prefill) == {"ours", "flash"}
+  assert set(prefill) == {"ours", "split_kv", "flash"}
+  assert prefill["ours"]["path"] == "xla"  # off-GPU and Tq = 8: the split-KV path
   n, tq = prefill["ours"]["cache"], prefill["ours"]["q_len"]
   assert prefill["ours"]["flops"] == 4.0 * 4 * 32 * (tq * (n - tq) + tq * (tq + 1) // 2)
   for r in prefill.values():
     assert r["status"] == "ok" and r["tflops"] > 0, r
-  assert prefill["flash"]["ours_ratio"] > 0
+  assert prefill["flash"]["ours_ratio"] > 0 and prefill["split_kv"]["ours_ratio"] > 0
 
 
 def test_points_over_the_memory_cap_are_skipped(tmp_path, capsys):
