@@ -197,6 +197,20 @@ def call_config(head_dim: int, params: AttentionParams, kv_len: int, batch: int)
   return config
 
 
+# The head dims the kernels are built for. A call with other head dims (query/key D, value Dv,
+# both at most the last) runs them zero-padded to kernel_head_dim(D, Dv).
+KERNEL_HEAD_DIMS = (64, 128, 256)
+
+
+def kernel_head_dim(head_dim: int, value_head_dim: int) -> int:
+  """The kernels' head dim for a call with query/key head dim `head_dim` and value head dim
+  `value_head_dim` (each at most 256): the least of KERNEL_HEAD_DIMS that holds both. Zero
+  columns appended to Q and K change no score, zero columns appended to V only add zero
+  columns to O (and to dQ, dK, dV), so the padded call's kept columns are the call's."""
+  return next(d for d in KERNEL_HEAD_DIMS if d >= max(head_dim, value_head_dim))
+
+
 def default_config(info: CallInfo) -> MosaicConfig:
-  """The config of a call that passes none."""
-  return call_config(info.head_dim, info.params, info.kv_len, info.batch)
+  """The config of a call that passes none: that of the head dim its kernels run at."""
+  return call_config(kernel_head_dim(info.head_dim, info.value_head_dim), info.params,
+                     info.kv_len, info.batch)

@@ -135,9 +135,49 @@ def test_bad_config_is_refused_naming_the_field(make, field):
     make()
 
 
-def test_a_value_head_dim_of_its_own_falls_back_with_a_reason():
-  from pallas_flash import mosaic_gpu
-  assert "value head dim 64" in mosaic_gpu.unsupported_reason(_info(value_head_dim=64))
+@pytest.mark.parametrize("d,dv,padded", [(80, 80, 128), (96, 96, 128), (192, 192, 256),
+                                          (192, 128, 256), (128, 64, 128), (64, 64, None)])
+def test_other_head_dims_run_padded_and_only_when_asked(d, dv, padded):
+  """Head dims the kernels are not built for run zero-padded to the next of 64, 128 and 256;
+  `implementation=None` passes them by (not yet measured) with a reason naming the padding."""
+  info = _info(head_dim=d, value_head_dim=dv)
+  assert mosaic_gpu.unsupported_reason(info) is None
+  assert mconfig.kernel_head_dim(d, dv) == (padded or d)
+  why = backends.auto_reason("mosaic", info, None)
+  if padded is None:
+    assert why is None
+  else:
+    assert f"zero-padded to {padded}" in why and "only when asked" in why
+    assert ("value head dim" in why) == (dv != d)
+  assert mosaic_gpu.default_config(info) == mconfig.call_config(
+      padded or d, info.params, info.kv_len, info.batch)
+
+
+# (D, Dv, causal): each runs the kernels of its padded head dim (128: overlapped forward and
+# dK/dV steps; 256: hd256.py's backward), q/k/v padded once and the results sliced.
+PADDED = [(96, 96, True), (192, 128, False), pytest.param(80, 80, False, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("d,dv,causal", PADDED, ids=["d96_causal", "d192v128_full", "d80_full"])
+def test_padded_head_dims_lower_at_the_kernel_head_dim(d, dv, causal):
+  p = mconfig.kernel_head_dim(d, dv)
+  q = jax.ShapeDtypeStruct((2, 1024, 8, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((2, 1024, 2, d), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((2, 1024, 2, dv), jnp.bfloat16)
+
+  def grads(q, k, v):
+    def loss(*a):
+      return pallas_flash.flash_attention(*a, is_causal=causal, implementation="mosaic").astype(
+          jnp.float32).sum()
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  text = export_for_h200(grads, q, k, v).mlir_module()
+  assert text.count("custom_call @mosaic_gpu_v2") == 3  # forward, dQ, dK/dV
+  # The kernels see only the padded head dim; the call's own dims come back sliced.
+  assert set(map(int, re.findall(r"tensor<2x1024x\d+x(\d+)xbf16>", text))) == {d, dv, p}
+  with use_abstract_mesh(H200):
+    why = pallas_flash.explain(q, k, v, is_causal=causal)
+  assert why.chosen == "triton" and f"zero-padded to {p}" in why.reasons["mosaic"]
 
 
 def _info(**kw):
@@ -156,7 +196,9 @@ def _info(**kw):
      "needs a Hopper GPU"),
     (dict(compute_capability=(8, 0), device_kind="NVIDIA A100"), None, "needs a Hopper GPU"),
     (dict(dtype=jnp.dtype(jnp.float32)), None, "float32"),
-    (dict(head_dim=96), None, "head_dim 96"),
+    (dict(head_dim=96), None, None),
+    (dict(head_dim=288), None, "head dims up to 256"),
+    (dict(head_dim=128, value_head_dim=320), None, "value head dim 320"),
     (dict(params=AttentionParams(scale=1.0, is_causal=True, has_segments=True)), None, None),
     (dict(params=AttentionParams(scale=1.0, is_causal=True, has_segments=False,
                                  deterministic=True)),
@@ -166,8 +208,8 @@ def _info(**kw):
     (dict(q_len=2**23, kv_len=2**23, params=AttentionParams(
         scale=1.0, is_causal=True, has_segments=False, has_alibi=True)), None,
      "ALiBi distances are exact below"),
-], ids=["ok", "cpu", "ampere", "f32", "hd96", "segments", "deterministic_fused", "alibi",
-        "alibi_8m"])
+], ids=["ok", "cpu", "ampere", "f32", "hd96", "hd288", "dv320", "segments",
+        "deterministic_fused", "alibi", "alibi_8m"])
 def test_unsupported_reason(kw, config, expected):
   reason = mosaic_gpu.unsupported_reason(_info(**kw), config)
   assert reason is None if expected is None else expected in reason
