@@ -6,11 +6,11 @@ target's compute capability. Another generation adds its folder with the same `f
 `backward` and an entry in KERNELS. With `MosaicConfig(debug=MosaicDebug(interpret=True))`
 the sm90 kernels run in the Mosaic GPU interpreter, on any platform (slowly: for tests).
 
-The kernels are built for head dims 64, 128 and 256 (one head dim for Q, K and V). Other head
-dims up to 256, and a value head dim of its own (MLA's 192 / 128), run here zero-padded to the
-next of those (`padded_call`: 80 and 96 to 128, 192 to 256), at 128/96 (or 256/192) times the
-matrix work plus a pad and a slice in XLA; `implementation=None` takes them only once measured
-faster than Triton (MEASURED_HEAD_DIMS).
+The kernels run at head dims 64, 128, 192 and 256 (KERNEL_HEAD_DIMS; one head dim for Q, K
+and V). Other head dims up to 256, and a value head dim of its own, run here zero-padded to the
+next of those (`padded_call`: 80 and 96 to 128 at 128/80 or 128/96 times the matrix work, plus
+a pad and a slice in XLA; MLA's 192 / 128 pads V to 192); `implementation=None` takes a pair
+of head dims only once measured faster than Triton (MEASURED_HEAD_DIMS).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ CONFIG_TYPE = MosaicConfig
 # Major compute capability -> (forward, backward) of that generation's kernels.
 KERNELS = {9: (sm90_forward.forward, sm90_backward.backward)}
 # (head dim, value head dim) pairs measured on the H200 at least as fast here as on Triton:
-# `implementation=None` runs only these here; other head dims (zero-padded to
+# `implementation=None` runs only these here; other head dims (192, or zero-padded to one of
 # KERNEL_HEAD_DIMS) run when asked for by name (unmeasured_reason).
-MEASURED_HEAD_DIMS = frozenset((d, d) for d in KERNEL_HEAD_DIMS)
+MEASURED_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256)})
 # Optional features (pallas_flash.call.FEATURES) the kernels take; calls with any other run
-# elsewhere. The soft cap's backward at head_dim 256 runs the Triton kernels. ALiBi's
+# elsewhere. The soft cap's backward at head dims 192 and 256 runs the Triton kernels. ALiBi's
 # -slope·|i - j| is added to each score tile in the kernels (sm90/common.alibi).
 SUPPORTED_FEATURES = frozenset({"logits_soft_cap", "local_window_size", "alibi_slopes"})
 # Run only when asked (implementation="mosaic"): correct in the interpreter and lowered for
@@ -109,11 +109,13 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
 def unmeasured_reason(call: CallInfo) -> str | None:
   """Why `implementation=None` does not run `call` here though it can (its head dims are not
   in MEASURED_HEAD_DIMS), or None."""
-  if (call.head_dim, call.value_head_dim) in MEASURED_HEAD_DIMS:
+  d, dv = call.head_dim, call.value_head_dim
+  if (d, dv) in MEASURED_HEAD_DIMS:
     return None
-  return (f"mosaic runs {_dims(call)} zero-padded to "
-          f"{kernel_head_dim(call.head_dim, call.value_head_dim)} only when asked for "
-          "(implementation='mosaic'): not yet measured on the GPU")
+  p = kernel_head_dim(d, dv)
+  how = "" if d == dv == p else f" zero-padded to {p}"
+  return (f"mosaic runs {_dims(call)}{how} only when asked for (implementation='mosaic'): not "
+          "yet measured on the GPU")
 
 
 def _dims(call: CallInfo) -> str:

@@ -125,28 +125,31 @@ def test_alibi_matches_reference(name, config, case):
   check_against_reference("mosaic", case, config=config)
 
 
-# Head dims the kernels are not built for (zero-padded to 128 or 256 by
-# mosaic_gpu.padded_call), one case each of the padded-to-128 and padded-to-256 kernels.
-PADDED = [_case(130, 190, h=4, kh=2, d=80, is_causal=True),
-          _case(130, 130, kh=2, d=192, value_head_dim=128)]
+# Head dim 192 (the forward's grid kernel at 192 columns, hd256.py's backward kernels at D =
+# 192), and head dims zero-padded by mosaic_gpu.padded_call: 80 to 128, V of MLA's 192 / 128 to
+# 192. Not the automatic choice yet (not measured on the GPU): -m slow.
+HEAD_DIMS = [_case(130, 190, h=4, kh=2, d=192, is_causal=True),
+             _case(200, 200, h=2, kh=2, d=192, is_causal=True, segments=True),
+             _case(130, 190, h=4, kh=2, d=80, is_causal=True),
+             _case(130, 130, h=4, kh=2, d=192, value_head_dim=128)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", PADDED, ids=lambda c: c.id)
-def test_padded_head_dims_match_reference(case):
+@pytest.mark.parametrize("case", HEAD_DIMS, ids=lambda c: c.id)
+def test_head_dims_match_reference(case):
   check_against_reference("mosaic", case, config=MOSAIC_INTERPRET)
 
 
 PAD_CASES = [(96, 96), (192, 128), pytest.param(80, 80, marks=pytest.mark.slow),
-             pytest.param(192, 192, marks=pytest.mark.slow)]
+             pytest.param(128, 64, marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("d,dv", PAD_CASES, ids=["d96v96", "d192v128", "d80v80", "d192v192"])
+@pytest.mark.parametrize("d,dv", PAD_CASES, ids=["d96v96", "d192v128", "d80v80", "d128v64"])
 def test_padding_around_the_kernels_matches_reference(d, dv, monkeypatch):
   """mosaic_gpu.padded_call alone, fast: the sm90 kernels replaced by the XLA backend (same
   contract), which must receive q, k, v, o and dO at the padded head dim; outputs, lse and
   gradients of the call's own dims against the reference, with segment ids, a soft cap and
-  GQA (test_padded_head_dims_match_reference runs the kernels themselves, -m slow)."""
+  GQA (test_head_dims_match_reference runs the kernels themselves, -m slow)."""
   seen = []
 
   def forward(q, k, v, q_seg, kv_seg, *, params, config, arrays=None):
