@@ -41,6 +41,9 @@ class Explanation:
   # one flash_attention resolves). To change one knob of it:
   # dataclasses.replace(explanation.config, ...).
   config: Any = None
+  # Why each implementation cannot run the call when named (implementation=name), None where
+  # it can: `reasons` less the calls a backend runs only when named (not yet measured).
+  reasons_when_named: dict[str, str | None] = dataclasses.field(default_factory=dict)
 
   def __str__(self) -> str:
     lines = [f"implementation=None runs {self.chosen!r}" if self.chosen else
@@ -98,6 +101,7 @@ def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
   info = validation.abstract_call_info(query, key, value,
                                        validation.with_defaults(kwargs))
   reasons = {name: backends.auto_reason(name, info, config) for name in IMPLEMENTATIONS}
+  when_named = {name: backends.reason(name, info, config) for name in IMPLEMENTATIONS}
   chosen = backends.auto_choice(reasons)
   used = None if chosen is None else backends.resolve_config(chosen, info, config)
   bm = kwargs.get("block_mask")
@@ -108,7 +112,7 @@ def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
     block = (getattr(tiles, "block_q", 128), getattr(tiles, "block_kv", 128))
     fraction = _tiling.fraction_computed(q_len=info.q_len, kv_len=info.kv_len, block_q=block[0],
                                        block_kv=block[1], band=info.params.band)
-  return Explanation(chosen, reasons, fraction, block, used)
+  return Explanation(chosen, reasons, fraction, block, used, when_named)
 
 
 

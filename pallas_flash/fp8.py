@@ -326,6 +326,7 @@ def explain_fp8(explain_fn, query, key, value, **kwargs) -> Fp8Explanation:
           f"the output cast to {out.name}")
   fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
   fields["reasons"] = {**base.reasons, "mosaic": MOSAIC_REASON}
+  fields["reasons_when_named"] = {**base.reasons_when_named, "mosaic": MOSAIC_REASON}
   return Fp8Explanation(**fields, fp8=note)
 
 

@@ -23,17 +23,17 @@ is marked FAIL but still timed. The check uses the first two heads (whole GQA gr
 FLOPs: every feature counts the matrix work of plain attention of its causality on its shape
 (flops.attention_flops: 4·B·H·T²·D, halved when causal; x3.5 for forward+backward), so `x plain`
 is a time ratio, except: the local window and the BlockMask (causal & local) count the band's
-exact (query, key) pairs (flops.window_flops); head dims count their own D, so their `x plain`
-compares TFLOP/s with head dim 128. Segment ids, masks and dropout count the plain work, not the
-pairs they leave visible.
+exact (query, key) pairs (flops.window_flops); head dims count their own D (hd192v128:
+2·B·H·T²·(192 + 128) forward), so their `x plain` compares TFLOP/s with head dim 128. Segment
+ids, masks and dropout count the plain work, not the pairs they leave visible.
 
 Features and their causality (causal where a decoder uses them; dense bias and boolean mask as
 in an encoder): plain (non-causal), causal, window (causal, left = T/4), segments (causal,
 packed documents, T/1024 per row at random boundaries), softcap (causal, 50), alibi (causal,
 slopes 2^(-8(h+1)/H)), dropout (causal, 0.1), bias (non-causal, [1, H, T, S], differentiated),
 mask (non-causal, bool [B, 1, T, S], 90 % visible), blockmask (causal & local(T/4), 128x128
-blocks), sinks (causal), gqa (causal, K kv heads), hd64 hd80 hd96 hd192 hd256 (non-causal
-and causal).
+blocks), sinks (causal), gqa (causal, K kv heads), hd64 hd80 hd96 hd192 hd256 and hd192v128
+(query/key head dim 192, value head dim 128, MLA's) (non-causal and causal).
 
 Default shape bf16 4x4096x32x128, GQA with 8 kv heads (--features-shape BxTxHxD[xK]); --quick:
 1x128x4x32 (2 kv heads) and short loops, which runs on CPU with --impl xla in seconds.
@@ -78,6 +78,7 @@ class Feature:
   build: Callable[[shapes.ShapeSpec, int], dict] = lambda spec, seed: {}
   cudnn: str | None = "nn"
   head_dim: int | None = None
+  value_head_dim: int = 0  # 0: the head dim
   gqa: bool = False
   banded: bool = False
 
@@ -92,7 +93,8 @@ class Feature:
 
   def spec(self, base: shapes.ShapeSpec, gqa_kv_heads: int) -> shapes.ShapeSpec:
     return base.replace(name=self.name, head_dim=self.head_dim or base.head_dim,
-                        num_kv_heads=gqa_kv_heads if self.gqa else 0)
+                        num_kv_heads=gqa_kv_heads if self.gqa else 0,
+                        value_head_dim=self.value_head_dim)
 
   def flops(self, spec: shapes.ShapeSpec, mode: str) -> float:
     if self.banded:
@@ -157,6 +159,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("blockmask", True, _block_mask, cudnn="window", banded=True),
     Feature("gqa", True, gqa=True),
     *(Feature(f"hd{d}", c, head_dim=d) for d in HEAD_DIMS for c in (False, True)),
+    # MLA's query/key head dim 192 with a value head dim of 128.
+    *(Feature("hd192v128", c, head_dim=192, value_head_dim=128) for c in (False, True)),
 )
 
 
@@ -375,14 +379,10 @@ def _our_call(case: _Case, forced: str | None) -> tuple[str | None, str | None, 
   a skip reason in place of the implementation where it cannot run."""
   how = _explain(case)
   impl = forced or how.chosen
-  if impl is None or (not forced and how.reasons.get(impl) is not None):
+  # The reasons of a named call: explain()'s `reasons` also name what automatic choice avoids
+  # but a named call runs (Mosaic ALiBi, head dims not yet measured).
+  if impl is None or how.reasons_when_named.get(impl) is not None:
     return None, how.chosen, None, None
-  if forced:  # explain()'s reasons include what automatic choice avoids but a named call runs
-    q, k, v, _, arrays = case.args
-    try:
-      jax.eval_shape(_ours(forced, case.feature, case.static), q, k, v, arrays)
-    except NotImplementedError:
-      return None, how.chosen, None, None
   # A BlockMask's blocks are the config's: the slice's rebuilt mask brings them.
   config = how.config if impl == how.chosen and "block_mask" not in case.args[4] else None
   return (impl, how.chosen, _ours(impl, case.feature, case.static),
@@ -413,7 +413,8 @@ def run_features(opts, dtype, on_rows=lambda rows: None) -> list[dict]:
     impl, chosen, attn, rerun = _our_call(case, forced)
     if impl is None:
       how = _explain(case)
-      reason = how.reasons.get(forced) if forced else "explain() finds no implementation"
+      reason = (how.reasons_when_named.get(forced) if forced
+                else "explain() finds no implementation")
       return impl, chosen, {"status": "skip", "reason": reason, "rel_errs": None,
                             "rel_err": None, "compile_s": None}, None
     return (impl, chosen, *_prepare(case, attn, rerun=rerun))
@@ -474,7 +475,8 @@ def _row(feature, spec, mode, case, impl, chosen, fields, t, cudnn_fields, plain
   row = {"kind": "feature", "feature": feature.name, "mode": mode, "causal": feature.causal,
          "label": spec.label, "batch": spec.batch, "seq_len": spec.seq_len,
          "num_heads": spec.num_heads, "num_kv_heads": spec.kv_heads, "head_dim": spec.head_dim,
-         "dtype": jnp.dtype(dtype).name, "impl": impl, "explain": chosen, "flops": flop,
+         "value_head_dim": spec.dv, "dtype": jnp.dtype(dtype).name, "impl": impl,
+         "explain": chosen, "flops": flop,
          "check_shape": case.small.label,
          "tolerance": checks.TOLERANCE[jnp.dtype(dtype).name], **ours,
          "plain_feature": plain_case.feature.name, "plain_label": plain_case.spec.label,

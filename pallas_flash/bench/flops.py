@@ -1,9 +1,10 @@
 """FLOP counts, by the convention of shared/ANCHORS.md and the FlashAttention benchmarks.
 
 Only the matrix work counts: the forward does two matmuls of 2*B*H*T*S*D each (q.k^T and p.v),
-so 4*B*H*T*S*D, halved when causal (the exact causal count is a little over half; the
-convention ignores that so numbers compare across papers). The backward does 2.5x the forward's
-matmuls, so forward+backward is 3.5x the forward.
+so 4*B*H*T*S*D (2*B*H*T*S*(D + Dv) with a value head dim Dv of its own), halved when causal
+(the exact causal count is a little over half; the convention ignores that so numbers compare
+across papers). The backward does 2.5x the forward's matmuls, so forward+backward is 3.5x the
+forward.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ def attention_flops(spec: ShapeSpec, *, is_causal: bool, mode: str) -> float:
   if mode not in _MODE_FACTOR:
     raise ValueError(f"Unknown mode {mode!r}; choose one of {MODES}.")
   b, t, h, d = spec.shape
-  forward = 4.0 * b * h * t * t * d
+  forward = 2.0 * b * h * t * t * (d + spec.dv)
   if is_causal:
     forward /= 2
   return forward * _MODE_FACTOR[mode]
@@ -38,7 +39,7 @@ def window_flops(spec: ShapeSpec, *, left: int, mode: str) -> float:
   if mode not in _MODE_FACTOR:
     raise ValueError(f"Unknown mode {mode!r}; choose one of {MODES}.")
   b, t, h, d = spec.shape
-  return 4.0 * b * h * window_pairs(t, left) * d * _MODE_FACTOR[mode]
+  return 2.0 * b * h * window_pairs(t, left) * (d + spec.dv) * _MODE_FACTOR[mode]
 
 
 def tflops(flops: float, seconds: float) -> float:

@@ -22,8 +22,9 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ShapeSpec:
-  """One benchmark shape: q, do and the output are [batch, seq_len, num_heads, head_dim], k and
-  v [batch, seq_len, kv_heads, head_dim] (num_kv_heads, 0 meaning num_heads)."""
+  """One benchmark shape: q is [batch, seq_len, num_heads, head_dim], k [batch, seq_len,
+  kv_heads, head_dim] (num_kv_heads, 0 meaning num_heads), v [batch, seq_len, kv_heads, Dv],
+  do and the output [batch, seq_len, num_heads, Dv] (Dv: value_head_dim, 0 meaning head_dim)."""
 
   name: str
   batch: int
@@ -32,6 +33,7 @@ class ShapeSpec:
   head_dim: int
   tags: frozenset[str] = frozenset()
   num_kv_heads: int = 0
+  value_head_dim: int = 0
 
   @property
   def shape(self) -> tuple[int, int, int, int]:
@@ -46,9 +48,23 @@ class ShapeSpec:
     return (self.batch, self.seq_len, self.kv_heads, self.head_dim)
 
   @property
+  def dv(self) -> int:
+    return self.value_head_dim or self.head_dim
+
+  @property
+  def v_shape(self) -> tuple[int, int, int, int]:
+    return (self.batch, self.seq_len, self.kv_heads, self.dv)
+
+  @property
+  def out_shape(self) -> tuple[int, int, int, int]:
+    """The output's and do's [B, T, H, Dv]."""
+    return (self.batch, self.seq_len, self.num_heads, self.dv)
+
+  @property
   def label(self) -> str:
     gqa = f"/K{self.kv_heads}" if self.kv_heads != self.num_heads else ""
-    return "x".join(map(str, self.shape)) + gqa
+    dv = f"/Dv{self.dv}" if self.dv != self.head_dim else ""
+    return "x".join(map(str, self.shape)) + gqa + dv
 
   def replace(self, **changes) -> ShapeSpec:
     return dataclasses.replace(self, **changes)
@@ -149,11 +165,11 @@ def memory_specs(*, start: int, max_seq: int, heads: int = MEMORY_HEADS,
 
 
 def make_inputs(spec: ShapeSpec, dtype, seed: int = 0) -> tuple[jax.Array, ...]:
-  """Random normal (q, k, v, do) in `dtype`: q, do [B, T, H, D], k, v [B, T, K, D]; do is the
-  cotangent."""
+  """Random normal (q, k, v, do) in `dtype`: q [B, T, H, D], k [B, T, K, D], v [B, T, K, Dv],
+  do [B, T, H, Dv]; do is the cotangent."""
   keys = jax.random.split(jax.random.key(seed), 4)
   return tuple(jax.random.normal(k, shape, dtype) for k, shape in
-               zip(keys, (spec.shape, spec.kv_shape, spec.kv_shape, spec.shape)))
+               zip(keys, (spec.shape, spec.kv_shape, spec.v_shape, spec.out_shape)))
 
 
 def shape_struct(spec: ShapeSpec, dtype) -> jax.ShapeDtypeStruct:
@@ -168,4 +184,7 @@ def kv_struct(spec: ShapeSpec, dtype) -> jax.ShapeDtypeStruct:
 def arg_structs(spec: ShapeSpec, dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
   """(q, k, v, do) structs, as make_inputs returns them."""
   q, kv = shape_struct(spec, dtype), kv_struct(spec, dtype)
-  return (q, kv, kv, q)
+  if spec.dv == spec.head_dim:
+    return (q, kv, kv, q)
+  dt = jnp.dtype(dtype)
+  return (q, kv, jax.ShapeDtypeStruct(spec.v_shape, dt), jax.ShapeDtypeStruct(spec.out_shape, dt))

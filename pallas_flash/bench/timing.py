@@ -48,7 +48,7 @@ def default_impls(spec: ShapeSpec, dtype) -> list[str]:
 
 def skip_reason(impl: str, spec: ShapeSpec, dtype, *, is_causal: bool,
                 xla_cap_gib: float = math.inf) -> str | None:
-  """Why `impl` is not run on `spec` here, or None.
+  """Why `impl`, asked for by name, cannot run `spec` here, or None.
 
   jax_xla is skipped where its float32 [B, H, T, T] score matrix exceeds `xla_cap_gib`.
   """
@@ -59,7 +59,7 @@ def skip_reason(impl: str, spec: ShapeSpec, dtype, *, is_causal: bool,
     gib = b * h * t * t * 4 / 2**30
     return None if gib <= xla_cap_gib else f"score matrix {gib:.0f} GiB > {xla_cap_gib:g} GiB"
   s, kv = shape_struct(spec, dtype), kv_struct(spec, dtype)
-  return pallas_flash.explain(s, kv, kv, is_causal=is_causal).reasons.get(impl)
+  return pallas_flash.explain(s, kv, kv, is_causal=is_causal).reasons_when_named.get(impl)
 
 
 @functools.cache

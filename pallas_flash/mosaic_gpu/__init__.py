@@ -5,15 +5,24 @@ module is the backend contract (pallas_flash.call) and picks the generation's ke
 target's compute capability. Another generation adds its folder with the same `forward` and
 `backward` and an entry in KERNELS. With `MosaicConfig(debug=MosaicDebug(interpret=True))`
 the sm90 kernels run in the Mosaic GPU interpreter, on any platform (slowly: for tests).
+
+The kernels run at head dims 64, 128, 192 and 256 (KERNEL_HEAD_DIMS; one head dim for Q, K
+and V). Other head dims up to 256, and a value head dim of its own, run here zero-padded to the
+next of those (`padded_call`: 80 and 96 to 128 at 128/80 or 128/96 times the matrix work, plus
+a pad and a slice in XLA; MLA's 192 / 128 pads V to 192); `implementation=None` takes a pair
+of head dims only once measured faster than Triton (MEASURED_HEAD_DIMS).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
-from pallas_flash import validation
+from pallas_flash import _tiling, validation
 from pallas_flash.call import CallInfo
-from pallas_flash.mosaic_gpu.config import TUNED, MosaicConfig, MosaicDebug, default_config
+from pallas_flash.mosaic_gpu.config import (KERNEL_HEAD_DIMS, TUNED, MosaicConfig, MosaicDebug,
+                                            default_config, kernel_head_dim)
 from pallas_flash.mosaic_gpu.sm90 import backward as sm90_backward
 from pallas_flash.mosaic_gpu.sm90 import common as sm90_common
 from pallas_flash.mosaic_gpu.sm90 import forward as sm90_forward
@@ -21,9 +30,12 @@ from pallas_flash.mosaic_gpu.sm90 import forward as sm90_forward
 CONFIG_TYPE = MosaicConfig
 # Major compute capability -> (forward, backward) of that generation's kernels.
 KERNELS = {9: (sm90_forward.forward, sm90_backward.backward)}
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# (head dim, value head dim) pairs measured on the H200 at least as fast here as on Triton:
+# `implementation=None` runs only these here; other head dims (192, or zero-padded to one of
+# KERNEL_HEAD_DIMS) run when asked for by name (unmeasured_reason).
+MEASURED_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256)})
 # Optional features (pallas_flash.call.FEATURES) the kernels take; calls with any other run
-# elsewhere. The soft cap's backward at head_dim 256 runs the Triton kernels. ALiBi's
+# elsewhere. The soft cap's backward at head dims 192 and 256 runs the Triton kernels. ALiBi's
 # -slope·|i - j| is added to each score tile in the kernels (sm90/common.alibi).
 SUPPORTED_FEATURES = frozenset({"logits_soft_cap", "local_window_size", "alibi_slopes"})
 # Run only when asked (implementation="mosaic"): correct in the interpreter and lowered for
@@ -43,13 +55,31 @@ def _kernels(config: MosaicConfig):
   return KERNELS[cc[0]]
 
 
+def padded_call(kernel, q, k, v, *arrays):
+  """kernel(q, k, v, *arrays) with q, k, v, and the arrays of rank 4 (the backward's o and
+  do) zero-padded along the head dim to kernel_head_dim(D, Dv); its outputs of rank 4 (o;
+  dq, dk, dv) sliced back to D (q's and k's) or Dv (o's and v's columns). No pad or slice
+  where D = Dv is a kernel head dim."""
+  d, dv = q.shape[3], v.shape[3]
+  p = kernel_head_dim(d, dv)
+  if d == dv == p:
+    return kernel(q, k, v, *arrays)
+  pad = lambda x: x if x is None or x.ndim != 4 else _tiling.pad_axis(x, 3, p)  # noqa: E731
+  out = kernel(pad(q), pad(k), pad(v), *map(pad, arrays))
+  if len(out) == 2:  # forward: (o, lse)
+    return out[0][..., :dv], out[1]
+  dq, dk, dv_ = out
+  return dq[..., :d], dk[..., :d], dv_[..., :dv]
+
+
 def forward(q, k, v, q_seg, kv_seg, *, config: MosaicConfig, **kwargs):
-  return _kernels(config)[0](q, k, v, q_seg, kv_seg, config=config, **kwargs)
+  kernel = functools.partial(_kernels(config)[0], config=config, **kwargs)
+  return padded_call(kernel, q, k, v, q_seg, kv_seg)
 
 
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, config: MosaicConfig, **kwargs):
-  return _kernels(config)[1](q, k, v, q_seg, kv_seg, o, lse, do, delta, config=config,
-                             **kwargs)
+  kernel = functools.partial(_kernels(config)[1], config=config, **kwargs)
+  return padded_call(kernel, q, k, v, q_seg, kv_seg, o, lse, do, delta)
 
 
 def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> str | None:
@@ -61,14 +91,12 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
     return f"needs a Hopper GPU (sm_90), this is {call.platform} {call.device_kind!r}{cc}"
   if jnp.dtype(call.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"wgmma kernels take bfloat16 or float16, not {jnp.dtype(call.dtype).name}"
-  if call.head_dim not in SUPPORTED_HEAD_DIMS:
-    return f"head_dim {call.head_dim} is not one of {SUPPORTED_HEAD_DIMS}"
+  if max(call.head_dim, call.value_head_dim) > KERNEL_HEAD_DIMS[-1]:
+    return (f"head dims up to {KERNEL_HEAD_DIMS[-1]} (others zero-padded to one of "
+            f"{KERNEL_HEAD_DIMS}), this call has {_dims(call)}")
   if call.params.bias_in_cap:
     return ("logits_soft_cap_order='bias_then_cap' (ALiBi inside the soft cap) is not in the "
             "wgmma kernels")
-  if call.value_head_dim != call.head_dim:
-    return (f"value head dim {call.value_head_dim} != query/key head dim {call.head_dim}: the "
-            "wgmma kernels take one head dim")
   if call.params.has_alibi and max(call.q_len, call.kv_len) >= sm90_common.ALIBI_MAX_LEN:
     return (f"ALiBi distances are exact below {sm90_common.ALIBI_MAX_LEN} positions, this call "
             f"has {max(call.q_len, call.kv_len)}")
@@ -78,6 +106,25 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
   return None
 
 
-__all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "KERNELS", "MosaicConfig", "MosaicDebug",
-           "SUPPORTED_FEATURES", "TUNED", "backward", "default_config", "forward",
-           "unsupported_reason"]
+def unmeasured_reason(call: CallInfo) -> str | None:
+  """Why `implementation=None` does not run `call` here though it can (its head dims are not
+  in MEASURED_HEAD_DIMS), or None."""
+  d, dv = call.head_dim, call.value_head_dim
+  if (d, dv) in MEASURED_HEAD_DIMS:
+    return None
+  p = kernel_head_dim(d, dv)
+  how = "" if d == dv == p else f" zero-padded to {p}"
+  return (f"mosaic runs {_dims(call)}{how} only when asked for (implementation='mosaic'): not "
+          "yet measured on the GPU")
+
+
+def _dims(call: CallInfo) -> str:
+  dims = f"head dim {call.head_dim}"
+  return dims if call.value_head_dim == call.head_dim else (
+      f"{dims} with value head dim {call.value_head_dim}")
+
+
+__all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "KERNELS", "KERNEL_HEAD_DIMS",
+           "MEASURED_HEAD_DIMS", "MosaicConfig", "MosaicDebug", "SUPPORTED_FEATURES", "TUNED",
+           "backward", "default_config", "forward", "kernel_head_dim", "padded_call",
+           "unmeasured_reason", "unsupported_reason"]

@@ -147,6 +147,10 @@ TUNED: dict[tuple[int, bool], MosaicConfig] = {
     # A 128-row kv tile does not fit next to Q at head dim 256 (354 KiB); 64 rows = 192 KiB.
     (256, False): MosaicConfig(block_kv=64),
     (256, True): MosaicConfig(block_kv=64),
+    # Head dim 192 (MLA's query/key head dim) runs head dim 256's forms at 64-key tiles. Not yet
+    # measured on the GPU.
+    (192, False): MosaicConfig(block_kv=64),
+    (192, True): MosaicConfig(block_kv=64),
 }
 
 # Non-causal head-dim-64 calls up to this many keys run the persistent forward with the plain
@@ -197,6 +201,21 @@ def call_config(head_dim: int, params: AttentionParams, kv_len: int, batch: int)
   return config
 
 
+# The head dims the kernels run at (192: the head-dim-256 backward kernels and the forward at
+# 64-key tiles, as 256). A call with other head dims (query/key D, value Dv, both at most the
+# last) runs them zero-padded to kernel_head_dim(D, Dv).
+KERNEL_HEAD_DIMS = (64, 128, 192, 256)
+
+
+def kernel_head_dim(head_dim: int, value_head_dim: int) -> int:
+  """The kernels' head dim for a call with query/key head dim `head_dim` and value head dim
+  `value_head_dim` (each at most 256): the least of KERNEL_HEAD_DIMS that holds both. Zero
+  columns appended to Q and K change no score, zero columns appended to V only add zero
+  columns to O (and to dQ, dK, dV), so the padded call's kept columns are the call's."""
+  return next(d for d in KERNEL_HEAD_DIMS if d >= max(head_dim, value_head_dim))
+
+
 def default_config(info: CallInfo) -> MosaicConfig:
-  """The config of a call that passes none."""
-  return call_config(info.head_dim, info.params, info.kv_len, info.batch)
+  """The config of a call that passes none: that of the head dim its kernels run at."""
+  return call_config(kernel_head_dim(info.head_dim, info.value_head_dim), info.params,
+                     info.kv_len, info.batch)

@@ -46,7 +46,7 @@ def _every_feature_has_a_checked_and_timed_row(grid):
   for row in grid:
     _assert_checked_and_timed(row, {"o"})
     assert row["cudnn_status"] == "—" and row["ratio_cudnn"] is None  # no GPU here
-    assert row["check_shape"] == row["label"].replace("x4x", "x2x").split("/")[0] + (
+    assert row["check_shape"] == row["label"].replace("x4x", "x2x").split("/K")[0] + (
         "/K1" if row["feature"] == "gqa" else "")
 
 
@@ -63,12 +63,17 @@ def _ratios_to_plain_compare_with_the_same_causality_at_the_grids_head_dim(grid)
 def _flops_count_plain_work_and_the_band_for_windows(grid):
   for row in grid:
     spec = shapes.ShapeSpec(name="x", batch=row["batch"], seq_len=row["seq_len"],
-                            num_heads=row["num_heads"], head_dim=row["head_dim"])
+                            num_heads=row["num_heads"], head_dim=row["head_dim"],
+                            value_head_dim=row["value_head_dim"])
     if row["feature"] in ("window", "blockmask"):
       want = flops.window_flops(spec, left=row["seq_len"] // 4, mode="fwd")
     else:
       want = flops.attention_flops(spec, is_causal=row["causal"], mode="fwd")
     assert row["flops"] == want, row["feature"]
+  # A value head dim of its own: P·V counts Dv, Q·Kᵀ D (192 + 128 against 2 x 192).
+  by = {(r["feature"], r["causal"]): r for r in grid}
+  assert by[("hd192v128", True)]["value_head_dim"] == 128
+  assert by[("hd192v128", True)]["flops"] / by[("hd192", True)]["flops"] == 320 / 384
 
 
 def test_gradients_incl_dbias_are_checked_on_a_leading_slice(tmp_path):
@@ -96,7 +101,7 @@ def test_cudnn_rejecting_a_call_prints_a_dash(tmp_path, monkeypatch, capsys):
 
 def test_feature_selection():
   assert [f.name for f in features.select("hd")] == [f"hd{d}" for d in features.HEAD_DIMS
-                                                     for _ in range(2)]
+                                                     for _ in range(2)] + ["hd192v128"] * 2
   assert len(features.select("all")) == len(features.FEATURES)
   with pytest.raises(SystemExit, match="Unknown features"):
     features.select("nope")

@@ -141,6 +141,24 @@ def test_alibi(case):
   _assert_reproducible(case)
 
 
+# Head dims 80 and 96 (zero-padded to 128), 192 (its own kernels: the forward at 64-key tiles,
+# hd256.py's backward) and MLA's 192 / 128 (V padded to 192), by name (not yet the automatic
+# choice): the training shape with GQA, causal and not, then segment ids and a soft cap (at
+# 192 the Triton backward kernels) on ragged lengths.
+HEAD_DIM_CASES = [
+    *(_case(2, 2048, 2048, 8, 2, d, causal, value_head_dim=dv)
+      for d, dv in ((80, None), (96, None), (192, None), (192, 128)) for causal in (False, True)),
+    _case(1, 1000, 1100, 4, 2, 96, True, segments=True),
+    _case(1, 777, 777, 4, 4, 192, True, value_head_dim=128, features=("softcap",)),
+]
+
+
+@pytest.mark.parametrize("case", HEAD_DIM_CASES, ids=lambda c: c.id)
+def test_head_dims(case):
+  check_against_reference("mosaic", case)
+  _assert_reproducible(case)
+
+
 def test_deterministic_long_causal_gradients():
   """deterministic=True (the split backward) is bitwise equal run to run at 16K causal; the
   default there, the fused kernel (float32 atomics), agrees with it closely."""

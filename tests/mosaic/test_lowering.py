@@ -135,9 +135,62 @@ def test_bad_config_is_refused_naming_the_field(make, field):
     make()
 
 
-def test_a_value_head_dim_of_its_own_falls_back_with_a_reason():
-  from pallas_flash import mosaic_gpu
-  assert "value head dim 64" in mosaic_gpu.unsupported_reason(_info(value_head_dim=64))
+# (D, Dv, the kernels' head dim, measured): 80 and 96 run zero-padded to 128; 192 at its own
+# kernels, which MLA's 192 / 128 runs with V padded to 192.
+HEAD_DIMS = [(80, 80, 128, False), (96, 96, 128, False), (192, 192, 192, False),
+             (192, 128, 192, False), (128, 64, 128, False), (224, 224, 256, False),
+             (64, 64, 64, True), (256, 256, 256, True)]
+
+
+@pytest.mark.parametrize("d,dv,kernel_dim,measured", HEAD_DIMS,
+                         ids=[f"d{d}v{dv}" for d, dv, _, _ in HEAD_DIMS])
+def test_head_dims_run_padded_and_unmeasured_ones_only_when_asked(d, dv, kernel_dim, measured):
+  """Every head dim up to 256 runs here, zero-padded to the next kernel head dim where it is
+  not one; `implementation=None` passes the pairs not yet measured by, with a reason naming
+  the padding, and a config is that of the kernels' head dim."""
+  info = _info(head_dim=d, value_head_dim=dv)
+  assert mosaic_gpu.unsupported_reason(info) is None
+  assert mconfig.kernel_head_dim(d, dv) == kernel_dim
+  why = backends.auto_reason("mosaic", info, None)
+  if measured:
+    assert why is None
+  else:
+    assert "only when asked" in why and "not yet measured" in why
+    assert (f"zero-padded to {kernel_dim}" in why) == (d != kernel_dim or dv != kernel_dim)
+    assert ("value head dim" in why) == (dv != d)
+  assert mosaic_gpu.default_config(info) == mconfig.call_config(
+      kernel_dim, info.params, info.kv_len, info.batch)
+
+
+# (D, Dv, causal): each runs the kernels of its kernel head dim (128: overlapped forward and
+# dK/dV steps; 192: the forward at 64-key tiles, hd256.py's backward), q/k/v padded to it
+# once where they differ and the results sliced.
+PADDED = [(96, 96, True), (192, 128, False), pytest.param(80, 80, False, marks=pytest.mark.slow),
+          pytest.param(192, 192, True, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("d,dv,causal", PADDED,
+                         ids=["d96_causal", "d192v128_full", "d80_full", "d192_causal"])
+def test_padded_head_dims_lower_at_the_kernel_head_dim(d, dv, causal):
+  p = mconfig.kernel_head_dim(d, dv)
+  q = jax.ShapeDtypeStruct((2, 1024, 8, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((2, 1024, 2, d), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((2, 1024, 2, dv), jnp.bfloat16)
+
+  def grads(q, k, v):
+    def loss(*a):
+      return pallas_flash.flash_attention(*a, is_causal=causal, implementation="mosaic").astype(
+          jnp.float32).sum()
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  text = export_for_h200(grads, q, k, v).mlir_module()
+  assert text.count("custom_call @mosaic_gpu_v2") == 3  # forward, dQ, dK/dV
+  # The kernels see only their head dim; the call's own dims come back sliced.
+  assert set(map(int, re.findall(r"tensor<2x1024x\d+x(\d+)xbf16>", text))) == {d, dv, p}
+  with use_abstract_mesh(H200):
+    why = pallas_flash.explain(q, k, v, is_causal=causal)
+  assert why.chosen == "triton" and "only when asked" in why.reasons["mosaic"]
+  assert why.reasons_when_named["mosaic"] is None
 
 
 def _info(**kw):
@@ -156,7 +209,9 @@ def _info(**kw):
      "needs a Hopper GPU"),
     (dict(compute_capability=(8, 0), device_kind="NVIDIA A100"), None, "needs a Hopper GPU"),
     (dict(dtype=jnp.dtype(jnp.float32)), None, "float32"),
-    (dict(head_dim=96), None, "head_dim 96"),
+    (dict(head_dim=96), None, None),
+    (dict(head_dim=288), None, "head dims up to 256"),
+    (dict(head_dim=128, value_head_dim=320), None, "value head dim 320"),
     (dict(params=AttentionParams(scale=1.0, is_causal=True, has_segments=True)), None, None),
     (dict(params=AttentionParams(scale=1.0, is_causal=True, has_segments=False,
                                  deterministic=True)),
@@ -166,8 +221,8 @@ def _info(**kw):
     (dict(q_len=2**23, kv_len=2**23, params=AttentionParams(
         scale=1.0, is_causal=True, has_segments=False, has_alibi=True)), None,
      "ALiBi distances are exact below"),
-], ids=["ok", "cpu", "ampere", "f32", "hd96", "segments", "deterministic_fused", "alibi",
-        "alibi_8m"])
+], ids=["ok", "cpu", "ampere", "f32", "hd96", "hd288", "dv320", "segments",
+        "deterministic_fused", "alibi", "alibi_8m"])
 def test_unsupported_reason(kw, config, expected):
   reason = mosaic_gpu.unsupported_reason(_info(**kw), config)
   assert reason is None if expected is None else expected in reason

@@ -1,6 +1,6 @@
-"""The Hopper backward: the split kernels (dQ, then dK/dV), the fused kernel, or at head dim
-256 its own pair, chosen by the config; operands padded, segment ids and windows turned into
-the kernels' block limits.
+"""The Hopper backward: the split kernels (dQ, then dK/dV), the fused kernel, or at head dims
+192 and 256 hd256.py's pair, chosen by the config; operands padded, segment ids and windows
+turned into the kernels' block limits.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *,
                      arrays: FeatureArrays | None = None):
   """The Triton backward kernels (Pallas' Triton lowering, on any GPU this backend runs on; in
   its interpreter when the Mosaic kernels are interpreted), same contract, deterministic, for
-  the one call the Mosaic backward kernels do not take: a soft cap at head dim 256 (hd256.py's
-  dS warpgroup gets Pᵀ through shared memory, never Sᵀ, so it has no cap slope).
+  the one call the Mosaic backward kernels do not take: a soft cap at head dims above 128
+  (hd256.py's dS warpgroup gets Pᵀ through shared memory, never Sᵀ, so it has no cap slope).
   """
   from pallas_flash import triton as triton_backend
   lse, delta = common.xla_row_stats(o, lse, do, delta)
@@ -69,7 +69,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   if d > 128 and params.logits_soft_cap is not None:
     return _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
                             config=config, arrays=arrays)
-  if d > 128:  # 256, the one wider head dim the backend takes
+  if d > 128:  # 192 or 256
     return hd256.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
                           config=config, slopes=slopes)
   if config.fused_backward:

@@ -1,4 +1,4 @@
-"""The Mosaic backward at head dim 256.
+"""The Mosaic backward at head dim 256, and 192 (the same kernels, at a D of 192).
 
 At D = 256 a warpgroup cannot hold both float32 dK and dV of a 64-row key tile (256 registers
 per thread), so the dK/dV kernel splits the work by role instead of by keys: both consumer
@@ -248,8 +248,8 @@ def kernel_params(q, k, params: AttentionParams, config: MosaicConfig, *, t_pad:
 
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
              config: MosaicConfig, slopes=()):
-  """q/do [B, T, H, D] (D = 256), k/v [B, S, K, D], q/kv_seg [B, T] / [B, S] int32 or None, lse
-  as the forward returned it, delta the correction -dlse or None (backward.py's contract),
+  """q/do [B, T, H, D] (D = 192 or 256), k/v [B, S, K, D], q/kv_seg [B, T] / [B, S] int32 or
+  None, lse as the forward returned it, delta the correction -dlse or None (backward.py's contract),
   slopes () or ALiBi's (common.raw_alibi_slopes [H],) -> (dq, dk, dv)."""
   if params.logits_soft_cap is not None:
     raise ValueError("the head-dim-256 backward has no soft cap (its dS warpgroup never sees "
