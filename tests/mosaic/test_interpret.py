@@ -15,7 +15,8 @@ import pytest
 
 import pallas_flash
 from pallas_flash.mosaic_gpu import MosaicDebug
-from testing import MOSAIC_INTERPRET, Case, check_against_reference, make_inputs, run
+from testing import (MOSAIC_FP8_INTERPRET, MOSAIC_INTERPRET, Case, check_against_reference,
+                     check_fp8_against_reference, make_inputs, run)
 
 
 def _config(**kw) -> pallas_flash.MosaicConfig:
@@ -158,3 +159,17 @@ def test_interpret_mode_runs_anywhere_and_says_so():
   interpreted = pallas_flash.explain(
       q, q, q, config=pallas_flash.MosaicConfig(debug=MosaicDebug(interpret=True)))
   assert interpreted.reasons["mosaic"] is None
+
+
+# The FP8 forward (e4m3 wgmma, P staged through shared memory here): odd lengths (a padded key
+# tail, a dropped query tail), GQA, per-tensor and per-(batch, head) scales, float32 output.
+FP8 = [
+    (_case(130, 200, h=4, kh=2, is_causal=True), None, None),
+    pytest.param(_case(130, 256, h=2, kh=1, d=128), "head", jnp.float32, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("case, block, out_dtype", FP8, ids=["causal-gqa", "hd128-head-f32"])
+def test_fp8_forward_matches_reference_semantics(case, block, out_dtype):
+  check_fp8_against_reference(case, config=MOSAIC_FP8_INTERPRET, block=block,
+                              out_dtype=out_dtype)
