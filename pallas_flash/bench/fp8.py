@@ -1,19 +1,26 @@
-"""FP8 accuracy report (`python -m pallas_flash.bench --fp8 [--quick]`): error, not speed.
+"""FP8 report (`python -m pallas_flash.bench --fp8 [--quick]`): accuracy, then speed.
 
-For normal inputs (q, k, v ~ N(0, 1)) and inputs with outliers (FA3 §4.3: N(0, 1) plus, on
-0.1 % of the entries, an independent N(0, 10²) term), cast to bfloat16 as a model's
+Accuracy. For normal inputs (q, k, v ~ N(0, 1)) and inputs with outliers (FA3 §4.3: N(0, 1)
+plus, on 0.1 % of the entries, an independent N(0, 10²) term), cast to bfloat16 as a model's
 activations would be, each row runs one way of computing the attention and reports RMSE and
 max |error| of its output against the float32 reference on those bf16 values:
   bf16             flash_attention on the bf16 inputs (what FP8 has to match)
   fp8 tensor/block pallas_flash.fp8.quantize with one scale per tensor / per block of
                    positions of each head, without and with the Hadamard rotation, then
                    flash_attention on the e4m3 tensors
-  cudnn-fp8        cuDNN's FP8 attention: not wired yet (`cudnn_fp8` is the hook), a skip row.
-Every FP8 row today runs the reference semantics (no FP8 kernel exists: the inputs are
-dequantized to float32), so it measures the quantisation of Q, K and V alone; a kernel that
-also rounds P to e4m3 for P·V will add its own error. "impl" names what produced each row.
-
+  cudnn-fp8        cuDNN's FP8 attention: not wired (`cudnn_fp8` is the hook), a skip row.
+"impl" names what produced each row: on a Hopper GPU the per-tensor rows run the Mosaic FP8
+forward (P rounded to e4m3 too), the per-block rows and every row elsewhere the reference
+semantics (the inputs dequantized to float32: the quantisation of Q, K and V alone).
 Shapes: B 1, T = S 4096, 16 heads, D 128 (--quick: T = S 256, 2 heads), non-causal.
+
+Speed (a Hopper GPU only; elsewhere one skip row). At B 1, T = S 16384, 16 heads, D 128 and
+256, causal and not: the Mosaic FP8 forward on per-tensor-quantised inputs (its time includes
+the XLA transpose of V that feeds it) next to our bf16 Mosaic forward and cuDNN FP8 ("-": not
+wired), interleaved (timing.time_interleaved), as TFLOP/s of 4·B·H·T·S·D (halved causal). Each
+row also reports the FP8 kernel's own error on the first ACCURACY_ROWS queries: against the
+float32 attention of the dequantized inputs (the kernel's arithmetic, P's rounding) and of the
+bf16 inputs (with the quantisation), next to the bf16 forward's.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import jax.numpy as jnp
 
 import pallas_flash
 from pallas_flash import fp8
+from pallas_flash.bench import flops as flops_lib
+from pallas_flash.bench import timing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +103,11 @@ def run_rows(shape: Shape, *, outliers: bool, seed: int) -> list[dict]:
     (q8, k8, v8), scales = fp8.quantize(q, k, v, rotate=rotate,
                                         block=shape.block if block else None)
     impl = pallas_flash.explain(q8, k8, v8, descale=scales).chosen
+    impl = ("mosaic (FP8 kernel)" if impl == "mosaic" else
+            f"{impl} (dequantized to float32)")
     o = jax.jit(pallas_flash.flash_attention)(q8, k8, v8, descale=scales)
     rmse, max_err = _errors(o, ref)
-    rows.append({**base, "row": name, "impl": f"{impl} (dequantized to float32)",
+    rows.append({**base, "row": name, "impl": impl,
                  "status": "ok", "rmse": rmse, "max_err": max_err,
                  "block": shape.block if block else None, "rotate": rotate})
   row = {**base, "row": "cudnn-fp8", "impl": "cudnn", "status": "skip"}
@@ -124,9 +135,93 @@ def print_rows(rows: list[dict]) -> None:
     print(f"  {r['inputs']:<10}{r['row']:<17}{rmse:>10}{max_err:>10}  {impl}", flush=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# Speed
+
+SPEED_SHAPES = ((1, 16384, 16, 128), (1, 16384, 16, 256))  # (B, T = S, H, D)
+ACCURACY_ROWS = 2048  # queries whose output the speed rows check (a [B, H, 2048, S] reference)
+CUDNN_FP8 = ("not wired: jax exposes cuDNN's FP8 attention only privately "
+             "(jax._src.cudnn.fused_attention_stablehlo._dot_product_attention_fp8, e4m3 "
+             "output and amax outputs)")
+
+
+def _on_hopper() -> bool:
+  dev = jax.devices()[0]
+  return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+def speed_row(dims, *, is_causal: bool, opts: argparse.Namespace) -> dict:
+  """One speed row: FP8 and bf16 Mosaic forwards timed together, the FP8 kernel's errors."""
+  b, t, h, d = dims
+  keys = jax.random.split(jax.random.key(opts.seed), 3)
+  q, k, v = (jax.random.normal(key, dims, jnp.float32).astype(jnp.bfloat16) for key in keys)
+  (q8, k8, v8), scales = fp8.quantize(q, k, v)
+  args = (q, k, v, q8, k8, v8, scales)
+
+  def fp8_fn(q, k, v, q8, k8, v8, s):
+    return pallas_flash.flash_attention(q8, k8, v8, descale=s, is_causal=is_causal,
+                                        implementation="mosaic")
+
+  def bf16_fn(q, k, v, q8, k8, v8, s):
+    return pallas_flash.flash_attention(q, k, v, is_causal=is_causal, implementation="mosaic")
+
+  fns = {name: jax.jit(fn).lower(*args).compile()
+         for name, fn in (("fp8", fp8_fn), ("bf16", bf16_fn))}
+  timings = timing.time_interleaved(fns, args, iters=opts.iters,
+                                    min_loop_s=opts.min_loop_ms / 1e3,
+                                    settle_s=opts.settle_ms / 1e3)
+  work = 4.0 * b * h * t * t * d / (2 if is_causal else 1)
+  row = {"kind": "fp8_speed", "batch": b, "seq_len": t, "num_heads": h, "head_dim": d,
+         "is_causal": is_causal, "status": "ok", "reason": None, "cudnn_fp8": CUDNN_FP8}
+  for name, tm in timings.items():
+    row[f"{name}_ms"] = tm.median_s * 1e3
+    row[f"{name}_tflops"] = flops_lib.tflops(work, tm.median_s)
+  # Accuracy on the first ACCURACY_ROWS queries (top-left causal alignment: the same keys).
+  n = min(ACCURACY_ROWS, t)
+  deq = [fp8.dequantize(x, sc) for x, sc in ((q8, scales.q), (k8, scales.k), (v8, scales.v))]
+  ref_deq = pallas_flash.flash_attention(deq[0][:, :n], *deq[1:], is_causal=is_causal,
+                                         implementation="reference")
+  ref = pallas_flash.flash_attention(*(x.astype(jnp.float32) for x in (q[:, :n], k, v)),
+                                     is_causal=is_causal, implementation="reference")
+  o8, o16 = fns["fp8"](*args)[:, :n], fns["bf16"](*args)[:, :n]
+  row["fp8_rmse_deq"], row["fp8_max_err_deq"] = _errors(o8, ref_deq)
+  row["fp8_rmse"], row["fp8_max_err"] = _errors(o8, ref)
+  row["bf16_rmse"], row["bf16_max_err"] = _errors(o16, ref)
+  return row
+
+
+def run_speed(opts: argparse.Namespace) -> list[dict]:
+  if not _on_hopper():
+    return [{"kind": "fp8_speed", "status": "skip",
+             "reason": "the Mosaic FP8 forward needs a Hopper GPU"}]
+  return [speed_row(dims, is_causal=causal, opts=opts)
+          for dims in SPEED_SHAPES for causal in (False, True)]
+
+
+def print_speed(rows: list[dict]) -> None:
+  print("\nFP8 forward speed (TFLOP/s; the FP8 time includes the V transpose) and the FP8 "
+        f"kernel's error on the first {ACCURACY_ROWS} queries")
+  if rows and rows[0]["status"] == "skip":
+    print(f"  skip: {rows[0]['reason']}")
+    return
+  print(f"  {'shape':<22}{'causal':<8}{'fp8':>8}{'bf16':>8}{'cudnn-fp8':>11}"
+        f"{'rmse/max vs deq':>22}{'rmse/max vs f32':>22}{'bf16 rmse/max':>22}")
+  for r in rows:
+    shape = f"{r['batch']}x{r['seq_len']}x{r['num_heads']} d{r['head_dim']}"
+    pair = lambda a, b: f"{r[a]:.1e}/{r[b]:.1e}"  # noqa: E731
+    print(f"  {shape:<22}{str(r['is_causal']):<8}"
+          f"{flops_lib.format_tflops(r['fp8_tflops']):>8}"
+          f"{flops_lib.format_tflops(r['bf16_tflops']):>8}{'-':>11}"
+          f"{pair('fp8_rmse_deq', 'fp8_max_err_deq'):>22}{pair('fp8_rmse', 'fp8_max_err'):>22}"
+          f"{pair('bf16_rmse', 'bf16_max_err'):>22}", flush=True)
+  print(f"  cudnn-fp8: {CUDNN_FP8}")
+
+
 def run_fp8(opts: argparse.Namespace) -> list[dict]:
   shape = SHAPES["quick" if opts.quick else "full"]
   rows = [r for outliers in (False, True)
           for r in run_rows(shape, outliers=outliers, seed=opts.seed)]
   print_rows(rows)
-  return rows
+  speed = run_speed(opts)
+  print_speed(speed)
+  return rows + speed
