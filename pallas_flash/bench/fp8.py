@@ -16,11 +16,12 @@ Shapes: B 1, T = S 4096, 16 heads, D 128 (--quick: T = S 256, 2 heads), non-caus
 
 Speed (a Hopper GPU only; elsewhere one skip row). At B 1, T = S 16384, 16 heads, D 128 and
 256, causal and not: the Mosaic FP8 forward on per-tensor-quantised inputs (its time includes
-the XLA transpose of V that feeds it) next to our bf16 Mosaic forward and cuDNN FP8 ("-": not
-wired), interleaved (timing.time_interleaved), as TFLOP/s of 4·B·H·T·S·D (halved causal). Each
-row also reports the FP8 kernel's own error on the first ACCURACY_ROWS queries: against the
-float32 attention of the dequantized inputs (the kernel's arithmetic, P's rounding) and of the
-bf16 inputs (with the quantisation), next to the bf16 forward's.
+the XLA transpose of V that feeds it), in its default kv loop and the other one, next to our
+bf16 Mosaic forward and cuDNN FP8 ("-": not wired), interleaved (timing.time_interleaved), as
+TFLOP/s of 4·B·H·T·S·D (halved causal). Each row also reports the FP8 kernel's own error on
+the first ACCURACY_ROWS queries: against the float32 attention of the dequantized inputs (the
+kernel's arithmetic, P's rounding) and of the bf16 inputs (with the quantisation), next to
+the bf16 forward's.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import pallas_flash
 from pallas_flash import fp8
 from pallas_flash.bench import flops as flops_lib
 from pallas_flash.bench import timing
+from pallas_flash.mosaic_gpu import MosaicConfig
+from pallas_flash.mosaic_gpu.sm90 import fp8_forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,21 +161,27 @@ def speed_row(dims, *, is_causal: bool, opts: argparse.Namespace) -> dict:
   (q8, k8, v8), scales = fp8.quantize(q, k, v)
   args = (q, k, v, q8, k8, v8, scales)
 
-  def fp8_fn(q, k, v, q8, k8, v8, s):
-    return pallas_flash.flash_attention(q8, k8, v8, descale=s, is_causal=is_causal,
-                                        implementation="mosaic")
+  def fp8_fn(config):
+    def fn(q, k, v, q8, k8, v8, s):
+      return pallas_flash.flash_attention(q8, k8, v8, descale=s, is_causal=is_causal,
+                                          implementation="mosaic", config=config)
+    return fn
 
   def bf16_fn(q, k, v, q8, k8, v8, s):
     return pallas_flash.flash_attention(q, k, v, is_causal=is_causal, implementation="mosaic")
 
+  # "fp8": the default kv loop at this head dim; "fp8_alt": the other one (a config's choice).
+  alt = MosaicConfig(fwd_intra_wg_overlap=not fp8_forward.intra_wg_overlap(d, None))
   fns = {name: jax.jit(fn).lower(*args).compile()
-         for name, fn in (("fp8", fp8_fn), ("bf16", bf16_fn))}
+         for name, fn in (("fp8", fp8_fn(None)), ("fp8_alt", fp8_fn(alt)), ("bf16", bf16_fn))}
   timings = timing.time_interleaved(fns, args, iters=opts.iters,
                                     min_loop_s=opts.min_loop_ms / 1e3,
                                     settle_s=opts.settle_ms / 1e3)
   work = 4.0 * b * h * t * t * d / (2 if is_causal else 1)
   row = {"kind": "fp8_speed", "batch": b, "seq_len": t, "num_heads": h, "head_dim": d,
-         "is_causal": is_causal, "status": "ok", "reason": None, "cudnn_fp8": CUDNN_FP8}
+         "is_causal": is_causal, "status": "ok", "reason": None, "cudnn_fp8": CUDNN_FP8,
+         "fp8_loop": "overlap" if fp8_forward.intra_wg_overlap(d, None) else "plain",
+         "fp8_alt_loop": "overlap" if alt.fwd_intra_wg_overlap else "plain"}
   for name, tm in timings.items():
     row[f"{name}_ms"] = tm.median_s * 1e3
     row[f"{name}_tflops"] = flops_lib.tflops(work, tm.median_s)
@@ -204,16 +213,17 @@ def print_speed(rows: list[dict]) -> None:
   if rows and rows[0]["status"] == "skip":
     print(f"  skip: {rows[0]['reason']}")
     return
-  print(f"  {'shape':<22}{'causal':<8}{'fp8':>8}{'bf16':>8}{'cudnn-fp8':>11}"
-        f"{'rmse/max vs deq':>22}{'rmse/max vs f32':>22}{'bf16 rmse/max':>22}")
+  print(f"  {'shape':<20}{'causal':<8}{'fp8 (loop)':>16}{'fp8 other loop':>18}{'bf16':>8}"
+        f"{'cudnn-fp8':>11}{'rmse/max vs deq':>20}{'rmse/max vs f32':>20}{'bf16 rmse/max':>20}")
   for r in rows:
     shape = f"{r['batch']}x{r['seq_len']}x{r['num_heads']} d{r['head_dim']}"
     pair = lambda a, b: f"{r[a]:.1e}/{r[b]:.1e}"  # noqa: E731
-    print(f"  {shape:<22}{str(r['is_causal']):<8}"
-          f"{flops_lib.format_tflops(r['fp8_tflops']):>8}"
+    fp8_col = f"{flops_lib.format_tflops(r['fp8_tflops'])} ({r['fp8_loop']})"
+    alt_col = f"{flops_lib.format_tflops(r['fp8_alt_tflops'])} ({r['fp8_alt_loop']})"
+    print(f"  {shape:<20}{str(r['is_causal']):<8}{fp8_col:>16}{alt_col:>18}"
           f"{flops_lib.format_tflops(r['bf16_tflops']):>8}{'-':>11}"
-          f"{pair('fp8_rmse_deq', 'fp8_max_err_deq'):>22}{pair('fp8_rmse', 'fp8_max_err'):>22}"
-          f"{pair('bf16_rmse', 'bf16_max_err'):>22}", flush=True)
+          f"{pair('fp8_rmse_deq', 'fp8_max_err_deq'):>20}{pair('fp8_rmse', 'fp8_max_err'):>20}"
+          f"{pair('bf16_rmse', 'bf16_max_err'):>20}", flush=True)
   print(f"  cudnn-fp8: {CUDNN_FP8}")
 
 

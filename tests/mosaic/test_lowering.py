@@ -279,14 +279,17 @@ def test_split_tail_merge_equals_the_unsplit_result():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want[i]), rtol=1e-5, atol=1e-6)
 
 
-# The FP8 forward (sm90/fp8_forward.py): both matmuls lowered to e4m3 wgmma with an fp32
+# The FP8 forward (sm90/fp8_forward.py), its default loop per head dim (the intra-warpgroup
+# overlap up to 128) and the plain one: both matmuls lowered to e4m3 wgmma with an fp32
 # accumulator, P·V taking P from registers, P rounded with cvt...satfinite.e4m3x2.f32.
-@pytest.mark.parametrize("head_dim,causal", [
-    (64, False), (64, True), (128, False), (128, True),
-    pytest.param(256, False, marks=pytest.mark.slow),
-    pytest.param(256, True, marks=pytest.mark.slow)],
-    ids=["hd64", "hd64-causal", "hd128", "hd128-causal", "hd256", "hd256-causal"])
-def test_fp8_forward_lowers_to_e4m3_wgmma(head_dim, causal):
+@pytest.mark.parametrize("head_dim,causal,config", [
+    (64, False, None), (64, True, None), (128, False, None), (128, True, None),
+    (128, True, MosaicConfig()),  # the plain loop (head dim 256's default)
+    pytest.param(256, False, None, marks=pytest.mark.slow),
+    pytest.param(256, True, None, marks=pytest.mark.slow)],
+    ids=["hd64", "hd64-causal", "hd128", "hd128-causal", "hd128-causal-plain", "hd256",
+         "hd256-causal"])
+def test_fp8_forward_lowers_to_e4m3_wgmma(head_dim, causal, config):
   from pallas_flash import fp8
   q = jax.ShapeDtypeStruct((1, 1024, 4, head_dim), jnp.float8_e4m3fn)
   kv = jax.ShapeDtypeStruct((1, 1024, 2, head_dim), jnp.float8_e4m3fn)
@@ -294,7 +297,8 @@ def test_fp8_forward_lowers_to_e4m3_wgmma(head_dim, causal):
 
   def fn(q, k, v, sq, sk, sv):
     return pallas_flash.flash_attention(q, k, v, descale=fp8.Fp8Scales(sq, sk, sv),
-                                        is_causal=causal, implementation="mosaic")
+                                        is_causal=causal, implementation="mosaic",
+                                        config=config)
 
   text = export_for_h200(fn, q, kv, kv, scale, scale, scale).mlir_module()
   assert text.count("custom_call @mosaic_gpu_v2") == 1
