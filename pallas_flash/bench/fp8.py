@@ -8,7 +8,8 @@ max |error| of its output against the float32 reference on those bf16 values:
   fp8 tensor/block pallas_flash.fp8.quantize with one scale per tensor / per block of
                    positions of each head, without and with the Hadamard rotation, then
                    flash_attention on the e4m3 tensors
-  cudnn-fp8        cuDNN's FP8 attention: not wired (`cudnn_fp8` is the hook), a skip row.
+  cudnn-fp8        cuDNN's FP8 attention (`cudnn_fp8`: jax's private entry, e4m3 output),
+                   on a GPU; a skip row elsewhere or where it refuses the call.
 "impl" names what produced each row: on a Hopper GPU the per-tensor rows run the Mosaic FP8
 forward (P rounded to e4m3 too), the per-block rows and every row elsewhere the reference
 semantics (the inputs dequantized to float32: the quantisation of Q, K and V alone).
@@ -17,11 +18,11 @@ Shapes: B 1, T = S 4096, 16 heads, D 128 (--quick: T = S 256, 2 heads), non-caus
 Speed (a Hopper GPU only; elsewhere one skip row). At B 1, T = S 16384, 16 heads, D 128 and
 256, causal and not: the Mosaic FP8 forward on per-tensor-quantised inputs (its time includes
 the XLA transpose of V that feeds it), in its default kv loop and the other one, next to our
-bf16 Mosaic forward and cuDNN FP8 ("-": not wired), interleaved (timing.time_interleaved), as
-TFLOP/s of 4·B·H·T·S·D (halved causal). Each row also reports the FP8 kernel's own error on
-the first ACCURACY_ROWS queries: against the float32 attention of the dequantized inputs (the
-kernel's arithmetic, P's rounding) and of the bf16 inputs (with the quantisation), next to
-the bf16 forward's.
+bf16 Mosaic forward and cuDNN FP8 ("-" where it does not run; the reason is printed),
+interleaved (timing.time_interleaved), as TFLOP/s of 4·B·H·T·S·D (halved causal). Each row
+also reports the FP8 kernel's own error on the first ACCURACY_ROWS queries: against the
+float32 attention of the dequantized inputs (the kernel's arithmetic, P's rounding) and of
+the bf16 inputs (with the quantisation), next to the bf16 forward's (and cuDNN FP8's).
 """
 
 from __future__ import annotations
@@ -75,14 +76,35 @@ def make_inputs(shape: Shape, *, outliers: bool, seed: int) -> tuple[jax.Array, 
   return tuple(out)
 
 
-def cudnn_fp8(q8, k8, v8, scales):
-  """cuDNN's FP8 attention on the same e4m3 inputs: the hook for the cudnn-fp8 row on a GPU.
+# cuDNN's FP8 attention scales P by this before rounding it to e4m3 (the Mosaic kernel's
+# factor, pallas_flash.mosaic_gpu.sm90.fp8_forward.P_SCALE_LOG2).
+CUDNN_P_SCALE = 256.0
 
-  Not wired: jax reaches it only through the private
-  `jax._src.cudnn.fused_attention_stablehlo._dot_product_attention_fp8` (per-tensor scales,
-  head dim 128, lengths divisible by 128). Until someone wires and checks it on an H200, the
-  row is a skip, never a number."""
-  raise NotImplementedError("not wired yet (hook: pallas_flash.bench.fp8.cudnn_fp8)")
+
+def cudnn_fp8(q8, k8, v8, scales, *, is_causal: bool = False, out_dtype=jnp.bfloat16):
+  """cuDNN's FP8 attention on the same e4m3 inputs (per-tensor scales), through jax's private
+  `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(..., use_fp8=True)` (jax
+  0.11.2 has no public FP8 entry). Its output is e4m3 too: quantised with the scale that maps
+  max|v| · v_descale (a bound of |o|) to 448, then dequantized to `out_dtype`. Raises
+  NotImplementedError off GPUs or where the private API is missing or refuses the call."""
+  if jax.devices()[0].platform != "gpu":
+    raise NotImplementedError("needs a GPU")
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # noqa: PLC0415
+  except ImportError as e:
+    raise NotImplementedError(f"jax has no cuDNN FP8 attention here: {e}") from e
+  one = lambda x: jnp.asarray(x, jnp.float32).reshape(1, 1, 1, 1)  # noqa: E731
+  v_max = jnp.max(jnp.abs(v8.astype(jnp.float32))) * scales.v
+  scale_o = fp8.E4M3_MAX / jnp.maximum(v_max, 1e-30)
+  params = {key: one(1.0) for key in cudnn.fp8_params_keys}
+  params.update(descale_q=one(scales.q), descale_k=one(scales.k), descale_v=one(scales.v),
+                descale_s=one(1.0 / CUDNN_P_SCALE), scale_s=one(CUDNN_P_SCALE),
+                scale_o=one(scale_o))
+  mask = cudnn.MaskType.CAUSAL if is_causal else cudnn.MaskType.NO_MASK
+  o8, _, _ = cudnn.dot_product_attention(q8, k8, v8, fp8_params=params,
+                                         scale=q8.shape[-1] ** -0.5, mask_type=mask,
+                                         qkv_layout="BTNH", use_fp8=True)
+  return (o8.astype(jnp.float32) / scale_o).astype(out_dtype)
 
 
 def _errors(o, ref) -> tuple[float, float]:
@@ -121,8 +143,8 @@ def run_rows(shape: Shape, *, outliers: bool, seed: int) -> list[dict]:
     try:
       row.update(zip(("rmse", "max_err"), _errors(cudnn_fp8(q8, k8, v8, scales), ref)),
                  status="ok")
-    except NotImplementedError as e:
-      row["reason"] = str(e)
+    except Exception as e:  # noqa: BLE001 -- a private API: report why, keep the table
+      row["reason"] = f"{type(e).__name__}: {e}"[:300]
   return rows + [row]
 
 
@@ -143,9 +165,6 @@ def print_rows(rows: list[dict]) -> None:
 
 SPEED_SHAPES = ((1, 16384, 16, 128), (1, 16384, 16, 256))  # (B, T = S, H, D)
 ACCURACY_ROWS = 2048  # queries whose output the speed rows check (a [B, H, 2048, S] reference)
-CUDNN_FP8 = ("not wired: jax exposes cuDNN's FP8 attention only privately "
-             "(jax._src.cudnn.fused_attention_stablehlo._dot_product_attention_fp8, e4m3 "
-             "output and amax outputs)")
 
 
 def _on_hopper() -> bool:
@@ -170,16 +189,27 @@ def speed_row(dims, *, is_causal: bool, opts: argparse.Namespace) -> dict:
   def bf16_fn(q, k, v, q8, k8, v8, s):
     return pallas_flash.flash_attention(q, k, v, is_causal=is_causal, implementation="mosaic")
 
+  def cudnn_fn(q, k, v, q8, k8, v8, s):
+    return cudnn_fp8(q8, k8, v8, s, is_causal=is_causal)
+
   # "fp8": the default kv loop at this head dim; "fp8_alt": the other one (a config's choice).
   alt = MosaicConfig(fwd_intra_wg_overlap=not fp8_forward.intra_wg_overlap(d, None))
   fns = {name: jax.jit(fn).lower(*args).compile()
          for name, fn in (("fp8", fp8_fn(None)), ("fp8_alt", fp8_fn(alt)), ("bf16", bf16_fn))}
+  cudnn_reason = None
+  try:
+    fns["cudnn_fp8"] = jax.jit(cudnn_fn).lower(*args).compile()
+    jax.block_until_ready(fns["cudnn_fp8"](*args))
+  except Exception as e:  # noqa: BLE001 -- a private API: report why, keep the row
+    fns.pop("cudnn_fp8", None)
+    cudnn_reason = f"{type(e).__name__}: {e}"[:300]
   timings = timing.time_interleaved(fns, args, iters=opts.iters,
                                     min_loop_s=opts.min_loop_ms / 1e3,
                                     settle_s=opts.settle_ms / 1e3)
   work = 4.0 * b * h * t * t * d / (2 if is_causal else 1)
   row = {"kind": "fp8_speed", "batch": b, "seq_len": t, "num_heads": h, "head_dim": d,
-         "is_causal": is_causal, "status": "ok", "reason": None, "cudnn_fp8": CUDNN_FP8,
+         "is_causal": is_causal, "status": "ok", "reason": None, "cudnn_fp8_reason": cudnn_reason,
+         "cudnn_fp8_tflops": None,
          "fp8_loop": "overlap" if fp8_forward.intra_wg_overlap(d, None) else "plain",
          "fp8_alt_loop": "overlap" if alt.fwd_intra_wg_overlap else "plain"}
   for name, tm in timings.items():
@@ -196,6 +226,8 @@ def speed_row(dims, *, is_causal: bool, opts: argparse.Namespace) -> dict:
   row["fp8_rmse_deq"], row["fp8_max_err_deq"] = _errors(o8, ref_deq)
   row["fp8_rmse"], row["fp8_max_err"] = _errors(o8, ref)
   row["bf16_rmse"], row["bf16_max_err"] = _errors(o16, ref)
+  if "cudnn_fp8" in fns:
+    row["cudnn_fp8_rmse"], row["cudnn_fp8_max_err"] = _errors(fns["cudnn_fp8"](*args)[:, :n], ref)
   return row
 
 
@@ -221,10 +253,16 @@ def print_speed(rows: list[dict]) -> None:
     fp8_col = f"{flops_lib.format_tflops(r['fp8_tflops'])} ({r['fp8_loop']})"
     alt_col = f"{flops_lib.format_tflops(r['fp8_alt_tflops'])} ({r['fp8_alt_loop']})"
     print(f"  {shape:<20}{str(r['is_causal']):<8}{fp8_col:>16}{alt_col:>18}"
-          f"{flops_lib.format_tflops(r['bf16_tflops']):>8}{'-':>11}"
+          f"{flops_lib.format_tflops(r['bf16_tflops']):>8}"
+          f"{flops_lib.format_tflops(r['cudnn_fp8_tflops']):>11}"
           f"{pair('fp8_rmse_deq', 'fp8_max_err_deq'):>20}{pair('fp8_rmse', 'fp8_max_err'):>20}"
           f"{pair('bf16_rmse', 'bf16_max_err'):>20}", flush=True)
-  print(f"  cudnn-fp8: {CUDNN_FP8}")
+  for r in rows:
+    if r["cudnn_fp8_reason"]:
+      print(f"  cudnn-fp8 d{r['head_dim']} causal={r['is_causal']}: {r['cudnn_fp8_reason']}")
+    elif "cudnn_fp8_rmse" in r:
+      print(f"  cudnn-fp8 d{r['head_dim']} causal={r['is_causal']}: rmse/max vs f32 "
+            f"{r['cudnn_fp8_rmse']:.1e}/{r['cudnn_fp8_max_err']:.1e} (e4m3 output)")
 
 
 def run_fp8(opts: argparse.Namespace) -> list[dict]:
