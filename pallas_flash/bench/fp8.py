@@ -17,8 +17,8 @@ Shapes: B 1, T = S 4096, 16 heads, D 128 (--quick: T = S 256, 2 heads), non-caus
 
 Speed (a Hopper GPU only; elsewhere one skip row). At B 1, T = S 16384, 16 heads, D 128 and
 256, causal and not: the Mosaic FP8 forward on per-tensor-quantised inputs (its time includes
-the XLA transpose of V that feeds it), in its default kv loop and the other one, next to our
-bf16 Mosaic forward and cuDNN FP8 ("-" where it does not run; the reason is printed),
+the XLA transpose of V that feeds it), in its default form and the others of FP8_FORMS, beside
+our bf16 Mosaic forward and cuDNN FP8 ("-" where it does not run; the reason is printed),
 interleaved (timing.time_interleaved), as TFLOP/s of 4·B·H·T·S·D (halved causal). Each row
 also reports the FP8 kernel's own error on the first ACCURACY_ROWS queries: against the
 float32 attention of the dequantized inputs (the kernel's arithmetic, P's rounding) and of
@@ -192,10 +192,10 @@ def speed_row(dims, *, is_causal: bool, opts: argparse.Namespace) -> dict:
   def cudnn_fn(q, k, v, q8, k8, v8, s):
     return cudnn_fp8(q8, k8, v8, s, is_causal=is_causal)
 
-  # "fp8": the default kv loop at this head dim; "fp8_alt": the other one (a config's choice).
-  alt = MosaicConfig(fwd_intra_wg_overlap=not fp8_forward.intra_wg_overlap(d, None))
-  fns = {name: jax.jit(fn).lower(*args).compile()
-         for name, fn in (("fp8", fp8_fn(None)), ("fp8_alt", fp8_fn(alt)), ("bf16", bf16_fn))}
+  # "fp8": the default form at this head dim; "fp8 <label>": the other forms of FP8_FORMS.
+  forms = {"fp8": None, **{f"fp8 {label}": config for label, config in FP8_FORMS.get(d, ())}}
+  fns = {name: jax.jit(fp8_fn(config)).lower(*args).compile() for name, config in forms.items()}
+  fns["bf16"] = jax.jit(bf16_fn).lower(*args).compile()
   cudnn_reason = None
   try:
     fns["cudnn_fp8"] = jax.jit(cudnn_fn).lower(*args).compile()
@@ -210,9 +210,11 @@ def speed_row(dims, *, is_causal: bool, opts: argparse.Namespace) -> dict:
   row = {"kind": "fp8_speed", "batch": b, "seq_len": t, "num_heads": h, "head_dim": d,
          "is_causal": is_causal, "status": "ok", "reason": None, "cudnn_fp8_reason": cudnn_reason,
          "cudnn_fp8_tflops": None,
-         "fp8_loop": "overlap" if fp8_forward.intra_wg_overlap(d, None) else "plain",
-         "fp8_alt_loop": "overlap" if alt.fwd_intra_wg_overlap else "plain"}
+         "fp8_form": _form_label(d, None)}
   for name, tm in timings.items():
+    if name.startswith("fp8 "):
+      row.setdefault("fp8_other_forms", {})[name[4:]] = flops_lib.tflops(work, tm.median_s)
+      continue
     row[f"{name}_ms"] = tm.median_s * 1e3
     row[f"{name}_tflops"] = flops_lib.tflops(work, tm.median_s)
   # Accuracy on the first ACCURACY_ROWS queries (top-left causal alignment: the same keys).
@@ -231,6 +233,22 @@ def speed_row(dims, *, is_causal: bool, opts: argparse.Namespace) -> dict:
   return row
 
 
+# Other forms of the FP8 forward the speed rows time beside the default, per head dim: (label,
+# MosaicConfig). Each compiles without spills (scripts/mosaic_ptxas.py --deviceless), which
+# is fastest on the H200 is not yet measured.
+FP8_FORMS = {
+    128: (("plain/128", MosaicConfig()), ("plain/256", MosaicConfig(block_kv=256)),
+          ("overlap/128/3 stages", MosaicConfig(fwd_intra_wg_overlap=True, num_stages=3))),
+    256: (("overlap/128", MosaicConfig(fwd_intra_wg_overlap=True)),),
+}
+
+
+def _form_label(d: int, config) -> str:
+  """'<loop>/<key tile>' of the FP8 forward at head dim d with `config`."""
+  loop = "overlap" if fp8_forward.intra_wg_overlap(d, config) else "plain"
+  return f"{loop}/{fp8_forward.block_kv(config)}"
+
+
 def run_speed(opts: argparse.Namespace) -> list[dict]:
   if not _on_hopper():
     return [{"kind": "fp8_speed", "status": "skip",
@@ -245,18 +263,21 @@ def print_speed(rows: list[dict]) -> None:
   if rows and rows[0]["status"] == "skip":
     print(f"  skip: {rows[0]['reason']}")
     return
-  print(f"  {'shape':<20}{'causal':<8}{'fp8 (loop)':>16}{'fp8 other loop':>18}{'bf16':>8}"
-        f"{'cudnn-fp8':>11}{'rmse/max vs deq':>20}{'rmse/max vs f32':>20}{'bf16 rmse/max':>20}")
+  print(f"  {'shape':<20}{'causal':<8}{'fp8 (form)':>18}{'bf16':>8}{'cudnn-fp8':>11}"
+        f"{'rmse/max vs deq':>20}{'rmse/max vs f32':>20}{'bf16 rmse/max':>20}")
   for r in rows:
     shape = f"{r['batch']}x{r['seq_len']}x{r['num_heads']} d{r['head_dim']}"
     pair = lambda a, b: f"{r[a]:.1e}/{r[b]:.1e}"  # noqa: E731
-    fp8_col = f"{flops_lib.format_tflops(r['fp8_tflops'])} ({r['fp8_loop']})"
-    alt_col = f"{flops_lib.format_tflops(r['fp8_alt_tflops'])} ({r['fp8_alt_loop']})"
-    print(f"  {shape:<20}{str(r['is_causal']):<8}{fp8_col:>16}{alt_col:>18}"
+    fp8_col = f"{flops_lib.format_tflops(r['fp8_tflops'])} ({r['fp8_form']})"
+    print(f"  {shape:<20}{str(r['is_causal']):<8}{fp8_col:>18}"
           f"{flops_lib.format_tflops(r['bf16_tflops']):>8}"
           f"{flops_lib.format_tflops(r['cudnn_fp8_tflops']):>11}"
           f"{pair('fp8_rmse_deq', 'fp8_max_err_deq'):>20}{pair('fp8_rmse', 'fp8_max_err'):>20}"
           f"{pair('bf16_rmse', 'bf16_max_err'):>20}", flush=True)
+    others = ", ".join(f"{label} {flops_lib.format_tflops(x)}"
+                       for label, x in r.get("fp8_other_forms", {}).items())
+    if others:
+      print(f"  {'':<28}other FP8 forms: {others}", flush=True)
   for r in rows:
     if r["cudnn_fp8_reason"]:
       print(f"  cudnn-fp8 d{r['head_dim']} causal={r['is_causal']}: {r['cudnn_fp8_reason']}")
