@@ -38,6 +38,9 @@ import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax._src.lib.mlir import ir
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from pallas_flash import _tiling
 from pallas_flash.call import MASK_VALUE
@@ -85,10 +88,6 @@ def p_operand(p, kp: common.KernelParams):
       return_type=plgpu.ShapeDtypeStruct(shape, E4M3, layout=plgpu.Layout.WGMMA_8BIT))
   def relabel(ctx, p32):
     del ctx
-    from jax._src.lib.mlir import ir  # noqa: PLC0415
-    from jax.experimental import mosaic as _  # noqa: F401,PLC0415
-    from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
     p8 = p32.astype(ir.Float8E4M3FNType.get())
     regs = p8.registers  # [.., key groups of 8, ..] of 2-element vectors
     out_shape = mgpu.WGMMA_LAYOUT_8BIT.registers_shape(shape)
