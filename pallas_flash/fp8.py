@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_flash import api, validation
+from pallas_flash import _tiling, api, validation
 from pallas_flash.context_parallel import sharding as _cp_sharding
 
 __all__ = ["E4M3_MAX", "Fp8Scales", "dequantize", "hadamard_rotation", "quantize",
@@ -434,8 +434,12 @@ def explain_fp8(explain_fn, query, key, value, **kwargs) -> Fp8Explanation:
   fields["reasons"] = {**base.reasons, "mosaic": why}
   if why is None:
     from pallas_flash.mosaic_gpu.sm90 import fp8_forward  # noqa: PLC0415
-    fields.update(chosen="mosaic", config=config,
-                  block_shape=(2 * fp8_forward.BLOCK_Q, fp8_forward.block_kv(config)))
+    block = (2 * fp8_forward.BLOCK_Q, fp8_forward.block_kv(config))
+    info = _f32_call_info(query, key, value, kwargs)
+    fields.update(chosen="mosaic", config=config, block_shape=block,
+                  blocks_computed=_tiling.fraction_computed(
+                      q_len=info.q_len, kv_len=info.kv_len, block_q=block[0],
+                      block_kv=block[1], band=info.params.band))
     note = (f"{head}: the Mosaic FP8 forward (e4m3 wgmma for Q·Kᵀ and P·V, fp32 softmax), "
             f"output {out.name}; forward only")
   else:
