@@ -256,9 +256,10 @@ def flash_attention(
       sigmoid(lse - sink) (`merge.add_sinks`): an elementwise pass over the output.
     descale: with float8_e4m3fn query/key/value: their descale factors, (q_scale, k_scale,
       v_scale) or a `pallas_flash.fp8.Fp8Scales` (per tensor, per (batch, head) or per block),
-      as `pallas_flash.fp8.quantize` returns them. No FP8 kernel exists yet: every
-      implementation but "mosaic" (which refuses) runs the float32 attention on the
-      dequantized inputs. No gradient with respect to FP8 inputs; see docs/fp8.md.
+      as `pallas_flash.fp8.quantize` returns them. On a Hopper GPU, causal or full attention
+      with per-tensor or per-(batch, head) scales runs the Mosaic FP8 forward (None or
+      "mosaic"); every other FP8 call runs the float32 attention on the dequantized inputs
+      (`explain` says which and why). No gradient with respect to FP8 inputs; docs/fp8.md.
     out_dtype: the output dtype of an FP8 call (default bfloat16).
     deterministic: True guarantees bitwise-identical gradients run to run. Every default path
       gives them but one: the Mosaic backward of long head-dim-128 calls (causal: at least 8K

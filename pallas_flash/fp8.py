@@ -1,25 +1,30 @@
-"""FP8 (float8_e4m3fn) attention: descale factors, quantisation and the Hadamard rotation.
+"""FP8 (float8_e4m3fn) attention: descale factors, quantisation, the Hadamard rotation, and
+the dispatch of FP8 calls.
 
 `flash_attention(q8, k8, v8, descale=Fp8Scales(...))` takes e4m3 query/key/value whose real
-values are `float32(x8) * scale`. There is no FP8 kernel yet (issue 44's Hopper wgmma forward
-is not built): every implementation runs the reference semantics, the inputs dequantized to
-float32 and the float32 attention on them (`triton` on a GPU, `xla` on CPU), the output cast
-to `out_dtype` (bfloat16 by default). That is correct and checkable but no faster than bf16;
-"mosaic" refuses FP8 calls until its kernel exists.
+values are `float32(x8) * scale`. On a Hopper GPU, causal or full attention with per-tensor
+or per-(batch, head) scales runs the Mosaic FP8 forward (`pallas_flash.mosaic_gpu`,
+sm90/fp8_forward.py: both matmuls as FP8 wgmma, P rounded to e4m3), chosen automatically or
+with implementation="mosaic". Every other FP8 call (other implementations, per-block scales,
+segment ids, windows, soft caps, bias, masks, dropout, sinks, other GPUs) runs the reference
+semantics: the inputs dequantized to float32 and the float32 attention on them (`triton` on a
+GPU, `xla` on CPU), the output cast to `out_dtype` (bfloat16 by default); `explain` says which
+and why.
 
 Scales, per input x [B, N, heads, D] (drop B for rank-3 inputs), float32:
   []                    one per tensor
   [B, heads]            one per (batch, head)
   [B, ceil(N/block), heads]  one per `block` positions of each head (Fp8Scales.block)
-A future kernel folds per-tensor and per-(batch, head) q/k scales into the softmax scale and
-the v scale into the output; per-block scales rescale each score / output tile.
+The Mosaic kernel folds the q and k scales into the softmax scale per (batch, head) and
+applies the v scale to the output; per-block scales run the reference semantics.
 
 Gradients: `flash_attention` refuses to differentiate FP8 inputs or their scales (an e4m3
 cotangent flushes everything below 2**-9 to zero, and an FP8 array is a quantised copy, not a
-parameter). `quantized_attention(q, k, v, ...)` takes the bf16 activations, quantises them
-(`quantize`) and differentiates straight through the quantiser: its gradient is the
-attention's gradient at the dequantized values, carried to q, k, v as if quantisation were
-the identity (through the rotation when `rotate=True`).
+parameter); there is no FP8 backward kernel. `quantized_attention(q, k, v, ...)` takes the
+bf16 activations, quantises them (`quantize`) and differentiates straight through the
+quantiser on the reference semantics: its gradient is the attention's gradient at the
+dequantized values, carried to q, k, v as if quantisation were the identity (through the
+rotation when `rotate=True`).
 """
 
 from __future__ import annotations
@@ -33,16 +38,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_flash import api
+from pallas_flash import _tiling, api, validation
+from pallas_flash.context_parallel import sharding as _cp_sharding
 
 __all__ = ["E4M3_MAX", "Fp8Scales", "dequantize", "hadamard_rotation", "quantize",
            "quantized_attention"]
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448: quantize maps each scale group's max here
-MOSAIC_REASON = ("mosaic has no FP8 kernel yet (issue 44: the Hopper wgmma FP8 forward is not "
-                 "built); FP8 calls run the reference semantics on the implementations that "
-                 "take float32")
+LOG2E = math.log2(math.e)
+# Why quantized_attention never runs the Mosaic FP8 kernel.
+QUANTIZED_MOSAIC_REASON = ("quantized_attention is differentiable and the Mosaic FP8 kernel is "
+                           "forward-only: it runs the reference semantics (call "
+                           "flash_attention on quantize's outputs for the kernel)")
 _OUT_DTYPES = tuple(jnp.dtype(t) for t in (jnp.bfloat16, jnp.float16, jnp.float32))
 
 
@@ -290,14 +298,111 @@ def _dequantize_bwd(_, cotangents):
 _dequantize_inputs.defvjp(_dequantize_fwd, _dequantize_bwd)
 
 
+def _f32_call_info(query, key, value, kwargs):
+  """CallInfo of the float32 form of an FP8 call (shapes, features, device)."""
+  kw = {n: x for n, x in kwargs.items() if n in validation.DEFAULTS}
+  f32 = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (query, key, value)]
+  return validation.abstract_call_info(*f32, validation.with_defaults(kw))
+
+
+def mosaic_reason(query, key, value, scales: Fp8Scales, out, kwargs) -> str | None:
+  """Why the Mosaic FP8 forward cannot run this (checked) FP8 call, or None when it can."""
+  from pallas_flash import backends  # noqa: PLC0415
+  mosaic = backends.load("mosaic")
+  if isinstance(mosaic, str):
+    return mosaic
+  if (_cp_sharding.sequence_sharding(query, key, value) is not None
+      or _cp_sharding.batch_head_sharding(query) is not None):
+    return ("inputs split over mesh axes: the FP8 kernel runs whole arrays only (sharded FP8 "
+            "calls run the reference semantics per shard)")
+  from pallas_flash import mosaic_gpu  # noqa: PLC0415
+  info = _f32_call_info(query, key, value, kwargs)
+  layouts = {_scale_layout(len(getattr(s, "shape", ())), len(query.shape))
+             for s in (scales.q, scales.k, scales.v)}
+  return mosaic_gpu.fp8_unsupported_reason(
+      info, scale_layouts=layouts, out_dtype=out, config=kwargs.get("config"),
+      sinks=kwargs.get("sinks") is not None)
+
+
+def _per_head(scale, batch: int, heads: int, group: int, unbatched: bool):
+  """A descale factor as [B, H] float32 per query head (kv-head scales repeated over their
+  group of query heads)."""
+  scale = jnp.asarray(scale, jnp.float32)
+  if scale.ndim == 0:
+    return jnp.broadcast_to(scale, (batch, heads))
+  if unbatched:
+    scale = scale[None]
+  return jnp.repeat(scale, group, axis=-1) if group > 1 else scale
+
+
+@functools.cache
+def _mosaic_fn(causal: bool, scale: float, out, config):
+  """The Mosaic FP8 forward as a function of (q8, k8, v8, c [B, H], v_descale [B, H]) that
+  refuses to be differentiated."""
+  from pallas_flash import mosaic_gpu  # noqa: PLC0415
+
+  @jax.custom_vjp
+  def run(q8, k8, v8, c, v_descale):
+    return mosaic_gpu.fp8_forward(q8, k8, v8, c, v_descale, causal=causal, scale=scale,
+                                  out_dtype=out, config=config)
+
+  def run_fwd(*args):
+    return run(*args), None
+
+  def run_bwd(_, cotangents):
+    raise TypeError(_NO_GRAD)
+
+  run.defvjp(run_fwd, run_bwd)
+  return run
+
+
+def _mosaic_attention(query, key, value, scales: Fp8Scales, out, kwargs):
+  """flash_attention's result for an FP8 call the Mosaic FP8 forward runs."""
+  if kwargs.get("return_residuals") and kwargs.get("return_residual"):
+    raise ValueError("Pass one of `return_residuals` (float32 [B, H, T]) and "
+                     "`return_residual` (jax.nn's: [B, T, H] in the output dtype), not both.")
+  params = _f32_call_info(query, key, value, kwargs).params
+  unbatched = len(query.shape) == 3
+  q8, k8, v8 = (x[None] if unbatched else x for x in (query, key, value))
+  b, _, h, _ = q8.shape
+  group = h // k8.shape[2]
+  c = (_per_head(scales.q, b, h, 1, unbatched) * _per_head(scales.k, b, h, group, unbatched)
+       * (params.scale * LOG2E))
+  v_descale = _per_head(scales.v, b, h, group, unbatched)
+  o, lse = _mosaic_fn(params.is_causal, params.scale, out, kwargs.get("config"))(
+      q8, k8, v8, c, v_descale)
+  if unbatched:
+    o, lse = o[0], lse[0]
+  if kwargs.get("return_residual"):
+    return o, jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(o.dtype))
+  if kwargs.get("return_residuals"):
+    return o, lse
+  return o
+
+
+def _float32_kwargs(kwargs: dict) -> dict:
+  """The keyword arguments of the float32 call that runs the reference semantics: a
+  MosaicConfig, which configures the FP8 kernel, is dropped (no float32 path takes it)."""
+  from pallas_flash.mosaic_gpu import MosaicConfig  # noqa: PLC0415
+  if isinstance(kwargs.get("config"), MosaicConfig):
+    return {**kwargs, "config": None}
+  return kwargs
+
+
 def flash_attention_fp8(attention_fn, *, query, key, value, descale, out_dtype, **kwargs):
-  """`flash_attention` on FP8 inputs: checked, dequantized to float32 (no gradient), run by
+  """`flash_attention` on FP8 inputs: checked, then the Mosaic FP8 forward where it applies
+  (implementation None or "mosaic"), else dequantized to float32 (no gradient), run by
   `attention_fn` (flash_attention itself) on the chosen float32 implementation, cast."""
   scales, out = check_call(query, key, value, descale, out_dtype)
-  if kwargs.get("implementation") == "mosaic":
-    raise NotImplementedError(f"implementation='mosaic' cannot run this call: {MOSAIC_REASON}.")
+  implementation = kwargs.get("implementation")
+  if implementation in (None, "mosaic"):
+    why = mosaic_reason(query, key, value, scales, out, kwargs)
+    if why is None:
+      return _mosaic_attention(query, key, value, scales, out, kwargs)
+    if implementation == "mosaic":
+      raise NotImplementedError(f"implementation='mosaic' cannot run this call: {why}.")
   q, k, v = _dequantize_inputs(query, key, value, scales)
-  result = attention_fn(q, k, v, **kwargs)
+  result = attention_fn(q, k, v, **_float32_kwargs(kwargs))
   if isinstance(result, tuple):  # return_residuals: (o, lse)
     return (result[0].astype(out), *result[1:])
   return result.astype(out)
@@ -314,19 +419,34 @@ class Fp8Explanation(api.Explanation):
 
 
 def explain_fp8(explain_fn, query, key, value, **kwargs) -> Fp8Explanation:
-  """`explain` of an FP8 call: that of the float32 call it runs, "mosaic" refused."""
+  """`explain` of an FP8 call: the Mosaic FP8 forward where it applies, else that of the
+  float32 call it runs (the reference semantics), with the Mosaic kernel's reason."""
   descale, out_dtype = kwargs.pop("descale", None), kwargs.pop("out_dtype", None)
   scales, out = check_call(query, key, value, descale, out_dtype)
+  why = mosaic_reason(query, key, value, scales, out, kwargs)
   f32 = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (query, key, value)]
-  base = explain_fn(*f32, **kwargs)
-  layouts = sorted({_scale_layout(len(s.shape), len(query.shape))
+  config = kwargs.get("config")
+  base = explain_fn(*f32, **_float32_kwargs(kwargs))
+  layouts = sorted({_scale_layout(len(getattr(s, "shape", ())), len(query.shape))
                     for s in (scales.q, scales.k, scales.v)})
-  note = (f"FP8 (float8_e4m3fn, scales per {'/'.join(layouts)}): no FP8 kernel yet; the "
-          f"inputs are dequantized to float32 and run as below (the reference semantics), "
-          f"the output cast to {out.name}")
+  head = f"FP8 (float8_e4m3fn, scales per {'/'.join(layouts)})"
   fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-  fields["reasons"] = {**base.reasons, "mosaic": MOSAIC_REASON}
-  fields["reasons_when_named"] = {**base.reasons_when_named, "mosaic": MOSAIC_REASON}
+  fields["reasons"] = {**base.reasons, "mosaic": why}
+  fields["reasons_when_named"] = {**base.reasons_when_named, "mosaic": why}
+  if why is None:
+    from pallas_flash.mosaic_gpu.sm90 import fp8_forward  # noqa: PLC0415
+    block = (2 * fp8_forward.BLOCK_Q, fp8_forward.block_kv(config))
+    info = _f32_call_info(query, key, value, kwargs)
+    fields.update(chosen="mosaic", config=config, block_shape=block,
+                  blocks_computed=_tiling.fraction_computed(
+                      q_len=info.q_len, kv_len=info.kv_len, block_q=block[0],
+                      block_kv=block[1], band=info.params.band))
+    note = (f"{head}: the Mosaic FP8 forward (e4m3 wgmma for Q·Kᵀ and P·V, fp32 softmax), "
+            f"output {out.name}; forward only")
+  else:
+    note = (f"{head}: the Mosaic FP8 kernel cannot run it ({why}); the inputs are dequantized "
+            f"to float32 and run as below (the reference semantics), the output cast to "
+            f"{out.name}")
   return Fp8Explanation(**fields, fp8=note)
 
 
@@ -367,7 +487,8 @@ def quantized_attention(q, k, v, *, rotate: bool = False, block: int | str | Non
     inputs[:2] = (_rotate(x, rotation) for x in inputs[:2])
   (q8, k8, v8), scales = quantize(*(jax.lax.stop_gradient(x) for x in inputs), block=block)
   if kwargs.get("implementation") == "mosaic":
-    raise NotImplementedError(f"implementation='mosaic' cannot run this call: {MOSAIC_REASON}.")
+    raise NotImplementedError(
+        f"implementation='mosaic' cannot run this call: {QUANTIZED_MOSAIC_REASON}.")
   # The reference semantics, as flash_attention_fp8 runs them, but differentiable: the
   # dequantized values forward, the cotangent straight through to the (rotated) inputs.
   deq = (dequantize(x8, s, scales.block)

@@ -65,6 +65,12 @@ VARIANTS = {
     "fwd_window": ("fwd", False, dict(window=1023)),
     "fwd_window_causal": ("fwd", True, dict(window=1023)),
     "bwd_window_causal": ("fwdbwd", True, dict(window=1023)),
+    # The FP8 forward (float8_e4m3fn q, k, v, per-tensor scales; sm90/fp8_forward.py): its
+    # default loop per head dim (no config), and each loop by name.
+    "fp8": ("fp8", False, {}),
+    "fp8_causal": ("fp8", True, {}),
+    "fp8_plain": ("fp8", False, dict(fwd_intra_wg_overlap=False)),
+    "fp8_overlap": ("fp8", False, dict(fwd_intra_wg_overlap=True)),
 }
 
 
@@ -133,6 +139,8 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
     _, vjp = jax.vjp(lambda *a: attn(*a, impl=impl), q, k, v)
     return vjp(do)
 
+  if mode == "fp8":
+    return fp8_child(name, causal, kw, operand_shapes, deviceless, reps)
   fn = attn if mode == "fwd" else grads
   nargs = 3 if mode == "fwd" else 4
   if deviceless:
@@ -166,6 +174,61 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
         flush=True)
 
 
+def fp8_child(name: str, causal: bool, kw: dict, operand_shapes, deviceless: bool,
+              reps: int) -> None:
+  """child() for the FP8 forward: e4m3 q, k, v with per-tensor scales; config None (the
+  default loop) or MosaicConfig(**kw); on a GPU checked against the reference semantics."""
+  import time
+
+  import jax
+  import jax.numpy as jnp
+
+  import pallas_flash
+  from pallas_flash import fp8
+  from pallas_flash.mosaic_gpu import MosaicConfig
+
+  config = MosaicConfig(**kw) if kw else None
+  q_shape, kv_shape = operand_shapes[0], operand_shapes[1]
+
+  def attn(q8, k8, v8, sq, sk, sv):
+    return pallas_flash.flash_attention(q8, k8, v8, descale=(sq, sk, sv), is_causal=causal,
+                                        implementation="mosaic", config=config)
+
+  if deviceless:
+    from jax.sharding import use_abstract_mesh
+    sharding, h200 = abstract_h200()
+    specs = [jax.ShapeDtypeStruct(sh, jnp.float8_e4m3fn, sharding=sharding)
+             for sh in (q_shape, kv_shape, kv_shape)]
+    specs += [jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding)] * 3
+    with use_abstract_mesh(h200):
+      traced = jax.jit(attn).trace(*specs)
+    traced.lower(lowering_platforms=("cuda",)).compile()
+    print(json.dumps(dict(variant=name, compiled=True)), flush=True)
+    return
+
+  ks = jax.random.split(jax.random.key(0), 3)
+  x = [jax.random.normal(kk, sh, jnp.float32).astype(jnp.bfloat16)
+       for kk, sh in zip(ks, (q_shape, kv_shape, kv_shape))]
+  (q8, k8, v8), s = fp8.quantize(*x)
+  args = (q8, k8, v8, s.q, s.k, s.v)
+  f = jax.jit(attn)
+  out = jax.block_until_ready(f(*args))
+  deq = [fp8.dequantize(a, sc) for a, sc in zip((q8, k8, v8), (s.q, s.k, s.v))]
+  want = pallas_flash.flash_attention(*deq, is_causal=causal, implementation="xla")
+  err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+  for _ in range(2):
+    jax.block_until_ready(f(*args))
+  t0 = time.perf_counter()
+  for _ in range(reps):
+    out = f(*args)
+  jax.block_until_ready(out)
+  ms = (time.perf_counter() - t0) / reps * 1e3
+  b, t, h, d = q_shape
+  flops = 4 * b * h * t * t * d * (0.5 if causal else 1.0)
+  print(json.dumps(dict(variant=name, ms=ms, tflops=flops / ms / 1e9, max_rel_err=err)),
+        flush=True)
+
+
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
@@ -190,7 +253,8 @@ _BRANCH = re.compile(r"@!?U?P\d\s+BRA\s+`\((\.L_x_\d+)\)")
 
 def wgmma_loops(sass: str) -> list[tuple[int, int]]:
   """(first, last) instruction addresses of the loops (backward branches) that issue a wgmma
-  (HGMMA): the kernel's main loops, as opposed to set-up code and barrier spin loops."""
+  (HGMMA; QGMMA for FP8 operands): the kernel's main loops, as opposed to set-up code and
+  barrier spin loops."""
   labels, instrs, pending = {}, [], []
   for ln in sass.splitlines():
     if m := _LABEL.match(ln):
@@ -205,12 +269,13 @@ def wgmma_loops(sass: str) -> list[tuple[int, int]]:
     m = _BRANCH.search(ln)
     if m and labels.get(m.group(1), addr + 1) <= addr:
       lo = labels[m.group(1)]
-      if any(lo <= a <= addr and "HGMMA" in text for a, text in instrs):
+      if any(lo <= a <= addr and _GMMA.search(text) for a, text in instrs):
         loops.append((lo, addr))
   return loops
 
 
-# A wgmma whose A operand is registers: HGMMA.<shape> <acc>, R<a>, gdesc[...]... (4 registers
+_GMMA = re.compile(r"\b[HQ]GMMA\.")
+# A 16-bit wgmma whose A operand is registers: HGMMA.<shape> <acc>, R<a>, gdesc[...]... (4 registers
 # per k-step). Its B operand is transposed (".tnspB") for P·V-style products and not for the
 # S = Q·Kᵀ-style ones, whose A operand is loop-invariant (a tile loaded before the loop).
 _HGMMA_RS = re.compile(r"HGMMA\.\S+ R\d+, R(\d+), gdesc\[[^\]]*\](\.tnspB)?")
@@ -225,7 +290,8 @@ def invariant_operand_writes(sass: str, loops) -> int:
   around the loop, by arithmetic rather than by a load or move: ptxas gave the operand's
   registers to another value while the loop still reads them, a miscompile (the forward's
   plain loop with MosaicConfig.fwd_q_registers, see forward._q_operand). A reload from a
-  spill slot is not counted. Expected 0."""
+  spill slot is not counted. Expected 0. FP8 wgmmas (QGMMA) are not looked at: their B
+  operand is never transposed, and the FP8 forward's only register operand is P."""
   rows = [(int(m.group(1), 16), ln) for ln in sass.splitlines() if (m := _ADDR.search(ln))]
   bad = 0
   for lo, hi in loops:
@@ -235,7 +301,8 @@ def invariant_operand_writes(sass: str, loops) -> int:
       m = _WRITE.search(ln)
       width = 2 if m and ".64" in m.group(1) else 4 if m and m.group(1).startswith("LDSM") else 1
       writes.append((m.group(1), {int(m.group(2)) + k for k in range(width)}) if m and
-                    not m.group(1).startswith(("HGMMA", "ST", "SYNCS", "RED")) else ("", set()))
+                    not m.group(1).startswith(("HGMMA", "QGMMA", "ST", "SYNCS", "RED"))
+                    else ("", set()))
     for n, ln in enumerate(body):
       if not (m := _HGMMA_RS.search(ln)) or m.group(2):
         continue
@@ -263,7 +330,8 @@ def sass_report(ptx: pathlib.Path) -> str:
   loops = wgmma_loops(sass)
   inside = [ln for ln in sass.splitlines() if (m := _ADDR.search(ln))
             and any(lo <= int(m.group(1), 16) <= hi for lo, hi in loops)]
-  return (f"{len(loops)} wgmma loops, {sum('HGMMA' in ln for ln in inside)} HGMMA in them; "
+  return (f"{len(loops)} wgmma loops, {sum(bool(_GMMA.search(ln)) for ln in inside)} "
+          "HGMMA/QGMMA in them; "
           f"spill loads / stores in them: {sum('LDL' in ln for ln in inside)} / "
           f"{sum('STL' in ln for ln in inside)}; writes to loop-invariant wgmma register "
           f"operands: {invariant_operand_writes(sass, loops)}")

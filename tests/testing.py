@@ -239,3 +239,41 @@ def on_hopper() -> bool:
   except RuntimeError:
     return False
   return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+# FP8 (pallas_flash.fp8): the output of FP8 attention against the float32 attention of the
+# bf16 inputs, max|x - ref| / max|ref| on N(0, 1) inputs: e4m3 rounds q, k and v by up to 2**-4
+# relative (0.036-0.10 measured on tests/test_fp8.py's case over 12 seeds).
+FP8_TOLERANCE = 0.15
+# The Mosaic FP8 forward against the reference semantics (the float32 attention of the same
+# dequantized inputs): what differs is the kernel's rounding of P to e4m3 (3 mantissa bits,
+# half an ulp 2**-4 relative per probability, averaging out over keys). Measured in the Mosaic
+# interpreter: 0.011-0.022 (tests/mosaic/test_interpret.py's cases).
+FP8_KERNEL_TOLERANCE = 0.05
+# The Mosaic FP8 forward in the interpreter (its key tiles are multiples of 128).
+MOSAIC_FP8_INTERPRET = MosaicConfig(debug=MosaicDebug(interpret=True))
+
+
+def check_fp8_against_reference(case: Case, *, config=None, block=None, out_dtype=None,
+                                seed: int | None = None) -> None:
+  """The Mosaic FP8 forward on `case`'s inputs quantised by pallas_flash.fp8.quantize (scales
+  per `block`): its output against the reference semantics (FP8_KERNEL_TOLERANCE) and the
+  float32 attention of the unquantised inputs (FP8_TOLERANCE), its lse against the
+  reference's."""
+  from pallas_flash import fp8
+
+  (q, k, v, _), kwargs = make_inputs(case, seed)
+  f8, scales = fp8.quantize(q, k, v, block=block)
+  deq = [fp8.dequantize(x, s, scales.block) for x, s in zip(f8, (scales.q, scales.k, scales.v))]
+  run_fp8 = jax.jit(lambda f8, s: pallas_flash.flash_attention(
+      *f8, descale=s, out_dtype=out_dtype, implementation="mosaic", config=config,
+      return_residuals=True, **kwargs))
+  o, lse = run_fp8(f8, scales)
+  assert o.dtype == jnp.dtype(out_dtype or jnp.bfloat16), f"out dtype {o.dtype}"
+  o_ref, lse_ref = pallas_flash.flash_attention(*deq, implementation="reference",
+                                                return_residuals=True, **kwargs)
+  assert_close_to_ref("fp8 out vs reference semantics", o, o_ref, FP8_KERNEL_TOLERANCE)
+  assert_close_to_ref("fp8 lse", lse, lse_ref, TOLERANCES[jnp.dtype(jnp.bfloat16)])
+  exact = pallas_flash.flash_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
+                                       implementation="reference", **kwargs)
+  assert_close_to_ref("fp8 out vs float32", o, exact, FP8_TOLERANCE)

@@ -1,19 +1,28 @@
-"""FP8 accuracy report (`python -m pallas_flash.bench --fp8 [--quick]`): error, not speed.
+"""FP8 report (`python -m pallas_flash.bench --fp8 [--quick]`): accuracy, then speed.
 
-For normal inputs (q, k, v ~ N(0, 1)) and inputs with outliers (FA3 §4.3: N(0, 1) plus, on
-0.1 % of the entries, an independent N(0, 10²) term), cast to bfloat16 as a model's
+Accuracy. For normal inputs (q, k, v ~ N(0, 1)) and inputs with outliers (FA3 §4.3: N(0, 1)
+plus, on 0.1 % of the entries, an independent N(0, 10²) term), cast to bfloat16 as a model's
 activations would be, each row runs one way of computing the attention and reports RMSE and
 max |error| of its output against the float32 reference on those bf16 values:
   bf16             flash_attention on the bf16 inputs (what FP8 has to match)
   fp8 tensor/block pallas_flash.fp8.quantize with one scale per tensor / per block of
                    positions of each head, without and with the Hadamard rotation, then
                    flash_attention on the e4m3 tensors
-  cudnn-fp8        cuDNN's FP8 attention: not wired yet (`cudnn_fp8` is the hook), a skip row.
-Every FP8 row today runs the reference semantics (no FP8 kernel exists: the inputs are
-dequantized to float32), so it measures the quantisation of Q, K and V alone; a kernel that
-also rounds P to e4m3 for P·V will add its own error. "impl" names what produced each row.
-
+  cudnn-fp8        cuDNN's FP8 attention (`cudnn_fp8`: jax's private entry, e4m3 output),
+                   on a GPU; a skip row elsewhere or where it refuses the call.
+"impl" names what produced each row: on a Hopper GPU the per-tensor rows run the Mosaic FP8
+forward (P rounded to e4m3 too), the per-block rows and every row elsewhere the reference
+semantics (the inputs dequantized to float32: the quantisation of Q, K and V alone).
 Shapes: B 1, T = S 4096, 16 heads, D 128 (--quick: T = S 256, 2 heads), non-causal.
+
+Speed (a Hopper GPU only; elsewhere one skip row). At B 1, T = S 16384, 16 heads, D 128 and
+256, causal and not: the Mosaic FP8 forward on per-tensor-quantised inputs (its time includes
+the XLA transpose of V that feeds it), in its default form and the others of FP8_FORMS, beside
+our bf16 Mosaic forward and cuDNN FP8 ("-" where it does not run; the reason is printed),
+interleaved (timing.time_interleaved), as TFLOP/s of 4·B·H·T·S·D (halved causal). Each row
+also reports the FP8 kernel's own error on the first ACCURACY_ROWS queries: against the
+float32 attention of the dequantized inputs (the kernel's arithmetic, P's rounding) and of
+the bf16 inputs (with the quantisation), next to the bf16 forward's (and cuDNN FP8's).
 """
 
 from __future__ import annotations
@@ -26,6 +35,10 @@ import jax.numpy as jnp
 
 import pallas_flash
 from pallas_flash import fp8
+from pallas_flash.bench import flops as flops_lib
+from pallas_flash.bench import timing
+from pallas_flash.mosaic_gpu import MosaicConfig
+from pallas_flash.mosaic_gpu.sm90 import fp8_forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,14 +76,35 @@ def make_inputs(shape: Shape, *, outliers: bool, seed: int) -> tuple[jax.Array, 
   return tuple(out)
 
 
-def cudnn_fp8(q8, k8, v8, scales):
-  """cuDNN's FP8 attention on the same e4m3 inputs: the hook for the cudnn-fp8 row on a GPU.
+# cuDNN's FP8 attention scales P by this before rounding it to e4m3 (the Mosaic kernel's
+# factor, pallas_flash.mosaic_gpu.sm90.fp8_forward.P_SCALE_LOG2).
+CUDNN_P_SCALE = 256.0
 
-  Not wired: jax reaches it only through the private
-  `jax._src.cudnn.fused_attention_stablehlo._dot_product_attention_fp8` (per-tensor scales,
-  head dim 128, lengths divisible by 128). Until someone wires and checks it on an H200, the
-  row is a skip, never a number."""
-  raise NotImplementedError("not wired yet (hook: pallas_flash.bench.fp8.cudnn_fp8)")
+
+def cudnn_fp8(q8, k8, v8, scales, *, is_causal: bool = False, out_dtype=jnp.bfloat16):
+  """cuDNN's FP8 attention on the same e4m3 inputs (per-tensor scales), through jax's private
+  `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(..., use_fp8=True)` (jax
+  0.11.2 has no public FP8 entry). Its output is e4m3 too: quantised with the scale that maps
+  max|v| · v_descale (a bound of |o|) to 448, then dequantized to `out_dtype`. Raises
+  NotImplementedError off GPUs or where the private API is missing or refuses the call."""
+  if jax.devices()[0].platform != "gpu":
+    raise NotImplementedError("needs a GPU")
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # noqa: PLC0415
+  except ImportError as e:
+    raise NotImplementedError(f"jax has no cuDNN FP8 attention here: {e}") from e
+  one = lambda x: jnp.asarray(x, jnp.float32).reshape(1, 1, 1, 1)  # noqa: E731
+  v_max = jnp.max(jnp.abs(v8.astype(jnp.float32))) * scales.v
+  scale_o = fp8.E4M3_MAX / jnp.maximum(v_max, 1e-30)
+  params = {key: one(1.0) for key in cudnn.fp8_params_keys}
+  params.update(descale_q=one(scales.q), descale_k=one(scales.k), descale_v=one(scales.v),
+                descale_s=one(1.0 / CUDNN_P_SCALE), scale_s=one(CUDNN_P_SCALE),
+                scale_o=one(scale_o))
+  mask = cudnn.MaskType.CAUSAL if is_causal else cudnn.MaskType.NO_MASK
+  o8, _, _ = cudnn.dot_product_attention(q8, k8, v8, fp8_params=params,
+                                         scale=q8.shape[-1] ** -0.5, mask_type=mask,
+                                         qkv_layout="BTNH", use_fp8=True)
+  return (o8.astype(jnp.float32) / scale_o).astype(out_dtype)
 
 
 def _errors(o, ref) -> tuple[float, float]:
@@ -94,9 +128,11 @@ def run_rows(shape: Shape, *, outliers: bool, seed: int) -> list[dict]:
     (q8, k8, v8), scales = fp8.quantize(q, k, v, rotate=rotate,
                                         block=shape.block if block else None)
     impl = pallas_flash.explain(q8, k8, v8, descale=scales).chosen
+    impl = ("mosaic (FP8 kernel)" if impl == "mosaic" else
+            f"{impl} (dequantized to float32)")
     o = jax.jit(pallas_flash.flash_attention)(q8, k8, v8, descale=scales)
     rmse, max_err = _errors(o, ref)
-    rows.append({**base, "row": name, "impl": f"{impl} (dequantized to float32)",
+    rows.append({**base, "row": name, "impl": impl,
                  "status": "ok", "rmse": rmse, "max_err": max_err,
                  "block": shape.block if block else None, "rotate": rotate})
   row = {**base, "row": "cudnn-fp8", "impl": "cudnn", "status": "skip"}
@@ -107,8 +143,8 @@ def run_rows(shape: Shape, *, outliers: bool, seed: int) -> list[dict]:
     try:
       row.update(zip(("rmse", "max_err"), _errors(cudnn_fp8(q8, k8, v8, scales), ref)),
                  status="ok")
-    except NotImplementedError as e:
-      row["reason"] = str(e)
+    except Exception as e:  # noqa: BLE001 -- a private API: report why, keep the table
+      row["reason"] = f"{type(e).__name__}: {e}"[:300]
   return rows + [row]
 
 
@@ -124,9 +160,137 @@ def print_rows(rows: list[dict]) -> None:
     print(f"  {r['inputs']:<10}{r['row']:<17}{rmse:>10}{max_err:>10}  {impl}", flush=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# Speed
+
+SPEED_SHAPES = ((1, 16384, 16, 128), (1, 16384, 16, 256))  # (B, T = S, H, D)
+ACCURACY_ROWS = 2048  # queries whose output the speed rows check (a [B, H, 2048, S] reference)
+
+
+def _on_hopper() -> bool:
+  dev = jax.devices()[0]
+  return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+def speed_row(dims, *, is_causal: bool, opts: argparse.Namespace) -> dict:
+  """One speed row: FP8 and bf16 Mosaic forwards timed together, the FP8 kernel's errors."""
+  b, t, h, d = dims
+  keys = jax.random.split(jax.random.key(opts.seed), 3)
+  q, k, v = (jax.random.normal(key, dims, jnp.float32).astype(jnp.bfloat16) for key in keys)
+  (q8, k8, v8), scales = fp8.quantize(q, k, v)
+  args = (q, k, v, q8, k8, v8, scales)
+
+  def fp8_fn(config):
+    def fn(q, k, v, q8, k8, v8, s):
+      return pallas_flash.flash_attention(q8, k8, v8, descale=s, is_causal=is_causal,
+                                          implementation="mosaic", config=config)
+    return fn
+
+  def bf16_fn(q, k, v, q8, k8, v8, s):
+    return pallas_flash.flash_attention(q, k, v, is_causal=is_causal, implementation="mosaic")
+
+  def cudnn_fn(q, k, v, q8, k8, v8, s):
+    return cudnn_fp8(q8, k8, v8, s, is_causal=is_causal)
+
+  # "fp8": the default form at this head dim; "fp8 <label>": the other forms of FP8_FORMS.
+  forms = {"fp8": None, **{f"fp8 {label}": config for label, config in FP8_FORMS.get(d, ())}}
+  fns = {name: jax.jit(fp8_fn(config)).lower(*args).compile() for name, config in forms.items()}
+  fns["bf16"] = jax.jit(bf16_fn).lower(*args).compile()
+  cudnn_reason = None
+  try:
+    fns["cudnn_fp8"] = jax.jit(cudnn_fn).lower(*args).compile()
+    jax.block_until_ready(fns["cudnn_fp8"](*args))
+  except Exception as e:  # noqa: BLE001 -- a private API: report why, keep the row
+    fns.pop("cudnn_fp8", None)
+    cudnn_reason = f"{type(e).__name__}: {e}"[:300]
+  timings = timing.time_interleaved(fns, args, iters=opts.iters,
+                                    min_loop_s=opts.min_loop_ms / 1e3,
+                                    settle_s=opts.settle_ms / 1e3)
+  work = 4.0 * b * h * t * t * d / (2 if is_causal else 1)
+  row = {"kind": "fp8_speed", "batch": b, "seq_len": t, "num_heads": h, "head_dim": d,
+         "is_causal": is_causal, "status": "ok", "reason": None, "cudnn_fp8_reason": cudnn_reason,
+         "cudnn_fp8_tflops": None,
+         "fp8_form": _form_label(d, None)}
+  for name, tm in timings.items():
+    if name.startswith("fp8 "):
+      row.setdefault("fp8_other_forms", {})[name[4:]] = flops_lib.tflops(work, tm.median_s)
+      continue
+    row[f"{name}_ms"] = tm.median_s * 1e3
+    row[f"{name}_tflops"] = flops_lib.tflops(work, tm.median_s)
+  # Accuracy on the first ACCURACY_ROWS queries (top-left causal alignment: the same keys).
+  n = min(ACCURACY_ROWS, t)
+  deq = [fp8.dequantize(x, sc) for x, sc in ((q8, scales.q), (k8, scales.k), (v8, scales.v))]
+  ref_deq = pallas_flash.flash_attention(deq[0][:, :n], *deq[1:], is_causal=is_causal,
+                                         implementation="reference")
+  ref = pallas_flash.flash_attention(*(x.astype(jnp.float32) for x in (q[:, :n], k, v)),
+                                     is_causal=is_causal, implementation="reference")
+  o8, o16 = fns["fp8"](*args)[:, :n], fns["bf16"](*args)[:, :n]
+  row["fp8_rmse_deq"], row["fp8_max_err_deq"] = _errors(o8, ref_deq)
+  row["fp8_rmse"], row["fp8_max_err"] = _errors(o8, ref)
+  row["bf16_rmse"], row["bf16_max_err"] = _errors(o16, ref)
+  if "cudnn_fp8" in fns:
+    row["cudnn_fp8_rmse"], row["cudnn_fp8_max_err"] = _errors(fns["cudnn_fp8"](*args)[:, :n], ref)
+  return row
+
+
+# Other forms of the FP8 forward the speed rows time beside the default, per head dim: (label,
+# MosaicConfig). Each compiles without spills (scripts/mosaic_ptxas.py --deviceless), which
+# is fastest on the H200 is not yet measured.
+FP8_FORMS = {
+    128: (("plain/128", MosaicConfig()), ("plain/256", MosaicConfig(block_kv=256)),
+          ("overlap/128/3 stages", MosaicConfig(fwd_intra_wg_overlap=True, num_stages=3))),
+    256: (("overlap/128", MosaicConfig(fwd_intra_wg_overlap=True)),),
+}
+
+
+def _form_label(d: int, config) -> str:
+  """'<loop>/<key tile>' of the FP8 forward at head dim d with `config`."""
+  loop = "overlap" if fp8_forward.intra_wg_overlap(d, config) else "plain"
+  return f"{loop}/{fp8_forward.block_kv(config)}"
+
+
+def run_speed(opts: argparse.Namespace) -> list[dict]:
+  if not _on_hopper():
+    return [{"kind": "fp8_speed", "status": "skip",
+             "reason": "the Mosaic FP8 forward needs a Hopper GPU"}]
+  return [speed_row(dims, is_causal=causal, opts=opts)
+          for dims in SPEED_SHAPES for causal in (False, True)]
+
+
+def print_speed(rows: list[dict]) -> None:
+  print("\nFP8 forward speed (TFLOP/s; the FP8 time includes the V transpose) and the FP8 "
+        f"kernel's error on the first {ACCURACY_ROWS} queries")
+  if rows and rows[0]["status"] == "skip":
+    print(f"  skip: {rows[0]['reason']}")
+    return
+  print(f"  {'shape':<20}{'causal':<8}{'fp8 (form)':>18}{'bf16':>8}{'cudnn-fp8':>11}"
+        f"{'rmse/max vs deq':>20}{'rmse/max vs f32':>20}{'bf16 rmse/max':>20}")
+  for r in rows:
+    shape = f"{r['batch']}x{r['seq_len']}x{r['num_heads']} d{r['head_dim']}"
+    pair = lambda a, b: f"{r[a]:.1e}/{r[b]:.1e}"  # noqa: E731
+    fp8_col = f"{flops_lib.format_tflops(r['fp8_tflops'])} ({r['fp8_form']})"
+    print(f"  {shape:<20}{str(r['is_causal']):<8}{fp8_col:>18}"
+          f"{flops_lib.format_tflops(r['bf16_tflops']):>8}"
+          f"{flops_lib.format_tflops(r['cudnn_fp8_tflops']):>11}"
+          f"{pair('fp8_rmse_deq', 'fp8_max_err_deq'):>20}{pair('fp8_rmse', 'fp8_max_err'):>20}"
+          f"{pair('bf16_rmse', 'bf16_max_err'):>20}", flush=True)
+    others = ", ".join(f"{label} {flops_lib.format_tflops(x)}"
+                       for label, x in r.get("fp8_other_forms", {}).items())
+    if others:
+      print(f"  {'':<28}other FP8 forms: {others}", flush=True)
+  for r in rows:
+    if r["cudnn_fp8_reason"]:
+      print(f"  cudnn-fp8 d{r['head_dim']} causal={r['is_causal']}: {r['cudnn_fp8_reason']}")
+    elif "cudnn_fp8_rmse" in r:
+      print(f"  cudnn-fp8 d{r['head_dim']} causal={r['is_causal']}: rmse/max vs f32 "
+            f"{r['cudnn_fp8_rmse']:.1e}/{r['cudnn_fp8_max_err']:.1e} (e4m3 output)")
+
+
 def run_fp8(opts: argparse.Namespace) -> list[dict]:
   shape = SHAPES["quick" if opts.quick else "full"]
   rows = [r for outliers in (False, True)
           for r in run_rows(shape, outliers=outliers, seed=opts.seed)]
   print_rows(rows)
-  return rows
+  speed = run_speed(opts)
+  print_speed(speed)
+  return rows + speed

@@ -26,6 +26,7 @@ from pallas_flash.mosaic_gpu.config import (KERNEL_HEAD_DIMS, TUNED, MosaicConfi
 from pallas_flash.mosaic_gpu.sm90 import backward as sm90_backward
 from pallas_flash.mosaic_gpu.sm90 import common as sm90_common
 from pallas_flash.mosaic_gpu.sm90 import forward as sm90_forward
+from pallas_flash.mosaic_gpu.sm90 import fp8_forward as sm90_fp8_forward
 
 CONFIG_TYPE = MosaicConfig
 # Major compute capability -> (forward, backward) of that generation's kernels.
@@ -124,7 +125,62 @@ def _dims(call: CallInfo) -> str:
       f"{dims} with value head dim {call.value_head_dim}")
 
 
+# The FP8 (float8_e4m3fn) forward (sm90/fp8_forward.py): per-tensor and per-(batch, head)
+# descale factors, causal or not, GQA, any lengths; forward only (an FP8 call is never
+# differentiated, see pallas_flash.fp8). What it does not take runs the reference semantics.
+FP8_SCALE_LAYOUTS = frozenset({"tensor", "head"})
+FP8_HEAD_DIMS = (64, 128, 256)
+
+
+def fp8_forward(q, k, v, c, v_descale, *, causal: bool, scale: float, out_dtype,
+                config: MosaicConfig | None):
+  """The FP8 forward of the target's generation (fp8_unsupported_reason checked it)."""
+  return sm90_fp8_forward.forward(q, k, v, c, v_descale, causal=causal, scale=scale,
+                                  out_dtype=out_dtype, config=config)
+
+
+def fp8_unsupported_reason(call: CallInfo, *, scale_layouts, out_dtype, config=None,
+                           sinks: bool = False) -> str | None:
+  """Why the Mosaic FP8 forward cannot run the FP8 call `call` (shapes and features of its
+  float32 form), or None when it can. scale_layouts: the descale factors' layouts
+  (pallas_flash.fp8: "tensor", "head", "block"); out_dtype: the output dtype."""
+  if config is not None and not isinstance(config, MosaicConfig):
+    return f"config is a {type(config).__name__}, but 'mosaic' takes a MosaicConfig"
+  cc = call.compute_capability
+  interpret = config is not None and config.interpret
+  if not interpret and (call.platform != "gpu" or cc is None or cc[0] != 9):
+    cc = "" if cc is None else f" (compute capability {cc[0]}.{cc[1]})"
+    return (f"the FP8 kernel needs a Hopper GPU (sm_90), this is {call.platform} "
+            f"{call.device_kind!r}{cc}")
+  if call.head_dim not in FP8_HEAD_DIMS:
+    return f"head_dim {call.head_dim} is not one of the FP8 kernel's {FP8_HEAD_DIMS}"
+  if call.value_head_dim != call.head_dim:
+    return (f"value head dim {call.value_head_dim} != query/key head dim {call.head_dim}: the "
+            "FP8 kernel takes one head dim")
+  unsupported = sorted(call.params.features)
+  if call.params.has_segments:
+    unsupported.insert(0, "segment ids / sequence lengths")
+  if sinks:
+    unsupported.append("sinks")
+  if unsupported:
+    return (f"the FP8 kernel takes causal or full attention only, not {', '.join(unsupported)}"
+            " (FP8 runs the reference semantics there)")
+  if set(scale_layouts) - FP8_SCALE_LAYOUTS:
+    return ("per-block descale factors are not in the FP8 kernel (per tensor and per (batch, "
+            "head) are)")
+  if config is not None and config.block_kv % 128:
+    return (f"config.block_kv={config.block_kv}: the FP8 kernel's key tiles are multiples of "
+            "128 (an e4m3 P·V contracts over 128-key swizzle groups)")
+  if not sm90_fp8_forward.fits(call.head_dim, out_dtype, config):
+    need = sm90_fp8_forward.smem_bytes(call.head_dim, sm90_fp8_forward.block_kv(config),
+                                       sm90_fp8_forward.stages(config), out_dtype)
+    return (f"head_dim {call.head_dim} with out_dtype {jnp.dtype(out_dtype).name} needs {need} "
+            "bytes of shared memory per CTA, more than the 232,448 there are (use a 16-bit "
+            "out_dtype or fewer num_stages)")
+  return None
+
+
 __all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "KERNELS", "KERNEL_HEAD_DIMS",
            "MEASURED_HEAD_DIMS", "MosaicConfig", "MosaicDebug", "SUPPORTED_FEATURES", "TUNED",
-           "backward", "default_config", "forward", "kernel_head_dim", "padded_call",
-           "unmeasured_reason", "unsupported_reason"]
+           "backward", "default_config", "forward", "fp8_forward", "fp8_unsupported_reason",
+           "kernel_head_dim", "padded_call", "unmeasured_reason", "unsupported_reason"]

@@ -12,7 +12,8 @@ import pytest
 import pallas_flash
 from pallas_flash.mosaic_gpu import TUNED
 from pallas_flash.mosaic_gpu import config as mconfig
-from testing import Case, check_against_reference, make_inputs, max_rel_err, on_hopper, run
+from testing import (Case, check_against_reference, check_fp8_against_reference, make_inputs,
+                     max_rel_err, on_hopper, run)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not on_hopper(), reason="needs a Hopper (sm_90) GPU")]
@@ -193,3 +194,44 @@ def test_large_shapes_agree_with_cudnn(t, causal):
   assert max_rel_err(got[0], want[0]) <= 1e-2
   for g, r in zip(got[1:], want[1:], strict=True):
     assert max_rel_err(g, r) <= 3e-2
+
+
+# The FP8 forward (sm90/fp8_forward.py) against the reference semantics and the float32
+# attention: 1x4096x16 at each head dim, causal and not; GQA; odd lengths; per-(batch, head)
+# scales and float32 output.
+FP8_CASES = [
+    *(_case(1, 4096, 4096, 16, 16, d, causal) for d in (64, 128, 256) for causal in (False, True)),
+    _case(2, 2048, 2048, 16, 4, 128, True), _case(2, 2048, 2048, 16, 2, 64, False),
+    _case(1, 1000, 1100, 8, 2, 128, True), _case(1, 113, 203, 4, 2, 64, False),
+]
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: c.id)
+def test_fp8_forward(case):
+  check_fp8_against_reference(case)
+
+
+@pytest.mark.parametrize("case,block,out_dtype", [
+    (FP8_CASES[2], "head", None), (FP8_CASES[3], None, jnp.float32),
+    (FP8_CASES[6], "head", jnp.float16)], ids=["head", "f32_out", "gqa_head_f16"])
+def test_fp8_forward_scales_and_outputs(case, block, out_dtype):
+  check_fp8_against_reference(case, block=block, out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize("case,overlap", [
+    (FP8_CASES[3], False), (FP8_CASES[6], False), (FP8_CASES[9], False), (FP8_CASES[4], True)],
+    ids=["hd128-causal-plain", "gqa-plain", "tail-plain", "hd256-overlap"])
+def test_fp8_forward_other_loop(case, overlap):
+  """The kv loop the default does not pick at this head dim (plain up to 128, overlap at
+  256), which a config chooses."""
+  config = pallas_flash.MosaicConfig(fwd_intra_wg_overlap=overlap)
+  check_fp8_against_reference(case, config=config)
+
+
+def test_fp8_forward_is_chosen_and_bitwise_reproducible():
+  from pallas_flash import fp8
+  (q, k, v, _), _ = make_inputs(FP8_CASES[2])
+  f8, scales = fp8.quantize(q, k, v)
+  assert pallas_flash.explain(*f8, descale=scales).chosen == "mosaic"
+  run_fp8 = jax.jit(lambda f8, s: pallas_flash.flash_attention(*f8, descale=s))
+  assert bool(jnp.array_equal(run_fp8(f8, scales), run_fp8(f8, scales)))

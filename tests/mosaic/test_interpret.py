@@ -17,7 +17,8 @@ import pallas_flash
 from pallas_flash import mosaic_gpu, xla
 from pallas_flash.mosaic_gpu import MosaicDebug
 from pallas_flash.mosaic_gpu.sm90 import common
-from testing import MOSAIC_INTERPRET, Case, check_against_reference, make_inputs, run
+from testing import (MOSAIC_FP8_INTERPRET, MOSAIC_INTERPRET, Case, check_against_reference,
+                     check_fp8_against_reference, make_inputs, run)
 
 
 def _config(**kw) -> pallas_flash.MosaicConfig:
@@ -208,3 +209,31 @@ def test_interpret_mode_runs_anywhere_and_says_so():
   interpreted = pallas_flash.explain(
       q, q, q, config=pallas_flash.MosaicConfig(debug=MosaicDebug(interpret=True)))
   assert interpreted.reasons["mosaic"] is None
+
+
+# The FP8 forward (e4m3 wgmma, P staged through shared memory here): the intra-warpgroup
+# overlap (the GPU default up to head dim 128) and the plain loop (head dim 256's); odd
+# lengths (a padded key tail, a dropped query tail, T > S causal), GQA, per-tensor and
+# per-(batch, head) scales, float32 output.
+_FP8_OVERLAP = dataclasses.replace(MOSAIC_FP8_INTERPRET, fwd_intra_wg_overlap=True)
+FP8 = [
+    ("overlap", _FP8_OVERLAP, _case(130, 200, is_causal=True), None, None),
+    pytest.param("overlap", _FP8_OVERLAP, _case(200, 300, h=4, kh=2, is_causal=True), None,
+                 None, marks=pytest.mark.slow),
+    pytest.param("overlap", _FP8_OVERLAP, _case(130, 384, d=128), "head", jnp.float32,
+                 marks=pytest.mark.slow),
+    pytest.param("overlap", _FP8_OVERLAP, _case(300, 200, is_causal=True), None, None,
+                 marks=pytest.mark.slow),
+    pytest.param("plain", MOSAIC_FP8_INTERPRET, _case(130, 200, h=4, kh=2, is_causal=True),
+                 None, None, marks=pytest.mark.slow),
+    pytest.param("plain", MOSAIC_FP8_INTERPRET, _case(130, 256, d=128), "head", jnp.float32,
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("name, config, case, block, out_dtype", FP8, ids=[
+    "overlap-causal", "overlap-causal-gqa", "overlap-hd128-head-f32", "overlap-causal-t300-s200",
+    "plain-causal-gqa", "plain-hd128-head-f32"])
+def test_fp8_forward_matches_reference_semantics(name, config, case, block, out_dtype):
+  del name
+  check_fp8_against_reference(case, config=config, block=block, out_dtype=out_dtype)

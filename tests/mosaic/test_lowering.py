@@ -332,3 +332,75 @@ def test_split_tail_merge_equals_the_unsplit_result():
   for i in range(split.tail_tiles):
     got = o[b[i], qt[i] * rows:(qt[i] + 1) * rows, h[i]]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want[i]), rtol=1e-5, atol=1e-6)
+
+
+# The FP8 forward (sm90/fp8_forward.py), its default loop per head dim (the intra-warpgroup
+# overlap up to 128) and the plain one: both matmuls lowered to e4m3 wgmma with an fp32
+# accumulator, P·V taking P from registers, P rounded with cvt...satfinite.e4m3x2.f32.
+@pytest.mark.parametrize("head_dim,causal,config", [
+    pytest.param(64, False, None, marks=pytest.mark.slow), (64, True, None), (128, False, None),
+    pytest.param(128, True, None, marks=pytest.mark.slow),
+    (128, True, MosaicConfig()),  # the plain loop (head dim 256's default)
+    pytest.param(256, False, None, marks=pytest.mark.slow),
+    pytest.param(256, True, None, marks=pytest.mark.slow)],
+    ids=["hd64", "hd64-causal", "hd128", "hd128-causal", "hd128-causal-plain", "hd256",
+         "hd256-causal"])
+def test_fp8_forward_lowers_to_e4m3_wgmma(head_dim, causal, config):
+  from pallas_flash import fp8
+  q = jax.ShapeDtypeStruct((1, 1024, 4, head_dim), jnp.float8_e4m3fn)
+  kv = jax.ShapeDtypeStruct((1, 1024, 2, head_dim), jnp.float8_e4m3fn)
+  scale = jax.ShapeDtypeStruct((), jnp.float32)
+
+  def fn(q, k, v, sq, sk, sv):
+    return pallas_flash.flash_attention(q, k, v, descale=fp8.Fp8Scales(sq, sk, sv),
+                                        is_causal=causal, implementation="mosaic",
+                                        config=config)
+
+  text = export_for_h200(fn, q, kv, kv, scale, scale, scale).mlir_module()
+  assert text.count("custom_call @mosaic_gpu_v2") == 1
+  mmas = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k32)\.f32\.e4m3\.e4m3 "
+                        r"\{[$\d,]+\}, (\{[$\d,]+\}|\$\d+)", text))
+  # S = Q·Kᵀ: m64n128 with Q's descriptor; O += P·V: m64n{head_dim} with P's 4 registers.
+  assert ("m64n128k32", False) in {(m, a.startswith("{")) for m, a in mmas}, mmas
+  assert (f"m64n{head_dim}k32", True) in {(m, a.startswith("{")) for m, a in mmas}, mmas
+  assert "cvt.rn.satfinite.e4m3x2.f32" in text
+
+
+def test_fp8_register_relabelling_matches_the_key_permutation():
+  """P's e4m3 registers (the WGMMA accumulator layout, 2 elements each) regrouped into
+  WGMMA_8BIT registers (4 each) by p_operand: the key each element is read as must be the
+  key permute_keys puts at that position of Vᵀ, for every thread and register."""
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from pallas_flash.mosaic_gpu.sm90 import fp8_forward
+
+  def elements(layout, shape):
+    """{(warp, lane, register index, vector element): (row, column)} of a TiledLayout."""
+    tiled = layout.tiling.tile_shape(shape)
+    strides = layout.tiling.tile_strides((shape[1], 1))
+    n = len(tiled)
+    out = {}
+    for warp in range(4):
+      for lane in range(32):
+        fixed = [0] * n
+        for dims, idx in ((layout.warp_dims, warp), (layout.lane_dims, lane)):
+          sizes = [tiled[d] for d in dims]
+          for d, size in zip(dims, sizes):
+            rest = int(np.prod(sizes[dims.index(d) + 1:]))
+            fixed[n + d] = (idx // rest) % size
+        for reg in np.ndindex(layout.registers_shape(shape)):
+          for e in range(layout.vector_length):
+            full = [fixed[i] + (reg[i] if tiled[i] > 1 else 0) for i in range(n)]
+            full[n + layout.vector_dim] = e
+            offset = sum(i * s for i, s in zip(full, strides))
+            out[(warp, lane, reg, e)] = divmod(offset, shape[1])
+    return out
+
+  shape = (64, 128)
+  acc = elements(fa.WGMMA_LAYOUT, shape)
+  a8 = elements(fa.WGMMA_LAYOUT_8BIT, shape)
+  position = np.asarray(fp8_forward.permute_keys(jnp.arange(shape[1])))  # key at each position
+  for (warp, lane, reg, e), (row, col) in a8.items():
+    # p_operand's register reg = concat(acc register (.., 2·reg[1], ..), (.., 2·reg[1] + 1, ..))
+    src = (reg[0], 2 * reg[1] + e // 2, *reg[2:])
+    src_row, src_key = acc[(warp, lane, src, e % 2)]
+    assert src_row == row and position[col] == src_key, (warp, lane, reg, e)

@@ -1,0 +1,473 @@
+"""The FP8 (float8_e4m3fn) forward for Hopper: both matmuls as FP8 wgmma, fp32 accumulation.
+
+The CTA is the bf16 forward's (forward.py's grid kernel): 2 consumer warpgroups of `block_q`
+query rows and a TMA producer warpgroup streaming K and Vᵀ tiles through a `num_stages`-slot
+ring, the consumers alternating on the tensor cores (ping-pong), each running the plain kv
+loop or, with the intra-warpgroup overlap (`intra_wg_overlap`), FA3's two-stage pipeline
+that runs the softmax of block j+1 while P_j·V_j is on the tensor cores. Per key block:
+
+  S = Q·Kᵀ                   FP8 wgmma (Q, K in shared memory), fp32 accumulator
+  s·c                        c = q_descale · k_descale · softmax_scale · log2(e) (per head)
+  P = 2⁸ · exp2(s·c − m)     online softmax in fp32; P rounded to e4m3 (satfinite)
+  O += P·V                   FP8 wgmma, P from registers, Vᵀ tile from shared memory
+  epilogue                   O = acc · v_descale / l, stored as out_dtype; lse
+
+P's factor 2⁸ (P_SCALE_LOG2) is exact, keeps P's largest value (1 → 256) below e4m3's 448 and
+moves its underflow from 2⁻¹⁰ to 2⁻¹⁸. The row sums l add the same scaled fp32 values, so the
+factor cancels in acc / l and is subtracted from the lse.
+
+FP8 wgmma takes both operands K-major: for P·V the contraction runs over keys, so V arrives
+transposed, Vᵀ [B, K, D, S] with keys contiguous, made by one XLA transpose of V before the
+kernel (one extra pass over V, counted in the benchmark's time). P is a register operand in
+Mosaic's 8-bit A layout (WGMMA_8BIT), which assigns each thread 4 consecutive keys of every 16,
+where the accumulator layout of S gave it keys {2t, 2t+1, 2t+8, 2t+9}: the kernel relabels the
+registers instead of moving data (`p_operand`), and the same XLA pass permutes the keys of Vᵀ
+within each group of 16 to match (`permute_keys`), so the contraction is unchanged. In the
+Mosaic interpreter P is staged through shared memory in key order and Vᵀ is not permuted.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax._src.lib.mlir import ir
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+from pallas_flash import _tiling
+from pallas_flash.call import MASK_VALUE
+from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, WIDE_REGISTERS, MosaicConfig
+from pallas_flash.mosaic_gpu.sm90 import common
+
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+LN2 = math.log(2.0)
+# P is rounded to e4m3 as 2**P_SCALE_LOG2 · P (see the module docstring).
+P_SCALE_LOG2 = 8
+# Keys per group of the Vᵀ permutation that matches P's register relabelling.
+KEY_GROUP = 16
+BLOCK_Q = 64  # rows per consumer warpgroup (wgmma's M)
+DEFAULT_BLOCK_KV = 128
+
+
+def smem_transforms(minor: int):
+  """Tiling + swizzle of an 8-bit [rows, minor] shared-memory tile: 128-byte swizzle, or
+  64-byte for 64-element rows (head dim 64; wgmma's K group is then 64)."""
+  swizzle = 128 if minor >= 128 else 64
+  return (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+
+
+def permute_keys(vt):
+  """vt [..., S] (S % 16 == 0) with the keys of each group of 16 reordered to the order in
+  which `p_operand` presents P: position 4t + 2h + i takes key 8h + 2t + i (t < 4, h, i < 2)."""
+  *lead, s = vt.shape
+  x = vt.reshape(*lead, s // KEY_GROUP, 2, 4, 2)  # (h, t, i)
+  return jnp.swapaxes(x, -3, -2).reshape(*lead, s)  # (t, h, i)
+
+
+def p_operand(p, kp: common.KernelParams):
+  """P [block_q, block_kv] float32 (WGMMA layout) rounded to e4m3 as the A operand of P·V.
+
+  On the GPU, the e4m3 registers are regrouped into the WGMMA_8BIT layout without moving data:
+  the thread's two 2-key registers of each 16 keys (keys 2t, 2t+1 and 2t+8, 2t+9) become one
+  4-key register, read by wgmma as keys 4t..4t+3; Vᵀ is permuted to match (`permute_keys`).
+  In the interpreter, the plain e4m3 array (staged through shared memory in key order)."""
+  if kp.interpret:
+    return p.astype(E4M3)
+  shape = p.shape
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA,),
+      return_type=plgpu.ShapeDtypeStruct(shape, E4M3, layout=plgpu.Layout.WGMMA_8BIT))
+  def relabel(ctx, p32):
+    del ctx
+    p8 = p32.astype(ir.Float8E4M3FNType.get())
+    regs = p8.registers  # [.., key groups of 8, ..] of 2-element vectors
+    out_shape = mgpu.WGMMA_LAYOUT_8BIT.registers_shape(shape)
+    out = np.empty(out_shape, dtype=object)
+    for idx in np.ndindex(out_shape):
+      lo = regs[(idx[0], 2 * idx[1], *idx[2:])]
+      hi = regs[(idx[0], 2 * idx[1] + 1, *idx[2:])]
+      out[idx] = mgpu_utils.vector_concat([lo, hi])
+    return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT_8BIT,
+                                _is_signed=None)
+
+  return relabel(p)
+
+
+class _Barriers(NamedTuple):
+  k_ready: Any
+  v_ready: Any
+  k_free: Any
+  v_free: Any
+  sched: Any
+
+
+def _kv_loop(q_smem, k_scratch, vt_scratch, p_smem, bars: _Barriers, *, q0, steps, c,
+             kp: common.KernelParams):
+  """One consumer WG's kv loop (forward.py's plain loop with FP8 operands) -> (acc, m, l).
+
+  q_smem [block_q, D], k_scratch [stages, block_kv, D], vt_scratch [stages, D, block_kv]
+  (e4m3), p_smem [block_q, block_kv] e4m3 (interpret mode only); c: the head's score factor
+  (descales · softmax scale · log2 e). m is in c-scaled log2 units, l sums 2⁸-scaled P."""
+  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
+  sched_sync = functools.partial(common.sync, bars.sched)
+
+  def step(j, carry, *, masked: bool):
+    acc, m, l = carry
+    slot = lax.rem(j, stages)
+
+    def qk(s_ref):
+      with jax.named_scope("issue"):
+        plgpu.wgmma(s_ref, q_smem, k_scratch.at[slot].T)
+      with jax.named_scope("handoff"):
+        sched_sync()
+      with jax.named_scope("wait_s"):
+        return s_ref[...]
+
+    s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+    plgpu.barrier_arrive(bars.k_free.at[slot])
+    with jax.named_scope("softmax"):
+      if masked:
+        s = jnp.where(common.visible(q0, j * bkv, (bq, bkv), kp), s, -jnp.inf)
+      p, m_new, l, alpha = _softmax(s, m, l, c)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p8 = p_operand(p, kp)
+      acc, l, m_new, p8 = lax.optimization_barrier((acc, l, m_new, p8))
+    with jax.named_scope("wait_kv"):
+      plgpu.barrier_arrive(bars.sched)
+      plgpu.barrier_wait(bars.v_ready.at[slot])
+      plgpu.barrier_wait(bars.sched)
+
+    def wait_next_k():
+      @pl.when(j + 1 < steps)
+      def _():
+        plgpu.barrier_wait(bars.k_ready.at[lax.rem(j + 1, stages)])
+
+    v_op = vt_scratch.at[slot].T  # [block_kv, D], keys contiguous (K-major)
+    if kp.interpret:
+      acc = acc + common.staged_matmul(p8, p_smem, v_op, (bq, kp.d))
+      wait_next_k()
+    else:
+      def pv(acc_ref):
+        with jax.named_scope("issue"):
+          plgpu.wgmma(acc_ref, p8, v_op)  # P from registers
+        with jax.named_scope("wait_kv"):
+          wait_next_k()
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(bars.v_free.at[slot])
+    return acc, m_new, l
+
+  carry = (plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA),
+           plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), common.ROW),
+           plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW))
+  _, u1 = common.unmasked_run(q0, steps, kp)
+  carry = lax.fori_loop(0, u1, functools.partial(step, masked=False), carry)
+  if kp.needs_mask:
+    carry = lax.fori_loop(u1, steps, functools.partial(step, masked=True), carry)
+  return carry
+
+
+def _softmax(s, m, l, c):
+  """Online softmax of one score tile s [block_q, block_kv] f32 -> (P = 2⁸·exp2(s·c − m_new)
+  float32, m_new, l_new, alpha = exp2(m − m_new)); m in c-scaled log2 units."""
+  m_new = jnp.maximum(m, s.max(axis=1) * c)
+  alpha = jnp.exp2(m - m_new)
+  p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new - P_SCALE_LOG2, s.shape, [0]))
+  return p, m_new, l * alpha + p.sum(axis=1), alpha
+
+
+def _overlapped_kv_loop(q_smem, k_scratch, vt_scratch, p_smem, bars: _Barriers, *, q0, steps,
+                        c, kp: common.KernelParams):
+  """One consumer WG's kv loop with FA3's intra-warpgroup pipeline (forward.py's
+  `_overlapped_kv_loop` with FP8 operands) -> (acc, m, l): step j issues S_{j+1} = Q·K_{j+1}ᵀ
+  and then O += P_j·V_j, and runs the softmax of S_{j+1} while P_j·V_j is on the tensor cores.
+  Same schedule-barrier rounds per block as `_kv_loop`. Causal: the blocks from the diagonal's
+  first on are masked; a non-causal key tail masks every block."""
+  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
+  sched_sync = functools.partial(common.sync, bars.sched)
+
+  def softmax(s, j, masked, m, l):
+    if masked:
+      s = jnp.where(common.visible(q0, j * bkv, (bq, bkv), kp), s, -jnp.inf)
+    return _softmax(s, m, l, c)
+
+  def qk(s_ref):  # K_0 is ready: the caller waited for it
+    plgpu.wgmma(s_ref, q_smem, k_scratch.at[0].T)
+    sched_sync()
+    return s_ref[...]
+
+  s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+  plgpu.barrier_arrive(bars.k_free.at[0])
+  p, m, l, _ = softmax(
+      s, 0, kp.needs_mask,
+      plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), common.ROW),
+      plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW))
+  acc = plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA)
+  carry = lax.optimization_barrier((acc, p_operand(p, kp), m, l))
+
+  def step(j, carry, *, masked: bool):
+    acc, p8, m, l = carry  # acc is scaled to m; P_j (p8) is not in it yet
+    slot, nxt = lax.rem(j, stages), lax.rem(j + 1, stages)
+    with jax.named_scope("wait_kv"):
+      plgpu.barrier_arrive(bars.sched)
+      plgpu.barrier_wait(bars.k_ready.at[nxt])
+      plgpu.barrier_wait(bars.v_ready.at[slot])
+      plgpu.barrier_wait(bars.sched)
+    v_op = vt_scratch.at[slot].T
+
+    def scores_and_softmax(s_ref, issue_pv):
+      with jax.named_scope("issue"):
+        plgpu.wgmma(s_ref, q_smem, k_scratch.at[nxt].T)  # S_{j+1}
+        issue_pv()  # P_j·V_j, queued behind it
+      with jax.named_scope("handoff"):
+        sched_sync()
+      with jax.named_scope("wait_s"):
+        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P_j·V_j keeps running
+      plgpu.barrier_arrive(bars.k_free.at[nxt])
+      with jax.named_scope("softmax"):
+        return softmax(s, j + 1, masked, m, l)
+
+    if kp.interpret:  # P staged through SMEM, P_j·V_j into its own accumulator
+      p_smem[...] = p8
+      plgpu.commit_smem()
+
+      def scoped(s_ref, pv_ref):
+        out = scores_and_softmax(s_ref, lambda: plgpu.wgmma(pv_ref, p_smem, v_op))
+        return out, pv_ref[...]
+
+      (p, m, l, alpha), pv = pl.run_scoped(scoped, plgpu.ACC((bq, bkv), jnp.float32),
+                                           plgpu.ACC((bq, kp.d), jnp.float32))
+      acc = acc + pv
+    else:
+      def state(refs):
+        s_ref, o_ref, p_ref, m_ref, l_ref, alpha_ref = refs
+        out = scores_and_softmax(s_ref, lambda: plgpu.wgmma(o_ref, p8, v_op))  # P in registers
+        p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = out
+
+      s0 = plgpu.layout_cast(jnp.zeros((bq, bkv), jnp.float32), plgpu.Layout.WGMMA)
+      _, acc, p, m, l, alpha = pl.run_state(state)(
+          (plgpu.ACC.init(s0), plgpu.ACC.init(acc), s0, m, l, m))
+      # P_{j+1} is rounded into new registers only once P_j·V_j has retired (forward.py: a
+      # register operand redefined while its wgmma is in flight serialises every wgmma).
+      p = lax.optimization_barrier(p)
+    plgpu.barrier_arrive(bars.v_free.at[slot])
+    with jax.named_scope("rescale"):
+      p8 = p_operand(p, kp)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      return lax.optimization_barrier((acc, p8, m, l))
+
+  if kp.causal:
+    split = jnp.maximum(common.first_masked_block(q0, steps, kp) - 1, 0)
+    carry = lax.fori_loop(0, split, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(split, steps - 1, functools.partial(step, masked=True), carry)
+  else:
+    carry = lax.fori_loop(0, steps - 1, functools.partial(step, masked=kp.kv_tail), carry)
+
+  acc, p8, m, l = carry
+  last = lax.rem(steps - 1, stages)
+  plgpu.barrier_arrive(bars.sched)
+  plgpu.barrier_wait(bars.v_ready.at[last])
+  plgpu.barrier_wait(bars.sched)
+  acc = common.accumulate(acc, p8, p_smem, vt_scratch.at[last].T, kp)
+  plgpu.barrier_arrive(bars.v_free.at[last])
+  return acc, m, l
+
+
+def _kernel(q_ref, k_ref, vt_ref, scales_ref, o_ref, lse_ref, q_scratch, k_scratch,
+            vt_scratch, o_scratch, lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free,
+            v_free, sched, *, kp: common.KernelParams, heads: int, batch: int):
+  """q_ref [B, Tp, H, D], k_ref [B, Sp, K, D], vt_ref [B, K, D, Sp] (e4m3, GMEM), scales_ref
+  [2·B·H] float32 (c per (b, h), then the v descale per (b, h)), o_ref [B, Tp, H, D]
+  out_dtype, lse_ref [B, H, Tp]. Grid (H, q tiles, B): forward.py's launch order."""
+  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
+  wg = lax.axis_index("wg")
+  b, h, qt = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("qt")
+  if kp.causal:
+    qt = kp.num_q_tiles - 1 - qt  # heaviest tiles first
+  cta_q0 = qt * (2 * bq)
+  cta_steps = kp.kv_steps(cta_q0 + 2 * bq)
+  sched_sync = functools.partial(common.sync, sched)
+
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(kp.compute_registers, action="increase")
+    q_smem = q_scratch.at[wg]
+    q0 = cta_q0 + wg * bq
+    steps = kp.kv_steps(q0 + bq)
+    c = scales_ref[b * heads + h]
+    v_descale = scales_ref[(batch + b) * heads + h]
+    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_ready.at[wg])
+    plgpu.barrier_wait(q_ready.at[wg])
+    plgpu.barrier_wait(k_ready.at[0])
+
+    def idle_step(j, carry):
+      slot = lax.rem(j, stages)
+      plgpu.barrier_wait(k_ready.at[slot])
+      plgpu.barrier_arrive(k_free.at[slot])
+      plgpu.barrier_wait(v_ready.at[slot])
+      plgpu.barrier_arrive(v_free.at[slot])
+      sched_sync()
+      sched_sync()
+      return carry
+
+    pl.when(wg == 1)(sched_sync)
+    loop = _overlapped_kv_loop if kp.intra_wg_overlap else _kv_loop
+    acc, m, l = loop(q_smem, k_scratch, vt_scratch,
+                         p_scratch.at[wg] if kp.interpret else None,
+                         _Barriers(k_ready, v_ready, k_free, v_free, sched), q0=q0,
+                         steps=steps, c=c, kp=kp)
+    if kp.causal:
+      lax.fori_loop(steps, cta_steps, idle_step, None)
+    pl.when(wg == 0)(sched_sync)
+
+    with jax.named_scope("epilogue"):
+      o_smem, lse_smem = o_scratch.at[wg], lse_scratch.at[wg]
+      empty = l == 0.0
+      inv_l = v_descale / jnp.where(empty, 1.0, l)
+      o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_smem.dtype)
+      lse_smem[...] = jnp.where(
+          empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l)) - P_SCALE_LOG2) * LN2)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, pl.ds(q0, bq), h], commit_group=False)
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)], commit_group=False)
+      plgpu.commit_smem_to_gmem_group()
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(kp.producer_registers, action="decrease")
+    kvh = lax.div(h, kp.group)
+
+    def load(j, slot):
+      keys = pl.ds(j * bkv, bkv)
+      plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kvh], k_scratch.at[slot], k_ready.at[slot])
+      plgpu.copy_gmem_to_smem(vt_ref.at[b, kvh, :, keys], vt_scratch.at[slot],
+                              v_ready.at[slot])
+
+    for i in range(stages):
+      pl.when(i < cta_steps)(functools.partial(load, i, i))
+
+    @pl.loop(stages, cta_steps)
+    def _(j):
+      slot = lax.rem(j, stages)
+      keys = pl.ds(j * bkv, bkv)
+      with jax.named_scope("wait_free"):
+        plgpu.barrier_wait(k_free.at[slot])
+      plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kvh], k_scratch.at[slot], k_ready.at[slot])
+      with jax.named_scope("wait_free"):
+        plgpu.barrier_wait(v_free.at[slot])
+      plgpu.copy_gmem_to_smem(vt_ref.at[b, kvh, :, keys], vt_scratch.at[slot],
+                              v_ready.at[slot])
+
+    common.observe_last_releases((k_free, v_free), cta_steps, stages)
+
+
+def smem_bytes(d: int, block_kv: int, stages: int, out_dtype) -> int:
+  """Shared memory of one FP8 forward CTA: Q, the K/Vᵀ ring (1 byte per entry), the out_dtype
+  output staging and lse of both consumer warpgroups, ~1 KiB of barriers and alignment."""
+  out = jnp.dtype(out_dtype).itemsize
+  return (2 * BLOCK_Q * d + 2 * stages * block_kv * d + 2 * BLOCK_Q * d * out
+          + 2 * BLOCK_Q * 4 + 1024)
+
+
+def block_kv(config: MosaicConfig | None) -> int:
+  """The key tile: config.block_kv when it is a multiple of 128 (an e4m3 P·V contracts over
+  128-key swizzle groups), else DEFAULT_BLOCK_KV."""
+  if config is not None and config.block_kv % 128 == 0:
+    return config.block_kv
+  return DEFAULT_BLOCK_KV
+
+
+def stages(config: MosaicConfig | None) -> int:
+  return 2 if config is None else config.num_stages
+
+
+_DEFAULT_REGISTERS = (MosaicConfig().compute_registers, MosaicConfig().producer_registers)
+# Without a config, the intra-warpgroup overlap up to this head dim (it holds S_{j+1}, P_j and
+# O: at head dim 256 O alone takes 128 registers per thread); not yet measured on the GPU.
+OVERLAP_MAX_HEAD_DIM = 128
+
+
+def intra_wg_overlap(d: int, config: MosaicConfig | None) -> bool:
+  """Whether the kernel runs `_overlapped_kv_loop`: config.fwd_intra_wg_overlap, or without a
+  config up to OVERLAP_MAX_HEAD_DIM."""
+  if config is not None:
+    return config.fwd_intra_wg_overlap
+  return d <= OVERLAP_MAX_HEAD_DIM
+
+
+def forward(q, k, v, c, v_descale, *, causal: bool, scale: float, out_dtype,
+            config: MosaicConfig | None):
+  """FP8 attention forward: q [B, T, H, D], k/v [B, S, K, D] float8_e4m3fn; c [B, H] float32
+  (q descale · k descale · softmax scale · log2 e), v_descale [B, H] float32 (of each query
+  head's kv head). Returns (o [B, T, H, D] out_dtype, lse [B, H, T] float32, natural log)."""
+  bsz, t, h, d = q.shape
+  s, kvh = k.shape[1], k.shape[2]
+  interpret = config is not None and config.interpret
+  bkv = block_kv(config)
+  t_pad = _tiling.round_up(t, 2 * BLOCK_Q)
+  s_pad = _tiling.round_up(s, bkv)
+  num_stages = min(stages(config), s_pad // bkv)
+  if causal and num_stages < 2 and s_pad > bkv:
+    raise ValueError("MosaicConfig.num_stages=1 deadlocks the causal mosaic forward when there "
+                     "is more than one key block; use num_stages >= 2")
+  overlap = intra_wg_overlap(d, config)
+  base = config if config is not None else MosaicConfig()
+  registers = (base.compute_registers, base.producer_registers)
+  if overlap and (config is None or registers == _DEFAULT_REGISTERS):
+    registers = (WIDE_REGISTERS["compute_registers"], WIDE_REGISTERS["producer_registers"])
+  kp = common.KernelParams(
+      dtype=E4M3, d=d, group=h // kvh, block_q=BLOCK_Q, block_kv=bkv, stages=num_stages,
+      num_q_tiles=t_pad // (2 * BLOCK_Q), num_kv_blocks=s_pad // bkv, t_pad=t_pad,
+      s_pad=s_pad, kv_len=s, q_len=t, causal=causal, scale=scale, heads_fastest=False,
+      compute_registers=registers[0], producer_registers=registers[1], interpret=interpret,
+      intra_wg_overlap=overlap, profile_dir=base.debug.profile_dir)
+  qp = _tiling.pad_axis(q, 1, common.operand_rows(t, t_pad, interpret, 0))
+  kpad = _tiling.pad_axis(k, 1, common.operand_rows(s, s_pad, interpret, num_stages * bkv))
+  # Vᵀ [B, K, D, Sp]: one XLA pass that pads, transposes and (GPU) permutes the keys.
+  vt = jnp.transpose(_tiling.pad_axis(v, 1, s_pad), (0, 2, 3, 1))
+  if not interpret:
+    vt = permute_keys(vt)
+  scales = jnp.concatenate([c.reshape(-1), v_descale.reshape(-1)]).astype(jnp.float32)
+  out_dtype = jnp.dtype(out_dtype)
+  scratch = [
+      plgpu.SMEM((2, BLOCK_Q, d), E4M3, transforms=smem_transforms(d)),
+      plgpu.SMEM((num_stages, bkv, d), E4M3, transforms=smem_transforms(d)),
+      plgpu.SMEM((num_stages, d, bkv), E4M3, transforms=smem_transforms(bkv)),
+      plgpu.SMEM((2, BLOCK_Q, d), out_dtype, transforms=common.smem_transforms(out_dtype)),
+      plgpu.SMEM((2, BLOCK_Q), jnp.float32),
+      plgpu.SMEM((2, BLOCK_Q, bkv), E4M3, transforms=smem_transforms(bkv))
+      if interpret else None,
+      plgpu.Barrier(num_barriers=2),
+      plgpu.Barrier(num_barriers=num_stages),
+      plgpu.Barrier(num_barriers=num_stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
+      plgpu.Barrier(num_arrivals=2),
+  ]
+  launch = common.launch_grid(kp.num_q_tiles, h, bsz, ("qt", "h", "b"), heads_fastest=False)
+  o, lse = plgpu.kernel(
+      functools.partial(_kernel, kp=kp, heads=h, batch=bsz),
+      out_type=(jax.ShapeDtypeStruct(qp.shape, out_dtype),
+                jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)),
+      scratch_types=scratch,
+      grid=launch["grid"], grid_names=launch["grid_names"], num_threads=3, thread_name="wg",
+      compiler_params=common.compiler_params(kp, min(kp.num_kv_blocks, 32)),
+      interpret=common.interpret_params(interpret),
+  )(qp, kpad, vt, scales)
+  return o[:, :t], lse[:, :, :t]
+
+
+def fits(d: int, out_dtype, config: MosaicConfig | None) -> bool:
+  return smem_bytes(d, block_kv(config), stages(config), out_dtype) <= SMEM_LIMIT_BYTES
+
+
+__all__ = ["forward", "fits", "permute_keys", "p_operand", "smem_bytes"]
