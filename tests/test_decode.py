@@ -3,6 +3,9 @@ the float32 reference (poisoned caches, ragged lengths, pages out of order, appe
 windows, soft caps, rotary), the end-aligned causal rule, split merging, use in jit / scan,
 cache donation, bad input and the checked mode."""
 
+import dataclasses
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -337,3 +340,59 @@ def test_attention_alone_is_one_or_two_kernels_on_h200():
   for op in ("stablehlo.transpose", "stablehlo.pad", "stablehlo.exponential",
              "stablehlo.reduce"):
     assert op not in body, op
+
+
+# Ragged batches under the balanced partition: a length 0, one sequence at L_max beside many
+# short ones, and the paged layout with pages out of order, a window, a soft cap and Tq > 1.
+RAGGED_CASES = [
+    DecodeCase(seqlens=(0, 3, 128, 1, 17, 0, 40, 5), capacity=128),
+    DecodeCase(seqlens=(100, 0, 7, 125), q_len=3, capacity=128, page_size=16, append=True,
+               window=40, softcap=5.0, dtype=jnp.bfloat16),
+]
+_RAGGED_PARAMS = [
+    pytest.param(impl, case, splits, id=f"{impl}-{case.id}-{splits}",
+                 marks=() if (impl, case, splits) == ("interpret", RAGGED_CASES[1], 7)
+                 else pytest.mark.slow)
+    for impl in IMPLS for case in RAGGED_CASES for splits in (2, 3, 7)]
+
+
+@pytest.mark.parametrize("impl,case,num_splits", _RAGGED_PARAMS)
+def test_ragged_batches_split_by_blocks(impl, case, num_splits):
+  """Forced split counts on ragged batches against the reference (one in CI, the sweep slow)."""
+  config = (XlaDecodeConfig(block_kv=16) if impl == "xla" else TritonDecodeConfig(block_kv=16))
+  check_decode(impl, case, seed=case_seed(case), num_splits=num_splits, config=config)
+
+
+def test_balanced_partition_covers_every_block_once():
+  """The slots of split_ranges (the kernel's partition): every visible block of every sequence
+  in exactly one slot, no program over ceil(total / N) blocks, and with equal lengths each
+  sequence's blocks cut into its S splits as a per-sequence split would."""
+  from pallas_flash.decode.call import DecodeParams
+  from pallas_flash.decode.xla import split_ranges
+
+  for num_splits, (lengths, window) in itertools.product((2, 3, 7), (
+      ((0, 3, 1000, 1, 17, 0, 250, 5, 64), None), ((700, 2, 0, 333), 90), ((512,) * 5, None))):
+    p = DecodeParams(scale=1.0, q_len=2, group=4, window=window, logits_soft_cap=None,
+                     num_splits=num_splits, page_size=None)
+    ranges = jax.jit(lambda lens, p=p: (split_ranges(lens, params=p, rows=8, block_kv=16),
+                                        split_ranges(lens, rows=8, block_kv=16, params=(
+                                            dataclasses.replace(p, num_splits=1)))))
+    (seq, start, end), (_, lo, hi) = jax.tree.map(np.asarray,
+                                                  ranges(jnp.asarray(lengths, jnp.int32)))
+    b, programs = len(lengths), num_splits * len(lengths)
+    assert len(seq) == b + programs - 1
+    for i in range(b):
+      covered = [np.arange(s, e) for s, e, q in zip(start, end, seq) if q == i]
+      np.testing.assert_array_equal(np.sort(np.concatenate(covered + [np.zeros(0, int)])),
+                                    np.arange(lo[i], hi[i]))
+    work = np.zeros(programs, int)
+    held = end > start
+    np.add.at(work, (np.arange(len(seq)) - seq)[held], (end - start)[held])
+    assert work.max() <= -(-(hi - lo).sum() // programs)
+    if len(set(lengths)) == 1:  # program i: split i % S of sequence i // S
+      per = -(-(hi[0] - lo[0]) // num_splits)
+      for j in np.flatnonzero(held):
+        program = j - seq[j]
+        assert program // num_splits == seq[j]
+        assert start[j] == lo[0] + program % num_splits * per
+        assert end[j] == min(start[j] + per, hi[0])

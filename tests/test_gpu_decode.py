@@ -1,5 +1,7 @@
 """The Triton decode kernel on a real GPU at serving sizes, against the float32 reference."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,3 +135,28 @@ def test_chunked_prefill_loop_on_the_route():
                                       vc_n.astype(jnp.float32), lens + chunks * t,
                                       rotary=10_000.0)
   assert_close_to_ref("out", last, ref[0], tolerance(jnp.bfloat16))
+
+
+# Ragged batches at 8K-128K under the balanced partition: one sequence at L_max beside short
+# ones (runs that cross many sequences), random lengths, a length 0, paged and contiguous, at
+# the default split count and at forced ones.
+_SKEWED_8K = DecodeCase(seqlens=(8192, 12, 700, 0, 3000, 1, 64, 5), capacity=8192, **_LLAMA)
+RAGGED = [
+    (_SKEWED_8K, None),
+    (_SKEWED_8K, 3),
+    (dataclasses.replace(_SKEWED_8K, page_size=64), 7),
+    (DecodeCase(seqlens=_ragged(8, 32768, 8), capacity=32768, page_size=64, **_LLAMA), None),
+    (DecodeCase(seqlens=_ragged(16, 32768, 9), capacity=32768, **_LLAMA), None),
+    (DecodeCase(seqlens=(131072, 5, 40000, 0), capacity=131072, page_size=256, **_LLAMA), None),
+    (DecodeCase(seqlens=(3, 131072 - 4, 17), q_len=4, capacity=131072, append=True,
+                window=8192, softcap=50.0, **_LLAMA), None),
+]
+
+
+@pytest.mark.parametrize("case,num_splits", RAGGED,
+                         ids=[f"{c.id}-splits{s}" for c, s in RAGGED])
+def test_triton_ragged_batches_against_reference(case, num_splits):
+  q, kc, vc, lens, kw = make_decode_inputs(case)
+  explanation = pallas_flash.decode_explain(q, kc, vc, lens, num_splits=num_splits, **kw)
+  assert explanation.num_splits > 1, str(explanation)
+  check_decode("triton", case, seed=case_seed(case), num_splits=num_splits)

@@ -1,6 +1,7 @@
 """Decode benchmark (`python -m pallas_flash.bench --decode`): KV-cache attention bandwidth.
 
-Per point (batch B x cache length L, contiguous or paged cache, uniform or ragged lengths):
+Per point (batch B x cache length L, contiguous or paged cache, uniform, ragged or skewed
+lengths, see _lengths):
 every implementation is checked against the float32 reference on its own output (the first and
 last sequence), then timed in interleaved rounds together with a jnp copy of the same bytes.
 Reported: microseconds per call, bandwidth = bytes of K and V the call must read (2 * sum of
@@ -68,6 +69,7 @@ class Grid:
   lengths: tuple[str, ...] = ("uniform", "ragged")
 
 
+LENGTH_MODES = ("uniform", "ragged", "skewed")
 GRIDS = {
     "full": Grid(batches=(1, 8, 32, 64, 128), caches=(1024, 8192, 32768, 131072)),
     "quick": Grid(batches=(1, 32), caches=(1024, 32768), prefill_q_lens=(1024,),
@@ -88,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   g.add_argument("--batches", default=None, help="decode: comma list overriding the grid's")
   g.add_argument("--caches", default=None, help="decode: comma list of cache lengths")
   g.add_argument("--layouts", default="contiguous,paged", help="decode: contiguous,paged")
-  g.add_argument("--lengths", default=None, help="decode: uniform,ragged")
+  g.add_argument("--lengths", default=None, help="decode: uniform,ragged,skewed")
   g.add_argument("--prefill", default="yes", choices=("yes", "no", "only"),
                  help="decode: the chunked-prefill rows")
   g.add_argument("--max-cache-gib", type=float, default=32.0,
@@ -106,7 +108,10 @@ def _grid(opts) -> Grid:
   if opts.caches:
     grid = dataclasses.replace(grid, caches=ints(opts.caches))
   if opts.lengths:
-    grid = dataclasses.replace(grid, lengths=tuple(opts.lengths.split(",")))
+    modes = tuple(opts.lengths.split(","))
+    if set(modes) - set(LENGTH_MODES):
+      raise SystemExit(f"Unknown --lengths {opts.lengths!r}; choose from {LENGTH_MODES}.")
+    grid = dataclasses.replace(grid, lengths=modes)
   return grid
 
 
@@ -146,9 +151,14 @@ def _random_cache(key, *, shape, dtype):
 
 
 def _lengths(mode: str, batch: int, cache: int, seed: int) -> np.ndarray:
+  """uniform: every sequence full; ragged: uniform draws in [1, L]; skewed: the first
+  sequence full and the others at L / 32 (one long conversation beside short ones)."""
   if mode == "uniform":
     return np.full(batch, cache, np.int32)
-  return np.random.default_rng(seed).integers(1, cache + 1, batch).astype(np.int32)
+  if mode == "ragged":
+    return np.random.default_rng(seed).integers(1, cache + 1, batch).astype(np.int32)
+  assert mode == "skewed", mode
+  return np.array([cache] + [max(1, cache // 32)] * (batch - 1), np.int32)
 
 
 def _page_table(batch: int, cache: int, page_size: int, seed: int) -> np.ndarray:

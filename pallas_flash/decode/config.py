@@ -2,14 +2,18 @@
 
 The split count is chosen from static shapes only (batch, kv heads, rows, the cache's capacity
 and the GPU's SM count), so it costs no host planning and no device-to-host copy: inside a
-`jit`-compiled generation loop it is a constant. Where each split starts and ends is computed on
-the device from the lengths (`cache_seqlens`), so ragged batches split every sequence evenly.
+`jit`-compiled generation loop it is a constant. Which keys each program reads is computed on
+the device from the lengths (`cache_seqlens`): the S splits give N = S * B programs per kv head
+and row tile, and `balanced_partition` hands each about 1 / N of the batch's key blocks, so a
+ragged batch keeps every program as busy as a uniform one (see docs/decode.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
 
 from pallas_flash import backends as flash_backends
 from pallas_flash.decode.call import DecodeInfo
@@ -130,3 +134,72 @@ def choose_num_splits(info: DecodeInfo, *, block_m: int, block_kv: int) -> tuple
          f"{-(-info.rows // block_m)} row tiles) x {splits} splits of "
          f"{-(-blocks // splits)} {block_kv}-key blocks: {waves:.1f} waves on {cores} SMs")
   return splits, why
+
+
+# ---------------------------------------------------------------------------------------------
+# The balanced partition (traced: the same jnp code runs inside the Triton kernels, where the
+# arrays are [B_pad] vectors, and in the xla path).
+
+
+class Partition(NamedTuple):
+  """Key blocks of a batch laid end to end and cut into runs of `per`, one run per program.
+
+  Sequence b's blocks are global blocks starts[b] .. starts[b] + counts[b] - 1, and program i
+  takes global blocks [i * per, (i + 1) * per). When `aligned`, each sequence's extent is
+  padded to whole runs, so a program holds blocks of one sequence only.
+  """
+
+  starts: Any  # [B] int32
+  per: Any  # int32 scalar
+  aligned: Any  # bool scalar
+
+  def extent(self, counts):
+    """The global blocks a sequence of `counts` blocks spans: padded to whole runs if aligned."""
+    return jnp.where(self.aligned, (counts + self.per - 1) // self.per * self.per, counts)
+
+
+def balanced_partition(counts, num_programs: int) -> Partition:
+  """Cuts the key blocks of all sequences (counts [B] int32, the blocks each sequence's
+  queries see) into num_programs runs of per = ceil(total / num_programs) blocks (at least 1):
+  no program holds more than 1 / num_programs of the batch's blocks, rounded up.
+
+  When padding every sequence to whole runs still fits num_programs runs, it is padded
+  (aligned): always with equal counts c and num_programs = S * B, which gives per =
+  ceil(c / S) and each sequence's blocks in S splits exactly as a per-sequence split would.
+  Otherwise runs cross sequence boundaries (a program may hold the end of one sequence, a few
+  short ones and the start of the next).
+  """
+  per = jnp.maximum((jnp.sum(counts) + num_programs - 1) // num_programs, 1)
+  padded = (counts + per - 1) // per * per
+  aligned = jnp.sum(padded) <= num_programs * per
+  extents = jnp.where(aligned, padded, counts)
+  return Partition(jnp.cumsum(extents) - extents, per, aligned)
+
+
+def program_sequences(part: Partition, counts, program):
+  """[first, stop): the sequences program `program`'s run touches, in order. Empty sequences
+  between two touched ones are included (their share of the run is empty)."""
+  extents = part.extent(counts)
+  lo = program * part.per
+  hi = jnp.minimum(lo + part.per, jnp.sum(extents))
+  return (jnp.sum((part.starts + extents <= lo).astype(jnp.int32)),
+          jnp.sum((part.starts < hi).astype(jnp.int32)))
+
+
+def sequence_share(part: Partition, start, count, program):
+  """[lo, hi): the blocks of a sequence (its global start and its count) that program
+  `program` holds, counted from the sequence's first visible block."""
+  return (jnp.clip(program * part.per - start, 0, count),
+          jnp.clip((program + 1) * part.per - start, 0, count))
+
+
+def sequence_slots(part: Partition, start, count, seq):
+  """[lo, hi): the partial slots of sequence `seq` (its global start and its count).
+
+  Program i writes its share of sequence b to slot i + b. The (program, sequence) pairs that
+  hold blocks form a staircase (each step moves to the next program or to a later sequence),
+  so i + b grows along it and no two pairs share a slot; B + num_programs - 1 slots hold all.
+  """
+  first = start // part.per
+  last = (start + count - 1) // part.per
+  return first + seq, jnp.where(count > 0, last + 1, first) + seq

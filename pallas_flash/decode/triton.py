@@ -1,9 +1,11 @@
 """Split-KV decode attention as a Triton-lowered Pallas kernel (GPU; interpretable on CPU).
 
-One program owns `block_m` GQA-packed query rows of one (sequence, kv head) (all G heads of the
-kv head and all Tq tokens: M = Tq * G rows, padded to 16) and one of S splits of that sequence's
-key range; it streams `block_kv`-key tiles of K and V once for all its rows, so the cache is read
-once per kv head, not once per query head. Key rows are gathered by index: a contiguous cache
+One program owns `block_m` GQA-packed query rows of one kv head (all G heads of the kv head and
+all Tq tokens: M = Tq * G rows, padded to 16) and a run of key blocks: with one split, all the
+keys of one sequence; with S splits, 1 / (S * B) of the batch's key blocks laid end to end, which
+may cover part of one sequence or several short ones (_split_kernel), so ragged batches keep
+every program equally busy. It streams `block_kv`-key tiles of K and V once for all its rows, so
+the cache is read once per kv head, not once per query head. Key rows are gathered by index: a contiguous cache
 reads rows start .. start + block_kv, a paged one looks each row's page up in the page table, so
 a tile may span pages of any size in any order. Tiles wholly visible to every row run without
 masks; the ones at the sequence's end (and at the window's start) mask scores and load zeros
@@ -78,6 +80,7 @@ class _KernelParams:
   """Static facts of the kernel body."""
 
   params: DecodeParams
+  batch: int
   num_kv_heads: int
   head_dim: int  # D of the cache (columns past it are masked)
   block_m: int
@@ -119,10 +122,6 @@ def _col_index(cols, p: _KernelParams):
   return jnp.minimum(cols, p.head_dim - 1), (cols < p.head_dim)[None, :]
 
 
-def _and(a, b):
-  return b if a is None else a if b is None else a & b
-
-
 def _load_rows(ref, rows, cols, row_ok, p: _KernelParams):
   """ref[rows, cols] as [block_kv, D_pad], zeros where a row is not in the cache. Padding
   columns (D not a power of two) repeat column D - 1: the query's padding columns are zero,
@@ -143,10 +142,12 @@ def _tile_rows(row0, p: _KernelParams):
   return real // p.params.group, real % p.params.group
 
 
-def _load_q(q_ref, t, g, cols, p: _KernelParams):
-  """The tile's query rows [block_m, D_pad] from q_ref [Tq, G, D] (zeros past D)."""
+def _load_q(q_ref, t, g, cols, p: _KernelParams, seq=None):
+  """The tile's query rows [block_m, D_pad] from q_ref [Tq, G, D], or from sequence `seq` of
+  q_ref [B, Tq, G, D] (zeros past D)."""
   cols, col_ok = _col_index(cols, p)
-  view = q_ref.at[t[:, None], g[:, None], cols[None, :]]
+  index = (t[:, None], g[:, None], cols[None, :])
+  view = q_ref.at[index if seq is None else (seq, *index)]
   return view[...] if col_ok is None else pltriton.load(view, mask=col_ok, other=0)
 
 
@@ -163,37 +164,65 @@ def _store_rows(o_ref, lse_ref, o, lse, t, g, cols, p: _KernelParams):
   lse_ref[g, t] = lse
 
 
-def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, o_ref, lse_ref, *,
-                   p: _KernelParams):
-  """One row tile of one (sequence, kv head) against one split of its keys.
+def _tile_tokens(row0, p: _KernelParams):
+  """(first, last) query token of the row tile starting at row0 (padding rows excluded)."""
+  return row0 // p.params.group, jnp.minimum((row0 + p.block_m - 1) // p.params.group,
+                                             p.params.q_len - 1)
 
-  Refs after BlockSpec slicing: lengths_ref [B] int32 (cache_seqlens as passed: n_b follows
-  as in call.sequence_lengths); q_ref [Tq, G, D] (this sequence's query heads of this kv head);
-  k_ref / v_ref [L, D] (this sequence and kv head of a contiguous cache) or [P * page_size, D]
-  (this kv head of the pool); pt_ref [max_pages] int32 (this sequence's page table, None
-  when contiguous). With one split, o_ref [Tq, G, D] and lse_ref [G, Tq] are the final outputs
-  (query dtype; float32); with S splits, o_ref [block_m, D_pad] and lse_ref [block_m] are this
-  split's float32 partials, normalised over its keys (_merge_kernel combines them).
-  Grid: (row tiles, S splits, B * K).
-  """
-  mi, si, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  prm, bm, bk = p.params, p.block_m, p.block_kv
-  n = jnp.clip(lengths_ref[bh // p.num_kv_heads], 0, p.capacity)  # call.sequence_lengths
-  if prm.appends:
-    n = jnp.minimum(n + prm.q_len, p.capacity)
-  row0 = mi * bm
-  t, g = _tile_rows(row0, p)
-  q_pos = n - prm.q_len + t
-  t_first = row0 // prm.group
-  t_last = jnp.minimum((row0 + bm - 1) // prm.group, prm.q_len - 1)
-  # Keys the tile's real rows see: [lo, hi); blocks of them split into S runs.
+
+def _tokens_held(seqlens, p: _KernelParams):
+  """n_b from cache_seqlens as passed (call.sequence_lengths): scalars or vectors."""
+  n = jnp.clip(seqlens, 0, p.capacity)
+  return jnp.minimum(n + p.params.q_len, p.capacity) if p.params.appends else n
+
+
+def _visible_blocks(n, t_first, t_last, p: _KernelParams):
+  """[lo, hi) key blocks that tokens t_first .. t_last of a sequence holding n tokens see
+  (scalars or [B] vectors): keys [n - Tq + t_first - window, n - Tq + t_last + 1)."""
+  prm, bk = p.params, p.block_kv
   hi = jnp.maximum(n - prm.q_len + t_last + 1, 0)
   lo = 0 if prm.window is None else jnp.maximum(n - prm.q_len + t_first - prm.window, 0)
-  blk_lo = lo // bk
-  blk_hi = jnp.maximum((hi + bk - 1) // bk, blk_lo)
-  per = (blk_hi - blk_lo + prm.num_splits - 1) // prm.num_splits
-  start = jnp.minimum(blk_lo + si * per, blk_hi)
-  end = jnp.minimum(start + per, blk_hi)
+  return lo // bk, jnp.maximum((hi + bk - 1) // bk, lo // bk)
+
+
+def _sequence_blocks(lengths_ref, t_first, t_last, p: _KernelParams):
+  """Visible key blocks [B_pad] of every sequence for tokens t_first .. t_last; B_pad is B
+  rounded up to a power of two (Triton's vectors) and padding lanes hold no block."""
+  b = lengths_ref.shape[0]
+  idx = lax.broadcasted_iota(jnp.int32, (common.pl_next_pow2(b),), 0)
+  seqlens = pltriton.load(lengths_ref.at[jnp.minimum(idx, b - 1)], mask=idx < b, other=0)
+  lo, hi = _visible_blocks(_tokens_held(seqlens, p), t_first, t_last, p)
+  return jnp.where(idx < b, hi - lo, 0)
+
+
+def _pick(vector, i):
+  """vector[i] for a traced i (Triton vectors take no dynamic scalar index); 0 past the end."""
+  return jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, vector.shape, 0) == i, vector, 0))
+
+
+def _cache_rows(keys, pt_ref, seq, p: _KernelParams):
+  """Rows of the kernel's [rows, D] view of the cache holding key positions `keys` of
+  sequence `seq` (None: the view is this sequence's own, pt_ref its page-table row)."""
+  ps = p.params.page_size
+  if ps is None:
+    return keys if seq is None else seq * p.capacity + keys
+  slot = jnp.minimum(keys // ps, p.max_pages - 1)
+  page = pt_ref[slot] if seq is None else pt_ref[seq, slot]
+  return jnp.clip(page, 0, p.num_pages - 1) * ps + keys % ps
+
+
+def _attend_blocks(q, k_ref, v_ref, rows_of, start, end, *, n, row0, p: _KernelParams):
+  """Online softmax of one row tile over key blocks [start, end) of one sequence.
+
+  q [block_m, D_pad] holds rows row0 .. row0 + block_m - 1 of a sequence holding n tokens;
+  rows_of(keys [block_kv]) -> their rows in k_ref / v_ref ([rows, D]). Returns float32 o
+  [block_m, D_pad] normalised over the range's keys and lse [block_m] (natural log); a row
+  that sees none of them gets o = 0, lse = -inf.
+  """
+  prm, bm, bk = p.params, p.block_m, p.block_kv
+  t, _ = _tile_rows(row0, p)
+  t_first, t_last = _tile_tokens(row0, p)
+  q_pos = n - prm.q_len + t
   # Blocks every row of the tile sees whole: below the first row's position, and (window)
   # at or above the last row's window start. The rest is masked.
   full_hi = jnp.maximum(n - prm.q_len + t_first + 1, 0) // bk
@@ -202,19 +231,13 @@ def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, o_ref, lse_ref, *,
     full_lo = (jnp.maximum(n - prm.q_len + t_last - prm.window, 0) + bk - 1) // bk
   mid_lo = jnp.clip(full_lo, start, end)
   mid_hi = jnp.clip(full_hi, mid_lo, end)
-  d_pad = common.padded_head_dim(p.head_dim)
-  cols = lax.broadcasted_iota(jnp.int32, (d_pad,), 0)
-  q = _load_q(q_ref, t, g, cols, p)  # [block_m, D_pad]
+  cols = lax.broadcasted_iota(jnp.int32, (q.shape[1],), 0)
 
   def step(j, carry, *, masked: bool):
     m_prev, l_prev, acc = carry
     keys = j * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
     in_cache = keys < n if masked else None
-    rows = jnp.where(in_cache, keys, 0) if masked else keys
-    if prm.page_size is not None:
-      slot = jnp.minimum(rows // prm.page_size, p.max_pages - 1)
-      page = jnp.clip(pt_ref[slot], 0, p.num_pages - 1)
-      rows = page * prm.page_size + rows % prm.page_size
+    rows = rows_of(jnp.where(in_cache, keys, 0) if masked else keys)
     k = _load_rows(k_ref, rows, cols, in_cache, p)
     s = _scores(common.dot(q, k, trans_b=True), p)  # [block_m, block_kv]
     if masked:
@@ -232,29 +255,94 @@ def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, o_ref, lse_ref, *,
     return m_next, alpha * l_prev + probs.sum(axis=1), acc
 
   carry = (jnp.full((bm,), MASK_VALUE, jnp.float32), jnp.zeros((bm,), jnp.float32),
-           jnp.zeros((bm, d_pad), jnp.float32))
+           jnp.zeros((bm, q.shape[1]), jnp.float32))
   carry = lax.fori_loop(start, mid_lo, functools.partial(step, masked=True), carry)
   carry = lax.fori_loop(mid_lo, mid_hi, functools.partial(step, masked=False), carry)
   m, l, acc = lax.fori_loop(mid_hi, end, functools.partial(step, masked=True), carry)
-  empty = l == 0.0  # an empty split (or a query that sees no key): o = 0, lse = -inf
+  empty = l == 0.0  # an empty range (or a query that sees no key): o = 0, lse = -inf
   l_safe = jnp.where(empty, 1.0, l)
-  o = acc * (1.0 / l_safe)[:, None]
-  lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * common.LN2)
-  if prm.num_splits == 1:
-    _store_rows(o_ref, lse_ref, o, lse, t, g, cols, p)
-  else:
-    o_ref[...] = o
-    lse_ref[...] = lse
+  return (acc * (1.0 / l_safe)[:, None],
+          jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * common.LN2))
 
 
-def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, p: _KernelParams):
-  """Combines the S splits of one row tile (merge_attention_states' rule, one pass).
+def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, o_ref, lse_ref, *,
+                   p: _KernelParams):
+  """One split: one row tile of one (sequence, kv head) against all the keys it sees.
 
-  Refs: o_ref [S, block_m, D_pad] and lse_ref [S, block_m] float32 partials; out_ref [Tq, G, D]
-  and lse_out_ref [G, Tq] as the decode kernel's single-split outputs. Grid: (row tiles,
-  B * K).
+  Refs after BlockSpec slicing: lengths_ref [B] int32 (cache_seqlens as passed: n_b follows
+  as in call.sequence_lengths); q_ref [Tq, G, D] (this sequence's query heads of this kv
+  head); k_ref / v_ref [L, D] (this sequence and kv head of a contiguous cache) or
+  [P * page_size, D] (this kv head of the pool); pt_ref [max_pages] int32 (this sequence's
+  page table, None when contiguous); o_ref [Tq, G, D] and lse_ref [G, Tq], the final outputs
+  (query dtype; float32). Grid: (row tiles, 1, B * K).
   """
-  t, g = _tile_rows(pl.program_id(0) * p.block_m, p)
+  mi, bh = pl.program_id(0), pl.program_id(2)
+  row0 = mi * p.block_m
+  n = _tokens_held(lengths_ref[bh // p.num_kv_heads], p)
+  t, g = _tile_rows(row0, p)
+  start, end = _visible_blocks(n, *_tile_tokens(row0, p), p)
+  cols = lax.broadcasted_iota(jnp.int32, (common.padded_head_dim(p.head_dim),), 0)
+  q = _load_q(q_ref, t, g, cols, p)  # [block_m, D_pad]
+  o, lse = _attend_blocks(q, k_ref, v_ref, lambda keys: _cache_rows(keys, pt_ref, None, p),
+                          start, end, n=n, row0=row0, p=p)
+  _store_rows(o_ref, lse_ref, o, lse, t, g, cols, p)
+
+
+def _split_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, o_ref, lse_ref, *,
+                  p: _KernelParams):
+  """S splits: one row tile of one kv head against one program's share of the batch's keys.
+
+  The visible key blocks of all B sequences, concatenated in sequence order, are cut into
+  N = S * B runs of equal length (config.balanced_partition): program i takes run i, which
+  may end inside a sequence or span several short ones, and writes one float32 partial per
+  sequence it touches, to slot i + b (unique: the (program, sequence) pairs form a staircase).
+  _merge_kernel combines each sequence's slots. With equal lengths each program holds one
+  sequence's 1 / S, as a per-sequence split would; ragged batches stay balanced.
+
+  Refs after BlockSpec slicing: lengths_ref [B] int32 (cache_seqlens as passed); q_ref
+  [B, Tq, G, D] (this kv head's query heads of every sequence); k_ref / v_ref [B * L, D] or
+  [P * page_size, D] (this kv head, rows flattened); pt_ref [B, max_pages] int32 (None when
+  contiguous); o_ref [B + N - 1, block_m, D_pad] and lse_ref [B + N - 1, block_m], the
+  partial slots of this row tile and kv head. Grid: (row tiles, N, K).
+  """
+  mi, program = pl.program_id(0), pl.program_id(1)
+  row0 = mi * p.block_m
+  t_first, t_last = _tile_tokens(row0, p)
+  counts = _sequence_blocks(lengths_ref, t_first, t_last, p)
+  part = decode_config.balanced_partition(counts, p.params.num_splits * p.batch)
+  first, stop = decode_config.program_sequences(part, counts, program)
+  t, g = _tile_rows(row0, p)
+  cols = lax.broadcasted_iota(jnp.int32, (common.padded_head_dim(p.head_dim),), 0)
+
+  def one_sequence(seq, seq_start):
+    n = _tokens_held(lengths_ref[seq], p)
+    blk_lo, blk_hi = _visible_blocks(n, t_first, t_last, p)
+    share_lo, share_hi = decode_config.sequence_share(part, seq_start, blk_hi - blk_lo, program)
+    q = _load_q(q_ref, t, g, cols, p, seq=seq)
+    o, lse = _attend_blocks(q, k_ref, v_ref, lambda keys: _cache_rows(keys, pt_ref, seq, p),
+                            blk_lo + share_lo, blk_lo + share_hi, n=n, row0=row0, p=p)
+    o_ref[program + seq] = o
+    lse_ref[program + seq] = lse
+    return seq_start + part.extent(blk_hi - blk_lo)
+
+  lax.fori_loop(first, stop, one_sequence, _pick(part.starts, first))
+
+
+def _merge_kernel(lengths_ref, o_ref, lse_ref, out_ref, lse_out_ref, *, p: _KernelParams):
+  """Combines one sequence's partial slots for one row tile (merge_attention_states' rule, one
+  pass): the slots program + b of the programs whose runs hold its blocks.
+
+  Refs: lengths_ref [B] int32; o_ref [B + N - 1, block_m, D_pad] and lse_ref
+  [B + N - 1, block_m] float32 partials of this row tile and kv head; out_ref [Tq, G, D] and
+  lse_out_ref [G, Tq] as the decode kernel's outputs. Grid: (row tiles, B * K).
+  """
+  mi, seq = pl.program_id(0), pl.program_id(1) // p.num_kv_heads
+  row0 = mi * p.block_m
+  t, g = _tile_rows(row0, p)
+  counts = _sequence_blocks(lengths_ref, *_tile_tokens(row0, p), p)
+  part = decode_config.balanced_partition(counts, p.params.num_splits * p.batch)
+  slot_lo, slot_hi = decode_config.sequence_slots(part, _pick(part.starts, seq),
+                                                  _pick(counts, seq), seq)
   cols = lax.broadcasted_iota(jnp.int32, (o_ref.shape[-1],), 0)
 
   def body(s, carry):
@@ -263,11 +351,11 @@ def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, p: _KernelParams):
     empty = lse == -jnp.inf
     m_next = jnp.maximum(m_prev, jnp.where(empty, MASK_VALUE, lse))
     alpha = jnp.exp(m_prev - m_next)
-    w = jnp.where(empty, 0.0, jnp.exp(lse - m_next))  # an empty split weighs nothing
+    w = jnp.where(empty, 0.0, jnp.exp(lse - m_next))  # an empty partial weighs nothing
     return m_next, alpha * total + w, alpha[:, None] * acc + w[:, None] * o_ref[s]
 
   bm = p.block_m
-  m, total, acc = lax.fori_loop(0, p.params.num_splits, body, (
+  m, total, acc = lax.fori_loop(slot_lo, slot_hi, body, (
       jnp.full((bm,), MASK_VALUE, jnp.float32), jnp.zeros((bm,), jnp.float32),
       jnp.zeros((bm, o_ref.shape[-1]), jnp.float32)))
   empty = total == 0.0
@@ -279,79 +367,122 @@ def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, p: _KernelParams):
 def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodeParams,
            config: TritonDecodeConfig, interpret: bool):
   """Split-KV decode attention; the contract is in pallas_flash.decode.call. `config` is
-  resolved (config_for). One kernel when there is one split; with S splits the decode kernel
-  writes float32 partials and _merge_kernel combines them into the final layout."""
+  resolved (config_for). One kernel when there is one split; with S splits _split_kernel
+  writes float32 partials over balanced runs of the batch's keys and _merge_kernel combines
+  them into the final layout."""
   b, tq, h, d = q.shape
   kh = key_cache.shape[2]
   g = h // kh
   bm, bk = tiles(config)
-  d_pad = common.padded_head_dim(d)
-  m_pad = -(-tq * g // bm) * bm
   paged = params.page_size is not None
   if paged:
     num_pages, max_pages = key_cache.shape[0], page_table.shape[1]
     capacity = max_pages * params.page_size
+  else:
+    num_pages = max_pages = None
+    capacity = key_cache.shape[1]
+  kp = _KernelParams(params=params, batch=b, num_kv_heads=kh, head_dim=d, block_m=bm,
+                     block_kv=bk, capacity=capacity, num_pages=num_pages, max_pages=max_pages,
+                     approx_tanh=not interpret and jnp.dtype(q.dtype).itemsize == 2)
+  q = q.reshape(b, tq, kh, g, d)  # free views: the kernels address rows (t, g) directly
+  call = _one_split if params.num_splits == 1 else _balanced_splits
+  o, lse = call(q, key_cache, value_cache, lengths, page_table, kp=kp, config=config,
+                interpret=interpret)
+  return o.reshape(b, tq, h, d), lse.reshape(b, h, tq)
+
+
+def _final_specs(kh: int, tq: int, g: int, d: int):
+  """BlockSpecs of out [B, Tq, K, G, D] and lse [B, K, G, Tq] for a grid (row tiles, ...,
+  B * K): the (sequence, kv head) slab of each."""
+  return [pl.BlockSpec((None, tq, None, g, d), lambda *ids: (ids[-1] // kh, 0, ids[-1] % kh, 0, 0)),
+          pl.BlockSpec((None, None, g, tq), lambda *ids: (ids[-1] // kh, ids[-1] % kh, 0, 0))]
+
+
+def _final_shapes(q):
+  b, tq, kh, g, d = q.shape
+  return [jax.ShapeDtypeStruct((b, tq, kh, g, d), q.dtype),
+          jax.ShapeDtypeStruct((b, kh, g, tq), jnp.float32)]
+
+
+def _compiler_params(config: TritonDecodeConfig):
+  return pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _one_split(q, key_cache, value_cache, lengths, page_table, *, kp: _KernelParams,
+               config: TritonDecodeConfig, interpret: bool):
+  """q [B, Tq, K, G, D] -> out [B, Tq, K, G, D], lse [B, K, G, Tq]: one kernel, each program
+  one row tile of one (sequence, kv head)."""
+  b, tq, kh, g, d = q.shape
+  if page_table is not None:
     key_cache = key_cache.reshape(-1, kh, d)  # [P * page_size, K, D]: a free view of the pool
     value_cache = value_cache.reshape(-1, kh, d)
     kv_spec = pl.BlockSpec((key_cache.shape[0], None, d), lambda mi, si, bh: (0, bh % kh, 0))
     pt_spec = pl.BlockSpec((None, page_table.shape[1]), lambda mi, si, bh: (bh // kh, 0))
   else:
-    num_pages = max_pages = None
-    capacity = key_cache.shape[1]
-    kv_spec = pl.BlockSpec((None, capacity, None, d),
+    kv_spec = pl.BlockSpec((None, kp.capacity, None, d),
                            lambda mi, si, bh: (bh // kh, 0, bh % kh, 0))
     pt_spec = None
-  kp = _KernelParams(params=params, num_kv_heads=kh, head_dim=d, block_m=bm, block_kv=bk,
-                     capacity=capacity, num_pages=num_pages, max_pages=max_pages,
-                     approx_tanh=not interpret and jnp.dtype(q.dtype).itemsize == 2)
-  s_num = params.num_splits
-  q = q.reshape(b, tq, kh, g, d)  # free views: the kernels address rows (t, g) directly
-  # Per (sequence, kv head): q / out [Tq, G, D], lse [G, Tq] (index maps for grids whose last
-  # axis is B * K).
-  slab = lambda *_, bh: (bh // kh, 0, bh % kh, 0, 0)  # noqa: E731
-  lse_slab = lambda *_, bh: (bh // kh, bh % kh, 0, 0)  # noqa: E731
-  out_shapes = [jax.ShapeDtypeStruct((b, tq, kh, g, d), q.dtype),
-                jax.ShapeDtypeStruct((b, kh, g, tq), jnp.float32)]
-  final_specs = [pl.BlockSpec((None, tq, None, g, d), lambda mi, si, bh: slab(bh=bh)),
-                 pl.BlockSpec((None, None, g, tq), lambda mi, si, bh: lse_slab(bh=bh))]
-  if s_num == 1:
-    out_specs, partial_shapes = final_specs, out_shapes
-  else:
-    out_specs = [pl.BlockSpec((None, None, None, bm, d_pad),
-                              lambda mi, si, bh: (si, bh // kh, bh % kh, mi, 0)),
-                 pl.BlockSpec((None, None, None, bm), lambda mi, si, bh: (si, bh // kh, bh % kh,
-                                                                          mi))]
-    partial_shapes = [jax.ShapeDtypeStruct((s_num, b, kh, m_pad, d_pad), jnp.float32),
-                      jax.ShapeDtypeStruct((s_num, b, kh, m_pad), jnp.float32)]
-  o, lse = pl.pallas_call(
+  final = _final_specs(kh, tq, g, d)
+  return pl.pallas_call(
       functools.partial(_decode_kernel, p=kp),
-      grid=(m_pad // bm, s_num, b * kh),
-      in_specs=[pl.BlockSpec(lengths.shape, lambda *_: (0,)),
-                pl.BlockSpec((None, tq, None, g, d), lambda mi, si, bh: slab(bh=bh)),
-                kv_spec, kv_spec, pt_spec],
-      out_specs=out_specs,
-      out_shape=partial_shapes,
-      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
-                                              num_stages=config.num_stages),
+      grid=(-(-kp.rows // kp.block_m), 1, b * kh),
+      in_specs=[pl.BlockSpec(lengths.shape, lambda *_: (0,)), final[0], kv_spec, kv_spec,
+                pt_spec],
+      out_specs=final,
+      out_shape=_final_shapes(q),
+      compiler_params=_compiler_params(config),
       interpret=interpret,
       name="pallas_flash_decode",
   )(lengths, q, key_cache, value_cache, page_table)
-  if s_num > 1:
-    o, lse = pl.pallas_call(
-        functools.partial(_merge_kernel, p=kp),
-        grid=(m_pad // bm, b * kh),
-        in_specs=[pl.BlockSpec((s_num, None, None, bm, d_pad),
-                               lambda mi, bh: (0, bh // kh, bh % kh, mi, 0)),
-                  pl.BlockSpec((s_num, None, None, bm), lambda mi, bh: (0, bh // kh, bh % kh,
-                                                                        mi))],
-        out_specs=[pl.BlockSpec((None, tq, None, g, d), lambda mi, bh: slab(bh=bh)),
-                   pl.BlockSpec((None, None, g, tq), lambda mi, bh: lse_slab(bh=bh))],
-        out_shape=out_shapes,
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
-        interpret=interpret,
-        name="pallas_flash_decode_merge",
-    )(o, lse)
-  return o.reshape(b, tq, h, d), lse.reshape(b, h, tq)
+
+
+def _balanced_splits(q, key_cache, value_cache, lengths, page_table, *, kp: _KernelParams,
+                     config: TritonDecodeConfig, interpret: bool):
+  """q [B, Tq, K, G, D] -> out [B, Tq, K, G, D], lse [B, K, G, Tq]: _split_kernel over
+  N = S * B programs per (row tile, kv head), then _merge_kernel."""
+  b, tq, kh, g, d = q.shape
+  bm = kp.block_m
+  d_pad = common.padded_head_dim(d)
+  tiles_m = -(-kp.rows // bm)
+  programs = kp.params.num_splits * b
+  slots = b + programs - 1
+  # [rows, K, D]: a free view of the pool or of the contiguous cache (row b * L + key).
+  key_cache = key_cache.reshape(-1, kh, d)
+  value_cache = value_cache.reshape(-1, kh, d)
+  kv_spec = pl.BlockSpec((key_cache.shape[0], None, d), lambda mi, i, k: (0, k, 0))
+  pt_spec = None if page_table is None else pl.BlockSpec(page_table.shape, lambda *_: (0, 0))
+  partial_shapes = [jax.ShapeDtypeStruct((kh, slots, tiles_m * bm, d_pad), jnp.float32),
+                    jax.ShapeDtypeStruct((kh, slots, tiles_m * bm), jnp.float32)]
+  # The partial slots of one (row tile, kv head), for grids (row tiles, ..., K) and
+  # (row tiles, B * K).
+  o_slots = lambda mi, k: (k, 0, mi, 0)  # noqa: E731
+  lse_slots = lambda mi, k: (k, 0, mi)  # noqa: E731
+  lengths_spec = pl.BlockSpec(lengths.shape, lambda *_: (0,))
+  o, lse = pl.pallas_call(
+      functools.partial(_split_kernel, p=kp),
+      grid=(tiles_m, programs, kh),
+      in_specs=[lengths_spec,
+                pl.BlockSpec((b, tq, None, g, d), lambda mi, i, k: (0, 0, k, 0, 0)),
+                kv_spec, kv_spec, pt_spec],
+      out_specs=[pl.BlockSpec((None, slots, bm, d_pad), lambda mi, i, k: o_slots(mi, k)),
+                 pl.BlockSpec((None, slots, bm), lambda mi, i, k: lse_slots(mi, k))],
+      out_shape=partial_shapes,
+      compiler_params=_compiler_params(config),
+      interpret=interpret,
+      name="pallas_flash_decode",
+  )(lengths, q, key_cache, value_cache, page_table)
+  return pl.pallas_call(
+      functools.partial(_merge_kernel, p=kp),
+      grid=(tiles_m, b * kh),
+      in_specs=[lengths_spec,
+                pl.BlockSpec((None, slots, bm, d_pad), lambda mi, bh: o_slots(mi, bh % kh)),
+                pl.BlockSpec((None, slots, bm), lambda mi, bh: lse_slots(mi, bh % kh))],
+      out_specs=_final_specs(kh, tq, g, d),
+      out_shape=_final_shapes(q),
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
+      interpret=interpret,
+      name="pallas_flash_decode_merge",
+  )(lengths, o, lse)
 
 
 __all__ = ["CONFIG_TYPE", "attend", "config_for", "tiles", "unsupported_reason"]

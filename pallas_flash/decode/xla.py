@@ -1,9 +1,10 @@
 """Split-KV decode attention in lax loops: the CPU default and the Triton kernel's twin.
 
-It follows the kernel's plan exactly (the same splits, the same block ranges per sequence,
-GQA-packed rows), so CPU tests of merging and ragged splits exercise the real partition: one
-`while_loop` steps all S splits of all sequences together, each gathering its next key block
-(through the page table when paged) and updating an online softmax.
+It follows the kernel's plan (GQA-packed rows, the same key blocks per partial: one partial per
+sequence with one split, the balanced partition of config.balanced_partition with S splits), so
+CPU tests of merging and ragged splits exercise the real partition: one `while_loop` steps all
+partial slots together, each gathering its sequence's next key block (through the page table
+when paged) and updating an online softmax; the slots of each sequence are then merged.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_flash.call import MASK_VALUE
+from pallas_flash.decode import config as decode_config
 from pallas_flash.decode.call import DecodeInfo, DecodeParams, sequence_lengths
 from pallas_flash.decode.config import XlaDecodeConfig
-from pallas_flash.merge import merge_attention_states
 
 CONFIG_TYPE = XlaDecodeConfig
 _HI = lax.Precision.HIGHEST
@@ -47,10 +48,13 @@ def _block_kv(info: DecodeInfo, config: XlaDecodeConfig | None) -> int:
 
 
 def split_ranges(lengths, *, params: DecodeParams, rows: int, block_kv: int, row0=0):
-  """[start, end) key blocks of each split for query rows row0 .. row0 + rows - 1: [S, B] each.
+  """(seq, start, end), [J] each: every partial slot's sequence and [start, end) key blocks,
+  for query rows row0 .. row0 + rows - 1 of sequences holding `lengths` tokens.
 
-  The rows see keys [lo, hi) with hi = n - Tq + t_last + 1 and lo = n - Tq + t_first - window;
-  those blocks are cut into S runs of ceil(blocks / S) (the last ones may be empty).
+  The rows see keys [lo, hi) with hi = n - Tq + t_last + 1 and lo = n - Tq + t_first - window.
+  One split: slot b holds sequence b's blocks (J = B). S splits: the Triton kernel's balanced
+  partition, N = S * B runs of the concatenated blocks, program i's share of sequence b in slot
+  i + b (J = B + N - 1; slots that no pair uses are empty, start = end).
   """
   t_first = row0 // params.group
   t_last = min((row0 + rows - 1) // params.group, params.q_len - 1)
@@ -60,14 +64,26 @@ def split_ranges(lengths, *, params: DecodeParams, rows: int, block_kv: int, row
     lo = jnp.clip(lengths - params.q_len + t_first - params.window, 0, None)
   blk_lo, blk_hi = lo // block_kv, -(-hi // block_kv)
   blk_hi = jnp.maximum(blk_hi, blk_lo)
-  per = -(-(blk_hi - blk_lo) // params.num_splits)
-  split = jnp.arange(params.num_splits)[:, None]
-  start = jnp.minimum(blk_lo[None] + split * per[None], blk_hi[None])
-  return start, jnp.minimum(start + per[None], blk_hi[None])
+  b = lengths.shape[0]
+  if params.num_splits == 1:
+    return jnp.arange(b), blk_lo, blk_hi
+  programs = params.num_splits * b
+  counts = blk_hi - blk_lo
+  part = decode_config.balanced_partition(counts, programs)
+  program = jnp.arange(b + programs - 1)[:, None] - jnp.arange(b)[None, :]  # [J, B]
+  first, last = decode_config.sequence_share(part, part.starts[None, :], counts[None, :],
+                                             program)
+  held = (program >= 0) & (program < programs) & (last > first)  # one pair per slot at most
+  seq = jnp.argmax(held, axis=1)
+  pick = lambda x: jnp.take_along_axis(x, seq[:, None], axis=1)[:, 0]  # noqa: E731
+  used = held.any(axis=1)
+  return (seq, jnp.where(used, blk_lo[seq] + pick(first), 0),
+          jnp.where(used, blk_lo[seq] + pick(last), 0))
 
 
 def _rows_of(keys, b_idx, info_paged, page_table, page_size, num_pages, capacity):
-  """Flat row indices (into the [rows, K, D] view of the cache) of key positions [S, B, bk]."""
+  """Flat row indices (into the [rows, K, D] view of the cache) of key positions [J, bk] of
+  sequences b_idx [J, 1]."""
   keys = jnp.clip(keys, 0, capacity - 1)
   if not info_paged:
     return b_idx * capacity + keys
@@ -85,33 +101,46 @@ def _pack(q: jax.Array, num_kv_heads: int) -> jax.Array:
 
 
 def _unpack(o: jax.Array, lse: jax.Array, q_len: int) -> tuple[jax.Array, jax.Array]:
-  """Partials [S, B, K, M, D] / [S, B, K, M] -> [S, B, Tq, H, D] / [S, B, H, Tq]."""
-  s, b, kh, m, d = o.shape
+  """[B, K, M, D] / [B, K, M] -> [B, Tq, H, D] / [B, H, Tq]."""
+  b, kh, m, d = o.shape
   g = m // q_len
-  o = o.reshape(s, b, kh, q_len, g, d).transpose(0, 1, 3, 2, 4, 5).reshape(s, b, q_len, -1, d)
-  lse = lse.reshape(s, b, kh, q_len, g).transpose(0, 1, 2, 4, 3).reshape(s, b, -1, q_len)
+  o = o.reshape(b, kh, q_len, g, d).transpose(0, 2, 1, 3, 4).reshape(b, q_len, -1, d)
+  lse = lse.reshape(b, kh, q_len, g).transpose(0, 1, 3, 2).reshape(b, -1, q_len)
   return o, lse
 
 
 def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodeParams,
            config: XlaDecodeConfig):
-  """Split-KV attention; the contract is in pallas_flash.decode.call. The S splits' partials
-  are combined by merge_attention_states."""
+  """Split-KV attention; the contract is in pallas_flash.decode.call. Each sequence's
+  partials are combined by merge_attention_states' rule (_merge_slots)."""
   kh = key_cache.shape[2]
-  o, lse = _unpack(*_partials(_pack(q, kh), key_cache, value_cache, lengths, page_table,
-                              params=params, config=config), params.q_len)
-  if o.shape[0] > 1:
-    out, lse = merge_attention_states(o, lse)
-  else:
-    out, lse = o[0], lse[0]
+  o, lse, seq = _partials(_pack(q, kh), key_cache, value_cache, lengths, page_table,
+                          params=params, config=config)
+  if params.num_splits > 1:
+    o, lse = _merge_slots(o, lse, seq, q.shape[0])
+  out, lse = _unpack(o, lse, params.q_len)
   return out.astype(q.dtype), lse
+
+
+def _merge_slots(o, lse, seq, batch: int):
+  """Partials o [J, K, M, D], lse [J, K, M] of sequences seq [J] -> each sequence's result
+  [B, K, M, D], [B, K, M]: merge_attention_states' rule over the slots of each sequence."""
+  m = jax.ops.segment_max(lse, seq, num_segments=batch)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)  # a finite shift: all-empty rows get weights 0, not NaN
+  w = jnp.exp(lse - m[seq])  # empty partials (lse -inf) weigh nothing
+  total = jax.ops.segment_sum(w, seq, num_segments=batch)
+  acc = jax.ops.segment_sum(w[..., None] * o, seq, num_segments=batch)
+  empty = total == 0.0
+  safe = jnp.where(empty, 1.0, total)
+  return acc / safe[..., None], jnp.where(empty, -jnp.inf, m + jnp.log(safe))
 
 
 def _partials(q, key_cache, value_cache, lengths, page_table, *, params: DecodeParams,
               config: XlaDecodeConfig):
-  """q [B, K, M, D] packed -> float32 (o [S, B, K, M, D], lse [S, B, K, M]) per split."""
-  b, kh, m, d = q.shape
-  s_num, bk = params.num_splits, config.block_kv
+  """q [B, K, M, D] packed -> float32 o [J, K, M, D], lse [J, K, M] of the J partial slots
+  (split_ranges), and each slot's sequence [J]."""
+  _, kh, m, d = q.shape
+  bk = config.block_kv
   paged = params.page_size is not None
   if paged:
     num_pages, page_size = key_cache.shape[:2]
@@ -123,36 +152,35 @@ def _partials(q, key_cache, value_cache, lengths, page_table, *, params: DecodeP
                              capacity=capacity)
   k_flat = key_cache.reshape(-1, kh, d)  # [B*L or P*page, K, D]
   v_flat = value_cache.reshape(-1, kh, d)
-  start, end = split_ranges(lengths, params=params, rows=m, block_kv=bk)  # [S, B]
-  q_pos = (lengths[:, None] - params.q_len + jnp.arange(m)[None, :] // params.group)  # [B, M]
-  qf = q.astype(jnp.float32) * params.scale
-  b_idx = jnp.arange(b)[None, :, None]
+  seq, start, end = split_ranges(lengths, params=params, rows=m, block_kv=bk)  # [J]
+  n = lengths[seq]  # [J]
+  q_pos = n[:, None] - params.q_len + jnp.arange(m)[None, :] // params.group  # [J, M]
+  qf = q[seq].astype(jnp.float32) * params.scale  # [J, K, M, D]
 
   def step(i, carry):
-    m_prev, l_prev, acc = carry  # [S, B, K, M], same, [S, B, K, M, D]
-    j = start + i  # [S, B] block index of each split
-    keys = j[..., None] * bk + jnp.arange(bk)  # [S, B, bk]
-    rows = _rows_of(keys, b_idx, paged, page_table, page_size, num_pages, capacity)
-    visible = ((j < end)[..., None, None]
-               & (keys[:, :, None, :] <= q_pos[None, :, :, None])
-               & (keys[:, :, None, :] < lengths[None, :, None, None]))  # [S, B, M, bk]
+    m_prev, l_prev, acc = carry  # [J, K, M], same, [J, K, M, D]
+    j = start + i  # [J] block index of each slot
+    keys = j[:, None] * bk + jnp.arange(bk)  # [J, bk]
+    rows = _rows_of(keys, seq[:, None], paged, page_table, page_size, num_pages, capacity)
+    in_cache = keys < n[:, None]  # NaN past the length stays out
+    visible = ((j < end)[:, None, None] & (keys[:, None, :] <= q_pos[:, :, None])
+               & in_cache[:, None, :])  # [J, M, bk]
     if params.window is not None:
-      visible &= keys[:, :, None, :] >= q_pos[None, :, :, None] - params.window
-    in_cache = (keys < lengths[None, :, None])[..., None, None]  # NaN past the length stays out
-    k = jnp.where(in_cache, k_flat[rows].astype(jnp.float32), 0.0)  # [S, B, bk, K, D]
-    v = jnp.where(in_cache, v_flat[rows].astype(jnp.float32), 0.0)
-    s = jnp.einsum("bkmd,sbnkd->sbkmn", qf, k, precision=_HI)
+      visible &= keys[:, None, :] >= q_pos[:, :, None] - params.window
+    k = jnp.where(in_cache[..., None, None], k_flat[rows].astype(jnp.float32), 0.0)
+    v = jnp.where(in_cache[..., None, None], v_flat[rows].astype(jnp.float32), 0.0)
+    s = jnp.einsum("jkmd,jnkd->jkmn", qf, k, precision=_HI)  # k, v: [J, bk, K, D]
     if params.logits_soft_cap is not None:
       s = params.logits_soft_cap * jnp.tanh(s / params.logits_soft_cap)
-    visible = visible[:, :, None]  # [S, B, 1, M, bk]
+    visible = visible[:, None]  # [J, 1, M, bk]
     s = jnp.where(visible, s, MASK_VALUE)
     m_next = jnp.maximum(m_prev, s.max(-1))
     p = jnp.where(visible, jnp.exp(s - m_next[..., None]), 0.0)
     alpha = jnp.exp(m_prev - m_next)
-    acc = alpha[..., None] * acc + jnp.einsum("sbkmn,sbnkd->sbkmd", p, v, precision=_HI)
+    acc = alpha[..., None] * acc + jnp.einsum("jkmn,jnkd->jkmd", p, v, precision=_HI)
     return m_next, alpha * l_prev + p.sum(-1), acc
 
-  shape = (s_num, b, kh, m)
+  shape = (seq.shape[0], kh, m)
   carry = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
            jnp.zeros((*shape, d), jnp.float32))
   m_run, l_run, acc = lax.fori_loop(0, jnp.max(end - start), step, carry)
@@ -160,4 +188,4 @@ def _partials(q, key_cache, value_cache, lengths, page_table, *, params: DecodeP
   l_safe = jnp.where(empty, 1.0, l_run)
   o = acc / l_safe[..., None]
   lse = jnp.where(empty, -jnp.inf, m_run + jnp.log(l_safe))
-  return o, lse
+  return o, lse, seq
