@@ -19,10 +19,11 @@ kernel for Hopper would be a third module with the same five names, see decode/a
       at position n_b - Tq + i and sees keys max(0, pos - window) .. pos (end-aligned
       causal).
     out [B, Tq, H, D] in q.dtype (zeros for a query that sees no key) and lse [B, H, Tq]
-      float32, natural log (-inf there). With params.num_splits = S > 1 the backend splits
-      each sequence's keys into S ranges (where they start is computed on device from the
-      lengths), computes a normalised partial per range and combines them
-      (merge_attention_states' rule: the xla backend calls it, the Triton one has a kernel).
+      float32, natural log (-inf there). With params.num_splits = S > 1 the backend cuts the
+      batch's key blocks into S * B balanced runs (config.balanced_partition, computed on
+      device from the lengths), computes a normalised partial per (run, sequence) piece and
+      combines each sequence's pieces (merge_attention_states' rule: the xla backend computes
+      it per sequence, the Triton one has a kernel).
     `config` is the resolved one (config_for): the API resolves it once per call.
   unsupported_reason(info: DecodeInfo, config) -> str | None
   config_for(info: DecodeInfo, config: CONFIG_TYPE | None) -> CONFIG_TYPE: the config the call

@@ -5,11 +5,11 @@ all Tq tokens: M = Tq * G rows, padded to 16) and a run of key blocks: with one 
 keys of one sequence; with S splits, 1 / (S * B) of the batch's key blocks laid end to end, which
 may cover part of one sequence or several short ones (_split_kernel), so ragged batches keep
 every program equally busy. It streams `block_kv`-key tiles of K and V once for all its rows, so
-the cache is read once per kv head, not once per query head. Key rows are gathered by index: a contiguous cache
-reads rows start .. start + block_kv, a paged one looks each row's page up in the page table, so
-a tile may span pages of any size in any order. Tiles wholly visible to every row run without
-masks; the ones at the sequence's end (and at the window's start) mask scores and load zeros
-past the length, so stale or NaN cache slots never reach the output.
+the cache is read once per kv head, not once per query head. Key rows are gathered by index: a
+contiguous cache reads rows start .. start + block_kv, a paged one looks each row's page up in
+the page table, so a tile may span pages of any size in any order. Tiles wholly visible to every
+row run without masks; the ones at the sequence's end (and at the window's start) mask scores
+and load zeros past the length, so stale or NaN cache slots never reach the output.
 """
 
 from __future__ import annotations
