@@ -342,18 +342,19 @@ def test_attention_alone_is_one_or_two_kernels_on_h200():
     assert op not in body, op
 
 
-# Ragged batches under the balanced partition: a length 0, one sequence at L_max beside many
-# short ones, and the paged layout with pages out of order, a window, a soft cap and Tq > 1.
+# Ragged batches under the balanced partition (block_kv 16): runs crossing sequences at 2 and 3
+# splits (lengths 0 and L_max among them); one sequence at L_max beside short ones; the paged
+# layout with pages out of order, a window, a soft cap and Tq > 1 (runs crossing at 2 splits).
 RAGGED_CASES = [
-    DecodeCase(seqlens=(0, 3, 128, 1, 17, 0, 40, 5), capacity=128),
-    DecodeCase(seqlens=(100, 0, 7, 125), q_len=3, capacity=128, page_size=16, append=True,
-               window=40, softcap=5.0, dtype=jnp.bfloat16),
+    DecodeCase(seqlens=(0, 166, 256, 13, 154, 0, 92, 33), capacity=256),
+    DecodeCase(seqlens=(256, 3, 0, 1, 17, 9, 40, 5), capacity=256),
+    DecodeCase(seqlens=(200, 0, 7, 253), q_len=3, capacity=256, page_size=16, append=True,
+               window=100, softcap=5.0, dtype=jnp.bfloat16),
 ]
 _RAGGED_PARAMS = [
-    pytest.param(impl, case, splits, id=f"{impl}-{case.id}-{splits}",
-                 marks=() if (impl, case, splits) == ("interpret", RAGGED_CASES[1], 7)
-                 else pytest.mark.slow)
-    for impl in IMPLS for case in RAGGED_CASES for splits in (2, 3, 7)]
+    pytest.param(impl, case, splits, id=f"{impl}-case{i}-{case.id}-{splits}",
+                 marks=() if (impl, i, splits) == ("interpret", 2, 2) else pytest.mark.slow)
+    for impl in IMPLS for i, case in enumerate(RAGGED_CASES) for splits in (2, 3, 7)]
 
 
 @pytest.mark.parametrize("impl,case,num_splits", _RAGGED_PARAMS)
@@ -367,11 +368,13 @@ def test_balanced_partition_covers_every_block_once():
   """The slots of split_ranges (the kernel's partition): every visible block of every sequence
   in exactly one slot, no program over ceil(total / N) blocks, and with equal lengths each
   sequence's blocks cut into its S splits as a per-sequence split would."""
+  from pallas_flash.decode import config as decode_config
   from pallas_flash.decode.call import DecodeParams
   from pallas_flash.decode.xla import split_ranges
 
+  modes = set()
   for num_splits, (lengths, window) in itertools.product((2, 3, 7), (
-      ((0, 3, 1000, 1, 17, 0, 250, 5, 64), None), ((700, 2, 0, 333), 90), ((512,) * 5, None))):
+      ((0, 166, 256, 13, 154, 0, 92, 33), None), ((700, 2, 0, 333), 90), ((512,) * 5, None))):
     p = DecodeParams(scale=1.0, q_len=2, group=4, window=window, logits_soft_cap=None,
                      num_splits=num_splits, page_size=None)
     ranges = jax.jit(lambda lens, p=p: (split_ranges(lens, params=p, rows=8, block_kv=16),
@@ -380,6 +383,7 @@ def test_balanced_partition_covers_every_block_once():
     (seq, start, end), (_, lo, hi) = jax.tree.map(np.asarray,
                                                   ranges(jnp.asarray(lengths, jnp.int32)))
     b, programs = len(lengths), num_splits * len(lengths)
+    modes.add(bool(decode_config.balanced_partition(jnp.asarray(hi - lo), programs).aligned))
     assert len(seq) == b + programs - 1
     for i in range(b):
       covered = [np.arange(s, e) for s, e, q in zip(start, end, seq) if q == i]
@@ -396,3 +400,4 @@ def test_balanced_partition_covers_every_block_once():
         assert program // num_splits == seq[j]
         assert start[j] == lo[0] + program % num_splits * per
         assert end[j] == min(start[j] + per, hi[0])
+  assert modes == {True, False}  # sequences padded to whole runs, and runs crossing sequences
