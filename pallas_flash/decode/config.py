@@ -106,7 +106,9 @@ PREFILL_ROWS = 64
 MIN_BLOCKS_PER_SPLIT = 2
 # Splits of at least this many key blocks may go past one wave, up to WAVES: the extra waves
 # cost uniform batches little there and let ragged ones balance (B = 8 at 128K: 2 splits
-# uniform 4.51 / ragged 3.01 TB/s, 9 splits 4.13 / 3.81).
+# uniform 4.51 / ragged 3.01 TB/s, 9 splits 4.13 / 3.81). Measured with S splits per sequence;
+# the balanced runs (balanced_partition) balance ragged batches at any split count, which may
+# make the extra waves unnecessary (not yet measured on the GPU).
 LONG_SPLIT_BLOCKS = 64
 WAVES = 4
 DEFAULT_NUM_CORES = 132  # an H100 / H200, when the device does not say
