@@ -135,11 +135,9 @@ def soft_cap_with_slope(s, kp: KernelParams):
 
 
 # Longest sequence the ALiBi distances handle: positions are built as float32 2**23 + i from
-# the bits of an int32 (`_alibi_positions`), exact for 0 <= i < 2**23; a causal tile's column
-# offsets (col - row0, `alibi_columns`) are shifted by 2**22 into that range.
-ALIBI_MAX_LEN = 2**22
+# the bits of an int32 (`_alibi_positions`), exact below 2**23.
+ALIBI_MAX_LEN = 2**23
 _F32_TWO_POW_23 = 0x4B000000  # the float32 2**23's bits
-_COLUMN_BASE = float(2**23 + 2**22)
 
 
 def raw_alibi_slopes(arrays: FeatureArrays | None, params: AttentionParams) -> tuple:
@@ -174,29 +172,6 @@ def alibi(s, row0, col0, slope):
   dist = jnp.abs(lax.broadcast_in_dim(rows, s.shape, [0])
                  - lax.broadcast_in_dim(cols, s.shape, [1]))
   return s + slope * dist
-
-
-def alibi_columns(s, row0, col0, slope):
-  """`alibi` for a causal tile, less a constant per row: s + slope·(row0 - col), col = col0 + c.
-
-  Where every visible key sits at or before its query, slope·|row - col| = slope·(row - row0)
-  + slope·(row0 - col). The first part is the same for a whole row, so the online softmax
-  (its max, P and O) does not see it and only the row's log-sum-exp takes it, once
-  (`alibi_row_offsets`). That leaves one add per score in place of alibi's subtract, absolute
-  value and FMA. Hidden scores (col > row) get a finite wrong bias that the mask then hides."""
-  if slope is None:
-    return s
-  cols = _alibi_positions(col0 - row0 + 2**22, s.shape[1], COL)  # 2**23 + 2**22 + col - row0
-  return s + lax.broadcast_in_dim(slope * (_COLUMN_BASE - cols), s.shape, [1])
-
-
-def alibi_row_offsets(m, row0, slope, c: float):
-  """m [rows] (a row max in scaled log2 units, c = scale·log2(e)) plus the part of ALiBi that
-  `alibi_columns` left out of the rows, c·slope·(row - row0): the log-sum-exp is then ALiBi's."""
-  if slope is None:
-    return m
-  rows = _alibi_positions(0, m.shape[0], ROW) - float(2**23)  # row - row0, exact
-  return m + (slope * c) * rows
 
 
 def sm_count() -> int:

@@ -358,7 +358,6 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
-  add_alibi = _alibi_form(kp)
 
   sched_sync = functools.partial(common.sync, bars.sched)
 
@@ -379,7 +378,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
     with jax.named_scope("softmax"):
       s = common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
       if slope is not None:  # on every block, masked or not
-        s = add_alibi(s, q0, (kv0 + j) * bkv, slope)
+        s = common.alibi(s, q0, (kv0 + j) * bkv, slope)
       if masked:
         col0 = (kv0 + j) * bkv
         ids = None if seg_ids is None else seg_ids(col0)
@@ -427,22 +426,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0,
   carry = lax.fori_loop(u0, u1, functools.partial(step, masked=False), carry)
   if kp.needs_mask:
     carry = lax.fori_loop(u1, steps, functools.partial(step, masked=True), carry)
-  return _with_alibi_rows(carry, q0, slope, kp)
-
-
-def _alibi_form(kp: common.KernelParams):
-  """How a loop adds ALiBi to a score tile: causal tiles take only its column part
-  (common.alibi_columns; the rows' part joins m after the loop, `_with_alibi_rows`), others
-  the whole distance (common.alibi)."""
-  return common.alibi_columns if kp.causal else common.alibi
-
-
-def _with_alibi_rows(carry, q0, slope, kp: common.KernelParams):
-  """A loop's (acc, m, l) with the row part of a causal ALiBi added to m (see `_alibi_form`)."""
-  if slope is None or not kp.causal:
-    return carry
-  acc, m, l = carry
-  return acc, common.alibi_row_offsets(m, q0, slope, kp.c), l
+  return carry
 
 
 def _q_operand(q_smem, kp: common.KernelParams):
@@ -487,7 +471,6 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
-  add_alibi = _alibi_form(kp)
 
   sched_sync = functools.partial(common.sync, bars.sched)
   q_op = _q_operand(q_smem, kp)
@@ -496,7 +479,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
     s = common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
     if masked or slope is not None:
       col0 = _kv_block(j, kv0, steps, kp) * bkv
-      s = add_alibi(s, q0, col0, slope)  # on every block, masked or not
+      s = common.alibi(s, q0, col0, slope)  # on every block, masked or not
     if masked:
       s = jnp.where(common.visible(q0, col0, (bq, bkv), kp), s, -jnp.inf)
     return _softmax(s, m, l, kp)
@@ -592,7 +575,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *
   plgpu.barrier_wait(bars.sched)
   acc = common.accumulate(acc, p16, p_smem, v_scratch.at[last], kp)
   plgpu.barrier_arrive(bars.v_free.at[last])
-  return _with_alibi_rows((acc, m, l), q0, slope, kp)
+  return acc, m, l
 
 
 def _registers(config: MosaicConfig) -> tuple[int, int]:
