@@ -248,8 +248,9 @@ def decode_attention(
       the kernels; lse then includes the sink).
     return_residuals: also return the float32 log-sum-exp [B, H, Tq] (natural log), e.g. to
       merge with attention over other keys (`merge_attention_states`).
-    num_splits: key splits per sequence (split-KV); None chooses from the shapes (see
-      `decode_explain`). Each split's range is computed on device from the lengths.
+    num_splits: S, the split-KV factor: the batch's key blocks are dealt into S·B balanced
+      runs (one per sequence and split when the lengths are equal); None chooses S from the
+      shapes (see `decode_explain`). The runs are computed on device from the lengths.
     implementation: None picks the fastest that can run the call: "flash" for chunked prefill
       on Hopper (Tq >= decode.config.FLASH_SPLIT_MIN_Q_LEN, contiguous cache, no window),
       else "triton" on GPU and "xla" elsewhere (`decode_explain` says which and why); or one

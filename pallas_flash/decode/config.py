@@ -87,9 +87,10 @@ class FlashSplitConfig:
 # flash_attention would run its pieces on the Mosaic (Hopper) kernels. Below it a chunk fills
 # few of those kernels' 128-row query tiles (B * H * ceil(Tq / 128) CTAs: 64 at B = 1, 32
 # heads, Tq = 256, half of an H200's SMs), while the split-KV kernel packs Tq * G rows per kv
-# head and splits the keys to fill the GPU. A first guess between the two, not yet measured on
-# the GPU (`python -m pallas_flash.bench --decode --prefill only` times both at 256-4096).
-FLASH_SPLIT_MIN_Q_LEN = 256
+# head and splits the keys to fill the GPU. On one H200 against a 32K cache (2026-12-04,
+# `python -m pallas_flash.bench --decode --prefill only`): Tq 256 route 318 TFLOP/s vs
+# split-KV 419; Tq 512 595 vs 429.
+FLASH_SPLIT_MIN_Q_LEN = 512
 
 
 # First guesses, not yet swept on the H200 (`python -m pallas_flash.bench --decode
