@@ -3,7 +3,7 @@
 Each backend package (`xla`, `triton`, `mosaic_gpu`) provides the contract described in
 `pallas_flash.call`: `forward`, `backward`, `unsupported_reason(call, config)`,
 `default_config(call)`, `CONFIG_TYPE`, `SUPPORTED_FEATURES` and optionally
-`BACKWARD_COMPUTES_DELTA`, `UNMEASURED_FEATURES` and `unmeasured_reason(call)` (calls it runs
+`BACKWARD_COMPUTES_DELTA` and `unmeasured_reason(call)` (calls it runs
 only when named: correct, not yet measured faster than the next choice). This module turns it
 into one frozen `Backend` record; the API knows no backend's config fields.
 """
@@ -45,8 +45,6 @@ class Backend:
   config_type: type
   features: frozenset[str]  # the optional features (call.FEATURES) it implements
   computes_delta: bool = False  # BACKWARD_COMPUTES_DELTA
-  # Features it runs only when named (UNMEASURED_FEATURES): never an automatic choice.
-  unmeasured: frozenset[str] = frozenset()
   # Other calls it runs only when named (the module's unmeasured_reason(call)): why, or None.
   unmeasured_reason: Callable[[CallInfo], str | None] | None = None
 
@@ -63,7 +61,6 @@ def load(name: str) -> Backend | str:
   return Backend(name, bind(mod.forward), bind(mod.backward), bind(mod.unsupported_reason),
                  mod.default_config, mod.CONFIG_TYPE, frozenset(mod.SUPPORTED_FEATURES),
                  bool(getattr(mod, "BACKWARD_COMPUTES_DELTA", False)),
-                 frozenset(getattr(mod, "UNMEASURED_FEATURES", ())),
                  getattr(mod, "unmeasured_reason", None))
 
 
@@ -84,13 +81,10 @@ def reason(name: str, info: CallInfo, config) -> str | None:
 
 
 def auto_reason(name: str, info: CallInfo, config) -> str | None:
-  """`reason`, plus the features and calls `name` runs only when asked for by name."""
+  """`reason`, plus the calls `name` runs only when asked for by name."""
   why = reason(name, info, config)
   if why is None and name != "reference" and not isinstance(backend := load(name), str):
-    if unmeasured := info.params.features & backend.unmeasured:
-      why = (f"{name} runs {', '.join(sorted(unmeasured))} only when asked for "
-             f"(implementation={name!r}): not yet measured on the GPU")
-    elif backend.unmeasured_reason is not None:
+    if backend.unmeasured_reason is not None:
       why = backend.unmeasured_reason(info)
   return why
 

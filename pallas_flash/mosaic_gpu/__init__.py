@@ -39,9 +39,6 @@ MEASURED_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256)})
 # elsewhere. The soft cap's backward at head dims 192 and 256 runs the Triton kernels. ALiBi's
 # -slope·|i - j| is added to each score tile in the kernels (sm90/common.alibi).
 SUPPORTED_FEATURES = frozenset({"logits_soft_cap", "local_window_size", "alibi_slopes"})
-# Run only when asked (implementation="mosaic"): correct in the interpreter and lowered for
-# the H200, not yet measured on one, so `implementation=None` keeps the measured Triton path.
-UNMEASURED_FEATURES = frozenset({"alibi_slopes"})
 # `backward` takes the forward's lse and only the lse cotangent's correction as delta, and
 # computes rowsum(O∘dO) itself, in the dQ kernel (see pallas_flash.call).
 BACKWARD_COMPUTES_DELTA = True
