@@ -19,15 +19,15 @@ SMALL = {"interpret": TritonConfig(block_q=32, block_kv=16, block_q_dkv=16, bloc
          "xla": XlaConfig(block_q=32, block_kv=48)}
 
 
-def _matrix(cases, interpreted, xla=None):
-  """(implementation, case) pairs: xla for the cases in `xla` (all by default), interpret for
-  those in `interpreted`."""
-  return ([("xla", c) for i, c in enumerate(cases) if xla is None or i in xla]
-          + [("interpret", c) for i, c in enumerate(cases) if i in interpreted])
-
-
-def _ids(pairs):
-  return [f"{impl}-{case.id}" for impl, case in pairs]
+def _matrix(cases, interpreted, xla=None, slow=frozenset()):
+  """pytest params (implementation, case): xla for the cases in `xla` (all by default),
+  interpret for those in `interpreted`, the interpreted ones in `slow` marked slow (the suite's
+  time)."""
+  return ([pytest.param("xla", c, id=f"xla-{c.id}")
+           for i, c in enumerate(cases) if xla is None or i in xla]
+          + [pytest.param("interpret", c, id=f"interpret-{c.id}",
+                          marks=[pytest.mark.slow] if i in slow else [])
+             for i, c in enumerate(cases) if i in interpreted])
 
 
 LENGTHS = [(1, 1), (17, 17), (128, 128), (300, 300), (17, 300), (300, 17), (128, 1000)]
@@ -36,7 +36,7 @@ SHAPES = _matrix([Case(q_len=t, kv_len=s, is_causal=c, num_heads=2, num_kv_heads
                  xla={0, 1, 3, 4, 7, 8, 9, 11, 12})
 
 
-@pytest.mark.parametrize("impl, case", SHAPES, ids=_ids(SHAPES))
+@pytest.mark.parametrize("impl, case", SHAPES)
 def test_sequence_lengths(impl, case):
   check_against_reference(impl, case, config=SMALL[impl])
 
@@ -47,7 +47,7 @@ HEADS = _matrix([Case(q_len=100, kv_len=100, num_heads=h, num_kv_heads=kh, head_
                 interpreted={2, 4, 9}, xla={0, 4, 8, 11})
 
 
-@pytest.mark.parametrize("impl, case", HEADS, ids=_ids(HEADS))
+@pytest.mark.parametrize("impl, case", HEADS)
 def test_head_dims_and_groups(impl, case):
   check_against_reference(impl, case)
 
@@ -57,10 +57,10 @@ SEGMENTS = _matrix([Case(q_len=t, kv_len=s, dtype=dt, is_causal=c, segments=seg,
                     for dt in (jnp.float32, jnp.bfloat16)
                     for c in (False, True)
                     for seg, ln in ((True, False), (False, True), (True, True))],
-                   interpreted={5, 14, 22}, xla={0, 4, 7, 12, 16, 23})
+                   interpreted={5, 14, 22}, xla={0, 4, 7, 12, 16, 23}, slow={22})
 
 
-@pytest.mark.parametrize("impl, case", SEGMENTS, ids=_ids(SEGMENTS))
+@pytest.mark.parametrize("impl, case", SEGMENTS)
 def test_segments_and_lengths(impl, case):
   check_against_reference(impl, case, config=SMALL[impl])
 
