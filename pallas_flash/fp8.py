@@ -435,7 +435,7 @@ def explain_fp8(explain_fn, query, key, value, **kwargs) -> Fp8Explanation:
   fields["reasons_when_named"] = {**base.reasons_when_named, "mosaic": why}
   if why is None:
     from pallas_flash.mosaic_gpu.sm90 import fp8_forward  # noqa: PLC0415
-    block = (2 * fp8_forward.BLOCK_Q, fp8_forward.block_kv(config))
+    block = (2 * fp8_forward.BLOCK_Q, fp8_forward.block_kv(query.shape[-1], config))
     info = _f32_call_info(query, key, value, kwargs)
     fields.update(chosen="mosaic", config=config, block_shape=block,
                   blocks_computed=_tiling.fraction_computed(

@@ -66,11 +66,10 @@ VARIANTS = {
     "fwd_window_causal": ("fwd", True, dict(window=1023)),
     "bwd_window_causal": ("fwdbwd", True, dict(window=1023)),
     # The FP8 forward (float8_e4m3fn q, k, v, per-tensor scales; sm90/fp8_forward.py): its
-    # default loop per head dim (no config), and each loop by name.
+    # default tiles per head dim (no config), and 128-key tiles (the default's at head dim 256).
     "fp8": ("fp8", False, {}),
     "fp8_causal": ("fp8", True, {}),
-    "fp8_plain": ("fp8", False, dict(fwd_intra_wg_overlap=False)),
-    "fp8_overlap": ("fp8", False, dict(fwd_intra_wg_overlap=True)),
+    "fp8_kv128": ("fp8", False, dict(block_kv=128)),
 }
 
 
@@ -177,7 +176,7 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
 def fp8_child(name: str, causal: bool, kw: dict, operand_shapes, deviceless: bool,
               reps: int) -> None:
   """child() for the FP8 forward: e4m3 q, k, v with per-tensor scales; config None (the
-  default loop) or MosaicConfig(**kw); on a GPU checked against the reference semantics."""
+  default tiles) or MosaicConfig(**kw); on a GPU checked against the reference semantics."""
   import time
 
   import jax

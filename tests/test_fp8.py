@@ -210,6 +210,23 @@ def test_explain_says_what_runs():
         ex.reasons["mosaic"])
 
 
+def test_mosaic_default_key_tiles_fit():
+  """The Mosaic FP8 forward's default key tiles fit in shared memory at each of its head dims
+  with each output dtype it takes there (else the call would run the reference semantics);
+  at head dim 256, 256-key tiles would not fit (its default stays at 128)."""
+  from pallas_flash import mosaic_gpu
+  from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES
+  from pallas_flash.mosaic_gpu.sm90 import fp8_forward
+
+  for d in mosaic_gpu.FP8_HEAD_DIMS:
+    outs = (jnp.bfloat16, jnp.float16) + ((jnp.float32,) if d < 256 else ())
+    for out in outs:
+      assert fp8_forward.fits(d, out, None), (d, out)
+  assert not fp8_forward.fits(256, jnp.float32, None)
+  assert fp8_forward.smem_bytes(256, 256, fp8_forward.stages(None),
+                                jnp.bfloat16) > SMEM_LIMIT_BYTES
+
+
 def test_bench_fp8_quick_runs_on_cpu(tmp_path):
   out = tmp_path / "fp8.json"
   bench.main(["--fp8", "--quick", "--json", str(out)])

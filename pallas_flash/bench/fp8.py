@@ -234,19 +234,15 @@ def speed_row(dims, *, is_causal: bool, opts: argparse.Namespace) -> dict:
 
 
 # Other forms of the FP8 forward the speed rows time beside the default, per head dim: (label,
-# MosaicConfig). Each compiles without spills (scripts/mosaic_ptxas.py --deviceless), which
-# is fastest on the H200 is not yet measured.
-FP8_FORMS = {
-    128: (("plain/128", MosaicConfig()), ("plain/256", MosaicConfig(block_kv=256)),
-          ("overlap/128/3 stages", MosaicConfig(fwd_intra_wg_overlap=True, num_stages=3))),
-    256: (("overlap/128", MosaicConfig(fwd_intra_wg_overlap=True)),),
-}
+# MosaicConfig). Head dim 128: 128-key tiles (MosaicConfig's block_kv) against the default's 256
+# (docs/fp8.md has the measured numbers). Head dim 256 has no other form: 256-key tiles do not
+# fit in shared memory there.
+FP8_FORMS = {128: (("128 keys", MosaicConfig()),)}
 
 
 def _form_label(d: int, config) -> str:
-  """'<loop>/<key tile>' of the FP8 forward at head dim d with `config`."""
-  loop = "overlap" if fp8_forward.intra_wg_overlap(d, config) else "plain"
-  return f"{loop}/{fp8_forward.block_kv(config)}"
+  """'<key tile> keys' of the FP8 forward at head dim d with `config`."""
+  return f"{fp8_forward.block_kv(d, config)} keys"
 
 
 def run_speed(opts: argparse.Namespace) -> list[dict]:

@@ -16,7 +16,7 @@ import pytest
 import pallas_flash
 from pallas_flash import mosaic_gpu, xla
 from pallas_flash.mosaic_gpu import MosaicDebug
-from pallas_flash.mosaic_gpu.sm90 import common
+from pallas_flash.mosaic_gpu.sm90 import common, fp8_forward
 from testing import (MOSAIC_FP8_INTERPRET, MOSAIC_INTERPRET, Case, check_against_reference,
                      check_fp8_against_reference, make_inputs, run)
 
@@ -211,29 +211,31 @@ def test_interpret_mode_runs_anywhere_and_says_so():
   assert interpreted.reasons["mosaic"] is None
 
 
-# The FP8 forward (e4m3 wgmma, P staged through shared memory here): the intra-warpgroup
-# overlap (the GPU default up to head dim 128) and the plain loop (head dim 256's); odd
-# lengths (a padded key tail, a dropped query tail, T > S causal), GQA, per-tensor and
-# per-(batch, head) scales, float32 output.
-_FP8_OVERLAP = dataclasses.replace(MOSAIC_FP8_INTERPRET, fwd_intra_wg_overlap=True)
+# The FP8 forward (e4m3 wgmma, P staged through shared memory here) at the GPU's default key
+# tiles (256 up to head dim 128) and at 128-key tiles (MosaicConfig's block_kv, head dim 256's
+# default): odd lengths (a padded key tail, a dropped query tail, T > S causal), GQA, per-tensor
+# and per-(batch, head) scales, float32 output.
+def _fp8_default_tiles(d: int):
+  return dataclasses.replace(MOSAIC_FP8_INTERPRET, block_kv=fp8_forward.block_kv(d, None))
+
+
 FP8 = [
-    ("overlap", _FP8_OVERLAP, _case(130, 200, is_causal=True), None, None),
-    pytest.param("overlap", _FP8_OVERLAP, _case(200, 300, h=4, kh=2, is_causal=True), None,
-                 None, marks=pytest.mark.slow),
-    pytest.param("overlap", _FP8_OVERLAP, _case(130, 384, d=128), "head", jnp.float32,
+    (_fp8_default_tiles(64), _case(130, 300, is_causal=True), None, None),
+    pytest.param(_fp8_default_tiles(64), _case(200, 600, h=4, kh=2, is_causal=True), None, None,
                  marks=pytest.mark.slow),
-    pytest.param("overlap", _FP8_OVERLAP, _case(300, 200, is_causal=True), None, None,
+    pytest.param(_fp8_default_tiles(128), _case(130, 384, d=128), "head", jnp.float32,
                  marks=pytest.mark.slow),
-    pytest.param("plain", MOSAIC_FP8_INTERPRET, _case(130, 200, h=4, kh=2, is_causal=True),
-                 None, None, marks=pytest.mark.slow),
-    pytest.param("plain", MOSAIC_FP8_INTERPRET, _case(130, 256, d=128), "head", jnp.float32,
+    pytest.param(_fp8_default_tiles(64), _case(300, 200, is_causal=True), None, None,
+                 marks=pytest.mark.slow),
+    pytest.param(MOSAIC_FP8_INTERPRET, _case(130, 200, h=4, kh=2, is_causal=True), None, None,
+                 marks=pytest.mark.slow),
+    pytest.param(MOSAIC_FP8_INTERPRET, _case(130, 256, d=128), "head", jnp.float32,
                  marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("name, config, case, block, out_dtype", FP8, ids=[
-    "overlap-causal", "overlap-causal-gqa", "overlap-hd128-head-f32", "overlap-causal-t300-s200",
-    "plain-causal-gqa", "plain-hd128-head-f32"])
-def test_fp8_forward_matches_reference_semantics(name, config, case, block, out_dtype):
-  del name
+@pytest.mark.parametrize("config, case, block, out_dtype", FP8, ids=[
+    "default-causal", "default-causal-gqa", "default-hd128-head-f32", "default-causal-t300-s200",
+    "kv128-causal-gqa", "kv128-hd128-head-f32"])
+def test_fp8_forward_matches_reference_semantics(config, case, block, out_dtype):
   check_fp8_against_reference(case, config=config, block=block, out_dtype=out_dtype)

@@ -332,19 +332,21 @@ def test_split_tail_merge_equals_the_unsplit_result():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want[i]), rtol=1e-5, atol=1e-6)
 
 
-# The FP8 forward (sm90/fp8_forward.py), its default loop per head dim (the intra-warpgroup
-# overlap up to 128) and the plain one: both matmuls lowered to e4m3 wgmma with an fp32
-# accumulator, P·V taking P from registers, P rounded with cvt...satfinite.e4m3x2.f32.
+# The FP8 forward (sm90/fp8_forward.py) at its default key tiles per head dim (256 up to 128,
+# 128 at 256) and at 128-key tiles (MosaicConfig's block_kv): both matmuls lowered to e4m3
+# wgmma with an fp32 accumulator, P·V taking P from registers, P rounded with
+# cvt...satfinite.e4m3x2.f32.
 @pytest.mark.parametrize("head_dim,causal,config", [
     pytest.param(64, False, None, marks=pytest.mark.slow), (64, True, None), (128, False, None),
     pytest.param(128, True, None, marks=pytest.mark.slow),
-    (128, True, MosaicConfig()),  # the plain loop (head dim 256's default)
+    (128, True, MosaicConfig()),  # 128-key tiles (head dim 256's default)
     pytest.param(256, False, None, marks=pytest.mark.slow),
     pytest.param(256, True, None, marks=pytest.mark.slow)],
-    ids=["hd64", "hd64-causal", "hd128", "hd128-causal", "hd128-causal-plain", "hd256",
+    ids=["hd64", "hd64-causal", "hd128", "hd128-causal", "hd128-causal-kv128", "hd256",
          "hd256-causal"])
 def test_fp8_forward_lowers_to_e4m3_wgmma(head_dim, causal, config):
   from pallas_flash import fp8
+  from pallas_flash.mosaic_gpu.sm90 import fp8_forward
   q = jax.ShapeDtypeStruct((1, 1024, 4, head_dim), jnp.float8_e4m3fn)
   kv = jax.ShapeDtypeStruct((1, 1024, 2, head_dim), jnp.float8_e4m3fn)
   scale = jax.ShapeDtypeStruct((), jnp.float32)
@@ -358,8 +360,9 @@ def test_fp8_forward_lowers_to_e4m3_wgmma(head_dim, causal, config):
   assert text.count("custom_call @mosaic_gpu_v2") == 1
   mmas = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k32)\.f32\.e4m3\.e4m3 "
                         r"\{[$\d,]+\}, (\{[$\d,]+\}|\$\d+)", text))
-  # S = Q·Kᵀ: m64n128 with Q's descriptor; O += P·V: m64n{head_dim} with P's 4 registers.
-  assert ("m64n128k32", False) in {(m, a.startswith("{")) for m, a in mmas}, mmas
+  # S = Q·Kᵀ: m64n{key tile} with Q's descriptor; O += P·V: m64n{head_dim} with P's registers.
+  block_kv = fp8_forward.block_kv(head_dim, config)
+  assert (f"m64n{block_kv}k32", False) in {(m, a.startswith("{")) for m, a in mmas}, mmas
   assert (f"m64n{head_dim}k32", True) in {(m, a.startswith("{")) for m, a in mmas}, mmas
   assert "cvt.rn.satfinite.e4m3x2.f32" in text
 

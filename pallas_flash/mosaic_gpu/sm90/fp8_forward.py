@@ -3,8 +3,7 @@
 The CTA is the bf16 forward's (forward.py's grid kernel): 2 consumer warpgroups of `block_q`
 query rows and a TMA producer warpgroup streaming K and Vᵀ tiles through a `num_stages`-slot
 ring, the consumers alternating on the tensor cores (ping-pong), each running the plain kv
-loop or, with the intra-warpgroup overlap (`intra_wg_overlap`), FA3's two-stage pipeline
-that runs the softmax of block j+1 while P_j·V_j is on the tensor cores. Per key block:
+loop (`_kv_loop`). Per key block (256 keys up to head dim 128, 128 at 256: DEFAULT_BLOCK_KV):
 
   S = Q·Kᵀ                   FP8 wgmma (Q, K in shared memory), fp32 accumulator
   s·c                        c = q_descale · k_descale · softmax_scale · log2(e) (per head)
@@ -44,7 +43,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from pallas_flash import _tiling
 from pallas_flash.call import MASK_VALUE
-from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, WIDE_REGISTERS, MosaicConfig
+from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
 from pallas_flash.mosaic_gpu.sm90 import common
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
@@ -54,7 +53,9 @@ P_SCALE_LOG2 = 8
 # Keys per group of the Vᵀ permutation that matches P's register relabelling.
 KEY_GROUP = 16
 BLOCK_Q = 64  # rows per consumer warpgroup (wgmma's M)
-DEFAULT_BLOCK_KV = 128
+# Key tiles without a config, per head dim: 256 up to 128; 128 at 256, where a 2-slot ring of
+# 256-key K and Vᵀ tiles alone (256 KiB) exceeds shared memory (`fits`).
+DEFAULT_BLOCK_KV = {64: 256, 128: 256, 256: 128}
 
 
 def smem_transforms(minor: int):
@@ -184,103 +185,6 @@ def _softmax(s, m, l, c):
   return p, m_new, l * alpha + p.sum(axis=1), alpha
 
 
-def _overlapped_kv_loop(q_smem, k_scratch, vt_scratch, p_smem, bars: _Barriers, *, q0, steps,
-                        c, kp: common.KernelParams):
-  """One consumer WG's kv loop with FA3's intra-warpgroup pipeline (forward.py's
-  `_overlapped_kv_loop` with FP8 operands) -> (acc, m, l): step j issues S_{j+1} = Q·K_{j+1}ᵀ
-  and then O += P_j·V_j, and runs the softmax of S_{j+1} while P_j·V_j is on the tensor cores.
-  Same schedule-barrier rounds per block as `_kv_loop`. Causal: the blocks from the diagonal's
-  first on are masked; a non-causal key tail masks every block."""
-  bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
-  sched_sync = functools.partial(common.sync, bars.sched)
-
-  def softmax(s, j, masked, m, l):
-    if masked:
-      s = jnp.where(common.visible(q0, j * bkv, (bq, bkv), kp), s, -jnp.inf)
-    return _softmax(s, m, l, c)
-
-  def qk(s_ref):  # K_0 is ready: the caller waited for it
-    plgpu.wgmma(s_ref, q_smem, k_scratch.at[0].T)
-    sched_sync()
-    return s_ref[...]
-
-  s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
-  plgpu.barrier_arrive(bars.k_free.at[0])
-  p, m, l, _ = softmax(
-      s, 0, kp.needs_mask,
-      plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), common.ROW),
-      plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW))
-  acc = plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA)
-  carry = lax.optimization_barrier((acc, p_operand(p, kp), m, l))
-
-  def step(j, carry, *, masked: bool):
-    acc, p8, m, l = carry  # acc is scaled to m; P_j (p8) is not in it yet
-    slot, nxt = lax.rem(j, stages), lax.rem(j + 1, stages)
-    with jax.named_scope("wait_kv"):
-      plgpu.barrier_arrive(bars.sched)
-      plgpu.barrier_wait(bars.k_ready.at[nxt])
-      plgpu.barrier_wait(bars.v_ready.at[slot])
-      plgpu.barrier_wait(bars.sched)
-    v_op = vt_scratch.at[slot].T
-
-    def scores_and_softmax(s_ref, issue_pv):
-      with jax.named_scope("issue"):
-        plgpu.wgmma(s_ref, q_smem, k_scratch.at[nxt].T)  # S_{j+1}
-        issue_pv()  # P_j·V_j, queued behind it
-      with jax.named_scope("handoff"):
-        sched_sync()
-      with jax.named_scope("wait_s"):
-        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P_j·V_j keeps running
-      plgpu.barrier_arrive(bars.k_free.at[nxt])
-      with jax.named_scope("softmax"):
-        return softmax(s, j + 1, masked, m, l)
-
-    if kp.interpret:  # P staged through SMEM, P_j·V_j into its own accumulator
-      p_smem[...] = p8
-      plgpu.commit_smem()
-
-      def scoped(s_ref, pv_ref):
-        out = scores_and_softmax(s_ref, lambda: plgpu.wgmma(pv_ref, p_smem, v_op))
-        return out, pv_ref[...]
-
-      (p, m, l, alpha), pv = pl.run_scoped(scoped, plgpu.ACC((bq, bkv), jnp.float32),
-                                           plgpu.ACC((bq, kp.d), jnp.float32))
-      acc = acc + pv
-    else:
-      def state(refs):
-        s_ref, o_ref, p_ref, m_ref, l_ref, alpha_ref = refs
-        out = scores_and_softmax(s_ref, lambda: plgpu.wgmma(o_ref, p8, v_op))  # P in registers
-        p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = out
-
-      s0 = plgpu.layout_cast(jnp.zeros((bq, bkv), jnp.float32), plgpu.Layout.WGMMA)
-      _, acc, p, m, l, alpha = pl.run_state(state)(
-          (plgpu.ACC.init(s0), plgpu.ACC.init(acc), s0, m, l, m))
-      # P_{j+1} is rounded into new registers only once P_j·V_j has retired (forward.py: a
-      # register operand redefined while its wgmma is in flight serialises every wgmma).
-      p = lax.optimization_barrier(p)
-    plgpu.barrier_arrive(bars.v_free.at[slot])
-    with jax.named_scope("rescale"):
-      p8 = p_operand(p, kp)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      return lax.optimization_barrier((acc, p8, m, l))
-
-  if kp.causal:
-    split = jnp.maximum(common.first_masked_block(q0, steps, kp) - 1, 0)
-    carry = lax.fori_loop(0, split, functools.partial(step, masked=False), carry)
-    carry = lax.fori_loop(split, steps - 1, functools.partial(step, masked=True), carry)
-  else:
-    carry = lax.fori_loop(0, steps - 1, functools.partial(step, masked=kp.kv_tail), carry)
-
-  acc, p8, m, l = carry
-  last = lax.rem(steps - 1, stages)
-  plgpu.barrier_arrive(bars.sched)
-  plgpu.barrier_wait(bars.v_ready.at[last])
-  plgpu.barrier_wait(bars.sched)
-  acc = common.accumulate(acc, p8, p_smem, vt_scratch.at[last].T, kp)
-  plgpu.barrier_arrive(bars.v_free.at[last])
-  return acc, m, l
-
-
 def _kernel(q_ref, k_ref, vt_ref, scales_ref, o_ref, lse_ref, q_scratch, k_scratch,
             vt_scratch, o_scratch, lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free,
             v_free, sched, *, kp: common.KernelParams, heads: int, batch: int):
@@ -319,8 +223,7 @@ def _kernel(q_ref, k_ref, vt_ref, scales_ref, o_ref, lse_ref, q_scratch, k_scrat
       return carry
 
     pl.when(wg == 1)(sched_sync)
-    loop = _overlapped_kv_loop if kp.intra_wg_overlap else _kv_loop
-    acc, m, l = loop(q_smem, k_scratch, vt_scratch,
+    acc, m, l = _kv_loop(q_smem, k_scratch, vt_scratch,
                          p_scratch.at[wg] if kp.interpret else None,
                          _Barriers(k_ready, v_ready, k_free, v_free, sched), q0=q0,
                          steps=steps, c=c, kp=kp)
@@ -378,30 +281,16 @@ def smem_bytes(d: int, block_kv: int, stages: int, out_dtype) -> int:
           + 2 * BLOCK_Q * 4 + 1024)
 
 
-def block_kv(config: MosaicConfig | None) -> int:
-  """The key tile: config.block_kv when it is a multiple of 128 (an e4m3 P·V contracts over
-  128-key swizzle groups), else DEFAULT_BLOCK_KV."""
+def block_kv(d: int, config: MosaicConfig | None) -> int:
+  """The key tile at head dim d: config.block_kv when it is a multiple of 128 (an e4m3 P·V
+  contracts over 128-key swizzle groups), else DEFAULT_BLOCK_KV[d]."""
   if config is not None and config.block_kv % 128 == 0:
     return config.block_kv
-  return DEFAULT_BLOCK_KV
+  return DEFAULT_BLOCK_KV[d]
 
 
 def stages(config: MosaicConfig | None) -> int:
   return 2 if config is None else config.num_stages
-
-
-_DEFAULT_REGISTERS = (MosaicConfig().compute_registers, MosaicConfig().producer_registers)
-# Without a config, the intra-warpgroup overlap up to this head dim (it holds S_{j+1}, P_j and
-# O: at head dim 256 O alone takes 128 registers per thread); not yet measured on the GPU.
-OVERLAP_MAX_HEAD_DIM = 128
-
-
-def intra_wg_overlap(d: int, config: MosaicConfig | None) -> bool:
-  """Whether the kernel runs `_overlapped_kv_loop`: config.fwd_intra_wg_overlap, or without a
-  config up to OVERLAP_MAX_HEAD_DIM."""
-  if config is not None:
-    return config.fwd_intra_wg_overlap
-  return d <= OVERLAP_MAX_HEAD_DIM
 
 
 def forward(q, k, v, c, v_descale, *, causal: bool, scale: float, out_dtype,
@@ -412,24 +301,20 @@ def forward(q, k, v, c, v_descale, *, causal: bool, scale: float, out_dtype,
   bsz, t, h, d = q.shape
   s, kvh = k.shape[1], k.shape[2]
   interpret = config is not None and config.interpret
-  bkv = block_kv(config)
+  bkv = block_kv(d, config)
   t_pad = _tiling.round_up(t, 2 * BLOCK_Q)
   s_pad = _tiling.round_up(s, bkv)
   num_stages = min(stages(config), s_pad // bkv)
   if causal and num_stages < 2 and s_pad > bkv:
     raise ValueError("MosaicConfig.num_stages=1 deadlocks the causal mosaic forward when there "
                      "is more than one key block; use num_stages >= 2")
-  overlap = intra_wg_overlap(d, config)
   base = config if config is not None else MosaicConfig()
-  registers = (base.compute_registers, base.producer_registers)
-  if overlap and (config is None or registers == _DEFAULT_REGISTERS):
-    registers = (WIDE_REGISTERS["compute_registers"], WIDE_REGISTERS["producer_registers"])
   kp = common.KernelParams(
       dtype=E4M3, d=d, group=h // kvh, block_q=BLOCK_Q, block_kv=bkv, stages=num_stages,
       num_q_tiles=t_pad // (2 * BLOCK_Q), num_kv_blocks=s_pad // bkv, t_pad=t_pad,
       s_pad=s_pad, kv_len=s, q_len=t, causal=causal, scale=scale, heads_fastest=False,
-      compute_registers=registers[0], producer_registers=registers[1], interpret=interpret,
-      intra_wg_overlap=overlap, profile_dir=base.debug.profile_dir)
+      compute_registers=base.compute_registers, producer_registers=base.producer_registers,
+      interpret=interpret, profile_dir=base.debug.profile_dir)
   qp = _tiling.pad_axis(q, 1, common.operand_rows(t, t_pad, interpret, 0))
   kpad = _tiling.pad_axis(k, 1, common.operand_rows(s, s_pad, interpret, num_stages * bkv))
   # Vᵀ [B, K, D, Sp]: one XLA pass that pads, transposes and (GPU) permutes the keys.
@@ -467,7 +352,7 @@ def forward(q, k, v, c, v_descale, *, causal: bool, scale: float, out_dtype,
 
 
 def fits(d: int, out_dtype, config: MosaicConfig | None) -> bool:
-  return smem_bytes(d, block_kv(config), stages(config), out_dtype) <= SMEM_LIMIT_BYTES
+  return smem_bytes(d, block_kv(d, config), stages(config), out_dtype) <= SMEM_LIMIT_BYTES
 
 
 __all__ = ["forward", "fits", "permute_keys", "p_operand", "smem_bytes"]
