@@ -125,7 +125,7 @@ def test_flash_route_lowers_to_mosaic_kernels_for_h200():
   """On an H200 the routed call (the bench's form: the chunk's tokens already in the cache,
   so the causal call carries segment ids) is the Mosaic kernels of its two flash_attention
   calls and no Triton kernel."""
-  b, t, h, kh, d, cache = 2, 256, 32, 8, 128, 1024
+  b, t, h, kh, d, cache = 2, decode_config.FLASH_SPLIT_MIN_Q_LEN, 32, 8, 128, 1024
   sds = jax.ShapeDtypeStruct
   q, kv = sds((b, t, h, d), jnp.bfloat16), sds((b, cache, kh, d), jnp.bfloat16)
   f = lambda q, kc, vc, lens: pallas_flash.decode_attention(  # noqa: E731
