@@ -19,11 +19,12 @@ SMALL = {"interpret": TritonConfig(block_q=32, block_kv=16, block_q_dkv=16, bloc
          "xla": XlaConfig(block_q=32, block_kv=48)}
 
 
-def _matrix(cases, interpreted, xla=None, slow=frozenset()):
+def _matrix(cases, interpreted, xla=None, slow=frozenset(), slow_xla=frozenset()):
   """pytest params (implementation, case): xla for the cases in `xla` (all by default),
-  interpret for those in `interpreted`, the interpreted ones in `slow` marked slow (the suite's
-  time)."""
-  return ([pytest.param("xla", c, id=f"xla-{c.id}")
+  interpret for those in `interpreted`; the interpreted ones in `slow` and the xla ones in
+  `slow_xla` marked slow (the suite's time)."""
+  return ([pytest.param("xla", c, id=f"xla-{c.id}",
+                        marks=[pytest.mark.slow] if i in slow_xla else [])
            for i, c in enumerate(cases) if xla is None or i in xla]
           + [pytest.param("interpret", c, id=f"interpret-{c.id}",
                           marks=[pytest.mark.slow] if i in slow else [])
@@ -57,7 +58,8 @@ SEGMENTS = _matrix([Case(q_len=t, kv_len=s, dtype=dt, is_causal=c, segments=seg,
                     for dt in (jnp.float32, jnp.bfloat16)
                     for c in (False, True)
                     for seg, ln in ((True, False), (False, True), (True, True))],
-                   interpreted={5, 14, 22}, xla={0, 4, 7, 12, 16, 23}, slow={22})
+                   interpreted={5, 14, 22}, xla={0, 4, 7, 12, 16, 23}, slow={22},
+                   slow_xla={0, 16})
 
 
 @pytest.mark.parametrize("impl, case", SEGMENTS)

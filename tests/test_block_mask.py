@@ -105,7 +105,7 @@ def test_matches_reference(impl, name):
   _check(impl, GQA, MASKS[name])
 
 
-@pytest.mark.parametrize("impl", ["interpret", "xla"])
+@pytest.mark.parametrize("impl", ["interpret", pytest.param("xla", marks=pytest.mark.slow)])
 def test_bf16_bias_and_shared_tables(impl):
   case = Case(batch=2, q_len=64, kv_len=64, num_heads=2, num_kv_heads=1, head_dim=16,
               dtype=jnp.bfloat16)

@@ -48,12 +48,15 @@ COMBINED = [
 
 # The xla path runs every combination, the interpreted Triton kernels the first two (each
 # feature's kernel code is covered alone above).
-COMBINED_RUNS = ([("xla", c, n) for c, n in COMBINED]
-                 + [("interpret", c, n) for c, n in COMBINED[:2]])
+# The Triton interpreter runs the first two; xla runs them too with -m slow (suite time).
+COMBINED_RUNS = ([pytest.param("xla", c, n, id=f"xla-{c.id}-{'+'.join(n)}",
+                               marks=[pytest.mark.slow] if i < 2 else [])
+                  for i, (c, n) in enumerate(COMBINED)]
+                 + [pytest.param("interpret", c, n, id=f"interpret-{c.id}-{'+'.join(n)}")
+                    for c, n in COMBINED[:2]])
 
 
-@pytest.mark.parametrize("impl, case, names", COMBINED_RUNS,
-                         ids=[f"{i}-{c.id}-{'+'.join(n)}" for i, c, n in COMBINED_RUNS])
+@pytest.mark.parametrize("impl, case, names", COMBINED_RUNS)
 def test_features_combined(impl, case, names):
   check_against_reference(impl, dataclasses.replace(case, features=names), config=SMALL[impl])
 

@@ -50,8 +50,12 @@ def test_parameters_named_and_shaped_like_nnx():
   assert shapes(ours) == shapes(theirs)
 
 
-@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+# Rotary with MHA and MQA runs with -m slow (suite time): GQA covers it.
+@pytest.mark.parametrize("heads,kv_heads,rope", [
+    (4, 4, False), (4, 2, False), (4, 1, False), (4, 2, True),
+    pytest.param(4, 4, True, marks=pytest.mark.slow),
+    pytest.param(4, 1, True, marks=pytest.mark.slow)],
+    ids=["mha-plain", "gqa-plain", "mqa-plain", "gqa-rope", "mha-rope", "mqa-rope"])
 def test_matches_nnx_multihead_attention(heads, kv_heads, rope):
   seed = np.random.randint(1 << 30)
   ours, theirs = _layers(seed, heads=heads, kv_heads=kv_heads, rope=rope)

@@ -7,10 +7,12 @@ same forms on a Hopper GPU.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 import pytest
 
 import pallas_flash
@@ -73,15 +75,17 @@ def test_kernel_forms_match_reference(name, config, case):
 
 # Segment ids and lengths (the kernels stream only the blocks that may share an id), windows
 # (the band's blocks) and soft caps, alone and together, at each head dim's kernels.
+# For the suite's time, three run with -m slow (the GPU tests run them all on the device).
+_slow = functools.partial(pytest.param, marks=pytest.mark.slow)
 FEATURES = [
     _case(300, 300, h=4, kh=2, is_causal=True, segments=True),
     _case(200, 330, d=128, segments=True, lengths=True),
-    _case(190, 130, d=256, kh=2, is_causal=True, segments=True),
-    _case(200, 200, d=128, segments=True, features=("window_left",)),
+    _slow(_case(190, 130, d=256, kh=2, is_causal=True, segments=True)),
+    _slow(_case(200, 200, d=128, segments=True, features=("window_left",))),
     _case(190, 130, is_causal=True, lengths=True, features=("softcap", "window")),
     # Head dim 256 with a soft cap: the Triton backward kernels, interpreted.
     _case(130, 130, d=256, features=("softcap",)),
-    _case(200, 200, h=2, kh=2, features=("unsorted_segments",)),
+    _slow(_case(200, 200, h=2, kh=2, features=("unsorted_segments",))),
 ]
 
 
@@ -141,7 +145,8 @@ def test_head_dims_match_reference(case):
   check_against_reference("mosaic", case, config=MOSAIC_INTERPRET)
 
 
-PAD_CASES = [(96, 96), (192, 128), pytest.param(80, 80, marks=pytest.mark.slow),
+PAD_CASES = [pytest.param(96, 96, marks=pytest.mark.slow), (192, 128),
+             pytest.param(80, 80, marks=pytest.mark.slow),
              pytest.param(128, 64, marks=pytest.mark.slow)]
 
 
