@@ -380,7 +380,7 @@ def _our_call(case: _Case, forced: str | None) -> tuple[str | None, str | None, 
   how = _explain(case)
   impl = forced or how.chosen
   # The reasons of a named call: explain()'s `reasons` also name what automatic choice avoids
-  # but a named call runs (Mosaic ALiBi, head dims not yet measured).
+  # but a named call runs (Mosaic head dims not yet measured).
   if impl is None or how.reasons_when_named.get(impl) is not None:
     return None, how.chosen, None, None
   # A BlockMask's blocks are the config's: the slice's rebuilt mask brings them.
