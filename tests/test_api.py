@@ -185,7 +185,7 @@ def test_second_run_is_bitwise_identical(deterministic):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("impl", ["xla", "interpret"])
+@pytest.mark.parametrize("impl", ["xla", pytest.param("interpret", marks=pytest.mark.slow)])
 def test_checkpoint_name_lets_remat_keep_o_and_lse(impl, capsys):
   import jax.ad_checkpoint
 
@@ -327,8 +327,10 @@ def _lse_loss_grads(attention, q, k, v, do, w):
   return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
 
 
-@pytest.mark.parametrize("impl", ["xla", "reference"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("impl, dtype", [  # xla float32 with -m slow (suite time)
+    pytest.param("xla", jnp.float32, marks=pytest.mark.slow), ("xla", jnp.bfloat16),
+    ("reference", jnp.float32), ("reference", jnp.bfloat16)],
+    ids=["float32-xla", "bfloat16-xla", "float32-reference", "bfloat16-reference"])
 def test_return_residual_is_jax_nns(impl, dtype):
   """jax.nn's `return_residual`: lse [B, T, H] in the input dtype under stop_gradient, so the
   value and every gradient of a loss that uses it match jax.nn.dot_product_attention's."""

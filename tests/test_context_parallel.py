@@ -21,9 +21,10 @@ from pallas_flash.context_parallel import sharding
 
 
 # ring-8 (an 8-device ring with soft cap, masked rows and a window's skipped steps) repeats
-# what ring-2-4 and all-gather cover at 8 devices: it runs with -m slow.
-@pytest.mark.parametrize("group", [pytest.param(g, marks=pytest.mark.slow) if g == "ring-8"
-                                   else g for g in checks.GROUPS])
+# what ring-2-4 and all-gather cover at 8 devices, and "interpret" runs ring-2-4's logic on the
+# Triton interpreter: both run with -m slow (suite time).
+@pytest.mark.parametrize("group", [pytest.param(g, marks=pytest.mark.slow)
+                                   if g in ("ring-8", "interpret") else g for g in checks.GROUPS])
 def test_against_reference_on_8_devices(group):
   checks.assert_all_pass_in_subprocess("context_parallel_checks.py", checks.GROUPS[group], group)
 

@@ -59,6 +59,7 @@ def test_packed_documents_match_separate_documents():
   assert rel_err(packed[:, 23:], model(b)) < 2e-5
 
 
+@pytest.mark.slow  # suite time: the next test checks the same gradients under its policy
 def test_remat_gives_the_same_gradients():
   seed = np.random.randint(1 << 30)
   tok = _tokens(seed)
