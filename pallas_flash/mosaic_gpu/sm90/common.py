@@ -445,6 +445,29 @@ def sync(barrier):
   plgpu.barrier_wait(barrier)
 
 
+class KvBarriers(NamedTuple):
+  """The consumer side of a forward's K/V ring and the two-WG schedule barrier."""
+
+  k_ready: Any
+  v_ready: Any
+  k_free: Any
+  v_free: Any
+  sched: Any
+
+
+def idle_kv_step(j, carry, *, bars: KvBarriers, stages: int):
+  """One step of a consumer WG past its last causal block: it keeps the shared ring and the
+  schedule barrier in lock-step with the other WG (fori_loop body; carry passes through)."""
+  slot = lax.rem(j, stages)
+  plgpu.barrier_wait(bars.k_ready.at[slot])
+  plgpu.barrier_arrive(bars.k_free.at[slot])
+  plgpu.barrier_wait(bars.v_ready.at[slot])
+  plgpu.barrier_arrive(bars.v_free.at[slot])
+  sync(bars.sched)
+  sync(bars.sched)
+  return carry
+
+
 def observe_last_releases(frees, num_steps, slots: int):
   """A ring producer's tail: waits on each free barrier array in `frees` for the releases of
   the last `slots` of `num_steps` steps, which it never waited for to refill a slot. Every

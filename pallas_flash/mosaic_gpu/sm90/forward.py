@@ -114,17 +114,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
       plgpu.barrier_wait(q_ready.at[wg])
       plgpu.barrier_wait(k_ready.at[0])  # steps >= 1 always
 
-    def idle_step(j, carry):
-      # A WG with fewer causal blocks keeps the shared ring and schedule barrier in lock-step.
-      slot = lax.rem(j, stages)
-      plgpu.barrier_wait(k_ready.at[slot])
-      plgpu.barrier_arrive(k_free.at[slot])
-      plgpu.barrier_wait(v_ready.at[slot])
-      plgpu.barrier_arrive(v_free.at[slot])
-      sched_sync()
-      sched_sync()
-      return carry
-
+    bars = common.KvBarriers(k_ready, v_ready, k_free, v_free, sched)
     pl.when(wg == 1)(sched_sync)
     loop = _overlapped_kv_loop if kp.intra_wg_overlap else _plain_kv_loop
     if seg is not None:
@@ -132,10 +122,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     elif tail is not None:
       loop = functools.partial(loop, kv0=kv0)
     carry = loop(q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
-                 _Barriers(k_ready, v_ready, k_free, v_free, sched), q0=q0, steps=steps, kp=kp,
+                 bars, q0=q0, steps=steps, kp=kp,
                  slope=slope)
     if kp.causal or seg is not None:
-      lax.fori_loop(steps, cta_steps, idle_step, None)
+      lax.fori_loop(steps, cta_steps,
+                    functools.partial(common.idle_kv_step, bars=bars, stages=stages), None)
     pl.when(wg == 0)(sched_sync)
 
     with jax.named_scope("epilogue"):
@@ -230,7 +221,7 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
   def _consumer():
     plgpu.set_max_registers(kp.compute_registers, action="increase")
     loop = _overlapped_kv_loop if kp.intra_wg_overlap else _plain_kv_loop
-    bars = _Barriers(k_ready, v_ready, k_free, v_free, sched)
+    bars = common.KvBarriers(k_ready, v_ready, k_free, v_free, sched)
 
     @pl.loop(0, tiles)
     def _tile(i):
@@ -296,16 +287,6 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
     common.observe_last_releases((q_free,), tiles, 2)
 
 
-class _Barriers(NamedTuple):
-  """The consumer side of the K/V ring and the two-WG schedule barrier."""
-
-  k_ready: Any
-  v_ready: Any
-  k_free: Any
-  v_free: Any
-  sched: Any
-
-
 def _ring(base):
   """slot(j): the K/V ring slot of a tile's kv step j when the tile's first step is the
   ring's step `base` (None: 0, the non-persistent kernel)."""
@@ -345,8 +326,8 @@ def _kv_block(j, kv0, steps, kp: common.KernelParams):
   return kv0 + lax.rem(jnp.int32(j) + steps - 1, jnp.int32(steps))
 
 
-def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0, steps,
-                   kp: common.KernelParams, base=None, kv0=0, seg_ids=None, full=None,
+def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers, *, q0,
+                   steps, kp: common.KernelParams, base=None, kv0=0, seg_ids=None, full=None,
                    slope=None):
   """One consumer WG's kv loop, S_j then O += P_j·V_j per step -> (acc, m, l).
 
@@ -456,8 +437,8 @@ def _softmax(s, m, l, kp: common.KernelParams):
   return p, m_new, l, alpha
 
 
-def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: _Barriers, *, q0, steps,
-                        kp: common.KernelParams, base=None, kv0=0, slope=None):
+def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers, *, q0,
+                        steps, kp: common.KernelParams, base=None, kv0=0, slope=None):
   """One consumer WG's kv loop with FA3's intra-warpgroup 2-stage pipeline -> (acc, m, l).
 
   q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret

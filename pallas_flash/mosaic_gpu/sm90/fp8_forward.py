@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple
 
 import numpy as np
 import jax
@@ -103,15 +102,7 @@ def p_operand(p, kp: common.KernelParams):
   return relabel(p)
 
 
-class _Barriers(NamedTuple):
-  k_ready: Any
-  v_ready: Any
-  k_free: Any
-  v_free: Any
-  sched: Any
-
-
-def _kv_loop(q_smem, k_scratch, vt_scratch, p_smem, bars: _Barriers, *, q0, steps, c,
+def _kv_loop(q_smem, k_scratch, vt_scratch, p_smem, bars: common.KvBarriers, *, q0, steps, c,
              kp: common.KernelParams):
   """One consumer WG's kv loop (forward.py's plain loop with FP8 operands) -> (acc, m, l).
 
@@ -212,23 +203,15 @@ def _kernel(q_ref, k_ref, vt_ref, scales_ref, o_ref, lse_ref, q_scratch, k_scrat
     plgpu.barrier_wait(q_ready.at[wg])
     plgpu.barrier_wait(k_ready.at[0])
 
-    def idle_step(j, carry):
-      slot = lax.rem(j, stages)
-      plgpu.barrier_wait(k_ready.at[slot])
-      plgpu.barrier_arrive(k_free.at[slot])
-      plgpu.barrier_wait(v_ready.at[slot])
-      plgpu.barrier_arrive(v_free.at[slot])
-      sched_sync()
-      sched_sync()
-      return carry
-
+    bars = common.KvBarriers(k_ready, v_ready, k_free, v_free, sched)
     pl.when(wg == 1)(sched_sync)
     acc, m, l = _kv_loop(q_smem, k_scratch, vt_scratch,
                          p_scratch.at[wg] if kp.interpret else None,
-                         _Barriers(k_ready, v_ready, k_free, v_free, sched), q0=q0,
+                         bars, q0=q0,
                          steps=steps, c=c, kp=kp)
     if kp.causal:
-      lax.fori_loop(steps, cta_steps, idle_step, None)
+      lax.fori_loop(steps, cta_steps,
+                    functools.partial(common.idle_kv_step, bars=bars, stages=stages), None)
     pl.when(wg == 0)(sched_sync)
 
     with jax.named_scope("epilogue"):
