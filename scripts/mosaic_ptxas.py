@@ -105,10 +105,23 @@ def abstract_h200():
   return sharding, mesh
 
 
-def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> None:
-  """Compiles one variant (in the dumping process); on a GPU also checks and times it."""
+def time_ms(f, args, reps: int) -> float:
+  """Milliseconds per call of f(*args): two warm-up calls, then `reps` back to back."""
   import time
 
+  import jax
+
+  for _ in range(2):
+    jax.block_until_ready(f(*args))
+  t0 = time.perf_counter()
+  for _ in range(reps):
+    out = f(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - t0) / reps * 1e3
+
+
+def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> None:
+  """Compiles one variant (in the dumping process); on a GPU also checks and times it."""
   import jax
   import jax.numpy as jnp
 
@@ -161,13 +174,7 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   want = fn(*(x.astype(jnp.float32) for x in args), impl="reference")
   errs = [float(jnp.max(jnp.abs(x.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))
           for x, r in zip(jax.tree.leaves(out), jax.tree.leaves(want))]
-  for _ in range(2):
-    jax.block_until_ready(f(*args))
-  t0 = time.perf_counter()
-  for _ in range(reps):
-    out = f(*args)
-  jax.block_until_ready(out)
-  ms = (time.perf_counter() - t0) / reps * 1e3
+  ms = time_ms(f, args, reps)
   flops = 4 * b * h * t * t * d * (0.5 if causal else 1.0) * (3.5 if mode == "fwdbwd" else 1.0)
   print(json.dumps(dict(variant=name, ms=ms, tflops=flops / ms / 1e9, max_rel_err=max(errs))),
         flush=True)
@@ -177,8 +184,6 @@ def fp8_child(name: str, causal: bool, kw: dict, operand_shapes, deviceless: boo
               reps: int) -> None:
   """child() for the FP8 forward: e4m3 q, k, v with per-tensor scales; config None (the
   default tiles) or MosaicConfig(**kw); on a GPU checked against the reference semantics."""
-  import time
-
   import jax
   import jax.numpy as jnp
 
@@ -215,13 +220,7 @@ def fp8_child(name: str, causal: bool, kw: dict, operand_shapes, deviceless: boo
   deq = [fp8.dequantize(a, sc) for a, sc in zip((q8, k8, v8), (s.q, s.k, s.v))]
   want = pallas_flash.flash_attention(*deq, is_causal=causal, implementation="xla")
   err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
-  for _ in range(2):
-    jax.block_until_ready(f(*args))
-  t0 = time.perf_counter()
-  for _ in range(reps):
-    out = f(*args)
-  jax.block_until_ready(out)
-  ms = (time.perf_counter() - t0) / reps * 1e3
+  ms = time_ms(f, args, reps)
   b, t, h, d = q_shape
   flops = 4 * b * h * t * t * d * (0.5 if causal else 1.0)
   print(json.dumps(dict(variant=name, ms=ms, tflops=flops / ms / 1e9, max_rel_err=err)),
