@@ -32,9 +32,11 @@ CONFIG_TYPE = MosaicConfig
 # Major compute capability -> (forward, backward) of that generation's kernels.
 KERNELS = {9: (sm90_forward.forward, sm90_backward.backward)}
 # (head dim, value head dim) pairs measured on the H200 at least as fast here as on Triton:
-# `implementation=None` runs only these here; other head dims (192, or zero-padded to one of
-# KERNEL_HEAD_DIMS) run when asked for by name (unmeasured_reason).
-MEASURED_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256)})
+# `implementation=None` runs only these here; other head dims (zero-padded to one of
+# KERNEL_HEAD_DIMS) run when asked for by name (unmeasured_reason). 80, 96 (padded to 128),
+# 192 and 192 / 128: 1.3-2.6x Triton (docs/mosaic.md, "Other head dims").
+MEASURED_HEAD_DIMS = frozenset({(64, 64), (80, 80), (96, 96), (128, 128), (192, 192),
+                                (192, 128), (256, 256)})
 # Optional features (pallas_flash.call.FEATURES) the kernels take; calls with any other run
 # elsewhere. The soft cap's backward at head dims 192 and 256 runs the Triton kernels. ALiBi's
 # -slope·|i - j| is added to each score tile in the kernels (sm90/common.alibi).

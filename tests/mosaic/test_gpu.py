@@ -37,11 +37,11 @@ CASES = [
 ]
 
 
-def _assert_reproducible(case: Case, config=None):
+def _assert_reproducible(case: Case, config=None, **extra):
   """A second run gives bitwise the same outputs and gradients."""
   (q, k, v, do), kw = make_inputs(case)
-  first = jax.tree.leaves(run("mosaic", q, k, v, do, config=config, **dict(kw)))
-  again = jax.tree.leaves(run("mosaic", q, k, v, do, config=config, **dict(kw)))
+  first = jax.tree.leaves(run("mosaic", q, k, v, do, config=config, **dict(kw), **extra))
+  again = jax.tree.leaves(run("mosaic", q, k, v, do, config=config, **dict(kw), **extra))
   assert all(bool(jnp.array_equal(a, b)) for a, b in zip(first, again, strict=True))
 
 
@@ -157,7 +157,8 @@ HEAD_DIM_CASES = [
 @pytest.mark.parametrize("case", HEAD_DIM_CASES, ids=lambda c: c.id)
 def test_head_dims(case):
   check_against_reference("mosaic", case)
-  _assert_reproducible(case)
+  # The default backward may be the fused one (float32 atomics): only the split one is bitwise.
+  _assert_reproducible(case, deterministic=True)
 
 
 def test_deterministic_long_causal_gradients():
