@@ -64,14 +64,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def make_inputs(shape: Shape, *, outliers: bool, seed: int) -> tuple[jax.Array, ...]:
   """bf16 q, k, v [B, T, H, D], drawn in float32 (jax's bf16 normals are capped near 2.9)."""
-  keys = jax.random.split(jax.random.key(seed), 6)
+  keys = jax.random.split(jax.random.key(seed), 9)
   dims = (shape.batch, shape.seq_len, shape.num_heads, shape.head_dim)
   out = []
   for i in range(3):
     x = jax.random.normal(keys[i], dims, jnp.float32)
     if outliers:
+      # The hits and their values need keys of their own: one key for both would put every
+      # hit (uniform < 1e-3) at the normal's far negative tail, about -34, not N(0, 10²).
       hit = jax.random.bernoulli(keys[3 + i], OUTLIER_FRACTION, dims)
-      x = x + jnp.where(hit, OUTLIER_STD * jax.random.normal(keys[3 + i], dims), 0.0)
+      x = x + jnp.where(hit, OUTLIER_STD * jax.random.normal(keys[6 + i], dims), 0.0)
     out.append(x.astype(jnp.bfloat16))
   return tuple(out)
 
