@@ -135,7 +135,7 @@ def slice_kwargs(impl: str, spec: shapes.ShapeSpec, *, is_causal: bool) -> dict:
   if impl != "mosaic":
     return {}
   params = AttentionParams(scale=spec.head_dim ** -0.5, is_causal=is_causal, has_segments=False)
-  head_dim = mosaic_config.kernel_head_dim(spec.head_dim, spec.dv)
+  head_dim = mosaic_config.config_head_dim(spec.head_dim, spec.dv)
   return {"config": mosaic_config.call_config(head_dim, params, spec.seq_len, spec.batch)}
 
 

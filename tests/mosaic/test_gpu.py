@@ -142,14 +142,18 @@ def test_alibi(case):
   _assert_reproducible(case)
 
 
-# Head dims 80 and 96 (zero-padded to 128), 192 (its own kernels: the forward at 64-key tiles,
-# hd256.py's backward) and MLA's 192 / 128 (V padded to 192), by name (not yet the automatic
-# choice): the training shape with GQA, causal and not, then segment ids and a soft cap (at
-# 192 the Triton backward kernels) on ragged lengths.
+# Head dims 80 and 96 (head dim 128's forward and split backward at their own width; the
+# fused backward, which the non-causal training shape takes, zero-padded to 128), 192 (its own
+# kernels: the forward at 64-key tiles, hd256.py's backward) and MLA's 192 / 128 (V padded to
+# 192), by name (not yet the automatic choice): the training shape with GQA, causal and not,
+# then segment ids and a soft cap (at 192 the Triton backward kernels) on ragged lengths, and
+# 96 past MEDIUM_KV_LEN keys (192-key forward tiles, a key tail, the split backward).
 HEAD_DIM_CASES = [
     *(_case(2, 2048, 2048, 8, 2, d, causal, value_head_dim=dv)
       for d, dv in ((80, None), (96, None), (192, None), (192, 128)) for causal in (False, True)),
     _case(1, 1000, 1100, 4, 2, 96, True, segments=True),
+    _case(1, 5000, 5000, 4, 2, 96, False),
+    _case(1, 5000, 5000, 4, 2, 80, False),
     _case(1, 777, 777, 4, 4, 192, True, value_head_dim=128, features=("softcap",)),
 ]
 
