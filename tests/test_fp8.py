@@ -272,8 +272,20 @@ def test_bench_fp8_quick_runs_on_cpu(tmp_path):
   out = tmp_path / "fp8.json"
   bench.main(["--fp8", "--quick", "--json", str(out)])
   rows = json.loads(out.read_text())
-  speed = [r for r in rows if r["kind"] == "fp8_speed"]
-  assert len(speed) == 1 and speed[0]["status"] == "skip" and "Hopper" in speed[0]["reason"]
+  for kind in ("fp8_speed", "fp8_training_speed"):
+    speed = [r for r in rows if r["kind"] == kind]
+    assert len(speed) == 1 and speed[0]["status"] == "skip" and "Hopper" in speed[0]["reason"]
+  grads = [r for r in rows if r["kind"] == "fp8_grad_accuracy"]
+  assert [(r["inputs"], r["row"]) for r in grads] == [
+      (inputs, row) for inputs in ("normal", "outliers")
+      for row in ("bf16", *(name for name, _ in fp8_report.GRAD_ROWS))]
+  for r in grads:
+    errs = [r[f"{g}_rel_{m}"] for g in ("dq", "dk", "dv") for m in ("rmse", "max")]
+    assert all(0 < e < 1 for e in errs), r
+    if r["row"] != "bf16":  # the FP8 rows' error is the quantisation's: above bf16's
+      bf16 = next(b for b in grads if b["inputs"] == r["inputs"] and b["row"] == "bf16")
+      assert all(r[f"{g}_rel_rmse"] > 3 * bf16[f"{g}_rel_rmse"] for g in ("dq", "dk", "dv"))
+      assert "xla forward + backward" in r["impl"], r
   rows = [r for r in rows if r["kind"] == "fp8_accuracy"]
   assert [(r["inputs"], r["row"]) for r in rows] == [
       (inputs, row) for inputs in ("normal", "outliers")
