@@ -269,7 +269,9 @@ def flash_attention(
       as `pallas_flash.fp8.quantize` returns them. On a Hopper GPU, causal or full attention
       with per-tensor or per-(batch, head) scales runs the Mosaic FP8 forward (None or
       "mosaic"); every other FP8 call runs the float32 attention on the dequantized inputs
-      (`explain` says which and why). No gradient with respect to FP8 inputs; docs/fp8.md.
+      (`explain` says which and why). No gradient with respect to FP8 inputs: to train,
+      differentiate the bf16 activations with `pallas_flash.fp8.quantized_attention`
+      (docs/fp8.md, "Training").
     out_dtype: the output dtype of an FP8 call (default bfloat16).
     deterministic: True guarantees bitwise-identical gradients run to run. Every default path
       gives them but one: the Mosaic backward of long head-dim-128 calls (causal: at least 8K

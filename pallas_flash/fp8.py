@@ -20,11 +20,14 @@ applies the v scale to the output; per-block scales run the reference semantics.
 
 Gradients: `flash_attention` refuses to differentiate FP8 inputs or their scales (an e4m3
 cotangent flushes everything below 2**-9 to zero, and an FP8 array is a quantised copy, not a
-parameter); there is no FP8 backward kernel. `quantized_attention(q, k, v, ...)` takes the
-bf16 activations, quantises them (`quantize`) and differentiates straight through the
-quantiser on the reference semantics: its gradient is the attention's gradient at the
-dequantized values, carried to q, k, v as if quantisation were the identity (through the
-rotation when `rotate=True`).
+parameter). Training goes through `quantized_attention(q, k, v, ...)`: it takes the bf16
+activations, quantises them (`quantize`) and differentiates straight through the quantiser:
+its gradient is the attention's gradient at the dequantized values, carried to q, k, v as if
+quantisation were the identity (through the rotation when `rotate=True`). On a Hopper GPU
+(causal or full attention, per-tensor or per-(batch, head) scales) its forward is the Mosaic
+FP8 forward and its backward our bf16 Mosaic backward on the dequantized values in bf16,
+recomputing from the FP8 forward's output and lse; elsewhere a backend's float32 forward and
+backward on the dequantized values (`_training_plan`, docs/fp8.md "Training").
 """
 
 from __future__ import annotations
