@@ -12,8 +12,9 @@ import pytest
 import pallas_flash
 from pallas_flash.mosaic_gpu import TUNED
 from pallas_flash.mosaic_gpu import config as mconfig
-from testing import (Case, check_against_reference, check_fp8_against_reference, make_inputs,
-                     max_rel_err, on_hopper, run)
+from testing import (FP8_TRAINING_TOLERANCE, Case, check_against_reference,
+                     check_fp8_against_reference, check_fp8_training, make_inputs, max_rel_err,
+                     on_hopper, run)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not on_hopper(), reason="needs a Hopper (sm_90) GPU")]
@@ -237,3 +238,45 @@ def test_fp8_forward_is_chosen_and_bitwise_reproducible():
   assert pallas_flash.explain(*f8, descale=scales).chosen == "mosaic"
   run_fp8 = jax.jit(lambda f8, s: pallas_flash.flash_attention(*f8, descale=s))
   assert bool(jnp.array_equal(run_fp8(f8, scales), run_fp8(f8, scales)))
+
+
+# fp8.quantized_attention's training path on the GPU: the FP8 forward, then the bf16 Mosaic
+# backward (the split kernels, or the fused one where the default config takes it) on the
+# dequantized values; gradients against the float32 gradient of the dequantized attention
+# (FP8_TRAINING_TOLERANCE) and of the unquantised inputs (2 * FP8_TOLERANCE).
+FP8_TRAINING_CASES = [
+    (_case(2, 1024, 1024, 4, 2, 128, True), dict(rotate=True)),
+    (_case(1, 4096, 4096, 16, 16, 128, False), {}),  # the fused backward
+    (_case(1, 1000, 1100, 8, 2, 64, True), dict(block="head")),
+    (_case(1, 512, 512, 2, 2, 256, True), dict(rotate=True)),
+    (_case(1, 113, 203, 4, 2, 128, False), dict(deterministic=True)),
+]
+
+
+def _fp8_training_plan(case: Case, **kwargs):
+  from pallas_flash import fp8
+  (q, k, v, _), kw = make_inputs(case)
+  _, scales = fp8.quantize(q, k, v, block=kwargs.pop("block", None))
+  return fp8._training_plan([q, k, v], scales, jnp.dtype(jnp.bfloat16), {**kw, **kwargs})
+
+
+@pytest.mark.parametrize("case,kwargs", FP8_TRAINING_CASES,
+                         ids=[f"{c.id}-{'-'.join(kw) or 'tensor'}" for c, kw in FP8_TRAINING_CASES])
+def test_fp8_training_gradients(case, kwargs):
+  plan = _fp8_training_plan(case, **{n: x for n, x in kwargs.items() if n != "rotate"})
+  assert (plan.name, plan.fp8_kernel) == ("mosaic", True)
+  check_fp8_training(case, tol=FP8_TRAINING_TOLERANCE, **kwargs)
+
+
+def test_fp8_training_deterministic_is_bitwise_reproducible():
+  """deterministic=True reaches the bf16 backward: where the default takes the fused backward
+  (dQ by float32 atomics) it runs the split kernels, and two runs agree bitwise."""
+  from pallas_flash import fp8
+  case = _case(1, 8192, 8192, 4, 4, 128, True)
+  assert _fp8_training_plan(case).config.fused_backward
+  assert not _fp8_training_plan(case, deterministic=True).config.fused_backward
+  (q, k, v, do), _ = make_inputs(case)
+  grads = jax.jit(jax.grad(lambda *a: jnp.sum(fp8.quantized_attention(
+      *a, is_causal=True, deterministic=True).astype(jnp.float32) * do), argnums=(0, 1, 2)))
+  first, again = grads(q, k, v), grads(q, k, v)
+  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(first, again, strict=True))

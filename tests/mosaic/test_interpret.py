@@ -19,8 +19,9 @@ import pallas_flash
 from pallas_flash import mosaic_gpu, xla
 from pallas_flash.mosaic_gpu import MosaicDebug
 from pallas_flash.mosaic_gpu.sm90 import common, fp8_forward
-from testing import (MOSAIC_FP8_INTERPRET, MOSAIC_INTERPRET, Case, check_against_reference,
-                     check_fp8_against_reference, make_inputs, run)
+from testing import (FP8_TRAINING_TOLERANCE, MOSAIC_FP8_INTERPRET, MOSAIC_INTERPRET, Case,
+                     check_against_reference, check_fp8_against_reference, check_fp8_training,
+                     make_inputs, run)
 
 
 def _config(**kw) -> pallas_flash.MosaicConfig:
@@ -265,3 +266,22 @@ FP8 = [
     "kv128-causal-gqa", "kv128-hd128-head-f32"])
 def test_fp8_forward_matches_reference_semantics(config, case, block, out_dtype):
   check_fp8_against_reference(case, config=config, block=block, out_dtype=out_dtype)
+
+
+# fp8.quantized_attention's training path: the FP8 forward, then the bf16 Mosaic backward on
+# the dequantized values (both interpreted), gradients against the float32 gradient of the
+# dequantized attention (FP8_TRAINING_TOLERANCE) and of the unquantised inputs. Slow (15-25 s
+# each: three interpreted kernels); tests/test_fp8.py checks the same custom_vjp on CPU with
+# xla's float32 forward and backward in its place.
+@pytest.mark.slow
+@pytest.mark.parametrize("case, kwargs", [
+    (_case(64, 130, h=4, kh=2, is_causal=True), dict(rotate=True)),
+    (_case(130, 200, d=128), dict(block="head", deterministic=True)),
+], ids=["causal-gqa-rot", "hd128-head-deterministic"])
+def test_fp8_training_gradients(case, kwargs):
+  from pallas_flash import fp8
+  (q, k, v, _), _ = make_inputs(case)
+  plan = fp8._training_plan([q, k, v], fp8.quantize(q, k, v)[1], jnp.dtype(jnp.bfloat16),
+                            {"config": MOSAIC_FP8_INTERPRET})
+  assert plan.fp8_kernel and plan.config.interpret
+  check_fp8_training(case, tol=FP8_TRAINING_TOLERANCE, config=MOSAIC_FP8_INTERPRET, **kwargs)

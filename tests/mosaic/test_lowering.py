@@ -451,3 +451,25 @@ def test_fp8_register_relabelling_matches_the_key_permutation():
     src = (reg[0], 2 * reg[1] + e // 2, *reg[2:])
     src_row, src_key = acc[(warp, lane, src, e % 2)]
     assert src_row == row and position[col] == src_key, (warp, lane, reg, e)
+
+
+@pytest.mark.parametrize("causal,seq_len,kernels", [
+    (True, 2048, 3), pytest.param(False, 4096, 2, marks=pytest.mark.slow)],
+    ids=["causal-split", "fused"])
+def test_fp8_training_lowers_to_the_fp8_forward_and_the_bf16_backward(causal, seq_len, kernels):
+  """quantized_attention's gradient on an H200: the FP8 forward (e4m3 wgmma) and the bf16
+  backward's kernels (bf16 wgmma): the split dQ and dK/dV kernels, or the fused one where
+  the default config takes it (non-causal 4K keys at head dim 128)."""
+  from pallas_flash import fp8
+  q = jax.ShapeDtypeStruct((1, seq_len, 4, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, seq_len, 2, 128), jnp.bfloat16)
+
+  def grads(q, k, v):
+    return jax.grad(lambda *a: fp8.quantized_attention(
+        *a, is_causal=causal, implementation="mosaic").astype(jnp.float32).sum(),
+        argnums=(0, 1, 2))(q, k, v)
+
+  text = export_for_h200(grads, q, kv, kv).mlir_module()
+  assert text.count("custom_call @mosaic_gpu_v2") == kernels
+  assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", text)
+  assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16", text)
