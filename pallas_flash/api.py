@@ -95,7 +95,7 @@ def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
   config = kwargs.pop("config", None)
   kwargs.pop("implementation", None)
   kwargs.pop("return_residuals", None)
-  kwargs.pop("sinks", None)  # applied after any backend: no influence on the choice
+  kwargs.pop("sinks", None)  # every backend takes them: no influence on the choice
   kwargs.pop("checked", None)
   kwargs.pop("return_residual", None)
   info = validation.abstract_call_info(query, key, value,
@@ -134,7 +134,7 @@ def _differentiable(name: str, params: AttentionParams, config) -> Callable:
   uses a feature, so core-only backends keep the plain contract.
   """
   backend = backends.load(name)
-  uses_features = bool(params.features)
+  uses_features = bool(params.features) or params.has_sinks
 
   def kw(arrays):
     return dict(params=params, config=config, **({"arrays": arrays} if uses_features else {}))
@@ -167,13 +167,28 @@ def _differentiable(name: str, params: AttentionParams, config) -> Callable:
         delta = delta - dlse
       # +inf on fully masked rows makes every recomputed probability exp(s - lse) exactly 0.
       lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+    dsinks = _sinks_grad(arrays.sinks, o, lse, do, dlse) if params.has_sinks else None
     grads = backend.backward(q, k, v, q_seg, kv_seg, o, lse, do.astype(q.dtype), delta,
                              **kw(arrays))
     dbias = grads[3].astype(arrays.bias.dtype) if params.has_bias else None
-    return (*grads[:3], None, None, FeatureArrays(bias=dbias))
+    return (*grads[:3], None, None, FeatureArrays(bias=dbias, sinks=dsinks))
 
   attention.defvjp(attention_fwd, attention_bwd, symbolic_zeros=True)
   return attention
+
+
+def _sinks_grad(sinks, o, lse, do, dlse):
+  """d sinks [H] float32 of a forward that added them (params.has_sinks): o [B, T, H, D] and
+  lse [B, H, T] include the sink's column, whose probability is p = exp(sink - lse) and value
+  zero. lse' = p along the sink and o' = -p·o, so the gradient is
+  sum over (b, t) of p·(dlse - rowsum(do * o)). p is 0 where lse is -inf (a sink of -inf on a
+  row that saw no key)."""
+  delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32))
+  if dlse is not None:
+    delta = delta - dlse
+  sink = sinks[None, :, None]  # [1, H, 1]
+  p = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(sink - jnp.where(lse == -jnp.inf, 0.0, lse)))
+  return -(p * delta).sum(axis=(0, 2))
 
 
 def flash_attention(
@@ -252,8 +267,10 @@ def flash_attention(
       sizes are the kernels' (see docs/features.md). Not supported by "mosaic".
     sinks: float [H]: a learnable logit per query head that joins every row's softmax
       denominator with a zero value (attention sinks, gpt-oss), differentiable. Not in
-      jax.nn. Every implementation computes the call without them and rescales each row by
-      sigmoid(lse - sink) (`merge.add_sinks`): an elementwise pass over the output.
+      jax.nn. "mosaic" adds them in its forward kernels' epilogue (their gradient is one
+      reduction over O and dO in XLA); every other implementation computes the call without
+      them and rescales each row by sigmoid(lse - sink) (`merge.add_sinks`): an elementwise
+      pass over the output.
     descale: with float8_e4m3fn query/key/value: their descale factors, (q_scale, k_scale,
       v_scale) or a `pallas_flash.fp8.Fp8Scales` (per tensor, per (batch, head) or per block),
       as `pallas_flash.fp8.quantize` returns them. On a Hopper GPU, causal or full attention
@@ -346,8 +363,13 @@ def flash_attention(
     o, lse = attention_reference(*args, params=call.info.params, arrays=call.arrays, sinks=sinks)
   else:
     config = backends.resolve_config(name, call.info, config)
-    o, lse = _differentiable(name, call.info.params, config)(*args, call.arrays)
-    if sinks is not None:
+    params, arrays = call.info.params, call.arrays
+    fused_sinks = sinks is not None and backends.load(name).fuses_sinks
+    if fused_sinks:  # the backend's forward adds them (pallas_flash.call)
+      params = dataclasses.replace(params, has_sinks=True)
+      arrays = dataclasses.replace(arrays, sinks=sinks.astype(jnp.float32))
+    o, lse = _differentiable(name, params, config)(*args, arrays)
+    if sinks is not None and not fused_sinks:
       o, lse = merge.add_sinks(o, lse, sinks)
   if call.unbatched:
     o, lse = o[0], lse[0]

@@ -39,6 +39,10 @@ MEASURED_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256)})
 # elsewhere. The soft cap's backward at head dims 192 and 256 runs the Triton kernels. ALiBi's
 # -slope·|i - j| is added to each score tile in the kernels (sm90/common.alibi).
 SUPPORTED_FEATURES = frozenset({"logits_soft_cap", "local_window_size", "alibi_slopes"})
+# The forward adds attention sinks in its epilogue (sm90/forward._store_tile): the API passes
+# calls with sinks here as params.has_sinks and arrays.sinks (pallas_flash.call); the backward
+# needs nothing more, given the forward's o and lse.
+FUSES_SINKS = True
 # `backward` takes the forward's lse and only the lse cotangent's correction as delta, and
 # computes rowsum(O∘dO) itself, in the dQ kernel (see pallas_flash.call).
 BACKWARD_COMPUTES_DELTA = True
@@ -178,7 +182,7 @@ def fp8_unsupported_reason(call: CallInfo, *, scale_layouts, out_dtype, config=N
   return None
 
 
-__all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "KERNELS", "KERNEL_HEAD_DIMS",
+__all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "FUSES_SINKS", "KERNELS", "KERNEL_HEAD_DIMS",
            "MEASURED_HEAD_DIMS", "MosaicConfig", "MosaicDebug", "SUPPORTED_FEATURES", "TUNED",
            "backward", "default_config", "forward", "fp8_forward", "fp8_unsupported_reason",
            "kernel_head_dim", "padded_call", "unmeasured_reason", "unsupported_reason"]

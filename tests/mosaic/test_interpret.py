@@ -19,8 +19,9 @@ import pallas_flash
 from pallas_flash import mosaic_gpu, xla
 from pallas_flash.mosaic_gpu import MosaicDebug
 from pallas_flash.mosaic_gpu.sm90 import common, fp8_forward
-from testing import (MOSAIC_FP8_INTERPRET, MOSAIC_INTERPRET, Case, check_against_reference,
-                     check_fp8_against_reference, make_inputs, run)
+from testing import (MOSAIC_FP8_INTERPRET, MOSAIC_INTERPRET, Case, assert_close_to_ref,
+                     check_against_reference, check_fp8_against_reference, make_inputs, run,
+                     tolerance)
 
 
 def _config(**kw) -> pallas_flash.MosaicConfig:
@@ -128,6 +129,52 @@ ALIBI_SLOW = [
 def test_alibi_matches_reference(name, config, case):
   del name
   check_against_reference("mosaic", case, config=config)
+
+
+# Attention sinks, added in the forward's epilogue (sm90/forward._store_tile): output, lse and
+# dq, dk, dv, dsinks against the reference, whose sinks are an extra softmax column. The forms
+# (a split tail's parts get theirs in combine_tail) run with -m slow; the suite runs
+# test_sinks_on_rows_that_see_no_key (the GPU tests run the default forms on the device).
+SINKS = [
+    ("plain", _config(), _case(130, 130, h=4, kh=2, is_causal=True, features=("sinks",))),
+    ("overlap", _config(fwd_intra_wg_overlap=True, block_kv=128),
+     _case(333, 200, kh=2, is_causal=True, features=("sinks",))),
+    ("persistent", _config(fwd_persistent=True, fwd_intra_wg_overlap=True,
+                           debug=dict(persistent_ctas=2)),
+     _case(200, 200, h=3, d=128, features=("sinks",))),
+    ("split_tail", _config(fwd_split_tail=True, debug=dict(wave_ctas=2, tail_parts=3)),
+     _case(384, 192, h=3, features=("sinks",))),
+    ("segments_alibi", _config(), _case(300, 300, h=4, kh=2, is_causal=True, segments=True,
+                                        features=("sinks", "alibi"))),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, config, case", SINKS, ids=[f"{n}-{c.id}" for n, _, c in SINKS])
+def test_sinks_match_reference(name, config, case):
+  del name
+  check_against_reference("mosaic", case, config=config)
+
+
+def test_sinks_on_rows_that_see_no_key():
+  """Causal GQA whose query rows past the query length see no key (the segment-id path):
+  zeros, lse = the sink, zero dq and finite gradients there, as the reference and
+  merge.add_sinks give; the whole output, lse, dq, dk, dv and dsinks against the reference."""
+  case = _case(100, 130, h=4, kh=2, is_causal=True, features=("sinks",))
+  (q, k, v, do), kw = make_inputs(case)
+  kw.update(query_seq_lengths=jnp.array([70]), key_value_seq_lengths=jnp.array([100]))
+  (o, lse), grads = run("mosaic", q, k, v, do, config=MOSAIC_INTERPRET, **dict(kw))
+  up = [x.astype(jnp.float32) for x in (q, k, v, do)]
+  (o_ref, lse_ref), grads_ref = run("reference", *up, **dict(kw))
+  tol = tolerance(case.dtype)
+  assert_close_to_ref("out", o, o_ref, tol)
+  assert_close_to_ref("lse", lse, lse_ref, 1e-5)
+  for name, g, g_ref in zip(("dq", "dk", "dv", "dsinks"), grads, grads_ref, strict=True):
+    assert_close_to_ref(name, g, g_ref, 2 * tol)
+  sinks = np.asarray(kw["sinks"], np.float32)[None, :, None]
+  np.testing.assert_allclose(np.asarray(lse[..., 70:]), np.broadcast_to(sinks, (1, 4, 30)),
+                             rtol=1e-6)
+  assert np.all(np.asarray(o[:, 70:]) == 0) and np.all(np.asarray(grads[0][:, 70:]) == 0)
 
 
 # Head dim 192 (the forward's grid kernel at 192 columns, hd256.py's backward kernels at D =
