@@ -167,28 +167,15 @@ def _differentiable(name: str, params: AttentionParams, config) -> Callable:
         delta = delta - dlse
       # +inf on fully masked rows makes every recomputed probability exp(s - lse) exactly 0.
       lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
-    dsinks = _sinks_grad(arrays.sinks, o, lse, do, dlse) if params.has_sinks else None
     grads = backend.backward(q, k, v, q_seg, kv_seg, o, lse, do.astype(q.dtype), delta,
                              **kw(arrays))
-    dbias = grads[3].astype(arrays.bias.dtype) if params.has_bias else None
+    extra = list(grads[3:])  # [dbias][, dsinks]
+    dbias = extra.pop(0).astype(arrays.bias.dtype) if params.has_bias else None
+    dsinks = extra.pop(0) if params.has_sinks else None
     return (*grads[:3], None, None, FeatureArrays(bias=dbias, sinks=dsinks))
 
   attention.defvjp(attention_fwd, attention_bwd, symbolic_zeros=True)
   return attention
-
-
-def _sinks_grad(sinks, o, lse, do, dlse):
-  """d sinks [H] float32 of a forward that added them (params.has_sinks): o [B, T, H, D] and
-  lse [B, H, T] include the sink's column, whose probability is p = exp(sink - lse) and value
-  zero. lse' = p along the sink and o' = -p·o, so the gradient is
-  sum over (b, t) of p·(dlse - rowsum(do * o)). p is 0 where lse is -inf (a sink of -inf on a
-  row that saw no key)."""
-  delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32))
-  if dlse is not None:
-    delta = delta - dlse
-  sink = sinks[None, :, None]  # [1, H, 1]
-  p = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(sink - jnp.where(lse == -jnp.inf, 0.0, lse)))
-  return -(p * delta).sum(axis=(0, 2))
 
 
 def flash_attention(
@@ -267,10 +254,10 @@ def flash_attention(
       sizes are the kernels' (see docs/features.md). Not supported by "mosaic".
     sinks: float [H]: a learnable logit per query head that joins every row's softmax
       denominator with a zero value (attention sinks, gpt-oss), differentiable. Not in
-      jax.nn. "mosaic" adds them in its forward kernels' epilogue (their gradient is one
-      reduction over O and dO in XLA); every other implementation computes the call without
-      them and rescales each row by sigmoid(lse - sink) (`merge.add_sinks`): an elementwise
-      pass over the output.
+      jax.nn. "mosaic" adds them in its forward kernels' epilogue (their gradient is a
+      reduction over the backward's delta = rowsum(dO·O)); every other implementation
+      computes the call without them and rescales each row by sigmoid(lse - sink)
+      (`merge.add_sinks`): an elementwise pass over the output.
     descale: with float8_e4m3fn query/key/value: their descale factors, (q_scale, k_scale,
       v_scale) or a `pallas_flash.fp8.Fp8Scales` (per tensor, per (batch, head) or per block),
       as `pallas_flash.fp8.quantize` returns them. On a Hopper GPU, causal or full attention

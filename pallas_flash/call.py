@@ -13,7 +13,7 @@ reads them into one record):
     lse is that of the softmax before dropout.
 
   backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params, config[, arrays])
-      -> (dq, dk, dv), or (dq, dk, dv, dbias) when params.has_bias
+      -> (dq, dk, dv), then dbias when params.has_bias, then dsinks when params.has_sinks
     lse has +inf (not -inf) on fully masked rows, so exp(s - lse) is 0 there without a select;
     delta [B, H, T] float32 = rowsum(do * o) - dlse, computed by the API in XLA.
     A backend whose module sets BACKWARD_COMPUTES_DELTA = True (mosaic_gpu: it does this in a
@@ -28,7 +28,8 @@ reads them into one record):
   as params.has_sinks and arrays.sinks: its forward returns o and lse with the sinks in the
   softmax (lse = logaddexp(lse, sink); sink on fully masked rows), and its backward, given
   those, is unchanged (P = exp(s - lse), delta = rowsum(do * o) already include the sink's
-  column); the API computes d sinks in XLA. Other backends never see sinks.
+  column) and also returns dsinks [H] float32 (merge.sinks_grad of its delta). Other backends
+  never see sinks.
 
   default_config(call: CallInfo) -> CONFIG_TYPE: the config of a call that passes none.
   unsupported_reason(call: CallInfo, config: CONFIG_TYPE | None) -> str | None

@@ -41,7 +41,7 @@ MEASURED_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256)})
 SUPPORTED_FEATURES = frozenset({"logits_soft_cap", "local_window_size", "alibi_slopes"})
 # The forward adds attention sinks in its epilogue (sm90/forward._store_tile): the API passes
 # calls with sinks here as params.has_sinks and arrays.sinks (pallas_flash.call); the backward
-# needs nothing more, given the forward's o and lse.
+# kernels need nothing more, given the forward's o and lse, and dsinks comes from their delta.
 FUSES_SINKS = True
 # `backward` takes the forward's lse and only the lse cotangent's correction as delta, and
 # computes rowsum(O∘dO) itself, in the dQ kernel (see pallas_flash.call).
@@ -60,8 +60,8 @@ def _kernels(config: MosaicConfig):
 def padded_call(kernel, q, k, v, *arrays):
   """kernel(q, k, v, *arrays) with q, k, v, and the arrays of rank 4 (the backward's o and
   do) zero-padded along the head dim to kernel_head_dim(D, Dv); its outputs of rank 4 (o;
-  dq, dk, dv) sliced back to D (q's and k's) or Dv (o's and v's columns). No pad or slice
-  where D = Dv is a kernel head dim."""
+  dq, dk, dv) sliced back to D (q's and k's) or Dv (o's and v's columns), the backward's
+  others (dsinks) passed on. No pad or slice where D = Dv is a kernel head dim."""
   d, dv = q.shape[3], v.shape[3]
   p = kernel_head_dim(d, dv)
   if d == dv == p:
@@ -70,8 +70,8 @@ def padded_call(kernel, q, k, v, *arrays):
   out = kernel(pad(q), pad(k), pad(v), *map(pad, arrays))
   if len(out) == 2:  # forward: (o, lse)
     return out[0][..., :dv], out[1]
-  dq, dk, dv_ = out
-  return dq[..., :d], dk[..., :d], dv_[..., :dv]
+  dq, dk, dv_, *rest = out
+  return dq[..., :d], dk[..., :d], dv_[..., :dv], *rest
 
 
 def forward(q, k, v, q_seg, kv_seg, *, config: MosaicConfig, **kwargs):

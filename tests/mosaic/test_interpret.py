@@ -157,22 +157,31 @@ def test_sinks_match_reference(name, config, case):
 
 
 def test_sinks_on_rows_that_see_no_key():
-  """Causal GQA whose query rows past the query length see no key (the segment-id path):
-  zeros, lse = the sink, zero dq and finite gradients there, as the reference and
-  merge.add_sinks give; the whole output, lse, dq, dk, dv and dsinks against the reference."""
+  """Causal GQA whose query rows past the query length see no key (the segment-id path), with a
+  cotangent on lse too: the output, lse, dq, dk, dv and dsinks against the reference; zeros,
+  lse = the sink and zero dq on the rows that see nothing, as merge.add_sinks gives."""
   case = _case(100, 130, h=4, kh=2, is_causal=True, features=("sinks",))
   (q, k, v, do), kw = make_inputs(case)
   kw.update(query_seq_lengths=jnp.array([70]), key_value_seq_lengths=jnp.array([100]))
-  (o, lse), grads = run("mosaic", q, k, v, do, config=MOSAIC_INTERPRET, **dict(kw))
-  up = [x.astype(jnp.float32) for x in (q, k, v, do)]
-  (o_ref, lse_ref), grads_ref = run("reference", *up, **dict(kw))
+  sinks = kw.pop("sinks")
+  dlse = jax.random.normal(jax.random.key(1), (1, 4, 100))
+
+  def fwd_bwd(impl, config, q, k, v, do):
+    attn = functools.partial(pallas_flash.flash_attention, implementation=impl, config=config,
+                             return_residuals=True, **kw)
+    out, vjp = jax.vjp(lambda q, k, v, s: attn(q, k, v, sinks=s), q, k, v, sinks)
+    return out, vjp((do, dlse))
+
+  (o, lse), grads = fwd_bwd("mosaic", MOSAIC_INTERPRET, q, k, v, do)
+  (o_ref, lse_ref), grads_ref = fwd_bwd("reference", None,
+                                        *(x.astype(jnp.float32) for x in (q, k, v, do)))
   tol = tolerance(case.dtype)
   assert_close_to_ref("out", o, o_ref, tol)
   assert_close_to_ref("lse", lse, lse_ref, 1e-5)
   for name, g, g_ref in zip(("dq", "dk", "dv", "dsinks"), grads, grads_ref, strict=True):
     assert_close_to_ref(name, g, g_ref, 2 * tol)
-  sinks = np.asarray(kw["sinks"], np.float32)[None, :, None]
-  np.testing.assert_allclose(np.asarray(lse[..., 70:]), np.broadcast_to(sinks, (1, 4, 30)),
+  np.testing.assert_allclose(np.asarray(lse[..., 70:]),
+                             np.broadcast_to(np.asarray(sinks)[None, :, None], (1, 4, 30)),
                              rtol=1e-6)
   assert np.all(np.asarray(o[:, 70:]) == 0) and np.all(np.asarray(grads[0][:, 70:]) == 0)
 

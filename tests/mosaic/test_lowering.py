@@ -91,7 +91,8 @@ def test_split_backward_is_only_the_kernels(causal):
 def test_sinks_are_an_input_of_the_forward_kernel(causal, config):
   """implementation=None on an H200 adds the sinks in the Mosaic forward: the kernel takes them
   as a fourth input and no XLA pass rescales its output (merge.add_sinks's sigmoid, a
-  `logistic`); their gradient lowers beside the backward kernels."""
+  `logistic`); their gradient lowers beside the backward kernels, and where the split backward
+  runs (causal) it reduces the dQ kernel's delta: no XLA pass over O and dO (a dot_general)."""
   case = dataclasses.replace(HD128, q_len=4096, kv_len=4096, dtype=jnp.bfloat16)
   q, kv = specs(case)
   sinks = jax.ShapeDtypeStruct((case.num_heads,), jnp.float32)
@@ -109,6 +110,8 @@ def test_sinks_are_an_input_of_the_forward_kernel(causal, config):
 
   text = export_for_h200(fwd_bwd, q, kv, kv, sinks, q).mlir_module()
   assert text.count("custom_call @mosaic_gpu_v2") >= 2 and "logistic" not in text
+  if causal:
+    assert text.count("custom_call @mosaic_gpu_v2") == 3 and "dot_general" not in text
 
 
 @pytest.mark.parametrize("head_dim,fused_backward", [(64, False), (128, False), (256, False),
