@@ -125,6 +125,38 @@ def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
 CHECKPOINT_NAME = "pallas_flash.attention"
 
 
+def backward_from_residuals(backend: backends.Backend, params: AttentionParams, config,
+                            res: tuple, cotangents: tuple) -> tuple:
+  """The VJP rule of `_differentiable` (also that of pallas_flash.fp8's training path):
+  cotangents (q, k, v, None, None, FeatureArrays(bias=dbias, sinks=dsinks)) of the inputs,
+  from the residuals (q, k, v, q_seg, kv_seg, arrays, o, lse) and the cotangents (do, dlse)
+  of (o, lse), either of which may be a SymbolicZero. The backend recomputes the scores from
+  q, k, v and lse."""
+  q, k, v, q_seg, kv_seg, arrays, o, lse = res
+  do, dlse = cotangents
+  if isinstance(do, SymbolicZero):  # only lse is differentiated
+    do = jnp.zeros(o.shape, q.dtype)
+  # None when lse is unused (symbolic zeros), so that no zero array is materialised.
+  dlse = None if isinstance(dlse, SymbolicZero) else dlse
+  # delta = rowsum(dO * O) is FA2's backward preprocessing; a cotangent on lse enters the
+  # score gradient as p * dlse, which is the same as subtracting it from delta.
+  if backend.computes_delta:
+    delta = None if dlse is None else -dlse
+  else:
+    delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32))
+    if dlse is not None:
+      delta = delta - dlse
+    # +inf on fully masked rows makes every recomputed probability exp(s - lse) exactly 0.
+    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+  uses_arrays = bool(params.features) or params.has_sinks
+  kw = dict(params=params, config=config, **({"arrays": arrays} if uses_arrays else {}))
+  grads = backend.backward(q, k, v, q_seg, kv_seg, o, lse, do.astype(q.dtype), delta, **kw)
+  extra = list(grads[3:])  # [dbias][, dsinks]
+  dbias = extra.pop(0).astype(arrays.bias.dtype) if params.has_bias else None
+  dsinks = extra.pop(0) if params.has_sinks else None
+  return (*grads[:3], None, None, FeatureArrays(bias=dbias, sinks=dsinks))
+
+
 @functools.cache
 def _differentiable(name: str, params: AttentionParams, config) -> Callable:
   """A custom_vjp attention for one backend and static configuration.
@@ -151,28 +183,7 @@ def _differentiable(name: str, params: AttentionParams, config) -> Callable:
     return (o, lse), (q, k, v, q_seg, kv_seg, arrays, o, lse)
 
   def attention_bwd(res, cotangents):
-    q, k, v, q_seg, kv_seg, arrays, o, lse = res
-    do, dlse = cotangents
-    if isinstance(do, SymbolicZero):  # only lse is differentiated
-      do = jnp.zeros(o.shape, q.dtype)
-    # None when lse is unused (symbolic zeros), so that no zero array is materialised.
-    dlse = None if isinstance(dlse, SymbolicZero) else dlse
-    # delta = rowsum(dO * O) is FA2's backward preprocessing; a cotangent on lse enters the
-    # score gradient as p * dlse, which is the same as subtracting it from delta.
-    if backend.computes_delta:
-      delta = None if dlse is None else -dlse
-    else:
-      delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32))
-      if dlse is not None:
-        delta = delta - dlse
-      # +inf on fully masked rows makes every recomputed probability exp(s - lse) exactly 0.
-      lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
-    grads = backend.backward(q, k, v, q_seg, kv_seg, o, lse, do.astype(q.dtype), delta,
-                             **kw(arrays))
-    extra = list(grads[3:])  # [dbias][, dsinks]
-    dbias = extra.pop(0).astype(arrays.bias.dtype) if params.has_bias else None
-    dsinks = extra.pop(0) if params.has_sinks else None
-    return (*grads[:3], None, None, FeatureArrays(bias=dbias, sinks=dsinks))
+    return backward_from_residuals(backend, params, config, res, cotangents)
 
   attention.defvjp(attention_fwd, attention_bwd, symbolic_zeros=True)
   return attention
@@ -263,7 +274,9 @@ def flash_attention(
       as `pallas_flash.fp8.quantize` returns them. On a Hopper GPU, causal or full attention
       with per-tensor or per-(batch, head) scales runs the Mosaic FP8 forward (None or
       "mosaic"); every other FP8 call runs the float32 attention on the dequantized inputs
-      (`explain` says which and why). No gradient with respect to FP8 inputs; docs/fp8.md.
+      (`explain` says which and why). No gradient with respect to FP8 inputs: to train,
+      differentiate the bf16 activations with `pallas_flash.fp8.quantized_attention`
+      (docs/fp8.md, "Training").
     out_dtype: the output dtype of an FP8 call (default bfloat16).
     deterministic: True guarantees bitwise-identical gradients run to run. Every default path
       gives them but one: the Mosaic backward of long head-dim-128 calls (causal: at least 8K

@@ -66,6 +66,13 @@ def load(name: str) -> Backend | str:
                  getattr(mod, "unmeasured_reason", None))
 
 
+def config_type_reason(name: str, config_type: type, config) -> str | None:
+  """Why `config` is not one that implementation `name` takes (None: it is, or is None)."""
+  if config is None or isinstance(config, config_type):
+    return None
+  return f"config is a {type(config).__name__}, but {name!r} takes a {config_type.__name__}"
+
+
 def reason(name: str, info: CallInfo, config) -> str | None:
   """Why implementation `name` cannot run the call `info` with `config` (None: it can)."""
   if name == "reference":
@@ -73,9 +80,8 @@ def reason(name: str, info: CallInfo, config) -> str | None:
   backend = load(name)
   if isinstance(backend, str):
     return backend
-  if config is not None and not isinstance(config, backend.config_type):
-    return (f"config is a {type(config).__name__}, but {name!r} takes a "
-            f"{backend.config_type.__name__}")
+  if (why := config_type_reason(name, backend.config_type, config)) is not None:
+    return why
   missing = info.params.features - backend.features
   if missing:
     return f"{name} does not support {', '.join(sorted(missing))} yet"

@@ -20,11 +20,14 @@ applies the v scale to the output; per-block scales run the reference semantics.
 
 Gradients: `flash_attention` refuses to differentiate FP8 inputs or their scales (an e4m3
 cotangent flushes everything below 2**-9 to zero, and an FP8 array is a quantised copy, not a
-parameter); there is no FP8 backward kernel. `quantized_attention(q, k, v, ...)` takes the
-bf16 activations, quantises them (`quantize`) and differentiates straight through the
-quantiser on the reference semantics: its gradient is the attention's gradient at the
-dequantized values, carried to q, k, v as if quantisation were the identity (through the
-rotation when `rotate=True`).
+parameter). Training goes through `quantized_attention(q, k, v, ...)`: it takes the bf16
+activations, quantises them (`quantize`) and differentiates straight through the quantiser:
+its gradient is the attention's gradient at the dequantized values, carried to q, k, v as if
+quantisation were the identity (through the rotation when `rotate=True`). On a Hopper GPU
+(causal or full attention, per-tensor or per-(batch, head) scales) its forward is the Mosaic
+FP8 forward and its backward our bf16 Mosaic backward on the dequantized values in bf16,
+recomputing from the FP8 forward's output and lse; elsewhere a backend's float32 forward and
+backward on the dequantized values (`_training_plan`, docs/fp8.md "Training").
 """
 
 from __future__ import annotations
@@ -37,8 +40,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import custom_vjp_primal_tree_values
 
-from pallas_flash import _tiling, api, validation
+from pallas_flash import _tiling, api, backends, validation
+from pallas_flash.call import FeatureArrays
 from pallas_flash.context_parallel import sharding as _cp_sharding
 
 __all__ = ["E4M3_MAX", "Fp8Scales", "dequantize", "hadamard_rotation", "quantize",
@@ -47,10 +53,6 @@ __all__ = ["E4M3_MAX", "Fp8Scales", "dequantize", "hadamard_rotation", "quantize
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448: quantize maps each scale group's max here
 LOG2E = math.log2(math.e)
-# Why quantized_attention never runs the Mosaic FP8 kernel.
-QUANTIZED_MOSAIC_REASON = ("quantized_attention is differentiable and the Mosaic FP8 kernel is "
-                           "forward-only: it runs the reference semantics (call "
-                           "flash_attention on quantize's outputs for the kernel)")
 _OUT_DTYPES = tuple(jnp.dtype(t) for t in (jnp.bfloat16, jnp.float16, jnp.float32))
 
 
@@ -307,7 +309,6 @@ def _f32_call_info(query, key, value, kwargs):
 
 def mosaic_reason(query, key, value, scales: Fp8Scales, out, kwargs) -> str | None:
   """Why the Mosaic FP8 forward cannot run this (checked) FP8 call, or None when it can."""
-  from pallas_flash import backends  # noqa: PLC0415
   mosaic = backends.load("mosaic")
   if isinstance(mosaic, str):
     return mosaic
@@ -356,6 +357,16 @@ def _mosaic_fn(causal: bool, scale: float, out, config):
   return run
 
 
+def _kernel_descales(scales: Fp8Scales, q8, k8, params, unbatched: bool):
+  """(c, v_descale) [B, H] of the Mosaic FP8 forward: c = q descale · k descale · softmax
+  scale · log2 e, folded into its exp2; v_descale scales its output. q8, k8 batched."""
+  b, _, h, _ = q8.shape
+  group = h // k8.shape[2]
+  c = (_per_head(scales.q, b, h, 1, unbatched) * _per_head(scales.k, b, h, group, unbatched)
+       * (params.scale * LOG2E))
+  return c, _per_head(scales.v, b, h, group, unbatched)
+
+
 def _mosaic_attention(query, key, value, scales: Fp8Scales, out, kwargs):
   """flash_attention's result for an FP8 call the Mosaic FP8 forward runs."""
   if kwargs.get("return_residuals") and kwargs.get("return_residual"):
@@ -364,11 +375,7 @@ def _mosaic_attention(query, key, value, scales: Fp8Scales, out, kwargs):
   params = _f32_call_info(query, key, value, kwargs).params
   unbatched = len(query.shape) == 3
   q8, k8, v8 = (x[None] if unbatched else x for x in (query, key, value))
-  b, _, h, _ = q8.shape
-  group = h // k8.shape[2]
-  c = (_per_head(scales.q, b, h, 1, unbatched) * _per_head(scales.k, b, h, group, unbatched)
-       * (params.scale * LOG2E))
-  v_descale = _per_head(scales.v, b, h, group, unbatched)
+  c, v_descale = _kernel_descales(scales, q8, k8, params, unbatched)
   o, lse = _mosaic_fn(params.is_causal, params.scale, out, kwargs.get("config"))(
       q8, k8, v8, c, v_descale)
   if unbatched:
@@ -471,31 +478,163 @@ def _straight_through_bwd(res, g):
 _straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
 
 
+@dataclasses.dataclass(frozen=True)
+class _TrainingPlan:
+  """How quantized_attention's custom_vjp runs a call (static, hashable).
+
+  fp8_kernel True: the Mosaic FP8 forward (with `fp8_config`), then `name`'s ("mosaic")
+  backward on the dequantized inputs in bfloat16 with `config`. False: `name`'s forward and
+  backward on the dequantized inputs in float32 (the reference semantics)."""
+
+  name: str
+  params: Any
+  config: Any
+  fp8_kernel: bool
+  fp8_config: Any = None
+
+  @property
+  def grad_dtype(self):
+    return jnp.dtype(jnp.bfloat16 if self.fp8_kernel else jnp.float32)
+
+
+def _dequantized(q8, k8, v8, scales: Fp8Scales, dtype) -> tuple[jax.Array, ...]:
+  return tuple(dequantize(x, s, scales.block).astype(dtype)
+               for x, s in ((q8, scales.q), (k8, scales.k), (v8, scales.v)))
+
+
+@functools.cache
+def _training_attention(plan: _TrainingPlan, out, block):
+  """(q, k, v) [B, ...] -> (o in `out`, lse [B, H, T]): `quantize(q, k, v, block=block)`, then
+  attention on the quantised values as `plan` says, under one custom_vjp whose backward is
+  api.backward_from_residuals (flash_attention's) on the dequantized values, the gradients
+  straight through the quantiser to q, k, v in their dtypes."""
+  from pallas_flash import mosaic_gpu  # noqa: PLC0415
+  backend = backends.load(plan.name)
+  params = plan.params
+
+  def forward(q, k, v):
+    (q8, k8, v8), scales = quantize(q, k, v, block=block)
+    if plan.fp8_kernel:
+      c, v_descale = _kernel_descales(scales, q8, k8, params, unbatched=False)
+      o, lse = mosaic_gpu.fp8_forward(q8, k8, v8, c, v_descale, causal=params.is_causal,
+                                      scale=params.scale, out_dtype=out,
+                                      config=plan.fp8_config)
+    else:
+      o, lse = backend.forward(*_dequantized(q8, k8, v8, scales, plan.grad_dtype), None, None,
+                               params=params, config=plan.config)
+    return o, lse, (q8, k8, v8, scales)
+
+  @jax.custom_vjp
+  def attention(q, k, v):
+    o, lse, _ = forward(q, k, v)
+    return o.astype(out), lse
+
+  def attention_fwd(*primals):
+    q, k, v = custom_vjp_primal_tree_values(primals)
+    o, lse, quantized = forward(q, k, v)
+    o, lse = checkpoint_name((o, lse), api.CHECKPOINT_NAME)
+    dtypes = tuple(jnp.zeros((0,), x.dtype) for x in (q, k, v))  # the inputs' dtypes only
+    return (o.astype(out), lse), (dtypes, quantized, o, lse)
+
+  def attention_bwd(res, cotangents):
+    dtypes, (q8, k8, v8, scales), o, lse = res
+    deq = _dequantized(q8, k8, v8, scales, plan.grad_dtype)
+    grads = api.backward_from_residuals(
+        backend, params, plan.config,
+        (*deq, None, None, FeatureArrays(), o.astype(plan.grad_dtype), lse), cotangents)
+    return tuple(g.astype(d.dtype) for g, d in zip(grads[:3], dtypes))
+
+  attention.defvjp(attention_fwd, attention_bwd, symbolic_zeros=True)
+  return attention
+
+
+def _training_plan(inputs, scales: Fp8Scales, out, kwargs) -> _TrainingPlan | None:
+  """How quantized_attention runs on the (rotated) `inputs` whose quantised scales are
+  `scales`: the Mosaic FP8 forward and bf16 backward where both run the call (implementation
+  None or "mosaic"), else a backend's forward and backward on the float32 dequantized values
+  for causal or full attention; None for the rest (features, segment ids, sinks, sharded
+  inputs, implementation="reference"), which run flash_attention on the dequantized values."""
+  implementation = kwargs.get("implementation")
+  backends.check_implementation(implementation)
+  if implementation in (None, "mosaic"):
+    why = mosaic_reason(*inputs, scales, out, kwargs)
+    if why is None:
+      kw = {n: x for n, x in kwargs.items() if n in validation.DEFAULTS}
+      bf16 = [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in inputs]
+      info = validation.abstract_call_info(*bf16, validation.with_defaults(kw))
+      config = kwargs.get("config")
+      why = backends.reason("mosaic", info, config)
+      if why is None:
+        return _TrainingPlan("mosaic", info.params,
+                             backends.resolve_config("mosaic", info, config), True, config)
+      why = f"the bf16 Mosaic backward cannot run the call: {why}"
+    if implementation == "mosaic":
+      raise NotImplementedError(f"implementation='mosaic' cannot run this call: {why}.")
+  if (_cp_sharding.sequence_sharding(*inputs) is not None
+      or _cp_sharding.batch_head_sharding(inputs[0]) is not None):
+    return None
+  kwargs = _float32_kwargs(kwargs)
+  info = _f32_call_info(*inputs, kwargs)
+  if info.params.features or info.params.has_segments or kwargs.get("sinks") is not None:
+    return None
+  name = backends.choose(info, implementation, kwargs.get("config"))
+  if name == "reference":
+    return None
+  return _TrainingPlan(name, info.params,
+                       backends.resolve_config(name, info, kwargs.get("config")), False)
+
+
 def quantized_attention(q, k, v, *, rotate: bool = False, block: int | str | None = None,
                         key: jax.Array | None = None, out_dtype=None, **kwargs):
-  """FP8 attention on bf16 (or any float) activations: `quantize` then `flash_attention`.
+  """FP8 attention on bf16 (or any float) activations, differentiable: the training path.
 
-  Same forward as `flash_attention(*quantize(q, k, v, ...))`; differentiable with respect to
-  q, k, v by the straight-through estimator (and to bias / sinks as usual). kwargs: those of
-  flash_attention (is_causal, segment ids, implementation, ...). Output: out_dtype, default
-  bfloat16.
+  The forward is that of `flash_attention(*quantize(q, k, v, rotate=, block=, key=))`; the
+  gradient with respect to q, k, v is straight-through: the attention's gradient at the
+  dequantized values, carried to q, k, v as if quantisation were the identity (back through
+  the rotation when `rotate=True`). On a Hopper GPU, causal or full attention with per-tensor
+  or per-(batch, head) scales (block None or "head") runs the Mosaic FP8 forward and, for the
+  gradient, the bf16 Mosaic backward on the dequantized values rounded to bfloat16,
+  recomputing from the FP8 forward's output and lse (`deterministic=True` as for bf16
+  inputs); elsewhere the float32 attention on the dequantized values (`xla` on CPU, `triton`
+  on a GPU) runs both. kwargs: those of flash_attention (is_causal, segment ids,
+  implementation, config, deterministic, return_residuals, ...); a MosaicConfig configures
+  the FP8 forward and the bf16 backward alike. Output: out_dtype, default bfloat16.
   """
   _check_block_option(block)
+  if kwargs.get("return_residuals") and kwargs.get("return_residual"):
+    raise ValueError("Pass one of `return_residuals` (float32 [B, H, T], differentiable) and "
+                     "`return_residual` (jax.nn's: [B, T, H] in the output dtype, "
+                     "stop_gradient), not both.")
   rotation = hadamard_rotation(q.shape[-1], key) if rotate else None
   inputs = [q, k, v]
   if rotation is not None:
     inputs[:2] = (_rotate(x, rotation) for x in inputs[:2])
+  abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
+  (q8, k8, v8), scales = jax.eval_shape(functools.partial(quantize, block=block), *abstract)
+  scales, out = check_call(q8, k8, v8, scales, out_dtype)
+  plan = _training_plan(inputs, scales, out, kwargs)
+  if plan is None:
+    return _straight_through_attention(inputs, block, out, kwargs)
+  unbatched = q.ndim == 3
+  o, lse = _training_attention(plan, out, block)(
+      *(x[None] if unbatched else x for x in inputs))
+  if unbatched:
+    o, lse = o[0], lse[0]
+  if kwargs.get("return_residual"):
+    return o, jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(o.dtype))
+  if kwargs.get("return_residuals"):
+    return o, lse
+  return o
+
+
+def _straight_through_attention(inputs, block, out, kwargs):
+  """quantized_attention's calls outside `_training_attention` (features, segment ids, sinks,
+  sharded inputs, implementation="reference"): flash_attention on the dequantized values,
+  the cotangent straight through to the (rotated) inputs."""
   (q8, k8, v8), scales = quantize(*(jax.lax.stop_gradient(x) for x in inputs), block=block)
-  if kwargs.get("implementation") == "mosaic":
-    raise NotImplementedError(
-        f"implementation='mosaic' cannot run this call: {QUANTIZED_MOSAIC_REASON}.")
-  # The reference semantics, as flash_attention_fp8 runs them, but differentiable: the
-  # dequantized values forward, the cotangent straight through to the (rotated) inputs.
-  deq = (dequantize(x8, s, scales.block)
-         for x8, s in ((q8, scales.q), (k8, scales.k), (v8, scales.v)))
+  deq = _dequantized(q8, k8, v8, scales, jnp.float32)
   args = [_straight_through(x, x_hat) for x, x_hat in zip(inputs, deq)]
-  _, out = check_call(q8, k8, v8, scales, out_dtype)
-  result = api.flash_attention(*args, **kwargs)
+  result = api.flash_attention(*args, **_float32_kwargs(kwargs))
   if isinstance(result, tuple):
     return (result[0].astype(out), *result[1:])
   return result.astype(out)

@@ -132,6 +132,7 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
 
   import pallas_flash
   from pallas_flash.mosaic_gpu import TUNED, MosaicConfig
+  from pallas_flash.mosaic_gpu.config import config_head_dim
 
   mode, causal, kw = variant(name)
   b, t, h, d = shape[:4]
@@ -141,7 +142,7 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   softcap = kw.pop("softcap", None)
   window = kw.pop("window", None)
   sinks = kw.pop("sinks", False)
-  config = dataclasses.replace(TUNED.get((d, causal), MosaicConfig()), **kw)
+  config = dataclasses.replace(TUNED.get((config_head_dim(d, d), causal), MosaicConfig()), **kw)
   ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // 1000, (b, t))
   features = dict(query_segment_ids=ids, key_value_segment_ids=ids) if segments else {}
   if softcap is not None:

@@ -9,6 +9,7 @@ error against `TOLERANCES`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 
 import jax
@@ -277,3 +278,57 @@ def check_fp8_against_reference(case: Case, *, config=None, block=None, out_dtyp
   exact = pallas_flash.flash_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
                                        implementation="reference", **kwargs)
   assert_close_to_ref("fp8 out vs float32", o, exact, FP8_TOLERANCE)
+
+
+# pallas_flash.fp8.quantized_attention's gradients on the Mosaic path (the FP8 forward, then
+# the bf16 Mosaic backward on the dequantized values rounded to bf16) against the float32
+# gradient of the same dequantized attention: the bf16 backward's own budget
+# (2 * TOLERANCES[bf16], gradients getting twice the forward's) plus the FP8 forward's output
+# error (FP8_KERNEL_TOLERANCE), which enters the gradient only through delta = rowsum(dO∘O):
+# delta is linear in O, so a relative error e in O is at most e relative in delta, and
+# dS = P∘(dP - delta) is linear in delta. Measured in the interpreter (tests/mosaic/
+# test_interpret.py's cases, 2 seeds): 0.004-0.034, the largest in dq and dk, where the bf16
+# backward alone on the same dequantized values has 0.004.
+FP8_TRAINING_TOLERANCE = 2 * TOLERANCES[jnp.dtype(jnp.bfloat16)] + FP8_KERNEL_TOLERANCE
+
+
+def check_fp8_training(case: Case, *, tol: float, seed: int | None = None, **kwargs):
+  """quantized_attention's gradients on `case`'s bf16 inputs, of the loss sum(o·do) +
+  sum(lse·dl) (both cotangents), against the float32 reference's gradient of the dequantized
+  attention (rotated back with `rotate`) within `tol`, and against the float32 attention of
+  the unquantised inputs within 2 * FP8_TOLERANCE. kwargs: quantized_attention's. Returns
+  the gradients (dq, dk, dv)."""
+  from pallas_flash import fp8
+
+  (q, k, v, do), case_kwargs = make_inputs(case, seed)
+  kwargs = {**case_kwargs, **kwargs}
+  dl = jax.random.normal(jax.random.key(case.seed + 1),
+                         (case.batch, case.num_heads, case.q_len), jnp.float32)
+
+  def grads(f, *xs):
+    def loss(*xs):
+      o, lse = f(*xs, return_residuals=True)
+      return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)) + jnp.sum(lse * dl)
+    return jax.grad(loss, argnums=(0, 1, 2))(*xs)
+
+  got = jax.jit(functools.partial(grads, functools.partial(fp8.quantized_attention, **kwargs)))(
+      q, k, v)
+  rotate, block, key = (kwargs.pop(n, d) for n, d in (("rotate", False), ("block", None),
+                                                       ("key", None)))
+  ref_kwargs = {n: x for n, x in kwargs.items()
+                if n not in ("implementation", "config", "deterministic", "out_dtype")}
+  reference = functools.partial(pallas_flash.flash_attention, implementation="reference",
+                                **ref_kwargs)
+  (q8, k8, v8), scales = fp8.quantize(q, k, v, rotate=rotate, block=block, key=key)
+  deq = [fp8.dequantize(x, s, scales.block)
+         for x, s in zip((q8, k8, v8), (scales.q, scales.k, scales.v))]
+  want = grads(reference, *deq)
+  if rotate:  # q·R and k·R were quantised: their gradients carried back are (·)·Rᵀ
+    r = fp8.hadamard_rotation(case.head_dim, key)
+    want = (want[0] @ r.T, want[1] @ r.T, want[2])
+  exact = grads(reference, *(x.astype(jnp.float32) for x in (q, k, v)))
+  for name, g, w, e in zip(("dq", "dk", "dv"), got, want, exact):
+    assert g.dtype == q.dtype, f"{name} dtype {g.dtype}"
+    assert_close_to_ref(f"{name} vs the dequantized attention", g, w, tol)
+    assert_close_to_ref(f"{name} vs float32", g, e, 2 * FP8_TOLERANCE)
+  return got

@@ -8,6 +8,7 @@ Usage (from the repository root; see docs/perf.md for how numbers are produced):
   python -m pallas_flash.bench --shapes cpu --impl xla,reference --iters 2 --settle-ms 0  # CPU
   python -m pallas_flash.bench --decode [--quick]   # KV-cache decode bandwidth (bench/decode.py)
   python -m pallas_flash.bench --fp8 [--quick]      # FP8 accuracy report (bench/fp8.py)
+  python -m pallas_flash.bench --fp8-training       # its forward+backward rows only
   python -m pallas_flash.bench --features [LIST] --json features.json  # bench/features.py
 
 Implementations: mosaic, triton, xla (blockwise), interpret, reference (pallas_flash), cudnn and
@@ -135,7 +136,7 @@ def slice_kwargs(impl: str, spec: shapes.ShapeSpec, *, is_causal: bool) -> dict:
   if impl != "mosaic":
     return {}
   params = AttentionParams(scale=spec.head_dim ** -0.5, is_causal=is_causal, has_segments=False)
-  head_dim = mosaic_config.kernel_head_dim(spec.head_dim, spec.dv)
+  head_dim = mosaic_config.config_head_dim(spec.head_dim, spec.dv)
   return {"config": mosaic_config.call_config(head_dim, params, spec.seq_len, spec.batch)}
 
 
@@ -339,7 +340,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
   dtype = DTYPES[opts.dtype]
   meta = run_metadata()
   print(" ".join(f"{k}={v}" for k, v in meta.items()))
-  if opts.fp8:
+  if opts.fp8 or opts.fp8_training:
     rows = fp8_report.run_fp8(opts)
   elif opts.decode:
     rows = decode.run_decode(opts, dtype, on_rows=lambda r: _write_json(opts, r, meta))

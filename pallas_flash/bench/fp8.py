@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -60,18 +61,23 @@ FP8_ROWS = (("fp8 tensor", None, False), ("fp8 tensor +rot", None, True),
 def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--fp8", action="store_true",
                  help="FP8 accuracy report (bench/fp8.py); --quick: small shapes")
+  p.add_argument("--fp8-training", action="store_true",
+                 help="only the forward+backward rows of --fp8 (gradient accuracy and "
+                      "training speed)")
 
 
 def make_inputs(shape: Shape, *, outliers: bool, seed: int) -> tuple[jax.Array, ...]:
   """bf16 q, k, v [B, T, H, D], drawn in float32 (jax's bf16 normals are capped near 2.9)."""
-  keys = jax.random.split(jax.random.key(seed), 6)
+  keys = jax.random.split(jax.random.key(seed), 9)
   dims = (shape.batch, shape.seq_len, shape.num_heads, shape.head_dim)
   out = []
   for i in range(3):
     x = jax.random.normal(keys[i], dims, jnp.float32)
     if outliers:
+      # The hits and their values need keys of their own: one key for both would put every
+      # hit (uniform < 1e-3) at the normal's far negative tail, about -34, not N(0, 10²).
       hit = jax.random.bernoulli(keys[3 + i], OUTLIER_FRACTION, dims)
-      x = x + jnp.where(hit, OUTLIER_STD * jax.random.normal(keys[3 + i], dims), 0.0)
+      x = x + jnp.where(hit, OUTLIER_STD * jax.random.normal(keys[6 + i], dims), 0.0)
     out.append(x.astype(jnp.bfloat16))
   return tuple(out)
 
@@ -282,11 +288,148 @@ def print_speed(rows: list[dict]) -> None:
             f"{r['cudnn_fp8_rmse']:.1e}/{r['cudnn_fp8_max_err']:.1e} (e4m3 output)")
 
 
+# ---------------------------------------------------------------------------------------------
+# Training: forward + backward (fp8.quantized_attention against bf16)
+
+# (row name, rotate): fp8.quantized_attention on the bf16 inputs (per-tensor scales), beside
+# flash_attention's bf16 gradient.
+GRAD_ROWS = (("fp8 tensor", False), ("fp8 tensor +rot", True))
+
+
+def _grad_errors(grads, ref) -> dict:
+  """Per gradient (dq, dk, dv): RMSE / RMS(ref) and max |error| / max |ref|."""
+  out = {}
+  for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+    err = g.astype(jnp.float32) - r
+    out[f"{name}_rel_rmse"] = float(jnp.sqrt(jnp.mean(err * err) / jnp.mean(r * r)))
+    out[f"{name}_rel_max"] = float(jnp.max(jnp.abs(err)) / jnp.max(jnp.abs(r)))
+  return out
+
+
+def training_impl(q, k, v, **kwargs) -> str:
+  """What runs fp8.quantized_attention(q, k, v, **kwargs), in words."""
+  _, scales = jax.eval_shape(fp8.quantize, q, k, v)
+  plan = fp8._training_plan([q, k, v], scales, jnp.dtype(jnp.bfloat16), kwargs)
+  if plan is None:
+    return "flash_attention on the dequantized values"
+  if plan.fp8_kernel:
+    return "mosaic FP8 forward + bf16 mosaic backward"
+  return f"{plan.name} forward + backward (dequantized to float32)"
+
+
+def _grad_fn(attention, do):
+  """jit(grad of sum(attention(q, k, v) · do)) with respect to q, k, v."""
+  return jax.jit(jax.grad(lambda *xs: jnp.sum(attention(*xs).astype(jnp.float32) * do),
+                          argnums=(0, 1, 2)))
+
+
+def run_grad_rows(shape: Shape, *, outliers: bool, seed: int) -> list[dict]:
+  """Gradients (dq, dk, dv) of sum(o · do) of one input kind against the float32 reference's
+  on the bf16 inputs: bf16 flash_attention, then each of GRAD_ROWS."""
+  q, k, v = make_inputs(shape, outliers=outliers, seed=seed)
+  do = jax.random.normal(jax.random.key(seed + 1), q.shape, jnp.float32)
+  ref = _grad_fn(functools.partial(pallas_flash.flash_attention, implementation="reference"),
+                 do)(*(x.astype(jnp.float32) for x in (q, k, v)))
+  base = {"kind": "fp8_grad_accuracy", "inputs": "outliers" if outliers else "normal",
+          "batch": shape.batch, "seq_len": shape.seq_len, "num_heads": shape.num_heads,
+          "head_dim": shape.head_dim, "status": "ok"}
+  grads = _grad_fn(pallas_flash.flash_attention, do)(q, k, v)
+  rows = [{**base, "row": "bf16", "impl": pallas_flash.explain(q, k, v).chosen,
+           **_grad_errors(grads, ref)}]
+  for name, rotate in GRAD_ROWS:
+    grads = _grad_fn(functools.partial(fp8.quantized_attention, rotate=rotate), do)(q, k, v)
+    rows.append({**base, "row": name, "impl": training_impl(q, k, v), "rotate": rotate,
+                 **_grad_errors(grads, ref)})
+  return rows
+
+
+def print_grad_rows(rows: list[dict]) -> None:
+  r0 = rows[0]
+  print(f"\nFP8 training gradients vs the float32 reference: B{r0['batch']} T=S={r0['seq_len']}"
+        f" H{r0['num_heads']} D{r0['head_dim']}, non-causal; RMSE/RMS(ref) and max err/max|ref|"
+        " of the gradients of sum(o·do)")
+  print(f"  {'inputs':<10}{'row':<17}{'dq':>18}{'dk':>18}{'dv':>18}  impl")
+  for r in rows:
+    cols = "".join(f"{r[f'{g}_rel_rmse']:.1e}/{r[f'{g}_rel_max']:.1e}".rjust(18)
+                   for g in ("dq", "dk", "dv"))
+    print(f"  {r['inputs']:<10}{r['row']:<17}{cols}  {r['impl']}", flush=True)
+
+
+def training_speed_row(dims, *, is_causal: bool, opts: argparse.Namespace) -> dict:
+  """One forward+backward speed row: the bf16 Mosaic fwd+bwd and fp8.quantized_attention's
+  (quantisation included), without and with the rotation, on the same bf16 inputs, timed
+  interleaved as TFLOP/s of 3.5 · 4·B·H·T·S·D (halved causal)."""
+  b, t, h, d = dims
+  keys = jax.random.split(jax.random.key(opts.seed), 4)
+  q, k, v, do = (jax.random.normal(key, dims, jnp.float32).astype(jnp.bfloat16)
+                 for key in keys)
+  args = (q, k, v, do)
+
+  def step(attention):
+    def fwdbwd(q, k, v, do):
+      _, vjp = jax.vjp(attention, q, k, v)
+      return vjp(do)
+    return jax.jit(fwdbwd).lower(*args).compile()
+
+  fns = {"bf16": step(functools.partial(pallas_flash.flash_attention, is_causal=is_causal,
+                                        implementation="mosaic")),
+         **{"fp8" + label: step(functools.partial(fp8.quantized_attention, is_causal=is_causal,
+                                                  rotate=rotate, implementation="mosaic"))
+            for label, rotate in (("", False), (" +rot", True))}}
+  timings = timing.time_interleaved(fns, args, iters=opts.iters,
+                                    min_loop_s=opts.min_loop_ms / 1e3,
+                                    settle_s=opts.settle_ms / 1e3)
+  work = 3.5 * 4.0 * b * h * t * t * d / (2 if is_causal else 1)
+  row = {"kind": "fp8_training_speed", "batch": b, "seq_len": t, "num_heads": h,
+         "head_dim": d, "is_causal": is_causal, "status": "ok", "reason": None,
+         "impl": training_impl(q, k, v, is_causal=is_causal)}
+  for name, tm in timings.items():
+    key = name.replace(" +rot", "_rot")
+    row[f"{key}_ms"] = tm.median_s * 1e3
+    row[f"{key}_tflops"] = flops_lib.tflops(work, tm.median_s)
+  row["speedup"] = row["bf16_ms"] / row["fp8_ms"]
+  row["speedup_rot"] = row["bf16_ms"] / row["fp8_rot_ms"]
+  return row
+
+
+def run_training_speed(opts: argparse.Namespace) -> list[dict]:
+  if not _on_hopper():
+    return [{"kind": "fp8_training_speed", "status": "skip",
+             "reason": "the Mosaic FP8 forward and bf16 backward need a Hopper GPU"}]
+  return [training_speed_row(dims, is_causal=causal, opts=opts)
+          for dims in SPEED_SHAPES for causal in (False, True)]
+
+
+def print_training_speed(rows: list[dict]) -> None:
+  print("\nFP8 forward+backward speed (TFLOP/s of 3.5x the forward's matmuls): "
+        "fp8.quantized_attention (quantisation included) vs the bf16 Mosaic fwd+bwd")
+  if rows and rows[0]["status"] == "skip":
+    print(f"  skip: {rows[0]['reason']}")
+    return
+  print(f"  {'shape':<20}{'causal':<8}{'bf16':>8}{'fp8':>8}{'x bf16':>8}{'fp8 +rot':>10}"
+        f"{'x bf16':>8}  impl")
+  for r in rows:
+    shape = f"{r['batch']}x{r['seq_len']}x{r['num_heads']} d{r['head_dim']}"
+    f = flops_lib.format_tflops
+    print(f"  {shape:<20}{str(r['is_causal']):<8}{f(r['bf16_tflops']):>8}{f(r['fp8_tflops']):>8}"
+          f"{r['speedup']:>8.2f}{f(r['fp8_rot_tflops']):>10}{r['speedup_rot']:>8.2f}"
+          f"  {r['impl']}", flush=True)
+
+
 def run_fp8(opts: argparse.Namespace) -> list[dict]:
   shape = SHAPES["quick" if opts.quick else "full"]
-  rows = [r for outliers in (False, True)
-          for r in run_rows(shape, outliers=outliers, seed=opts.seed)]
-  print_rows(rows)
-  speed = run_speed(opts)
-  print_speed(speed)
-  return rows + speed
+  rows = []
+  if not opts.fp8_training:
+    rows = [r for outliers in (False, True)
+            for r in run_rows(shape, outliers=outliers, seed=opts.seed)]
+    print_rows(rows)
+  grads = [r for outliers in (False, True)
+           for r in run_grad_rows(shape, outliers=outliers, seed=opts.seed)]
+  print_grad_rows(grads)
+  speed = []
+  if not opts.fp8_training:
+    speed = run_speed(opts)
+    print_speed(speed)
+  training = run_training_speed(opts)
+  print_training_speed(training)
+  return rows + grads + speed + training

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from pallas_flash import merge
+from pallas_flash import backends, merge
 from pallas_flash import validation as attention_validation
 from pallas_flash.decode import cache, flash_split, validation
 from pallas_flash.decode import config as decode_config
@@ -81,9 +81,8 @@ def _reason(name: str, info: DecodeInfo, config, num_splits=None, *,
   backend = _load(name)
   if isinstance(backend, str):
     return backend
-  if config is not None and not isinstance(config, backend.config_type):
-    return (f"config is a {type(config).__name__}, but {name!r} takes a "
-            f"{backend.config_type.__name__}")
+  if (why := backends.config_type_reason(name, backend.config_type, config)) is not None:
+    return why
   return backend.unsupported_reason(info, config)
 
 

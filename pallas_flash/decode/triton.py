@@ -38,13 +38,7 @@ def unsupported_reason(info: DecodeInfo, config: TritonDecodeConfig | None, *,
   del config
   if info.head_dim > MAX_HEAD_DIM:
     return f"head_dim {info.head_dim} > {MAX_HEAD_DIM} is not supported by the Triton kernel"
-  if interpret:
-    return None
-  if info.platform != "gpu":
-    return f"needs an NVIDIA GPU (platform is {info.platform!r}); 'interpret' runs it anywhere"
-  if info.compute_capability is not None and info.compute_capability < (8, 0):
-    return f"needs compute capability >= 8.0 (Ampere), this GPU is {info.compute_capability}"
-  return None
+  return None if interpret else common.platform_reason(info.platform, info.compute_capability)
 
 
 def default_config(info: DecodeInfo) -> TritonDecodeConfig:

@@ -6,10 +6,12 @@ target's compute capability. Another generation adds its folder with the same `f
 `backward` and an entry in KERNELS. With `MosaicConfig(debug=MosaicDebug(interpret=True))`
 the sm90 kernels run in the Mosaic GPU interpreter, on any platform (slowly: for tests).
 
-The kernels run at head dims 64, 128, 192 and 256 (KERNEL_HEAD_DIMS; one head dim for Q, K
-and V). Other head dims up to 256, and a value head dim of its own, run here zero-padded to the
-next of those (`padded_call`: 80 and 96 to 128 at 128/80 or 128/96 times the matrix work, plus
-a pad and a slice in XLA; MLA's 192 / 128 pads V to 192); `implementation=None` takes a pair
+The kernels run at head dims 64, 80, 96, 128, 192 and 256 (KERNEL_HEAD_DIMS; one head dim for
+Q, K and V); 80 and 96 (NARROW_HEAD_DIMS) are head dim 128's forward and split backward at
+their own width, with a narrower shared-memory swizzle, and run a fused backward zero-padded to
+128. Other head dims up to 256, and a value head dim of its own, run here zero-padded to the
+next of those (`padded_call`: e.g. 112 to 128, 72 to 80, V of MLA's 192 / 128 to 192; the
+padded columns cost matrix work, plus a pad and a slice in XLA); `implementation=None` takes a pair
 of head dims only once measured faster than Triton (MEASURED_HEAD_DIMS).
 """
 
@@ -21,7 +23,8 @@ import jax.numpy as jnp
 
 from pallas_flash import _tiling, validation
 from pallas_flash.call import CallInfo
-from pallas_flash.mosaic_gpu.config import (KERNEL_HEAD_DIMS, TUNED, MosaicConfig, MosaicDebug,
+from pallas_flash.mosaic_gpu.config import (KERNEL_HEAD_DIMS, NARROW_HEAD_DIMS, TUNED,
+                                            MosaicConfig, MosaicDebug, backward_head_dim,
                                             default_config, kernel_head_dim)
 from pallas_flash.mosaic_gpu.sm90 import backward as sm90_backward
 from pallas_flash.mosaic_gpu.sm90 import common as sm90_common
@@ -32,9 +35,11 @@ CONFIG_TYPE = MosaicConfig
 # Major compute capability -> (forward, backward) of that generation's kernels.
 KERNELS = {9: (sm90_forward.forward, sm90_backward.backward)}
 # (head dim, value head dim) pairs measured on the H200 at least as fast here as on Triton:
-# `implementation=None` runs only these here; other head dims (192, or zero-padded to one of
-# KERNEL_HEAD_DIMS) run when asked for by name (unmeasured_reason).
-MEASURED_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256)})
+# `implementation=None` runs only these here; other head dims (zero-padded to one of
+# KERNEL_HEAD_DIMS) run when asked for by name (unmeasured_reason). 80, 96 (padded to 128),
+# 192 and 192 / 128: 1.3-2.6x Triton (docs/mosaic.md, "Other head dims").
+MEASURED_HEAD_DIMS = frozenset({(64, 64), (80, 80), (96, 96), (128, 128), (192, 192),
+                                (192, 128), (256, 256)})
 # Optional features (pallas_flash.call.FEATURES) the kernels take; calls with any other run
 # elsewhere. The soft cap's backward at head dims 192 and 256 runs the Triton kernels. ALiBi's
 # -slope·|i - j| is added to each score tile in the kernels (sm90/common.alibi).
@@ -57,13 +62,14 @@ def _kernels(config: MosaicConfig):
   return KERNELS[cc[0]]
 
 
-def padded_call(kernel, q, k, v, *arrays):
+def padded_call(kernel, q, k, v, *arrays, head_dim: int | None = None):
   """kernel(q, k, v, *arrays) with q, k, v, and the arrays of rank 4 (the backward's o and
-  do) zero-padded along the head dim to kernel_head_dim(D, Dv); its outputs of rank 4 (o;
-  dq, dk, dv) sliced back to D (q's and k's) or Dv (o's and v's columns), the backward's
-  others (dsinks) passed on. No pad or slice where D = Dv is a kernel head dim."""
+  do) zero-padded along the head dim to `head_dim` (None: kernel_head_dim(D, Dv)); its
+  outputs of rank 4 (o; dq, dk, dv) sliced back to D (q's and k's) or Dv (o's and v's
+  columns), the backward's others (dsinks) passed on. No pad or slice where D = Dv is that
+  head dim."""
   d, dv = q.shape[3], v.shape[3]
-  p = kernel_head_dim(d, dv)
+  p = kernel_head_dim(d, dv) if head_dim is None else head_dim
   if d == dv == p:
     return kernel(q, k, v, *arrays)
   pad = lambda x: x if x is None or x.ndim != 4 else _tiling.pad_axis(x, 3, p)  # noqa: E731
@@ -81,7 +87,8 @@ def forward(q, k, v, q_seg, kv_seg, *, config: MosaicConfig, **kwargs):
 
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, config: MosaicConfig, **kwargs):
   kernel = functools.partial(_kernels(config)[1], config=config, **kwargs)
-  return padded_call(kernel, q, k, v, q_seg, kv_seg, o, lse, do, delta)
+  return padded_call(kernel, q, k, v, q_seg, kv_seg, o, lse, do, delta,
+                     head_dim=backward_head_dim(q.shape[3], v.shape[3], config))
 
 
 def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> str | None:
@@ -116,6 +123,8 @@ def unmeasured_reason(call: CallInfo) -> str | None:
     return None
   p = kernel_head_dim(d, dv)
   how = "" if d == dv == p else f" zero-padded to {p}"
+  if p in NARROW_HEAD_DIMS:
+    how += " (a fused backward, where the config asks for one, zero-padded to 128)"
   return (f"mosaic runs {_dims(call)}{how} only when asked for (implementation='mosaic'): not "
           "yet measured on the GPU")
 
@@ -182,7 +191,8 @@ def fp8_unsupported_reason(call: CallInfo, *, scale_layouts, out_dtype, config=N
   return None
 
 
-__all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "FUSES_SINKS", "KERNELS", "KERNEL_HEAD_DIMS",
-           "MEASURED_HEAD_DIMS", "MosaicConfig", "MosaicDebug", "SUPPORTED_FEATURES", "TUNED",
-           "backward", "default_config", "forward", "fp8_forward", "fp8_unsupported_reason",
-           "kernel_head_dim", "padded_call", "unmeasured_reason", "unsupported_reason"]
+__all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "FUSES_SINKS", "KERNELS",
+           "KERNEL_HEAD_DIMS", "MEASURED_HEAD_DIMS", "NARROW_HEAD_DIMS", "MosaicConfig",
+           "MosaicDebug", "SUPPORTED_FEATURES", "TUNED", "backward", "default_config", "forward",
+           "fp8_forward", "fp8_unsupported_reason", "kernel_head_dim", "padded_call",
+           "unmeasured_reason", "unsupported_reason"]

@@ -204,7 +204,12 @@ def call_config(head_dim: int, params: AttentionParams, kv_len: int, batch: int)
 # The head dims the kernels run at (192: the head-dim-256 backward kernels and the forward at
 # 64-key tiles, as 256). A call with other head dims (query/key D, value Dv, both at most the
 # last) runs them zero-padded to kernel_head_dim(D, Dv).
-KERNEL_HEAD_DIMS = (64, 128, 192, 256)
+KERNEL_HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+# Head dims that the forward and the split backward kernels run at their own width, with a
+# narrower shared-memory swizzle (sm90/common.swizzle_bytes: 64 bytes at 96, 32 at 80), and
+# with head dim 128's configs (config_head_dim). The fused backward is built for head dim 128
+# only: a config that asks for it runs its backward zero-padded to 128 (backward_head_dim).
+NARROW_HEAD_DIMS = (80, 96)
 
 
 def kernel_head_dim(head_dim: int, value_head_dim: int) -> int:
@@ -215,7 +220,22 @@ def kernel_head_dim(head_dim: int, value_head_dim: int) -> int:
   return next(d for d in KERNEL_HEAD_DIMS if d >= max(head_dim, value_head_dim))
 
 
+def config_head_dim(head_dim: int, value_head_dim: int) -> int:
+  """The head dim whose tuned config (TUNED, `tuned`, `call_config`) a call takes: its kernel
+  head dim, or 128 for NARROW_HEAD_DIMS (the same kernels at fewer columns)."""
+  p = kernel_head_dim(head_dim, value_head_dim)
+  return 128 if p in NARROW_HEAD_DIMS else p
+
+
+def backward_head_dim(head_dim: int, value_head_dim: int, config: MosaicConfig) -> int:
+  """The head dim the backward kernels run at: kernel_head_dim, except 128 for a
+  NARROW_HEAD_DIMS call whose config asks for the fused backward (head dim 128 only)."""
+  p = kernel_head_dim(head_dim, value_head_dim)
+  return 128 if p in NARROW_HEAD_DIMS and config.fused_backward else p
+
+
 def default_config(info: CallInfo) -> MosaicConfig:
-  """The config of a call that passes none: that of the head dim its kernels run at."""
-  return call_config(kernel_head_dim(info.head_dim, info.value_head_dim), info.params,
+  """The config of a call that passes none: that of the head dim its kernels run at
+  (config_head_dim)."""
+  return call_config(config_head_dim(info.head_dim, info.value_head_dim), info.params,
                      info.kv_len, info.batch)

@@ -113,12 +113,15 @@ def unsupported_reason(call: CallInfo, config: TritonConfig | None = None, *,
             "(Triton tiles); rebuild the BlockMask with such blocks")
   if (why := block_mask_reason(call, config)) is not None:
     return why
-  if interpret:
-    return None
-  if call.platform != "gpu":
-    return f"needs an NVIDIA GPU (platform is {call.platform!r}); 'interpret' runs it anywhere"
-  if call.compute_capability is not None and call.compute_capability < (8, 0):
-    return f"needs compute capability >= 8.0 (Ampere), this GPU is {call.compute_capability}"
+  return None if interpret else platform_reason(call.platform, call.compute_capability)
+
+
+def platform_reason(platform: str, compute_capability: tuple[int, int] | None) -> str | None:
+  """Why the Triton kernels (compiled, not interpreted) cannot run here, or None."""
+  if platform != "gpu":
+    return f"needs an NVIDIA GPU (platform is {platform!r}); 'interpret' runs it anywhere"
+  if compute_capability is not None and compute_capability < (8, 0):
+    return f"needs compute capability >= 8.0 (Ampere), this GPU is {compute_capability}"
   return None
 
 

@@ -12,8 +12,9 @@ import pytest
 import pallas_flash
 from pallas_flash.mosaic_gpu import TUNED
 from pallas_flash.mosaic_gpu import config as mconfig
-from testing import (Case, check_against_reference, check_fp8_against_reference, make_inputs,
-                     max_rel_err, on_hopper, run)
+from testing import (FP8_TRAINING_TOLERANCE, Case, check_against_reference,
+                     check_fp8_against_reference, check_fp8_training, make_inputs, max_rel_err,
+                     on_hopper, run)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not on_hopper(), reason="needs a Hopper (sm_90) GPU")]
@@ -37,11 +38,11 @@ CASES = [
 ]
 
 
-def _assert_reproducible(case: Case, config=None):
+def _assert_reproducible(case: Case, config=None, **extra):
   """A second run gives bitwise the same outputs and gradients."""
   (q, k, v, do), kw = make_inputs(case)
-  first = jax.tree.leaves(run("mosaic", q, k, v, do, config=config, **dict(kw)))
-  again = jax.tree.leaves(run("mosaic", q, k, v, do, config=config, **dict(kw)))
+  first = jax.tree.leaves(run("mosaic", q, k, v, do, config=config, **dict(kw), **extra))
+  again = jax.tree.leaves(run("mosaic", q, k, v, do, config=config, **dict(kw), **extra))
   assert all(bool(jnp.array_equal(a, b)) for a, b in zip(first, again, strict=True))
 
 
@@ -142,10 +143,11 @@ def test_alibi(case):
   _assert_reproducible(case)
 
 
-# Attention sinks, added in the forward kernels' epilogue (dsinks in XLA): the training shape
-# causal and not (the fused backward at 4K non-causal), head dim 64 and 256 with GQA, lengths
-# (rows that see no key: lse = the sink), segment ids with ALiBi, a window with a soft cap (at
-# head dim 256 the Triton backward kernels), and the persistent and split-tail forwards.
+# Attention sinks, added in the forward kernels' epilogue (dsinks from the backward's delta):
+# the training shape causal and not (the fused backward at 4K non-causal), head dim 64 and 256
+# with GQA, lengths (rows that see no key: lse = the sink), segment ids with ALiBi, a window
+# with a soft cap (at head dim 256 the Triton backward kernels), and the persistent and
+# split-tail forwards.
 SINKS_CASES = [
     _case(4, 2048, 2048, 8, 2, 128, True, features=("sinks",)),
     _case(2, 4096, 4096, 4, 2, 128, False, features=("sinks",)),
@@ -175,14 +177,18 @@ def test_sinks_forms(name, changes, case):
   check_against_reference("mosaic", case, config=config)
 
 
-# Head dims 80 and 96 (zero-padded to 128), 192 (its own kernels: the forward at 64-key tiles,
-# hd256.py's backward) and MLA's 192 / 128 (V padded to 192), by name (not yet the automatic
-# choice): the training shape with GQA, causal and not, then segment ids and a soft cap (at
-# 192 the Triton backward kernels) on ragged lengths.
+# Head dims 80 and 96 (head dim 128's forward and split backward at their own width; the
+# fused backward, which the non-causal training shape takes, zero-padded to 128), 192 (its own
+# kernels: the forward at 64-key tiles, hd256.py's backward) and MLA's 192 / 128 (V padded to
+# 192), by name (not yet the automatic choice): the training shape with GQA, causal and not,
+# then segment ids and a soft cap (at 192 the Triton backward kernels) on ragged lengths, and
+# 96 past MEDIUM_KV_LEN keys (192-key forward tiles, a key tail, the split backward).
 HEAD_DIM_CASES = [
     *(_case(2, 2048, 2048, 8, 2, d, causal, value_head_dim=dv)
       for d, dv in ((80, None), (96, None), (192, None), (192, 128)) for causal in (False, True)),
     _case(1, 1000, 1100, 4, 2, 96, True, segments=True),
+    _case(1, 5000, 5000, 4, 2, 96, False),
+    _case(1, 5000, 5000, 4, 2, 80, False),
     _case(1, 777, 777, 4, 4, 192, True, value_head_dim=128, features=("softcap",)),
 ]
 
@@ -190,7 +196,8 @@ HEAD_DIM_CASES = [
 @pytest.mark.parametrize("case", HEAD_DIM_CASES, ids=lambda c: c.id)
 def test_head_dims(case):
   check_against_reference("mosaic", case)
-  _assert_reproducible(case)
+  # The default backward may be the fused one (float32 atomics): only the split one is bitwise.
+  _assert_reproducible(case, deterministic=True)
 
 
 def test_deterministic_long_causal_gradients():
@@ -265,3 +272,45 @@ def test_fp8_forward_is_chosen_and_bitwise_reproducible():
   assert pallas_flash.explain(*f8, descale=scales).chosen == "mosaic"
   run_fp8 = jax.jit(lambda f8, s: pallas_flash.flash_attention(*f8, descale=s))
   assert bool(jnp.array_equal(run_fp8(f8, scales), run_fp8(f8, scales)))
+
+
+# fp8.quantized_attention's training path on the GPU: the FP8 forward, then the bf16 Mosaic
+# backward (the split kernels, or the fused one where the default config takes it) on the
+# dequantized values; gradients against the float32 gradient of the dequantized attention
+# (FP8_TRAINING_TOLERANCE) and of the unquantised inputs (2 * FP8_TOLERANCE).
+FP8_TRAINING_CASES = [
+    (_case(2, 1024, 1024, 4, 2, 128, True), dict(rotate=True)),
+    (_case(1, 4096, 4096, 16, 16, 128, False), {}),  # the fused backward
+    (_case(1, 1000, 1100, 8, 2, 64, True), dict(block="head")),
+    (_case(1, 512, 512, 2, 2, 256, True), dict(rotate=True)),
+    (_case(1, 113, 203, 4, 2, 128, False), dict(deterministic=True)),
+]
+
+
+def _fp8_training_plan(case: Case, **kwargs):
+  from pallas_flash import fp8
+  (q, k, v, _), kw = make_inputs(case)
+  _, scales = fp8.quantize(q, k, v, block=kwargs.pop("block", None))
+  return fp8._training_plan([q, k, v], scales, jnp.dtype(jnp.bfloat16), {**kw, **kwargs})
+
+
+@pytest.mark.parametrize("case,kwargs", FP8_TRAINING_CASES,
+                         ids=[f"{c.id}-{'-'.join(kw) or 'tensor'}" for c, kw in FP8_TRAINING_CASES])
+def test_fp8_training_gradients(case, kwargs):
+  plan = _fp8_training_plan(case, **{n: x for n, x in kwargs.items() if n != "rotate"})
+  assert (plan.name, plan.fp8_kernel) == ("mosaic", True)
+  check_fp8_training(case, tol=FP8_TRAINING_TOLERANCE, **kwargs)
+
+
+def test_fp8_training_deterministic_is_bitwise_reproducible():
+  """deterministic=True reaches the bf16 backward: where the default takes the fused backward
+  (dQ by float32 atomics) it runs the split kernels, and two runs agree bitwise."""
+  from pallas_flash import fp8
+  case = _case(1, 8192, 8192, 4, 4, 128, True)
+  assert _fp8_training_plan(case).config.fused_backward
+  assert not _fp8_training_plan(case, deterministic=True).config.fused_backward
+  (q, k, v, do), _ = make_inputs(case)
+  grads = jax.jit(jax.grad(lambda *a: jnp.sum(fp8.quantized_attention(
+      *a, is_causal=True, deterministic=True).astype(jnp.float32) * do), argnums=(0, 1, 2)))
+  first, again = grads(q, k, v), grads(q, k, v)
+  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(first, again, strict=True))

@@ -165,11 +165,12 @@ def test_bad_config_is_refused_naming_the_field(make, field):
     make()
 
 
-# (D, Dv, the kernels' head dim, measured): 80 and 96 run zero-padded to 128; 192 at its own
-# kernels, which MLA's 192 / 128 runs with V padded to 192.
-HEAD_DIMS = [(80, 80, 128, False), (96, 96, 128, False), (192, 192, 192, False),
-             (192, 128, 192, False), (128, 64, 128, False), (224, 224, 256, False),
-             (64, 64, 64, True), (256, 256, 256, True)]
+# (D, Dv, the kernels' head dim, measured): 80, 96 and 192 at their own kernels (MLA's 192 / 128
+# with V padded to 192), others zero-padded (72 to 80, 112 to 128).
+HEAD_DIMS = [(80, 80, 80, True), (96, 96, 96, True), (72, 72, 80, False),
+             (112, 112, 128, False), (192, 192, 192, True), (192, 128, 192, True),
+             (128, 64, 128, False), (224, 224, 256, False), (64, 64, 64, True),
+             (256, 256, 256, True)]
 
 
 @pytest.mark.parametrize("d,dv,kernel_dim,measured", HEAD_DIMS,
@@ -177,7 +178,7 @@ HEAD_DIMS = [(80, 80, 128, False), (96, 96, 128, False), (192, 192, 192, False),
 def test_head_dims_run_padded_and_unmeasured_ones_only_when_asked(d, dv, kernel_dim, measured):
   """Every head dim up to 256 runs here, zero-padded to the next kernel head dim where it is
   not one; `implementation=None` passes the pairs not yet measured by, with a reason naming
-  the padding, and a config is that of the kernels' head dim."""
+  the padding, and a config is that of the kernels' head dim (128's for 80 and 96)."""
   info = _info(head_dim=d, value_head_dim=dv)
   assert mosaic_gpu.unsupported_reason(info) is None
   assert mconfig.kernel_head_dim(d, dv) == kernel_dim
@@ -188,19 +189,21 @@ def test_head_dims_run_padded_and_unmeasured_ones_only_when_asked(d, dv, kernel_
     assert "only when asked" in why and "not yet measured" in why
     assert (f"zero-padded to {kernel_dim}" in why) == (d != kernel_dim or dv != kernel_dim)
     assert ("value head dim" in why) == (dv != d)
+  config_dim = 128 if kernel_dim in mosaic_gpu.NARROW_HEAD_DIMS else kernel_dim
+  assert mconfig.config_head_dim(d, dv) == config_dim
   assert mosaic_gpu.default_config(info) == mconfig.call_config(
-      kernel_dim, info.params, info.kv_len, info.batch)
+      config_dim, info.params, info.kv_len, info.batch)
 
 
 # (D, Dv, causal): each runs the kernels of its kernel head dim (128: overlapped forward and
 # dK/dV steps; 192: the forward at 64-key tiles, hd256.py's backward), q/k/v padded to it
 # once where they differ and the results sliced.
-PADDED = [(96, 96, True), (192, 128, False), pytest.param(80, 80, False, marks=pytest.mark.slow),
+PADDED = [(112, 112, True), (192, 128, False), pytest.param(72, 72, False, marks=pytest.mark.slow),
           pytest.param(192, 192, True, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("d,dv,causal", PADDED,
-                         ids=["d96_causal", "d192v128_full", "d80_full", "d192_causal"])
+                         ids=["d112_causal", "d192v128_full", "d72_full", "d192_causal"])
 def test_padded_head_dims_lower_at_the_kernel_head_dim(d, dv, causal):
   p = mconfig.kernel_head_dim(d, dv)
   q = jax.ShapeDtypeStruct((2, 1024, 8, d), jnp.bfloat16)
@@ -219,8 +222,51 @@ def test_padded_head_dims_lower_at_the_kernel_head_dim(d, dv, causal):
   assert set(map(int, re.findall(r"tensor<2x1024x\d+x(\d+)xbf16>", text))) == {d, dv, p}
   with use_abstract_mesh(H200):
     why = pallas_flash.explain(q, k, v, is_causal=causal)
-  assert why.chosen == "triton" and "only when asked" in why.reasons["mosaic"]
+  if (d, dv) in mosaic_gpu.MEASURED_HEAD_DIMS:
+    assert why.chosen == "mosaic"
+  else:
+    assert why.chosen == "triton" and "only when asked" in why.reasons["mosaic"]
   assert why.reasons_when_named["mosaic"] is None
+
+
+# (D, causal, fused backward): head dims 80 and 96 run head dim 128's forward and split backward
+# at their own width (a 32- or 64-byte swizzle: common.swizzle_bytes), with head dim 128's
+# configs; a config with the fused backward (head dim 128 only) runs that zero-padded to 128.
+NARROW = [(80, False, False), (96, False, True),
+          pytest.param(96, True, False, marks=pytest.mark.slow),
+          pytest.param(80, True, False, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("d,causal,fused_backward", NARROW,
+                         ids=["d80_full", "d96_fused", "d96_causal", "d80_causal"])
+def test_narrow_head_dims_run_the_kernels_at_their_own_width(d, causal, fused_backward):
+  assert common.swizzle_bytes(d) == {80: 32, 96: 64}[d]
+  q = jax.ShapeDtypeStruct((2, 1024, 8, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 1024, 2, d), jnp.bfloat16)
+  config = TUNED[(128, causal)]
+  if fused_backward:
+    config = dataclasses.replace(config, **mconfig.FUSED)
+
+  def grads(q, k, v):
+    def loss(*a):
+      return pallas_flash.flash_attention(*a, is_causal=causal, implementation="mosaic",
+                                          config=config).astype(jnp.float32).sum()
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  text = export_for_h200(grads, q, kv, kv).mlir_module()
+  dims = set(map(int, re.findall(r"tensor<2x1024x\d+x(\d+)xbf16>", text)))
+  if fused_backward:  # the forward, then the fused kernel on operands padded to 128
+    assert text.count("custom_call @mosaic_gpu_v2") == 2 and dims == {d, 128}
+  else:  # forward, dQ, dK/dV, none of them padded
+    assert text.count("custom_call @mosaic_gpu_v2") == 3 and dims == {d}
+
+
+def test_swizzle_is_the_widest_that_divides_a_row():
+  assert [common.swizzle_bytes(d) for d in (16, 48, 64, 80, 96, 112, 128, 192, 256)] == [
+      32, 32, 128, 32, 64, 32, 128, 128, 128]
+  assert common.swizzle_bytes(64, itemsize=1) == 64
+  with pytest.raises(ValueError, match="multiples of 16"):
+    common.swizzle_bytes(72)
 
 
 def _info(**kw):
@@ -435,3 +481,25 @@ def test_fp8_register_relabelling_matches_the_key_permutation():
     src = (reg[0], 2 * reg[1] + e // 2, *reg[2:])
     src_row, src_key = acc[(warp, lane, src, e % 2)]
     assert src_row == row and position[col] == src_key, (warp, lane, reg, e)
+
+
+@pytest.mark.parametrize("causal,seq_len,kernels", [
+    (True, 2048, 3), pytest.param(False, 4096, 2, marks=pytest.mark.slow)],
+    ids=["causal-split", "fused"])
+def test_fp8_training_lowers_to_the_fp8_forward_and_the_bf16_backward(causal, seq_len, kernels):
+  """quantized_attention's gradient on an H200: the FP8 forward (e4m3 wgmma) and the bf16
+  backward's kernels (bf16 wgmma): the split dQ and dK/dV kernels, or the fused one where
+  the default config takes it (non-causal 4K keys at head dim 128)."""
+  from pallas_flash import fp8
+  q = jax.ShapeDtypeStruct((1, seq_len, 4, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, seq_len, 2, 128), jnp.bfloat16)
+
+  def grads(q, k, v):
+    return jax.grad(lambda *a: fp8.quantized_attention(
+        *a, is_causal=causal, implementation="mosaic").astype(jnp.float32).sum(),
+        argnums=(0, 1, 2))(q, k, v)
+
+  text = export_for_h200(grads, q, kv, kv).mlir_module()
+  assert text.count("custom_call @mosaic_gpu_v2") == kernels
+  assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", text)
+  assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16", text)

@@ -199,10 +199,27 @@ def operand_rows(n: int, n_pad: int, interpret: bool, static_rows: int) -> int:
   return n_pad if interpret or rows < static_rows else rows
 
 
-def smem_transforms(dtype):
-  """Tiling + 128-byte swizzle that wgmma and TMA expect for 16-bit [rows, D] tiles."""
+def swizzle_bytes(d: int, itemsize: int = 2) -> int:
+  """The shared-memory swizzle of a kernel's tiles at head dim d: the widest of 128, 64 and 32
+  bytes whose swizzle group (that many bytes of a row) divides a d-element row. Head dims
+  that are multiples of 64 (16-bit) take 128 bytes; 96 = 3 x 32 takes 64 and 80 = 5 x 16 32.
+  wgmma takes one swizzle for both operands, so every tile of a kernel uses its head dim's:
+  the [rows, D] tiles (Q, K, V, dO, O) and the register operands or staged [rows, keys]
+  tiles (P, dS) contracted against them, whose key count is a multiple of 64 elements."""
+  row = d * itemsize
+  swizzle = next((s for s in (128, 64, 32) if row % s == 0), None)
+  if swizzle is None:
+    raise ValueError(f"head dim {d} has no 32-byte multiple of row bytes ({row}); the kernels "
+                     "take head dims that are multiples of 16")
+  return swizzle
+
+
+def smem_transforms(dtype, d: int | None = None):
+  """Tiling + swizzle that wgmma and TMA expect for 16-bit [rows, D] tiles (and the tiles
+  contracted against them) at head dim d: swizzle_bytes(d), 128 bytes when d is None."""
   itemsize = jnp.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128))
+  swizzle = 128 if d is None else swizzle_bytes(d, itemsize)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def compiler_params(kp: KernelParams | None = None, steps: int = 0, *,

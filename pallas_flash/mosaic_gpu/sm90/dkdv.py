@@ -211,7 +211,7 @@ def dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slo
   bsz, _, kh, d = k.shape
   s_pad = kp.s_pad
   bq, bkv = kp.block_q, kp.block_kv
-  tiles = common.smem_transforms(kp.dtype)
+  tiles = common.smem_transforms(kp.dtype, kp.d)
   scratch = [
       *kv_stream.kv_stream_smem(kp, d),
       plgpu.SMEM((2, bkv, bq), kp.dtype, transforms=tiles) if kp.interpret else None,

@@ -209,7 +209,7 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
   bsz, _, h, d = q.shape
   t_pad = kp.t_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
-  tiles = common.smem_transforms(kp.dtype)
+  tiles = common.smem_transforms(kp.dtype, kp.d)
   in_kernel = o is not None
   inputs = (q, k, v, do, o, lse, delta)
   row_tile = plgpu.SMEM((2, bq, d), kp.dtype, transforms=tiles)

@@ -185,7 +185,7 @@ def kv_stream_smem(kp: common.KernelParams, d: int) -> list:
   K and V [2 WGs, block_kv, D], the Q and dO rings [stages, block_q, D] and the lse / delta rows
   of each slot [stages, block_q]."""
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
-  tiles = common.smem_transforms(kp.dtype)
+  tiles = common.smem_transforms(kp.dtype, kp.d)
   return [plgpu.SMEM((2, bkv, d), kp.dtype, transforms=tiles),
           plgpu.SMEM((2, bkv, d), kp.dtype, transforms=tiles),
           plgpu.SMEM((stages, bq, d), kp.dtype, transforms=tiles),
