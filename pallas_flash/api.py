@@ -95,7 +95,7 @@ def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
   config = kwargs.pop("config", None)
   kwargs.pop("implementation", None)
   kwargs.pop("return_residuals", None)
-  kwargs.pop("sinks", None)  # applied after any backend: no influence on the choice
+  kwargs.pop("sinks", None)  # every backend takes them: no influence on the choice
   kwargs.pop("checked", None)
   kwargs.pop("return_residual", None)
   info = validation.abstract_call_info(query, key, value,
@@ -128,10 +128,10 @@ CHECKPOINT_NAME = "pallas_flash.attention"
 def backward_from_residuals(backend: backends.Backend, params: AttentionParams, config,
                             res: tuple, cotangents: tuple) -> tuple:
   """The VJP rule of `_differentiable` (also that of pallas_flash.fp8's training path):
-  cotangents (q, k, v, None, None, FeatureArrays(bias=dbias)) of the inputs, from the
-  residuals (q, k, v, q_seg, kv_seg, arrays, o, lse) and the cotangents (do, dlse) of (o, lse),
-  either of which may be a SymbolicZero. The backend recomputes the scores from q, k, v and
-  lse."""
+  cotangents (q, k, v, None, None, FeatureArrays(bias=dbias, sinks=dsinks)) of the inputs,
+  from the residuals (q, k, v, q_seg, kv_seg, arrays, o, lse) and the cotangents (do, dlse)
+  of (o, lse), either of which may be a SymbolicZero. The backend recomputes the scores from
+  q, k, v and lse."""
   q, k, v, q_seg, kv_seg, arrays, o, lse = res
   do, dlse = cotangents
   if isinstance(do, SymbolicZero):  # only lse is differentiated
@@ -148,10 +148,13 @@ def backward_from_residuals(backend: backends.Backend, params: AttentionParams, 
       delta = delta - dlse
     # +inf on fully masked rows makes every recomputed probability exp(s - lse) exactly 0.
     lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
-  kw = dict(params=params, config=config, **({"arrays": arrays} if params.features else {}))
+  uses_arrays = bool(params.features) or params.has_sinks
+  kw = dict(params=params, config=config, **({"arrays": arrays} if uses_arrays else {}))
   grads = backend.backward(q, k, v, q_seg, kv_seg, o, lse, do.astype(q.dtype), delta, **kw)
-  dbias = grads[3].astype(arrays.bias.dtype) if params.has_bias else None
-  return (*grads[:3], None, None, FeatureArrays(bias=dbias))
+  extra = list(grads[3:])  # [dbias][, dsinks]
+  dbias = extra.pop(0).astype(arrays.bias.dtype) if params.has_bias else None
+  dsinks = extra.pop(0) if params.has_sinks else None
+  return (*grads[:3], None, None, FeatureArrays(bias=dbias, sinks=dsinks))
 
 
 @functools.cache
@@ -163,7 +166,7 @@ def _differentiable(name: str, params: AttentionParams, config) -> Callable:
   uses a feature, so core-only backends keep the plain contract.
   """
   backend = backends.load(name)
-  uses_features = bool(params.features)
+  uses_features = bool(params.features) or params.has_sinks
 
   def kw(arrays):
     return dict(params=params, config=config, **({"arrays": arrays} if uses_features else {}))
@@ -262,8 +265,10 @@ def flash_attention(
       sizes are the kernels' (see docs/features.md). Not supported by "mosaic".
     sinks: float [H]: a learnable logit per query head that joins every row's softmax
       denominator with a zero value (attention sinks, gpt-oss), differentiable. Not in
-      jax.nn. Every implementation computes the call without them and rescales each row by
-      sigmoid(lse - sink) (`merge.add_sinks`): an elementwise pass over the output.
+      jax.nn. "mosaic" adds them in its forward kernels' epilogue (their gradient is a
+      reduction over the backward's delta = rowsum(dO·O)); every other implementation
+      computes the call without them and rescales each row by sigmoid(lse - sink)
+      (`merge.add_sinks`): an elementwise pass over the output.
     descale: with float8_e4m3fn query/key/value: their descale factors, (q_scale, k_scale,
       v_scale) or a `pallas_flash.fp8.Fp8Scales` (per tensor, per (batch, head) or per block),
       as `pallas_flash.fp8.quantize` returns them. On a Hopper GPU, causal or full attention
@@ -358,8 +363,13 @@ def flash_attention(
     o, lse = attention_reference(*args, params=call.info.params, arrays=call.arrays, sinks=sinks)
   else:
     config = backends.resolve_config(name, call.info, config)
-    o, lse = _differentiable(name, call.info.params, config)(*args, call.arrays)
-    if sinks is not None:
+    params, arrays = call.info.params, call.arrays
+    fused_sinks = sinks is not None and backends.load(name).fuses_sinks
+    if fused_sinks:  # the backend's forward adds them (pallas_flash.call)
+      params = dataclasses.replace(params, has_sinks=True)
+      arrays = dataclasses.replace(arrays, sinks=sinks.astype(jnp.float32))
+    o, lse = _differentiable(name, params, config)(*args, arrays)
+    if sinks is not None and not fused_sinks:
       o, lse = merge.add_sinks(o, lse, sinks)
   if call.unbatched:
     o, lse = o[0], lse[0]

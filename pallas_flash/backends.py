@@ -3,7 +3,7 @@
 Each backend package (`xla`, `triton`, `mosaic_gpu`) provides the contract described in
 `pallas_flash.call`: `forward`, `backward`, `unsupported_reason(call, config)`,
 `default_config(call)`, `CONFIG_TYPE`, `SUPPORTED_FEATURES` and optionally
-`BACKWARD_COMPUTES_DELTA` and `unmeasured_reason(call)` (calls it runs
+`BACKWARD_COMPUTES_DELTA`, `FUSES_SINKS` and `unmeasured_reason(call)` (calls it runs
 only when named: correct, not yet measured faster than the next choice). This module turns it
 into one frozen `Backend` record; the API knows no backend's config fields.
 """
@@ -45,6 +45,7 @@ class Backend:
   config_type: type
   features: frozenset[str]  # the optional features (call.FEATURES) it implements
   computes_delta: bool = False  # BACKWARD_COMPUTES_DELTA
+  fuses_sinks: bool = False  # FUSES_SINKS: its forward adds attention sinks (pallas_flash.call)
   # Other calls it runs only when named (the module's unmeasured_reason(call)): why, or None.
   unmeasured_reason: Callable[[CallInfo], str | None] | None = None
 
@@ -61,6 +62,7 @@ def load(name: str) -> Backend | str:
   return Backend(name, bind(mod.forward), bind(mod.backward), bind(mod.unsupported_reason),
                  mod.default_config, mod.CONFIG_TYPE, frozenset(mod.SUPPORTED_FEATURES),
                  bool(getattr(mod, "BACKWARD_COMPUTES_DELTA", False)),
+                 bool(getattr(mod, "FUSES_SINKS", False)),
                  getattr(mod, "unmeasured_reason", None))
 
 

@@ -13,7 +13,7 @@ reads them into one record):
     lse is that of the softmax before dropout.
 
   backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params, config[, arrays])
-      -> (dq, dk, dv), or (dq, dk, dv, dbias) when params.has_bias
+      -> (dq, dk, dv), then dbias when params.has_bias, then dsinks when params.has_sinks
     lse has +inf (not -inf) on fully masked rows, so exp(s - lse) is 0 there without a select;
     delta [B, H, T] float32 = rowsum(do * o) - dlse, computed by the API in XLA.
     A backend whose module sets BACKWARD_COMPUTES_DELTA = True (mosaic_gpu: it does this in a
@@ -23,6 +23,13 @@ reads them into one record):
     dbias has the shape of arrays.bias (summed over its broadcast batch / head axes).
 
   config is always given: the API resolves it once, the user's or `default_config(call)`.
+
+  A backend whose module sets FUSES_SINKS = True (mosaic_gpu) gets a call with attention sinks
+  as params.has_sinks and arrays.sinks: its forward returns o and lse with the sinks in the
+  softmax (lse = logaddexp(lse, sink); sink on fully masked rows), and its backward, given
+  those, is unchanged (P = exp(s - lse), delta = rowsum(do * o) already include the sink's
+  column) and also returns dsinks [H] float32 (merge.sinks_grad of its delta). Other backends
+  never see sinks.
 
   default_config(call: CallInfo) -> CONFIG_TYPE: the config of a call that passes none.
   unsupported_reason(call: CallInfo, config: CONFIG_TYPE | None) -> str | None
@@ -85,6 +92,10 @@ class AttentionParams:
       which then replaces causal / window / segment masking; None without a block mask.
     deterministic: gradients must be bitwise identical run to run (backends whose fastest
       backward sums in a varying order choose another; see flash_attention).
+    has_sinks: arrays.sinks [H] float32 is present and the backend's forward adds them (only
+      a backend that sets FUSES_SINKS gets it; the API adds the sinks of every other call
+      after the backend, merge.add_sinks). Not in `features`: every backend can take a call
+      with sinks, so they never decide which one runs it.
   """
 
   scale: float
@@ -99,6 +110,7 @@ class AttentionParams:
   has_mask: bool = False
   block_mask_blocks: tuple[int, int] | None = None
   deterministic: bool = False
+  has_sinks: bool = False
 
   @property
   def features(self) -> frozenset[str]:
@@ -145,6 +157,7 @@ class FeatureArrays:
     alibi_slopes: [H] float32 per-head ALiBi slopes (not differentiated).
     dropout_seed: [2] int32, the dropout hash's seed (derived from `dropout_rng`).
     block_mask: a `pallas_flash.BlockMask` (a pytree of int tables and the mask function).
+    sinks: [H] float32 attention-sink logits (params.has_sinks); differentiable.
   """
 
   bias: jax.Array | None = None
@@ -152,6 +165,7 @@ class FeatureArrays:
   alibi_slopes: jax.Array | None = None
   dropout_seed: jax.Array | None = None
   block_mask: Any = None
+  sinks: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

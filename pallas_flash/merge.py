@@ -76,3 +76,22 @@ def add_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array) -> tuple[jax.Arr
   weight = jax.nn.sigmoid(rel).transpose(0, 2, 1)[..., None]  # [B, T, H, 1]
   out = (out.astype(jnp.float32) * weight).astype(out.dtype)
   return out, sink + jax.nn.softplus(rel)
+
+
+def sinks_grad(sinks: jax.Array, lse: jax.Array, delta: jax.Array) -> jax.Array:
+  """d sinks of attention whose softmax included the sinks (a backend that adds them itself).
+
+  The sink's column has probability p = exp(sink - lse) and a zero value, so lse' = p and
+  o' = -p·o along the sink: with delta = rowsum(do * o) - dlse, d sinks[h] = -Σ_{b,t} p·delta.
+
+  Args:
+    sinks: [H] float32; lse: [B, H, T] float32 of the sinks' softmax (-inf only where a sink of
+      -inf met a row that saw no key: p = 0 there); delta: [B, H, T] float32 as above.
+
+  Returns:
+    [H] float32.
+  """
+  sink = sinks.astype(jnp.float32)[None, :, None]  # [1, H, 1]
+  seen = lse != -jnp.inf
+  p = jnp.where(seen, jnp.exp(sink - jnp.where(seen, lse, 0.0)), 0.0)
+  return -(p * delta).sum(axis=(0, 2))

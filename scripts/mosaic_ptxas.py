@@ -65,6 +65,11 @@ VARIANTS = {
     "fwd_window": ("fwd", False, dict(window=1023)),
     "fwd_window_causal": ("fwd", True, dict(window=1023)),
     "bwd_window_causal": ("fwdbwd", True, dict(window=1023)),
+    # Attention sinks (an [H] input of the forward, added in its epilogue). Not a config field.
+    "fwd_sinks": ("fwd", False, dict(sinks=True)),
+    "fwd_sinks_causal": ("fwd", True, dict(sinks=True)),
+    "fwd_sinks_persistent": ("fwd", False, dict(sinks=True, fwd_persistent=True, block_kv=128,
+                                                fwd_q_registers=True)),
     # The FP8 forward (float8_e4m3fn q, k, v, per-tensor scales; sm90/fp8_forward.py): its
     # default tiles per head dim (no config), and 128-key tiles (the default's at head dim 256).
     "fp8": ("fp8", False, {}),
@@ -136,6 +141,7 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   segments = kw.pop("segments", False)
   softcap = kw.pop("softcap", None)
   window = kw.pop("window", None)
+  sinks = kw.pop("sinks", False)
   config = dataclasses.replace(TUNED.get((config_head_dim(d, d), causal), MosaicConfig()), **kw)
   ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // 1000, (b, t))
   features = dict(query_segment_ids=ids, key_value_segment_ids=ids) if segments else {}
@@ -143,6 +149,8 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
     features["logits_soft_cap"] = float(softcap)
   if window is not None:
     features["local_window_size"] = (int(window), 0)
+  if sinks:
+    features["sinks"] = jnp.linspace(-1.0, 2.0, h, dtype=jnp.float32)
 
   def attn(q, k, v, impl="mosaic"):
     return pallas_flash.flash_attention(q, k, v, is_causal=causal, implementation=impl,

@@ -70,3 +70,20 @@ def test_gradients_through_the_merge():
 def test_bad_shapes_name_the_argument(outs, lses, match):
   with pytest.raises(ValueError, match=match):
     pallas_flash.merge_attention_states(outs, lses)
+
+
+def test_sinks_grad_is_the_autodiff_of_add_sinks():
+  """merge.sinks_grad (the backends that add the sinks themselves) from the sinks' o and lse
+  and delta = rowsum(do * o) - dlse equals autodiff through merge.add_sinks, rows that saw no
+  key (lse -inf before the sinks) included."""
+  from pallas_flash import merge
+  keys = jax.random.split(jax.random.key(3), 5)
+  b, t, h, d = 2, 24, 3, 8
+  out = jax.random.normal(keys[0], (b, t, h, d))
+  lse = jax.random.normal(keys[1], (b, h, t)).at[:, :, :4].set(-jnp.inf)
+  sinks = jax.random.normal(keys[2], (h,)) * 2.0
+  do, dlse = jax.random.normal(keys[3], (b, t, h, d)), jax.random.normal(keys[4], (b, h, t))
+  (o_s, lse_s), vjp = jax.vjp(lambda s: merge.add_sinks(out, lse, s), sinks)
+  (want,) = vjp((do, dlse))
+  delta = jnp.einsum("bthd,bthd->bht", do, o_s) - dlse
+  assert_close_to_ref("dsinks", merge.sinks_grad(sinks, lse_s, delta), want, 1e-5)

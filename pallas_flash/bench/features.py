@@ -16,9 +16,10 @@ A BlockMask row (causal & local) is compared with cuDNN's causal sliding window:
 
 Every call is checked before it is timed against the float32 reference (flash_attention with
 implementation="reference" on float32 copies of the inputs and of the bias): the output (fwd) or
-dq, dk, dv and, for the dense bias, dbias (fwdbwd), at the bench's tolerances; a row past them
-is marked FAIL but still timed. The check uses the first two heads (whole GQA groups) and, past
---check-seq-cap, a leading slice rerun with the full call's config (as the main bench does).
+dq, dk, dv and, for the dense bias and the sinks, dbias and dsinks (fwdbwd), at the bench's
+tolerances; a row past them is marked FAIL but still timed. The check uses the first two heads
+(whole GQA groups) and, past --check-seq-cap, a leading slice rerun with the full call's config
+(as the main bench does).
 
 FLOPs: every feature counts the matrix work of plain attention of its causality on its shape
 (flops.attention_flops: 4·B·H·T²·D, halved when causal; x3.5 for forward+backward), so `x plain`
@@ -32,8 +33,8 @@ in an encoder): plain (non-causal), causal, window (causal, left = T/4), segment
 packed documents, T/1024 per row at random boundaries), softcap (causal, 50), alibi (causal,
 slopes 2^(-8(h+1)/H)), dropout (causal, 0.1), bias (non-causal, [1, H, T, S], differentiated),
 mask (non-causal, bool [B, 1, T, S], 90 % visible), blockmask (causal & local(T/4), 128x128
-blocks), sinks (causal), gqa (causal, K kv heads), hd64 hd80 hd96 hd192 hd256 and hd192v128
-(query/key head dim 192, value head dim 128, MLA's) (non-causal and causal).
+blocks), sinks (causal, differentiated), gqa (causal, K kv heads), hd64 hd80 hd96 hd192 hd256
+and hd192v128 (query/key head dim 192, value head dim 128, MLA's) (non-causal and causal).
 
 Default shape bf16 4x4096x32x128, GQA with 8 kv heads (--features-shape BxTxHxD[xK]); --quick:
 1x128x4x32 (2 kv heads) and short loops, which runs on CPU with --impl xla in seconds.
@@ -224,25 +225,29 @@ def _cudnn(feature: Feature, spec: shapes.ShapeSpec, static: dict) -> Callable:
   return attn
 
 
-def _step(attn: Callable, mode: str, grad_bias: bool) -> Callable:
+# The feature arrays a fwdbwd step differentiates (where the feature passes them), in order.
+DIFFERENTIATED = ("bias", "sinks")
+
+
+def _step(attn: Callable, mode: str, grads: tuple[str, ...]) -> Callable:
   """Jitted step(q, k, v, do, arrays): fwd returns (o,); fwdbwd the VJP with cotangent do,
-  (dq, dk, dv) and dbias when the bias is differentiated."""
+  (dq, dk, dv) and the gradients of the arrays named in `grads` (DIFFERENTIATED's)."""
   def fwd(q, k, v, do, arrays):
     del do
     return (attn(q, k, v, arrays),)
 
   def fwdbwd(q, k, v, do, arrays):
-    diff = {"bias": arrays["bias"]} if grad_bias else {}
+    diff = {n: arrays[n] for n in grads}
     rest = {n: x for n, x in arrays.items() if n not in diff}
     _, vjp = jax.vjp(lambda q, k, v, d: attn(q, k, v, {**rest, **d}), q, k, v, diff)
     dq, dk, dv, dd = vjp(do)
-    return (dq, dk, dv) + ((dd["bias"],) if grad_bias else ())
+    return (dq, dk, dv) + tuple(dd[n] for n in grads)
 
   return jax.jit(fwd if mode == "fwd" else fwdbwd)
 
 
-def _names(mode: str, grad_bias: bool) -> tuple[str, ...]:
-  return ("o",) if mode == "fwd" else ("dq", "dk", "dv") + (("dbias",) if grad_bias else ())
+def _names(mode: str, grads: tuple[str, ...]) -> tuple[str, ...]:
+  return ("o",) if mode == "fwd" else ("dq", "dk", "dv") + tuple(f"d{n}" for n in grads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,9 +255,12 @@ def _names(mode: str, grad_bias: bool) -> tuple[str, ...]:
 
 
 def _cut(name: str, x: jax.Array, hc: int, kc: int) -> jax.Array:
-  """An output cut to the check's heads: dbias [1, H, T, S] on axis 1, the rest [B, T, H, D]."""
+  """An output cut to the check's heads: dbias [1, H, T, S] on axis 1, dsinks [H] on axis 0,
+  the rest [B, T, H, D]."""
   if name == "dbias":
     return x[:, :hc]
+  if name == "dsinks":
+    return x[:hc]
   return x[:, :, :kc] if name in ("dk", "dv") else x[:, :, :hc]
 
 
@@ -286,8 +294,9 @@ class _Case:
   _ref: tuple | None = None
 
   @property
-  def grad_bias(self) -> bool:
-    return "bias" in self.args[4]
+  def grads(self) -> tuple[str, ...]:
+    """The feature arrays differentiated in fwdbwd (DIFFERENTIATED's that the call passes)."""
+    return tuple(n for n in DIFFERENTIATED if n in self.args[4])
 
   def sliced(self, dtype=None) -> tuple:
     s = self.small
@@ -303,7 +312,7 @@ class _Case:
   def reference(self) -> tuple:
     if self._ref is None:
       attn = _ours("reference", self.feature, self.static)
-      self._ref = _step(attn, self.mode, self.grad_bias)(*self.sliced(jnp.float32))
+      self._ref = _step(attn, self.mode, self.grads)(*self.sliced(jnp.float32))
     return self._ref
 
 
@@ -315,14 +324,14 @@ def _prepare(case: _Case, attn: Callable, *, rerun: Callable | None = None,
   fields = {"status": "ok", "reason": None, "rel_errs": None, "rel_err": None,
             "compile_s": None}
   try:
-    step = _step(attn, case.mode, case.grad_bias)
+    step = _step(attn, case.mode, case.grads)
     compiled, fields["compile_s"] = timing.compile_step(step, case.args)
     if case.small.seq_len == case.spec.seq_len:
       out = compiled(*case.args)
     else:  # rerun on the leading slice, with the full call's kernels (rerun's attn)
-      out = _step(rerun or attn, case.mode, case.grad_bias)(*case.sliced())
+      out = _step(rerun or attn, case.mode, case.grads)(*case.sliced())
     s = case.small
-    names = _names(case.mode, case.grad_bias)
+    names = _names(case.mode, case.grads)
     if not checked:
       fields.update(status="unchecked", reason="its own dropout mask: not checked")
     else:

@@ -44,6 +44,10 @@ MEASURED_HEAD_DIMS = frozenset({(64, 64), (80, 80), (96, 96), (128, 128), (192, 
 # elsewhere. The soft cap's backward at head dims 192 and 256 runs the Triton kernels. ALiBi's
 # -slope·|i - j| is added to each score tile in the kernels (sm90/common.alibi).
 SUPPORTED_FEATURES = frozenset({"logits_soft_cap", "local_window_size", "alibi_slopes"})
+# The forward adds attention sinks in its epilogue (sm90/forward._store_tile): the API passes
+# calls with sinks here as params.has_sinks and arrays.sinks (pallas_flash.call); the backward
+# kernels need nothing more, given the forward's o and lse, and dsinks comes from their delta.
+FUSES_SINKS = True
 # `backward` takes the forward's lse and only the lse cotangent's correction as delta, and
 # computes rowsum(O∘dO) itself, in the dQ kernel (see pallas_flash.call).
 BACKWARD_COMPUTES_DELTA = True
@@ -62,7 +66,8 @@ def padded_call(kernel, q, k, v, *arrays, head_dim: int | None = None):
   """kernel(q, k, v, *arrays) with q, k, v, and the arrays of rank 4 (the backward's o and
   do) zero-padded along the head dim to `head_dim` (None: kernel_head_dim(D, Dv)); its
   outputs of rank 4 (o; dq, dk, dv) sliced back to D (q's and k's) or Dv (o's and v's
-  columns). No pad or slice where D = Dv is that head dim."""
+  columns), the backward's others (dsinks) passed on. No pad or slice where D = Dv is that
+  head dim."""
   d, dv = q.shape[3], v.shape[3]
   p = kernel_head_dim(d, dv) if head_dim is None else head_dim
   if d == dv == p:
@@ -71,8 +76,8 @@ def padded_call(kernel, q, k, v, *arrays, head_dim: int | None = None):
   out = kernel(pad(q), pad(k), pad(v), *map(pad, arrays))
   if len(out) == 2:  # forward: (o, lse)
     return out[0][..., :dv], out[1]
-  dq, dk, dv_ = out
-  return dq[..., :d], dk[..., :d], dv_[..., :dv]
+  dq, dk, dv_, *rest = out
+  return dq[..., :d], dk[..., :d], dv_[..., :dv], *rest
 
 
 def forward(q, k, v, q_seg, kv_seg, *, config: MosaicConfig, **kwargs):
@@ -186,8 +191,8 @@ def fp8_unsupported_reason(call: CallInfo, *, scale_layouts, out_dtype, config=N
   return None
 
 
-__all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "KERNELS", "KERNEL_HEAD_DIMS",
-           "MEASURED_HEAD_DIMS", "NARROW_HEAD_DIMS", "MosaicConfig", "MosaicDebug",
-           "SUPPORTED_FEATURES", "TUNED", "backward", "default_config", "forward", "fp8_forward",
-           "fp8_unsupported_reason", "kernel_head_dim", "padded_call", "unmeasured_reason",
-           "unsupported_reason"]
+__all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "FUSES_SINKS", "KERNELS",
+           "KERNEL_HEAD_DIMS", "MEASURED_HEAD_DIMS", "NARROW_HEAD_DIMS", "MosaicConfig",
+           "MosaicDebug", "SUPPORTED_FEATURES", "TUNED", "backward", "default_config", "forward",
+           "fp8_forward", "fp8_unsupported_reason", "kernel_head_dim", "padded_call",
+           "unmeasured_reason", "unsupported_reason"]

@@ -76,12 +76,13 @@ def _flops_count_plain_work_and_the_band_for_windows(grid):
   assert by[("hd192v128", True)]["flops"] / by[("hd192", True)]["flops"] == 320 / 384
 
 
-def test_gradients_incl_dbias_are_checked_on_a_leading_slice(tmp_path):
+def test_gradients_incl_dbias_and_dsinks_are_checked_on_a_leading_slice(tmp_path):
   rows = _run(tmp_path, "--features", "bias,sinks,blockmask", "--impl", "xla",
               "--mode", "fwdbwd", "--check-seq-cap", "64")
   assert [r["feature"] for r in rows] == ["sinks", "bias", "blockmask"]
+  extra = {"bias": {"dbias"}, "sinks": {"dsinks"}}
   for row in rows:
-    grads = {"dq", "dk", "dv"} | ({"dbias"} if row["feature"] == "bias" else set())
+    grads = {"dq", "dk", "dv"} | extra.get(row["feature"], set())
     _assert_checked_and_timed(row, grads)
     assert row["check_shape"] == "1x64x2x32"
 

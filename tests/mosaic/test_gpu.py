@@ -143,6 +143,40 @@ def test_alibi(case):
   _assert_reproducible(case)
 
 
+# Attention sinks, added in the forward kernels' epilogue (dsinks from the backward's delta):
+# the training shape causal and not (the fused backward at 4K non-causal), head dim 64 and 256
+# with GQA, lengths (rows that see no key: lse = the sink), segment ids with ALiBi, a window
+# with a soft cap (at head dim 256 the Triton backward kernels), and the persistent and
+# split-tail forwards.
+SINKS_CASES = [
+    _case(4, 2048, 2048, 8, 2, 128, True, features=("sinks",)),
+    _case(2, 4096, 4096, 4, 2, 128, False, features=("sinks",)),
+    _case(1, 1000, 1100, 8, 2, 64, True, features=("sinks",)),
+    _case(1, 777, 777, 4, 2, 256, True, features=("sinks",)),
+    _case(2, 777, 777, 4, 4, 128, False, lengths=True, features=("sinks",)),
+    _case(2, 1000, 1100, 8, 2, 64, True, segments=True, features=("sinks", "alibi")),
+    _case(1, 1024, 1024, 2, 2, 256, True, features=("sinks", "window", "softcap")),
+]
+
+
+@pytest.mark.parametrize("case", SINKS_CASES, ids=lambda c: c.id)
+def test_sinks(case):
+  check_against_reference("mosaic", case)
+  _assert_reproducible(case)
+
+
+@pytest.mark.parametrize("name, changes, case", [
+    ("persistent", dict(fwd_persistent=True, block_kv=128), _case(2, 1024, 1024, 4, 4, 128, False,
+                                                                  features=("sinks",))),
+    ("split_tail", dict(fwd_split_tail=True), _case(1, 4096, 4096, 33, 33, 64, False,
+                                                    features=("sinks",)))],
+    ids=["persistent", "split_tail"])
+def test_sinks_forms(name, changes, case):
+  del name
+  config = dataclasses.replace(TUNED[(case.head_dim, case.is_causal)], **changes)
+  check_against_reference("mosaic", case, config=config)
+
+
 # Head dims 80 and 96 (head dim 128's forward and split backward at their own width; the
 # fused backward, which the non-causal training shape takes, zero-padded to 128), 192 (its own
 # kernels: the forward at 64-key tiles, hd256.py's backward) and MLA's 192 / 128 (V padded to

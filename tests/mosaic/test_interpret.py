@@ -20,8 +20,8 @@ from pallas_flash import mosaic_gpu, xla
 from pallas_flash.mosaic_gpu import MosaicDebug
 from pallas_flash.mosaic_gpu.sm90 import common, fp8_forward
 from testing import (FP8_TRAINING_TOLERANCE, MOSAIC_FP8_INTERPRET, MOSAIC_INTERPRET, Case,
-                     check_against_reference, check_fp8_against_reference, check_fp8_training,
-                     make_inputs, run)
+                     assert_close_to_ref, check_against_reference, check_fp8_against_reference,
+                     check_fp8_training, make_inputs, run, tolerance)
 
 
 def _config(**kw) -> pallas_flash.MosaicConfig:
@@ -129,6 +129,61 @@ ALIBI_SLOW = [
 def test_alibi_matches_reference(name, config, case):
   del name
   check_against_reference("mosaic", case, config=config)
+
+
+# Attention sinks, added in the forward's epilogue (sm90/forward._store_tile): output, lse and
+# dq, dk, dv, dsinks against the reference, whose sinks are an extra softmax column. The forms
+# (a split tail's parts get theirs in combine_tail) run with -m slow; the suite runs
+# test_sinks_on_rows_that_see_no_key (the GPU tests run the default forms on the device).
+SINKS = [
+    ("plain", _config(), _case(130, 130, h=4, kh=2, is_causal=True, features=("sinks",))),
+    ("overlap", _config(fwd_intra_wg_overlap=True, block_kv=128),
+     _case(333, 200, kh=2, is_causal=True, features=("sinks",))),
+    ("persistent", _config(fwd_persistent=True, fwd_intra_wg_overlap=True,
+                           debug=dict(persistent_ctas=2)),
+     _case(200, 200, h=3, d=128, features=("sinks",))),
+    ("split_tail", _config(fwd_split_tail=True, debug=dict(wave_ctas=2, tail_parts=3)),
+     _case(384, 192, h=3, features=("sinks",))),
+    ("segments_alibi", _config(), _case(300, 300, h=4, kh=2, is_causal=True, segments=True,
+                                        features=("sinks", "alibi"))),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, config, case", SINKS, ids=[f"{n}-{c.id}" for n, _, c in SINKS])
+def test_sinks_match_reference(name, config, case):
+  del name
+  check_against_reference("mosaic", case, config=config)
+
+
+def test_sinks_on_rows_that_see_no_key():
+  """Causal GQA whose query rows past the query length see no key (the segment-id path), with a
+  cotangent on lse too: the output, lse, dq, dk, dv and dsinks against the reference; zeros,
+  lse = the sink and zero dq on the rows that see nothing, as merge.add_sinks gives."""
+  case = _case(100, 130, h=4, kh=2, is_causal=True, features=("sinks",))
+  (q, k, v, do), kw = make_inputs(case)
+  kw.update(query_seq_lengths=jnp.array([70]), key_value_seq_lengths=jnp.array([100]))
+  sinks = kw.pop("sinks")
+  dlse = jax.random.normal(jax.random.key(1), (1, 4, 100))
+
+  def fwd_bwd(impl, config, q, k, v, do):
+    attn = functools.partial(pallas_flash.flash_attention, implementation=impl, config=config,
+                             return_residuals=True, **kw)
+    out, vjp = jax.vjp(lambda q, k, v, s: attn(q, k, v, sinks=s), q, k, v, sinks)
+    return out, vjp((do, dlse))
+
+  (o, lse), grads = fwd_bwd("mosaic", MOSAIC_INTERPRET, q, k, v, do)
+  (o_ref, lse_ref), grads_ref = fwd_bwd("reference", None,
+                                        *(x.astype(jnp.float32) for x in (q, k, v, do)))
+  tol = tolerance(case.dtype)
+  assert_close_to_ref("out", o, o_ref, tol)
+  assert_close_to_ref("lse", lse, lse_ref, 1e-5)
+  for name, g, g_ref in zip(("dq", "dk", "dv", "dsinks"), grads, grads_ref, strict=True):
+    assert_close_to_ref(name, g, g_ref, 2 * tol)
+  np.testing.assert_allclose(np.asarray(lse[..., 70:]),
+                             np.broadcast_to(np.asarray(sinks)[None, :, None], (1, 4, 30)),
+                             rtol=1e-6)
+  assert np.all(np.asarray(o[:, 70:]) == 0) and np.all(np.asarray(grads[0][:, 70:]) == 0)
 
 
 # Head dim 192 (the forward's grid kernel at 192 columns, hd256.py's backward kernels at D =

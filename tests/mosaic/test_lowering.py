@@ -84,6 +84,36 @@ def test_split_backward_is_only_the_kernels(causal):
   assert ops(MosaicConfig(block_q_dq=128, block_kv_dq=64))["dot_general"] == 1
 
 
+@pytest.mark.parametrize("causal, config", [
+    (True, None), (False, MosaicConfig(fwd_persistent=True)),
+    (False, MosaicConfig(fwd_split_tail=True, block_kv=64))],
+    ids=["causal-default", "persistent", "split_tail"])
+def test_sinks_are_an_input_of_the_forward_kernel(causal, config):
+  """implementation=None on an H200 adds the sinks in the Mosaic forward: the kernel takes them
+  as a fourth input and no XLA pass rescales its output (merge.add_sinks's sigmoid, a
+  `logistic`); their gradient lowers beside the backward kernels, and where the split backward
+  runs (causal) it reduces the dQ kernel's delta: no XLA pass over O and dO (a dot_general)."""
+  case = dataclasses.replace(HD128, q_len=4096, kv_len=4096, dtype=jnp.bfloat16)
+  q, kv = specs(case)
+  sinks = jax.ShapeDtypeStruct((case.num_heads,), jnp.float32)
+
+  def attn(q, k, v, sinks):
+    return pallas_flash.flash_attention(q, k, v, is_causal=causal, sinks=sinks, config=config)
+
+  text = export_for_h200(attn, q, kv, kv, sinks).mlir_module()
+  calls = re.findall(r"custom_call @mosaic_gpu_v2\((.*?)\)", text)
+  assert [len(c.split(",")) for c in calls] == [4], calls  # q, k, v, sinks
+  assert "logistic" not in text
+
+  def fwd_bwd(q, k, v, sinks, do):
+    return jax.vjp(attn, q, k, v, sinks)[1](do)
+
+  text = export_for_h200(fwd_bwd, q, kv, kv, sinks, q).mlir_module()
+  assert text.count("custom_call @mosaic_gpu_v2") >= 2 and "logistic" not in text
+  if causal:
+    assert text.count("custom_call @mosaic_gpu_v2") == 3 and "dot_general" not in text
+
+
 @pytest.mark.parametrize("head_dim,fused_backward", [(64, False), (128, False), (256, False),
                                                      (128, True)])
 def test_ragged_operands_are_padded_to_tma_rows_only(head_dim, fused_backward):

@@ -11,7 +11,7 @@ import warnings
 
 import jax.numpy as jnp
 
-from pallas_flash import _tiling
+from pallas_flash import _tiling, merge
 from pallas_flash.call import AttentionParams, FeatureArrays
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
 from pallas_flash.mosaic_gpu.sm90 import common, dkdv, fused, hd256
@@ -56,42 +56,58 @@ def _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *,
 
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
              config: MosaicConfig, arrays: FeatureArrays | None = None):
-  """See pallas_flash.call for the contract (of `arrays` only the ALiBi slopes are read, as in
-  forward; every kernel that forms P adds ALiBi, none needs more for dS). This backend
-  sets BACKWARD_COMPUTES_DELTA: lse is the forward's (natural log, -inf on fully masked rows)
-  and delta only the correction -dlse [B, H, T] float32, or None when lse has no cotangent.
+  """See pallas_flash.call for the contract (of `arrays` only the ALiBi slopes and the sinks
+  are read, as in forward; every kernel that forms P adds ALiBi, none needs more for dS). This
+  backend sets BACKWARD_COMPUTES_DELTA: lse is the forward's (natural log, -inf on fully masked
+  rows) and delta only the correction -dlse [B, H, T] float32, or None when lse has no
+  cotangent. With params.has_sinks o and lse are the sinks' softmax's, which the kernels need
+  nothing more for, and dsinks (merge.sinks_grad) follows dq, dk, dv: it reduces the full
+  delta that the dQ kernel returns, or that XLA computed for the paths that take it from XLA.
   Segment ids: the split kernels load only the blocks that may share an id with their tile and
   compare ids on those not wholly inside the tile's one document; a local window runs the same
   path, its band's blocks as the limits (common.segment_inputs). The fused kernel takes
   none of them, nor ALiBi: it falls back to the split with a warning."""
   d = q.shape[3]
   slopes = common.raw_alibi_slopes(arrays, params)
+  full_delta = None  # rowsum(dO∘O) - dlse, where the split kernels return it
   if d > 128 and params.logits_soft_cap is not None:
-    return _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
-                            config=config, arrays=arrays)
-  if d > 128:  # 192 or 256
-    return hd256.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
-                          config=config, slopes=slopes)
-  if config.fused_backward:
-    reason = fused.unsupported_reason(q, config)
-    if reason is None and common.segment_path(params):
-      reason = ("segment ids, lengths and local windows are streamed and compared in the "
-                "split kernels only")
-    if reason is None and params.has_alibi:
-      reason = "ALiBi is added in the split kernels only"
-    if reason is None:
-      lse, delta = common.xla_row_stats(o, lse, do, delta)
-      return fused.backward(q, k, v, lse, do, delta, params=params, config=config)
-    warnings.warn(f"fused_backward=True, using the split backward instead: {reason}",
-                  stacklevel=2)
-  return _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
-                         config=config, slopes=slopes)
+    grads = _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
+                             config=config, arrays=arrays)
+  elif d > 128:  # 192 or 256
+    grads = hd256.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
+                           config=config, slopes=slopes)
+  elif config.fused_backward and (reason := _fused_reason(q, params, config)) is None:
+    lse_inf, full_delta = common.xla_row_stats(o, lse, do, delta)
+    grads = fused.backward(q, k, v, lse_inf, do, full_delta, params=params, config=config)
+  else:
+    if config.fused_backward:
+      warnings.warn(f"fused_backward=True, using the split backward instead: {reason}",
+                    stacklevel=2)
+    *grads, full_delta = _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta,
+                                         params=params, config=config, slopes=slopes)
+  if not params.has_sinks:
+    return tuple(grads)
+  if full_delta is None:  # XLA's, as the Triton and head-dim-256 paths compute it (CSE'd)
+    _, full_delta = common.xla_row_stats(o, lse, do, delta)
+  return (*grads, merge.sinks_grad(arrays.sinks, lse, full_delta))
+
+
+def _fused_reason(q, params: AttentionParams, config: MosaicConfig) -> str | None:
+  """Why the fused backward kernel cannot run a call that config.fused_backward asks it for."""
+  reason = fused.unsupported_reason(q, config)
+  if reason is None and common.segment_path(params):
+    reason = ("segment ids, lengths and local windows are streamed and compared in the "
+              "split kernels only")
+  if reason is None and params.has_alibi:
+    reason = "ALiBi is added in the split kernels only"
+  return reason
 
 
 def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
                     config: MosaicConfig, slopes=()):
   """The dQ kernel, then the dK/dV kernel (backward's contract; slopes: () or ALiBi's
-  (common.raw_alibi_slopes [H],))."""
+  (common.raw_alibi_slopes [H],)) -> (dq, dk, dv, delta [B, H, T] = rowsum(dO∘O) - dlse),
+  delta as the dQ kernel or XLA computed it (unused but for the sinks' gradient)."""
   t, s = q.shape[1], k.shape[1]
   t_pad, s_pad = padded_lengths(t, s, config)
   kp_dq, kp_dkdv = split_kernel_params(q, k, params, config, t_pad=t_pad, s_pad=s_pad)
@@ -123,4 +139,4 @@ def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: Attent
                  slopes=slopes)
   dk, dv = dkdv.dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs,
                           slopes=slopes)
-  return dq[:, :t], dk[:, :s], dv[:, :s]
+  return dq[:, :t], dk[:, :s], dv[:, :s], delta[:, :, :t]

@@ -333,17 +333,21 @@ class SegmentRefs(NamedTuple):
   limits: Any
 
 
-def with_segment_refs(kernel, num_inputs: int, segmented: bool, alibi: bool = False):
-  """A plgpu.kernel body for `kernel(*inputs, *outputs, *scratch, seg=...[, slopes=...])`
-  whose call passes the 3 SegmentRefs arrays after its `num_inputs` inputs when `segmented`,
-  then with `alibi` the raw_alibi_slopes [H] (GMEM), handed over as `slopes`."""
+def with_segment_refs(kernel, num_inputs: int, segmented: bool, alibi: bool = False,
+                      sinks: bool = False):
+  """A plgpu.kernel body for `kernel(*inputs, *outputs, *scratch, seg=...[, slopes=...]
+  [, sinks=...])` whose call passes the 3 SegmentRefs arrays after its `num_inputs` inputs
+  when `segmented`, then with `alibi` the raw_alibi_slopes [H] (GMEM), handed over as
+  `slopes`, then with `sinks` the forward's sink logits [H] (GMEM), handed over as `sinks`."""
   def body(*refs):
-    if not (segmented or alibi):
+    if not (segmented or alibi or sinks):
       return kernel(*refs, seg=None)
     n = num_inputs + 3 * segmented
     seg = SegmentRefs(*refs[num_inputs:n]) if segmented else None
     extra = dict(slopes=refs[n]) if alibi else {}
-    return kernel(*refs[:num_inputs], *refs[n + alibi:], seg=seg, **extra)
+    if sinks:
+      extra["sinks"] = refs[n + alibi]
+    return kernel(*refs[:num_inputs], *refs[n + alibi + sinks:], seg=seg, **extra)
   return body
 
 

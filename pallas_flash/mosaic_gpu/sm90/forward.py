@@ -61,7 +61,7 @@ class _SplitRefs(NamedTuple):
 def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scratch,
                 lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free, v_free, sched, *,
                 kp: common.KernelParams, seg: common.SegmentRefs | None = None,
-                tail: _SplitRefs | None = None, slopes=None):
+                tail: _SplitRefs | None = None, slopes=None, sinks=None):
   """q_ref [B, Tp, H, D], k_ref/v_ref [B, Sp, K, D] (GMEM), o_ref [B, Tp, H, D], lse_ref [B, H, Tp].
 
   Grid (H, q tiles, B), or (q tiles, H, B) with kp.heads_fastest; q_scratch [2, block_q, D],
@@ -71,7 +71,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   blocks, at least one, and compares ids on each except the run of blocks that lie wholly
   inside the tile's one document. tail (non-causal, no seg): a one-dimensional grid of
   tail.split.ctas CTAs in the same launch order, see split_tail.TailSplit. slopes: ALiBi's
-  common.raw_alibi_slopes [H] (GMEM), or None.
+  common.raw_alibi_slopes [H] (GMEM), or None. sinks: the attention sinks' sink_logits [H]
+  (GMEM), added to each row's softmax by `_store_tile` (a split tail's parts leave them to
+  combine_tail), or None.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   wg = lax.axis_index("wg")
@@ -109,6 +111,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     if tail is not None:
       steps = cta_steps
     slope = None if slopes is None else slopes[h]  # one scalar load per CTA
+    sink = None if sinks is None else sinks[h]
     with jax.named_scope("prologue"):
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_ready.at[wg])
       plgpu.barrier_wait(q_ready.at[wg])
@@ -132,7 +135,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     with jax.named_scope("epilogue"):
       store = functools.partial(_store_tile, *carry, q_smem, lse_smem,
                                 o_ref.at[b, pl.ds(q0, bq), h], lse_ref.at[b, h, pl.ds(q0, bq)],
-                                kp)
+                                kp, sink=sink)
       if tail is None:
         store()
       else:
@@ -170,12 +173,26 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     common.observe_last_releases((k_free, v_free), cta_steps, stages)
 
 
-def _store_tile(acc, m, l, o_smem, lse_smem, o_dst, lse_dst, kp: common.KernelParams):
+def _store_tile(acc, m, l, o_smem, lse_smem, o_dst, lse_dst, kp: common.KernelParams, *,
+                sink=None):
   """Normalises one WG's tile and starts its TMA stores: O = acc / l [block_q, D] through
   o_smem (the WG's Q buffer, free once its last Q·Kᵀ retired; a split tail's part: a float32
-  buffer), lse (natural log) through lse_smem. The caller waits for the stores."""
-  empty = l == 0.0  # only with segment ids: no visible key at all
+  buffer), lse (natural log) through lse_smem. The caller waits for the stores.
+
+  sink: the head's attention-sink logit in log2 units (sink_logits), or None. It joins each
+  row's softmax as one more score with a zero value: m' = max(m, sink), and with
+  alpha = exp2(m - m') the row sum becomes l' = l·alpha + exp2(sink - m') and O = acc·alpha / l'
+  (FA2's rescaling of one more, value-free, key block). Taking the max keeps exp2 finite on a
+  row that saw no key (m = MASK_VALUE): alpha = 0, l' = 1, O = 0 and lse = sink."""
+  if sink is not None:
+    m_all = jnp.maximum(m, sink)
+    alpha = jnp.exp2(m - m_all)
+    l = l * alpha + jnp.exp2(sink - m_all)
+    m = m_all
+  empty = l == 0.0  # only with segment ids (or a sink of -inf): no visible key at all
   inv_l = 1.0 / jnp.where(empty, 1.0, l)
+  if sink is not None:
+    inv_l = inv_l * alpha
   o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_smem.dtype)
   lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
   plgpu.commit_smem()
@@ -187,7 +204,7 @@ def _store_tile(acc, m, l, o_smem, lse_smem, o_dst, lse_dst, kp: common.KernelPa
 def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scratch,
                            lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free, v_free,
                            sched, q_free, *, kp: common.KernelParams, ctas: int, heads: int,
-                           batch: int, slopes=None):
+                           batch: int, slopes=None, sinks=None):
   """The non-causal forward as a persistent kernel: `ctas` CTAs (one per SM) loop over the
   (q tile, head, batch) tiles, CTA c taking tiles c, c + ctas, ...
 
@@ -199,7 +216,7 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
 
   q_scratch [2 (tile parity), 2 (WG), block_q, D]; q_ready [4] indexed parity·2 + WG (TMA
   arrivals); q_free [2] (2 arrivals: both WGs stored that parity's tile and the TMA has read
-  its O out of the buffer). Other operands (slopes too) as in `_fwd_kernel`.
+  its O out of the buffer). Other operands (slopes and sinks too) as in `_fwd_kernel`.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   nqt, steps = kp.num_q_tiles, kp.num_kv_blocks  # non-causal: every tile sees every key block
@@ -239,7 +256,8 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
       pl.when(wg == 0)(sched_sync)
       with jax.named_scope("epilogue"):
         _store_tile(*carry, q_smem, lse_scratch.at[wg], o_ref.at[b, pl.ds(q0, bq), h],
-                    lse_ref.at[b, h, pl.ds(q0, bq)], kp)
+                    lse_ref.at[b, h, pl.ds(q0, bq)], kp,
+                    sink=None if sinks is None else sinks[h])
         # The buffer takes tile i+2's Q next; lse_scratch is rewritten by the next tile.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       plgpu.barrier_arrive(q_free.at[parity])
@@ -571,7 +589,7 @@ def _registers(config: MosaicConfig) -> tuple[int, int]:
 
 
 def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs=(),
-             split: split_tail.TailSplit | None = None, slopes=()):
+             split: split_tail.TailSplit | None = None, slopes=(), sinks=()):
   """Runs the kernel on q [B, T, H, D], k/v [B, S, K, D] -> (o [B, T, H, D], lse [B, H, Tp]),
   T and S padded as common.operand_rows says (up to kp.t_pad and kp.s_pad, or less: TMA
   reads rows past the end as zeros and drops stores past it); lse always has kp.t_pad rows.
@@ -580,7 +598,8 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
   segs: () or the padded (q_seg [B, Tp], kv_seg [B, Sp], kv_limits [B, q tiles, 4]) int32.
   split (non-causal, no segments, not persistent): the split tail; the result is then
   (o, lse, o_part, lse_part) with the tail tiles of o and lse unwritten (`combine_tail`).
-  slopes: () or ALiBi's (common.raw_alibi_slopes [H],), an input after q, k, v and segs."""
+  slopes: () or ALiBi's (common.raw_alibi_slopes [H],), an input after q, k, v and segs;
+  sinks: () or (sink_logits [H],), the attention sinks, an input after those."""
   bsz, _, h, d = q.shape
   t_pad = kp.t_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
@@ -610,25 +629,23 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
                               transforms=common.smem_transforms(jnp.float32)))
 
     def body(q_ref, k_ref, v_ref, *refs):
-      slopes_ref = refs[0] if slopes else None
-      o_ref, lse_ref, o_part, lse_part, *scratch_refs, o32 = refs[len(slopes):]
+      heads = _head_refs(refs, slopes, sinks)
+      o_ref, lse_ref, o_part, lse_part, *scratch_refs, o32 = refs[len(slopes) + len(sinks):]
       _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch_refs, kp=kp,
-                  tail=_SplitRefs(split, o_part, lse_part, o32), slopes=slopes_ref)
+                  tail=_SplitRefs(split, o_part, lse_part, o32), **heads)
 
     grid, names = (split.ctas,), ("t",)
     most_steps = kp.num_kv_blocks
   elif persistent:
     assert not kp.causal, "the persistent forward is non-causal only"
     scratch.append(plgpu.Barrier(num_arrivals=2, num_barriers=2))
-    body = functools.partial(_fwd_persistent_kernel, kp=kp, ctas=persistent_ctas, heads=h,
-                             batch=bsz)
-    if slopes:
-      body = _with_slopes_ref(body)
+    body = _with_head_refs(functools.partial(_fwd_persistent_kernel, kp=kp, ctas=persistent_ctas,
+                                             heads=h, batch=bsz), slopes, sinks)
     grid, names = (persistent_ctas,), ("cta",)
     most_steps = kp.num_kv_blocks * -(-kp.num_q_tiles * h * bsz // persistent_ctas)
   else:
     body = common.with_segment_refs(functools.partial(_fwd_kernel, kp=kp), 3, bool(segs),
-                                    alibi=bool(slopes))
+                                    alibi=bool(slopes), sinks=bool(sinks))
     launch = common.launch_grid(kp.num_q_tiles, h, bsz, ("qt", "h", "b"),
                                  heads_fastest=kp.heads_fastest)
     grid, names = launch["grid"], launch["grid_names"]
@@ -643,15 +660,38 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
       # check, so long or persistent kernels still fit.
       compiler_params=common.compiler_params(kp, min(most_steps, PROFILE_STEPS)),
       interpret=common.interpret_params(kp.interpret),
-  )(q, k, v, *segs, *slopes)
+  )(q, k, v, *segs, *slopes, *sinks)
 
 
-def _with_slopes_ref(kernel):
-  """A body for kernel(q, k, v, *outputs, *scratch, slopes=...) whose call passes the ALiBi
-  slopes as a fourth input."""
-  def body(q_ref, k_ref, v_ref, slopes_ref, *refs):
-    return kernel(q_ref, k_ref, v_ref, *refs, slopes=slopes_ref)
+def _head_refs(refs, slopes, sinks) -> dict:
+  """The per-head input refs that lead `refs` (the ALiBi slopes, then the sinks, each where
+  its tuple is not empty) as the kernels' keyword arguments."""
+  heads = {}
+  if slopes:
+    heads["slopes"] = refs[0]
+  if sinks:
+    heads["sinks"] = refs[len(slopes)]
+  return heads
+
+
+def _with_head_refs(kernel, slopes, sinks):
+  """A body for kernel(q, k, v, *outputs, *scratch[, slopes=...][, sinks=...]) whose call
+  passes the ALiBi slopes and the sinks (where present) as inputs after q, k, v."""
+  n = len(slopes) + len(sinks)
+  if not n:
+    return kernel
+
+  def body(q_ref, k_ref, v_ref, *refs):
+    return kernel(q_ref, k_ref, v_ref, *refs[n:], **_head_refs(refs, slopes, sinks))
   return body
+
+
+def sink_logits(arrays: FeatureArrays | None, params: AttentionParams) -> tuple:
+  """() without attention sinks, else (sinks·log2(e),) [H] float32: each head's sink logit in
+  the log2 units of the kernels' row max m (scores times c = scale·log2(e))."""
+  if not params.has_sinks:
+    return ()
+  return (arrays.sinks.astype(jnp.float32) * LOG2E,)
 
 
 def smem_bytes(d: int, block_q: int, block_kv: int, stages: int, itemsize: int = 2, *,
@@ -679,15 +719,23 @@ def tail_split(q, config: MosaicConfig, params: AttentionParams, kv_blocks: int,
                          config=config)
 
 
-def combine_tail(o, lse, o_part, lse_part, split: split_tail.TailSplit):
+def combine_tail(o, lse, o_part, lse_part, split: split_tail.TailSplit, sinks=()):
   """o [B, T or Tp, H, D], lse [B, H, Tp] with the split tail's tiles merged in from its parts
   (rows past o's end dropped):
   o_part [tail tiles · parts, 2, block_q, D], lse_part [.., 2, block_q] float32, each part
-  normalised over its own keys, so o = Σ exp(lse_p − lse) o_p with lse = logsumexp_p lse_p."""
+  normalised over its own keys, so o = Σ exp(lse_p − lse) o_p with lse = logsumexp_p lse_p.
+  sinks: () or (sink_logits [H],): the sink joins as one more part, lse_p = sink, o_p = 0 (the
+  kernel added it to the other tiles)."""
   r, parts = split.tail_tiles, split.parts
   rows_per_tile = o_part.shape[1] * o_part.shape[2]
   o_part = o_part.reshape(r, parts, rows_per_tile, o_part.shape[-1])
   lse_part = lse_part.reshape(r, parts, rows_per_tile)
+  if sinks:
+    sink = sinks[0][split.tail_coords()[1]] * LN2  # [tail tiles], natural log
+    sink = jnp.broadcast_to(sink[:, None, None], (r, 1, rows_per_tile))
+    lse_part = jnp.concatenate([lse_part, sink], axis=1)
+    o_part = jnp.concatenate([o_part, jnp.zeros((r, 1) + o_part.shape[2:], o_part.dtype)],
+                             axis=1)
   m = lse_part.max(axis=1)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   w = jnp.exp(lse_part - m[:, None])
@@ -728,9 +776,11 @@ def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
 
 def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
             config: MosaicConfig, arrays: FeatureArrays | None = None):
-  """See pallas_flash.call for the contract; of `arrays` only the ALiBi slopes are read (the
-  other features taken, logits_soft_cap and local_window_size, live in params); ALiBi runs in
-  every form, added to each score tile (common.alibi). With segment ids or a window the
+  """See pallas_flash.call for the contract; of `arrays` only the ALiBi slopes and the sinks
+  are read (the other features taken, logits_soft_cap and local_window_size, live in params);
+  ALiBi runs in every form, added to each score tile (common.alibi), and the sinks too, added
+  to each row's sum before O is normalised (`_store_tile`; a split tail's parts in
+  combine_tail). With segment ids or a window the
   grid kernel runs its plain kv loop (no persistent form, no intra-warpgroup overlap); only
   the key blocks that may share an id with a q tile, or lie in its band, are loaded, and ids
   and bounds are compared on those that do not lie wholly inside them."""
@@ -768,7 +818,8 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
     segs = (q_seg, kv_seg, kv_limits)
   ctas = persistent_ctas(q, config, params)
   split = tail_split(q, config, params, kp.num_kv_blocks, ctas > 0)
+  sinks = sink_logits(arrays, params)
   out = fwd_call(qp, kpad, vpad, kp=kp, persistent_ctas=ctas, segs=segs, split=split,
-                 slopes=common.raw_alibi_slopes(arrays, params))
-  o, lse = out if split is None else combine_tail(*out, split)
+                 slopes=common.raw_alibi_slopes(arrays, params), sinks=sinks)
+  o, lse = out if split is None else combine_tail(*out, split, sinks)
   return o[:, :t], lse[:, :, :t]
