@@ -15,11 +15,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
+from jax.custom_derivatives import custom_vjp_primal_tree_values
 
 from pallas_flash import _tiling, backends, masks, merge, validation
 from pallas_flash.backends import IMPLEMENTATIONS, Implementation
-from pallas_flash.call import AttentionParams, FeatureArrays
+from pallas_flash.call import AttentionParams, FeatureArrays, backward_inputs
 from pallas_flash.context_parallel import sharding as _cp_sharding
 from pallas_flash.reference import attention_reference
 
@@ -133,24 +133,10 @@ def backward_from_residuals(backend: backends.Backend, params: AttentionParams, 
   of (o, lse), either of which may be a SymbolicZero. The backend recomputes the scores from
   q, k, v and lse."""
   q, k, v, q_seg, kv_seg, arrays, o, lse = res
-  do, dlse = cotangents
-  if isinstance(do, SymbolicZero):  # only lse is differentiated
-    do = jnp.zeros(o.shape, q.dtype)
-  # None when lse is unused (symbolic zeros), so that no zero array is materialised.
-  dlse = None if isinstance(dlse, SymbolicZero) else dlse
-  # delta = rowsum(dO * O) is FA2's backward preprocessing; a cotangent on lse enters the
-  # score gradient as p * dlse, which is the same as subtracting it from delta.
-  if backend.computes_delta:
-    delta = None if dlse is None else -dlse
-  else:
-    delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32))
-    if dlse is not None:
-      delta = delta - dlse
-    # +inf on fully masked rows makes every recomputed probability exp(s - lse) exactly 0.
-    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+  do, delta, lse = backward_inputs(backend.computes_delta, o, lse, cotangents, q.dtype)
   uses_arrays = bool(params.features) or params.has_sinks
   kw = dict(params=params, config=config, **({"arrays": arrays} if uses_arrays else {}))
-  grads = backend.backward(q, k, v, q_seg, kv_seg, o, lse, do.astype(q.dtype), delta, **kw)
+  grads = backend.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, **kw)
   extra = list(grads[3:])  # [dbias][, dsinks]
   dbias = extra.pop(0).astype(arrays.bias.dtype) if params.has_bias else None
   dsinks = extra.pop(0) if params.has_sinks else None

@@ -58,6 +58,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 # Finite stand-in for -inf in masked scores: exp(MASK_VALUE - m) underflows to 0, while
 # MASK_VALUE - MASK_VALUE stays 0 rather than the NaN that (-inf) - (-inf) gives.
@@ -184,3 +185,25 @@ class CallInfo:
   platform: str  # "cpu", "gpu", ...
   compute_capability: tuple[int, int] | None  # (9, 0) on Hopper; None off-GPU or unknown
   device_kind: str
+
+
+def backward_inputs(computes_delta: bool, o, lse, cotangents: tuple, dtype):
+  """(do in `dtype`, delta, lse) for a backend's `backward` from the forward's o [B, T, H, Dv]
+  and lse [B, H, T] and the cotangents (do, dlse), either of which may be a SymbolicZero;
+  computes_delta: the backend's BACKWARD_COMPUTES_DELTA."""
+  do, dlse = cotangents
+  if isinstance(do, SymbolicZero):  # only lse is differentiated
+    do = jnp.zeros(o.shape, dtype)
+  # None when lse is unused (symbolic zeros), so that no zero array is materialised.
+  dlse = None if isinstance(dlse, SymbolicZero) else dlse
+  # delta = rowsum(dO * O) is FA2's backward preprocessing; a cotangent on lse enters the
+  # score gradient as p * dlse, which is the same as subtracting it from delta.
+  if computes_delta:
+    delta = None if dlse is None else -dlse
+  else:
+    delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32))
+    if dlse is not None:
+      delta = delta - dlse
+    # +inf on fully masked rows makes every recomputed probability exp(s - lse) exactly 0.
+    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+  return do.astype(dtype), delta, lse

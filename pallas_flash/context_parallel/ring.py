@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
+from jax.custom_derivatives import custom_vjp_primal_tree_values
 
 from pallas_flash import backends
-from pallas_flash.call import FeatureArrays
+from pallas_flash.call import FeatureArrays, backward_inputs
 from pallas_flash.context_parallel.plan import KernelCall, RingPlan
 from pallas_flash.merge import merge_attention_states
 
@@ -133,20 +133,9 @@ def ring_attention_fn(plan: RingPlan, axis_name, name: str, configs: tuple):
 
   def backward(res, cotangents):
     q, k, v, q_seg, kv_seg, o, lse = res
-    do, dlse = cotangents
-    if isinstance(do, SymbolicZero):
-      do = jnp.zeros_like(o)
-    dlse = None if isinstance(dlse, SymbolicZero) else dlse
-    # As in pallas_flash.api: the global delta (or -dlse for backends computing rowsum(dO·O)
-    # themselves from the global O passed to them).
-    if backend.computes_delta:
-      delta = None if dlse is None else -dlse
-    else:
-      delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32))
-      if dlse is not None:
-        delta = delta - dlse
-      lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
-    do = do.astype(q.dtype)
+    # The global delta (or -dlse for backends computing rowsum(dO·O) themselves from the
+    # global O passed to them), as for one device.
+    do, delta, lse = backward_inputs(backend.computes_delta, o, lse, cotangents, q.dtype)
     dq = jnp.zeros_like(q, jnp.float32)
     dkv = (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
     if not plan.steps:
