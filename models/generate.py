@@ -4,6 +4,12 @@ Everything after `init_cache` runs in one `jit`: the prefill appends the prompt 
 cache (decode_attention's chunked-prefill path), then `lax.scan` feeds back one sampled token per
 step (its decode path, split-KV). The caches travel through the scan's carry and are donated to
 the jit, so each step writes its new token in place.
+
+Ragged prompts (`prompt_lengths`) are right-padded to one length P: the prefill writes all P
+positions, then sets every layer's `cache_seqlens` to each row's own length, so the padding lies
+past the end of each sequence (never read, and overwritten by the tokens that follow). The first
+token is drawn from each row's last real position, and each step appends one token per row at
+that row's own position (decode_attention's per-sequence lengths; rotary there too).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.transformer import Transformer
@@ -32,14 +39,29 @@ def sample_logits(logits: jax.Array, rng: jax.Array, *, temperature: float = 0.0
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "temperature", "top_k"),
                    donate_argnames=("cache",))
-def _generate(graphdef, cache, rest, prompt, rng, *, steps, temperature, top_k):
+def _generate(graphdef, cache, rest, prompt, lengths, rng, *, steps, temperature, top_k):
   def forward(cache, tokens):  # [B, T] -> cache, last logits [B, V]
     model = nnx.merge(graphdef, cache, rest)
     logits = model(tokens, decode=True)[:, -1]
     return nnx.state(model, nnx.Cache), logits
 
+  def prefill(cache, prompt, lengths):  # ragged: each row ends at its own length
+    model = nnx.merge(graphdef, cache, rest)
+    logits = model(prompt, decode=True)  # [B, P, V]; row b's padding is causally after it
+    for block in model.blocks:
+      block.attn.cache_seqlens[...] = lengths
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    return nnx.state(model, nnx.Cache), last
+
   rngs = jax.random.split(rng, steps)
-  cache, logits = forward(cache, prompt)
+  if lengths is None:
+    cache, logits = forward(cache, prompt)
+  else:
+    p = prompt.shape[1]
+    lengths = jnp.clip(lengths.astype(jnp.int32), 1, p)  # traced lengths: unchecked, clipped
+    # Padding becomes token 0, so any value (e.g. -1, outside the vocabulary) is harmless.
+    prompt = jnp.where(jnp.arange(p) < lengths[:, None], prompt, 0)
+    cache, logits = prefill(cache, prompt, lengths)
   first = sample_logits(logits, rngs[0], temperature=temperature, top_k=top_k)
 
   def step(carry, rng_t):
@@ -54,35 +76,62 @@ def _generate(graphdef, cache, rest, prompt, rng, *, steps, temperature, top_k):
   return tokens, step_logits, cache
 
 
+def _check_prompt_lengths(prompt_lengths, b: int, p: int) -> jax.Array:
+  """prompt_lengths as int32 [B], its values checked to lie in 1..P where they are concrete."""
+  if not hasattr(prompt_lengths, "dtype"):
+    prompt_lengths = np.asarray(prompt_lengths)
+  if prompt_lengths.shape != (b,) or not jnp.issubdtype(prompt_lengths.dtype, jnp.integer):
+    raise ValueError(f"`prompt_lengths` must be an integer array [B] = [{b}] (one length per "
+                     f"prompt row), got {prompt_lengths.dtype} {tuple(prompt_lengths.shape)}.")
+  if not isinstance(prompt_lengths, jax.core.Tracer):
+    values = np.asarray(prompt_lengths)
+    bad = np.flatnonzero((values < 1) | (values > p))
+    if bad.size:
+      raise ValueError(f"`prompt_lengths` must lie in 1..P = 1..{p} (the prompt's padded "
+                       f"length), got {values[bad[0]]} for row {bad[0]}.")
+  return jnp.asarray(prompt_lengths, jnp.int32)
+
+
 def generate(model: Transformer, prompt: jax.Array, max_new_tokens: int, *,
-             rng: jax.Array | None = None, temperature: float = 0.0, top_k: int | None = None,
-             page_size: int | None = None, return_logits: bool = False):
+             prompt_lengths: jax.Array | None = None, rng: jax.Array | None = None,
+             temperature: float = 0.0, top_k: int | None = None, page_size: int | None = None,
+             return_logits: bool = False):
   """Continues each prompt by `max_new_tokens` tokens.
 
   Args:
     model: the language model; its KV caches are (re)initialised for this call and hold the
-      whole context afterwards.
-    prompt: [B, P] int32 tokens, one prompt per row, all of length P >= 1.
+      whole context afterwards (row b's first prompt_lengths[b] + N - 1 positions are real).
+    prompt: [B, P] int32 tokens, one prompt per row, P >= 1; right-padded to P when
+      `prompt_lengths` is given.
     max_new_tokens: N >= 1 tokens to generate.
+    prompt_lengths: int [B], the real length of each row's prompt, in 1..P; the tokens after it
+      are padding of any value, never attended to (None: every row has length P). Each row
+      then generates exactly what its prompt alone (unpadded, batch 1) would. Values outside
+      1..P raise a ValueError when concrete; traced values cannot be checked and are clipped
+      to 1..P.
     rng: a PRNG key for sampling (default key 0; unused at temperature 0).
     temperature, top_k: greedy at 0; else sampling (sample_logits).
     page_size: a paged KV cache with pages of this many tokens (None: contiguous).
     return_logits: also return the logits [B, N, V] each new token was drawn from.
 
   Returns:
-    tokens [B, N] int32 (and the logits).
+    tokens [B, N] int32, the N new tokens of each row, which start right after its own prompt
+    (padding is not repeated in them); with return_logits also the logits [B, N, V].
   """
   b, p = prompt.shape
   if p < 1 or max_new_tokens < 1:
     raise ValueError(f"Need a prompt of at least one token and max_new_tokens >= 1, got prompt "
                      f"{prompt.shape} and {max_new_tokens}.")
+  if prompt_lengths is not None:
+    prompt_lengths = _check_prompt_lengths(prompt_lengths, b, p)
   length = p + max_new_tokens
   if page_size is not None:
     length = -(-length // page_size) * page_size
   model.init_cache(b, length, page_size=page_size)
   graphdef, cache, rest = nnx.split(model, nnx.Cache, ...)
   rng = jax.random.key(0) if rng is None else rng
-  tokens, logits, cache = _generate(graphdef, cache, rest, jnp.asarray(prompt, jnp.int32), rng,
+  tokens, logits, cache = _generate(graphdef, cache, rest, jnp.asarray(prompt, jnp.int32),
+                                    prompt_lengths, rng,
                                     steps=max_new_tokens, temperature=float(temperature),
                                     top_k=top_k)
   nnx.update(model, cache)

@@ -1,5 +1,6 @@
 """Generation on the KV cache: teacher-forced logits of a full forward equal each step's, the
-sampling rules, and `python -m train.sample` on a freshly trained tiny run."""
+sampling rules, ragged prompts (each row as its prompt alone), and `python -m train.sample` on a
+freshly trained tiny run."""
 
 import dataclasses
 
@@ -78,3 +79,49 @@ def test_sample_command_on_a_preset_model(capsys):
   assert len(texts) == 1 and texts[0].startswith("def ")
   out = capsys.readouterr().out
   assert "preset cpu-demo (random parameters" in out and "--- sequence" not in out
+
+
+@pytest.mark.parametrize("page_size", [None, 4], ids=["contiguous", "paged"])
+def test_ragged_prompts_generate_what_each_prompt_alone_does(model, page_size):
+  lengths = [5, 2, 7]
+  prompt = jax.random.randint(jax.random.key(3), (3, 7), 0, 256)
+  row = jnp.arange(7) < jnp.array(lengths)[:, None]  # [B, P] real tokens
+  kw = dict(page_size=page_size, return_logits=True)
+  tokens, logits = generate(model, jnp.where(row, prompt, 255), 6, prompt_lengths=lengths, **kw)
+  again, again_logits = generate(model, jnp.where(row, prompt, -1), 6,
+                                 prompt_lengths=jnp.array(lengths, jnp.int16), **kw)
+  np.testing.assert_array_equal(np.asarray(again), np.asarray(tokens))  # padding is ignored
+  np.testing.assert_array_equal(np.asarray(again_logits), np.asarray(logits))
+  # Every row's cache ends at its own context, the last token not yet appended.
+  np.testing.assert_array_equal(np.asarray(model.blocks[0].attn.cache_seqlens[...]),
+                                np.array(lengths) + 5)
+  for b, n in enumerate(lengths):
+    alone, alone_logits = generate(model, prompt[b:b + 1, :n], 6, **kw)
+    np.testing.assert_array_equal(np.asarray(tokens[b]), np.asarray(alone[0]))
+    np.testing.assert_allclose(np.asarray(logits[b]), np.asarray(alone_logits[0]), atol=1e-5)
+
+
+def test_ragged_sampling_stays_in_the_top_k(model):
+  """Sampling on ragged prompts; the logits themselves are checked greedily above."""
+  prompt = jax.random.randint(jax.random.key(4), (2, 6), 0, 256)
+  tokens, logits = generate(model, prompt, 4, prompt_lengths=[6, 3], rng=jax.random.key(2),
+                            temperature=1.0, top_k=2, return_logits=True)
+  top2 = np.asarray(jax.lax.top_k(logits, 2)[1])  # [B, N, 2]
+  assert (top2 == np.asarray(tokens)[..., None]).any(-1).all()
+
+
+@pytest.mark.parametrize("lengths, match", [
+    ([3], r"\[B\] = \[2\]"), ([[3, 3]], r"\[B\] = \[2\]"), ([3.0, 2.0], "integer"),
+    ([0, 2], "1..P = 1..4"), ([2, 5], "1..P = 1..4")])
+def test_bad_prompt_lengths_raise(model, lengths, match):
+  with pytest.raises(ValueError, match=r"prompt_lengths(.|\n)*" + match):
+    generate(model, jnp.zeros((2, 4), jnp.int32), 2, prompt_lengths=jnp.array(lengths))
+
+
+def test_traced_prompt_lengths_are_clipped(model):
+  """Under nnx.jit the lengths cannot be checked; they are clipped to 1..P as documented."""
+  prompt = jax.random.randint(jax.random.key(5), (2, 4), 0, 256)
+  traced = nnx.jit(lambda m, n: generate(m, prompt, 2, prompt_lengths=n))(
+      model, jnp.array([0, 9]))
+  want = generate(model, prompt, 2, prompt_lengths=[1, 4])
+  np.testing.assert_array_equal(np.asarray(traced), np.asarray(want))
