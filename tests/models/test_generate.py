@@ -81,7 +81,10 @@ def test_sample_command_on_a_preset_model(capsys):
   assert "preset cpu-demo (random parameters" in out and "--- sequence" not in out
 
 
-@pytest.mark.parametrize("page_size", [None, 4], ids=["contiguous", "paged"])
+# Paged under -m slow: the cache layout is the decode tests' business; each case compiles four
+# shapes.
+@pytest.mark.parametrize("page_size", [None, pytest.param(4, marks=pytest.mark.slow)],
+                         ids=["contiguous", "paged"])
 def test_ragged_prompts_generate_what_each_prompt_alone_does(model, page_size):
   lengths = [5, 2, 7]
   prompt = jax.random.randint(jax.random.key(3), (3, 7), 0, 256)
