@@ -133,13 +133,12 @@ def _kv_loop(q_smem, k_scratch, vt_scratch, p_smem, bars: common.KvBarriers, *, 
     plgpu.barrier_arrive(bars.k_free.at[slot])
     with jax.named_scope("softmax"):
       s, factor = _capped_logits(s, c, kp)  # before the mask: a hidden score must stay -inf
-      if masked:
-        if seg_ids is None:
-          s = jnp.where(common.visible(q0, j * bkv, (bq, bkv), kp), s, -jnp.inf)
-        else:
-          col0 = (kv0 + j) * bkv
-          s = jnp.where(common.tile_mask(q0, col0, (bq, bkv), kp, ids=seg_ids(col0)), s,
-                        -jnp.inf)
+      if masked and not kp.segments:
+        s = jnp.where(common.visible(q0, j * bkv, (bq, bkv), kp), s, -jnp.inf)
+      elif masked:
+        col0 = (kv0 + j) * bkv
+        ids = None if seg_ids is None else seg_ids(col0)
+        s = jnp.where(_segment_path_mask(q0, col0, (bq, bkv), kp, ids), s, -jnp.inf)
       p, m_new, l, alpha = _softmax(s, m, l, factor)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p8 = p_operand(p, kp)
@@ -178,6 +177,38 @@ def _kv_loop(q_smem, k_scratch, vt_scratch, p_smem, bars: common.KvBarriers, *, 
   if kp.needs_mask:
     carry = lax.fori_loop(u1, steps, functools.partial(step, masked=True), carry)
   return carry
+
+
+def _segment_path_mask(row0, col0, shape, kp: common.KernelParams, ids):
+  """[rows, cols] bool of the segment-id path's masked blocks: common.tile_mask's causal /
+  window band, key tail and (ids: (row ids ROW, column ids COL) or None) equal ids, built from
+  a row and a column vector broadcast to the tile (key − query once per score). With
+  common.tile_mask's two full-tile iotas the kernel spilled (ptxas, scripts/mosaic_ptxas.py
+  --deviceless, 1x4096x16 causal with a window or segment ids: 276-412 B at head dim 256,
+  828-1116 B with 256-key tiles at 128, up to 232 spill loads in the wgmma loops); built
+  from vectors, nothing in the loops at head dims 64, 128 and 256. Each vector is built only
+  where a term uses it: with an unused iota Mosaic's layout inference finds no solution."""
+  lo, hi = kp.window if kp.window is not None else (None, None)
+  lo = None if lo is None else -lo
+  if kp.causal:
+    hi = 0 if hi is None else min(hi, 0)
+  keys = functools.cache(lambda: lax.broadcast_in_dim(
+      plgpu.broadcasted_iota(jnp.int32, shape[1:], 0, layout=common.COL) + col0, shape, [1]))
+  terms = []
+  if lo is not None or hi is not None:
+    rows = plgpu.broadcasted_iota(jnp.int32, shape[:1], 0, layout=common.ROW) + row0
+    offset = keys() - lax.broadcast_in_dim(rows, shape, [0])  # key - query
+    terms += [offset >= lo] if lo is not None else []
+    terms += [offset <= hi] if hi is not None else []
+  if kp.kv_tail and not (kp.causal and kp.q_len <= kp.kv_len):  # as in common.visible
+    terms.append(keys() < kp.kv_len)
+  if ids is not None:
+    row_ids, col_ids = ids
+    terms.append(lax.broadcast_in_dim(row_ids, shape, [0])
+                 == lax.broadcast_in_dim(col_ids, shape, [1]))
+  if not terms:  # nothing hidden (a masked block of the segment-id path always has a term)
+    terms.append(keys() >= 0)
+  return functools.reduce(lambda a, b: a & b, terms)
 
 
 def _capped_logits(s, c, kp: common.KernelParams):
@@ -235,8 +266,9 @@ def _kernel(q_ref, k_ref, vt_ref, scales_ref, o_ref, lse_ref, q_scratch, k_scrat
     segment_path = {}
     if seg is not None:
       steps = jnp.clip(steps - kv0, 1, cta_steps)
-      segment_path = dict(kv0=kv0, full=full,
-                          seg_ids=common.row_and_col_ids(seg, b, q0, bq, bkv))
+      # A window alone compares no ids (its zero ids are one document).
+      segment_path = dict(kv0=kv0, full=full, seg_ids=common.row_and_col_ids(
+          seg, b, q0, bq, bkv) if kp.segment_ids else None)
     c = scales_ref[b * heads + h]
     v_descale = scales_ref[(batch + b) * heads + h]
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_ready.at[wg])
