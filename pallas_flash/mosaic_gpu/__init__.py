@@ -162,8 +162,8 @@ def fp8_unmeasured_reason(call: CallInfo) -> str | None:
     unmeasured.insert(0, "segment ids / sequence lengths")
   if not unmeasured:
     return None
-  return (f"the FP8 kernel runs {', '.join(unmeasured)} only when asked for "
-          "(implementation='mosaic'): not yet measured on the GPU")
+  return (f"the FP8 kernel with {', '.join(unmeasured)} is not yet measured on the GPU: runs "
+          "when implementation='mosaic' is named")
 
 
 def fp8_unsupported_reason(call: CallInfo, *, scale_layouts, out_dtype, config=None,
