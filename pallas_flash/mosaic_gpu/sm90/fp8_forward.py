@@ -11,6 +11,11 @@ loop (`_kv_loop`). Per key block (256 keys up to head dim 128, 128 at 256: DEFAU
   O += P·V                   FP8 wgmma, P from registers, Vᵀ tile from shared memory
   epilogue                   O = acc · v_descale / l, stored as out_dtype; lse
 
+The soft cap applies to the dequantized logit, in c's units (`_capped_logits`); windows and
+segment ids / sequence lengths take forward.py's segment-id path (`forward.segment_inputs`:
+per CTA tile the key blocks it may see, masks only on those not wholly visible), with masks
+built from row and column vectors (`_segment_path_mask`).
+
 P's factor 2⁸ (P_SCALE_LOG2) is exact, keeps P's largest value (1 → 256) below e4m3's 448 and
 moves its underflow from 2⁻¹⁰ to 2⁻¹⁸. The row sums l add the same scaled fp32 values, so the
 factor cancels in acc / l and is subtracted from the lse.
