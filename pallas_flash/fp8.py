@@ -310,8 +310,12 @@ def _f32_call_info(query, key, value, kwargs):
   return validation.abstract_call_info(*f32, validation.with_defaults(kw))
 
 
-def mosaic_reason(query, key, value, scales: Fp8Scales, out, kwargs) -> str | None:
-  """Why the Mosaic FP8 forward cannot run this (checked) FP8 call, or None when it can."""
+def mosaic_reason(query, key, value, scales: Fp8Scales, out, kwargs, *, named: bool = True,
+                  features: bool = True) -> str | None:
+  """Why the Mosaic FP8 forward cannot run this (checked) FP8 call, or None when it can.
+  named False: implementation=None, which also leaves it the calls not yet measured on the
+  GPU (mosaic_gpu.fp8_unmeasured_reason: soft caps, windows, segment ids); features False:
+  refuse those features (quantized_attention's training path)."""
   mosaic = backends.load("mosaic")
   if isinstance(mosaic, str):
     return mosaic
@@ -323,9 +327,12 @@ def mosaic_reason(query, key, value, scales: Fp8Scales, out, kwargs) -> str | No
   info = _f32_call_info(query, key, value, kwargs)
   layouts = {_scale_layout(len(getattr(s, "shape", ())), len(query.shape))
              for s in (scales.q, scales.k, scales.v)}
-  return mosaic_gpu.fp8_unsupported_reason(
+  why = mosaic_gpu.fp8_unsupported_reason(
       info, scale_layouts=layouts, out_dtype=out, config=kwargs.get("config"),
-      sinks=kwargs.get("sinks") is not None)
+      sinks=kwargs.get("sinks") is not None, features=features)
+  if why is None and not named:
+    why = mosaic_gpu.fp8_unmeasured_reason(info)
+  return why
 
 
 def _per_head(scale, batch: int, heads: int, group: int, unbatched: bool):
@@ -340,14 +347,14 @@ def _per_head(scale, batch: int, heads: int, group: int, unbatched: bool):
 
 
 @functools.cache
-def _mosaic_fn(causal: bool, scale: float, out, config):
-  """The Mosaic FP8 forward as a function of (q8, k8, v8, c [B, H], v_descale [B, H]) that
-  refuses to be differentiated."""
+def _mosaic_fn(params, out, config):
+  """The Mosaic FP8 forward as a function of (q8, k8, v8, c [B, H], v_descale [B, H], q_seg,
+  kv_seg) that refuses to be differentiated; params: the call's AttentionParams."""
   from pallas_flash import mosaic_gpu  # noqa: PLC0415
 
   @jax.custom_vjp
-  def run(q8, k8, v8, c, v_descale):
-    return mosaic_gpu.fp8_forward(q8, k8, v8, c, v_descale, causal=causal, scale=scale,
+  def run(q8, k8, v8, c, v_descale, q_seg, kv_seg):
+    return mosaic_gpu.fp8_forward(q8, k8, v8, c, v_descale, q_seg, kv_seg, params=params,
                                   out_dtype=out, config=config)
 
   def run_fwd(*args):
@@ -370,17 +377,34 @@ def _kernel_descales(scales: Fp8Scales, q8, k8, params, unbatched: bool):
   return c, _per_head(scales.v, b, h, group, unbatched)
 
 
+_INDEX_ARGS = ("query_seq_lengths", "key_value_seq_lengths", "query_segment_ids",
+               "key_value_segment_ids")
+
+
+def _canonical_call(query, key, value, kwargs) -> validation.Call:
+  """The float32 form of an FP8 call canonicalised without its arrays (shapes stand in for
+  q, k, v): its AttentionParams and segment ids [B, T] / [B, S] (None without; sequence
+  lengths folded in, validation._fold_lengths), as the kernels take them."""
+  kw = validation.with_defaults({n: x for n, x in kwargs.items() if n in validation.DEFAULTS})
+  if len(query.shape) == 3:  # the batch axis canonicalize would add to q, k, v and the ids
+    kw.update({n: None if kw[n] is None else jnp.asarray(kw[n])[None] for n in _INDEX_ARGS})
+  shapes = [jax.ShapeDtypeStruct((1,) * (4 - len(x.shape)) + tuple(x.shape), jnp.float32)
+            for x in (query, key, value)]
+  return validation.canonicalize(*shapes, **kw, checked=bool(kwargs.get("checked", False)))
+
+
 def _mosaic_attention(query, key, value, scales: Fp8Scales, out, kwargs):
   """flash_attention's result for an FP8 call the Mosaic FP8 forward runs."""
   if kwargs.get("return_residuals") and kwargs.get("return_residual"):
     raise ValueError("Pass one of `return_residuals` (float32 [B, H, T]) and "
                      "`return_residual` (jax.nn's: [B, T, H] in the output dtype), not both.")
-  params = _f32_call_info(query, key, value, kwargs).params
+  call = _canonical_call(query, key, value, kwargs)
+  params = call.info.params
   unbatched = len(query.shape) == 3
   q8, k8, v8 = (x[None] if unbatched else x for x in (query, key, value))
   c, v_descale = _kernel_descales(scales, q8, k8, params, unbatched)
-  o, lse = _mosaic_fn(params.is_causal, params.scale, out, kwargs.get("config"))(
-      q8, k8, v8, c, v_descale)
+  o, lse = _mosaic_fn(params, out, kwargs.get("config"))(
+      q8, k8, v8, c, v_descale, call.q_seg, call.kv_seg)
   if unbatched:
     o, lse = o[0], lse[0]
   if kwargs.get("return_residual"):
@@ -406,7 +430,8 @@ def flash_attention_fp8(attention_fn, *, query, key, value, descale, out_dtype, 
   scales, out = check_call(query, key, value, descale, out_dtype)
   implementation = kwargs.get("implementation")
   if implementation in (None, "mosaic"):
-    why = mosaic_reason(query, key, value, scales, out, kwargs)
+    why = mosaic_reason(query, key, value, scales, out, kwargs,
+                        named=implementation == "mosaic")
     if why is None:
       return _mosaic_attention(query, key, value, scales, out, kwargs)
     if implementation == "mosaic":
@@ -433,7 +458,7 @@ def explain_fp8(explain_fn, query, key, value, **kwargs) -> Fp8Explanation:
   float32 call it runs (the reference semantics), with the Mosaic kernel's reason."""
   descale, out_dtype = kwargs.pop("descale", None), kwargs.pop("out_dtype", None)
   scales, out = check_call(query, key, value, descale, out_dtype)
-  why = mosaic_reason(query, key, value, scales, out, kwargs)
+  why = mosaic_reason(query, key, value, scales, out, kwargs, named=False)
   f32 = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (query, key, value)]
   config = kwargs.get("config")
   base = explain_fn(*f32, **_float32_kwargs(kwargs))
@@ -441,8 +466,9 @@ def explain_fp8(explain_fn, query, key, value, **kwargs) -> Fp8Explanation:
                     for s in (scales.q, scales.k, scales.v)})
   head = f"FP8 (float8_e4m3fn, scales per {'/'.join(layouts)})"
   fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+  when_named = mosaic_reason(query, key, value, scales, out, kwargs)
   fields["reasons"] = {**base.reasons, "mosaic": why}
-  fields["reasons_when_named"] = {**base.reasons_when_named, "mosaic": why}
+  fields["reasons_when_named"] = {**base.reasons_when_named, "mosaic": when_named}
   if why is None:
     from pallas_flash.mosaic_gpu.sm90 import fp8_forward  # noqa: PLC0415
     block = (2 * fp8_forward.BLOCK_Q, fp8_forward.block_kv(query.shape[-1], config))
@@ -454,9 +480,10 @@ def explain_fp8(explain_fn, query, key, value, **kwargs) -> Fp8Explanation:
     note = (f"{head}: the Mosaic FP8 forward (e4m3 wgmma for Q·Kᵀ and P·V, fp32 softmax), "
             f"output {out.name}; forward only")
   else:
-    note = (f"{head}: the Mosaic FP8 kernel cannot run it ({why}); the inputs are dequantized "
-            f"to float32 and run as below (the reference semantics), the output cast to "
-            f"{out.name}")
+    what = (f"the Mosaic FP8 forward runs it when named ({why})" if when_named is None else
+            f"the Mosaic FP8 kernel cannot run it ({why})")
+    note = (f"{head}: {what}; the inputs are dequantized to float32 and run as below (the "
+            f"reference semantics), the output cast to {out.name}")
   return Fp8Explanation(**fields, fp8=note)
 
 
@@ -519,8 +546,7 @@ def _training_attention(plan: _TrainingPlan, out, block):
     (q8, k8, v8), scales = quantize(q, k, v, block=block)
     if plan.fp8_kernel:
       c, v_descale = _kernel_descales(scales, q8, k8, params, unbatched=False)
-      o, lse = mosaic_gpu.fp8_forward(q8, k8, v8, c, v_descale, causal=params.is_causal,
-                                      scale=params.scale, out_dtype=out,
+      o, lse = mosaic_gpu.fp8_forward(q8, k8, v8, c, v_descale, params=params, out_dtype=out,
                                       config=plan.fp8_config)
     else:
       o, lse = backend.forward(*_dequantized(q8, k8, v8, scales, plan.grad_dtype), None, None,
@@ -560,7 +586,7 @@ def _training_plan(inputs, scales: Fp8Scales, out, kwargs) -> _TrainingPlan | No
   implementation = kwargs.get("implementation")
   backends.check_implementation(implementation)
   if implementation in (None, "mosaic"):
-    why = mosaic_reason(*inputs, scales, out, kwargs)
+    why = mosaic_reason(*inputs, scales, out, kwargs, features=False)
     if why is None:
       kw = {n: x for n, x in kwargs.items() if n in validation.DEFAULTS}
       bf16 = [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in inputs]

@@ -75,6 +75,12 @@ VARIANTS = {
     "fp8": ("fp8", False, {}),
     "fp8_causal": ("fp8", True, {}),
     "fp8_kv128": ("fp8", False, dict(block_kv=128)),
+    # The FP8 forward's features (named with implementation="mosaic"): the soft cap, a window
+    # and segment ids (documents of 1000 tokens) through the segment-id path.
+    "fp8_softcap": ("fp8", False, dict(softcap=30.0)),
+    "fp8_softcap_causal": ("fp8", True, dict(softcap=30.0)),
+    "fp8_window_causal": ("fp8", True, dict(window=1023)),
+    "fp8_segments_causal": ("fp8", True, dict(segments=True)),
 }
 
 
@@ -161,7 +167,7 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
     return vjp(do)
 
   if mode == "fp8":
-    return fp8_child(name, causal, kw, operand_shapes, deviceless, reps)
+    return fp8_child(name, causal, kw, operand_shapes, deviceless, reps, features)
   fn = attn if mode == "fwd" else grads
   nargs = 3 if mode == "fwd" else 4
   if deviceless:
@@ -190,9 +196,10 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
 
 
 def fp8_child(name: str, causal: bool, kw: dict, operand_shapes, deviceless: bool,
-              reps: int) -> None:
+              reps: int, features: dict) -> None:
   """child() for the FP8 forward: e4m3 q, k, v with per-tensor scales; config None (the
-  default tiles) or MosaicConfig(**kw); on a GPU checked against the reference semantics."""
+  default tiles) or MosaicConfig(**kw); features: flash_attention's feature arguments (soft
+  cap, window, segment ids); on a GPU checked against the reference semantics."""
   import jax
   import jax.numpy as jnp
 
@@ -205,7 +212,7 @@ def fp8_child(name: str, causal: bool, kw: dict, operand_shapes, deviceless: boo
 
   def attn(q8, k8, v8, sq, sk, sv):
     return pallas_flash.flash_attention(q8, k8, v8, descale=(sq, sk, sv), is_causal=causal,
-                                        implementation="mosaic", config=config)
+                                        implementation="mosaic", config=config, **features)
 
   if deviceless:
     from jax.sharding import use_abstract_mesh
@@ -227,7 +234,8 @@ def fp8_child(name: str, causal: bool, kw: dict, operand_shapes, deviceless: boo
   f = jax.jit(attn)
   out = jax.block_until_ready(f(*args))
   deq = [fp8.dequantize(a, sc) for a, sc in zip((q8, k8, v8), (s.q, s.k, s.v))]
-  want = pallas_flash.flash_attention(*deq, is_causal=causal, implementation="xla")
+  want = pallas_flash.flash_attention(*deq, is_causal=causal, implementation="xla",
+                                      **features)
   err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
   ms = time_ms(f, args, reps)
   b, t, h, d = q_shape

@@ -215,9 +215,13 @@ def _bad_calls():
       "mosaic per block": (lambda: fa(q8, k8, v8, descale=sb, implementation="mosaic",
                                       config=MOSAIC_FP8_INTERPRET), NotImplementedError,
                            "per-block descale factors are not in the FP8 kernel"),
-      "mosaic window": (lambda: fa(q8, k8, v8, descale=s, implementation="mosaic",
-                                   local_window_size=8, config=MOSAIC_FP8_INTERPRET),
-                        NotImplementedError, "not local_window_size"),
+      "mosaic alibi": (lambda: fa(q8, k8, v8, descale=s, implementation="mosaic",
+                                  alibi_slopes=jnp.ones((q.shape[2],)),
+                                  config=MOSAIC_FP8_INTERPRET),
+                       NotImplementedError, "not alibi_slopes"),
+      "mosaic quantized_attention window": (lambda: fp8.quantized_attention(
+          q, k, v, local_window_size=8, implementation="mosaic", config=MOSAIC_FP8_INTERPRET),
+          NotImplementedError, "causal or full attention only, not local_window_size"),
       "mosaic quantized_attention": (lambda: fp8.quantized_attention(
           q, k, v, implementation="mosaic"), NotImplementedError,
           "the FP8 kernel needs a Hopper GPU"),
@@ -258,11 +262,31 @@ def test_explain_says_what_runs():
   ex = pallas_flash.explain(*abstract, descale=s, is_causal=True, config=MOSAIC_FP8_INTERPRET)
   assert ex.chosen == "mosaic" and ex.reasons["mosaic"] is None
   assert "the Mosaic FP8 forward" in str(ex)
-  for kw in (dict(logits_soft_cap=5.0), dict(query_segment_ids=jnp.zeros(q.shape[:2], int),
-                                             key_value_segment_ids=jnp.zeros(k.shape[:2], int))):
+  # Soft caps, windows and segment ids / lengths run in the kernel only when named.
+  for kw in (dict(logits_soft_cap=5.0), dict(local_window_size=(8, 0)),
+             dict(query_segment_ids=jnp.zeros(q.shape[:2], int),
+                  key_value_segment_ids=jnp.zeros(k.shape[:2], int)),
+             dict(key_value_seq_lengths=jnp.full(q.shape[:1], 50))):
     ex = pallas_flash.explain(*abstract, descale=s, config=MOSAIC_FP8_INTERPRET, **kw)
-    assert ex.chosen == "xla" and "the FP8 kernel takes causal or full attention only" in (
-        ex.reasons["mosaic"])
+    assert ex.chosen == "xla" and "not yet measured on the GPU" in ex.reasons["mosaic"], kw
+    assert ex.reasons_when_named["mosaic"] is None, kw
+    assert "the Mosaic FP8 forward runs it when named" in str(ex), kw
+  ex = pallas_flash.explain(*abstract, descale=s, config=MOSAIC_FP8_INTERPRET,
+                            alibi_slopes=jnp.ones((q.shape[2],)))
+  assert ex.reasons["mosaic"] == ex.reasons_when_named["mosaic"]
+  assert "not alibi_slopes" in ex.reasons["mosaic"]
+
+
+def test_unmeasured_fp8_features_run_the_reference_semantics_when_not_named():
+  """implementation=None with a soft cap (which the Mosaic FP8 forward takes when named) runs
+  the float32 attention of the dequantized inputs, cast: bitwise that of implementation="xla"
+  (the automatic choice on CPU), not the kernel, even where the interpreter could run it."""
+  (q, k, v), _ = _inputs()
+  f8, s = fp8.quantize(q, k, v)
+  kw = dict(descale=s, is_causal=True, logits_soft_cap=2.0)
+  auto = pallas_flash.flash_attention(*f8, config=MOSAIC_FP8_INTERPRET, **kw)
+  xla = pallas_flash.flash_attention(*f8, implementation="xla", **kw)
+  assert bool(jnp.array_equal(auto, xla))
 
 
 def test_mosaic_default_key_tiles_fit():

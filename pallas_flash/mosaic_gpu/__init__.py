@@ -136,24 +136,43 @@ def _dims(call: CallInfo) -> str:
 
 
 # The FP8 (float8_e4m3fn) forward (sm90/fp8_forward.py): per-tensor and per-(batch, head)
-# descale factors, causal or not, GQA, any lengths; forward only (an FP8 call is never
-# differentiated, see pallas_flash.fp8). What it does not take runs the reference semantics.
+# descale factors, causal or not, GQA, any lengths, the soft cap, local windows and segment
+# ids / sequence lengths; forward only (an FP8 call is never differentiated, see
+# pallas_flash.fp8). What it does not take runs the reference semantics.
 FP8_SCALE_LAYOUTS = frozenset({"tensor", "head"})
 FP8_HEAD_DIMS = (64, 128, 256)
+# Optional features (pallas_flash.call.FEATURES) the FP8 forward takes.
+FP8_FEATURES = frozenset({"logits_soft_cap", "local_window_size"})
 
 
-def fp8_forward(q, k, v, c, v_descale, *, causal: bool, scale: float, out_dtype,
+def fp8_forward(q, k, v, c, v_descale, q_seg=None, kv_seg=None, *, params, out_dtype,
                 config: MosaicConfig | None):
-  """The FP8 forward of the target's generation (fp8_unsupported_reason checked it)."""
-  return sm90_fp8_forward.forward(q, k, v, c, v_descale, causal=causal, scale=scale,
+  """The FP8 forward of the target's generation (fp8_unsupported_reason checked it); params:
+  the call's AttentionParams (causal, scale, soft cap, window)."""
+  return sm90_fp8_forward.forward(q, k, v, c, v_descale, q_seg, kv_seg, params=params,
                                   out_dtype=out_dtype, config=config)
 
 
+def fp8_unmeasured_reason(call: CallInfo) -> str | None:
+  """Why `implementation=None` does not run the FP8 call `call` in the FP8 forward though it
+  can (the soft cap, windows, segment ids / sequence lengths: not yet measured on the GPU),
+  or None."""
+  unmeasured = sorted(call.params.features & FP8_FEATURES)
+  if call.params.has_segments:
+    unmeasured.insert(0, "segment ids / sequence lengths")
+  if not unmeasured:
+    return None
+  return (f"the FP8 kernel with {', '.join(unmeasured)} is not yet measured on the GPU: runs "
+          "when implementation='mosaic' is named")
+
+
 def fp8_unsupported_reason(call: CallInfo, *, scale_layouts, out_dtype, config=None,
-                           sinks: bool = False) -> str | None:
+                           sinks: bool = False, features: bool = True) -> str | None:
   """Why the Mosaic FP8 forward cannot run the FP8 call `call` (shapes and features of its
   float32 form), or None when it can. scale_layouts: the descale factors' layouts
-  (pallas_flash.fp8: "tensor", "head", "block"); out_dtype: the output dtype."""
+  (pallas_flash.fp8: "tensor", "head", "block"); out_dtype: the output dtype; features False:
+  refuse FP8_FEATURES and segment ids too (quantized_attention's training path, whose bf16
+  backward is handed none of them)."""
   if config is not None and not isinstance(config, MosaicConfig):
     return f"config is a {type(config).__name__}, but 'mosaic' takes a MosaicConfig"
   cc = call.compute_capability
@@ -167,14 +186,16 @@ def fp8_unsupported_reason(call: CallInfo, *, scale_layouts, out_dtype, config=N
   if call.value_head_dim != call.head_dim:
     return (f"value head dim {call.value_head_dim} != query/key head dim {call.head_dim}: the "
             "FP8 kernel takes one head dim")
-  unsupported = sorted(call.params.features)
-  if call.params.has_segments:
+  unsupported = sorted(call.params.features - (FP8_FEATURES if features else frozenset()))
+  if call.params.has_segments and not features:
     unsupported.insert(0, "segment ids / sequence lengths")
   if sinks:
     unsupported.append("sinks")
   if unsupported:
-    return (f"the FP8 kernel takes causal or full attention only, not {', '.join(unsupported)}"
-            " (FP8 runs the reference semantics there)")
+    takes = ("causal or full attention only" if not features else
+             "causal or full attention, soft caps, local windows and segment ids only")
+    return (f"the FP8 kernel takes {takes}, not {', '.join(unsupported)} (FP8 runs the "
+            "reference semantics there)")
   if set(scale_layouts) - FP8_SCALE_LAYOUTS:
     return ("per-block descale factors are not in the FP8 kernel (per tensor and per (batch, "
             "head) are)")
@@ -194,5 +215,5 @@ def fp8_unsupported_reason(call: CallInfo, *, scale_layouts, out_dtype, config=N
 __all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "FUSES_SINKS", "KERNELS",
            "KERNEL_HEAD_DIMS", "MEASURED_HEAD_DIMS", "NARROW_HEAD_DIMS", "MosaicConfig",
            "MosaicDebug", "SUPPORTED_FEATURES", "TUNED", "backward", "default_config", "forward",
-           "fp8_forward", "fp8_unsupported_reason", "kernel_head_dim", "padded_call",
-           "unmeasured_reason", "unsupported_reason"]
+           "fp8_forward", "fp8_unmeasured_reason", "fp8_unsupported_reason", "kernel_head_dim",
+           "padded_call", "unmeasured_reason", "unsupported_reason"]

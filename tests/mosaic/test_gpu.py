@@ -265,6 +265,32 @@ def test_fp8_forward_128_key_tiles(case):
   check_fp8_against_reference(case, config=pallas_flash.MosaicConfig())
 
 
+# The FP8 forward's soft cap (on the dequantized logits), local windows and segment ids /
+# sequence lengths, named with implementation="mosaic" (implementation=None runs the reference
+# semantics for them until these pass on the GPU): each head dim, causal and not, GQA, odd
+# lengths; rows that see no key (past a query length) give zeros.
+FP8_FEATURE_CASES = [
+    _case(1, 4096, 4096, 16, 16, 128, False, features=("softcap",)),
+    _case(1, 4096, 4096, 16, 16, 64, True, features=("window_512",)),
+    _case(2, 2048, 2048, 16, 4, 128, True, segments=True),
+    _case(2, 1000, 1100, 8, 2, 64, False, lengths=True),
+    _case(1, 2048, 2048, 8, 8, 256, True, segments=True, features=("softcap", "window")),
+    _case(1, 113, 203, 4, 2, 128, False, lengths=True, features=("window_left",)),
+]
+
+
+@pytest.mark.parametrize("case", FP8_FEATURE_CASES, ids=lambda c: c.id)
+def test_fp8_forward_features(case):
+  check_fp8_against_reference(case)
+
+
+@pytest.mark.parametrize("case", [FP8_FEATURE_CASES[2], FP8_FEATURE_CASES[3]],
+                         ids=["segments-gqa", "lengths"])
+def test_fp8_forward_features_128_key_tiles(case):
+  """128-key tiles (MosaicConfig's block_kv) where the default takes 256 (head dims 64, 128)."""
+  check_fp8_against_reference(case, config=pallas_flash.MosaicConfig())
+
+
 def test_fp8_forward_is_chosen_and_bitwise_reproducible():
   from pallas_flash import fp8
   (q, k, v, _), _ = make_inputs(FP8_CASES[2])

@@ -323,6 +323,32 @@ def test_fp8_forward_matches_reference_semantics(config, case, block, out_dtype)
   check_fp8_against_reference(case, config=config, block=block, out_dtype=out_dtype)
 
 
+# The FP8 forward's soft cap (on the dequantized logits), local window and segment ids /
+# sequence lengths (the segment-id path: per-CTA key-block limits, masks on edge blocks only),
+# named with implementation="mosaic". Rows that see no key (past a query length; a window past
+# the last key, T > S) give zeros and lse -inf, as in the reference semantics.
+FP8_FEATURES = [
+    (_fp8_default_tiles(64), _case(130, 300, is_causal=True, features=("softcap",))),
+    (MOSAIC_FP8_INTERPRET, _case(300, 200, h=4, kh=2, features=("window",))),
+    (MOSAIC_FP8_INTERPRET, _case(256, 256, is_causal=True, segments=True)),
+    (MOSAIC_FP8_INTERPRET, _case(130, 300, lengths=True)),
+    pytest.param(MOSAIC_FP8_INTERPRET, _case(130, 500, d=128, features=("window_left",)),
+                 marks=pytest.mark.slow),
+    pytest.param(_fp8_default_tiles(64), _case(300, 600, h=4, kh=2, segments=True,
+                                               features=("softcap", "window")),
+                 marks=pytest.mark.slow),
+    pytest.param(MOSAIC_FP8_INTERPRET, _case(200, 333, is_causal=True, lengths=True,
+                                             features=("softcap",)), marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("config, case", FP8_FEATURES, ids=[
+    "softcap-causal", "window-gqa-t300-s200", "segments-causal", "lengths",
+    "hd128-window-left", "gqa-segments-softcap-window", "causal-lengths-softcap"])
+def test_fp8_forward_features_match_reference_semantics(config, case):
+  check_fp8_against_reference(case, config=config)
+
+
 # fp8.quantized_attention's training path: the FP8 forward, then the bf16 Mosaic backward on
 # the dequantized values (both interpreted), gradients against the float32 gradient of the
 # dequantized attention (FP8_TRAINING_TOLERANCE) and of the unquantised inputs. Slow (15-25 s

@@ -443,6 +443,46 @@ def test_fp8_forward_lowers_to_e4m3_wgmma(head_dim, causal, config):
   assert "cvt.rn.satfinite.e4m3x2.f32" in text
 
 
+# The FP8 forward's features, named with implementation="mosaic": e4m3 wgmma as above; the
+# soft cap as tanh.approx.f32 on the score tile; segment ids, sequence lengths and windows
+# through the segment-id path, whose kernel takes the ids and the per-CTA key-block limits
+# [B, q tiles, 4] after q, k, Vᵀ and the scales.
+@pytest.mark.parametrize("head_dim,causal,features,t,s", [
+    (128, True, ("softcap",), 1000, 1100), (64, False, ("window",), 1000, 1100),
+    (128, True, ("segments",), 1000, 1100), (128, False, ("segments",), 1024, 1024),
+    pytest.param(256, False, ("lengths", "softcap"), 1000, 1100, marks=pytest.mark.slow)],
+    ids=["hd128-causal-softcap", "hd64-window", "hd128-causal-segments", "hd128-segments",
+         "hd256-lengths-softcap"])
+def test_fp8_forward_features_lower(head_dim, causal, features, t, s):
+  from pallas_flash import fp8
+  b = 2
+  q = jax.ShapeDtypeStruct((b, t, 4, head_dim), jnp.float8_e4m3fn)
+  kv = jax.ShapeDtypeStruct((b, s, 2, head_dim), jnp.float8_e4m3fn)
+  scale = jax.ShapeDtypeStruct((), jnp.float32)
+  index = {"segments": [jax.ShapeDtypeStruct((b, t), jnp.int32),
+                        jax.ShapeDtypeStruct((b, s), jnp.int32)],
+           "lengths": [jax.ShapeDtypeStruct((b,), jnp.int32)] * 2}
+  names = {"segments": ("query_segment_ids", "key_value_segment_ids"),
+           "lengths": ("query_seq_lengths", "key_value_seq_lengths")}
+  kind = next((f for f in features if f in index), None)
+  static = dict(logits_soft_cap=30.0 if "softcap" in features else None,
+                local_window_size=(300, 0) if "window" in features else None)
+
+  def fn(q, k, v, sq, sk, sv, *ids):
+    return pallas_flash.flash_attention(
+        q, k, v, descale=fp8.Fp8Scales(sq, sk, sv), is_causal=causal, implementation="mosaic",
+        **static, **(dict(zip(names[kind], ids)) if kind else {}))
+
+  text = export_for_h200(fn, q, kv, kv, scale, scale, scale,
+                         *(index[kind] if kind else ())).mlir_module()
+  assert text.count("custom_call @mosaic_gpu_v2") == 1
+  assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", text)
+  assert ("tanh.approx.f32" in text) == ("softcap" in features)
+  call = re.search(r"custom_call @mosaic_gpu_v2\([^\n]*", text).group(0)
+  tiles = -(-t // 128)
+  assert (f"tensor<{b}x{tiles}x4xi32>" in call) == (kind is not None or "window" in features)
+
+
 def test_fp8_register_relabelling_matches_the_key_permutation():
   """P's e4m3 registers (the WGMMA accumulator layout, 2 elements each) regrouped into
   WGMMA_8BIT registers (4 each) by p_operand: the key each element is read as must be the

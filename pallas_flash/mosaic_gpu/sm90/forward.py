@@ -758,6 +758,26 @@ def window_limits(seg_limits, params: AttentionParams, kp: common.KernelParams, 
                              batch=batch)
 
 
+def segment_inputs(q, k, q_seg, kv_seg, *, params: AttentionParams,
+                   kp: common.KernelParams) -> tuple:
+  """() without the segment-id path, else the grid kernel's padded (q_seg [B, Tp], kv_seg
+  [B, Sp], kv_limits [B, q tiles, 4]) int32 for q [B, T, H, D], k [B, S, K, D]: the call's ids
+  (one document's zeros for a window alone) and per CTA tile of 2·block_q rows the key blocks
+  that may share an id (_tiling.segment_block_limits) cut to the window's band
+  (`window_limits`). The FP8 forward takes the same inputs."""
+  if not kp.segments:
+    return ()
+  q_seg, kv_seg = common.path_segment_ids(q, k, q_seg, kv_seg, params)
+  q_seg, kv_seg = _tiling.pad_segments(q_seg, kv_seg, kp.t_pad, kp.s_pad)
+  kv_limits = None
+  if params.has_segments:
+    kv_limits, _ = _tiling.segment_block_limits(q_seg, kv_seg, block_q=2 * kp.block_q,
+                                              block_kv=kp.block_kv)
+  if params.local_window is not None:
+    kv_limits = window_limits(kv_limits, params, kp, q.shape[0])
+  return q_seg, kv_seg, kv_limits
+
+
 def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
   """CTAs of the persistent forward for q [B, T, H, D] (0: run the one-CTA-per-tile kernel).
 
@@ -805,17 +825,7 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
   s_in = common.operand_rows(s, s_pad, config.interpret, kp.stages * kp.block_kv)
   qp = _tiling.pad_axis(q, 1, t_in)
   kpad, vpad = _tiling.pad_axis(k, 1, s_in), _tiling.pad_axis(v, 1, s_in)
-  segs = ()
-  if kp.segments:
-    q_seg, kv_seg = common.path_segment_ids(q, k, q_seg, kv_seg, params)
-    q_seg, kv_seg = _tiling.pad_segments(q_seg, kv_seg, t_pad, s_pad)
-    kv_limits = None
-    if params.has_segments:
-      kv_limits, _ = _tiling.segment_block_limits(q_seg, kv_seg, block_q=2 * config.block_q,
-                                                block_kv=config.block_kv)
-    if params.local_window is not None:
-      kv_limits = window_limits(kv_limits, params, kp, q.shape[0])
-    segs = (q_seg, kv_seg, kv_limits)
+  segs = segment_inputs(q, k, q_seg, kv_seg, params=params, kp=kp)
   ctas = persistent_ctas(q, config, params)
   split = tail_split(q, config, params, kp.num_kv_blocks, ctas > 0)
   sinks = sink_logits(arrays, params)

@@ -11,6 +11,11 @@ loop (`_kv_loop`). Per key block (256 keys up to head dim 128, 128 at 256: DEFAU
   O += P·V                   FP8 wgmma, P from registers, Vᵀ tile from shared memory
   epilogue                   O = acc · v_descale / l, stored as out_dtype; lse
 
+The soft cap applies to the dequantized logit, in c's units (`_capped_logits`); windows and
+segment ids / sequence lengths take forward.py's segment-id path (`forward.segment_inputs`:
+per CTA tile the key blocks it may see, masks only on those not wholly visible), with masks
+built from row and column vectors (`_segment_path_mask`).
+
 P's factor 2⁸ (P_SCALE_LOG2) is exact, keeps P's largest value (1 → 256) below e4m3's 448 and
 moves its underflow from 2⁻¹⁰ to 2⁻¹⁸. The row sums l add the same scaled fp32 values, so the
 factor cancels in acc / l and is subtracted from the lse.
@@ -41,12 +46,14 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from pallas_flash import _tiling
-from pallas_flash.call import MASK_VALUE
+from pallas_flash.call import MASK_VALUE, AttentionParams
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
 from pallas_flash.mosaic_gpu.sm90 import common
+from pallas_flash.mosaic_gpu.sm90 import forward as sm90_forward
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 LN2 = math.log(2.0)
+LOG2E = math.log2(math.e)
 # P is rounded to e4m3 as 2**P_SCALE_LOG2 · P (see the module docstring).
 P_SCALE_LOG2 = 8
 # Keys per group of the Vᵀ permutation that matches P's register relabelling.
@@ -103,12 +110,15 @@ def p_operand(p, kp: common.KernelParams):
 
 
 def _kv_loop(q_smem, k_scratch, vt_scratch, p_smem, bars: common.KvBarriers, *, q0, steps, c,
-             kp: common.KernelParams):
+             kp: common.KernelParams, kv0=0, seg_ids=None, full=None):
   """One consumer WG's kv loop (forward.py's plain loop with FP8 operands) -> (acc, m, l).
 
   q_smem [block_q, D], k_scratch [stages, block_kv, D], vt_scratch [stages, D, block_kv]
   (e4m3), p_smem [block_q, block_kv] e4m3 (interpret mode only); c: the head's score factor
-  (descales · softmax scale · log2 e). m is in c-scaled log2 units, l sums 2⁸-scaled P."""
+  (descales · softmax scale · log2 e). m is in c-scaled log2 units, l sums 2⁸-scaled P.
+  The segment-id path (segment ids, sequence lengths, a local window), as forward.py's plain
+  loop takes it: step j is key block kv0 + j, seg_ids(col0) gives the (row, column) ids of the
+  block at key col0, `full` the run of blocks that need no mask (common.unmasked_run)."""
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   sched_sync = functools.partial(common.sync, bars.sched)
 
@@ -127,9 +137,14 @@ def _kv_loop(q_smem, k_scratch, vt_scratch, p_smem, bars: common.KvBarriers, *, 
     s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
     plgpu.barrier_arrive(bars.k_free.at[slot])
     with jax.named_scope("softmax"):
-      if masked:
+      s, factor = _capped_logits(s, c, kp)  # before the mask: a hidden score must stay -inf
+      if masked and not kp.segments:
         s = jnp.where(common.visible(q0, j * bkv, (bq, bkv), kp), s, -jnp.inf)
-      p, m_new, l, alpha = _softmax(s, m, l, c)
+      elif masked:
+        col0 = (kv0 + j) * bkv
+        ids = None if seg_ids is None else seg_ids(col0)
+        s = jnp.where(_segment_path_mask(q0, col0, (bq, bkv), kp, ids), s, -jnp.inf)
+      p, m_new, l, alpha = _softmax(s, m, l, factor)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p8 = p_operand(p, kp)
       acc, l, m_new, p8 = lax.optimization_barrier((acc, l, m_new, p8))
@@ -160,28 +175,81 @@ def _kv_loop(q_smem, k_scratch, vt_scratch, p_smem, bars: common.KvBarriers, *, 
   carry = (plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA),
            plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), common.ROW),
            plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW))
-  _, u1 = common.unmasked_run(q0, steps, kp)
-  carry = lax.fori_loop(0, u1, functools.partial(step, masked=False), carry)
+  u0, u1 = common.unmasked_run(q0, steps, kp, kv0=kv0, full=full)
+  if full is not None:  # the segment-id path: masked blocks before the full run
+    carry = lax.fori_loop(0, u0, functools.partial(step, masked=True), carry)
+  carry = lax.fori_loop(u0, u1, functools.partial(step, masked=False), carry)
   if kp.needs_mask:
     carry = lax.fori_loop(u1, steps, functools.partial(step, masked=True), carry)
   return carry
 
 
+def _segment_path_mask(row0, col0, shape, kp: common.KernelParams, ids):
+  """[rows, cols] bool of the segment-id path's masked blocks: common.tile_mask's causal /
+  window band, key tail and (ids: (row ids ROW, column ids COL) or None) equal ids, built from
+  a row and a column vector broadcast to the tile (key − query once per score). With
+  common.tile_mask's two full-tile iotas the kernel spilled (ptxas, scripts/mosaic_ptxas.py
+  --deviceless, 1x4096x16 causal with a window or segment ids: 276-412 B at head dim 256,
+  828-1116 B with 256-key tiles at 128, up to 232 spill loads in the wgmma loops); built
+  from vectors, nothing in the loops at head dims 64, 128 and 256. Each vector is built only
+  where a term uses it: with an unused iota Mosaic's layout inference finds no solution."""
+  lo, hi = kp.window if kp.window is not None else (None, None)
+  lo = None if lo is None else -lo
+  if kp.causal:
+    hi = 0 if hi is None else min(hi, 0)
+  keys = functools.cache(lambda: lax.broadcast_in_dim(
+      plgpu.broadcasted_iota(jnp.int32, shape[1:], 0, layout=common.COL) + col0, shape, [1]))
+  terms = []
+  if lo is not None or hi is not None:
+    rows = plgpu.broadcasted_iota(jnp.int32, shape[:1], 0, layout=common.ROW) + row0
+    offset = keys() - lax.broadcast_in_dim(rows, shape, [0])  # key - query
+    terms += [offset >= lo] if lo is not None else []
+    terms += [offset <= hi] if hi is not None else []
+  if kp.kv_tail and not (kp.causal and kp.q_len <= kp.kv_len):  # as in common.visible
+    terms.append(keys() < kp.kv_len)
+  if ids is not None:
+    row_ids, col_ids = ids
+    terms.append(lax.broadcast_in_dim(row_ids, shape, [0])
+                 == lax.broadcast_in_dim(col_ids, shape, [1]))
+  if not terms:  # nothing hidden (a masked block of the segment-id path always has a term)
+    terms.append(keys() >= 0)
+  return functools.reduce(lambda a, b: a & b, terms)
+
+
+def _capped_logits(s, c, kp: common.KernelParams):
+  """(scores, factor) of a raw FP8 score tile s = q̂·k̂ᵀ [block_q, block_kv] f32 whose product
+  scores·factor is the logit in log2 units: (s, c) without a soft cap; with logits_soft_cap
+  cap, the capped logit cap·tanh(x / cap) of the real scaled logit x = scale · q descale ·
+  k descale · s = s·c / log2(e), already in log2 units (factor None):
+  cap·log2(e) · tanh(s · c / (cap·log2(e))). c is the head's factor (descales folded in), so
+  the cap sees the dequantized logit as the reference semantics' does (sm90/common.soft_cap
+  is this with c = scale·log2(e), in raw-score units)."""
+  if kp.softcap is None:
+    return s, c
+  cap = kp.softcap * LOG2E
+  return jnp.tanh(s * (c * (1.0 / cap))) * cap, None
+
+
 def _softmax(s, m, l, c):
   """Online softmax of one score tile s [block_q, block_kv] f32 -> (P = 2⁸·exp2(s·c − m_new)
-  float32, m_new, l_new, alpha = exp2(m − m_new)); m in c-scaled log2 units."""
-  m_new = jnp.maximum(m, s.max(axis=1) * c)
+  float32, m_new, l_new, alpha = exp2(m − m_new)); m in c-scaled log2 units (c None: s is
+  in log2 units already)."""
+  scaled = (lambda x: x) if c is None else (lambda x: x * c)
+  m_new = jnp.maximum(m, scaled(s.max(axis=1)))
   alpha = jnp.exp2(m - m_new)
-  p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new - P_SCALE_LOG2, s.shape, [0]))
+  p = jnp.exp2(scaled(s) - lax.broadcast_in_dim(m_new - P_SCALE_LOG2, s.shape, [0]))
   return p, m_new, l * alpha + p.sum(axis=1), alpha
 
 
 def _kernel(q_ref, k_ref, vt_ref, scales_ref, o_ref, lse_ref, q_scratch, k_scratch,
             vt_scratch, o_scratch, lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free,
-            v_free, sched, *, kp: common.KernelParams, heads: int, batch: int):
+            v_free, sched, *, kp: common.KernelParams, heads: int, batch: int,
+            seg: common.SegmentRefs | None = None):
   """q_ref [B, Tp, H, D], k_ref [B, Sp, K, D], vt_ref [B, K, D, Sp] (e4m3, GMEM), scales_ref
   [2·B·H] float32 (c per (b, h), then the v descale per (b, h)), o_ref [B, Tp, H, D]
-  out_dtype, lse_ref [B, H, Tp]. Grid (H, q tiles, B): forward.py's launch order."""
+  out_dtype, lse_ref [B, H, Tp]. Grid (H, q tiles, B): forward.py's launch order. seg: as in
+  forward.py's grid kernel (segment ids, lengths, a window): the CTA streams only the key
+  blocks of its tile's limits, at least one, and masks those outside their full run."""
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   wg = lax.axis_index("wg")
   b, h, qt = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("qt")
@@ -189,6 +257,9 @@ def _kernel(q_ref, k_ref, vt_ref, scales_ref, o_ref, lse_ref, q_scratch, k_scrat
     qt = kp.num_q_tiles - 1 - qt  # heaviest tiles first
   cta_q0 = qt * (2 * bq)
   cta_steps = kp.kv_steps(cta_q0 + 2 * bq)
+  kv0, full = 0, None  # the CTA's first key block (steps count from it), its full run
+  if seg is not None:
+    kv0, cta_steps, full = common.streamed_kv_range(seg, b, qt, cta_steps)
   sched_sync = functools.partial(common.sync, sched)
 
   @pl.when(wg < 2)
@@ -197,6 +268,12 @@ def _kernel(q_ref, k_ref, vt_ref, scales_ref, o_ref, lse_ref, q_scratch, k_scrat
     q_smem = q_scratch.at[wg]
     q0 = cta_q0 + wg * bq
     steps = kp.kv_steps(q0 + bq)
+    segment_path = {}
+    if seg is not None:
+      steps = jnp.clip(steps - kv0, 1, cta_steps)
+      # A window alone compares no ids (its zero ids are one document).
+      segment_path = dict(kv0=kv0, full=full, seg_ids=common.row_and_col_ids(
+          seg, b, q0, bq, bkv) if kp.segment_ids else None)
     c = scales_ref[b * heads + h]
     v_descale = scales_ref[(batch + b) * heads + h]
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_ready.at[wg])
@@ -208,8 +285,8 @@ def _kernel(q_ref, k_ref, vt_ref, scales_ref, o_ref, lse_ref, q_scratch, k_scrat
     acc, m, l = _kv_loop(q_smem, k_scratch, vt_scratch,
                          p_scratch.at[wg] if kp.interpret else None,
                          bars, q0=q0,
-                         steps=steps, c=c, kp=kp)
-    if kp.causal:
+                         steps=steps, c=c, kp=kp, **segment_path)
+    if kp.causal or seg is not None:
       lax.fori_loop(steps, cta_steps,
                     functools.partial(common.idle_kv_step, bars=bars, stages=stages), None)
     pl.when(wg == 0)(sched_sync)
@@ -233,7 +310,7 @@ def _kernel(q_ref, k_ref, vt_ref, scales_ref, o_ref, lse_ref, q_scratch, k_scrat
     kvh = lax.div(h, kp.group)
 
     def load(j, slot):
-      keys = pl.ds(j * bkv, bkv)
+      keys = pl.ds((j if seg is None else kv0 + j) * bkv, bkv)
       plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kvh], k_scratch.at[slot], k_ready.at[slot])
       plgpu.copy_gmem_to_smem(vt_ref.at[b, kvh, :, keys], vt_scratch.at[slot],
                               v_ready.at[slot])
@@ -244,7 +321,7 @@ def _kernel(q_ref, k_ref, vt_ref, scales_ref, o_ref, lse_ref, q_scratch, k_scrat
     @pl.loop(stages, cta_steps)
     def _(j):
       slot = lax.rem(j, stages)
-      keys = pl.ds(j * bkv, bkv)
+      keys = pl.ds((j if seg is None else kv0 + j) * bkv, bkv)
       with jax.named_scope("wait_free"):
         plgpu.barrier_wait(k_free.at[slot])
       plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kvh], k_scratch.at[slot], k_ready.at[slot])
@@ -276,11 +353,15 @@ def stages(config: MosaicConfig | None) -> int:
   return 2 if config is None else config.num_stages
 
 
-def forward(q, k, v, c, v_descale, *, causal: bool, scale: float, out_dtype,
-            config: MosaicConfig | None):
+def forward(q, k, v, c, v_descale, q_seg=None, kv_seg=None, *, params: AttentionParams,
+            out_dtype, config: MosaicConfig | None):
   """FP8 attention forward: q [B, T, H, D], k/v [B, S, K, D] float8_e4m3fn; c [B, H] float32
   (q descale · k descale · softmax scale · log2 e), v_descale [B, H] float32 (of each query
-  head's kv head). Returns (o [B, T, H, D] out_dtype, lse [B, H, T] float32, natural log)."""
+  head's kv head); q_seg [B, T] / kv_seg [B, S] int32 segment ids (sequence lengths folded
+  in, pallas_flash.validation) or None. params: the call's causal flag, softmax scale and the
+  features the kernel takes (logits_soft_cap, local_window). Returns (o [B, T, H, D]
+  out_dtype, lse [B, H, T] float32, natural log)."""
+  causal, scale = params.is_causal, params.scale
   bsz, t, h, d = q.shape
   s, kvh = k.shape[1], k.shape[2]
   interpret = config is not None and config.interpret
@@ -297,7 +378,10 @@ def forward(q, k, v, c, v_descale, *, causal: bool, scale: float, out_dtype,
       num_q_tiles=t_pad // (2 * BLOCK_Q), num_kv_blocks=s_pad // bkv, t_pad=t_pad,
       s_pad=s_pad, kv_len=s, q_len=t, causal=causal, scale=scale, heads_fastest=False,
       compute_registers=base.compute_registers, producer_registers=base.producer_registers,
-      interpret=interpret, profile_dir=base.debug.profile_dir)
+      interpret=interpret, profile_dir=base.debug.profile_dir,
+      segments=common.segment_path(params), segment_ids=params.has_segments,
+      softcap=params.logits_soft_cap, window=params.local_window)
+  segs = sm90_forward.segment_inputs(q, k, q_seg, kv_seg, params=params, kp=kp)
   qp = _tiling.pad_axis(q, 1, common.operand_rows(t, t_pad, interpret, 0))
   kpad = _tiling.pad_axis(k, 1, common.operand_rows(s, s_pad, interpret, num_stages * bkv))
   # Vᵀ [B, K, D, Sp]: one XLA pass that pads, transposes and (GPU) permutes the keys.
@@ -322,15 +406,18 @@ def forward(q, k, v, c, v_descale, *, causal: bool, scale: float, out_dtype,
       plgpu.Barrier(num_arrivals=2),
   ]
   launch = common.launch_grid(kp.num_q_tiles, h, bsz, ("qt", "h", "b"), heads_fastest=False)
+  body = functools.partial(_kernel, kp=kp, heads=h, batch=bsz)
+  if segs:
+    body = common.with_segment_refs(body, 4, True)
   o, lse = plgpu.kernel(
-      functools.partial(_kernel, kp=kp, heads=h, batch=bsz),
+      body,
       out_type=(jax.ShapeDtypeStruct(qp.shape, out_dtype),
                 jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)),
       scratch_types=scratch,
       grid=launch["grid"], grid_names=launch["grid_names"], num_threads=3, thread_name="wg",
       compiler_params=common.compiler_params(kp, min(kp.num_kv_blocks, 32)),
       interpret=common.interpret_params(interpret),
-  )(qp, kpad, vt, scales)
+  )(qp, kpad, vt, scales, *segs)
   return o[:, :t], lse[:, :, :t]
 
 
