@@ -36,8 +36,9 @@ CONFIG_TYPE = MosaicConfig
 KERNELS = {9: (sm90_forward.forward, sm90_backward.backward)}
 # (head dim, value head dim) pairs measured on the H200 at least as fast here as on Triton:
 # `implementation=None` runs only these here; other head dims (zero-padded to one of
-# KERNEL_HEAD_DIMS) run when asked for by name (unmeasured_reason). 80, 96 (padded to 128),
-# 192 and 192 / 128: 1.3-2.6x Triton (docs/mosaic.md, "Other head dims").
+# KERNEL_HEAD_DIMS) run when asked for by name (unmeasured_reason). 80, 96, 192 and 192 / 128
+# measured 1.3-2.6x Triton (80 and 96 then padded; at their own width faster still; docs/mosaic.md,
+# "Other head dims").
 MEASURED_HEAD_DIMS = frozenset({(64, 64), (80, 80), (96, 96), (128, 128), (192, 192),
                                 (192, 128), (256, 256)})
 # Optional features (pallas_flash.call.FEATURES) the kernels take; calls with any other run
