@@ -405,6 +405,12 @@ def _mosaic_attention(query, key, value, scales: Fp8Scales, out, kwargs):
   c, v_descale = _kernel_descales(scales, q8, k8, params, unbatched)
   o, lse = _mosaic_fn(params, out, kwargs.get("config"))(
       q8, k8, v8, c, v_descale, call.q_seg, call.kv_seg)
+  return _returned(o, lse, unbatched, kwargs)
+
+
+def _returned(o, lse, unbatched: bool, kwargs: dict):
+  """What flash_attention returns from o [B, T, H, Dv] and lse [B, H, T] (the batch axis
+  dropped again for unbatched inputs), per `return_residual(s)` in kwargs."""
   if unbatched:
     o, lse = o[0], lse[0]
   if kwargs.get("return_residual"):
@@ -647,13 +653,7 @@ def quantized_attention(q, k, v, *, rotate: bool = False, block: int | str | Non
   unbatched = q.ndim == 3
   o, lse = _training_attention(plan, out, block)(
       *(x[None] if unbatched else x for x in inputs))
-  if unbatched:
-    o, lse = o[0], lse[0]
-  if kwargs.get("return_residual"):
-    return o, jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(o.dtype))
-  if kwargs.get("return_residuals"):
-    return o, lse
-  return o
+  return _returned(o, lse, unbatched, kwargs)
 
 
 def _straight_through_attention(inputs, block, out, kwargs):
