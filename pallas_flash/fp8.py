@@ -303,11 +303,11 @@ def _dequantize_bwd(_, cotangents):
 _dequantize_inputs.defvjp(_dequantize_fwd, _dequantize_bwd)
 
 
-def _f32_call_info(query, key, value, kwargs):
-  """CallInfo of the float32 form of an FP8 call (shapes, features, device)."""
+def _float_call_info(query, key, value, kwargs, dtype=jnp.float32):
+  """CallInfo of the float32 (or `dtype`) form of an FP8 call (shapes, features, device)."""
   kw = {n: x for n, x in kwargs.items() if n in validation.DEFAULTS}
-  f32 = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (query, key, value)]
-  return validation.abstract_call_info(*f32, validation.with_defaults(kw))
+  shapes = [jax.ShapeDtypeStruct(x.shape, dtype) for x in (query, key, value)]
+  return validation.abstract_call_info(*shapes, validation.with_defaults(kw))
 
 
 def mosaic_reason(query, key, value, scales: Fp8Scales, out, kwargs, *, named: bool = True,
@@ -324,7 +324,7 @@ def mosaic_reason(query, key, value, scales: Fp8Scales, out, kwargs, *, named: b
     return ("inputs split over mesh axes: the FP8 kernel runs whole arrays only (sharded FP8 "
             "calls run the reference semantics per shard)")
   from pallas_flash import mosaic_gpu  # noqa: PLC0415
-  info = _f32_call_info(query, key, value, kwargs)
+  info = _float_call_info(query, key, value, kwargs)
   layouts = {_scale_layout(len(getattr(s, "shape", ())), len(query.shape))
              for s in (scales.q, scales.k, scales.v)}
   why = mosaic_gpu.fp8_unsupported_reason(
@@ -478,7 +478,7 @@ def explain_fp8(explain_fn, query, key, value, **kwargs) -> Fp8Explanation:
   if why is None:
     from pallas_flash.mosaic_gpu.sm90 import fp8_forward  # noqa: PLC0415
     block = (2 * fp8_forward.BLOCK_Q, fp8_forward.block_kv(query.shape[-1], config))
-    info = _f32_call_info(query, key, value, kwargs)
+    info = _float_call_info(query, key, value, kwargs)
     fields.update(chosen="mosaic", config=config, block_shape=block,
                   blocks_computed=_tiling.fraction_computed(
                       q_len=info.q_len, kv_len=info.kv_len, block_q=block[0],
@@ -594,9 +594,7 @@ def _training_plan(inputs, scales: Fp8Scales, out, kwargs) -> _TrainingPlan | No
   if implementation in (None, "mosaic"):
     why = mosaic_reason(*inputs, scales, out, kwargs, features=False)
     if why is None:
-      kw = {n: x for n, x in kwargs.items() if n in validation.DEFAULTS}
-      bf16 = [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in inputs]
-      info = validation.abstract_call_info(*bf16, validation.with_defaults(kw))
+      info = _float_call_info(*inputs, kwargs, jnp.bfloat16)  # the bf16 backward's call
       config = kwargs.get("config")
       why = backends.reason("mosaic", info, config)
       if why is None:
@@ -609,7 +607,7 @@ def _training_plan(inputs, scales: Fp8Scales, out, kwargs) -> _TrainingPlan | No
       or _cp_sharding.batch_head_sharding(inputs[0]) is not None):
     return None
   kwargs = _float32_kwargs(kwargs)
-  info = _f32_call_info(*inputs, kwargs)
+  info = _float_call_info(*inputs, kwargs)
   if info.params.features or info.params.has_segments or kwargs.get("sinks") is not None:
     return None
   name = backends.choose(info, implementation, kwargs.get("config"))

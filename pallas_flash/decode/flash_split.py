@@ -102,8 +102,8 @@ def _flash_choice(info: DecodeInfo, config: FlashSplitConfig) -> tuple[str | Non
 
 def reason(info: DecodeInfo, config, num_splits: int | None, *, auto: bool) -> str | None:
   """Why the route cannot run the call (auto: or is not chosen for it), None when it is."""
-  if config is not None and not isinstance(config, FlashSplitConfig):
-    return f"config is a {type(config).__name__}, but {NAME!r} takes a FlashSplitConfig"
+  if (why := flash_backends.config_type_reason(NAME, FlashSplitConfig, config)) is not None:
+    return why
   if info.window is not None:
     return ("a local window does not split into a prefix and the new tokens (the prefix call "
             "would need a per-sequence band offset)")

@@ -21,7 +21,7 @@ import functools
 
 import jax.numpy as jnp
 
-from pallas_flash import _tiling, validation
+from pallas_flash import _tiling, backends, validation
 from pallas_flash.call import CallInfo
 from pallas_flash.mosaic_gpu.config import (KERNEL_HEAD_DIMS, NARROW_HEAD_DIMS, TUNED,
                                             MosaicConfig, MosaicDebug, backward_head_dim,
@@ -174,8 +174,8 @@ def fp8_unsupported_reason(call: CallInfo, *, scale_layouts, out_dtype, config=N
   (pallas_flash.fp8: "tensor", "head", "block"); out_dtype: the output dtype; features False:
   refuse FP8_FEATURES and segment ids too (quantized_attention's training path, whose bf16
   backward is handed none of them)."""
-  if config is not None and not isinstance(config, MosaicConfig):
-    return f"config is a {type(config).__name__}, but 'mosaic' takes a MosaicConfig"
+  if (why := backends.config_type_reason("mosaic", MosaicConfig, config)) is not None:
+    return why
   cc = call.compute_capability
   interpret = config is not None and config.interpret
   if not interpret and (call.platform != "gpu" or cc is None or cc[0] != 9):
