@@ -40,28 +40,24 @@ def sample_logits(logits: jax.Array, rng: jax.Array, *, temperature: float = 0.0
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "temperature", "top_k"),
                    donate_argnames=("cache",))
 def _generate(graphdef, cache, rest, prompt, lengths, rng, *, steps, temperature, top_k):
-  def forward(cache, tokens):  # [B, T] -> cache, last logits [B, V]
+  def forward(cache, tokens, lengths=None):  # [B, T] -> cache, each row's last logits [B, V]
     model = nnx.merge(graphdef, cache, rest)
-    logits = model(tokens, decode=True)[:, -1]
-    return nnx.state(model, nnx.Cache), logits
-
-  def prefill(cache, prompt, lengths):  # ragged: each row ends at its own length
-    model = nnx.merge(graphdef, cache, rest)
-    logits = model(prompt, decode=True)  # [B, P, V]; row b's padding is causally after it
+    logits = model(tokens, decode=True)
+    if lengths is None:
+      return nnx.state(model, nnx.Cache), logits[:, -1]
+    # Ragged: each row ends at its own length; its padding is causally after it.
     for block in model.blocks:
       block.attn.cache_seqlens[...] = lengths
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return nnx.state(model, nnx.Cache), last
 
   rngs = jax.random.split(rng, steps)
-  if lengths is None:
-    cache, logits = forward(cache, prompt)
-  else:
+  if lengths is not None:
     p = prompt.shape[1]
-    lengths = jnp.clip(lengths.astype(jnp.int32), 1, p)  # traced lengths: unchecked, clipped
+    lengths = jnp.clip(lengths, 1, p)  # traced lengths: unchecked, clipped
     # Padding becomes token 0, so any value (e.g. -1, outside the vocabulary) is harmless.
     prompt = jnp.where(jnp.arange(p) < lengths[:, None], prompt, 0)
-    cache, logits = prefill(cache, prompt, lengths)
+  cache, logits = forward(cache, prompt, lengths)
   first = sample_logits(logits, rngs[0], temperature=temperature, top_k=top_k)
 
   def step(carry, rng_t):
