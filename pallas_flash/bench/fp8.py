@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import pallas_flash
 from pallas_flash import fp8
 from pallas_flash.bench import flops as flops_lib
-from pallas_flash.bench import timing
+from pallas_flash.bench import shapes, timing
 from pallas_flash.mosaic_gpu import MosaicConfig
 from pallas_flash.mosaic_gpu.sm90 import fp8_forward
 
@@ -178,6 +178,13 @@ def _on_hopper() -> bool:
   return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
+def _flops(dims, *, is_causal: bool, mode: str) -> float:
+  """flops.attention_flops of self-attention on q, k, v of shape dims = (B, T, H, D)."""
+  b, t, h, d = dims
+  spec = shapes.ShapeSpec(name="fp8", batch=b, seq_len=t, num_heads=h, head_dim=d)
+  return flops_lib.attention_flops(spec, is_causal=is_causal, mode=mode)
+
+
 def speed_row(dims, *, is_causal: bool, opts: argparse.Namespace) -> dict:
   """One speed row: FP8 and bf16 Mosaic forwards timed together, the FP8 kernel's errors."""
   b, t, h, d = dims
@@ -212,7 +219,7 @@ def speed_row(dims, *, is_causal: bool, opts: argparse.Namespace) -> dict:
   timings = timing.time_interleaved(fns, args, iters=opts.iters,
                                     min_loop_s=opts.min_loop_ms / 1e3,
                                     settle_s=opts.settle_ms / 1e3)
-  work = 4.0 * b * h * t * t * d / (2 if is_causal else 1)
+  work = _flops(dims, is_causal=is_causal, mode="fwd")
   row = {"kind": "fp8_speed", "batch": b, "seq_len": t, "num_heads": h, "head_dim": d,
          "is_causal": is_causal, "status": "ok", "reason": None, "cudnn_fp8_reason": cudnn_reason,
          "cudnn_fp8_tflops": None,
@@ -379,7 +386,7 @@ def training_speed_row(dims, *, is_causal: bool, opts: argparse.Namespace) -> di
   timings = timing.time_interleaved(fns, args, iters=opts.iters,
                                     min_loop_s=opts.min_loop_ms / 1e3,
                                     settle_s=opts.settle_ms / 1e3)
-  work = 3.5 * 4.0 * b * h * t * t * d / (2 if is_causal else 1)
+  work = _flops(dims, is_causal=is_causal, mode="fwdbwd")
   row = {"kind": "fp8_training_speed", "batch": b, "seq_len": t, "num_heads": h,
          "head_dim": d, "is_causal": is_causal, "status": "ok", "reason": None,
          "impl": training_impl(q, k, v, is_causal=is_causal)}
