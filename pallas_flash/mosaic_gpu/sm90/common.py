@@ -344,11 +344,20 @@ def with_segment_refs(kernel, num_inputs: int, segmented: bool, alibi: bool = Fa
       return kernel(*refs, seg=None)
     n = num_inputs + 3 * segmented
     seg = SegmentRefs(*refs[num_inputs:n]) if segmented else None
-    extra = dict(slopes=refs[n]) if alibi else {}
-    if sinks:
-      extra["sinks"] = refs[n + alibi]
-    return kernel(*refs[:num_inputs], *refs[n + alibi + sinks:], seg=seg, **extra)
+    return kernel(*refs[:num_inputs], *refs[n + alibi + sinks:], seg=seg,
+                  **head_refs(refs[n:], alibi, sinks))
   return body
+
+
+def head_refs(refs, alibi: bool, sinks: bool) -> dict:
+  """The per-head GMEM inputs that lead `refs` (the ALiBi slopes, then the sinks, where
+  present) as the kernels' keyword arguments `slopes` and `sinks`."""
+  heads = {}
+  if alibi:
+    heads["slopes"] = refs[0]
+  if sinks:
+    heads["sinks"] = refs[int(alibi)]
+  return heads
 
 
 def segment_path(params: AttentionParams) -> bool:

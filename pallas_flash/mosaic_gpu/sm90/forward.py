@@ -629,7 +629,7 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
                               transforms=common.smem_transforms(jnp.float32)))
 
     def body(q_ref, k_ref, v_ref, *refs):
-      heads = _head_refs(refs, slopes, sinks)
+      heads = common.head_refs(refs, bool(slopes), bool(sinks))
       o_ref, lse_ref, o_part, lse_part, *scratch_refs, o32 = refs[len(slopes) + len(sinks):]
       _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch_refs, kp=kp,
                   tail=_SplitRefs(split, o_part, lse_part, o32), **heads)
@@ -663,17 +663,6 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
   )(q, k, v, *segs, *slopes, *sinks)
 
 
-def _head_refs(refs, slopes, sinks) -> dict:
-  """The per-head input refs that lead `refs` (the ALiBi slopes, then the sinks, each where
-  its tuple is not empty) as the kernels' keyword arguments."""
-  heads = {}
-  if slopes:
-    heads["slopes"] = refs[0]
-  if sinks:
-    heads["sinks"] = refs[len(slopes)]
-  return heads
-
-
 def _with_head_refs(kernel, slopes, sinks):
   """A body for kernel(q, k, v, *outputs, *scratch[, slopes=...][, sinks=...]) whose call
   passes the ALiBi slopes and the sinks (where present) as inputs after q, k, v."""
@@ -682,7 +671,8 @@ def _with_head_refs(kernel, slopes, sinks):
     return kernel
 
   def body(q_ref, k_ref, v_ref, *refs):
-    return kernel(q_ref, k_ref, v_ref, *refs[n:], **_head_refs(refs, slopes, sinks))
+    heads = common.head_refs(refs, bool(slopes), bool(sinks))
+    return kernel(q_ref, k_ref, v_ref, *refs[n:], **heads)
   return body
 
 
