@@ -162,7 +162,8 @@ SINKS_CASES = [
 @pytest.mark.parametrize("case", SINKS_CASES, ids=lambda c: c.id)
 def test_sinks(case):
   check_against_reference("mosaic", case)
-  _assert_reproducible(case)
+  # The non-causal 4K case takes the fused backward (float32 atomics): the split one is bitwise.
+  _assert_reproducible(case, deterministic=True)
 
 
 @pytest.mark.parametrize("name, changes, case", [
