@@ -70,6 +70,10 @@ VARIANTS = {
     "fwd_sinks_causal": ("fwd", True, dict(sinks=True)),
     "fwd_sinks_persistent": ("fwd", False, dict(sinks=True, fwd_persistent=True, block_kv=128,
                                                 fwd_q_registers=True)),
+    # ALiBi (slopes 2^(-8(h+1)/H), added to every score tile). Not a config field.
+    "fwd_alibi": ("fwd", False, dict(alibi=True)),
+    "fwd_alibi_causal": ("fwd", True, dict(alibi=True)),
+    "bwd_alibi_causal": ("fwdbwd", True, dict(alibi=True)),
     # The FP8 forward (float8_e4m3fn q, k, v, per-tensor scales; sm90/fp8_forward.py): its
     # default tiles per head dim (no config), and 128-key tiles (the default's at head dim 256).
     "fp8": ("fp8", False, {}),
@@ -148,6 +152,7 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   softcap = kw.pop("softcap", None)
   window = kw.pop("window", None)
   sinks = kw.pop("sinks", False)
+  alibi = kw.pop("alibi", False)
   config = dataclasses.replace(TUNED.get((config_head_dim(d, d), causal), MosaicConfig()), **kw)
   ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // 1000, (b, t))
   features = dict(query_segment_ids=ids, key_value_segment_ids=ids) if segments else {}
@@ -157,6 +162,8 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
     features["local_window_size"] = (int(window), 0)
   if sinks:
     features["sinks"] = jnp.linspace(-1.0, 2.0, h, dtype=jnp.float32)
+  if alibi:
+    features["alibi_slopes"] = 2.0 ** (-8.0 * jnp.arange(1, h + 1, dtype=jnp.float32) / h)
 
   def attn(q, k, v, impl="mosaic"):
     return pallas_flash.flash_attention(q, k, v, is_causal=causal, implementation=impl,
