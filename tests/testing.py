@@ -98,6 +98,9 @@ def _features(case: Case, key) -> dict:
       "cap_then_bias": lambda: {"logits_soft_cap_order": "cap_then_bias"},
       "bias_then_cap": lambda: {"logits_soft_cap_order": "bias_then_cap"},
       "mask": lambda: {"mask": jax.random.bernoulli(keys[2], 0.8, (b, 1, t, s))},
+      # Every 7th query row sees no key: o = 0 and zero gradients there.
+      "mask_empty_rows": lambda: {"mask": jax.random.bernoulli(keys[2], 0.8, (b, 1, t, s))
+                                  & (jnp.arange(t) % 7 != 3)[None, None, :, None]},
       # Ids in no order: no key block can be skipped.
       "unsorted_segments": lambda: {
           "query_segment_ids": jax.random.randint(keys[0], (b, t), 0, 3, jnp.int32),
