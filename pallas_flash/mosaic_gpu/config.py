@@ -188,8 +188,11 @@ def call_config(head_dim: int, params: AttentionParams, kv_len: int, batch: int)
   bitwise-reproducible gradients, or carries segment ids, lengths, a window (which the fused
   kernel does not stream), a soft cap (not measured with it) or ALiBi (the fused kernel does
   not add it; backward.py would warn and run the split kernels), nor a dense bias or mask (the
-  split kernels load their tiles)."""
+  split kernels load their tiles; in the forward the grid kernel does: no persistent form, no
+  split tail)."""
   config = tuned(head_dim, params.is_causal, kv_len)
+  if params.has_bias or params.has_mask:  # the dense tiles are loaded by the grid kernel only
+    config = dataclasses.replace(config, fwd_persistent=False, fwd_split_tail=False)
   if (head_dim != 128 or params.deterministic or params.has_segments
       or params.local_window is not None or params.logits_soft_cap is not None
       or params.has_alibi or params.has_bias or params.has_mask):
