@@ -30,7 +30,8 @@ def _case(t, s, *, b=2, h=2, kh=1, d=64, dtype=jnp.bfloat16, **kw) -> Case:
 _slow = functools.partial(pytest.param, marks=pytest.mark.slow)
 # (name, config, case). "bias" is [1, H, T, S] and "bias_bcast" [B, 1, T, S] (from [B, 1, 1,
 # S]): dbias is summed over the other axis; "mask_empty_rows" hides every key from every 7th
-# query (o = 0, zero gradients). Ragged lengths (a padded key tile, padded query rows), causal
+# query (o = 0, zero gradients); "bias_full" is [B, H, T, S] in the inputs' dtype (dbias
+# written in it, no sum). Ragged lengths (a padded key tile, padded query rows), causal
 # GQA; the slow ones: the overlapped forward and head dim 128, a dQ tile with XLA's delta,
 # segment ids, a soft cap with ALiBi (the bias after both).
 DENSE = [
@@ -45,6 +46,7 @@ DENSE = [
                 features=("bias", "mask"))),
     _slow("xla_delta", _config(block_q_dq=128, block_kv_dq=64),
           _case(256, 128, d=128, features=("bias",))),
+    _slow("bias_full", _config(), _case(200, 170, h=2, kh=2, features=("bias_full",))),
     _slow("segments", _config(), _case(300, 300, h=4, kh=2, is_causal=True, segments=True,
                                        features=("bias", "mask"))),
     _slow("softcap_alibi", _config(), _case(190, 130, is_causal=True, lengths=True,

@@ -8,8 +8,9 @@ loaded in the transposed accumulator layout, whose vectors run along the keys (c
 GMEM), and changed to the accumulator layout in registers. Broadcast axes (size 1) read
 index 0. The bias is added after the soft cap and ALiBi (the default "cap_then_bias" order);
 masked scores become -inf, so P is 0 there in every kernel and a fully masked row gives o = 0,
-lse = -inf and zero gradients. dbias = dS, written by the dQ kernel to a float32
-[B, H, Tp, Sp] buffer (`dbias_tile`) and summed over the broadcast axes by XLA.
+lse = -inf and zero gradients. dbias = dS, written by the dQ kernel to a [B, H, Tp, Sp]
+buffer (`dbias_tile`; in the bias's dtype where that is a 16-bit float, else float32:
+`dbias_dtype`) and summed over the broadcast axes by XLA in float32.
 """
 
 from __future__ import annotations
@@ -105,10 +106,19 @@ def add(s, tiles, scale: float):
   return s
 
 
+def dbias_dtype(bias_dtype):
+  """The dQ kernel's dS buffer's dtype for a bias of bias_dtype: a 16-bit float bias's own
+  (the gradient is returned in it; half the bytes of float32 to write, and to read where XLA
+  sums broadcast axes), else float32."""
+  bias_dtype = jnp.dtype(bias_dtype)
+  return bias_dtype if bias_dtype.itemsize == 2 else jnp.dtype(jnp.float32)
+
+
 def dbias_tile(dbias_ref, ds, b, h, row0, col0):
-  """Stores dS [rows, cols] float32 (WGMMA layout) to dbias_ref [B, H, Tp, Sp] at
-  (b, h, row0, col0): each thread writes its own entries to GMEM."""
-  dbias_ref.at[b, h, pl.ds(row0, ds.shape[0]), pl.ds(col0, ds.shape[1])][...] = ds
+  """Stores dS [rows, cols] float32 (WGMMA layout) in dbias_ref's dtype to dbias_ref
+  [B, H, Tp, Sp] at (b, h, row0, col0): each thread writes its own entries to GMEM."""
+  view = dbias_ref.at[b, h, pl.ds(row0, ds.shape[0]), pl.ds(col0, ds.shape[1])]
+  view[...] = ds.astype(dbias_ref.dtype)
 
 
 def zero_dbias_blocks(dbias_ref, b, h, row0, rows: int, block: int, lo, hi):
@@ -122,7 +132,10 @@ def zero_dbias_blocks(dbias_ref, b, h, row0, rows: int, block: int, lo, hi):
 
 
 def reduce_dbias(dbias, bias_shape, t: int, s: int):
-  """dbias [B, H, Tp, Sp] float32 summed over the bias's broadcast axes and cut to
-  bias_shape [B|1, H|1, T, S]."""
+  """dbias [B, H, Tp, Sp] (`dbias_dtype`) summed over the bias's broadcast axes in float32
+  and cut to bias_shape [B|1, H|1, T, S] (no XLA op where the bias has no broadcast axis and
+  T, S fill the tiles)."""
   axes = tuple(a for a in (0, 1) if bias_shape[a] == 1 and dbias.shape[a] != 1)
-  return dbias.sum(axes, keepdims=True)[:, :, :t, :s]
+  if axes:
+    dbias = dbias.astype(jnp.float32).sum(axes, keepdims=True)
+  return dbias[:, :, :t, :s]

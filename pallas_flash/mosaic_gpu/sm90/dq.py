@@ -43,9 +43,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
   block_kv, D], ds_scratch [2, block_q, block_kv] (interpret only). seg: segment ids, the
   forward's way (the CTA streams only the key blocks its tile may share an id with). slopes:
   ALiBi's common.raw_alibi_slopes [H] (GMEM), or None. dense: the dense bias and mask
-  (dense.DenseRefs), or None; with a bias, dbias_ref [B, H, Tp, Sp] float32 gets dS (before
-  the soft cap's slope: the bias is added after the cap) of every score tile, zeros on the key
-  blocks a warpgroup does not stream; else dbias_ref is None.
+  (dense.DenseRefs), or None; with a bias, dbias_ref [B, H, Tp, Sp] (dense.dbias_dtype) gets
+  dS (before the soft cap's slope: the bias is added after the cap) of every score tile, zeros
+  on the key blocks a warpgroup does not stream; else dbias_ref is None.
   """
   bq, bkv, stages, v_stages = kp.block_q, kp.block_kv, kp.stages, kp.dq_v_stages
   wg = lax.axis_index("wg")
@@ -225,7 +225,7 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
   lse, delta and the lse2 and delta it returns [B, H, Tp]. segs: () or (q_seg [B, Tp], kv_seg
   [B, Sp], kv limits per q tile) int32. slopes: () or (common.raw_alibi_slopes [H],). dense:
   () or dense.inputs' bias and / or mask (kp.dense says which); with a bias the result ends
-  with dbias [B, H, Tp, Sp] float32 (dS of every score)."""
+  with dbias [B, H, Tp, Sp] in dense.dbias_dtype (dS of every score)."""
   bsz, _, h, d = q.shape
   t_pad = kp.t_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
@@ -254,7 +254,8 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
   out_type = [dq, row_stats, row_stats] if in_kernel else [dq]
   present = [x is not None for x in inputs] + [True, in_kernel, in_kernel, kp.dense[0]]
   if kp.dense[0]:
-    out_type.append(jax.ShapeDtypeStruct((bsz, h, t_pad, kp.s_pad), jnp.float32))
+    out_type.append(jax.ShapeDtypeStruct((bsz, h, t_pad, kp.s_pad),
+                                         sm90_dense.dbias_dtype(dense[0].dtype)))
   kernel = functools.partial(_with_absent_refs, functools.partial(_dq_kernel, kp=kp), present)
   body = common.with_segment_refs(kernel, sum(present) - len(out_type), bool(segs),
                                   alibi=bool(slopes), dense=kp.dense)
