@@ -108,8 +108,8 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
     return (f"head dims up to {KERNEL_HEAD_DIMS[-1]} (others zero-padded to one of "
             f"{KERNEL_HEAD_DIMS}), this call has {_dims(call)}")
   if call.params.bias_in_cap:
-    return ("logits_soft_cap_order='bias_then_cap' (ALiBi inside the soft cap) is not in the "
-            "wgmma kernels")
+    return ("logits_soft_cap_order='bias_then_cap' (ALiBi and the bias inside the soft cap) "
+            "is not in the wgmma kernels")
   if ((call.params.has_bias or call.params.has_mask)
       and kernel_head_dim(call.head_dim, call.value_head_dim) > 128):
     return (f"a dense bias or mask runs in the kernels of head dims up to 128 (the forward and "

@@ -2,8 +2,8 @@
 
 Each kernel that forms scores (forward, dQ, dK/dV) loads the [rows, cols] tile of the bias
 and of the mask that matches its score tile straight from GMEM into the wgmma accumulator
-layout (no shared memory, no barriers: the loads are issued with the step's other work and
-only the score tile waits for them). The dK/dV kernel's transposed tiles [keys, queries] are
+layout where they are added to the scores (no shared memory, no barriers; `load` says why
+not earlier). The dK/dV kernel's transposed tiles [keys, queries] are
 loaded in the transposed accumulator layout, whose vectors run along the keys (contiguous in
 GMEM), and changed to the accumulator layout in registers. Broadcast axes (size 1) read
 index 0. The bias is added after the soft cap and ALiBi (the default "cap_then_bias" order);
@@ -74,10 +74,14 @@ def _tile(ref, b, h, row0, col0, shape, transposed: bool):
 
 
 def load(dense: DenseRefs | None, b, h, row0, col0, shape, *, transposed: bool = False):
-  """The (bias, mask) tiles [rows, cols] WGMMA layout for a score tile whose rows are queries
-  from row0 and columns keys from col0 (with `transposed`, rows keys and columns queries);
-  None without dense inputs. Issued ahead of the score tile, so the loads run under its
-  matmul."""
+  """tiles() -> the (bias, mask) tiles [rows, cols] (WGMMA layout; None where absent) of a
+  score tile whose rows are queries from row0 and columns keys from col0 (with `transposed`,
+  rows keys and columns queries); None without dense inputs. `add` calls it, so the loads are
+  issued where the tiles are added: loaded ahead of S = Q·Kᵀ (or beside the in-flight P·V),
+  the tiles' registers made ptxas spill in every kernel (deviceless, 1x4096x16x128: 532 B in
+  the forward's overlapped loop at 192-key tiles, 226 B in the dQ kernel), loaded there none
+  in the forward. A 16-bit bias stays 16-bit through the transposed tiles' register
+  transpose (which takes 16 or 32-bit entries), the int8 mask becomes int16 for it."""
   if dense is None:
     return None
 
@@ -85,20 +89,22 @@ def load(dense: DenseRefs | None, b, h, row0, col0, shape, *, transposed: bool =
     if ref is None:
       return None
     x = _tile(ref, b, h, row0, col0, shape, transposed)
-    if transposed:  # the register transpose takes 16 or 32-bit entries
+    if transposed:
       x = plgpu.layout_cast(x.astype(dtype), plgpu.Layout.WGMMA)
     return x
 
-  return tile(dense.bias, jnp.float32), tile(dense.mask, jnp.int16)
+  bias_dtype = None if dense.bias is None else (
+      dense.bias.dtype if jnp.dtype(dense.bias.dtype).itemsize == 2 else jnp.float32)
+  return lambda: (tile(dense.bias, bias_dtype), tile(dense.mask, jnp.int16))
 
 
 def add(s, tiles, scale: float):
   """Raw scores s [rows, cols] float32 plus the bias tile in raw-score units (bias / scale:
   the kernels multiply scores by scale·log2(e) inside exp2), -inf where the mask tile hides a
-  key; tiles: `load`'s (s unchanged for None)."""
+  key; tiles: `load`'s (s unchanged for None), loaded here."""
   if tiles is None:
     return s
-  bias, mask = tiles
+  bias, mask = tiles()
   if bias is not None:
     s = s + bias.astype(jnp.float32) * (1.0 / scale)
   if mask is not None:

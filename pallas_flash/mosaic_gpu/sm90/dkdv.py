@@ -83,7 +83,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
       dk, dv = carry
       slot = lax.rem(t, stages)
       bias = alibi_at(t)  # the slope's load runs ahead of the waits
-      if dense is not None:  # so do the dense tiles' loads
+      if dense is not None:  # the dense tiles, loaded where Pᵀ adds them (dense.load)
         bias = _with_dense(bias, sm90_dense.load(dense, b, index(t)[1], k0, index(t)[0] * bq,
                                                  (bkv, bq), transposed=True), kp)
       q_smem, do_smem = kv_stream.wait_streams(streams, slot)

@@ -105,7 +105,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
     def step(j, dq, *, masked: bool):
       slot = lax.rem(j, stages)
       vslot = slot if v_stages == stages else lax.rem(j, v_stages)
-      # The dense tiles' loads run ahead of the waits and under S = Q·Kᵀ.
+      # The dense tiles, loaded where they are added to S (dense.load).
       tiles = sm90_dense.load(dense, b, h, q0, (kv0 + j) * bkv, (bq, bkv))
       plgpu.barrier_wait(k_ready.at[slot])
       if v_stages == stages:

@@ -367,7 +367,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
   def step(j, carry, *, masked: bool):
     acc, m, l = carry
     slot = ring(j, stages)
-    # The dense tiles' loads are issued first, so that they run under S = Q·Kᵀ.
+    # The dense tiles, loaded where they are added to S (dense.load).
     dense_tiles = None if dense is None else dense(q0, (kv0 + j) * bkv, (bq, bkv))
 
     def qk(s_ref):
@@ -475,8 +475,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
   follows the loop. Each matmul pair sits between the same two schedule-barrier rounds per
   block as in the plain loop, so the two WGs still alternate (ping-pong) and the idle steps of
   a causal CTA are unchanged. `base`: see `_ring`; step j is key block `_kv_block(j, ...)`;
-  slope, dense: as in `_plain_kv_loop` (the dense tiles of S_{j+1} are loaded before it is
-  issued).
+  slope, dense: as in `_plain_kv_loop` (S_{j+1}'s dense tiles are loaded in its softmax).
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
