@@ -75,8 +75,8 @@ VARIANTS = {
     "fwd_alibi_causal": ("fwd", True, dict(alibi=True)),
     "bwd_alibi_causal": ("fwdbwd", True, dict(alibi=True)),
     # A dense bf16 bias [1, H, T, S] (differentiated: dbias from the dQ kernel) and a bool mask
-    # [B, 1, T, S] (sm90/dense.py), inputs of the grid forward and the split backward. Not
-    # config fields.
+    # [B, 1, T, S] (sm90/dense.py), inputs of the grid forward and the split backward, at
+    # config.dense_config's tiles. Not config fields.
     "fwd_bias": ("fwd", False, dict(bias=True)),
     "fwd_bias_causal": ("fwd", True, dict(bias=True)),
     "fwd_mask": ("fwd", False, dict(mask=True)),
@@ -154,7 +154,7 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
 
   import pallas_flash
   from pallas_flash.mosaic_gpu import TUNED, MosaicConfig
-  from pallas_flash.mosaic_gpu.config import config_head_dim
+  from pallas_flash.mosaic_gpu.config import config_head_dim, dense_config
 
   mode, causal, kw = variant(name)
   b, t, h, d = shape[:4]
@@ -169,7 +169,10 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   dense = {name: shp for name, on, shp in (
       ("bias", kw.pop("bias", False), ((1, h, t, t), jnp.bfloat16)),
       ("mask", kw.pop("mask", False), ((b, 1, t, t), jnp.bool_))) if on}
-  config = dataclasses.replace(TUNED.get((config_head_dim(d, d), causal), MosaicConfig()), **kw)
+  config = TUNED.get((config_head_dim(d, d), causal), MosaicConfig())
+  if dense:  # the tiles a dense call's default config takes (overrides still win)
+    config = dense_config(config, config_head_dim(d, d), causal)
+  config = dataclasses.replace(config, **kw)
   ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // 1000, (b, t))
   features = dict(query_segment_ids=ids, key_value_segment_ids=ids) if segments else {}
   if softcap is not None:
