@@ -186,12 +186,12 @@ def tuned(head_dim: int, is_causal: bool, kv_len: int) -> MosaicConfig:
 def call_config(head_dim: int, params: AttentionParams, kv_len: int, batch: int) -> MosaicConfig:
   """`tuned`, with the fused backward where FUSED's rules say; never where a call asks for
   bitwise-reproducible gradients, or carries segment ids, lengths, a window (which the fused
-  kernel does not stream), a soft cap (not measured with it) or ALiBi (the fused kernel does
-  not add it; backward.py would warn and run the split kernels)."""
+  kernel does not stream), a soft cap (not measured with it), ALiBi or dropout (the fused
+  kernel adds neither; backward.py would warn and run the split kernels)."""
   config = tuned(head_dim, params.is_causal, kv_len)
   if (head_dim != 128 or params.deterministic or params.has_segments
       or params.local_window is not None or params.logits_soft_cap is not None
-      or params.has_alibi):
+      or params.has_alibi or params.dropout_rate):
     return config
   if params.is_causal and kv_len >= FUSED_MIN_KV_LEN and batch <= FUSED_MAX_BATCH:
     return dataclasses.replace(config, **FUSED)

@@ -43,8 +43,10 @@ def _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *,
                      arrays: FeatureArrays | None = None):
   """The Triton backward kernels (Pallas' Triton lowering, on any GPU this backend runs on; in
   its interpreter when the Mosaic kernels are interpreted), same contract, deterministic, for
-  the one call the Mosaic backward kernels do not take: a soft cap at head dims above 128
-  (hd256.py's dS warpgroup gets Pᵀ through shared memory, never Sᵀ, so it has no cap slope).
+  the calls the Mosaic backward kernels do not take: a soft cap at head dims above 128
+  (hd256.py's dS warpgroup gets Pᵀ through shared memory, never Sᵀ, so it has no cap slope),
+  and dropout there (hd256.py's roles do not form its mask). The Triton kernels read the same
+  dropout keys (pallas_flash.dropout.key_tables), so their mask is the forward's.
   """
   from pallas_flash import triton as triton_backend
   lse, delta = common.xla_row_stats(o, lse, do, delta)
@@ -70,7 +72,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   d = q.shape[3]
   slopes = common.raw_alibi_slopes(arrays, params)
   full_delta = None  # rowsum(dO∘O) - dlse, where the split kernels return it
-  if d > 128 and params.logits_soft_cap is not None:
+  if d > 128 and (params.logits_soft_cap is not None or params.dropout_rate):
     grads = _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
                              config=config, arrays=arrays)
   elif d > 128:  # 192 or 256
@@ -84,7 +86,8 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
       warnings.warn(f"fused_backward=True, using the split backward instead: {reason}",
                     stacklevel=2)
     *grads, full_delta = _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta,
-                                         params=params, config=config, slopes=slopes)
+                                         params=params, config=config, slopes=slopes,
+                                         arrays=arrays)
   if not params.has_sinks:
     return tuple(grads)
   if full_delta is None:  # XLA's, as the Triton and head-dim-256 paths compute it (CSE'd)
@@ -100,13 +103,16 @@ def _fused_reason(q, params: AttentionParams, config: MosaicConfig) -> str | Non
               "split kernels only")
   if reason is None and params.has_alibi:
     reason = "ALiBi is added in the split kernels only"
+  if reason is None and params.dropout_rate:
+    reason = "dropout's mask is formed in the split kernels only"
   return reason
 
 
 def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
-                    config: MosaicConfig, slopes=()):
+                    config: MosaicConfig, slopes=(), arrays: FeatureArrays | None = None):
   """The dQ kernel, then the dK/dV kernel (backward's contract; slopes: () or ALiBi's
-  (common.raw_alibi_slopes [H],)) -> (dq, dk, dv, delta [B, H, T] = rowsum(dO∘O) - dlse),
+  (common.raw_alibi_slopes [H],); of `arrays` only the dropout seed is read, whose keys
+  both kernels take) -> (dq, dk, dv, delta [B, H, T] = rowsum(dO∘O) - dlse),
   delta as the dQ kernel or XLA computed it (unused but for the sinks' gradient)."""
   t, s = q.shape[1], k.shape[1]
   t_pad, s_pad = padded_lengths(t, s, config)
@@ -121,6 +127,8 @@ def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: Attent
         *common.path_segment_ids(q, k, q_seg, kv_seg, params), t_pad, s_pad,
         dq_tiles=(2 * config.block_q_dq, config.block_kv_dq),
         dkdv_tiles=(config.block_q_dkv, 2 * config.block_kv_dkv), params=params)
+  keys = common.dropout_keys(arrays, params, batch=q.shape[0], heads=q.shape[2], t_pad=t_pad,
+                            s_pad=s_pad)
   # Padded rows get lse = +inf (P = 0) and, with O and dO zero there, delta = 0.
   if dq_smem_bytes(kp_dq, in_kernel=True, correction=delta is not None) <= SMEM_LIMIT_BYTES:
     # The dQ kernel computes lse2 and delta from O and dO (FA2's preprocessing) and hands them
@@ -129,14 +137,14 @@ def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: Attent
     if delta is not None:
       delta = _tiling.pad_axis(delta, 2, t_pad)
     dq, lse2, delta = dq_call(qp, kpad, vpad, dop, op, lse, delta, kp=kp_dq, segs=dq_segs,
-                              slopes=slopes)
+                              slopes=slopes, keys=keys)
   else:  # the dQ kernel's O tile does not fit beside this config's tiles: XLA's pass
     lse, delta = common.xla_row_stats(o, lse, do, delta)
     # lse in log2 units so that P = exp2(S·c − lse2).
     lse2 = _tiling.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
     delta = _tiling.pad_axis(delta, 2, t_pad)
     dq = dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs,
-                 slopes=slopes)
+                 slopes=slopes, keys=keys)
   dk, dv = dkdv.dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs,
-                          slopes=slopes)
+                          slopes=slopes, keys=keys)
   return dq[:, :t], dk[:, :s], dv[:, :s], delta[:, :, :t]
