@@ -43,10 +43,10 @@ def _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *,
                      arrays: FeatureArrays | None = None):
   """The Triton backward kernels (Pallas' Triton lowering, on any GPU this backend runs on; in
   its interpreter when the Mosaic kernels are interpreted), same contract, deterministic, for
-  the calls the Mosaic backward kernels do not take: a soft cap at head dims above 128
-  (hd256.py's dS warpgroup gets Pᵀ through shared memory, never Sᵀ, so it has no cap slope),
-  and dropout there (hd256.py's roles do not form its mask). The Triton kernels read the same
-  dropout keys (pallas_flash.dropout.key_tables), so their mask is the forward's.
+  the one call the Mosaic backward kernels do not take: a soft cap at head dims above 128
+  (hd256.py's dS warpgroup gets Pᵀ through shared memory, never Sᵀ, so it has no cap slope).
+  The Triton kernels read the same dropout keys (pallas_flash.dropout.key_tables), so with
+  dropout too their mask is the forward's.
   """
   from pallas_flash import triton as triton_backend
   lse, delta = common.xla_row_stats(o, lse, do, delta)
@@ -72,12 +72,12 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   d = q.shape[3]
   slopes = common.raw_alibi_slopes(arrays, params)
   full_delta = None  # rowsum(dO∘O) - dlse, where the split kernels return it
-  if d > 128 and (params.logits_soft_cap is not None or params.dropout_rate):
+  if d > 128 and params.logits_soft_cap is not None:
     grads = _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
                              config=config, arrays=arrays)
   elif d > 128:  # 192 or 256
     grads = hd256.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
-                           config=config, slopes=slopes)
+                           config=config, slopes=slopes, arrays=arrays)
   elif config.fused_backward and (reason := _fused_reason(q, params, config)) is None:
     lse_inf, full_delta = common.xla_row_stats(o, lse, do, delta)
     grads = fused.backward(q, k, v, lse_inf, do, full_delta, params=params, config=config)
