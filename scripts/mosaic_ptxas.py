@@ -70,6 +70,13 @@ VARIANTS = {
     "fwd_sinks_causal": ("fwd", True, dict(sinks=True)),
     "fwd_sinks_persistent": ("fwd", False, dict(sinks=True, fwd_persistent=True, block_kv=128,
                                                 fwd_q_registers=True)),
+    # Dropout 0.1 (the keep mask from row and column key vectors). Not a config field.
+    "fwd_dropout": ("fwd", False, dict(dropout=0.1)),
+    "fwd_dropout_causal": ("fwd", True, dict(dropout=0.1)),
+    "fwd_dropout_persistent": ("fwd", False, dict(dropout=0.1, fwd_persistent=True,
+                                                  block_kv=128, fwd_q_registers=True)),
+    "bwd_dropout": ("fwdbwd", False, dict(dropout=0.1)),
+    "bwd_dropout_causal": ("fwdbwd", True, dict(dropout=0.1)),
     # The FP8 forward (float8_e4m3fn q, k, v, per-tensor scales; sm90/fp8_forward.py): its
     # default tiles per head dim (no config), and 128-key tiles (the default's at head dim 256).
     "fp8": ("fp8", False, {}),
@@ -138,7 +145,7 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
 
   import pallas_flash
   from pallas_flash.mosaic_gpu import TUNED, MosaicConfig
-  from pallas_flash.mosaic_gpu.config import config_head_dim
+  from pallas_flash.mosaic_gpu.config import config_head_dim, dropout_tiles
 
   mode, causal, kw = variant(name)
   b, t, h, d = shape[:4]
@@ -148,7 +155,11 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   softcap = kw.pop("softcap", None)
   window = kw.pop("window", None)
   sinks = kw.pop("sinks", False)
-  config = dataclasses.replace(TUNED.get((config_head_dim(d, d), causal), MosaicConfig()), **kw)
+  dropout = kw.pop("dropout", 0.0)
+  base = TUNED.get((config_head_dim(d, d), causal), MosaicConfig())
+  if dropout:  # the tiles call_config takes for dropout
+    base = dropout_tiles(base)
+  config = dataclasses.replace(base, **kw)
   ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // 1000, (b, t))
   features = dict(query_segment_ids=ids, key_value_segment_ids=ids) if segments else {}
   if softcap is not None:
@@ -157,6 +168,8 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
     features["local_window_size"] = (int(window), 0)
   if sinks:
     features["sinks"] = jnp.linspace(-1.0, 2.0, h, dtype=jnp.float32)
+  if dropout:
+    features.update(dropout_rate=float(dropout), dropout_rng=jax.random.key(1))
 
   def attn(q, k, v, impl="mosaic"):
     return pallas_flash.flash_attention(q, k, v, is_causal=causal, implementation=impl,
