@@ -366,6 +366,25 @@ def test_dropout_default_kernels_lower_and_fit(head_dim, causal, kv_len):
   assert text.count("custom_call @mosaic_gpu_v2") == 3
 
 
+@pytest.mark.parametrize("head_dim,causal,kv_len", ALIBI_FORMS,
+                         ids=[f"d{d}_{'causal' if c else 'full'}_{s}" for d, c, s in ALIBI_FORMS])
+def test_dropout_configs_keep_narrow_tiles(head_dim, causal, kv_len):
+  """call_config with dropout is the plain call's config with dropout_tiles: forward tiles of
+  at most 128 keys (Q in registers where a 192-key tile read it from shared memory) and 64-row
+  dK/dV q tiles, the tiles ptxas compiled without main-loop spills; never the fused backward."""
+  params = AttentionParams(scale=1.0, is_causal=causal, has_segments=False)
+  plain = mconfig.call_config(head_dim, params, kv_len, 1)
+  got = mconfig.call_config(head_dim, dataclasses.replace(params, dropout_rate=0.1), kv_len, 1)
+  assert got.block_kv == min(plain.block_kv, 128) and got.block_q_dkv == 64
+  assert not got.fused_backward
+  if plain.block_kv > 128 and plain.fwd_intra_wg_overlap:
+    assert got.fwd_q_registers
+  unchanged = ("block_kv", "block_q_dkv", "fwd_q_registers", "fused_backward",
+               "compute_registers", "producer_registers")
+  assert all(getattr(got, f.name) == getattr(plain, f.name)
+             for f in dataclasses.fields(MosaicConfig) if f.name not in unchanged)
+
+
 def test_explain_runs_dropout_on_mosaic_without_the_fused_backward():
   """Dropout runs on the Mosaic kernels by automatic choice on an H200; a long causal call,
   which takes the fused backward without it, runs the split backward (the fused kernel does
