@@ -126,21 +126,19 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
       # The slot's previous Pᵀ (two steps ago) must have been read by the dS role, which
       # released both slots once before its first step.
       plgpu.barrier_wait(p_free.at[pslot])
-      p_v16 = p16  # dV's operand: the kept Pᵀ with dropout
-      if drop is not None:
-        p_v16 = kv_stream.dropped(p_t, kv_stream.dropout_keep_t(drop, p_t.shape, kp)).astype(
-            kp.dtype)
-        if kp.interpret:  # dV from the kept Pᵀ through the slot first, then the handover's
-          p_smem[...] = p_v16
-          plgpu.commit_smem()
-          dv = dv + common.smem_matmul(p_smem, do_smem, dv.shape)
+      kept = lambda: kv_stream.dropped(  # noqa: E731  dV's operand with dropout: the kept Pᵀ
+          p_t, kv_stream.dropout_keep_t(drop, p_t.shape, kp)).astype(kp.dtype)
+      if kp.interpret and drop is not None:  # dV from the kept Pᵀ through the slot first
+        p_smem[...] = kept()
+        plgpu.commit_smem()
+        dv = dv + common.smem_matmul(p_smem, do_smem, dv.shape)
       p_smem[...] = p16
       plgpu.commit_smem()
       plgpu.barrier_arrive(p_ready.at[pslot])
       if kp.interpret and drop is None:  # Pᵀ is in shared memory already: SMEM operands
         dv = dv + common.smem_matmul(p_smem, do_smem, dv.shape)
-      elif not kp.interpret:
-        dv = common.accumulate(dv, p_v16, None, do_smem, kp)
+      elif not kp.interpret:  # the kept Pᵀ formed once the handed-over one is stored
+        dv = common.accumulate(dv, p16 if drop is None else kept(), None, do_smem, kp)
       release(slot, streams[:2])
       return dv
 
