@@ -355,11 +355,15 @@ def test_explain_runs_alibi_on_mosaic_without_the_fused_backward():
   assert plain.config.fused_backward and not auto.config.fused_backward
 
 
-@pytest.mark.parametrize("head_dim,causal,kv_len", ALIBI_FORMS,
-                         ids=[f"d{d}_{'causal' if c else 'full'}_{s}" for d, c, s in ALIBI_FORMS])
+# ALIBI_FORMS, and head dims 96 (head dim 128's kernels at a 64-byte swizzle) and 192 (hd256.py).
+DROPOUT_FORMS = ALIBI_FORMS + [(96, False, 2048), (192, True, 1024)]
+
+
+@pytest.mark.parametrize("head_dim,causal,kv_len", DROPOUT_FORMS,
+                         ids=[f"d{d}_{'causal' if c else 'full'}_{s}" for d, c, s in DROPOUT_FORMS])
 def test_dropout_default_kernels_lower_and_fit(head_dim, causal, kv_len):
-  """Dropout in each default form (ALIBI_FORMS' calls): forward, dQ and dK/dV kernels on
-  Mosaic (never the fused backward)."""
+  """Dropout in each default form: forward, dQ and dK/dV kernels on Mosaic (never the fused
+  backward)."""
   case = Case(batch=1, q_len=kv_len, kv_len=kv_len, num_heads=4, num_kv_heads=2,
               head_dim=head_dim, dtype=jnp.bfloat16, is_causal=causal)
   text = _grad_module(case, dropout_rate=0.1, dropout_rng=jax.random.key(0))
