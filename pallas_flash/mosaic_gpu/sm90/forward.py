@@ -487,7 +487,16 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
   sched_sync = functools.partial(common.sync, bars.sched)
   q_op = _q_operand(q_smem, kp)
 
-  def softmax(s, j, masked, m, l):
+  def drop_cols(j, early: bool = False):
+    """The dropout keys of step j's key block, or None. `early` (a load ahead of the step's
+    waits, off the softmax's path): in the grid kernel only; in the persistent one ptxas
+    spilled with the vector live across the step (12 / 5 spill loads / stores in its loops at
+    1x4096x16x128, none when loaded in the softmax; deviceless, CUDA 13.0)."""
+    if drop_keys is None or (early and base is not None):
+      return None
+    return common.dropout_col_keys(drop_keys, _kv_block(j, kv0, steps, kp) * bkv, bkv)
+
+  def softmax(s, j, masked, m, l, cols=None):
     s = common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
     if masked or slope is not None:
       col0 = _kv_block(j, kv0, steps, kp) * bkv
@@ -496,7 +505,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
       s = jnp.where(common.visible(q0, col0, (bq, bkv), kp), s, -jnp.inf)
     p, m, l, alpha = _softmax(s, m, l, kp)
     if drop_keys is not None:  # after l: l sums every probability, P·V takes the kept ones
-      cols = common.dropout_col_keys(drop_keys, _kv_block(j, kv0, steps, kp) * bkv, bkv)
+      cols = drop_cols(j) if cols is None else cols
       p = jnp.where(common.dropout_keep(drop_rows, cols, p.shape, kp), p, 0.0)
     return p, m, l, alpha
 
@@ -508,16 +517,18 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
   s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
   plgpu.barrier_arrive(bars.k_free.at[ring(0, stages)])
   # Block 0 is masked whenever any block can be: exact where it is not needed, and one tile.
+  cols0 = drop_cols(0, early=True)
   p, m, l, _ = softmax(
       s, 0, kp.needs_mask, plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32),
                                              common.ROW),
-      plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW))
+      plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW), cols0)
   acc = plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA)
   carry = lax.optimization_barrier((acc, p.astype(kp.dtype), m, l))
 
   def step(j, carry, *, masked: bool):
     acc, p16, m, l = carry  # acc is scaled to m; p16 = P_j is not in it yet
     slot, nxt = ring(j, stages), ring(j + 1, stages)
+    cols = drop_cols(j + 1, early=True)
     with jax.named_scope("wait_kv"):
       plgpu.barrier_arrive(bars.sched)
       plgpu.barrier_wait(bars.k_ready.at[nxt])
@@ -534,7 +545,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P_j·V_j keeps running
       plgpu.barrier_arrive(bars.k_free.at[nxt])
       with jax.named_scope("softmax"):
-        return softmax(s, j + 1, masked, m, l)
+        return softmax(s, j + 1, masked, m, l, cols)
 
     if kp.interpret:  # P staged through SMEM, P_j·V_j into its own accumulator
       p_smem[...] = p16
