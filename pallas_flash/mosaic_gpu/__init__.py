@@ -45,9 +45,12 @@ MEASURED_HEAD_DIMS = frozenset({(64, 64), (80, 80), (96, 96), (128, 128), (192, 
 # elsewhere. The soft cap's backward at head dims 192 and 256 runs the Triton kernels. ALiBi's
 # -slope·|i - j| is added to each score tile in the kernels (sm90/common.alibi), and so are the
 # dense bias and mask ([B|1, H|1, T, S] tiles loaded by each kernel, sm90/dense.py; head dims up
-# to 128, the split backward).
+# to 128, the split backward). Dropout's keep mask is formed in the forward and the split
+# backward kernels from pallas_flash.dropout's row and column keys (sm90/common.dropout_keep:
+# bitwise every backend's mask), in every kernel but the fused backward (calls with dropout
+# take the split backward).
 SUPPORTED_FEATURES = frozenset({"logits_soft_cap", "local_window_size", "alibi_slopes", "bias",
-                                "mask"})
+                                "mask", "dropout"})
 # The forward adds attention sinks in its epilogue (sm90/forward._store_tile): the API passes
 # calls with sinks here as params.has_sinks and arrays.sinks (pallas_flash.call); the backward
 # kernels need nothing more, given the forward's o and lse, and dsinks comes from their delta.
