@@ -1,0 +1,338 @@
+"""Split-KV decode attention as a Mosaic GPU (Hopper, sm_90) kernel: TMA-fed K/V ring, wgmma.
+
+One CTA (one warpgroup) owns the M = Tq * G GQA-packed query rows of one kv head, padded to 64
+(one wgmma tile: row r is token r // G of query head k * G + r % G), and one of N = S * B
+balanced runs of the batch's key blocks (decode/config.py's `balanced_partition`, the same runs
+as the Triton kernel's `_split_kernel`). For each sequence its run touches it TMA-loads the
+query tile, then streams `block_kv`-key tiles of K and V through a ring of `num_stages` shared
+memory buffers: the loads of the next num_stages - 1 tiles are in flight while a tile is
+scored (S = Q·Kᵀ, SMEM operands), soft-maxed online in registers and accumulated (O += P·V, P
+from registers; in interpret mode P is staged through shared memory), and a slot is refilled
+as soon as its tile's two matmuls retired. Tiles that every row sees whole run without masks;
+the ones at the sequence's end (and at the window's start) mask scores, and zero the V rows
+past the length in shared memory first, so stale or NaN slots never reach the output (0 · NaN).
+Each (run, sequence) piece writes a float32 partial (o, lse) to slot run + b, and the Triton
+merge kernel (decode/triton.py's `merge_partials`) combines each sequence's slots, with one
+split too (N = B runs).
+
+The runs' table (each sequence's length, first visible block, block count and start in the
+concatenation; each run's first and last sequence) is a few XLA vector operations over the B
+lengths before the kernel. Paged caches are read page by page: a tile of block_kv keys is one
+TMA copy when pages hold at least block_kv keys (a tile is then part of one page), else
+block_kv / page_size copies, one per page, completing on the same barrier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_flash.call import MASK_VALUE
+from pallas_flash.decode import config as decode_config
+from pallas_flash.decode import triton as decode_triton
+from pallas_flash.decode.call import DecodeInfo, DecodeParams
+from pallas_flash.decode.config import MosaicDecodeConfig
+from pallas_flash.mosaic_gpu.sm90 import common
+
+CONFIG_TYPE = MosaicDecodeConfig
+ROWS = 64  # query rows of a CTA: one wgmma M tile
+HEAD_DIMS = (64, 128)
+# Shared memory of one CTA at most (an H100 / H200's 227 KiB per block, less barriers).
+SMEM_BUDGET = 227 * 1024 - 1024
+LN2 = math.log(2.0)
+
+
+def _smem_bytes(d: int, block_kv: int, stages: int, itemsize: int) -> int:
+  """Q, the K/V ring, the float32 o and lse staging (P's staging only in interpret mode)."""
+  return ROWS * d * itemsize + 2 * stages * block_kv * d * itemsize + ROWS * d * 4 + ROWS * 4
+
+
+def default_config(info: DecodeInfo) -> MosaicDecodeConfig:
+  """128-key tiles at D = 64, 64-key tiles at D = 128, four stages: 128 KiB of K/V in the ring
+  either way (first guesses, not yet measured on the GPU)."""
+  return MosaicDecodeConfig(block_kv=128 if info.head_dim <= 64 else 64, num_stages=4)
+
+
+def config_for(info: DecodeInfo, config: MosaicDecodeConfig | None) -> MosaicDecodeConfig:
+  """`config`'s fields, default_config's where None; the key tile shrunk to 64 keys where the
+  cache's capacity (or the page, when a tile would span pages) does not hold whole tiles."""
+  base = default_config(info)
+  full = base if config is None else dataclasses.replace(
+      config, block_kv=config.block_kv or base.block_kv,
+      num_stages=config.num_stages or base.num_stages)
+  if config is None or config.block_kv is None:
+    if info.capacity % full.block_kv:
+      full = dataclasses.replace(full, block_kv=64)
+  return full
+
+
+def tiles(config: MosaicDecodeConfig) -> tuple[int, int]:
+  """(block_m, block_kv) of a resolved config: all M <= 64 rows at once."""
+  return ROWS, config.block_kv
+
+
+def unsupported_reason(info: DecodeInfo, config: MosaicDecodeConfig | None) -> str | None:
+  interpret = config is not None and config.interpret
+  if not interpret:
+    if info.platform != "gpu":
+      return "the Mosaic decode kernel needs an NVIDIA GPU (platform is " + info.platform + ")"
+    if info.compute_capability not in (None, (9, 0)):
+      cc = info.compute_capability
+      return f"the Mosaic decode kernel is for Hopper (sm_90); this GPU is sm_{cc[0]}{cc[1]}"
+  if info.rows > ROWS:
+    return (f"Tq * G = {info.rows} query rows per kv head > {ROWS} (one wgmma tile); the "
+            "Triton kernel tiles more rows")
+  if info.head_dim not in HEAD_DIMS:
+    return f"head_dim {info.head_dim} is not one of the Mosaic decode kernel's {HEAD_DIMS}"
+  if jnp.dtype(info.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"dtype {jnp.dtype(info.dtype).name}: the Mosaic decode kernel takes bf16 or f16"
+  resolved = config_for(info, config)
+  bk = resolved.block_kv
+  if info.capacity % bk:
+    return (f"cache capacity {info.capacity} is not a multiple of block_kv {bk} (TMA tiles "
+            "must lie inside the cache)")
+  if info.paged:
+    ps = info.page_size
+    if ps % 8 or not (ps % bk == 0 or bk % ps == 0):
+      return (f"page_size {ps}: the Mosaic decode kernel takes page sizes that are multiples "
+              f"of 8 and divide or are divided by block_kv {bk}")
+  need = _smem_bytes(info.head_dim, bk, resolved.num_stages, jnp.dtype(info.dtype).itemsize)
+  if need > SMEM_BUDGET:
+    return (f"block_kv {bk} x {resolved.num_stages} stages need {need} B of shared memory "
+            f"> {SMEM_BUDGET}")
+  return None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _KernelParams:
+  """Static facts of the kernel body."""
+
+  params: DecodeParams
+  dtype: jnp.dtype
+  head_dim: int
+  block_kv: int
+  stages: int
+  programs: int  # N runs per kv head
+  num_pages: int | None
+  max_pages: int | None
+  interpret: bool  # read by common.accumulate: P staged through SMEM instead of RS wgmma
+
+  @property
+  def c(self) -> float:
+    """scale·log2(e): scores times c are in log2 units for exp2."""
+    return self.params.scale * math.log2(math.e)
+
+  @property
+  def copies(self) -> int:
+    """TMA copies per K (or V) tile: one, or one per page when pages are shorter."""
+    ps = self.params.page_size
+    return 1 if ps is None or ps >= self.block_kv else self.block_kv // ps
+
+
+def _soft_cap(s, p: _KernelParams):
+  """Raw scores through the soft cap c, kept in raw-score units: (c/scale)·tanh(s·scale/c)."""
+  cap = p.params.logits_soft_cap
+  if cap is None:
+    return s
+  return jnp.tanh(s * (p.params.scale / cap)) * (cap / p.params.scale)
+
+
+def _tile_copies(ref, seq, kh, j, pt_ref, p: _KernelParams):
+  """[(GMEM source, row offset in the tile)] of key block j of sequence `seq`, kv head kh."""
+  bk, ps = p.block_kv, p.params.page_size
+  if ps is None:
+    return [(ref.at[seq, pl.ds(j * bk, bk), kh], None)]
+
+  def page(key):  # the pool page holding key position `key`, clamped into the pool
+    slot = jnp.minimum(lax.div(key, ps), p.max_pages - 1)
+    return jnp.clip(pt_ref[seq, slot], 0, p.num_pages - 1)
+
+  if ps >= bk:
+    key = j * bk
+    return [(ref.at[page(key), pl.ds(lax.rem(key, ps), bk), kh], None)]
+  return [(ref.at[page(j * bk + c * ps), pl.ds(0, ps), kh], c * ps) for c in range(p.copies)]
+
+
+def _decode_kernel(seq_ref, prog_ref, tok_ref, q_ref, k_ref, v_ref, *refs, p: _KernelParams):
+  """One run of the batch's key blocks for one kv head. Grid (K, N), names ("k", "i").
+
+  seq_ref [B, 4] int32: per sequence (n_b, first visible block, visible blocks, start of its
+  blocks in the concatenation); prog_ref [N, 3] int32: per run (first sequence, stop, blocks
+  per run); tok_ref [64] int32: row r's token offset t(r) - Tq (query position n_b + it);
+  q_ref [B, K, 64, D] (GQA-packed rows, zero padding rows); k_ref / v_ref [B, L, K, D] or the
+  pool [P, page_size, K, D] (then pt_ref [B, max_pages] follows); o_ref [K, B + N - 1, 64, D]
+  and lse_ref [K, B + N - 1, 64] float32, the partial slots.
+  """
+  paged = p.params.page_size is not None
+  pt_ref = refs[0] if paged else None
+  refs = refs[1:] if paged else refs
+  (o_ref, lse_ref, q_smem, k_ring, v_ring, p_smem, o_smem, lse_smem, q_bar, k_bar,
+   v_bar) = refs
+  prm, bk, stages = p.params, p.block_kv, p.stages
+  d = p.head_dim
+  kh, run = lax.axis_index("k"), lax.axis_index("i")
+  first, stop, per = prog_ref[run, 0], prog_ref[run, 1], prog_ref[run, 2]
+  tok = plgpu.load(tok_ref, layout=common.ROW, optimized=False)
+
+  def load_tile(seq, j, slot):
+    for ref, ring, bar in ((k_ref, k_ring, k_bar), (v_ref, v_ring, v_bar)):
+      for src, row in _tile_copies(ref, seq, kh, j, pt_ref, p):
+        dst = ring.at[slot] if row is None else ring.at[slot, pl.ds(row, prm.page_size)]
+        plgpu.copy_gmem_to_smem(src, dst, bar.at[slot])
+
+  def piece(seq, carry):
+    del carry
+    n, blk_lo, count, start = (seq_ref[seq, 0], seq_ref[seq, 1], seq_ref[seq, 2],
+                               seq_ref[seq, 3])
+    lo = blk_lo + jnp.clip(run * per - start, 0, count)
+    hi = blk_lo + jnp.clip((run + 1) * per - start, 0, count)
+    plgpu.copy_gmem_to_smem(q_ref.at[seq, kh], q_smem, q_bar)
+    for s in range(stages):
+      pl.when(lo + s < hi)(functools.partial(load_tile, seq, lo + s, s))
+    plgpu.barrier_wait(q_bar)
+    q_pos = tok + n  # [64] ROW: each row's query position
+
+    def step(j, carry, *, masked: bool):
+      acc, m, l = carry
+      slot = lax.rem(j - lo, stages)
+      plgpu.barrier_wait(k_bar.at[slot])
+      plgpu.barrier_wait(v_bar.at[slot])
+      s = common.smem_matmul(q_smem, k_ring.at[slot].T, (ROWS, bk))  # [64, block_kv]
+      s = _soft_cap(s, p)  # before the mask: a hidden score must stay -inf
+      if masked:
+        keys = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1,
+                                      layout=plgpu.Layout.WGMMA) + j * bk
+        pos = lax.broadcast_in_dim(q_pos, (ROWS, bk), [0])
+        visible = keys <= pos
+        if prm.window is not None:
+          visible &= keys >= pos - prm.window
+        s = jnp.where(visible, s, -jnp.inf)
+        # Slots past the length may hold NaN or inf: P is 0 there, but 0 * NaN is not.
+        v = plgpu.load(v_ring.at[slot], layout=plgpu.Layout.WGMMA)
+        rows = plgpu.broadcasted_iota(jnp.int32, (bk, d), 0, layout=plgpu.Layout.WGMMA)
+        v_ring.at[slot][...] = jnp.where(rows + j * bk < n, v, jnp.zeros_like(v))
+        plgpu.commit_smem()
+      # FA2 Alg. 1 in log2 units; m starts at the finite MASK_VALUE, so -inf scores give 0.
+      m_new = jnp.maximum(m, s.max(axis=1) * p.c)
+      alpha = jnp.exp2(m - m_new)
+      probs = jnp.exp2(s * p.c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      l = l * alpha + probs.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      acc = common.accumulate(acc, probs.astype(p.dtype), p_smem, v_ring.at[slot], p)
+      # Both matmuls of the slot retired (their results are in registers): refill it.
+      pl.when(j + stages < hi)(functools.partial(load_tile, seq, j + stages, slot))
+      return acc, m_new, l
+
+    # Blocks that every row sees whole: below the first token's position and, with a
+    # window, at or above the last token's window start. The rest is masked.
+    full_hi = jnp.maximum(n - prm.q_len + 1, 0) // bk
+    full_lo = 0
+    if prm.window is not None:
+      full_lo = (jnp.maximum(n - 1 - prm.window, 0) + bk - 1) // bk
+    mid_lo = jnp.clip(full_lo, lo, hi)
+    mid_hi = jnp.clip(full_hi, mid_lo, hi)
+    carry = (plgpu.layout_cast(jnp.zeros((ROWS, d), jnp.float32), plgpu.Layout.WGMMA),
+             plgpu.layout_cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), common.ROW),
+             plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), common.ROW))
+    carry = lax.fori_loop(lo, mid_lo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(mid_lo, mid_hi, functools.partial(step, masked=False), carry)
+    acc, m, l = lax.fori_loop(mid_hi, hi, functools.partial(step, masked=True), carry)
+
+    empty = l == 0.0  # an empty share, or a row that sees none of its keys: o = 0, lse = -inf
+    safe = jnp.where(empty, 1.0, l)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last piece's stores read o_smem
+    o_smem[...] = acc * lax.broadcast_in_dim(1.0 / safe, acc.shape, [0])
+    lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(safe)) * LN2)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[kh, run + seq], commit_group=False)
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[kh, run + seq], commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    return 0
+
+  lax.fori_loop(first, stop, piece, 0)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _plan(lengths, kp: decode_triton._KernelParams, programs: int):
+  """The runs' tables (see _decode_kernel) from cache_seqlens, by the partition the merge
+  kernel recomputes from the same lengths."""
+  n = decode_triton._tokens_held(lengths, kp)
+  blk_lo, blk_hi = decode_triton._visible_blocks(n, 0, kp.params.q_len - 1, kp)
+  counts = blk_hi - blk_lo
+  part = decode_config.balanced_partition(counts, programs)
+  first, stop = jax.vmap(lambda i: decode_config.program_sequences(part, counts, i))(
+      jnp.arange(programs, dtype=jnp.int32))
+  seqs = jnp.stack([n, jnp.broadcast_to(blk_lo, n.shape), counts, part.starts], axis=1)
+  runs = jnp.stack([first, stop, jnp.broadcast_to(part.per, first.shape)], axis=1)
+  return seqs.astype(jnp.int32), runs.astype(jnp.int32)
+
+
+def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodeParams,
+           config: MosaicDecodeConfig):
+  """Split-KV decode attention; the contract is in pallas_flash.decode.call. `config` is
+  resolved (config_for): the Mosaic kernel writes float32 partials over N = S * B balanced
+  runs, the Triton merge kernel combines them into the final layout."""
+  b, tq, h, d = q.shape
+  kh = key_cache.shape[2]
+  g = h // kh
+  rows = tq * g
+  bk, stages = config.block_kv, config.num_stages
+  paged = params.page_size is not None
+  if paged:
+    num_pages, max_pages = key_cache.shape[0], page_table.shape[1]
+    capacity = max_pages * params.page_size
+  else:
+    num_pages = max_pages = None
+    capacity = key_cache.shape[1]
+  programs = params.num_splits * b
+  slots = b + programs - 1
+  merge_kp = decode_triton._KernelParams(
+      params=params, batch=b, num_kv_heads=kh, head_dim=d, block_m=ROWS, block_kv=bk,
+      capacity=capacity, num_pages=num_pages, max_pages=max_pages, approx_tanh=False)
+  kp = _KernelParams(params=params, dtype=jnp.dtype(q.dtype), head_dim=d, block_kv=bk,
+                     stages=stages, programs=programs, num_pages=num_pages,
+                     max_pages=max_pages, interpret=config.interpret)
+  seqs, runs = _plan(lengths, merge_kp, programs)
+  # Row r: token r // G of head r % G. Padding rows repeat the last real row (query and
+  # token), so they compute exactly its values: the merge kernel writes them onto it.
+  tok = jnp.asarray(np.minimum(np.arange(ROWS), rows - 1) // g - tq, jnp.int32)
+  q5 = q.reshape(b, tq, kh, g, d)
+  packed = jnp.pad(q5.transpose(0, 2, 1, 3, 4).reshape(b, kh, rows, d),
+                   ((0, 0), (0, 0), (0, ROWS - rows), (0, 0)), mode="edge")
+  tiled = common.smem_transforms(q.dtype, d)
+  scratch = [
+      plgpu.SMEM((ROWS, d), q.dtype, transforms=tiled),
+      plgpu.SMEM((stages, bk, d), q.dtype, transforms=tiled),
+      plgpu.SMEM((stages, bk, d), q.dtype, transforms=tiled),
+      plgpu.SMEM((ROWS, bk), q.dtype, transforms=tiled) if config.interpret else None,
+      plgpu.SMEM((ROWS, d), jnp.float32, transforms=common.smem_transforms(jnp.float32)),
+      plgpu.SMEM((ROWS,), jnp.float32),
+      plgpu.Barrier(),
+      plgpu.Barrier(num_arrivals=kp.copies, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=kp.copies, num_barriers=stages),
+  ]
+  inputs = (seqs, runs, tok, packed, key_cache, value_cache) + ((page_table,) if paged else ())
+  o, lse = plgpu.kernel(
+      functools.partial(_decode_kernel, p=kp),
+      out_type=(jax.ShapeDtypeStruct((kh, slots, ROWS, d), jnp.float32),
+                jax.ShapeDtypeStruct((kh, slots, ROWS), jnp.float32)),
+      scratch_types=scratch,
+      grid=(kh, programs), grid_names=("k", "i"),
+      compiler_params=common.compiler_params(),
+      interpret=common.interpret_params(config.interpret),
+      kernel_name="pallas_flash_decode_mosaic",
+  )(*inputs)
+  out, lse = decode_triton.merge_partials(q5, lengths, o, lse, kp=merge_kp,
+                                          interpret=config.interpret)
+  return out.reshape(b, tq, h, d), lse.reshape(b, h, tq)
+
+
+__all__ = ["CONFIG_TYPE", "attend", "config_for", "tiles", "unsupported_reason"]
