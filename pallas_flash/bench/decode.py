@@ -41,7 +41,9 @@ from pallas_flash.bench import checks, flops, timing
 
 # Our implementations (pallas_flash.decode_attention; "ours" = implementation=None) and the
 # anchors.
-OURS = ("ours", "xla", "interpret")
+# "mosaic" and "triton" name decode_attention's kernels, to time them side by side
+# (`--impl mosaic,triton,cudnn`: the first is the column the others are compared with).
+OURS = ("ours", "mosaic", "triton", "xla", "interpret")
 ANCHORS = ("cudnn", "jax_xla", "jaxops_gqa", "jaxops_paged", "torch")
 DECODE_IMPLS = OURS + ANCHORS
 PREFILL_ANCHORS = ("split_kv", "flash", "cudnn")
@@ -97,7 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  help="decode: skip points whose K+V cache exceeds this")
   for name in ("block-kv", "block-m", "num-warps", "num-stages", "num-splits"):
     g.add_argument(f"--{name}", type=int, default=None,
-                   help=f"decode: {name.replace('-', '_')} of ours (Triton) for sweeps")
+                   help=f"decode: {name.replace('-', '_')} of ours (Triton) for sweeps; "
+                   "block-kv, num-stages and num-splits also of 'mosaic' when --impl names it")
 
 
 def _grid(opts) -> Grid:
@@ -134,6 +137,16 @@ def _ours_kwargs(opts) -> dict:
   kw = {"num_splits": opts.num_splits}
   if any(v is not None for v in fields.values()):
     kw.update(implementation="triton", config=pallas_flash.TritonDecodeConfig(**fields))
+  return kw
+
+
+def _mosaic_kwargs(ours_kw: dict) -> dict:
+  """num_splits and the tiles (--block-kv, --num-stages) of the Mosaic kernel, named by --impl."""
+  kw = {"num_splits": ours_kw.get("num_splits")}
+  config = ours_kw.get("config")
+  if config is not None and (config.block_kv or config.num_stages):
+    kw["config"] = pallas_flash.MosaicDecodeConfig(block_kv=config.block_kv,
+                                                   num_stages=config.num_stages)
   return kw
 
 
@@ -182,6 +195,8 @@ def _call(impl: str, layout: str, *, ours_kw: dict, page_size: int):
   pool = lambda x: x.reshape(-1, page_size, *x.shape[2:])  # noqa: E731
   if impl in OURS:
     kw = dict(ours_kw) if impl == "ours" else {"implementation": impl}
+    if impl == "mosaic":
+      kw.update(_mosaic_kwargs(ours_kw))
     if layout == "paged":
       return lambda q, k, v, lens, table: pallas_flash.decode_attention(
           q, pool(k), pool(v), lens, page_table=table, **kw)

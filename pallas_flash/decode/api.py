@@ -37,8 +37,9 @@ Implementation = Literal["flash", "mosaic", "triton", "interpret", "xla", "refer
 IMPLEMENTATIONS: tuple[str, ...] = ("flash", "mosaic", "triton", "interpret", "xla", "reference")
 AUTO_ORDER: tuple[str, ...] = ("flash", "mosaic", "triton", "xla")  # fastest first
 
-# Implementations that run only when asked for by name, with why: the Mosaic kernel's speed
-# is not yet measured on the GPU, so the automatic choice keeps the Triton kernel.
+# Implementations that run only when asked for by name (or by passing their config type),
+# with why: the Mosaic kernel's speed is not yet measured on the GPU, so the automatic choice
+# keeps the Triton kernel.
 BY_NAME_ONLY = {"mosaic": "runs by name only (implementation='mosaic'): its speed is not yet "
                           "measured on the GPU, so the automatic choice keeps 'triton'"}
 
@@ -87,7 +88,7 @@ def _reason(name: str, info: DecodeInfo, config, num_splits=None, *,
     return why
   if (why := backend.unsupported_reason(info, config)) is not None:
     return why
-  if auto and name in BY_NAME_ONLY:
+  if auto and name in BY_NAME_ONLY and config is None:  # its config type names it too
     return BY_NAME_ONLY[name]
   return None
 

@@ -55,23 +55,22 @@ def _smem_bytes(d: int, block_kv: int, stages: int, itemsize: int) -> int:
   return ROWS * d * itemsize + 2 * stages * block_kv * d * itemsize + ROWS * d * 4 + ROWS * 4
 
 
-def default_config(info: DecodeInfo) -> MosaicDecodeConfig:
-  """128-key tiles at D = 64, 64-key tiles at D = 128, four stages: 128 KiB of K/V in the ring
-  either way (first guesses, not yet measured on the GPU)."""
-  return MosaicDecodeConfig(block_kv=128 if info.head_dim <= 64 else 64, num_stages=4)
+def _default_stages(info: DecodeInfo, block_kv: int) -> int:
+  """As many ring stages as fit, at most 4: with 128-key tiles 4 at D = 64 and 2 at D = 128,
+  128 KiB of K/V in the ring either way (first guesses, not yet measured on the GPU)."""
+  itemsize = jnp.dtype(info.dtype).itemsize
+  return next((s for s in (4, 3) if _smem_bytes(info.head_dim, block_kv, s, itemsize)
+               <= SMEM_BUDGET), 2)
 
 
 def config_for(info: DecodeInfo, config: MosaicDecodeConfig | None) -> MosaicDecodeConfig:
-  """`config`'s fields, default_config's where None; the key tile shrunk to 64 keys where the
-  cache's capacity (or the page, when a tile would span pages) does not hold whole tiles."""
-  base = default_config(info)
-  full = base if config is None else dataclasses.replace(
-      config, block_kv=config.block_kv or base.block_kv,
-      num_stages=config.num_stages or base.num_stages)
-  if config is None or config.block_kv is None:
-    if info.capacity % full.block_kv:
-      full = dataclasses.replace(full, block_kv=64)
-  return full
+  """`config`'s fields, defaults where None: 128-key tiles (the Triton kernel's, so that both
+  get the same split count), 64 where the cache's capacity holds no whole number of them;
+  _default_stages."""
+  given = config or MosaicDecodeConfig()
+  block_kv = given.block_kv or (128 if info.capacity % 128 == 0 else 64)
+  return dataclasses.replace(given, block_kv=block_kv,
+                             num_stages=given.num_stages or _default_stages(info, block_kv))
 
 
 def tiles(config: MosaicDecodeConfig) -> tuple[int, int]:
@@ -83,7 +82,8 @@ def unsupported_reason(info: DecodeInfo, config: MosaicDecodeConfig | None) -> s
   interpret = config is not None and config.interpret
   if not interpret:
     if info.platform != "gpu":
-      return "the Mosaic decode kernel needs an NVIDIA GPU (platform is " + info.platform + ")"
+      return (f"the Mosaic decode kernel needs an NVIDIA GPU (platform is {info.platform!r}); "
+              "MosaicDecodeConfig(interpret=True) runs it in the interpreter anywhere")
     if info.compute_capability not in (None, (9, 0)):
       cc = info.compute_capability
       return f"the Mosaic decode kernel is for Hopper (sm_90); this GPU is sm_{cc[0]}{cc[1]}"
