@@ -7,10 +7,11 @@ count once (`_plan`, also what `decode_explain` reports) -> append the new token
 Implementations follow one contract (decode.call): "triton" (Triton-lowered Pallas kernel, any
 NVIDIA GPU from Ampere), "interpret" (that kernel in the Pallas interpreter, any platform),
 "xla" (the same plan in lax loops, any platform), "reference" (materialising, for tests).
-"mosaic" is the slot for a Hopper kernel: it refuses every call until a module with the
-contract is registered in `_MODULES`. "flash" is the chunked-prefill route (decode.flash_split):
-the cached prefix and the new tokens as two `flash_attention` calls, merged; chosen first
-where it pays (long chunks whose pieces flash_attention runs on its Mosaic kernels).
+"mosaic" (decode.mosaic: a Mosaic GPU kernel for Hopper, TMA-fed K/V ring and wgmma; by name
+only until it is measured on the GPU, BY_NAME_ONLY). "flash" is the chunked-prefill route
+(decode.flash_split): the cached prefix and the new tokens as two `flash_attention` calls,
+merged; chosen first where it pays (long chunks whose pieces flash_attention runs on its
+Mosaic kernels).
 """
 
 from __future__ import annotations
@@ -260,11 +261,14 @@ def decode_attention(
     implementation: None picks the fastest that can run the call: "flash" for chunked prefill
       on Hopper (Tq >= decode.config.FLASH_SPLIT_MIN_Q_LEN, contiguous cache, no window),
       else "triton" on GPU and "xla" elsewhere (`decode_explain` says which and why); or one
-      of "flash", "triton", "interpret", "xla", "reference" ("mosaic" is reserved). "flash"
-      runs the cached prefix and the new tokens as two `flash_attention` calls and merges
-      them (docs/decode.md); by name it runs on any platform.
-    config: a `TritonDecodeConfig` or `XlaDecodeConfig` overriding the backend's tiles, or a
-      `FlashSplitConfig` (flash_attention's implementation and config for the "flash" route).
+      of "flash", "mosaic", "triton", "interpret", "xla", "reference". "flash" runs the
+      cached prefix and the new tokens as two `flash_attention` calls and merges them
+      (docs/decode.md); by name it runs on any platform. "mosaic" is the Hopper kernel
+      (Tq * G <= 64 rows per kv head, D 64 or 128, bf16 / f16), run only when named or
+      given a `MosaicDecodeConfig` (its speed is not yet measured on the GPU).
+    config: a `TritonDecodeConfig`, `MosaicDecodeConfig` or `XlaDecodeConfig` overriding the
+      backend's tiles, or a `FlashSplitConfig` (flash_attention's implementation and config
+      for the "flash" route).
     checked: add `jax.experimental.checkify` checks of the values (lengths within the cache,
       the append fitting, used pages inside the pool); run the caller under
       `checkify.checkify` to get them as errors. Without it, eager calls (concrete values)

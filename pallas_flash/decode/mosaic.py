@@ -167,9 +167,10 @@ def _decode_kernel(seq_ref, prog_ref, tok_ref, q_ref, k_ref, v_ref, *refs, p: _K
   seq_ref [B, 4] int32: per sequence (n_b, first visible block, visible blocks, start of its
   blocks in the concatenation); prog_ref [N, 3] int32: per run (first sequence, stop, blocks
   per run); tok_ref [64] int32: row r's token offset t(r) - Tq (query position n_b + it);
-  q_ref [B, K, 64, D] (GQA-packed rows, zero padding rows); k_ref / v_ref [B, L, K, D] or the
-  pool [P, page_size, K, D] (then pt_ref [B, max_pages] follows); o_ref [K, B + N - 1, 64, D]
-  and lse_ref [K, B + N - 1, 64] float32, the partial slots.
+  q_ref [B, K, 64, D] (GQA-packed rows; padding rows repeat the last); k_ref / v_ref
+  [B, L, K, D] or the pool [P, page_size, K, D] (then pt_ref [B, max_pages] follows); o_ref
+  [K, B + N - 1, R, D] and lse_ref [K, B + N - 1, R] float32, the partial slots of the first
+  R = _partial_rows(M) rows.
   """
   paged = p.params.page_size is not None
   pt_ref = refs[0] if paged else None
@@ -252,13 +253,22 @@ def _decode_kernel(seq_ref, prog_ref, tok_ref, q_ref, k_ref, v_ref, *refs, p: _K
     o_smem[...] = acc * lax.broadcast_in_dim(1.0 / safe, acc.shape, [0])
     lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(safe)) * LN2)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[kh, run + seq], commit_group=False)
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[kh, run + seq], commit_group=False)
+    # Only the partial's first o_ref.shape[2] rows (M rounded up to a power of two >= 16)
+    # are written: the merge reads no padding row past them.
+    prows = pl.ds(0, o_ref.shape[2])
+    plgpu.copy_smem_to_gmem(o_smem.at[prows], o_ref.at[kh, run + seq], commit_group=False)
+    plgpu.copy_smem_to_gmem(lse_smem.at[prows], lse_ref.at[kh, run + seq], commit_group=False)
     plgpu.commit_smem_to_gmem_group()
     return 0
 
   lax.fori_loop(first, stop, piece, 0)
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _partial_rows(rows: int) -> int:
+  """Rows of a partial slot: M rounded up to a power of two, at least 16 (the merge kernel's
+  Triton tiles), at most the CTA's 64. Padding rows repeat the last real row."""
+  return min(ROWS, max(16, 1 << (rows - 1).bit_length()))
 
 
 def _plan(lengths, kp: decode_triton._KernelParams, programs: int):
@@ -294,8 +304,9 @@ def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodePara
     capacity = key_cache.shape[1]
   programs = params.num_splits * b
   slots = b + programs - 1
+  prows = _partial_rows(rows)
   merge_kp = decode_triton._KernelParams(
-      params=params, batch=b, num_kv_heads=kh, head_dim=d, block_m=ROWS, block_kv=bk,
+      params=params, batch=b, num_kv_heads=kh, head_dim=d, block_m=prows, block_kv=bk,
       capacity=capacity, num_pages=num_pages, max_pages=max_pages, approx_tanh=False)
   kp = _KernelParams(params=params, dtype=jnp.dtype(q.dtype), head_dim=d, block_kv=bk,
                      stages=stages, programs=programs, num_pages=num_pages,
@@ -322,8 +333,8 @@ def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodePara
   inputs = (seqs, runs, tok, packed, key_cache, value_cache) + ((page_table,) if paged else ())
   o, lse = plgpu.kernel(
       functools.partial(_decode_kernel, p=kp),
-      out_type=(jax.ShapeDtypeStruct((kh, slots, ROWS, d), jnp.float32),
-                jax.ShapeDtypeStruct((kh, slots, ROWS), jnp.float32)),
+      out_type=(jax.ShapeDtypeStruct((kh, slots, prows, d), jnp.float32),
+                jax.ShapeDtypeStruct((kh, slots, prows), jnp.float32)),
       scratch_types=scratch,
       grid=(kh, programs), grid_names=("k", "i"),
       compiler_params=common.compiler_params(),
