@@ -99,8 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  help="decode: skip points whose K+V cache exceeds this")
   for name in ("block-kv", "block-m", "num-warps", "num-stages", "num-splits"):
     g.add_argument(f"--{name}", type=int, default=None,
-                   help=f"decode: {name.replace('-', '_')} of ours (Triton) for sweeps; "
-                   "block-kv, num-stages and num-splits also of 'mosaic' when --impl names it")
+                   help=f"decode: {name.replace('-', '_')} of ours (Triton) for sweeps, and "
+                   "of 'triton' when --impl names it; block-kv, num-stages and num-splits "
+                   "also of 'mosaic'")
 
 
 def _grid(opts) -> Grid:
@@ -197,6 +198,8 @@ def _call(impl: str, layout: str, *, ours_kw: dict, page_size: int):
     kw = dict(ours_kw) if impl == "ours" else {"implementation": impl}
     if impl == "mosaic":
       kw.update(_mosaic_kwargs(ours_kw))
+    elif impl == "triton":  # the Triton kernel by name: the same flags as ours
+      kw.update({k: v for k, v in ours_kw.items() if k != "implementation"})
     if layout == "paged":
       return lambda q, k, v, lens, table: pallas_flash.decode_attention(
           q, pool(k), pool(v), lens, page_table=table, **kw)
