@@ -216,11 +216,16 @@ def _decode_kernel(seq_ref, prog_ref, tok_ref, q_ref, k_ref, v_ref, *refs, p: _K
         if prm.window is not None:
           visible &= keys >= pos - prm.window
         s = jnp.where(visible, s, -jnp.inf)
-        # Slots past the length may hold NaN or inf: P is 0 there, but 0 * NaN is not.
-        v = plgpu.load(v_ring.at[slot], layout=plgpu.Layout.WGMMA)
-        rows = plgpu.broadcasted_iota(jnp.int32, (bk, d), 0, layout=plgpu.Layout.WGMMA)
-        v_ring.at[slot][...] = jnp.where(rows + j * bk < n, v, jnp.zeros_like(v))
-        plgpu.commit_smem()
+        # Slots past the length may hold NaN or inf: P is 0 there, but 0 * NaN is not. The
+        # tile is zeroed there 64 rows at a time (a whole 128-row tile in registers spills).
+        @pl.when((j + 1) * bk > n)
+        def _():
+          for r0 in range(0, bk, ROWS):
+            chunk = v_ring.at[slot, pl.ds(r0, ROWS)]
+            v = plgpu.load(chunk, layout=plgpu.Layout.WGMMA)
+            rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, d), 0, layout=plgpu.Layout.WGMMA)
+            chunk[...] = jnp.where(rows + (j * bk + r0) < n, v, jnp.zeros_like(v))
+          plgpu.commit_smem()
       # FA2 Alg. 1 in log2 units; m starts at the finite MASK_VALUE, so -inf scores give 0.
       m_new = jnp.maximum(m, s.max(axis=1) * p.c)
       alpha = jnp.exp2(m - m_new)
