@@ -63,8 +63,9 @@ def test_mosaic_kernel_in_interpreter_sweep(case, num_splits):
 
 @pytest.mark.parametrize("paged,num_splits", [(False, 1), (True, None)])
 def test_mosaic_kernel_lowers_for_h200(paged, num_splits):
-  """One Mosaic GPU kernel and the Triton merge kernel: Llama-like heads, Tq 4 appended and
-  rotated, window and soft cap; pages of 16 keys (eight TMA copies per 128-key tile)."""
+  """One Mosaic GPU kernel between the Triton prepare and merge kernels and nothing else but
+  the append: Llama-like heads, Tq 4 appended and rotated, window and soft cap; pages of 16
+  keys (eight TMA copies per 128-key tile)."""
   b, h, kh, d = 2, 32, 8, 128
   q = jax.ShapeDtypeStruct((b, 4, h, d), jnp.bfloat16)
   new = jax.ShapeDtypeStruct((b, 4, kh, d), jnp.bfloat16)
@@ -80,7 +81,7 @@ def test_mosaic_kernel_lowers_for_h200(paged, num_splits):
 
   module = export_for_h200(f, q, kv, kv, lens, table, new, new).mlir_module()
   assert len(re.findall(r"custom_call @mosaic_gpu", module)) == 1
-  assert module.count("xla.gpu.triton") == 1  # the merge
+  assert module.count("xla.gpu.triton") == 2  # the prepare and merge kernels
 
 
 def _explain(q_shape, kv_shape, dtype=jnp.bfloat16, **kw):

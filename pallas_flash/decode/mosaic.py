@@ -30,10 +30,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_flash.call import MASK_VALUE
 from pallas_flash.decode import config as decode_config
@@ -120,6 +120,7 @@ class _KernelParams:
   head_dim: int
   block_kv: int
   stages: int
+  batch: int
   programs: int  # N runs per kv head
   num_pages: int | None
   max_pages: int | None
@@ -161,12 +162,10 @@ def _tile_copies(ref, seq, kh, j, pt_ref, p: _KernelParams):
   return [(ref.at[page(j * bk + c * ps), pl.ds(0, ps), kh], c * ps) for c in range(p.copies)]
 
 
-def _decode_kernel(seq_ref, prog_ref, tok_ref, q_ref, k_ref, v_ref, *refs, p: _KernelParams):
+def _decode_kernel(tab_ref, q_ref, k_ref, v_ref, *refs, p: _KernelParams):
   """One run of the batch's key blocks for one kv head. Grid (K, N), names ("k", "i").
 
-  seq_ref [B, 4] int32: per sequence (n_b, first visible block, visible blocks, start of its
-  blocks in the concatenation); prog_ref [N, 3] int32: per run (first sequence, stop, blocks
-  per run); tok_ref [64] int32: row r's token offset t(r) - Tq (query position n_b + it);
+  tab_ref: the rows' token offsets and the runs' table (_prepare_kernel);
   q_ref [B, K, 64, D] (GQA-packed rows; padding rows repeat the last); k_ref / v_ref
   [B, L, K, D] or the pool [P, page_size, K, D] (then pt_ref [B, max_pages] follows); o_ref
   [K, B + N - 1, R, D] and lse_ref [K, B + N - 1, R] float32, the partial slots of the first
@@ -180,8 +179,11 @@ def _decode_kernel(seq_ref, prog_ref, tok_ref, q_ref, k_ref, v_ref, *refs, p: _K
   prm, bk, stages = p.params, p.block_kv, p.stages
   d = p.head_dim
   kh, run = lax.axis_index("k"), lax.axis_index("i")
-  first, stop, per = prog_ref[run, 0], prog_ref[run, 1], prog_ref[run, 2]
-  tok = plgpu.load(tok_ref, layout=common.ROW, optimized=False)
+  b = p.batch
+  runs = ROWS + 4 * b  # the table's run entries
+  first, stop = tab_ref[runs + run], tab_ref[runs + p.programs + run]
+  per = tab_ref[runs + 2 * p.programs]
+  tok = plgpu.load(tab_ref.at[pl.ds(0, ROWS)], layout=common.ROW, optimized=False)
 
   def load_tile(seq, j, slot):
     for ref, ring, bar in ((k_ref, k_ring, k_bar), (v_ref, v_ring, v_bar)):
@@ -191,8 +193,7 @@ def _decode_kernel(seq_ref, prog_ref, tok_ref, q_ref, k_ref, v_ref, *refs, p: _K
 
   def piece(seq, carry):
     del carry
-    n, blk_lo, count, start = (seq_ref[seq, 0], seq_ref[seq, 1], seq_ref[seq, 2],
-                               seq_ref[seq, 3])
+    n, blk_lo, count, start = (tab_ref[ROWS + k * b + seq] for k in range(4))
     lo = blk_lo + jnp.clip(run * per - start, 0, count)
     hi = blk_lo + jnp.clip((run + 1) * per - start, 0, count)
     plgpu.copy_gmem_to_smem(q_ref.at[seq, kh], q_smem, q_bar)
@@ -276,18 +277,80 @@ def _partial_rows(rows: int) -> int:
   return min(ROWS, max(16, 1 << (rows - 1).bit_length()))
 
 
-def _plan(lengths, kp: decode_triton._KernelParams, programs: int):
-  """The runs' tables (see _decode_kernel) from cache_seqlens, by the partition the merge
-  kernel recomputes from the same lengths."""
-  n = decode_triton._tokens_held(lengths, kp)
-  blk_lo, blk_hi = decode_triton._visible_blocks(n, 0, kp.params.q_len - 1, kp)
-  counts = blk_hi - blk_lo
-  part = decode_config.balanced_partition(counts, programs)
-  first, stop = jax.vmap(lambda i: decode_config.program_sequences(part, counts, i))(
-      jnp.arange(programs, dtype=jnp.int32))
-  seqs = jnp.stack([n, jnp.broadcast_to(blk_lo, n.shape), counts, part.starts], axis=1)
-  runs = jnp.stack([first, stop, jnp.broadcast_to(part.per, first.shape)], axis=1)
-  return seqs.astype(jnp.int32), runs.astype(jnp.int32)
+# Runs per step of _prepare_kernel's run table: [RUN_CHUNK, B] comparisons at a time.
+RUN_CHUNK = 32
+
+
+def table_size(batch: int, programs: int) -> int:
+  return ROWS + 4 * batch + 2 * programs + 1
+
+
+def _prepare_kernel(lengths_ref, q_ref, tab_ref, qp_ref, *, p: decode_triton._KernelParams,
+                    programs: int):
+  """The Mosaic kernel's inputs, in one Triton launch. Grid (B * K,).
+
+  Program i packs the query rows of (sequence i // K, kv head i % K), q_ref [Tq, G, D], into
+  qp_ref [64, D] (row r: token r // G, head r % G; padding rows repeat the last real row, so
+  that they compute its values: the merge kernel writes them onto it). Program 0 also writes
+  the table tab_ref, int32: at r < 64 row r's token offset t(r) - Tq (its query position is
+  n_b plus it); then per sequence b, at 64 + b, 64 + B + b, 64 + 2B + b and 64 + 3B + b, n_b,
+  its first visible block, its visible blocks and their start in the concatenation; per run
+  i, at 64 + 4B + i and 64 + 4B + N + i, the first and stop sequence it touches; last, the
+  blocks per run. The partition is decode_config's, on the counts the merge kernel recomputes
+  from the same lengths (`_sequence_blocks`).
+  """
+  t, g = decode_triton._tile_rows(0, p)
+  cols = lax.broadcasted_iota(jnp.int32, (p.head_dim,), 0)
+  qp_ref[...] = decode_triton._load_q(q_ref, t, g, cols, p)
+
+  @pl.when(pl.program_id(0) == 0)
+  def _():
+    tab_ref[lax.broadcasted_iota(jnp.int32, (ROWS,), 0)] = t - p.params.q_len
+    b = p.batch
+    idx = lax.broadcasted_iota(jnp.int32, (1 << (b - 1).bit_length(),), 0)
+    real = idx < b
+    seqlens = pltriton.load(lengths_ref.at[jnp.minimum(idx, b - 1)], mask=real, other=0)
+    n = decode_triton._tokens_held(seqlens, p)
+    blk_lo, blk_hi = decode_triton._visible_blocks(n, 0, p.params.q_len - 1, p)
+    counts = jnp.where(real, blk_hi - blk_lo, 0)
+    part = decode_config.balanced_partition(counts, programs)
+    extents = part.extent(counts)
+    # Padding lanes store lane B - 1's values at its index (the interpreter's scatter writes
+    # masked-off duplicates too, so every lane writes, and duplicates agree).
+    dst = jnp.minimum(idx, b - 1)
+    for k, v in enumerate((n, jnp.zeros_like(n) + blk_lo, counts, part.starts)):
+      tab_ref[ROWS + k * b + dst] = jnp.where(real, v, decode_triton._pick(v, b - 1))
+    ends = jnp.where(real, part.starts + extents, jnp.iinfo(jnp.int32).max)[None, :]
+    starts = jnp.where(real, part.starts, jnp.iinfo(jnp.int32).max)[None, :]
+    total = jnp.sum(extents)
+    runs = ROWS + 4 * b
+    for c0 in range(0, programs, RUN_CHUNK):
+      run = jnp.minimum(c0 + lax.broadcasted_iota(jnp.int32, (RUN_CHUNK,), 0), programs - 1)
+      lo = run * part.per
+      hi = jnp.minimum(lo + part.per, total)
+      tab_ref[runs + run] = jnp.sum((ends <= lo[:, None]).astype(jnp.int32), axis=1)
+      tab_ref[runs + programs + run] = jnp.sum((starts < hi[:, None]).astype(jnp.int32),
+                                               axis=1)
+    tab_ref[runs + 2 * programs] = part.per
+
+
+def _prepare(q5, lengths, *, kp: decode_triton._KernelParams, programs: int, interpret: bool):
+  """(the table [64 + 4B + 2N + 1] int32, the packed query [B, K, 64, D]): _prepare_kernel."""
+  b, tq, kh, g, d = q5.shape
+  size = table_size(b, programs)
+  return pl.pallas_call(
+      functools.partial(_prepare_kernel, p=kp, programs=programs),
+      grid=(b * kh,),
+      in_specs=[pl.BlockSpec(lengths.shape, lambda i: (0,)),
+                pl.BlockSpec((None, tq, None, g, d), lambda i: (i // kh, 0, i % kh, 0, 0))],
+      out_specs=[pl.BlockSpec((size,), lambda i: (0,)),
+                 pl.BlockSpec((None, None, ROWS, d), lambda i: (i // kh, i % kh, 0, 0))],
+      out_shape=[jax.ShapeDtypeStruct((size,), jnp.int32),
+                 jax.ShapeDtypeStruct((b, kh, ROWS, d), q5.dtype)],
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret,
+      name="pallas_flash_decode_prepare",
+  )(lengths, q5)
 
 
 def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodeParams,
@@ -314,15 +377,11 @@ def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodePara
       params=params, batch=b, num_kv_heads=kh, head_dim=d, block_m=prows, block_kv=bk,
       capacity=capacity, num_pages=num_pages, max_pages=max_pages, approx_tanh=False)
   kp = _KernelParams(params=params, dtype=jnp.dtype(q.dtype), head_dim=d, block_kv=bk,
-                     stages=stages, programs=programs, num_pages=num_pages,
+                     stages=stages, batch=b, programs=programs, num_pages=num_pages,
                      max_pages=max_pages, interpret=config.interpret)
-  seqs, runs = _plan(lengths, merge_kp, programs)
-  # Row r: token r // G of head r % G. Padding rows repeat the last real row (query and
-  # token), so they compute exactly its values: the merge kernel writes them onto it.
-  tok = jnp.asarray(np.minimum(np.arange(ROWS), rows - 1) // g - tq, jnp.int32)
-  q5 = q.reshape(b, tq, kh, g, d)
-  packed = jnp.pad(q5.transpose(0, 2, 1, 3, 4).reshape(b, kh, rows, d),
-                   ((0, 0), (0, 0), (0, ROWS - rows), (0, 0)), mode="edge")
+  q5 = q.reshape(b, tq, kh, g, d)  # a free view
+  table, packed = _prepare(q5, lengths, kp=dataclasses.replace(merge_kp, block_m=ROWS),
+                           programs=programs, interpret=config.interpret)
   tiled = common.smem_transforms(q.dtype, d)
   scratch = [
       plgpu.SMEM((ROWS, d), q.dtype, transforms=tiled),
@@ -335,7 +394,7 @@ def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodePara
       plgpu.Barrier(num_arrivals=kp.copies, num_barriers=stages),
       plgpu.Barrier(num_arrivals=kp.copies, num_barriers=stages),
   ]
-  inputs = (seqs, runs, tok, packed, key_cache, value_cache) + ((page_table,) if paged else ())
+  inputs = (table, packed, key_cache, value_cache) + ((page_table,) if paged else ())
   o, lse = plgpu.kernel(
       functools.partial(_decode_kernel, p=kp),
       out_type=(jax.ShapeDtypeStruct((kh, slots, prows, d), jnp.float32),
