@@ -15,13 +15,13 @@ Each (run, sequence) piece writes a float32 partial (o, lse) to slot run + b, an
 merge kernel (decode/triton.py's `merge_partials`) combines each sequence's slots, with one
 split too (N = B runs).
 
-Before it, one Triton program per (sequence, kv head) packs the query tiles, and the first also
-writes the runs' table (each sequence's length, first visible block, block count and start in
-the concatenation; each run's first and last sequence) from the B lengths: a call is three
-launches (_prepare_kernel, _decode_kernel, the merge). Paged caches are read page by page: a
-tile of block_kv keys is one TMA copy when pages hold at least block_kv keys (a tile is then
-part of one page), else block_kv / page_size copies, one per page, completing on the same
-barrier.
+Before the Mosaic kernel, one Triton program per (sequence, kv head) packs the query tiles;
+the first also writes the runs' table (each sequence's length, first visible block, block
+count and start in the concatenation; each run's first and last sequence) from the B lengths:
+a call is three launches (_prepare_kernel, _decode_kernel, the merge). Paged caches are read
+page by page: a tile of block_kv keys is one TMA copy when pages hold at least block_kv keys
+(a tile is then part of one page), else block_kv / page_size copies, one per page, completing
+on the same barrier.
 """
 
 from __future__ import annotations
