@@ -101,7 +101,7 @@ def test_mosaic_runs_by_name_and_refuses_what_it_does_not_cover():
     named = _explain(llama_q, llama_kv, implementation="mosaic")
     # The Triton kernel's 128-key tiles: the same 16 splits for B = 1 at 128K.
     assert (named.chosen, named.num_splits, named.block_kv) == ("mosaic", 16, 128)
-    assert named.config == MosaicDecodeConfig(block_kv=128, num_stages=2)
+    assert named.config == MosaicDecodeConfig(block_kv=128, num_stages=3)
     assert _explain((1, 1, 16, 64), (1, 4096, 2, 64), implementation="mosaic"
                     ).config.num_stages == 4
     assert _explain(llama_q, (1, 64 * 1001, 8, 128), implementation="mosaic"

@@ -50,16 +50,18 @@ HEAD_DIMS = (64, 128)
 # Shared memory of one CTA at most (an H100 / H200's 227 KiB per block, less barriers).
 SMEM_BUDGET = 227 * 1024 - 1024
 LN2 = math.log(2.0)
+O_COLS = 64  # columns of the float32 o staging buffer
 
 
 def _smem_bytes(d: int, block_kv: int, stages: int, itemsize: int) -> int:
   """Q, the K/V ring, the float32 o and lse staging (P's staging only in interpret mode)."""
-  return ROWS * d * itemsize + 2 * stages * block_kv * d * itemsize + ROWS * d * 4 + ROWS * 4
+  return (ROWS * d * itemsize + 2 * stages * block_kv * d * itemsize + ROWS * O_COLS * 4
+          + ROWS * 4)
 
 
 def _default_stages(info: DecodeInfo, block_kv: int) -> int:
-  """As many ring stages as fit, at most 4: with 128-key tiles 4 at D = 64 and 2 at D = 128,
-  128 KiB of K/V in the ring either way (first guesses, not yet measured on the GPU)."""
+  """As many ring stages as fit, at most 4: with 128-key tiles 4 at D = 64 (128 KiB of K/V)
+  and 3 at D = 128 (192 KiB); first guesses, not yet measured on the GPU."""
   itemsize = jnp.dtype(info.dtype).itemsize
   return next((s for s in (4, 3) if _smem_bytes(info.head_dim, block_kv, s, itemsize)
                <= SMEM_BUDGET), 2)
@@ -257,16 +259,24 @@ def _decode_kernel(tab_ref, q_ref, k_ref, v_ref, *refs, p: _KernelParams):
 
     empty = l == 0.0  # an empty share, or a row that sees none of its keys: o = 0, lse = -inf
     safe = jnp.where(empty, 1.0, l)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last piece's stores read o_smem
-    o_smem[...] = acc * lax.broadcast_in_dim(1.0 / safe, acc.shape, [0])
-    lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(safe)) * LN2)
-    plgpu.commit_smem()
+    o = acc * lax.broadcast_in_dim(1.0 / safe, acc.shape, [0])
     # Only the partial's first o_ref.shape[2] rows (M rounded up to a power of two >= 16)
-    # are written: the merge reads no padding row past them.
+    # are written: the merge reads no padding row past them. o leaves through a float32
+    # buffer of O_COLS columns, one column block at a time (a whole [64, 128] float32 tile
+    # would cost the ring a stage at D = 128).
     prows = pl.ds(0, o_ref.shape[2])
-    plgpu.copy_smem_to_gmem(o_smem.at[prows], o_ref.at[kh, run + seq], commit_group=False)
-    plgpu.copy_smem_to_gmem(lse_smem.at[prows], lse_ref.at[kh, run + seq], commit_group=False)
-    plgpu.commit_smem_to_gmem_group()
+    for c0 in range(0, d, O_COLS):
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores have read o_smem
+      o_smem[...] = o[:, c0:c0 + O_COLS]
+      if c0 == 0:
+        lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(safe)) * LN2)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem.at[prows], o_ref.at[kh, run + seq, :, pl.ds(c0, O_COLS)],
+                              commit_group=False)
+      if c0 == 0:
+        plgpu.copy_smem_to_gmem(lse_smem.at[prows], lse_ref.at[kh, run + seq],
+                                commit_group=False)
+      plgpu.commit_smem_to_gmem_group()
     return 0
 
   lax.fori_loop(first, stop, piece, 0)
@@ -390,7 +400,7 @@ def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodePara
       plgpu.SMEM((stages, bk, d), q.dtype, transforms=tiled),
       plgpu.SMEM((stages, bk, d), q.dtype, transforms=tiled),
       plgpu.SMEM((ROWS, bk), q.dtype, transforms=tiled) if config.interpret else None,
-      plgpu.SMEM((ROWS, d), jnp.float32, transforms=common.smem_transforms(jnp.float32)),
+      plgpu.SMEM((ROWS, O_COLS), jnp.float32, transforms=common.smem_transforms(jnp.float32)),
       plgpu.SMEM((ROWS,), jnp.float32),
       plgpu.Barrier(),
       plgpu.Barrier(num_arrivals=kp.copies, num_barriers=stages),
