@@ -1,4 +1,5 @@
-"""The Triton decode kernel on a real GPU at serving sizes, against the float32 reference."""
+"""The Triton and Mosaic decode kernels on a real GPU at serving sizes, against the float32
+reference."""
 
 import dataclasses
 
