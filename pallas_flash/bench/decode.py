@@ -9,7 +9,10 @@ lengths * K * D * itemsize) / time, and that bandwidth as a fraction of the copy
 (2 * bytes / time: a copy reads and writes them). Anchors: `jax.nn.dot_product_attention` with
 `key_value_seq_lengths` (cudnn, xla), jax's Pallas ops `decode_attention.gqa` and (paged)
 `paged_attention`, torch `scaled_dot_product_attention` (uniform lengths, when importable);
-each anchor cell gives its microseconds and our speed-up over it.
+each anchor cell gives its microseconds and our speed-up over it. `--impl` may also name
+decode_attention's kernels, "mosaic" (Hopper) and "triton", to time them side by side: the
+first implementation named is the column the others are compared with (`--impl
+mosaic,triton,cudnn --prefill no`).
 
 Chunked prefill rows: Tq new tokens (B = 1) against a 32K cache, end-aligned causal, in TFLOP/s
 (4 * H * D * visible pairs): ours (the default path: on Hopper from FLASH_SPLIT_MIN_Q_LEN
