@@ -417,7 +417,7 @@ def test_soft_cap_order_is_checked_and_mosaic_takes_cap_then_bias_only():
   bias = jax.ShapeDtypeStruct((16, 16), jnp.float32)
   with use_abstract_mesh(H200):
     why = {order: pallas_flash.explain(q, q, q, bias, logits_soft_cap=5.0,
-                                       logits_soft_cap_order=order).reasons.get("mosaic")
+                                       logits_soft_cap_order=order).reasons_when_named["mosaic"]
            for order in ("bias_then_cap", "cap_then_bias")}
   assert "bias_then_cap" in why["bias_then_cap"] and why["cap_then_bias"] is None, why
 

@@ -126,9 +126,18 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
   return None
 
 
+# Features the kernels run (SUPPORTED_FEATURES) that are not yet checked and timed on the GPU:
+# `implementation=None` runs the next implementation for calls that use them, and
+# implementation="mosaic" runs them.
+UNMEASURED_FEATURES = frozenset({"bias", "mask", "dropout"})
+
+
 def unmeasured_reason(call: CallInfo) -> str | None:
   """Why `implementation=None` does not run `call` here though it can (its head dims are not
-  in MEASURED_HEAD_DIMS), or None."""
+  in MEASURED_HEAD_DIMS, or it uses UNMEASURED_FEATURES), or None."""
+  if unmeasured := sorted(call.params.features & UNMEASURED_FEATURES):
+    return (f"mosaic runs {', '.join(unmeasured)} only when asked for (implementation="
+            "'mosaic'): not yet measured on the GPU")
   d, dv = call.head_dim, call.value_head_dim
   if (d, dv) in MEASURED_HEAD_DIMS:
     return None
@@ -225,6 +234,7 @@ def fp8_unsupported_reason(call: CallInfo, *, scale_layouts, out_dtype, config=N
 
 __all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "FUSES_SINKS", "KERNELS",
            "KERNEL_HEAD_DIMS", "MEASURED_HEAD_DIMS", "NARROW_HEAD_DIMS", "MosaicConfig",
-           "MosaicDebug", "SUPPORTED_FEATURES", "TUNED", "backward", "default_config", "forward",
+           "MosaicDebug", "SUPPORTED_FEATURES", "TUNED", "UNMEASURED_FEATURES", "backward",
+           "default_config", "forward",
            "fp8_forward", "fp8_unmeasured_reason", "fp8_unsupported_reason", "kernel_head_dim",
            "padded_call", "unmeasured_reason", "unsupported_reason"]

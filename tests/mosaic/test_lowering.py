@@ -389,17 +389,22 @@ def test_dropout_configs_keep_narrow_tiles(head_dim, causal, kv_len):
              for f in dataclasses.fields(MosaicConfig) if f.name not in unchanged)
 
 
-def test_explain_runs_dropout_on_mosaic_without_the_fused_backward():
-  """Dropout runs on the Mosaic kernels by automatic choice on an H200; a long causal call,
-  which takes the fused backward without it, runs the split backward (the fused kernel does
-  not form the mask), and a config that asks for the fused backward is told why not."""
+def test_dropout_runs_on_mosaic_when_named_without_the_fused_backward():
+  """Dropout runs on the Mosaic kernels on an H200 when named (implementation=None runs it
+  elsewhere until measured on the GPU, and says so); a long causal call, which takes the
+  fused backward without it, runs the split backward (the fused kernel does not form the
+  mask), and a config that asks for the fused backward is told why not."""
+  from pallas_flash import backends, validation
   q = jax.ShapeDtypeStruct((1, 16384, 16, 128), jnp.bfloat16)
   kw = dict(is_causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(0))
   with use_abstract_mesh(H200):
     auto = pallas_flash.explain(q, q, q, **kw)
+    named = backends.resolve_config(
+        "mosaic", validation.abstract_call_info(q, q, q, validation.with_defaults(kw)), None)
     plain = pallas_flash.explain(q, q, q, is_causal=True)
-  assert auto.chosen == "mosaic", auto
-  assert plain.config.fused_backward and not auto.config.fused_backward
+  assert auto.chosen == "triton" and "not yet measured on the GPU" in auto.reasons["mosaic"]
+  assert auto.reasons_when_named["mosaic"] is None
+  assert plain.config.fused_backward and not named.fused_backward
   with pytest.warns(UserWarning, match="dropout's mask is formed in the split kernels only"):
     _grad_module(Case(batch=1, q_len=1024, kv_len=1024, num_heads=4, num_kv_heads=4,
                       head_dim=128, dtype=jnp.bfloat16, is_causal=True),
