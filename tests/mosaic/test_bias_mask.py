@@ -39,6 +39,9 @@ DENSE = [
                                          features=("bias",))),
     ("mask_rows_bias_bcast", _config(), _case(100, 150, features=("bias_bcast",
                                                                   "mask_empty_rows"))),
+    # Composed with dropout (its key tables are inputs before the dense tiles).
+    ("bias_dropout", _config(), _case(140, 100, b=1, is_causal=True,
+                                      features=("bias", "mask", "dropout"))),
     _slow("mask_causal", _config(), _case(200, 170, is_causal=True,
                                           features=("mask_empty_rows",))),
     _slow("overlap_hd128", _config(fwd_intra_wg_overlap=True, block_kv=128),
