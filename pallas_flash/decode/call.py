@@ -106,6 +106,16 @@ class DecodeParams:
                page_size=info.page_size, appends=info.appends)
 
 
+def cache_layout(key_cache, page_table, params: DecodeParams):
+  """(capacity L, num_pages, max_pages) of a call's cache: a contiguous [B, L, K, D] cache
+  (the pages None), or with params.page_size a pool [P, page_size, K, D] read through
+  page_table [B, max_pages]."""
+  if params.page_size is None:
+    return key_cache.shape[1], None, None
+  num_pages, max_pages = key_cache.shape[0], page_table.shape[1]
+  return max_pages * params.page_size, num_pages, max_pages
+
+
 def sequence_lengths(seqlens, *, q_len: int, appends: bool, capacity: int):
   """n_b: the tokens each sequence holds during the attention (after the append), from
   cache_seqlens as passed: clamped to [0, L] first (what an unchecked call may hold), plus

@@ -40,7 +40,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_flash.call import MASK_VALUE
 from pallas_flash.decode import config as decode_config
 from pallas_flash.decode import triton as decode_triton
-from pallas_flash.decode.call import DecodeInfo, DecodeParams
+from pallas_flash.decode.call import DecodeInfo, DecodeParams, cache_layout
 from pallas_flash.decode.config import MosaicDecodeConfig
 from pallas_flash.mosaic_gpu.sm90 import common
 
@@ -376,12 +376,7 @@ def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodePara
   rows = tq * g
   bk, stages = config.block_kv, config.num_stages
   paged = params.page_size is not None
-  if paged:
-    num_pages, max_pages = key_cache.shape[0], page_table.shape[1]
-    capacity = max_pages * params.page_size
-  else:
-    num_pages = max_pages = None
-    capacity = key_cache.shape[1]
+  capacity, num_pages, max_pages = cache_layout(key_cache, page_table, params)
   programs = params.num_splits * b
   slots = b + programs - 1
   prows = _partial_rows(rows)

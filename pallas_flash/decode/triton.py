@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_flash.call import MASK_VALUE
 from pallas_flash.decode import config as decode_config
-from pallas_flash.decode.call import DecodeInfo, DecodeParams
+from pallas_flash.decode.call import DecodeInfo, DecodeParams, cache_layout
 from pallas_flash.decode.config import TritonDecodeConfig
 from pallas_flash.triton import common
 
@@ -368,13 +368,7 @@ def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodePara
   kh = key_cache.shape[2]
   g = h // kh
   bm, bk = tiles(config)
-  paged = params.page_size is not None
-  if paged:
-    num_pages, max_pages = key_cache.shape[0], page_table.shape[1]
-    capacity = max_pages * params.page_size
-  else:
-    num_pages = max_pages = None
-    capacity = key_cache.shape[1]
+  capacity, num_pages, max_pages = cache_layout(key_cache, page_table, params)
   kp = _KernelParams(params=params, batch=b, num_kv_heads=kh, head_dim=d, block_m=bm,
                      block_kv=bk, capacity=capacity, num_pages=num_pages, max_pages=max_pages,
                      approx_tanh=not interpret and jnp.dtype(q.dtype).itemsize == 2)
