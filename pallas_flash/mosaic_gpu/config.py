@@ -187,7 +187,11 @@ def call_config(head_dim: int, params: AttentionParams, kv_len: int, batch: int)
   """`tuned`, with the fused backward where FUSED's rules say; never where a call asks for
   bitwise-reproducible gradients, or carries segment ids, lengths, a window (which the fused
   kernel does not stream), a soft cap (not measured with it) or ALiBi (the fused kernel does
-  not add it; backward.py would warn and run the split kernels)."""
+  not add it; backward.py would warn and run the split kernels). A block mask takes the causal
+  forms (128-key tiles: finer sparsity than the non-causal 192 or 256) and the split backward
+  (the fused kernel takes none)."""
+  if params.block_mask_blocks is not None:
+    return tuned(head_dim, True, kv_len)
   config = tuned(head_dim, params.is_causal, kv_len)
   if (head_dim != 128 or params.deterministic or params.has_segments
       or params.local_window is not None or params.logits_soft_cap is not None

@@ -40,7 +40,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_flash import _tiling
 from pallas_flash.call import MASK_VALUE, AttentionParams, FeatureArrays
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
-from pallas_flash.mosaic_gpu.sm90 import common, split_tail
+from pallas_flash.mosaic_gpu.sm90 import block_mask, common, split_tail
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -61,7 +61,8 @@ class _SplitRefs(NamedTuple):
 def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scratch,
                 lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free, v_free, sched, *,
                 kp: common.KernelParams, seg: common.SegmentRefs | None = None,
-                tail: _SplitRefs | None = None, slopes=None, sinks=None):
+                tail: _SplitRefs | None = None, slopes=None, sinks=None,
+                blk: block_mask.Refs | None = None):
   """q_ref [B, Tp, H, D], k_ref/v_ref [B, Sp, K, D] (GMEM), o_ref [B, Tp, H, D], lse_ref [B, H, Tp].
 
   Grid (H, q tiles, B), or (q tiles, H, B) with kp.heads_fastest; q_scratch [2, block_q, D],
@@ -73,7 +74,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   tail.split.ctas CTAs in the same launch order, see split_tail.TailSplit. slopes: ALiBi's
   common.raw_alibi_slopes [H] (GMEM), or None. sinks: the attention sinks' sink_logits [H]
   (GMEM), added to each row's softmax by `_store_tile` (a split tail's parts leave them to
-  combine_tail), or None.
+  combine_tail), or None. blk: the block mask's table of key blocks per q tile and its mask
+  function's leaves (block_mask.Refs): the CTA streams the tile's listed blocks, at least
+  one, and evaluates the function on the partial ones (listed first); q tiles are launched
+  last one first, as causal ones.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   wg = lax.axis_index("wg")
@@ -82,7 +86,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     b, h, qt = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("qt")
   else:
     is_part, part_row, (b, h, qt) = tail.split.this_cta()
-  if kp.causal:
+  if kp.causal or blk is not None:
     qt = kp.num_q_tiles - 1 - qt  # heaviest tiles first
   cta_q0 = qt * (2 * bq)
 
@@ -93,6 +97,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   if tail is not None:
     kv0, kv_end = tail.split.bounds(is_part, part_row, kp.num_kv_blocks)
     cta_steps = kv_end - kv0
+  sparse = None
+  if blk is not None:
+    sparse = block_mask.sparse(blk, kp.block_mask, b, qt, min_steps=1)
+    cta_steps = sparse.steps
 
   sched_sync = functools.partial(common.sync, sched)
 
@@ -108,7 +116,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
       # A window alone compares its zero ids too, as the measured kernel does (the backward's
       # windowed kernels skip them, KernelParams.segment_ids).
       seg_ids = common.row_and_col_ids(seg, b, q0, bq, bkv)
-    if tail is not None:
+    if tail is not None or sparse is not None:
       steps = cta_steps
     slope = None if slopes is None else slopes[h]  # one scalar load per CTA
     sink = None if sinks is None else sinks[h]
@@ -124,6 +132,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
       loop = functools.partial(_plain_kv_loop, kv0=kv0, seg_ids=seg_ids, full=full)
     elif tail is not None:
       loop = functools.partial(loop, kv0=kv0)
+    if sparse is not None:
+      loop = functools.partial(_plain_kv_loop, sparse=sparse)
     carry = loop(q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
                  bars, q0=q0, steps=steps, kp=kp,
                  slope=slope)
@@ -151,8 +161,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     plgpu.set_max_registers(kp.producer_registers, action="decrease")
     kvh = lax.div(h, kp.group)
 
+    def kv_block(j):
+      return sparse.block(j) if sparse is not None else _kv_block(j, kv0, cta_steps, kp)
+
     def load(j, slot):
-      rows = (b, pl.ds(_kv_block(j, kv0, cta_steps, kp) * bkv, bkv), kvh)
+      rows = (b, pl.ds(kv_block(j) * bkv, bkv), kvh)
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_scratch.at[slot], v_ready.at[slot])
 
@@ -162,7 +175,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     @pl.loop(stages, cta_steps)
     def _(j):
       slot = lax.rem(j, stages)
-      rows = (b, pl.ds(_kv_block(j, kv0, cta_steps, kp) * bkv, bkv), kvh)
+      rows = (b, pl.ds(kv_block(j) * bkv, bkv), kvh)
       with jax.named_scope("wait_free"):
         plgpu.barrier_wait(k_free.at[slot])
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot])
@@ -346,19 +359,24 @@ def _kv_block(j, kv0, steps, kp: common.KernelParams):
 
 def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers, *, q0,
                    steps, kp: common.KernelParams, base=None, kv0=0, seg_ids=None, full=None,
-                   slope=None):
+                   slope=None, sparse: block_mask.Sparse | None = None):
   """One consumer WG's kv loop, S_j then O += P_j·V_j per step -> (acc, m, l).
 
   q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
   mode only). The caller has waited for K_0; `base`: see `_ring`. Step j is key block kv0 + j;
   seg_ids(col0) gives the (row, column) segment ids of the block starting at key col0, and
   `full` the run of key blocks that share the rows' one id (common.unmasked_run). slope: the
-  head's ALiBi slope in raw-score units (common.alibi), or None.
+  head's ALiBi slope in raw-score units (common.alibi), or None. sparse: a block mask's view
+  of the CTA's table (step j is key block sparse.block(j), its first sparse.masked steps
+  evaluate the mask function), or None.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
 
   sched_sync = functools.partial(common.sync, bars.sched)
+
+  def key_block(j):
+    return kv0 + j if sparse is None else sparse.block(j)
 
   def step(j, carry, *, masked: bool):
     acc, m, l = carry
@@ -377,8 +395,11 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
     with jax.named_scope("softmax"):
       s = common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
       if slope is not None:  # on every block, masked or not
-        s = common.alibi(s, q0, (kv0 + j) * bkv, slope)
-      if masked:
+        s = common.alibi(s, q0, key_block(j) * bkv, slope)
+      if masked and sparse is not None:
+        s = jnp.where(sparse.mask(q0, key_block(j) * bkv, (bq, bkv), kp.kv_len, kp.kv_tail), s,
+                      -jnp.inf)
+      elif masked:
         col0 = (kv0 + j) * bkv
         ids = None if seg_ids is None else seg_ids(col0)
         s = jnp.where(common.tile_mask(q0, col0, (bq, bkv), kp, ids=ids), s, -jnp.inf)
@@ -419,6 +440,9 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
   carry = (plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA),
            plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), common.ROW),
            plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW))
+  if sparse is not None:  # the partial blocks, then the full ones
+    carry = lax.fori_loop(0, sparse.masked, functools.partial(step, masked=True), carry)
+    return lax.fori_loop(sparse.masked, steps, functools.partial(step, masked=False), carry)
   u0, u1 = common.unmasked_run(q0, steps, kp, kv0=kv0, full=full)
   if full is not None:  # the segment-id path: masked blocks before the full run
     carry = lax.fori_loop(0, u0, functools.partial(step, masked=True), carry)
@@ -589,7 +613,7 @@ def _registers(config: MosaicConfig) -> tuple[int, int]:
 
 
 def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs=(),
-             split: split_tail.TailSplit | None = None, slopes=(), sinks=()):
+             split: split_tail.TailSplit | None = None, slopes=(), sinks=(), blks=()):
   """Runs the kernel on q [B, T, H, D], k/v [B, S, K, D] -> (o [B, T, H, D], lse [B, H, Tp]),
   T and S padded as common.operand_rows says (up to kp.t_pad and kp.s_pad, or less: TMA
   reads rows past the end as zeros and drops stores past it); lse always has kp.t_pad rows.
@@ -599,7 +623,9 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
   split (non-causal, no segments, not persistent): the split tail; the result is then
   (o, lse, o_part, lse_part) with the tail tiles of o and lse unwritten (`combine_tail`).
   slopes: () or ALiBi's (common.raw_alibi_slopes [H],), an input after q, k, v and segs;
-  sinks: () or (sink_logits [H],), the attention sinks, an input after those."""
+  sinks: () or (sink_logits [H],), the attention sinks, an input after those.
+  blks: () or the block mask's operands (block_mask.inputs; grid kernel, no segs), inputs
+  right after q, k, v."""
   bsz, _, h, d = q.shape
   t_pad = kp.t_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
@@ -644,8 +670,11 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
     grid, names = (persistent_ctas,), ("cta",)
     most_steps = kp.num_kv_blocks * -(-kp.num_q_tiles * h * bsz // persistent_ctas)
   else:
-    body = common.with_segment_refs(functools.partial(_fwd_kernel, kp=kp), 3, bool(segs),
-                                    alibi=bool(slopes), sinks=bool(sinks))
+    def make_body(blk=None):
+      return common.with_segment_refs(functools.partial(_fwd_kernel, kp=kp, blk=blk), 3,
+                                      bool(segs), alibi=bool(slopes), sinks=bool(sinks))
+
+    body = block_mask.with_block_refs(make_body, 3, len(blks)) if blks else make_body()
     launch = common.launch_grid(kp.num_q_tiles, h, bsz, ("qt", "h", "b"),
                                  heads_fastest=kp.heads_fastest)
     grid, names = launch["grid"], launch["grid_names"]
@@ -660,7 +689,7 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
       # check, so long or persistent kernels still fit.
       compiler_params=common.compiler_params(kp, min(most_steps, PROFILE_STEPS)),
       interpret=common.interpret_params(kp.interpret),
-  )(q, k, v, *segs, *slopes, *sinks)
+  )(q, k, v, *blks, *segs, *slopes, *sinks)
 
 
 def _with_head_refs(kernel, slopes, sinks):
@@ -700,7 +729,7 @@ def tail_split(q, config: MosaicConfig, params: AttentionParams, kv_blocks: int,
   staging tile, or no split that pays)."""
   b, t, h, d = q.shape
   if (not config.fwd_split_tail or params.is_causal or common.segment_path(params)
-      or persistent
+      or params.block_mask_blocks is not None or persistent
       or smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
                     jnp.dtype(q.dtype).itemsize, tail_staging=True) > SMEM_LIMIT_BYTES):
     return None
@@ -775,7 +804,8 @@ def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
   length; that kernel balances them by its launch order) and Q's second buffer fits in shared
   memory (not at head_dim 256)."""
   b, t, h, d = q.shape
-  if not config.fwd_persistent or params.is_causal or common.segment_path(params):
+  if (not config.fwd_persistent or params.is_causal or common.segment_path(params)
+      or params.block_mask_blocks is not None):
     return 0
   if smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
                 jnp.dtype(q.dtype).itemsize, persistent=True) > SMEM_LIMIT_BYTES:
@@ -807,10 +837,13 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
       q, k, params=params, block_q=config.block_q, block_kv=config.block_kv,
       stages=min(config.num_stages, s_pad // config.block_kv), t_pad=t_pad, s_pad=s_pad,
       kv_len=s, config=config)
+  bm = None if arrays is None else arrays.block_mask
+  if bm is not None:
+    kp = dataclasses.replace(kp, block_mask=block_mask.Info.of(bm))
   if config.fwd_intra_wg_overlap:
     compute, producer = _registers(config)
     kp = dataclasses.replace(kp, compute_registers=compute, producer_registers=producer,
-                             intra_wg_overlap=not kp.segments)
+                             intra_wg_overlap=not kp.segments and bm is None)
   t_in = common.operand_rows(t, t_pad, config.interpret, 0)
   s_in = common.operand_rows(s, s_pad, config.interpret, kp.stages * kp.block_kv)
   qp = _tiling.pad_axis(q, 1, t_in)
@@ -819,7 +852,9 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
   ctas = persistent_ctas(q, config, params)
   split = tail_split(q, config, params, kp.num_kv_blocks, ctas > 0)
   sinks = sink_logits(arrays, params)
+  blks = () if bm is None else block_mask.inputs(
+      bm, q_tile=2 * kp.block_q, kv_tile=kp.block_kv, t_pad=t_pad, s_pad=s_pad, by_q=True)
   out = fwd_call(qp, kpad, vpad, kp=kp, persistent_ctas=ctas, segs=segs, split=split,
-                 slopes=common.raw_alibi_slopes(arrays, params), sinks=sinks)
+                 slopes=common.raw_alibi_slopes(arrays, params), sinks=sinks, blks=blks)
   o, lse = out if split is None else combine_tail(*out, split, sinks)
   return o[:, :t], lse[:, :, :t]
