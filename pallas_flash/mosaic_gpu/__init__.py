@@ -127,8 +127,11 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
 
 def unmeasured_reason(call: CallInfo) -> str | None:
   """Why `implementation=None` does not run `call` here though it can (its head dims are not
-  in MEASURED_HEAD_DIMS), or None."""
+  in MEASURED_HEAD_DIMS, or it has a block mask: not yet measured on the GPU), or None."""
   d, dv = call.head_dim, call.value_head_dim
+  if call.params.block_mask_blocks is not None:
+    return ("mosaic runs block_mask only when asked for (implementation='mosaic'): not yet "
+            "measured on the GPU")
   if (d, dv) in MEASURED_HEAD_DIMS:
     return None
   p = kernel_head_dim(d, dv)

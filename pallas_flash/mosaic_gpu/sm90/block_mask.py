@@ -70,21 +70,28 @@ class Refs(NamedTuple):
   leaves: tuple
 
 
+# Units past the mask's query coverage: padded rows, which no state counts (BlockMask.build).
+_NO_ROWS = 3
+
+
 def _regrid(state, block: int, tile: int, n_tiles: int, axis: int):
   """state [B, .., n, ..] at `block`-sized blocks along `axis` -> [B, .., n_tiles, ..] at
-  `tile`-sized tiles: FULL where every overlapped block is, SKIPPED where every one is (blocks
-  past the mask's coverage count as SKIPPED: padding), PARTIAL otherwise."""
+  `tile`-sized tiles: FULL where every overlapped block is, SKIPPED where every one is,
+  PARTIAL otherwise. Past the mask's coverage, keys (axis 2) are padding and count as
+  SKIPPED; query rows (axis 1) are padding and count as nothing (a tile of them only is
+  SKIPPED)."""
   g = math.gcd(block, tile)
   x = jnp.repeat(state, block // g, axis=axis)  # g-sized units
   units = n_tiles * (tile // g)
   if x.shape[axis] < units:
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, units - x.shape[axis])
-    x = jnp.pad(x, pad, constant_values=masks.SKIPPED)
+    x = jnp.pad(x, pad, constant_values=_NO_ROWS if axis == 1 else masks.SKIPPED)
   x = lax.slice_in_dim(x, 0, units, axis=axis)
   x = x.reshape(*x.shape[:axis], n_tiles, tile // g, *x.shape[axis + 1:])
-  full = (x == masks.FULL).all(axis + 1)
-  skipped = (x == masks.SKIPPED).all(axis + 1)
+  none = x == _NO_ROWS
+  full = ((x == masks.FULL) | none).all(axis + 1) & ~none.all(axis + 1)
+  skipped = ((x == masks.SKIPPED) | none).all(axis + 1)
   return jnp.where(full, masks.FULL, jnp.where(skipped, masks.SKIPPED,
                                                masks.PARTIAL)).astype(jnp.int8)
 
