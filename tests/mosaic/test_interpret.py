@@ -370,39 +370,46 @@ def test_fp8_training_gradients(case, kwargs):
 
 # Block masks (pallas_flash.BlockMask): each kernel streams the blocks its tile's table lists,
 # the partial ones with the mask function evaluated on the tile (sm90/block_mask.py). Mask
-# blocks dividing the kernels' tiles (64 x 64), and blocks that straddle them (32 x 96: some
-# kernel tiles become partial); tables per batch entry (segment ids, prefix lengths) and shared.
+# blocks dividing the kernels' tiles (64 x 64) and straddling them (32 x 96: some kernel tiles
+# become partial); tables per batch entry (segment ids, prefix lengths) and shared; the plain
+# and the overlapped forward loops. For the suite's time one runs by default (with the plain
+# loop in test_block_mask_rows_that_see_nothing_give_zeros); the GPU tests run the default forms.
+_OVERLAP = _config(fwd_intra_wg_overlap=True, block_kv=128)
 BLOCK_MASK = [
-    ("causal_segment", Case(batch=2, q_len=200, kv_len=200, num_heads=2, num_kv_heads=1,
-                            head_dim=64, dtype=jnp.bfloat16), (64, 64)),
-    ("local_or_prefix", _case(190, 130, h=4, kh=2), (32, 96)),
+    ("segment_and_prefix_or_local", _OVERLAP,
+     Case(batch=2, q_len=150, kv_len=130, num_heads=2, num_kv_heads=1, head_dim=64,
+          dtype=jnp.bfloat16), (32, 96)),
 ]
 BLOCK_MASK_SLOW = [
-    ("causal_local", _case(333, 333, h=2, kh=2, d=128, dtype=jnp.float16), (64, 64)),
-    ("prefix_lm", Case(batch=2, q_len=130, kv_len=260, num_heads=2, num_kv_heads=1,
-                       head_dim=64, dtype=jnp.bfloat16), (128, 128)),
-    ("segment_and_prefix_or_local", Case(batch=2, q_len=200, kv_len=200, num_heads=2,
-                                         num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16),
-     (64, 32)),
+    ("causal_segment", _config(), Case(batch=2, q_len=200, kv_len=200, num_heads=2,
+                                       num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16),
+     (64, 64)),
+    ("local_or_prefix", _config(), _case(190, 130, h=4, kh=2), (32, 96)),
+    ("causal_local", _OVERLAP, _case(333, 333, h=2, kh=2, d=128, dtype=jnp.float16), (64, 64)),
+    ("prefix_lm", _config(), Case(batch=2, q_len=130, kv_len=260, num_heads=2, num_kv_heads=1,
+                                  head_dim=64, dtype=jnp.bfloat16), (128, 128)),
+    ("segment_and_prefix_or_local", _config(),
+     Case(batch=2, q_len=200, kv_len=200, num_heads=2, num_kv_heads=2, head_dim=128,
+          dtype=jnp.bfloat16), (64, 32)),
 ]
 
 
 @pytest.mark.parametrize(
-    "name, case, blocks",
+    "name, config, case, blocks",
     BLOCK_MASK + [pytest.param(*f, marks=pytest.mark.slow) for f in BLOCK_MASK_SLOW],
-    ids=[f"{n}-{b[0]}x{b[1]}-{c.id}" for n, c, b in BLOCK_MASK + BLOCK_MASK_SLOW])
-def test_block_mask_matches_reference(name, case, blocks):
-  check_block_mask_against_reference("mosaic", case, name, blocks=blocks,
-                                     config=MOSAIC_INTERPRET)
+    ids=[f"{n}-{'overlap' if c.fwd_intra_wg_overlap else 'plain'}-{b[0]}x{b[1]}-{case.id}"
+         for n, c, case, b in BLOCK_MASK + BLOCK_MASK_SLOW])
+def test_block_mask_matches_reference(name, config, case, blocks):
+  check_block_mask_against_reference("mosaic", case, name, blocks=blocks, config=config)
 
 
 def test_block_mask_rows_that_see_nothing_give_zeros():
   """Query tiles whose table is empty (rows past every prefix and window) run one masked
   step in the forward and none in the dQ kernel: o = 0, lse = -inf, dq = 0."""
-  case = _case(200, 64, h=2, kh=1)
+  case = _case(150, 64, h=2, kh=1)
   (q, k, v, do), _ = make_inputs(case)
   bm = pallas_flash.BlockMask.build(pallas_flash.LocalMask(64, 0) & pallas_flash.LocalMask(0, 64),
-                                    q_len=200, kv_len=64, block_q=64, block_kv=64)
+                                    q_len=150, kv_len=64, block_q=64, block_kv=64)
   (o, lse), grads = run("mosaic", q, k, v, do, config=MOSAIC_INTERPRET, block_mask=bm)
   (o_ref, lse_ref), grads_ref = run("reference", *(x.astype(jnp.float32) for x in (q, k, v, do)),
                                     block_mask=bm)

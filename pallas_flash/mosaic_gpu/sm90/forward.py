@@ -133,7 +133,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     elif tail is not None:
       loop = functools.partial(loop, kv0=kv0)
     if sparse is not None:
-      loop = functools.partial(_plain_kv_loop, sparse=sparse)
+      loop = functools.partial(loop, sparse=sparse)
     carry = loop(q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
                  bars, q0=q0, steps=steps, kp=kp,
                  slope=slope)
@@ -340,7 +340,7 @@ def _last_block_first(kp: common.KernelParams) -> bool:
   Non-causal, masking every step instead (a peeled masked last step makes ptxas serialise the
   wgmmas, C7512) cost 10 % at 1x5000x16x128 (H200: 508 against 565 TFLOP/s);
   causal calls ran the diagonal block as a masked step after the unmasked loop."""
-  if not kp.intra_wg_overlap or kp.segments:
+  if not kp.intra_wg_overlap or kp.segments or kp.block_mask is not None:
     return False
   if kp.causal:
     return kp.block_kv == 2 * kp.block_q
@@ -480,7 +480,8 @@ def _softmax(s, m, l, kp: common.KernelParams):
 
 
 def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers, *, q0,
-                        steps, kp: common.KernelParams, base=None, kv0=0, slope=None):
+                        steps, kp: common.KernelParams, base=None, kv0=0, slope=None,
+                        sparse: block_mask.Sparse | None = None):
   """One consumer WG's kv loop with FA3's intra-warpgroup 2-stage pipeline -> (acc, m, l).
 
   q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
@@ -490,7 +491,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
   follows the loop. Each matmul pair sits between the same two schedule-barrier rounds per
   block as in the plain loop, so the two WGs still alternate (ping-pong) and the idle steps of
   a causal CTA are unchanged. `base`: see `_ring`; step j is key block `_kv_block(j, ...)`;
-  slope: as in `_plain_kv_loop`.
+  slope, sparse: as in `_plain_kv_loop` (block 0 is masked, the others as their table says).
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
@@ -501,9 +502,11 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
   def softmax(s, j, masked, m, l):
     s = common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
     if masked or slope is not None:
-      col0 = _kv_block(j, kv0, steps, kp) * bkv
+      col0 = (_kv_block(j, kv0, steps, kp) if sparse is None else sparse.block(j)) * bkv
       s = common.alibi(s, q0, col0, slope)  # on every block, masked or not
-    if masked:
+    if masked and sparse is not None:
+      s = jnp.where(sparse.mask(q0, col0, (bq, bkv), kp.kv_len, kp.kv_tail), s, -jnp.inf)
+    elif masked:
       s = jnp.where(common.visible(q0, col0, (bq, bkv), kp), s, -jnp.inf)
     return _softmax(s, m, l, kp)
 
@@ -516,8 +519,8 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
   plgpu.barrier_arrive(bars.k_free.at[ring(0, stages)])
   # Block 0 is masked whenever any block can be: exact where it is not needed, and one tile.
   p, m, l, _ = softmax(
-      s, 0, kp.needs_mask, plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32),
-                                             common.ROW),
+      s, 0, kp.needs_mask or sparse is not None,
+      plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), common.ROW),
       plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW))
   acc = plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA)
   carry = lax.optimization_barrier((acc, p.astype(kp.dtype), m, l))
@@ -578,7 +581,12 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
       # Pin the softmax and the rescale before the next barrier round (see the plain loop).
       return lax.optimization_barrier((acc, p16, m, l))
 
-  if kp.needs_mask and not _last_block_first(kp):
+  if sparse is not None:
+    # Loop step j forms block j + 1's softmax: the table's partial blocks, then the full ones.
+    split = jnp.maximum(sparse.masked - 1, 0)
+    carry = lax.fori_loop(0, split, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(split, steps - 1, functools.partial(step, masked=False), carry)
+  elif kp.needs_mask and not _last_block_first(kp):
     # Causal with other tiles: the blocks from the diagonal's first on are masked. (A
     # non-causal key tail is streamed first, `_last_block_first`: a masked last step after an
     # unmasked loop made ptxas serialise every wgmma of the kernel, C7512, and masking every
@@ -843,7 +851,7 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
   if config.fwd_intra_wg_overlap:
     compute, producer = _registers(config)
     kp = dataclasses.replace(kp, compute_registers=compute, producer_registers=producer,
-                             intra_wg_overlap=not kp.segments and bm is None)
+                             intra_wg_overlap=not kp.segments)
   t_in = common.operand_rows(t, t_pad, config.interpret, 0)
   s_in = common.operand_rows(s, s_pad, config.interpret, kp.stages * kp.block_kv)
   qp = _tiling.pad_axis(q, 1, t_in)
