@@ -65,6 +65,13 @@ VARIANTS = {
     "fwd_window": ("fwd", False, dict(window=1023)),
     "fwd_window_causal": ("fwd", True, dict(window=1023)),
     "bwd_window_causal": ("fwdbwd", True, dict(window=1023)),
+    # A BlockMask, CausalMask() & LocalMask(1023, 0) at 128 x 128 blocks (the features grid's
+    # row): the kernels' table-driven loops. The call passes is_causal=False (the mask holds
+    # it); `causal` True picks the causal config, which a block mask takes with the plain
+    # forward loop (mosaic_gpu.config.call_config). Not a config field.
+    "fwd_blockmask": ("fwd", True, dict(blockmask=1023, fwd_intra_wg_overlap=False)),
+    "fwd_blockmask_overlap": ("fwd", True, dict(blockmask=1023)),
+    "bwd_blockmask": ("fwdbwd", True, dict(blockmask=1023, fwd_intra_wg_overlap=False)),
     # Attention sinks (an [H] input of the forward, added in its epilogue). Not a config field.
     "fwd_sinks": ("fwd", False, dict(sinks=True)),
     "fwd_sinks_causal": ("fwd", True, dict(sinks=True)),
@@ -148,6 +155,7 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   softcap = kw.pop("softcap", None)
   window = kw.pop("window", None)
   sinks = kw.pop("sinks", False)
+  block_mask = kw.pop("blockmask", None)
   config = dataclasses.replace(TUNED.get((config_head_dim(d, d), causal), MosaicConfig()), **kw)
   ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // 1000, (b, t))
   features = dict(query_segment_ids=ids, key_value_segment_ids=ids) if segments else {}
@@ -157,9 +165,14 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
     features["local_window_size"] = (int(window), 0)
   if sinks:
     features["sinks"] = jnp.linspace(-1.0, 2.0, h, dtype=jnp.float32)
+  if block_mask is not None:
+    features["block_mask"] = pallas_flash.BlockMask.build(
+        pallas_flash.CausalMask() & pallas_flash.LocalMask(int(block_mask), 0), q_len=t,
+        kv_len=t, block_q=128, block_kv=128)
 
   def attn(q, k, v, impl="mosaic"):
-    return pallas_flash.flash_attention(q, k, v, is_causal=causal, implementation=impl,
+    return pallas_flash.flash_attention(q, k, v, is_causal=causal and block_mask is None,
+                                        implementation=impl,
                                         config=config if impl == "mosaic" else None, **features)
 
   def grads(q, k, v, do, impl="mosaic"):
