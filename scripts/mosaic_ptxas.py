@@ -67,11 +67,11 @@ VARIANTS = {
     "bwd_window_causal": ("fwdbwd", True, dict(window=1023)),
     # A BlockMask, CausalMask() & LocalMask(1023, 0) at 128 x 128 blocks (the features grid's
     # row): the kernels' table-driven loops. The call passes is_causal=False (the mask holds
-    # it); `causal` True picks the causal config, which a block mask takes with the plain
-    # forward loop (mosaic_gpu.config.call_config). Not a config field.
-    "fwd_blockmask": ("fwd", True, dict(blockmask=1023, fwd_intra_wg_overlap=False)),
-    "fwd_blockmask_overlap": ("fwd", True, dict(blockmask=1023)),
-    "bwd_blockmask": ("fwdbwd", True, dict(blockmask=1023, fwd_intra_wg_overlap=False)),
+    # it); `causal` True picks the causal config, the one a block mask takes
+    # (mosaic_gpu.config.call_config). Not a config field.
+    "fwd_blockmask": ("fwd", True, dict(blockmask=1023)),
+    "fwd_blockmask_plain": ("fwd", True, dict(blockmask=1023, fwd_intra_wg_overlap=False)),
+    "bwd_blockmask": ("fwdbwd", True, dict(blockmask=1023)),
     # Attention sinks (an [H] input of the forward, added in its epilogue). Not a config field.
     "fwd_sinks": ("fwd", False, dict(sinks=True)),
     "fwd_sinks_causal": ("fwd", True, dict(sinks=True)),

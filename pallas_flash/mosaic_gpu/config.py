@@ -188,12 +188,10 @@ def call_config(head_dim: int, params: AttentionParams, kv_len: int, batch: int)
   bitwise-reproducible gradients, or carries segment ids, lengths, a window (which the fused
   kernel does not stream), a soft cap (not measured with it) or ALiBi (the fused kernel does
   not add it; backward.py would warn and run the split kernels). A block mask takes the causal
-  forms (128-key tiles: finer sparsity than the non-causal 192 or 256) with the plain forward
-  loop (the overlapped loop with the mask function spills 108 B per thread at head dim 128,
-  25 spill loads in its loops, deviceless ptxas; the plain one none) and the split backward
+  forms (128-key tiles: finer sparsity than the non-causal 192 or 256) and the split backward
   (the fused kernel takes none)."""
   if params.block_mask_blocks is not None:
-    return dataclasses.replace(tuned(head_dim, True, kv_len), fwd_intra_wg_overlap=False)
+    return tuned(head_dim, True, kv_len)
   config = tuned(head_dim, params.is_causal, kv_len)
   if (head_dim != 128 or params.deterministic or params.has_segments
       or params.local_window is not None or params.logits_soft_cap is not None

@@ -149,8 +149,14 @@ class Sparse(NamedTuple):
     """[rows, cols] bool in the WGMMA layout: the mask function on the tile whose rows start at
     position row0 and columns at col0 (queries by keys, or keys by queries when transposed),
     and keys past kv_len hidden (kv_tail: there is a padded key tail)."""
-    r = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
-    c = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + col0
+    if transposed:  # [rows, cols] iotas: fewer spills in the dK/dV kernel (deviceless ptxas)
+      r = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
+      c = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + col0
+    else:  # position vectors broadcast to the tile (as common.alibi): none in the dQ kernel
+      rows = plgpu.broadcasted_iota(jnp.int32, (shape[0],), 0, layout=ROW) + row0
+      cols = plgpu.broadcasted_iota(jnp.int32, (shape[1],), 0, layout=COL) + col0
+      r = lax.broadcast_in_dim(rows, shape, [0])
+      c = lax.broadcast_in_dim(cols, shape, [1])
     qi, kj = (c, r) if transposed else (r, c)
     fn = self.info.treedef.unflatten(self.refs.leaves)
     ctx = _TileCtx(self.b, row0, col0, shape, transposed)
