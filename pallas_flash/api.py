@@ -237,8 +237,8 @@ def flash_attention(
       c * tanh(s / c) + bias, so a large bias still masks or boosts beyond the cap.
       "bias_then_cap" (tokamax's, and the cap applied to the whole logits): c * tanh((s + bias)
       / c), bounded by c. Gemma 2 and Grok cap logits with no additive bias, where both agree;
-      pick the order of the model whose weights you load. Mosaic takes no bias or ALiBi, so
-      the order never reaches it.
+      pick the order of the model whose weights you load. Mosaic runs "cap_then_bias" only
+      ("bias_then_cap" with a bias or ALiBi falls back, `explain` says so).
     alibi_slopes: float [H]: adds -slope[h] * |i - j| to the logits (ALiBi), computed in the
       kernels so no [T, S] bias exists. Slopes get no gradient.
     dropout_rate, dropout_rng: dropout on the attention probabilities with a JAX PRNG key. The

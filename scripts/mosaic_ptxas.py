@@ -77,6 +77,22 @@ VARIANTS = {
     "fwd_sinks_causal": ("fwd", True, dict(sinks=True)),
     "fwd_sinks_persistent": ("fwd", False, dict(sinks=True, fwd_persistent=True, block_kv=128,
                                                 fwd_q_registers=True)),
+    # ALiBi (slopes 2^(-8(h+1)/H), added to every score tile). Not a config field.
+    "fwd_alibi": ("fwd", False, dict(alibi=True)),
+    "fwd_alibi_causal": ("fwd", True, dict(alibi=True)),
+    "bwd_alibi_causal": ("fwdbwd", True, dict(alibi=True)),
+    # A dense bf16 bias [1, H, T, S] (differentiated: dbias from the dQ kernel) and a bool mask
+    # [B, 1, T, S] (sm90/dense.py), inputs of the grid forward and the split backward, at
+    # config.dense_config's tiles. Not config fields.
+    "fwd_bias": ("fwd", False, dict(bias=True)),
+    "fwd_bias_causal": ("fwd", True, dict(bias=True)),
+    "fwd_mask": ("fwd", False, dict(mask=True)),
+    "fwd_bias_mask": ("fwd", False, dict(bias=True, mask=True)),
+    "fwd_bias_mask_causal": ("fwd", True, dict(bias=True, mask=True)),
+    "bwd_bias": ("fwdbwd", False, dict(bias=True)),
+    "bwd_bias_causal": ("fwdbwd", True, dict(bias=True)),
+    "bwd_bias_mask": ("fwdbwd", False, dict(bias=True, mask=True)),
+    "bwd_bias_mask_causal": ("fwdbwd", True, dict(bias=True, mask=True)),
     # The FP8 forward (float8_e4m3fn q, k, v, per-tensor scales; sm90/fp8_forward.py): its
     # default tiles per head dim (no config), and 128-key tiles (the default's at head dim 256).
     "fp8": ("fp8", False, {}),
@@ -145,7 +161,7 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
 
   import pallas_flash
   from pallas_flash.mosaic_gpu import TUNED, MosaicConfig
-  from pallas_flash.mosaic_gpu.config import config_head_dim
+  from pallas_flash.mosaic_gpu.config import config_head_dim, dense_config
 
   mode, causal, kw = variant(name)
   b, t, h, d = shape[:4]
@@ -156,7 +172,15 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   window = kw.pop("window", None)
   sinks = kw.pop("sinks", False)
   block_mask = kw.pop("blockmask", None)
-  config = dataclasses.replace(TUNED.get((config_head_dim(d, d), causal), MosaicConfig()), **kw)
+  alibi = kw.pop("alibi", False)
+  # The dense inputs are jit arguments (shape, dtype), the bias differentiated.
+  dense = {name: shp for name, on, shp in (
+      ("bias", kw.pop("bias", False), ((1, h, t, t), jnp.bfloat16)),
+      ("mask", kw.pop("mask", False), ((b, 1, t, t), jnp.bool_))) if on}
+  config = TUNED.get((config_head_dim(d, d), causal), MosaicConfig())
+  if dense:  # the tiles a dense call's default config takes (overrides still win)
+    config = dense_config(config, config_head_dim(d, d), causal)
+  config = dataclasses.replace(config, **kw)
   ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // 1000, (b, t))
   features = dict(query_segment_ids=ids, key_value_segment_ids=ids) if segments else {}
   if softcap is not None:
@@ -165,18 +189,24 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
     features["local_window_size"] = (int(window), 0)
   if sinks:
     features["sinks"] = jnp.linspace(-1.0, 2.0, h, dtype=jnp.float32)
+  if alibi:
+    features["alibi_slopes"] = 2.0 ** (-8.0 * jnp.arange(1, h + 1, dtype=jnp.float32) / h)
   if block_mask is not None:
     features["block_mask"] = pallas_flash.BlockMask.build(
         pallas_flash.CausalMask() & pallas_flash.LocalMask(int(block_mask), 0), q_len=t,
         kv_len=t, block_q=128, block_kv=128)
 
-  def attn(q, k, v, impl="mosaic"):
+  def attn(q, k, v, arrays=None, impl="mosaic"):
     return pallas_flash.flash_attention(q, k, v, is_causal=causal and block_mask is None,
                                         implementation=impl,
-                                        config=config if impl == "mosaic" else None, **features)
+                                        config=config if impl == "mosaic" else None, **features,
+                                        **(arrays or {}))
 
-  def grads(q, k, v, do, impl="mosaic"):
-    _, vjp = jax.vjp(lambda *a: attn(*a, impl=impl), q, k, v)
+  def grads(q, k, v, do, arrays=None, impl="mosaic"):
+    arrays = arrays or {}
+    diff = {n: x for n, x in arrays.items() if n == "bias"}
+    rest = {n: x for n, x in arrays.items() if n not in diff}
+    _, vjp = jax.vjp(lambda q, k, v, d: attn(q, k, v, {**rest, **d}, impl=impl), q, k, v, diff)
     return vjp(do)
 
   if mode == "fp8":
@@ -188,8 +218,10 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
     sharding, h200 = abstract_h200()
     specs = [jax.ShapeDtypeStruct(sh, jnp.bfloat16, sharding=sharding)
              for sh in operand_shapes]
+    dense_specs = {n: jax.ShapeDtypeStruct(sh, dt, sharding=sharding)
+                   for n, (sh, dt) in dense.items()}
     with use_abstract_mesh(h200):
-      traced = jax.jit(fn).trace(*specs[:nargs])
+      traced = jax.jit(fn).trace(*specs[:nargs], dense_specs)
     traced.lower(lowering_platforms=("cuda",)).compile()
     print(json.dumps(dict(variant=name, compiled=True)), flush=True)
     return
@@ -197,9 +229,14 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   ks = jax.random.split(jax.random.key(0), 4)
   args = [jax.random.normal(kk, sh, jnp.bfloat16)
           for kk, sh in zip(ks, operand_shapes)][:nargs]
+  arrays = {n: (jax.random.normal(ks[0], sh, dt) if n == "bias"
+                else jax.random.bernoulli(ks[1], 0.9, sh)) for n, (sh, dt) in dense.items()}
+  args.append(arrays)
   f = jax.jit(fn)
   out = jax.block_until_ready(f(*args))
-  want = fn(*(x.astype(jnp.float32) for x in args), impl="reference")
+  want = fn(*(x.astype(jnp.float32) for x in args[:nargs]),
+            {n: x.astype(jnp.float32) if n == "bias" else x for n, x in arrays.items()},
+            impl="reference")
   errs = [float(jnp.max(jnp.abs(x.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))
           for x, r in zip(jax.tree.leaves(out), jax.tree.leaves(want))]
   ms = time_ms(f, args, reps)

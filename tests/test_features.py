@@ -407,13 +407,19 @@ def test_reference_soft_cap_order_is_the_formula(order):
   assert max_abs(want - other) > 0.1  # the orders differ far beyond the tolerance here
 
 
-def test_soft_cap_order_is_checked_and_mosaic_takes_no_bias():
+def test_soft_cap_order_is_checked_and_mosaic_takes_cap_then_bias_only():
+  from jax.sharding import use_abstract_mesh
+  from testing import H200
+
   q = jnp.ones((1, 16, 2, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="`logits_soft_cap_order` must be one of"):
     pallas_flash.flash_attention(q, q, q, logits_soft_cap=5.0, logits_soft_cap_order="before")
-  why = pallas_flash.explain(q, q, q, jnp.ones((16, 16)), logits_soft_cap=5.0,
-                             logits_soft_cap_order="bias_then_cap").reasons["mosaic"]
-  assert "does not support bias" in why
+  bias = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+  with use_abstract_mesh(H200):
+    why = {order: pallas_flash.explain(q, q, q, bias, logits_soft_cap=5.0,
+                                       logits_soft_cap_order=order).reasons.get("mosaic")
+           for order in ("bias_then_cap", "cap_then_bias")}
+  assert "bias_then_cap" in why["bias_then_cap"] and why["cap_then_bias"] is None, why
 
 
 def test_bias_then_cap_lowers_to_triton_for_h200():

@@ -93,11 +93,16 @@ def _features(case: Case, key) -> dict:
       "bias": lambda: {"bias": jax.random.normal(keys[0], (1, h, t, s))},
       "sinks": lambda: {"sinks": 2.0 * jax.random.normal(keys[3], (h,))},
       "bias_bcast": lambda: {"bias": jax.random.normal(keys[1], (b, 1, 1, s))},
+      # [B, H, T, S] in the inputs' dtype: no broadcast axis, dbias in that dtype.
+      "bias_full": lambda: {"bias": jax.random.normal(keys[0], (b, h, t, s), case.dtype)},
       # Std 5: the two soft-cap orders differ by O(1) (issue 46).
       "bias_std5": lambda: {"bias": 5.0 * jax.random.normal(keys[0], (b, h, t, s))},
       "cap_then_bias": lambda: {"logits_soft_cap_order": "cap_then_bias"},
       "bias_then_cap": lambda: {"logits_soft_cap_order": "bias_then_cap"},
       "mask": lambda: {"mask": jax.random.bernoulli(keys[2], 0.8, (b, 1, t, s))},
+      # Every 7th query row sees no key: o = 0 and zero gradients there.
+      "mask_empty_rows": lambda: {"mask": jax.random.bernoulli(keys[2], 0.8, (b, 1, t, s))
+                                  & (jnp.arange(t) % 7 != 3)[None, None, :, None]},
       # Ids in no order: no key block can be skipped.
       "unsorted_segments": lambda: {
           "query_segment_ids": jax.random.randint(keys[0], (b, t), 0, 3, jnp.int32),

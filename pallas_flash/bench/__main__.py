@@ -9,6 +9,7 @@ Usage (from the repository root; see docs/perf.md for how numbers are produced):
   python -m pallas_flash.bench --decode [--quick]   # KV-cache decode bandwidth (bench/decode.py)
   python -m pallas_flash.bench --fp8 [--quick]      # FP8 accuracy report (bench/fp8.py)
   python -m pallas_flash.bench --fp8-training       # its forward+backward rows only
+  python -m pallas_flash.bench --fp8-features       # the FP8 forward with window/segments/cap
   python -m pallas_flash.bench --features [LIST] --json features.json  # bench/features.py
 
 Implementations: mosaic, triton, xla (blockwise), interpret, reference (pallas_flash), cudnn and
@@ -340,7 +341,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
   dtype = DTYPES[opts.dtype]
   meta = run_metadata()
   print(" ".join(f"{k}={v}" for k, v in meta.items()))
-  if opts.fp8 or opts.fp8_training:
+  if opts.fp8 or opts.fp8_training or opts.fp8_features:
     rows = fp8_report.run_fp8(opts)
   elif opts.decode:
     rows = decode.run_decode(opts, dtype, on_rows=lambda r: _write_json(opts, r, meta))

@@ -23,6 +23,11 @@ interleaved (timing.time_interleaved), as TFLOP/s of 4·B·H·T·S·D (halved ca
 also reports the FP8 kernel's own error on the first ACCURACY_ROWS queries: against the
 float32 attention of the dequantized inputs (the kernel's arithmetic, P's rounding) and of
 the bf16 inputs (with the quantisation), next to the bf16 forward's (and cuDNN FP8's).
+
+Features (--fp8-features, a Hopper GPU only): at B 1, T = S 16384, 16 heads, D 128, the
+features grid's window, segments and soft-cap rows (pallas_flash.bench.features: causal) on
+the FP8 forward, named "mosaic", against the same FP8 call under implementation=None (what
+it chose), the FP8 forward without the feature and our bf16 Mosaic forward with it.
 """
 
 from __future__ import annotations
@@ -64,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--fp8-training", action="store_true",
                  help="only the forward+backward rows of --fp8 (gradient accuracy and "
                       "training speed)")
+  p.add_argument("--fp8-features", action="store_true",
+                 help="only the FP8 forward's feature rows (window, segments, soft cap) "
+                      "against its plain call and implementation=None's choice")
 
 
 def make_inputs(shape: Shape, *, outliers: bool, seed: int) -> tuple[jax.Array, ...]:
@@ -171,6 +179,9 @@ def print_rows(rows: list[dict]) -> None:
 
 SPEED_SHAPES = ((1, 16384, 16, 128), (1, 16384, 16, 256))  # (B, T = S, H, D)
 ACCURACY_ROWS = 2048  # queries whose output the speed rows check (a [B, H, 2048, S] reference)
+# max|o - ref| / max|ref| of the FP8 kernel against the reference semantics: the tests' bound
+# (tests/testing.py: FP8_KERNEL_TOLERANCE), which P's rounding to e4m3 sets.
+KERNEL_TOLERANCE = 0.05
 
 
 def _on_hopper() -> bool:
@@ -293,6 +304,98 @@ def print_speed(rows: list[dict]) -> None:
     elif "cudnn_fp8_rmse" in r:
       print(f"  cudnn-fp8 d{r['head_dim']} causal={r['is_causal']}: rmse/max vs f32 "
             f"{r['cudnn_fp8_rmse']:.1e}/{r['cudnn_fp8_max_err']:.1e} (e4m3 output)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Features: the FP8 forward with a window, segment ids or a soft cap
+
+
+FEATURE_ROWS = ("window", "segments", "softcap")  # bench.features' rows, their causality
+FEATURE_SHAPE = SPEED_SHAPES[0]
+
+
+def feature_speed_row(name: str, opts: argparse.Namespace) -> dict:
+  """One feature row: the FP8 forward with the feature (named "mosaic"), the same FP8 call
+  under implementation=None, the FP8 forward without the feature and the bf16 Mosaic forward
+  with it, timed together; the FP8 kernel's output checked first (KERNEL_TOLERANCE of
+  max|o - ref| / max|ref| against the reference semantics, on the first ACCURACY_ROWS queries)."""
+  from pallas_flash.bench import features  # noqa: PLC0415 -- features imports this module's peers
+
+  feature = next(f for f in features.FEATURES if f.name == name)
+  b, t, h, d = FEATURE_SHAPE
+  spec = shapes.ShapeSpec(name=name, batch=b, seq_len=t, num_heads=h, head_dim=d)
+  keys = jax.random.split(jax.random.key(opts.seed), 3)
+  q, k, v = (jax.random.normal(key, FEATURE_SHAPE, jnp.float32).astype(jnp.bfloat16)
+             for key in keys)
+  (q8, k8, v8), scales = fp8.quantize(q, k, v)
+  kw = feature.build(spec, opts.seed)
+  arrays = {n: x for n, x in kw.items() if isinstance(x, jax.Array)}
+  static = {n: x for n, x in kw.items() if n not in arrays}
+  causal = feature.is_causal
+
+  def call(impl, *, fp8_inputs=True, with_feature=True):
+    def fn(q, k, v, q8, k8, v8, s, arrays):
+      extra = {**static, **arrays} if with_feature else {}
+      if fp8_inputs:
+        return pallas_flash.flash_attention(q8, k8, v8, descale=s, is_causal=causal,
+                                            implementation=impl, **extra)
+      return pallas_flash.flash_attention(q, k, v, is_causal=causal, implementation=impl,
+                                          **extra)
+    return fn
+
+  args = (q, k, v, q8, k8, v8, scales, arrays)
+  default = pallas_flash.explain(q8, k8, v8, descale=scales, is_causal=causal, **kw).chosen
+  fns = {"fp8": call("mosaic"), "fp8_default": call(None),
+         "fp8_plain": call("mosaic", with_feature=False),
+         "bf16": call("mosaic", fp8_inputs=False)}
+  fns = {n: jax.jit(fn).lower(*args).compile() for n, fn in fns.items()}
+  n = min(ACCURACY_ROWS, t)
+  deq = [fp8.dequantize(x, sc) for x, sc in ((q8, scales.q), (k8, scales.k), (v8, scales.v))]
+  ref_kw = {**static, **arrays}
+  if "query_segment_ids" in arrays:  # the first n queries against every key
+    seg = arrays["query_segment_ids"]
+    ref_kw.update(query_segment_ids=seg[:, :n], key_value_segment_ids=seg)
+  ref = pallas_flash.flash_attention(deq[0][:, :n], *deq[1:], is_causal=causal,
+                                     implementation="reference", **ref_kw)
+  o8 = fns["fp8"](*args)[:, :n].astype(jnp.float32)
+  rel_err = float(jnp.max(jnp.abs(o8 - ref)) / jnp.max(jnp.abs(ref)))
+  timings = timing.time_interleaved(fns, args, iters=opts.iters,
+                                    min_loop_s=opts.min_loop_ms / 1e3,
+                                    settle_s=opts.settle_ms / 1e3)
+  work = feature.flops(spec, "fwd")
+  row = {"kind": "fp8_feature", "feature": name, "batch": b, "seq_len": t, "num_heads": h,
+         "head_dim": d, "is_causal": causal, "default_impl": default, "rel_err": rel_err,
+         "status": "ok" if rel_err <= KERNEL_TOLERANCE else "FAIL"}
+  for fn_name, tm in timings.items():
+    row[f"{fn_name}_ms"] = tm.median_s * 1e3
+    row[f"{fn_name}_tflops"] = flops_lib.tflops(work, tm.median_s)
+  return row
+
+
+def run_feature_speed(opts: argparse.Namespace) -> list[dict]:
+  if not _on_hopper():
+    return [{"kind": "fp8_feature", "status": "skip",
+             "reason": "the Mosaic FP8 forward needs a Hopper GPU"}]
+  return [feature_speed_row(name, opts) for name in FEATURE_ROWS]
+
+
+def print_feature_speed(rows: list[dict]) -> None:
+  print("\nFP8 forward with features (TFLOP/s of the feature's own work; x plain: / the FP8 "
+        "forward without it, same causality; x default: / the same FP8 call under "
+        "implementation=None, which ran `default`)")
+  if rows and rows[0]["status"] == "skip":
+    print(f"  skip: {rows[0]['reason']}")
+    return
+  f = flops_lib.format_tflops
+  print(f"  {'feature':<10}{'shape':<20}{'status':<8}{'rel_err':>9}{'fp8':>7}{'x plain':>9}"
+        f"{'default':>9}{'x default':>11}{'bf16':>7}{'x bf16':>8}")
+  for r in rows:
+    shape = f"{r['batch']}x{r['seq_len']}x{r['num_heads']} d{r['head_dim']}"
+    ratio = lambda other: r["fp8_tflops"] / r[f"{other}_tflops"]  # noqa: E731
+    print(f"  {r['feature']:<10}{shape:<20}{r['status']:<8}{r['rel_err']:>9.1e}"
+          f" {f(r['fp8_tflops']):>6}{ratio('fp8_plain'):>9.2f} {f(r['fp8_default_tflops']):>8}"
+          f"{ratio('fp8_default'):>11.2f} {f(r['bf16_tflops']):>6}{ratio('bf16'):>8.2f}"
+          f"  default: {r['default_impl']}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,6 +527,10 @@ def print_training_speed(rows: list[dict]) -> None:
 
 
 def run_fp8(opts: argparse.Namespace) -> list[dict]:
+  if opts.fp8_features:
+    rows = run_feature_speed(opts)
+    print_feature_speed(rows)
+    return rows
   shape = SHAPES["quick" if opts.quick else "full"]
   rows = []
   if not opts.fp8_training:

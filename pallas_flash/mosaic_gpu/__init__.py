@@ -44,10 +44,12 @@ MEASURED_HEAD_DIMS = frozenset({(64, 64), (80, 80), (96, 96), (128, 128), (192, 
                                 (192, 128), (256, 256)})
 # Optional features (pallas_flash.call.FEATURES) the kernels take; calls with any other run
 # elsewhere. The soft cap's backward at head dims 192 and 256 runs the Triton kernels. ALiBi's
-# -slope·|i - j| is added to each score tile in the kernels (sm90/common.alibi). A block mask's
-# tables become the kernels' per-tile lists of blocks (sm90/block_mask.py).
-SUPPORTED_FEATURES = frozenset({"logits_soft_cap", "local_window_size", "alibi_slopes",
-                                "block_mask"})
+# -slope·|i - j| is added to each score tile in the kernels (sm90/common.alibi), and so are the
+# dense bias and mask ([B|1, H|1, T, S] tiles loaded by each kernel, sm90/dense.py; head dims up
+# to 128, the split backward). A block mask's tables become the kernels' per-tile lists of
+# blocks (sm90/block_mask.py).
+SUPPORTED_FEATURES = frozenset({"logits_soft_cap", "local_window_size", "alibi_slopes", "bias",
+                                "mask", "block_mask"})
 # The forward adds attention sinks in its epilogue (sm90/forward._store_tile): the API passes
 # calls with sinks here as params.has_sinks and arrays.sinks (pallas_flash.call); the backward
 # kernels need nothing more, given the forward's o and lse, and dsinks comes from their delta.
@@ -108,8 +110,12 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
     return (f"head dims up to {KERNEL_HEAD_DIMS[-1]} (others zero-padded to one of "
             f"{KERNEL_HEAD_DIMS}), this call has {_dims(call)}")
   if call.params.bias_in_cap:
-    return ("logits_soft_cap_order='bias_then_cap' (ALiBi inside the soft cap) is not in the "
-            "wgmma kernels")
+    return ("logits_soft_cap_order='bias_then_cap' (ALiBi and the bias inside the soft cap) "
+            "is not in the wgmma kernels")
+  if ((call.params.has_bias or call.params.has_mask)
+      and kernel_head_dim(call.head_dim, call.value_head_dim) > 128):
+    return (f"a dense bias or mask runs in the kernels of head dims up to 128 (the forward and "
+            f"split backward's), this call has {_dims(call)}")
   if call.params.has_alibi and max(call.q_len, call.kv_len) >= sm90_common.ALIBI_MAX_LEN:
     return (f"ALiBi distances are exact below {sm90_common.ALIBI_MAX_LEN} positions, this call "
             f"has {max(call.q_len, call.kv_len)}")
@@ -119,6 +125,9 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
     if kernel_head_dim(call.head_dim, call.value_head_dim) > 128:
       return (f"block_mask runs in the kernels of head dims up to 128, this call has "
               f"{_dims(call)} (the head-dim-192/256 backward kernels take no block mask)")
+    if call.params.has_bias:
+      return ("a dense bias with a block_mask is not in the wgmma kernels (dbias is written "
+              "for key-block ranges, not tables)")
   if call.params.deterministic and config is not None and config.fused_backward:
     return ("config.fused_backward=True sums dQ with float32 atomics in a varying order, "
             "which deterministic=True rules out; pass fused_backward=False (the split backward)")

@@ -183,19 +183,36 @@ def tuned(head_dim: int, is_causal: bool, kv_len: int) -> MosaicConfig:
   return config
 
 
+def dense_config(config: MosaicConfig, head_dim: int, is_causal: bool) -> MosaicConfig:
+  """`config` for a call with a dense bias or mask (sm90/dense.py): the forward's grid kernel
+  (no persistent form, no split tail: those do not load the dense tiles), and the backward
+  tiles at which the dense tiles fit in registers beside the kernels' own (deviceless ptxas at
+  1x4096x16xD, bf16 bias and bool mask: no spills in the forward at any tuned tile; dK/dV
+  steps of 128 queries spilled 208 B at head dim 64 (0 at 64), causal dQ steps of 128 keys
+  116 B at head dim 128 (0 at 64; 0 at 128 keys at head dim 64))."""
+  config = dataclasses.replace(config, fwd_persistent=False, fwd_split_tail=False,
+                               block_q_dkv=min(config.block_q_dkv, 64))
+  if is_causal and head_dim >= 128:
+    config = dataclasses.replace(config, block_kv_dq=min(config.block_kv_dq, 64))
+  return config
+
+
 def call_config(head_dim: int, params: AttentionParams, kv_len: int, batch: int) -> MosaicConfig:
   """`tuned`, with the fused backward where FUSED's rules say; never where a call asks for
   bitwise-reproducible gradients, or carries segment ids, lengths, a window (which the fused
   kernel does not stream), a soft cap (not measured with it) or ALiBi (the fused kernel does
-  not add it; backward.py would warn and run the split kernels). A block mask takes the causal
-  forms (128-key tiles: finer sparsity than the non-causal 192 or 256) and the split backward
-  (the fused kernel takes none)."""
+  not add it; backward.py would warn and run the split kernels), nor a dense bias or mask (the
+  split kernels load their tiles; in the forward the grid kernel does: no persistent form, no
+  split tail). A block mask takes the causal forms (128-key tiles: finer sparsity than the
+  non-causal 192 or 256) and the split backward (the fused kernel takes none)."""
   if params.block_mask_blocks is not None:
     return tuned(head_dim, True, kv_len)
   config = tuned(head_dim, params.is_causal, kv_len)
+  if params.has_bias or params.has_mask:
+    config = dense_config(config, head_dim, params.is_causal)
   if (head_dim != 128 or params.deterministic or params.has_segments
       or params.local_window is not None or params.logits_soft_cap is not None
-      or params.has_alibi):
+      or params.has_alibi or params.has_bias or params.has_mask):
     return config
   if params.is_causal and kv_len >= FUSED_MIN_KV_LEN and batch <= FUSED_MAX_BATCH:
     return dataclasses.replace(config, **FUSED)

@@ -16,6 +16,7 @@ from pallas_flash import _tiling, merge
 from pallas_flash.call import AttentionParams, FeatureArrays
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
 from pallas_flash.mosaic_gpu.sm90 import block_mask, common, dkdv, fused, hd256
+from pallas_flash.mosaic_gpu.sm90 import dense as sm90_dense
 from pallas_flash.mosaic_gpu.sm90.dq import LOG2E, dq_call, dq_smem_bytes
 
 
@@ -66,9 +67,11 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   delta that the dQ kernel returns, or that XLA computed for the paths that take it from XLA.
   Segment ids: the split kernels load only the blocks that may share an id with their tile and
   compare ids on those not wholly inside the tile's one document; a local window runs the same
-  path, its band's blocks as the limits (common.segment_inputs). A block mask (head dims up to
-  128) runs the split kernels over its tables at their tiles (block_mask.inputs). The fused
-  kernel takes none of them, nor ALiBi: it falls back to the split with a warning."""
+  path, its band's blocks as the limits (common.segment_inputs). A dense bias and mask
+  (head dims up to 128) are loaded by the split kernels, and dbias (dS, from the dQ kernel)
+  follows dk and dv. A block mask (head dims up to 128) runs the split kernels over its tables
+  at their tiles (block_mask.inputs). The fused kernel takes none of them, nor ALiBi: it falls
+  back to the split with a warning."""
   d = q.shape[3]
   slopes = common.raw_alibi_slopes(arrays, params)
   full_delta = None  # rowsum(dO∘O) - dlse, where the split kernels return it
@@ -85,9 +88,9 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
     if config.fused_backward:
       warnings.warn(f"fused_backward=True, using the split backward instead: {reason}",
                     stacklevel=2)
-    *grads, full_delta = _split_backward(
-        q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params, config=config, slopes=slopes,
-        bm=None if arrays is None else arrays.block_mask)
+    *grads, full_delta = _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta,
+                                         params=params, config=config, slopes=slopes,
+                                         arrays=arrays)
   if not params.has_sinks:
     return tuple(grads)
   if full_delta is None:  # XLA's, as the Triton and head-dim-256 paths compute it (CSE'd)
@@ -103,21 +106,25 @@ def _fused_reason(q, params: AttentionParams, config: MosaicConfig) -> str | Non
               "split kernels only")
   if reason is None and params.has_alibi:
     reason = "ALiBi is added in the split kernels only"
+  if reason is None and (params.has_bias or params.has_mask):
+    reason = "a dense bias or mask is loaded in the split kernels only"
   if reason is None and params.block_mask_blocks is not None:
     reason = "block masks are streamed in the split kernels only"
   return reason
 
 
 def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
-                    config: MosaicConfig, slopes=(), bm=None):
+                    config: MosaicConfig, slopes=(), arrays: FeatureArrays | None = None):
   """The dQ kernel, then the dK/dV kernel (backward's contract; slopes: () or ALiBi's
-  (common.raw_alibi_slopes [H],); bm: the block mask or None) -> (dq, dk, dv, delta [B, H, T] =
-  rowsum(dO∘O) - dlse), delta as the dQ kernel or XLA computed it (unused but for the sinks'
-  gradient)."""
+  (common.raw_alibi_slopes [H],); of `arrays` the dense bias and mask and the block mask are
+  read) -> (dq, dk, dv[, dbias], delta [B, H, T] = rowsum(dO∘O) - dlse), dbias with
+  params.has_bias (summed over the bias's broadcast axes), delta as the dQ kernel or XLA
+  computed it (unused but for the sinks' gradient)."""
   t, s = q.shape[1], k.shape[1]
   t_pad, s_pad = padded_lengths(t, s, config)
   kp_dq, kp_dkdv = split_kernel_params(q, k, params, config, t_pad=t_pad, s_pad=s_pad)
   dq_blks = dkdv_blks = ()
+  bm = None if arrays is None else arrays.block_mask
   if bm is not None:
     info = block_mask.Info.of(bm)
     kp_dq = dataclasses.replace(kp_dq, block_mask=info)
@@ -137,6 +144,8 @@ def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: Attent
         *common.path_segment_ids(q, k, q_seg, kv_seg, params), t_pad, s_pad,
         dq_tiles=(2 * config.block_q_dq, config.block_kv_dq),
         dkdv_tiles=(config.block_q_dkv, 2 * config.block_kv_dkv), params=params)
+  dense_in = sm90_dense.inputs(arrays, params, t_pad, s_pad)
+  dbias = ()
   # Padded rows get lse = +inf (P = 0) and, with O and dO zero there, delta = 0.
   if dq_smem_bytes(kp_dq, in_kernel=True, correction=delta is not None) <= SMEM_LIMIT_BYTES:
     # The dQ kernel computes lse2 and delta from O and dO (FA2's preprocessing) and hands them
@@ -144,15 +153,18 @@ def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: Attent
     lse = _tiling.pad_axis(lse, 2, t_pad, jnp.inf)
     if delta is not None:
       delta = _tiling.pad_axis(delta, 2, t_pad)
-    dq, lse2, delta = dq_call(qp, kpad, vpad, dop, op, lse, delta, kp=kp_dq, segs=dq_segs,
-                              slopes=slopes, blks=dq_blks)
+    dq, lse2, delta, *dbias = dq_call(qp, kpad, vpad, dop, op, lse, delta, kp=kp_dq,
+                                      segs=dq_segs, slopes=slopes, dense=dense_in,
+                                      blks=dq_blks)
   else:  # the dQ kernel's O tile does not fit beside this config's tiles: XLA's pass
     lse, delta = common.xla_row_stats(o, lse, do, delta)
     # lse in log2 units so that P = exp2(S·c − lse2).
     lse2 = _tiling.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
     delta = _tiling.pad_axis(delta, 2, t_pad)
-    dq = dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs,
-                 slopes=slopes, blks=dq_blks)
+    out = dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs,
+                  slopes=slopes, dense=dense_in, blks=dq_blks)
+    dq, *dbias = out if kp_dq.dense[0] else (out,)
   dk, dv = dkdv.dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs,
-                          slopes=slopes, blks=dkdv_blks)
-  return dq[:, :t], dk[:, :s], dv[:, :s], delta[:, :, :t]
+                          slopes=slopes, dense=dense_in, blks=dkdv_blks)
+  dbias = tuple(sm90_dense.reduce_dbias(x, arrays.bias.shape, t, s) for x in dbias)
+  return dq[:, :t], dk[:, :s], dv[:, :s], *dbias, delta[:, :, :t]

@@ -17,6 +17,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_flash import _tiling
 from pallas_flash.mosaic_gpu.config import MosaicConfig
+from pallas_flash.mosaic_gpu.sm90 import dense as sm90_dense
 from pallas_flash.call import AttentionParams, FeatureArrays
 
 # Per-row vectors (m, l, lse, delta) of a wgmma accumulator tile; `COL` for its columns.
@@ -64,6 +65,9 @@ class KernelParams:
   # A block mask (block_mask.Info: the mask function's structure): the kernels stream the
   # blocks of their tile's table and evaluate the function on its partial ones.
   block_mask: Any = None
+  # (AttentionParams.has_bias, .has_mask): the kernels take dense.inputs' arrays, after the
+  # ALiBi slopes and the sinks (sm90/dense.py).
+  dense: tuple[bool, bool] = (False, False)
 
   @staticmethod
   def stats_view(x):
@@ -113,7 +117,8 @@ class KernelParams:
         dkdv_overlap=config.dkdv_overlap,
         profile_dir=config.debug.profile_dir, segments=segment_path(params),
         segment_ids=params.has_segments,
-        softcap=params.logits_soft_cap, window=params.local_window, alibi=params.has_alibi)
+        softcap=params.logits_soft_cap, window=params.local_window, alibi=params.has_alibi,
+        dense=(params.has_bias, params.has_mask))
 
 
 def soft_cap(s, kp: KernelParams):
@@ -337,18 +342,22 @@ class SegmentRefs(NamedTuple):
 
 
 def with_segment_refs(kernel, num_inputs: int, segmented: bool, alibi: bool = False,
-                      sinks: bool = False):
+                      sinks: bool = False, dense: tuple[bool, bool] = (False, False)):
   """A plgpu.kernel body for `kernel(*inputs, *outputs, *scratch, seg=...[, slopes=...]
-  [, sinks=...])` whose call passes the 3 SegmentRefs arrays after its `num_inputs` inputs
-  when `segmented`, then with `alibi` the raw_alibi_slopes [H] (GMEM), handed over as
-  `slopes`, then with `sinks` the forward's sink logits [H] (GMEM), handed over as `sinks`."""
+  [, sinks=...][, dense=...])` whose call passes the 3 SegmentRefs arrays after its
+  `num_inputs` inputs when `segmented`, then with `alibi` the raw_alibi_slopes [H] (GMEM),
+  handed over as `slopes`, then with `sinks` the forward's sink logits [H] (GMEM), handed over
+  as `sinks`, then the dense bias and mask where `dense` (KernelParams.dense) says, handed
+  over as `dense` (a dense.DenseRefs)."""
   def body(*refs):
-    if not (segmented or alibi or sinks):
+    if not (segmented or alibi or sinks or any(dense)):
       return kernel(*refs, seg=None)
     n = num_inputs + 3 * segmented
     seg = SegmentRefs(*refs[num_inputs:n]) if segmented else None
-    return kernel(*refs[:num_inputs], *refs[n + alibi + sinks:], seg=seg,
-                  **head_refs(refs[n:], alibi, sinks))
+    m = n + alibi + sinks
+    extra = {} if not any(dense) else {"dense": sm90_dense.take_refs(refs[m:], dense)}
+    return kernel(*refs[:num_inputs], *refs[m + sum(dense):], seg=seg,
+                  **head_refs(refs[n:], alibi, sinks), **extra)
   return body
 
 

@@ -18,13 +18,14 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_flash.mosaic_gpu.sm90 import block_mask, common, kv_stream
+from pallas_flash.mosaic_gpu.sm90 import dense as sm90_dense
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_scratch,
                  v_scratch, q_scratch, do_scratch, lse_scratch, delta_scratch, st_scratch,
                  kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free, do_free,
                  lse_free, delta_free, *, kp: common.KernelParams,
-                 seg: common.SegmentRefs | None = None, slopes=None,
+                 seg: common.SegmentRefs | None = None, slopes=None, dense=None,
                  blk: block_mask.Refs | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [1, B·H, Tp].
 
@@ -37,9 +38,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
   seg: segment ids of the key rows and of the queries, and per kv tile the hull of q blocks
   that may share an id with it: the CTA streams only those, and compares ids on each except
   the q blocks wholly inside the tile's one document. slopes: ALiBi's
-  common.raw_alibi_slopes [H] (GMEM), or None. blk: a block mask's q-block table per kv tile
-  and mask function (block_mask.Refs): the CTA streams the listed q blocks (each for every
-  query head of the group), evaluating the function on the partial ones (listed first).
+  common.raw_alibi_slopes [H] (GMEM), or None. dense: the dense bias and mask
+  (dense.DenseRefs), or None: each step loads its transposed tiles. blk: a block mask's
+  q-block table per kv tile and mask function (block_mask.Refs): the CTA streams the listed q
+  blocks (each for every query head of the group), evaluating the function on the partial ones
+  (listed first).
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   wg = lax.axis_index("wg")
@@ -90,8 +93,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
       dk, dv = carry
       slot = lax.rem(t, stages)
       bias = alibi_at(t)  # the slope's load runs ahead of the waits
+      if dense is not None:  # the dense tiles, loaded where Pᵀ adds them (dense.load)
+        bias = _with_dense(bias, sm90_dense.load(dense, b, index(t)[1], k0, index(t)[0] * bq,
+                                                 (bkv, bq), transposed=True), kp)
       q_smem, do_smem = kv_stream.wait_streams(streams, slot)
-      if kp.dkdv_overlap and not (kp.interpret or masked or kp.alibi):
+      if kp.dkdv_overlap and not (kp.interpret or masked or kp.alibi or dense is not None):
         # Unmasked steps only: the mask's iotas on top of the overlap's live registers spill
         # inside the loop (deviceless SASS); masked steps issue dV and dK back to back. ALiBi's
         # position vectors take the masked steps' form too (not yet checked with ptxas).
@@ -149,6 +155,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
   def _producer():
     plgpu.set_max_registers(kp.producer_registers, action="decrease")
     kv_stream.produce_query_streams(cta_steps, stages, streams, index, b, bq, kp)
+
+
+def _with_dense(alibi, tiles, kp: common.KernelParams):
+  """The step's bias on a raw Sᵀ tile: ALiBi's (`alibi`, or None), then the dense tiles
+  (dense.add)."""
+  return lambda s_t: sm90_dense.add(s_t if alibi is None else alibi(s_t), tiles, kp.scale)
 
 
 def _dk_dv_updates(dk, dv, p_t, ds_t, q_smem, do_smem, st_smem, frees, kp):
@@ -225,11 +237,12 @@ def _overlapped_step(dk, dv, tiles, streams, slot, k0, frees, kp: common.KernelP
 
 
 def dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slopes=(),
-              blks=()):
+              dense=(), blks=()):
   """(dK, dV) [B, S, K, D] for q, do [B, T, H, D] and k, v [B, S, K, D], T and S padded as
   common.operand_rows says; lse2, delta [B, H, Tp]. segs: () or (kv_seg [B, Sp], q_seg
-  [B, Tp], q limits per kv tile) int32. slopes: () or (common.raw_alibi_slopes [H],). blks: ()
-  or a block mask's operands (block_mask.inputs by kv tile), inputs after the six others."""
+  [B, Tp], q limits per kv tile) int32. slopes: () or (common.raw_alibi_slopes [H],). dense:
+  () or dense.inputs' bias and / or mask (kp.dense says which). blks: () or a block mask's
+  operands (block_mask.inputs by kv tile), inputs after the six others."""
   bsz, _, kh, d = k.shape
   s_pad = kp.s_pad
   bq, bkv = kp.block_q, kp.block_kv
@@ -243,7 +256,7 @@ def dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slo
 
   def make_body(blk=None):
     return common.with_segment_refs(functools.partial(_dkdv_kernel, kp=kp, blk=blk), 6,
-                                    bool(segs), alibi=bool(slopes))
+                                    bool(segs), alibi=bool(slopes), dense=kp.dense)
 
   return plgpu.kernel(
       block_mask.with_block_refs(make_body, 6, len(blks)) if blks else make_body(),
@@ -256,4 +269,4 @@ def dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slo
       compiler_params=common.compiler_params(
           kp, min(kv_stream.profile_steps(kp), kv_stream.PROFILE_STEPS)),
       interpret=common.interpret_params(kp.interpret),
-  )(q, k, v, do, kp.stats_view(lse2), kp.stats_view(delta), *blks, *segs, *slopes)
+  )(q, k, v, do, kp.stats_view(lse2), kp.stats_view(delta), *blks, *segs, *slopes, *dense)

@@ -20,15 +20,17 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_flash.mosaic_gpu.sm90 import block_mask, common
+from pallas_flash.mosaic_gpu.sm90 import dense as sm90_dense
 
 LOG2E = math.log2(math.e)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, lse2_out_ref,
-                   delta_out_ref, q_scratch, do_scratch, o_scratch, lse_scratch, delta_scratch,
-                   k_scratch, v_scratch, ds_scratch, row_ready, k_ready, v_ready, k_free, v_free,
+                   delta_out_ref, dbias_ref, q_scratch, do_scratch, o_scratch, lse_scratch,
+                   delta_scratch, k_scratch, v_scratch, ds_scratch, row_ready, k_ready, v_ready,
+                   k_free, v_free,
                    *, kp: common.KernelParams, seg: common.SegmentRefs | None = None,
-                   slopes=None, blk: block_mask.Refs | None = None):
+                   slopes=None, dense=None, blk: block_mask.Refs | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse/delta_ref [B, H, Tp].
 
   Two forms (absent refs are None). Statistics from XLA (o_ref, lse2_out_ref, delta_out_ref
@@ -40,8 +42,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
   q/do/o_scratch [2, block_q, D], lse/delta_scratch [2, block_q], k/v_scratch [stages,
   block_kv, D], ds_scratch [2, block_q, block_kv] (interpret only). seg: segment ids, the
   forward's way (the CTA streams only the key blocks its tile may share an id with). slopes:
-  ALiBi's common.raw_alibi_slopes [H] (GMEM), or None. blk: a block mask's key-block table
-  per q tile and mask function (block_mask.Refs), the forward's way; q tiles last one first.
+  ALiBi's common.raw_alibi_slopes [H] (GMEM), or None. dense: the dense bias and mask
+  (dense.DenseRefs), or None; with a bias, dbias_ref [B, H, Tp, Sp] (dense.dbias_dtype) gets
+  dS (before the soft cap's slope: the bias is added after the cap) of every score tile, zeros
+  on the key blocks a warpgroup does not stream; else dbias_ref is None. blk: a block mask's
+  key-block table per q tile and mask function (block_mask.Refs), the forward's way; q tiles
+  last one first (no dense bias with it: mosaic_gpu.unsupported_reason).
   """
   bq, bkv, stages, v_stages = kp.block_q, kp.block_kv, kp.stages, kp.dq_v_stages
   wg = lax.axis_index("wg")
@@ -110,6 +116,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
     def step(j, dq, *, masked: bool):
       slot = lax.rem(j, stages)
       vslot = slot if v_stages == stages else lax.rem(j, v_stages)
+      # The dense tiles, loaded where they are added to S (dense.load).
+      tiles = sm90_dense.load(dense, b, h, q0, (kv0 + j) * bkv, (bq, bkv))
       plgpu.barrier_wait(k_ready.at[slot])
       if v_stages == stages:
         plgpu.barrier_wait(v_ready.at[vslot])
@@ -127,6 +135,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
       s, slope = common.soft_cap_with_slope(s, kp)
       if alibi_slope is not None:  # a constant per score: dS is unchanged
         s = common.alibi(s, q0, key_block(j) * bkv, alibi_slope)
+      s = sm90_dense.add(s, tiles, kp.scale)
       p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(lse2, s.shape, [0]))
       if masked and sparse is not None:
         p = jnp.where(sparse.mask(q0, key_block(j) * bkv, (bq, bkv), kp.kv_len, kp.kv_tail),
@@ -135,9 +144,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
         col0 = (kv0 + j) * bkv
         mask = common.tile_mask(q0, col0, (bq, bkv), kp, ids=ids and ids(col0))
         p = jnp.where(mask, p, 0.0)
-      if slope is not None:  # P feeds only dS here: the cap's slope dies at once
-        p = p * slope
-      ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+      if dbias_ref is not None:  # dbias = dS of the capped scores: the slope comes after
+        ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+        sm90_dense.dbias_tile(dbias_ref, ds, b, h, q0, (kv0 + j) * bkv)
+        if slope is not None:
+          ds = ds * slope
+      else:
+        if slope is not None:  # P feeds only dS here: the cap's slope dies at once
+          p = p * slope
+        ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
       dq = common.accumulate(dq, ds.astype(kp.dtype), common.at(ds_scratch, wg),
                              k_scratch.at[slot], kp)
       plgpu.barrier_arrive(k_free.at[slot])
@@ -163,6 +178,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
         dq = lax.fori_loop(u1, steps, functools.partial(step, masked=True), dq)
       if kp.causal or seg is not None:
         lax.fori_loop(steps, cta_steps, idle_step, None)
+    if dbias_ref is not None:  # no key of the other blocks is visible: dbias is 0 there
+      sm90_dense.zero_dbias_blocks(dbias_ref, b, h, q0, bq, bkv, 0, kv0)
+      sm90_dense.zero_dbias_blocks(dbias_ref, b, h, q0, bq, bkv, kv0 + steps, kp.num_kv_blocks)
 
     q_smem[...] = (dq * kp.scale).astype(kp.dtype)
     plgpu.commit_smem()
@@ -218,13 +236,15 @@ def dq_smem_bytes(kp: common.KernelParams, *, in_kernel: bool, correction: bool)
 
 
 def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slopes=(),
-            blks=()):
+            dense=(), blks=()):
   """dQ [B, T, H, D], or (dQ, lse2, delta) when o is given: see _bwd_dq_kernel's two forms
   (o None: lse in log2 units and the full delta; else natural-log lse and delta the correction
   or None). q, do, o [B, T, H, D] and k, v [B, S, K, D] padded as common.operand_rows says;
   lse, delta and the lse2 and delta it returns [B, H, Tp]. segs: () or (q_seg [B, Tp], kv_seg
-  [B, Sp], kv limits per q tile) int32. slopes: () or (common.raw_alibi_slopes [H],). blks:
-  () or a block mask's operands (block_mask.inputs by q tile), inputs after the others."""
+  [B, Sp], kv limits per q tile) int32. slopes: () or (common.raw_alibi_slopes [H],). dense:
+  () or dense.inputs' bias and / or mask (kp.dense says which); with a bias the result ends
+  with dbias [B, H, Tp, Sp] in dense.dbias_dtype (dS of every score). blks: () or a block
+  mask's operands (block_mask.inputs by q tile), inputs after q .. delta."""
   bsz, _, h, d = q.shape
   t_pad = kp.t_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
@@ -251,13 +271,17 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
   dq = jax.ShapeDtypeStruct(q.shape, q.dtype)
   row_stats = jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)
   out_type = [dq, row_stats, row_stats] if in_kernel else [dq]
-  present = [x is not None for x in inputs] + [True, in_kernel, in_kernel]
+  present = [x is not None for x in inputs] + [True, in_kernel, in_kernel, kp.dense[0]]
+  if kp.dense[0]:
+    out_type.append(jax.ShapeDtypeStruct((bsz, h, t_pad, kp.s_pad),
+                                         sm90_dense.dbias_dtype(dense[0].dtype)))
   num_inputs = sum(present) - len(out_type)
 
   def make_body(blk=None):
     kernel = functools.partial(_with_absent_refs, functools.partial(_dq_kernel, kp=kp, blk=blk),
                                present)
-    return common.with_segment_refs(kernel, num_inputs, bool(segs), alibi=bool(slopes))
+    return common.with_segment_refs(kernel, num_inputs, bool(segs), alibi=bool(slopes),
+                                    dense=kp.dense)
 
   body = block_mask.with_block_refs(make_body, num_inputs, len(blks)) if blks else make_body()
   out = plgpu.kernel(
@@ -268,5 +292,5 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
       num_threads=3, thread_name="wg",
       compiler_params=common.compiler_params(),
       interpret=common.interpret_params(kp.interpret),
-  )(*(x for x in inputs if x is not None), *blks, *segs, *slopes)
-  return tuple(out) if in_kernel else out[0]
+  )(*(x for x in inputs if x is not None), *blks, *segs, *slopes, *dense)
+  return tuple(out) if in_kernel or kp.dense[0] else out[0]

@@ -41,6 +41,7 @@ from pallas_flash import _tiling
 from pallas_flash.call import MASK_VALUE, AttentionParams, FeatureArrays
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
 from pallas_flash.mosaic_gpu.sm90 import block_mask, common, split_tail
+from pallas_flash.mosaic_gpu.sm90 import dense as sm90_dense
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -61,7 +62,7 @@ class _SplitRefs(NamedTuple):
 def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scratch,
                 lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free, v_free, sched, *,
                 kp: common.KernelParams, seg: common.SegmentRefs | None = None,
-                tail: _SplitRefs | None = None, slopes=None, sinks=None,
+                tail: _SplitRefs | None = None, slopes=None, sinks=None, dense=None,
                 blk: block_mask.Refs | None = None):
   """q_ref [B, Tp, H, D], k_ref/v_ref [B, Sp, K, D] (GMEM), o_ref [B, Tp, H, D], lse_ref [B, H, Tp].
 
@@ -74,10 +75,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   tail.split.ctas CTAs in the same launch order, see split_tail.TailSplit. slopes: ALiBi's
   common.raw_alibi_slopes [H] (GMEM), or None. sinks: the attention sinks' sink_logits [H]
   (GMEM), added to each row's softmax by `_store_tile` (a split tail's parts leave them to
-  combine_tail), or None. blk: the block mask's table of key blocks per q tile and its mask
-  function's leaves (block_mask.Refs): the CTA streams the tile's listed blocks, at least
-  one, and evaluates the function on the partial ones (listed first); q tiles are launched
-  last one first, as causal ones.
+  combine_tail), or None. dense: the dense bias and mask (dense.DenseRefs), or None. blk: the
+  block mask's table of key blocks per q tile and its mask function's leaves
+  (block_mask.Refs): the CTA streams the tile's listed blocks, at least one, and evaluates the
+  function on the partial ones (listed first); q tiles are launched last one first, as causal
+  ones.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   wg = lax.axis_index("wg")
@@ -134,6 +136,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
       loop = functools.partial(loop, kv0=kv0)
     if sparse is not None:
       loop = functools.partial(loop, sparse=sparse)
+    if dense is not None:
+      loop = functools.partial(loop, dense=functools.partial(sm90_dense.load, dense, b, h))
     carry = loop(q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
                  bars, q0=q0, steps=steps, kp=kp,
                  slope=slope)
@@ -359,16 +363,17 @@ def _kv_block(j, kv0, steps, kp: common.KernelParams):
 
 def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers, *, q0,
                    steps, kp: common.KernelParams, base=None, kv0=0, seg_ids=None, full=None,
-                   slope=None, sparse: block_mask.Sparse | None = None):
+                   slope=None, dense=None, sparse: block_mask.Sparse | None = None):
   """One consumer WG's kv loop, S_j then O += P_j·V_j per step -> (acc, m, l).
 
   q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
   mode only). The caller has waited for K_0; `base`: see `_ring`. Step j is key block kv0 + j;
   seg_ids(col0) gives the (row, column) segment ids of the block starting at key col0, and
   `full` the run of key blocks that share the rows' one id (common.unmasked_run). slope: the
-  head's ALiBi slope in raw-score units (common.alibi), or None. sparse: a block mask's view
-  of the CTA's table (step j is key block sparse.block(j), its first sparse.masked steps
-  evaluate the mask function), or None.
+  head's ALiBi slope in raw-score units (common.alibi), or None. dense: the dense bias and
+  mask tiles' loader (dense.load bound to the CTA's batch and head), or None. sparse: a block
+  mask's view of the CTA's table (step j is key block sparse.block(j), its first
+  sparse.masked steps evaluate the mask function), or None.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
@@ -381,6 +386,8 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
   def step(j, carry, *, masked: bool):
     acc, m, l = carry
     slot = ring(j, stages)
+    # The dense tiles, loaded where they are added to S (dense.load).
+    dense_tiles = None if dense is None else dense(q0, (kv0 + j) * bkv, (bq, bkv))
 
     def qk(s_ref):
       with jax.named_scope("issue"):
@@ -396,6 +403,8 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
       s = common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
       if slope is not None:  # on every block, masked or not
         s = common.alibi(s, q0, key_block(j) * bkv, slope)
+      if dense_tiles is not None:  # on every block too: the mask is data
+        s = sm90_dense.add(s, dense_tiles, kp.scale)
       if masked and sparse is not None:
         s = jnp.where(sparse.mask(q0, key_block(j) * bkv, (bq, bkv), kp.kv_len, kp.kv_tail), s,
                       -jnp.inf)
@@ -481,7 +490,7 @@ def _softmax(s, m, l, kp: common.KernelParams):
 
 def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers, *, q0,
                         steps, kp: common.KernelParams, base=None, kv0=0, slope=None,
-                        sparse: block_mask.Sparse | None = None):
+                        dense=None, sparse: block_mask.Sparse | None = None):
   """One consumer WG's kv loop with FA3's intra-warpgroup 2-stage pipeline -> (acc, m, l).
 
   q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
@@ -491,7 +500,8 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
   follows the loop. Each matmul pair sits between the same two schedule-barrier rounds per
   block as in the plain loop, so the two WGs still alternate (ping-pong) and the idle steps of
   a causal CTA are unchanged. `base`: see `_ring`; step j is key block `_kv_block(j, ...)`;
-  slope, sparse: as in `_plain_kv_loop` (block 0 is masked, the others as their table says).
+  slope, dense, sparse: as in `_plain_kv_loop` (S_{j+1}'s dense tiles are loaded in its
+  softmax; with a block mask block 0 is masked, the others as their table says).
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
@@ -499,11 +509,17 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
   sched_sync = functools.partial(common.sync, bars.sched)
   q_op = _q_operand(q_smem, kp)
 
-  def softmax(s, j, masked, m, l):
+  def dense_tiles(j):
+    if dense is None:
+      return None
+    return dense(q0, _kv_block(j, kv0, steps, kp) * bkv, (bq, bkv))
+
+  def softmax(s, j, masked, m, l, tiles=None):
     s = common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
-    if masked or slope is not None:
+    if masked or slope is not None or tiles is not None:
       col0 = (_kv_block(j, kv0, steps, kp) if sparse is None else sparse.block(j)) * bkv
       s = common.alibi(s, q0, col0, slope)  # on every block, masked or not
+    s = sm90_dense.add(s, tiles, kp.scale)
     if masked and sparse is not None:
       s = jnp.where(sparse.mask(q0, col0, (bq, bkv), kp.kv_len, kp.kv_tail), s, -jnp.inf)
     elif masked:
@@ -515,13 +531,14 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
     sched_sync()
     return s_ref[...]
 
+  tiles = dense_tiles(0)
   s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
   plgpu.barrier_arrive(bars.k_free.at[ring(0, stages)])
   # Block 0 is masked whenever any block can be: exact where it is not needed, and one tile.
   p, m, l, _ = softmax(
       s, 0, kp.needs_mask or sparse is not None,
       plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), common.ROW),
-      plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW))
+      plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW), tiles)
   acc = plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA)
   carry = lax.optimization_barrier((acc, p.astype(kp.dtype), m, l))
 
@@ -535,6 +552,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
       plgpu.barrier_wait(bars.sched)
 
     def scores_and_softmax(s_ref, issue_pv):
+      tiles = dense_tiles(j + 1)
       with jax.named_scope("issue"):
         plgpu.wgmma(s_ref, q_op, k_scratch.at[nxt].T)  # S_{j+1}
         issue_pv()  # P_j·V_j, queued behind it
@@ -544,7 +562,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P_j·V_j keeps running
       plgpu.barrier_arrive(bars.k_free.at[nxt])
       with jax.named_scope("softmax"):
-        return softmax(s, j + 1, masked, m, l)
+        return softmax(s, j + 1, masked, m, l, tiles)
 
     if kp.interpret:  # P staged through SMEM, P_j·V_j into its own accumulator
       p_smem[...] = p16
@@ -621,7 +639,8 @@ def _registers(config: MosaicConfig) -> tuple[int, int]:
 
 
 def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs=(),
-             split: split_tail.TailSplit | None = None, slopes=(), sinks=(), blks=()):
+             split: split_tail.TailSplit | None = None, slopes=(), sinks=(), dense=(),
+             blks=()):
   """Runs the kernel on q [B, T, H, D], k/v [B, S, K, D] -> (o [B, T, H, D], lse [B, H, Tp]),
   T and S padded as common.operand_rows says (up to kp.t_pad and kp.s_pad, or less: TMA
   reads rows past the end as zeros and drops stores past it); lse always has kp.t_pad rows.
@@ -631,9 +650,11 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
   split (non-causal, no segments, not persistent): the split tail; the result is then
   (o, lse, o_part, lse_part) with the tail tiles of o and lse unwritten (`combine_tail`).
   slopes: () or ALiBi's (common.raw_alibi_slopes [H],), an input after q, k, v and segs;
-  sinks: () or (sink_logits [H],), the attention sinks, an input after those.
+  sinks: () or (sink_logits [H],), the attention sinks, an input after those; dense: () or
+  dense.inputs' bias and / or mask (kp.dense says which), the last inputs (grid kernel only).
   blks: () or the block mask's operands (block_mask.inputs; grid kernel, no segs), inputs
-  right after q, k, v."""
+  right after q, k, v.
+  """
   bsz, _, h, d = q.shape
   t_pad = kp.t_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
@@ -654,6 +675,7 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
   ]
   out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype),
               jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)]
+  assert not ((split is not None or persistent) and dense), "dense inputs: grid kernel only"
   if split is not None:
     assert not (kp.causal or persistent or segs), "the split tail is for the non-causal grid"
     rows = (split.tiles - split.main) * split.parts
@@ -680,7 +702,8 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
   else:
     def make_body(blk=None):
       return common.with_segment_refs(functools.partial(_fwd_kernel, kp=kp, blk=blk), 3,
-                                      bool(segs), alibi=bool(slopes), sinks=bool(sinks))
+                                      bool(segs), alibi=bool(slopes), sinks=bool(sinks),
+                                      dense=kp.dense)
 
     body = block_mask.with_block_refs(make_body, 3, len(blks)) if blks else make_body()
     launch = common.launch_grid(kp.num_q_tiles, h, bsz, ("qt", "h", "b"),
@@ -697,7 +720,7 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
       # check, so long or persistent kernels still fit.
       compiler_params=common.compiler_params(kp, min(most_steps, PROFILE_STEPS)),
       interpret=common.interpret_params(kp.interpret),
-  )(q, k, v, *blks, *segs, *slopes, *sinks)
+  )(q, k, v, *blks, *segs, *slopes, *sinks, *dense)
 
 
 def _with_head_refs(kernel, slopes, sinks):
@@ -737,7 +760,8 @@ def tail_split(q, config: MosaicConfig, params: AttentionParams, kv_blocks: int,
   staging tile, or no split that pays)."""
   b, t, h, d = q.shape
   if (not config.fwd_split_tail or params.is_causal or common.segment_path(params)
-      or params.block_mask_blocks is not None or persistent
+      or persistent or params.has_bias or params.has_mask
+      or params.block_mask_blocks is not None
       or smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
                     jnp.dtype(q.dtype).itemsize, tail_staging=True) > SMEM_LIMIT_BYTES):
     return None
@@ -813,6 +837,7 @@ def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
   memory (not at head_dim 256)."""
   b, t, h, d = q.shape
   if (not config.fwd_persistent or params.is_causal or common.segment_path(params)
+      or params.has_bias or params.has_mask  # the dense tiles: the grid kernel only
       or params.block_mask_blocks is not None):
     return 0
   if smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
@@ -824,11 +849,13 @@ def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
 
 def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
             config: MosaicConfig, arrays: FeatureArrays | None = None):
-  """See pallas_flash.call for the contract; of `arrays` only the ALiBi slopes and the sinks
-  are read (the other features taken, logits_soft_cap and local_window_size, live in params);
-  ALiBi runs in every form, added to each score tile (common.alibi), and the sinks too, added
-  to each row's sum before O is normalised (`_store_tile`; a split tail's parts in
-  combine_tail). With segment ids or a window the
+  """See pallas_flash.call for the contract; of `arrays` the ALiBi slopes, the sinks and the
+  dense bias and mask are read (the other features taken, logits_soft_cap and
+  local_window_size, live in params); ALiBi runs in every form, added to each score tile
+  (common.alibi), and the sinks too, added to each row's sum before O is normalised
+  (`_store_tile`; a split tail's parts in combine_tail). The dense bias and mask run in the
+  grid kernel (no persistent form, no split tail), each step loading its tiles (sm90/dense.py).
+  With segment ids or a window the
   grid kernel runs its plain kv loop (no persistent form, no intra-warpgroup overlap); only
   the key blocks that may share an id with a q tile, or lie in its band, are loaded, and ids
   and bounds are compared on those that do not lie wholly inside them."""
@@ -863,6 +890,7 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
   blks = () if bm is None else block_mask.inputs(
       bm, q_tile=2 * kp.block_q, kv_tile=kp.block_kv, t_pad=t_pad, s_pad=s_pad, by_q=True)
   out = fwd_call(qp, kpad, vpad, kp=kp, persistent_ctas=ctas, segs=segs, split=split,
-                 slopes=common.raw_alibi_slopes(arrays, params), sinks=sinks, blks=blks)
+                 slopes=common.raw_alibi_slopes(arrays, params), sinks=sinks,
+                 dense=sm90_dense.inputs(arrays, params, t_pad, s_pad), blks=blks)
   o, lse = out if split is None else combine_tail(*out, split, sinks)
   return o[:, :t], lse[:, :, :t]

@@ -1,0 +1,146 @@
+"""The dense bias and mask in the Mosaic kernels (sm90/dense.py): the interpreter against the
+reference (outputs, lse and dq, dk, dv, dbias), the kernels lowered for an abstract H200, and
+the reasons `explain` gives for the forms that run elsewhere."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import use_abstract_mesh
+
+import pallas_flash
+from pallas_flash import mosaic_gpu
+from pallas_flash.call import AttentionParams, CallInfo
+from pallas_flash.mosaic_gpu import MosaicConfig
+from pallas_flash.mosaic_gpu import config as mconfig
+from testing import H200, MOSAIC_INTERPRET, Case, check_against_reference, export_for_h200
+
+
+def _config(**kw) -> MosaicConfig:
+  return dataclasses.replace(MOSAIC_INTERPRET, **kw)
+
+
+def _case(t, s, *, b=2, h=2, kh=1, d=64, dtype=jnp.bfloat16, **kw) -> Case:
+  return Case(batch=b, q_len=t, kv_len=s, num_heads=h, num_kv_heads=kh, head_dim=d,
+              dtype=dtype, **kw)
+
+
+_slow = functools.partial(pytest.param, marks=pytest.mark.slow)
+# (name, config, case). "bias" is [1, H, T, S] and "bias_bcast" [B, 1, T, S] (from [B, 1, 1,
+# S]): dbias is summed over the other axis; "mask_empty_rows" hides every key from every 7th
+# query (o = 0, zero gradients); "bias_full" is [B, H, T, S] in the inputs' dtype (dbias
+# written in it, no sum). Ragged lengths (a padded key tile, padded query rows), causal
+# GQA; the slow ones: the overlapped forward and head dim 128, a dQ tile with XLA's delta,
+# segment ids, a soft cap with ALiBi (the bias after both).
+DENSE = [
+    ("bias_causal_gqa", _config(), _case(140, 100, b=1, is_causal=True,
+                                         features=("bias",))),
+    ("mask_rows_bias_bcast", _config(), _case(100, 150, features=("bias_bcast",
+                                                                  "mask_empty_rows"))),
+    _slow("mask_causal", _config(), _case(200, 170, is_causal=True,
+                                          features=("mask_empty_rows",))),
+    _slow("overlap_hd128", _config(fwd_intra_wg_overlap=True, block_kv=128),
+          _case(333, 200, h=4, kh=1, d=128, dtype=jnp.float16, is_causal=True,
+                features=("bias", "mask"))),
+    _slow("xla_delta", _config(block_q_dq=128, block_kv_dq=64),
+          _case(256, 128, d=128, features=("bias",))),
+    _slow("bias_full", _config(), _case(200, 170, h=2, kh=2, features=("bias_full",))),
+    _slow("segments", _config(), _case(300, 300, h=4, kh=2, is_causal=True, segments=True,
+                                       features=("bias", "mask"))),
+    _slow("softcap_alibi", _config(), _case(190, 130, is_causal=True, lengths=True,
+                                            features=("bias", "softcap", "alibi"))),
+]
+
+
+@pytest.mark.parametrize("name, config, case", DENSE, ids=[
+    f"{f[0]}-{f[2].id}" for f in (getattr(f, "values", f) for f in DENSE)])
+def test_dense_matches_reference(name, config, case):
+  del name
+  check_against_reference("mosaic", case, config=config)
+
+
+def _grad_module(d, causal, s_len, bias_shape, mask: bool, config=None) -> str:
+  """The forward and gradient (dq, dk, dv, dbias) module of a bf16 call with a bias of
+  bias_shape (or none) and a [B, 1, T, S] mask, lowered for the H200."""
+  b, h, kh = 2, 4, 2
+  q = jax.ShapeDtypeStruct((b, s_len, h, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b, s_len, kh, d), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct(bias_shape or (1,), jnp.bfloat16)
+  mask_spec = jax.ShapeDtypeStruct((b, 1, s_len, s_len), jnp.bool_)
+
+  def grads(q, k, v, bias, mask_arg):
+    def loss(q, k, v, bias):
+      return pallas_flash.flash_attention(
+          q, k, v, bias=bias if bias_shape else None, mask=mask_arg if mask else None,
+          is_causal=causal, implementation="mosaic", config=config).astype(jnp.float32).sum()
+    return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+
+  return export_for_h200(grads, q, kv, kv, bias, mask_spec).mlir_module()
+
+
+# The default configs' forms (head dims 64 and 128, causal and not, 128-, 192- and 256-key
+# forward tiles): forward, dQ with dbias, dK/dV; each fits the H200's shared memory.
+LOWERED = [(64, False, 1024, (1, 4, 1024, 1024), False), (64, True, 2048, None, True),
+           (128, False, 2048, (2, 1, 2048, 2048), True), (128, True, 2048, (1, 4, 2048, 2048),
+                                                          False),
+           (128, False, 8192, (1, 4, 8192, 8192), False), (64, False, 4096, None, True)]
+
+
+@pytest.mark.parametrize("d,causal,s_len,bias_shape,mask", LOWERED, ids=[
+    f"d{d}_{'causal' if c else 'full'}_{s}{'_bias' if b else ''}{'_mask' if m else ''}"
+    for d, c, s, b, m in LOWERED])
+def test_default_forms_lower_and_fit(d, causal, s_len, bias_shape, mask):
+  text = _grad_module(d, causal, s_len, bias_shape, mask)
+  assert text.count("custom_call @mosaic_gpu_v2") == 3  # forward, dQ, dK/dV
+  if bias_shape:  # the dQ kernel's dS, summed over the bias's broadcast axis by XLA
+    assert f"tensor<2x4x{s_len}x{s_len}xf32>" in text
+
+
+def test_fused_config_falls_back_to_the_split_with_a_warning():
+  config = MosaicConfig(fused_backward=True, **mconfig.WIDE_REGISTERS)
+  with pytest.warns(UserWarning, match="dense bias or mask"):
+    text = _grad_module(128, True, 2048, (1, 4, 2048, 2048), False, config)
+  assert text.count("custom_call @mosaic_gpu_v2") == 3
+
+
+def _info(**kw) -> CallInfo:
+  params = AttentionParams(scale=1.0, is_causal=True, has_segments=False, has_bias=True)
+  base = dict(batch=1, q_len=1024, kv_len=1024, num_heads=4, num_kv_heads=4, head_dim=128,
+              value_head_dim=128, dtype=jnp.dtype(jnp.bfloat16), params=params,
+              platform="gpu", compute_capability=(9, 0), device_kind="NVIDIA H200")
+  return CallInfo(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kw,expected", [
+    (dict(), None),
+    (dict(head_dim=112, value_head_dim=112), None),  # zero-padded to 128
+    (dict(head_dim=256, value_head_dim=256), "head dims up to 128"),
+    (dict(params=AttentionParams(scale=1.0, is_causal=False, has_segments=False,
+                                 has_mask=True, logits_soft_cap=30.0)), None),
+    (dict(params=AttentionParams(scale=1.0, is_causal=False, has_segments=False,
+                                 has_bias=True, logits_soft_cap=30.0, bias_in_cap=True)),
+     "bias_then_cap"),
+], ids=["hd128", "hd112", "hd256", "mask_softcap", "bias_then_cap"])
+def test_unsupported_reason(kw, expected):
+  reason = mosaic_gpu.unsupported_reason(_info(**kw))
+  assert reason is None if expected is None else expected in reason
+
+
+def test_explain_runs_bias_and_mask_on_mosaic():
+  """implementation=None runs a dense bias and mask on the Mosaic kernels on an H200 (the split
+  backward: a long causal call that takes the fused one without them does not); at head dim
+  256 it says why it runs them elsewhere."""
+  q = jax.ShapeDtypeStruct((1, 16384, 4, 128), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct((1, 4, 16384, 16384), jnp.bfloat16)
+  mask = jax.ShapeDtypeStruct((1, 1, 16384, 16384), jnp.bool_)
+  q256 = jax.ShapeDtypeStruct((1, 1024, 4, 256), jnp.bfloat16)
+  mask256 = jax.ShapeDtypeStruct((1, 1, 1024, 1024), jnp.bool_)
+  with use_abstract_mesh(H200):
+    auto = pallas_flash.explain(q, q, q, bias=bias, mask=mask, is_causal=True)
+    plain = pallas_flash.explain(q, q, q, is_causal=True)
+    wide = pallas_flash.explain(q256, q256, q256, mask=mask256)
+  assert auto.chosen == "mosaic", auto
+  assert plain.config.fused_backward and not auto.config.fused_backward
+  assert wide.chosen != "mosaic" and "head dims up to 128" in str(wide), wide
