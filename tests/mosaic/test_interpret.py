@@ -480,3 +480,6 @@ def test_block_mask_refusals_say_why():
   wide = jax.ShapeDtypeStruct((1, 64, 2, 256), jnp.bfloat16)
   ex = pallas_flash.explain(wide, wide, wide, block_mask=bm, config=MOSAIC_INTERPRET)
   assert "head dims up to 128" in ex.reasons_when_named["mosaic"]
+  bias = jax.ShapeDtypeStruct((1, 2, 64, 64), jnp.float32)
+  ex = pallas_flash.explain(q, q, q, bias, block_mask=bm, config=MOSAIC_INTERPRET)
+  assert "dense bias with a block_mask" in ex.reasons_when_named["mosaic"]
