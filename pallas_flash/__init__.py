@@ -8,9 +8,9 @@ from pallas_flash import dropout, masks
 from pallas_flash.api import CHECKPOINT_NAME, IMPLEMENTATIONS, Explanation, explain, flash_attention
 from pallas_flash.context_parallel import (ContextParallelExplanation, context_parallel_attention,
                                            context_parallel_explain, from_zigzag, to_zigzag)
-from pallas_flash.decode import (DecodeExplanation, FlashSplitConfig, TritonDecodeConfig,
-                                 XlaDecodeConfig, decode_attention, decode_explain,
-                                 decode_reference)
+from pallas_flash.decode import (DecodeExplanation, FlashSplitConfig, MosaicDecodeConfig,
+                                 TritonDecodeConfig, XlaDecodeConfig, decode_attention,
+                                 decode_explain, decode_reference)
 from pallas_flash.merge import merge_attention_states
 from pallas_flash.masks import BlockMask, CausalMask, LocalMask, PrefixLMMask, SegmentMask
 from pallas_flash.mosaic_gpu.config import MosaicConfig, MosaicDebug
@@ -22,8 +22,9 @@ __version__ = "0.2.0"
 
 __all__ = ["CHECKPOINT_NAME", "IMPLEMENTATIONS", "BlockMask", "CausalMask",
            "ContextParallelExplanation", "DecodeExplanation", "Explanation", "FlashSplitConfig",
-           "LocalMask", "MosaicConfig", "MosaicDebug", "PrefixLMMask", "SegmentMask",
-           "TritonConfig", "TritonDecodeConfig", "XlaConfig", "XlaDecodeConfig", "__version__",
+           "LocalMask", "MosaicConfig", "MosaicDebug", "MosaicDecodeConfig", "PrefixLMMask",
+           "SegmentMask", "TritonConfig", "TritonDecodeConfig", "XlaConfig", "XlaDecodeConfig",
+           "__version__",
            "attention_reference", "context_parallel_attention", "context_parallel_explain",
            "decode_attention", "decode_explain", "decode_reference", "dropout", "explain",
            "flash_attention", "from_zigzag", "masks", "merge_attention_states", "to_zigzag"]

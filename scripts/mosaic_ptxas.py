@@ -93,6 +93,13 @@ VARIANTS = {
     "bwd_bias_causal": ("fwdbwd", True, dict(bias=True)),
     "bwd_bias_mask": ("fwdbwd", False, dict(bias=True, mask=True)),
     "bwd_bias_mask_causal": ("fwdbwd", True, dict(bias=True, mask=True)),
+    # Dropout 0.1 (the keep mask from row and column key vectors). Not a config field.
+    "fwd_dropout": ("fwd", False, dict(dropout=0.1)),
+    "fwd_dropout_causal": ("fwd", True, dict(dropout=0.1)),
+    "fwd_dropout_persistent": ("fwd", False, dict(dropout=0.1, fwd_persistent=True,
+                                                  block_kv=128, fwd_q_registers=True)),
+    "bwd_dropout": ("fwdbwd", False, dict(dropout=0.1)),
+    "bwd_dropout_causal": ("fwdbwd", True, dict(dropout=0.1)),
     # The FP8 forward (float8_e4m3fn q, k, v, per-tensor scales; sm90/fp8_forward.py): its
     # default tiles per head dim (no config), and 128-key tiles (the default's at head dim 256).
     "fp8": ("fp8", False, {}),
@@ -161,7 +168,7 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
 
   import pallas_flash
   from pallas_flash.mosaic_gpu import TUNED, MosaicConfig
-  from pallas_flash.mosaic_gpu.config import config_head_dim, dense_config
+  from pallas_flash.mosaic_gpu.config import config_head_dim, dense_config, dropout_tiles
 
   mode, causal, kw = variant(name)
   b, t, h, d = shape[:4]
@@ -173,6 +180,7 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   sinks = kw.pop("sinks", False)
   block_mask = kw.pop("blockmask", None)
   alibi = kw.pop("alibi", False)
+  dropout = kw.pop("dropout", 0.0)
   # The dense inputs are jit arguments (shape, dtype), the bias differentiated.
   dense = {name: shp for name, on, shp in (
       ("bias", kw.pop("bias", False), ((1, h, t, t), jnp.bfloat16)),
@@ -180,6 +188,8 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   config = TUNED.get((config_head_dim(d, d), causal), MosaicConfig())
   if dense:  # the tiles a dense call's default config takes (overrides still win)
     config = dense_config(config, config_head_dim(d, d), causal)
+  if dropout:  # the tiles call_config takes for dropout
+    config = dropout_tiles(config)
   config = dataclasses.replace(config, **kw)
   ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // 1000, (b, t))
   features = dict(query_segment_ids=ids, key_value_segment_ids=ids) if segments else {}
@@ -191,6 +201,8 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
     features["sinks"] = jnp.linspace(-1.0, 2.0, h, dtype=jnp.float32)
   if alibi:
     features["alibi_slopes"] = 2.0 ** (-8.0 * jnp.arange(1, h + 1, dtype=jnp.float32) / h)
+  if dropout:
+    features.update(dropout_rate=float(dropout), dropout_rng=jax.random.key(1))
   if block_mask is not None:
     features["block_mask"] = pallas_flash.BlockMask.build(
         pallas_flash.CausalMask() & pallas_flash.LocalMask(int(block_mask), 0), q_len=t,

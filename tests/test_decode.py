@@ -260,7 +260,7 @@ def _bad_inputs():
                                               config=TritonDecodeConfig()),
        NotImplementedError, "takes a XlaDecodeConfig"),
       ("mosaic", (q, kc, vc, lens), dict(page_table=table, implementation="mosaic"),
-       NotImplementedError, "no Mosaic"),
+       NotImplementedError, "Mosaic decode kernel needs an NVIDIA GPU"),
       ("rotary tables", (q, kc, vc, lens), dict(page_table=table, rotary=(jnp.ones((10, 8)),) * 2),
        ValueError, "cover positions 0..9, but the cache holds 64"),
       ("flash paged", (q, kc, vc, lens), dict(page_table=table, implementation="flash"),

@@ -9,7 +9,10 @@ lengths * K * D * itemsize) / time, and that bandwidth as a fraction of the copy
 (2 * bytes / time: a copy reads and writes them). Anchors: `jax.nn.dot_product_attention` with
 `key_value_seq_lengths` (cudnn, xla), jax's Pallas ops `decode_attention.gqa` and (paged)
 `paged_attention`, torch `scaled_dot_product_attention` (uniform lengths, when importable);
-each anchor cell gives its microseconds and our speed-up over it.
+each anchor cell gives its microseconds and our speed-up over it. `--impl` may also name
+decode_attention's kernels, "mosaic" (Hopper) and "triton", to time them side by side: the
+first implementation named is the column the others are compared with (`--impl
+mosaic,triton,cudnn --prefill no`).
 
 Chunked prefill rows: Tq new tokens (B = 1) against a 32K cache, end-aligned causal, in TFLOP/s
 (4 * H * D * visible pairs): ours (the default path: on Hopper from FLASH_SPLIT_MIN_Q_LEN
@@ -41,7 +44,9 @@ from pallas_flash.bench import checks, flops, timing
 
 # Our implementations (pallas_flash.decode_attention; "ours" = implementation=None) and the
 # anchors.
-OURS = ("ours", "xla", "interpret")
+# "mosaic" and "triton" name decode_attention's kernels, to time them side by side
+# (`--impl mosaic,triton,cudnn`: the first is the column the others are compared with).
+OURS = ("ours", "mosaic", "triton", "xla", "interpret")
 ANCHORS = ("cudnn", "jax_xla", "jaxops_gqa", "jaxops_paged", "torch")
 DECODE_IMPLS = OURS + ANCHORS
 PREFILL_ANCHORS = ("split_kv", "flash", "cudnn")
@@ -97,7 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  help="decode: skip points whose K+V cache exceeds this")
   for name in ("block-kv", "block-m", "num-warps", "num-stages", "num-splits"):
     g.add_argument(f"--{name}", type=int, default=None,
-                   help=f"decode: {name.replace('-', '_')} of ours (Triton) for sweeps")
+                   help=f"decode: {name.replace('-', '_')} of ours (Triton) for sweeps, and "
+                   "of 'triton' when --impl names it; block-kv, num-stages and num-splits "
+                   "also of 'mosaic'")
 
 
 def _grid(opts) -> Grid:
@@ -134,6 +141,16 @@ def _ours_kwargs(opts) -> dict:
   kw = {"num_splits": opts.num_splits}
   if any(v is not None for v in fields.values()):
     kw.update(implementation="triton", config=pallas_flash.TritonDecodeConfig(**fields))
+  return kw
+
+
+def _mosaic_kwargs(ours_kw: dict) -> dict:
+  """num_splits and the tiles (--block-kv, --num-stages) of the Mosaic kernel, named by --impl."""
+  kw = {"num_splits": ours_kw.get("num_splits")}
+  config = ours_kw.get("config")
+  if config is not None and (config.block_kv or config.num_stages):
+    kw["config"] = pallas_flash.MosaicDecodeConfig(block_kv=config.block_kv,
+                                                   num_stages=config.num_stages)
   return kw
 
 
@@ -182,6 +199,10 @@ def _call(impl: str, layout: str, *, ours_kw: dict, page_size: int):
   pool = lambda x: x.reshape(-1, page_size, *x.shape[2:])  # noqa: E731
   if impl in OURS:
     kw = dict(ours_kw) if impl == "ours" else {"implementation": impl}
+    if impl == "mosaic":
+      kw.update(_mosaic_kwargs(ours_kw))
+    elif impl == "triton":  # the Triton kernel by name: the same flags as ours
+      kw.update({k: v for k, v in ours_kw.items() if k != "implementation"})
     if layout == "paged":
       return lambda q, k, v, lens, table: pallas_flash.decode_attention(
           q, pool(k), pool(v), lens, page_table=table, **kw)

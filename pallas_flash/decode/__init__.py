@@ -6,8 +6,14 @@ from pallas_flash.decode.api import (
                                      decode_attention,
                                      decode_explain,
 )
-from pallas_flash.decode.config import FlashSplitConfig, TritonDecodeConfig, XlaDecodeConfig
+from pallas_flash.decode.config import (
+                                        FlashSplitConfig,
+                                        MosaicDecodeConfig,
+                                        TritonDecodeConfig,
+                                        XlaDecodeConfig,
+)
 from pallas_flash.decode.reference import decode_reference
 
-__all__ = ["IMPLEMENTATIONS", "DecodeExplanation", "FlashSplitConfig", "TritonDecodeConfig",
-           "XlaDecodeConfig", "decode_attention", "decode_explain", "decode_reference"]
+__all__ = ["IMPLEMENTATIONS", "DecodeExplanation", "FlashSplitConfig", "MosaicDecodeConfig",
+           "TritonDecodeConfig", "XlaDecodeConfig", "decode_attention", "decode_explain",
+           "decode_reference"]

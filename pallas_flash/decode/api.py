@@ -7,10 +7,11 @@ count once (`_plan`, also what `decode_explain` reports) -> append the new token
 Implementations follow one contract (decode.call): "triton" (Triton-lowered Pallas kernel, any
 NVIDIA GPU from Ampere), "interpret" (that kernel in the Pallas interpreter, any platform),
 "xla" (the same plan in lax loops, any platform), "reference" (materialising, for tests).
-"mosaic" is the slot for a Hopper kernel: it refuses every call until a module with the
-contract is registered in `_MODULES`. "flash" is the chunked-prefill route (decode.flash_split):
-the cached prefix and the new tokens as two `flash_attention` calls, merged; chosen first
-where it pays (long chunks whose pieces flash_attention runs on its Mosaic kernels).
+"mosaic" (decode.mosaic: a Mosaic GPU kernel for Hopper, TMA-fed K/V ring and wgmma; by name
+only until it is measured on the GPU, BY_NAME_ONLY). "flash" is the chunked-prefill route
+(decode.flash_split): the cached prefix and the new tokens as two `flash_attention` calls,
+merged; chosen first where it pays (long chunks whose pieces flash_attention runs on its
+Mosaic kernels).
 """
 
 from __future__ import annotations
@@ -37,13 +38,18 @@ Implementation = Literal["flash", "mosaic", "triton", "interpret", "xla", "refer
 IMPLEMENTATIONS: tuple[str, ...] = ("flash", "mosaic", "triton", "interpret", "xla", "reference")
 AUTO_ORDER: tuple[str, ...] = ("flash", "mosaic", "triton", "xla")  # fastest first
 
+# Implementations that run only when asked for by name (or by passing their config type),
+# with why: the Mosaic kernel's speed is not yet measured on the GPU, so the automatic choice
+# keeps the Triton kernel.
+BY_NAME_ONLY = {"mosaic": "runs by name only (implementation='mosaic'): its speed is not yet "
+                          "measured on the GPU, so the automatic choice keeps 'triton'"}
+
 _MODULES = {
     "triton": ("pallas_flash.decode.triton", {"interpret": False}),
     "interpret": ("pallas_flash.decode.triton", {"interpret": True}),
     "xla": ("pallas_flash.decode.xla", {}),
+    "mosaic": ("pallas_flash.decode.mosaic", {}),
 }
-_NO_MOSAIC = ("no Mosaic (Hopper) decode kernel yet; the Triton kernel runs on Hopper "
-              "(a module with decode.call's contract would register here)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +65,6 @@ class _Backend:
 @functools.cache
 def _load(name: str) -> _Backend | str:
   """The backend `name`, or the reason it cannot run here."""
-  if name not in _MODULES:
-    return _NO_MOSAIC
   module_name, kwargs = _MODULES[name]
   try:
     mod = importlib.import_module(module_name)
@@ -83,7 +87,11 @@ def _reason(name: str, info: DecodeInfo, config, num_splits=None, *,
     return backend
   if (why := backends.config_type_reason(name, backend.config_type, config)) is not None:
     return why
-  return backend.unsupported_reason(info, config)
+  if (why := backend.unsupported_reason(info, config)) is not None:
+    return why
+  if auto and name in BY_NAME_ONLY and config is None:  # its config type names it too
+    return BY_NAME_ONLY[name]
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,11 +261,14 @@ def decode_attention(
     implementation: None picks the fastest that can run the call: "flash" for chunked prefill
       on Hopper (Tq >= decode.config.FLASH_SPLIT_MIN_Q_LEN, contiguous cache, no window),
       else "triton" on GPU and "xla" elsewhere (`decode_explain` says which and why); or one
-      of "flash", "triton", "interpret", "xla", "reference" ("mosaic" is reserved). "flash"
-      runs the cached prefix and the new tokens as two `flash_attention` calls and merges
-      them (docs/decode.md); by name it runs on any platform.
-    config: a `TritonDecodeConfig` or `XlaDecodeConfig` overriding the backend's tiles, or a
-      `FlashSplitConfig` (flash_attention's implementation and config for the "flash" route).
+      of "flash", "mosaic", "triton", "interpret", "xla", "reference". "flash" runs the
+      cached prefix and the new tokens as two `flash_attention` calls and merges them
+      (docs/decode.md); by name it runs on any platform. "mosaic" is the Hopper kernel
+      (Tq * G <= 64 rows per kv head, D 64 or 128, bf16 / f16), run only when named or
+      given a `MosaicDecodeConfig` (its speed is not yet measured on the GPU).
+    config: a `TritonDecodeConfig`, `MosaicDecodeConfig` or `XlaDecodeConfig` overriding the
+      backend's tiles, or a `FlashSplitConfig` (flash_attention's implementation and config
+      for the "flash" route).
     checked: add `jax.experimental.checkify` checks of the values (lengths within the cache,
       the append fitting, used pages inside the pool); run the caller under
       `checkify.checkify` to get them as errors. Without it, eager calls (concrete values)

@@ -49,6 +49,30 @@ class TritonDecodeConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MosaicDecodeConfig:
+  """Tiling of the Mosaic GPU (Hopper) decode kernel (decode/mosaic.py).
+
+  A program owns the Tq * G query rows of one kv head (padded to 64, one wgmma tile) and
+  streams `block_kv` keys per step through a ring of `num_stages` TMA-fed K/V buffers; None
+  picks the default for the call. `interpret` runs the kernel in the Mosaic GPU interpreter
+  (any platform, for tests).
+  """
+
+  block_kv: int | None = None
+  num_stages: int | None = None
+  interpret: bool = False
+
+  def __post_init__(self):
+    if self.block_kv is not None and (not _is_pow2(self.block_kv) or self.block_kv < 64):
+      raise ValueError(f"MosaicDecodeConfig.block_kv must be a power of two >= 64, got "
+                       f"{self.block_kv}.")
+    if self.num_stages is not None and self.num_stages < 1:
+      raise ValueError(f"MosaicDecodeConfig.num_stages must be >= 1, got {self.num_stages}.")
+    if not isinstance(self.interpret, bool):
+      raise TypeError(f"MosaicDecodeConfig.interpret must be a bool, got {self.interpret!r}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class XlaDecodeConfig:
   """Keys per step of the blockwise XLA decode path (None: sized so that a step's float32
   scores stay near 16 MiB)."""

@@ -465,6 +465,22 @@ def _balanced_splits(q, key_cache, value_cache, lengths, page_table, *, kp: _Ker
       interpret=interpret,
       name="pallas_flash_decode",
   )(lengths, q, key_cache, value_cache, page_table)
+  return merge_partials(q, lengths, o, lse, kp=kp, interpret=interpret)
+
+
+def merge_partials(q, lengths, o, lse, *, kp: _KernelParams, interpret: bool):
+  """_merge_kernel over the partials of balanced runs: o [K, B + N - 1, row tiles * block_m,
+  D_pad] and lse [K, B + N - 1, row tiles * block_m] float32, program i's share of sequence b
+  in slot i + b (N = num_splits * B runs of the partition kp's block_kv and rows give) ->
+  out [B, Tq, K, G, D] in q's dtype and lse [B, K, G, Tq]. q: the [B, Tq, K, G, D] query
+  (its shape and dtype). Also the Mosaic decode kernel's merge (decode/mosaic.py)."""
+  b, tq, kh, g, d = q.shape
+  bm = kp.block_m
+  tiles_m = -(-kp.rows // bm)
+  slots, d_pad = o.shape[1], o.shape[3]
+  o_slots = lambda mi, k: (k, 0, mi, 0)  # noqa: E731
+  lse_slots = lambda mi, k: (k, 0, mi)  # noqa: E731
+  lengths_spec = pl.BlockSpec(lengths.shape, lambda *_: (0,))
   return pl.pallas_call(
       functools.partial(_merge_kernel, p=kp),
       grid=(tiles_m, b * kh),

@@ -46,10 +46,13 @@ MEASURED_HEAD_DIMS = frozenset({(64, 64), (80, 80), (96, 96), (128, 128), (192, 
 # elsewhere. The soft cap's backward at head dims 192 and 256 runs the Triton kernels. ALiBi's
 # -slope·|i - j| is added to each score tile in the kernels (sm90/common.alibi), and so are the
 # dense bias and mask ([B|1, H|1, T, S] tiles loaded by each kernel, sm90/dense.py; head dims up
-# to 128, the split backward). A block mask's tables become the kernels' per-tile lists of
+# to 128, the split backward). Dropout's keep mask is formed in the forward and the split
+# backward kernels from pallas_flash.dropout's row and column keys (sm90/common.dropout_keep:
+# bitwise every backend's mask), in every kernel but the fused backward (calls with dropout
+# take the split backward). A block mask's tables become the kernels' per-tile lists of
 # blocks (sm90/block_mask.py).
 SUPPORTED_FEATURES = frozenset({"logits_soft_cap", "local_window_size", "alibi_slopes", "bias",
-                                "mask", "block_mask"})
+                                "mask", "dropout", "block_mask"})
 # The forward adds attention sinks in its epilogue (sm90/forward._store_tile): the API passes
 # calls with sinks here as params.has_sinks and arrays.sinks (pallas_flash.call); the backward
 # kernels need nothing more, given the forward's o and lse, and dsinks comes from their delta.
@@ -128,6 +131,9 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
     if call.params.has_bias:
       return ("a dense bias with a block_mask is not in the wgmma kernels (dbias is written "
               "for key-block ranges, not tables)")
+    if call.params.dropout_rate:
+      return ("dropout with a block_mask is not in the wgmma kernels (their dropout keys are "
+              "indexed by key-block ranges, not tables)")
   if call.params.deterministic and config is not None and config.fused_backward:
     return ("config.fused_backward=True sums dQ with float32 atomics in a varying order, "
             "which deterministic=True rules out; pass fused_backward=False (the split backward)")

@@ -197,22 +197,40 @@ def dense_config(config: MosaicConfig, head_dim: int, is_causal: bool) -> Mosaic
   return config
 
 
+def dropout_tiles(config: MosaicConfig) -> MosaicConfig:
+  """A tuned config's tiles for a call with dropout: at most 128-key forward tiles (with Q in
+  registers where the wider tile took it from shared memory) and 64-row dK/dV q tiles. The
+  keep mask's key vector costs block_kv / 4 registers per thread in the wgmma layout; with it,
+  ptxas (deviceless, CUDA 13.0, 1x4096x16xD) spilled in the main loops of head dim 128's
+  192-key forward (16 / 15 spill loads / stores), head dim 64's 256-key forward (38 / 35) and
+  its dK/dV kernel at 128-row q tiles (46 / 46); these tiles spill none there."""
+  changes = {}
+  if config.block_kv > 128:
+    changes.update(block_kv=128, fwd_q_registers=config.fwd_q_registers
+                   or config.fwd_intra_wg_overlap)
+  if config.block_q_dkv > 64:
+    changes.update(block_q_dkv=64)
+  return dataclasses.replace(config, **changes) if changes else config
+
+
 def call_config(head_dim: int, params: AttentionParams, kv_len: int, batch: int) -> MosaicConfig:
-  """`tuned`, with the fused backward where FUSED's rules say; never where a call asks for
-  bitwise-reproducible gradients, or carries segment ids, lengths, a window (which the fused
-  kernel does not stream), a soft cap (not measured with it) or ALiBi (the fused kernel does
-  not add it; backward.py would warn and run the split kernels), nor a dense bias or mask (the
-  split kernels load their tiles; in the forward the grid kernel does: no persistent form, no
-  split tail). A block mask takes the causal forms (128-key tiles: finer sparsity than the
-  non-causal 192 or 256) and the split backward (the fused kernel takes none)."""
+  """`tuned` (with `dense_config` for a dense bias or mask, `dropout_tiles` for dropout), with
+  the fused backward where FUSED's rules say; never where a call asks for bitwise-reproducible
+  gradients, or carries segment ids, lengths, a window (which the fused kernel does not
+  stream), a soft cap (not measured with it), ALiBi, dropout, a dense bias or mask (the fused
+  kernel adds none of them; backward.py would warn and run the split kernels). A block mask
+  takes the causal forms (128-key tiles: finer sparsity than the non-causal 192 or 256) and
+  the split backward (the fused kernel takes none)."""
   if params.block_mask_blocks is not None:
     return tuned(head_dim, True, kv_len)
   config = tuned(head_dim, params.is_causal, kv_len)
   if params.has_bias or params.has_mask:
     config = dense_config(config, head_dim, params.is_causal)
+  if params.dropout_rate:
+    config = dropout_tiles(config)
   if (head_dim != 128 or params.deterministic or params.has_segments
       or params.local_window is not None or params.logits_soft_cap is not None
-      or params.has_alibi or params.has_bias or params.has_mask):
+      or params.has_alibi or params.dropout_rate or params.has_bias or params.has_mask):
     return config
   if params.is_causal and kv_len >= FUSED_MIN_KV_LEN and batch <= FUSED_MAX_BATCH:
     return dataclasses.replace(config, **FUSED)

@@ -64,3 +64,20 @@ def test_points_over_the_memory_cap_are_skipped(tmp_path, capsys):
               "96", "--max-cache-gib", "0", "--prefill", "no", *FAST, "--json", str(out)])
   assert json.loads(out.read_text()) == []
   assert "skip B=3 cache 96" in capsys.readouterr().out
+
+
+def test_impl_names_the_mosaic_and_triton_kernels():
+  """--impl mosaic,triton,cudnn times the two kernels side by side (the first is the column
+  the others are compared with); --block-kv / --num-stages / --num-splits reach 'mosaic'."""
+  import argparse
+
+  import pallas_flash
+  from pallas_flash.bench import decode
+
+  assert decode._impls(argparse.Namespace(impl="mosaic,triton,cudnn")) == [
+      "mosaic", "triton", "cudnn"]
+  ours = decode._ours_kwargs(argparse.Namespace(block_kv=64, block_m=None, num_warps=None,
+                                                num_stages=4, num_splits=3))
+  assert decode._mosaic_kwargs(ours) == {
+      "num_splits": 3, "config": pallas_flash.MosaicDecodeConfig(block_kv=64, num_stages=4)}
+  assert decode._mosaic_kwargs({"num_splits": None}) == {"num_splits": None}

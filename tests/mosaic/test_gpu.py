@@ -179,11 +179,38 @@ BIAS_CASES = [
     _case(1, 300, 5000, 4, 2, 128, False, features=("bias",)),
     _case(1, 1000, 1000, 4, 2, 96, True, features=("bias",)),
     _case(1, 1024, 1024, 4, 2, 128, True, features=("bias", "softcap", "alibi")),
+    _case(1, 1000, 1100, 4, 2, 128, True, features=("bias", "dropout")),
 ]
 
 
 @pytest.mark.parametrize("case", BIAS_CASES, ids=lambda c: c.id)
 def test_bias_and_mask(case):
+  check_against_reference("mosaic", case)
+  _assert_reproducible(case)
+
+
+# Dropout (issue 43), its keep mask formed in the kernels from pallas_flash.dropout's keys:
+# each default form (hd64 persistent at 1K, split tail at 4K, causal; hd128 persistent
+# overlapped at 2K, 192-key tiles at 8K where a plain call takes the fused backward, causal),
+# GQA, odd lengths, segment ids, a window with a soft cap, ALiBi, and head dim 256 (its
+# role-split dK/dV kernel; with a soft cap the Triton backward); against the reference with
+# the same seed, and bitwise reproducible.
+DROPOUT_CASES = [
+    _case(4, 2048, 2048, 8, 2, 128, True, features=("dropout",)),
+    _case(4, 2048, 2048, 8, 2, 128, False, features=("dropout",)),
+    _case(1, 8000, 8000, 4, 2, 128, False, features=("dropout",)),
+    _case(2, 1000, 1100, 8, 2, 64, True, segments=True, features=("dropout",)),
+    _case(1, 1024, 1024, 4, 4, 64, False, jnp.float16, features=("dropout",)),
+    _case(1, 4096, 4096, 33, 33, 64, False, features=("dropout",)),
+    _case(1, 113, 203, 4, 2, 128, False, features=("dropout", "alibi")),
+    _case(1, 3000, 3000, 4, 2, 128, True, lengths=True, features=("dropout", "window", "softcap")),
+    _case(1, 1024, 1024, 4, 2, 256, True, features=("dropout",)),
+    _case(1, 777, 777, 4, 4, 256, False, features=("dropout", "softcap")),
+]
+
+
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=lambda c: c.id)
+def test_dropout(case):
   check_against_reference("mosaic", case)
   _assert_reproducible(case)
 

@@ -186,6 +186,74 @@ def test_sinks_on_rows_that_see_no_key():
   assert np.all(np.asarray(o[:, 70:]) == 0) and np.all(np.asarray(grads[0][:, 70:]) == 0)
 
 
+# Dropout (the keep mask formed in the kernels from pallas_flash.dropout's row and column keys):
+# output, lse and dq, dk, dv against the reference with the same seed. Causal GQA on ragged
+# lengths runs in the suite; the other forward forms, head dim 128's overlapped loop, the split
+# tail, the persistent kernel, features together and head dim 256 (its role-split dK/dV kernel
+# forms the mask in both roles; with a soft cap the Triton backward) with -m slow
+# (tests/mosaic/test_gpu.py -k dropout runs the defaults on the GPU).
+DROPOUT = [
+    ("plain", _config(), _case(130, 100, h=4, kh=2, is_causal=True, features=("dropout",))),
+]
+DROPOUT_SLOW = [
+    ("overlap", _config(fwd_intra_wg_overlap=True, block_kv=192, dkdv_overlap=True),
+     _case(130, 500, d=128, features=("dropout",))),
+    ("overlap_causal", _config(fwd_intra_wg_overlap=True, block_kv=128),
+     _case(333, 200, h=4, kh=2, d=128, dtype=jnp.float16, is_causal=True,
+           features=("dropout",))),
+    ("persistent", _config(fwd_persistent=True, fwd_intra_wg_overlap=True,
+                           debug=dict(persistent_ctas=2)),
+     _case(200, 200, h=3, d=128, features=("dropout",))),
+    ("split_tail", _config(fwd_split_tail=True, block_q_dkv=128,
+                           debug=dict(wave_ctas=2, tail_parts=3)),
+     _case(384, 192, h=3, features=("dropout",))),
+    ("segments_softcap", _config(), _case(300, 300, h=4, kh=2, is_causal=True, segments=True,
+                                          features=("dropout", "softcap", "window"))),
+    ("alibi_sinks", _config(), _case(130, 190, h=2, kh=1, features=("dropout", "alibi",
+                                                                      "sinks"))),
+    ("hd256", _config(), _case(130, 190, kh=2, d=256, is_causal=True, features=("dropout",))),
+    ("hd256_softcap", _config(), _case(130, 130, d=256, features=("dropout", "softcap"))),
+]
+
+
+@pytest.mark.parametrize(
+    "name, config, case",
+    DROPOUT + [pytest.param(*f, marks=pytest.mark.slow) for f in DROPOUT_SLOW],
+    ids=[f"{n}-{c.id}" for n, _, c in DROPOUT + DROPOUT_SLOW])
+def test_dropout_matches_reference(name, config, case):
+  del name
+  check_against_reference("mosaic", case, config=config)
+
+
+def test_dropout_mask_is_bitwise_every_backends():
+  """The kernels' keep mask is pallas_flash.dropout.keep_mask's, bit for bit, in the forward
+  and the dK/dV kernel, as the Triton kernels' (interpreted) is: with V and dO the identity
+  (T = S <= D), O[i, j] = P[i, j]·keep[i, j] / (1 - rate) and dV[j, i] = the same (per head:
+  no GQA), so the zeros of O and dVᵀ are exactly the dropped entries (every P > 0 here)."""
+  n, h, d, rate = 120, 2, 128, 0.5
+  kw = dict(dropout_rate=rate, dropout_rng=jax.random.key(7))
+  q, k = (jax.random.normal(key, (1, n, h, d), jnp.bfloat16)
+          for key in jax.random.split(jax.random.key(1), 2))
+  eye = jnp.broadcast_to(jnp.eye(n, d, dtype=jnp.bfloat16)[None, :, None], (1, n, h, d))
+  seed = pallas_flash.dropout.seed_from_rng(kw["dropout_rng"])
+  keep = np.asarray(pallas_flash.dropout.keep_mask(seed, 1, h, n, n, rate))[0]  # [H, T, S]
+
+  def zeros(impl, config):
+    o, vjp = jax.vjp(lambda v: pallas_flash.flash_attention(
+        q, k, v, implementation=impl, config=config, **kw), eye)
+    (dv,) = vjp(eye)
+    o = np.asarray(o[0, :, :, :n].astype(jnp.float32)).transpose(1, 0, 2)  # [H, T, S]
+    dv_t = np.asarray(dv[0, :, :, :n].astype(jnp.float32)).transpose(1, 2, 0)  # [H, T, S]
+    return o == 0, dv_t == 0
+
+  dropped = ~keep
+  assert 0.4 < dropped.mean() < 0.6
+  for impl, config in (("mosaic", MOSAIC_INTERPRET), ("interpret", None)):
+    o_zero, dv_zero = zeros(impl, config)
+    np.testing.assert_array_equal(o_zero, dropped, err_msg=f"{impl}: output")
+    np.testing.assert_array_equal(dv_zero, dropped, err_msg=f"{impl}: dV")
+
+
 # Head dim 192 (the forward's grid kernel at 192 columns, hd256.py's backward kernels at D =
 # 192), a head dim zero-padded by mosaic_gpu.padded_call (72 to 80), V of MLA's 192 / 128
 # padded to 192. Not the automatic choice yet (not measured on the GPU): -m slow.
@@ -483,3 +551,6 @@ def test_block_mask_refusals_say_why():
   bias = jax.ShapeDtypeStruct((1, 2, 64, 64), jnp.float32)
   ex = pallas_flash.explain(q, q, q, bias, block_mask=bm, config=MOSAIC_INTERPRET)
   assert "dense bias with a block_mask" in ex.reasons_when_named["mosaic"]
+  ex = pallas_flash.explain(q, q, q, block_mask=bm, dropout_rate=0.1,
+                            dropout_rng=jax.random.key(0), config=MOSAIC_INTERPRET)
+  assert "dropout with a block_mask" in ex.reasons_when_named["mosaic"]

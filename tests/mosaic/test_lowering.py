@@ -355,6 +355,58 @@ def test_explain_runs_alibi_on_mosaic_without_the_fused_backward():
   assert plain.config.fused_backward and not auto.config.fused_backward
 
 
+# ALIBI_FORMS, and head dims 96 (head dim 128's kernels at a 64-byte swizzle) and 192 (hd256.py).
+DROPOUT_FORMS = ALIBI_FORMS + [(96, False, 2048), (192, True, 1024)]
+
+
+@pytest.mark.parametrize("head_dim,causal,kv_len", DROPOUT_FORMS,
+                         ids=[f"d{d}_{'causal' if c else 'full'}_{s}" for d, c, s in DROPOUT_FORMS])
+def test_dropout_default_kernels_lower_and_fit(head_dim, causal, kv_len):
+  """Dropout in each default form: forward, dQ and dK/dV kernels on Mosaic (never the fused
+  backward)."""
+  case = Case(batch=1, q_len=kv_len, kv_len=kv_len, num_heads=4, num_kv_heads=2,
+              head_dim=head_dim, dtype=jnp.bfloat16, is_causal=causal)
+  text = _grad_module(case, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+  assert text.count("custom_call @mosaic_gpu_v2") == 3
+
+
+@pytest.mark.parametrize("head_dim,causal,kv_len", ALIBI_FORMS,
+                         ids=[f"d{d}_{'causal' if c else 'full'}_{s}" for d, c, s in ALIBI_FORMS])
+def test_dropout_configs_keep_narrow_tiles(head_dim, causal, kv_len):
+  """call_config with dropout is the plain call's config with dropout_tiles: forward tiles of
+  at most 128 keys (Q in registers where a 192-key tile read it from shared memory) and 64-row
+  dK/dV q tiles, the tiles ptxas compiled without main-loop spills; never the fused backward."""
+  params = AttentionParams(scale=1.0, is_causal=causal, has_segments=False)
+  plain = mconfig.call_config(head_dim, params, kv_len, 1)
+  got = mconfig.call_config(head_dim, dataclasses.replace(params, dropout_rate=0.1), kv_len, 1)
+  assert got.block_kv == min(plain.block_kv, 128) and got.block_q_dkv == 64
+  assert not got.fused_backward
+  if plain.block_kv > 128 and plain.fwd_intra_wg_overlap:
+    assert got.fwd_q_registers
+  unchanged = ("block_kv", "block_q_dkv", "fwd_q_registers", "fused_backward",
+               "compute_registers", "producer_registers")
+  assert all(getattr(got, f.name) == getattr(plain, f.name)
+             for f in dataclasses.fields(MosaicConfig) if f.name not in unchanged)
+
+
+def test_explain_runs_dropout_on_mosaic_without_the_fused_backward():
+  """Dropout runs on the Mosaic kernels by automatic choice on an H200; a long causal call,
+  which takes the fused backward without it, runs the split backward (the fused kernel does
+  not form the mask), and a config that asks for the fused backward is told why not."""
+  q = jax.ShapeDtypeStruct((1, 16384, 16, 128), jnp.bfloat16)
+  kw = dict(is_causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+  with use_abstract_mesh(H200):
+    auto = pallas_flash.explain(q, q, q, **kw)
+    plain = pallas_flash.explain(q, q, q, is_causal=True)
+  assert auto.chosen == "mosaic", auto
+  assert plain.config.fused_backward and not auto.config.fused_backward
+  with pytest.warns(UserWarning, match="dropout's mask is formed in the split kernels only"):
+    _grad_module(Case(batch=1, q_len=1024, kv_len=1024, num_heads=4, num_kv_heads=4,
+                      head_dim=128, dtype=jnp.bfloat16, is_causal=True),
+                 MosaicConfig(fused_backward=True, **mconfig.WIDE_REGISTERS),
+                 dropout_rate=0.1, dropout_rng=jax.random.key(0))
+
+
 TILES, HEADS, BATCH = 3, 4, 2
 
 

@@ -47,6 +47,8 @@ def _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *,
   its interpreter when the Mosaic kernels are interpreted), same contract, deterministic, for
   the one call the Mosaic backward kernels do not take: a soft cap at head dims above 128
   (hd256.py's dS warpgroup gets Pᵀ through shared memory, never Sᵀ, so it has no cap slope).
+  The Triton kernels read the same dropout keys (pallas_flash.dropout.key_tables), so with
+  dropout too their mask is the forward's.
   """
   from pallas_flash import triton as triton_backend
   lse, delta = common.xla_row_stats(o, lse, do, delta)
@@ -80,7 +82,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
                              config=config, arrays=arrays)
   elif d > 128:  # 192 or 256
     grads = hd256.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
-                           config=config, slopes=slopes)
+                           config=config, slopes=slopes, arrays=arrays)
   elif config.fused_backward and (reason := _fused_reason(q, params, config)) is None:
     lse_inf, full_delta = common.xla_row_stats(o, lse, do, delta)
     grads = fused.backward(q, k, v, lse_inf, do, full_delta, params=params, config=config)
@@ -108,6 +110,8 @@ def _fused_reason(q, params: AttentionParams, config: MosaicConfig) -> str | Non
     reason = "ALiBi is added in the split kernels only"
   if reason is None and (params.has_bias or params.has_mask):
     reason = "a dense bias or mask is loaded in the split kernels only"
+  if reason is None and params.dropout_rate:
+    reason = "dropout's mask is formed in the split kernels only"
   if reason is None and params.block_mask_blocks is not None:
     reason = "block masks are streamed in the split kernels only"
   return reason
@@ -116,7 +120,8 @@ def _fused_reason(q, params: AttentionParams, config: MosaicConfig) -> str | Non
 def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
                     config: MosaicConfig, slopes=(), arrays: FeatureArrays | None = None):
   """The dQ kernel, then the dK/dV kernel (backward's contract; slopes: () or ALiBi's
-  (common.raw_alibi_slopes [H],); of `arrays` the dense bias and mask and the block mask are
+  (common.raw_alibi_slopes [H],); of `arrays` the dense bias and mask, the dropout seed and
+  the block mask are
   read) -> (dq, dk, dv[, dbias], delta [B, H, T] = rowsum(dO∘O) - dlse), dbias with
   params.has_bias (summed over the bias's broadcast axes), delta as the dQ kernel or XLA
   computed it (unused but for the sinks' gradient)."""
@@ -146,6 +151,8 @@ def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: Attent
         dkdv_tiles=(config.block_q_dkv, 2 * config.block_kv_dkv), params=params)
   dense_in = sm90_dense.inputs(arrays, params, t_pad, s_pad)
   dbias = ()
+  keys = common.dropout_keys(arrays, params, batch=q.shape[0], heads=q.shape[2], t_pad=t_pad,
+                             s_pad=s_pad)
   # Padded rows get lse = +inf (P = 0) and, with O and dO zero there, delta = 0.
   if dq_smem_bytes(kp_dq, in_kernel=True, correction=delta is not None) <= SMEM_LIMIT_BYTES:
     # The dQ kernel computes lse2 and delta from O and dO (FA2's preprocessing) and hands them
@@ -154,7 +161,7 @@ def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: Attent
     if delta is not None:
       delta = _tiling.pad_axis(delta, 2, t_pad)
     dq, lse2, delta, *dbias = dq_call(qp, kpad, vpad, dop, op, lse, delta, kp=kp_dq,
-                                      segs=dq_segs, slopes=slopes, dense=dense_in,
+                                      segs=dq_segs, slopes=slopes, dense=dense_in, keys=keys,
                                       blks=dq_blks)
   else:  # the dQ kernel's O tile does not fit beside this config's tiles: XLA's pass
     lse, delta = common.xla_row_stats(o, lse, do, delta)
@@ -162,9 +169,9 @@ def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: Attent
     lse2 = _tiling.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
     delta = _tiling.pad_axis(delta, 2, t_pad)
     out = dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs,
-                  slopes=slopes, dense=dense_in, blks=dq_blks)
+                  slopes=slopes, dense=dense_in, keys=keys, blks=dq_blks)
     dq, *dbias = out if kp_dq.dense[0] else (out,)
   dk, dv = dkdv.dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs,
-                          slopes=slopes, dense=dense_in, blks=dkdv_blks)
+                          slopes=slopes, dense=dense_in, keys=keys, blks=dkdv_blks)
   dbias = tuple(sm90_dense.reduce_dbias(x, arrays.bias.shape, t, s) for x in dbias)
   return dq[:, :t], dk[:, :s], dv[:, :s], *dbias, delta[:, :, :t]

@@ -15,7 +15,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_flash import _tiling
+from pallas_flash import _tiling, dropout as dropout_hash
 from pallas_flash.mosaic_gpu.config import MosaicConfig
 from pallas_flash.mosaic_gpu.sm90 import dense as sm90_dense
 from pallas_flash.call import AttentionParams, FeatureArrays
@@ -66,8 +66,10 @@ class KernelParams:
   # blocks of their tile's table and evaluate the function on its partial ones.
   block_mask: Any = None
   # (AttentionParams.has_bias, .has_mask): the kernels take dense.inputs' arrays, after the
-  # ALiBi slopes and the sinks (sm90/dense.py).
+  # ALiBi slopes, the sinks and the dropout keys (sm90/dense.py).
   dense: tuple[bool, bool] = (False, False)
+  # AttentionParams.dropout_rate: the kernels take dropout_keys' row and column keys as inputs.
+  dropout: float = 0.0
 
   @staticmethod
   def stats_view(x):
@@ -80,6 +82,11 @@ class KernelParams:
   def c(self) -> float:
     """softmax_scale·log2(e): scores times c are in log2 units for exp2."""
     return self.scale * math.log2(math.e)
+
+  @property
+  def inv_keep(self) -> float:
+    """1 / (1 - dropout rate): the scale of the probabilities dropout keeps."""
+    return 1.0 / (1.0 - self.dropout)
 
   @property
   def dq_v_stages(self) -> int:
@@ -118,7 +125,7 @@ class KernelParams:
         profile_dir=config.debug.profile_dir, segments=segment_path(params),
         segment_ids=params.has_segments,
         softcap=params.logits_soft_cap, window=params.local_window, alibi=params.has_alibi,
-        dense=(params.has_bias, params.has_mask))
+        dense=(params.has_bias, params.has_mask), dropout=params.dropout_rate)
 
 
 def soft_cap(s, kp: KernelParams):
@@ -180,6 +187,45 @@ def alibi(s, row0, col0, slope):
   dist = jnp.abs(lax.broadcast_in_dim(rows, s.shape, [0])
                  - lax.broadcast_in_dim(cols, s.shape, [1]))
   return s + slope * dist
+
+
+class DropoutKeys(NamedTuple):
+  """A kernel's dropout inputs (GMEM, dropout_keys): `rows` [B, H, rows_pad] int32 keys of the
+  query rows under each (batch, query head), `cols` [cols_pad] int32 keys of the key columns."""
+
+  rows: Any
+  cols: Any
+
+
+def dropout_keys(arrays: FeatureArrays | None, params: AttentionParams, *, batch: int,
+                 heads: int, t_pad: int, s_pad: int) -> tuple:
+  """() without dropout, else pallas_flash.dropout.key_tables' (row keys [B, H, t_pad], column
+  keys [s_pad]) int32: the keys that every other implementation hashes or reads, so that the
+  kernels' keep mask is bitwise theirs (dropout.keep_keys)."""
+  if not params.dropout_rate:
+    return ()
+  return dropout_hash.key_tables(arrays.dropout_seed, batch, heads, t_pad, s_pad)
+
+
+def dropout_row_keys(keys: DropoutKeys, b, h, row0, n: int, layout=ROW):
+  """Keys [n] of query rows row0.. of (batch b, query head h), in `layout` (ROW for a
+  [queries, keys] tile, COL for a transposed one), loaded from GMEM."""
+  return plgpu.load(keys.rows.at[b, h, pl.ds(row0, n)], layout=layout, optimized=False)
+
+
+def dropout_col_keys(keys: DropoutKeys, col0, n: int, layout=COL):
+  """Keys [n] of key columns col0.. in `layout` (COL for a [queries, keys] tile, ROW for a
+  transposed one), loaded from GMEM."""
+  return plgpu.load(keys.cols.at[pl.ds(col0, n)], layout=layout, optimized=False)
+
+
+def dropout_keep(row_keys, col_keys, shape, kp: KernelParams):
+  """[rows, cols] bool: which entries of a tile dropout keeps, from the key vectors of its rows
+  (ROW) and columns (COL), dropout.keep_keys' multiply-compare: one 32-bit multiply and one
+  compare per entry, the vectors broadcast (no full-tile iota). Row and column keys are those
+  of queries and keys, or keys and queries in a transposed tile (the product commutes)."""
+  return (lax.broadcast_in_dim(row_keys, shape, [0])
+          * lax.broadcast_in_dim(col_keys, shape, [1])) >= dropout_hash.threshold(kp.dropout)
 
 
 def sm_count() -> int:
@@ -342,33 +388,38 @@ class SegmentRefs(NamedTuple):
 
 
 def with_segment_refs(kernel, num_inputs: int, segmented: bool, alibi: bool = False,
-                      sinks: bool = False, dense: tuple[bool, bool] = (False, False)):
+                      sinks: bool = False, dropout: bool = False,
+                      dense: tuple[bool, bool] = (False, False)):
   """A plgpu.kernel body for `kernel(*inputs, *outputs, *scratch, seg=...[, slopes=...]
-  [, sinks=...][, dense=...])` whose call passes the 3 SegmentRefs arrays after its
+  [, sinks=...][, keys=...][, dense=...])` whose call passes the 3 SegmentRefs arrays after its
   `num_inputs` inputs when `segmented`, then with `alibi` the raw_alibi_slopes [H] (GMEM),
   handed over as `slopes`, then with `sinks` the forward's sink logits [H] (GMEM), handed over
-  as `sinks`, then the dense bias and mask where `dense` (KernelParams.dense) says, handed
-  over as `dense` (a dense.DenseRefs)."""
+  as `sinks`, then with `dropout` dropout_keys' two arrays (GMEM), handed over as `keys`, then
+  the dense bias and mask where `dense` (KernelParams.dense) says, handed over as `dense` (a
+  dense.DenseRefs)."""
   def body(*refs):
-    if not (segmented or alibi or sinks or any(dense)):
+    if not (segmented or alibi or sinks or dropout or any(dense)):
       return kernel(*refs, seg=None)
     n = num_inputs + 3 * segmented
     seg = SegmentRefs(*refs[num_inputs:n]) if segmented else None
-    m = n + alibi + sinks
+    m = n + alibi + sinks + 2 * dropout
     extra = {} if not any(dense) else {"dense": sm90_dense.take_refs(refs[m:], dense)}
     return kernel(*refs[:num_inputs], *refs[m + sum(dense):], seg=seg,
-                  **head_refs(refs[n:], alibi, sinks), **extra)
+                  **head_refs(refs[n:], alibi, sinks, dropout), **extra)
   return body
 
 
-def head_refs(refs, alibi: bool, sinks: bool) -> dict:
-  """The per-head GMEM inputs that lead `refs` (the ALiBi slopes, then the sinks, where
-  present) as the kernels' keyword arguments `slopes` and `sinks`."""
+def head_refs(refs, alibi: bool, sinks: bool, dropout: bool = False) -> dict:
+  """The per-head GMEM inputs that lead `refs` (the ALiBi slopes, then the sinks, then the
+  dropout keys' two arrays, where present) as the kernels' keyword arguments `slopes`, `sinks`
+  and `keys`."""
   heads = {}
   if alibi:
     heads["slopes"] = refs[0]
   if sinks:
     heads["sinks"] = refs[int(alibi)]
+  if dropout:
+    heads["keys"] = DropoutKeys(*refs[alibi + sinks:alibi + sinks + 2])
   return heads
 
 

@@ -25,7 +25,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
                  v_scratch, q_scratch, do_scratch, lse_scratch, delta_scratch, st_scratch,
                  kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free, do_free,
                  lse_free, delta_free, *, kp: common.KernelParams,
-                 seg: common.SegmentRefs | None = None, slopes=None, dense=None,
+                 seg: common.SegmentRefs | None = None, slopes=None,
+                 keys: common.DropoutKeys | None = None, dense=None,
                  blk: block_mask.Refs | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [1, B·H, Tp].
 
@@ -38,11 +39,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
   seg: segment ids of the key rows and of the queries, and per kv tile the hull of q blocks
   that may share an id with it: the CTA streams only those, and compares ids on each except
   the q blocks wholly inside the tile's one document. slopes: ALiBi's
-  common.raw_alibi_slopes [H] (GMEM), or None. dense: the dense bias and mask
-  (dense.DenseRefs), or None: each step loads its transposed tiles. blk: a block mask's
-  q-block table per kv tile and mask function (block_mask.Refs): the CTA streams the listed q
-  blocks (each for every query head of the group), evaluating the function on the partial ones
-  (listed first).
+  common.raw_alibi_slopes [H] (GMEM), or None. keys: dropout's row and column keys
+  (common.dropout_keys), or None: dV takes the kept Pᵀ (scaled by 1 / (1 - rate) once, at
+  the end), dSᵀ the kept, scaled dPᵀ. dense: the dense bias and mask (dense.DenseRefs), or
+  None: each step loads its transposed tiles. blk: a block mask's q-block table per kv tile
+  and mask function (block_mask.Refs): the CTA streams the listed q blocks (each for every
+  query head of the group), evaluating the function on the partial ones (listed first).
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   wg = lax.axis_index("wg")
@@ -88,6 +90,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
       ids = lambda t: ids_at(index(t)[0] * bq)  # noqa: E731
 
     alibi_at = kv_stream.alibi_steps(slopes, k0, index, kp)
+    drop_at = kv_stream.dropout_steps(keys, b, k0, index, kp)
 
     def step(t, carry, *, masked: bool):
       dk, dv = carry
@@ -96,11 +99,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
       if dense is not None:  # the dense tiles, loaded where Pᵀ adds them (dense.load)
         bias = _with_dense(bias, sm90_dense.load(dense, b, index(t)[1], k0, index(t)[0] * bq,
                                                  (bkv, bq), transposed=True), kp)
+      drop = drop_at(t)  # as do the queries' dropout keys
       q_smem, do_smem = kv_stream.wait_streams(streams, slot)
-      if kp.dkdv_overlap and not (kp.interpret or masked or kp.alibi or dense is not None):
+      if kp.dkdv_overlap and not (kp.interpret or masked or kp.alibi or kp.dropout
+                                  or dense is not None):
         # Unmasked steps only: the mask's iotas on top of the overlap's live registers spill
         # inside the loop (deviceless SASS); masked steps issue dV and dK back to back. ALiBi's
-        # position vectors take the masked steps' form too (not yet checked with ptxas).
+        # position vectors take the masked steps' form too (not yet checked with ptxas), and
+        # dropout's keep mask (the overlap step with it: 24 / 20 spill loads / stores in the
+        # loop at 1x4096x16x128 non-causal, this form 1 / 0; deviceless ptxas, CUDA 13.0).
         return _overlapped_step(
             dk, dv, (k_smem, v_smem, q_smem, do_smem), streams, slot, k0,
             (do_free.at[slot], q_free.at[slot]), kp)
@@ -111,7 +118,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
       p_t, ds_t = kv_stream.transposed_grad_tiles(
           k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
           (lambda: index(t)[0]) if masked else None, kp, ids=ids and ids(t), bias=bias,
-          visible=visible)
+          drop=drop, visible=visible)
       return _dk_dv_updates(dk, dv, p_t, ds_t, q_smem, do_smem, st_smem,
                             (do_free.at[slot], q_free.at[slot]), kp)
 
@@ -149,6 +156,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
       carry = lax.fori_loop(first, full, functools.partial(step, masked=True), carry)
       first = full
     dk, dv = lax.fori_loop(first, cta_steps, functools.partial(step, masked=False), carry)
+    if kp.dropout:  # the kept probabilities' 1 / (1 - rate), once
+      dv = dv * kp.inv_keep
     kv_stream.store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, kp)
 
   @pl.when(wg == 2)
@@ -237,12 +246,13 @@ def _overlapped_step(dk, dv, tiles, streams, slot, k0, frees, kp: common.KernelP
 
 
 def dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slopes=(),
-              dense=(), blks=()):
+              keys=(), dense=(), blks=()):
   """(dK, dV) [B, S, K, D] for q, do [B, T, H, D] and k, v [B, S, K, D], T and S padded as
   common.operand_rows says; lse2, delta [B, H, Tp]. segs: () or (kv_seg [B, Sp], q_seg
-  [B, Tp], q limits per kv tile) int32. slopes: () or (common.raw_alibi_slopes [H],). dense:
-  () or dense.inputs' bias and / or mask (kp.dense says which). blks: () or a block mask's
-  operands (block_mask.inputs by kv tile), inputs after the six others."""
+  [B, Tp], q limits per kv tile) int32. slopes: () or (common.raw_alibi_slopes [H],). keys:
+  () or dropout's (row keys [B, H, Tp], column keys [Sp]) (common.dropout_keys). dense: () or
+  dense.inputs' bias and / or mask (kp.dense says which). blks: () or a block mask's operands
+  (block_mask.inputs by kv tile), inputs after the six others."""
   bsz, _, kh, d = k.shape
   s_pad = kp.s_pad
   bq, bkv = kp.block_q, kp.block_kv
@@ -256,7 +266,8 @@ def dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slo
 
   def make_body(blk=None):
     return common.with_segment_refs(functools.partial(_dkdv_kernel, kp=kp, blk=blk), 6,
-                                    bool(segs), alibi=bool(slopes), dense=kp.dense)
+                                    bool(segs), alibi=bool(slopes), dropout=bool(keys),
+                                    dense=kp.dense)
 
   return plgpu.kernel(
       block_mask.with_block_refs(make_body, 6, len(blks)) if blks else make_body(),
@@ -269,4 +280,5 @@ def dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slo
       compiler_params=common.compiler_params(
           kp, min(kv_stream.profile_steps(kp), kv_stream.PROFILE_STEPS)),
       interpret=common.interpret_params(kp.interpret),
-  )(q, k, v, do, kp.stats_view(lse2), kp.stats_view(delta), *blks, *segs, *slopes, *dense)
+  )(q, k, v, do, kp.stats_view(lse2), kp.stats_view(delta), *blks, *segs, *slopes, *keys,
+    *dense)

@@ -30,7 +30,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
                    delta_scratch, k_scratch, v_scratch, ds_scratch, row_ready, k_ready, v_ready,
                    k_free, v_free,
                    *, kp: common.KernelParams, seg: common.SegmentRefs | None = None,
-                   slopes=None, dense=None, blk: block_mask.Refs | None = None):
+                   slopes=None, keys: common.DropoutKeys | None = None, dense=None,
+                   blk: block_mask.Refs | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse/delta_ref [B, H, Tp].
 
   Two forms (absent refs are None). Statistics from XLA (o_ref, lse2_out_ref, delta_out_ref
@@ -42,12 +43,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
   q/do/o_scratch [2, block_q, D], lse/delta_scratch [2, block_q], k/v_scratch [stages,
   block_kv, D], ds_scratch [2, block_q, block_kv] (interpret only). seg: segment ids, the
   forward's way (the CTA streams only the key blocks its tile may share an id with). slopes:
-  ALiBi's common.raw_alibi_slopes [H] (GMEM), or None. dense: the dense bias and mask
-  (dense.DenseRefs), or None; with a bias, dbias_ref [B, H, Tp, Sp] (dense.dbias_dtype) gets
-  dS (before the soft cap's slope: the bias is added after the cap) of every score tile, zeros
-  on the key blocks a warpgroup does not stream; else dbias_ref is None. blk: a block mask's
-  key-block table per q tile and mask function (block_mask.Refs), the forward's way; q tiles
-  last one first (no dense bias with it: mosaic_gpu.unsupported_reason).
+  ALiBi's common.raw_alibi_slopes [H] (GMEM), or None. keys: dropout's row and column keys
+  (common.dropout_keys), or None: dP is masked and scaled, dS = P∘(dP_kept / (1 - rate) − delta).
+  dense: the dense bias and mask (dense.DenseRefs), or None; with a bias, dbias_ref [B, H, Tp,
+  Sp] (dense.dbias_dtype) gets dS (before the soft cap's slope: the bias is added after the
+  cap) of every score tile, zeros on the key blocks a warpgroup does not stream; else dbias_ref
+  is None. blk: a block mask's key-block table per q tile and mask function
+  (block_mask.Refs), the forward's way; q tiles last one first (no dense bias or dropout with
+  it: mosaic_gpu.unsupported_reason).
   """
   bq, bkv, stages, v_stages = kp.block_q, kp.block_kv, kp.stages, kp.dq_v_stages
   wg = lax.axis_index("wg")
@@ -105,6 +108,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
       plgpu.commit_smem_to_gmem_group()
     steps = kp.kv_steps(q0 + bq)
     alibi_slope = None if slopes is None else slopes[h]  # one scalar load per CTA
+    drop_rows = None if keys is None else common.dropout_row_keys(keys, b, h, q0, bq)
     ids = None
     if sparse is not None:
       steps = cta_steps
@@ -118,6 +122,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
       vslot = slot if v_stages == stages else lax.rem(j, v_stages)
       # The dense tiles, loaded where they are added to S (dense.load).
       tiles = sm90_dense.load(dense, b, h, q0, (kv0 + j) * bkv, (bq, bkv))
+      drop_cols = None  # loaded ahead of the waits
+      if keys is not None:
+        drop_cols = common.dropout_col_keys(keys, (kv0 + j) * bkv, bkv)
       plgpu.barrier_wait(k_ready.at[slot])
       if v_stages == stages:
         plgpu.barrier_wait(v_ready.at[vslot])
@@ -144,6 +151,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
         col0 = (kv0 + j) * bkv
         mask = common.tile_mask(q0, col0, (bq, bkv), kp, ids=ids and ids(col0))
         p = jnp.where(mask, p, 0.0)
+      if drop_cols is not None:  # the forward's mask: dropped entries took no part in O
+        dp = jnp.where(common.dropout_keep(drop_rows, drop_cols, dp.shape, kp),
+                       dp * kp.inv_keep, 0.0)
       if dbias_ref is not None:  # dbias = dS of the capped scores: the slope comes after
         ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
         sm90_dense.dbias_tile(dbias_ref, ds, b, h, q0, (kv0 + j) * bkv)
@@ -236,15 +246,16 @@ def dq_smem_bytes(kp: common.KernelParams, *, in_kernel: bool, correction: bool)
 
 
 def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slopes=(),
-            dense=(), blks=()):
+            keys=(), dense=(), blks=()):
   """dQ [B, T, H, D], or (dQ, lse2, delta) when o is given: see _bwd_dq_kernel's two forms
   (o None: lse in log2 units and the full delta; else natural-log lse and delta the correction
   or None). q, do, o [B, T, H, D] and k, v [B, S, K, D] padded as common.operand_rows says;
   lse, delta and the lse2 and delta it returns [B, H, Tp]. segs: () or (q_seg [B, Tp], kv_seg
-  [B, Sp], kv limits per q tile) int32. slopes: () or (common.raw_alibi_slopes [H],). dense:
-  () or dense.inputs' bias and / or mask (kp.dense says which); with a bias the result ends
-  with dbias [B, H, Tp, Sp] in dense.dbias_dtype (dS of every score). blks: () or a block
-  mask's operands (block_mask.inputs by q tile), inputs after q .. delta."""
+  [B, Sp], kv limits per q tile) int32. slopes: () or (common.raw_alibi_slopes [H],). keys: ()
+  or dropout's (row keys [B, H, Tp], column keys [Sp]) (common.dropout_keys). dense: () or
+  dense.inputs' bias and / or mask (kp.dense says which); with a bias the result ends with
+  dbias [B, H, Tp, Sp] in dense.dbias_dtype (dS of every score). blks: () or a block mask's
+  operands (block_mask.inputs by q tile), inputs after q .. delta."""
   bsz, _, h, d = q.shape
   t_pad = kp.t_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
@@ -281,7 +292,7 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
     kernel = functools.partial(_with_absent_refs, functools.partial(_dq_kernel, kp=kp, blk=blk),
                                present)
     return common.with_segment_refs(kernel, num_inputs, bool(segs), alibi=bool(slopes),
-                                    dense=kp.dense)
+                                    dropout=bool(keys), dense=kp.dense)
 
   body = block_mask.with_block_refs(make_body, num_inputs, len(blks)) if blks else make_body()
   out = plgpu.kernel(
@@ -292,5 +303,5 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
       num_threads=3, thread_name="wg",
       compiler_params=common.compiler_params(),
       interpret=common.interpret_params(kp.interpret),
-  )(*(x for x in inputs if x is not None), *blks, *segs, *slopes, *dense)
+  )(*(x for x in inputs if x is not None), *blks, *segs, *slopes, *keys, *dense)
   return tuple(out) if in_kernel or kp.dense[0] else out[0]

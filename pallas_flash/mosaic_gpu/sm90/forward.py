@@ -62,7 +62,8 @@ class _SplitRefs(NamedTuple):
 def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scratch,
                 lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free, v_free, sched, *,
                 kp: common.KernelParams, seg: common.SegmentRefs | None = None,
-                tail: _SplitRefs | None = None, slopes=None, sinks=None, dense=None,
+                tail: _SplitRefs | None = None, slopes=None, sinks=None,
+                keys: common.DropoutKeys | None = None, dense=None,
                 blk: block_mask.Refs | None = None):
   """q_ref [B, Tp, H, D], k_ref/v_ref [B, Sp, K, D] (GMEM), o_ref [B, Tp, H, D], lse_ref [B, H, Tp].
 
@@ -75,11 +76,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   tail.split.ctas CTAs in the same launch order, see split_tail.TailSplit. slopes: ALiBi's
   common.raw_alibi_slopes [H] (GMEM), or None. sinks: the attention sinks' sink_logits [H]
   (GMEM), added to each row's softmax by `_store_tile` (a split tail's parts leave them to
-  combine_tail), or None. dense: the dense bias and mask (dense.DenseRefs), or None. blk: the
-  block mask's table of key blocks per q tile and its mask function's leaves
-  (block_mask.Refs): the CTA streams the tile's listed blocks, at least one, and evaluates the
-  function on the partial ones (listed first); q tiles are launched last one first, as causal
-  ones.
+  combine_tail), or None. keys: dropout's row and column keys (common.dropout_keys), or None.
+  dense: the dense bias and mask (dense.DenseRefs), or None. blk: the block mask's table of
+  key blocks per q tile and its mask function's leaves (block_mask.Refs): the CTA streams the
+  tile's listed blocks, at least one, and evaluates the function on the partial ones (listed
+  first); q tiles are launched last one first, as causal ones.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   wg = lax.axis_index("wg")
@@ -122,6 +123,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
       steps = cta_steps
     slope = None if slopes is None else slopes[h]  # one scalar load per CTA
     sink = None if sinks is None else sinks[h]
+    drop = _dropout_rows(keys, b, h, q0, kp)
     with jax.named_scope("prologue"):
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_ready.at[wg])
       plgpu.barrier_wait(q_ready.at[wg])
@@ -140,7 +142,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
       loop = functools.partial(loop, dense=functools.partial(sm90_dense.load, dense, b, h))
     carry = loop(q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
                  bars, q0=q0, steps=steps, kp=kp,
-                 slope=slope)
+                 slope=slope, **drop)
     if kp.causal or seg is not None:
       lax.fori_loop(steps, cta_steps,
                     functools.partial(common.idle_kv_step, bars=bars, stages=stages), None)
@@ -210,6 +212,8 @@ def _store_tile(acc, m, l, o_smem, lse_smem, o_dst, lse_dst, kp: common.KernelPa
   inv_l = 1.0 / jnp.where(empty, 1.0, l)
   if sink is not None:
     inv_l = inv_l * alpha
+  if kp.dropout:  # the kept probabilities' 1 / (1 - rate), folded into the normalisation
+    inv_l = inv_l * kp.inv_keep
   o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_smem.dtype)
   lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
   plgpu.commit_smem()
@@ -221,7 +225,7 @@ def _store_tile(acc, m, l, o_smem, lse_smem, o_dst, lse_dst, kp: common.KernelPa
 def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scratch,
                            lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free, v_free,
                            sched, q_free, *, kp: common.KernelParams, ctas: int, heads: int,
-                           batch: int, slopes=None, sinks=None):
+                           batch: int, slopes=None, sinks=None, keys=None):
   """The non-causal forward as a persistent kernel: `ctas` CTAs (one per SM) loop over the
   (q tile, head, batch) tiles, CTA c taking tiles c, c + ctas, ...
 
@@ -233,7 +237,7 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
 
   q_scratch [2 (tile parity), 2 (WG), block_q, D]; q_ready [4] indexed parity·2 + WG (TMA
   arrivals); q_free [2] (2 arrivals: both WGs stored that parity's tile and the TMA has read
-  its O out of the buffer). Other operands (slopes and sinks too) as in `_fwd_kernel`.
+  its O out of the buffer). Other operands (slopes, sinks and keys too) as in `_fwd_kernel`.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   nqt, steps = kp.num_q_tiles, kp.num_kv_blocks  # non-causal: every tile sees every key block
@@ -269,7 +273,8 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
       pl.when(wg == 1)(sched_sync)
       carry = loop(q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
                    bars, q0=q0, steps=steps, kp=kp, base=i * steps,
-                   slope=None if slopes is None else slopes[h])
+                   slope=None if slopes is None else slopes[h],
+                   **_dropout_rows(keys, b, h, q0, kp))
       pl.when(wg == 0)(sched_sync)
       with jax.named_scope("epilogue"):
         _store_tile(*carry, q_smem, lse_scratch.at[wg], o_ref.at[b, pl.ds(q0, bq), h],
@@ -363,17 +368,20 @@ def _kv_block(j, kv0, steps, kp: common.KernelParams):
 
 def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers, *, q0,
                    steps, kp: common.KernelParams, base=None, kv0=0, seg_ids=None, full=None,
-                   slope=None, dense=None, sparse: block_mask.Sparse | None = None):
+                   slope=None, drop_keys=None, drop_rows=None, dense=None,
+                   sparse: block_mask.Sparse | None = None):
   """One consumer WG's kv loop, S_j then O += P_j·V_j per step -> (acc, m, l).
 
   q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
   mode only). The caller has waited for K_0; `base`: see `_ring`. Step j is key block kv0 + j;
   seg_ids(col0) gives the (row, column) segment ids of the block starting at key col0, and
   `full` the run of key blocks that share the rows' one id (common.unmasked_run). slope: the
-  head's ALiBi slope in raw-score units (common.alibi), or None. dense: the dense bias and
-  mask tiles' loader (dense.load bound to the CTA's batch and head), or None. sparse: a block
-  mask's view of the CTA's table (step j is key block sparse.block(j), its first
-  sparse.masked steps evaluate the mask function), or None.
+  head's ALiBi slope in raw-score units (common.alibi), or None. drop_keys, drop_rows: dropout's
+  key refs and the rows' keys [block_q] ROW (`_dropout_rows`), or None: P·V takes the kept
+  probabilities, l sums them all. dense: the dense bias and mask tiles' loader (dense.load
+  bound to the CTA's batch and head), or None. sparse: a block mask's view of the CTA's table
+  (step j is key block sparse.block(j), its first sparse.masked steps evaluate the mask
+  function), or None.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
@@ -388,6 +396,9 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
     slot = ring(j, stages)
     # The dense tiles, loaded where they are added to S (dense.load).
     dense_tiles = None if dense is None else dense(q0, (kv0 + j) * bkv, (bq, bkv))
+    drop_cols = None  # loaded ahead of the scores' wait
+    if drop_keys is not None:
+      drop_cols = common.dropout_col_keys(drop_keys, (kv0 + j) * bkv, bkv)
 
     def qk(s_ref):
       with jax.named_scope("issue"):
@@ -420,6 +431,8 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
       p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(m_new, s.shape, [0]))
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       l = l * alpha + p.sum(axis=1)
+      if drop_cols is not None:
+        p = jnp.where(common.dropout_keep(drop_rows, drop_cols, p.shape, kp), p, 0.0)
       p16 = p.astype(kp.dtype)
       # Pin the softmax before the barrier so that it overlaps the other WG's matmuls.
       acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
@@ -490,7 +503,8 @@ def _softmax(s, m, l, kp: common.KernelParams):
 
 def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers, *, q0,
                         steps, kp: common.KernelParams, base=None, kv0=0, slope=None,
-                        dense=None, sparse: block_mask.Sparse | None = None):
+                        drop_keys=None, drop_rows=None, dense=None,
+                        sparse: block_mask.Sparse | None = None):
   """One consumer WG's kv loop with FA3's intra-warpgroup 2-stage pipeline -> (acc, m, l).
 
   q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
@@ -500,8 +514,9 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
   follows the loop. Each matmul pair sits between the same two schedule-barrier rounds per
   block as in the plain loop, so the two WGs still alternate (ping-pong) and the idle steps of
   a causal CTA are unchanged. `base`: see `_ring`; step j is key block `_kv_block(j, ...)`;
-  slope, dense, sparse: as in `_plain_kv_loop` (S_{j+1}'s dense tiles are loaded in its
-  softmax; with a block mask block 0 is masked, the others as their table says).
+  slope, drop_keys, drop_rows, dense, sparse: as in `_plain_kv_loop` (S_{j+1}'s dense tiles
+  are loaded in its softmax; with a block mask block 0 is masked, the others as their table
+  says).
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
@@ -514,7 +529,16 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
       return None
     return dense(q0, _kv_block(j, kv0, steps, kp) * bkv, (bq, bkv))
 
-  def softmax(s, j, masked, m, l, tiles=None):
+  def drop_cols(j, early: bool = False):
+    """The dropout keys of step j's key block, or None. `early` (a load ahead of the step's
+    waits, off the softmax's path): in the grid kernel only; in the persistent one ptxas
+    spilled with the vector live across the step (12 / 5 spill loads / stores in its loops at
+    1x4096x16x128, none when loaded in the softmax; deviceless, CUDA 13.0)."""
+    if drop_keys is None or (early and base is not None):
+      return None
+    return common.dropout_col_keys(drop_keys, _kv_block(j, kv0, steps, kp) * bkv, bkv)
+
+  def softmax(s, j, masked, m, l, tiles=None, cols=None):
     s = common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
     if masked or slope is not None or tiles is not None:
       col0 = (_kv_block(j, kv0, steps, kp) if sparse is None else sparse.block(j)) * bkv
@@ -524,7 +548,11 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
       s = jnp.where(sparse.mask(q0, col0, (bq, bkv), kp.kv_len, kp.kv_tail), s, -jnp.inf)
     elif masked:
       s = jnp.where(common.visible(q0, col0, (bq, bkv), kp), s, -jnp.inf)
-    return _softmax(s, m, l, kp)
+    p, m, l, alpha = _softmax(s, m, l, kp)
+    if drop_keys is not None:  # after l: l sums every probability, P·V takes the kept ones
+      cols = drop_cols(j) if cols is None else cols
+      p = jnp.where(common.dropout_keep(drop_rows, cols, p.shape, kp), p, 0.0)
+    return p, m, l, alpha
 
   def qk(s_ref):  # K_0 is ready: the caller waited for it
     plgpu.wgmma(s_ref, q_op, k_scratch.at[ring(0, stages)].T)
@@ -535,16 +563,18 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
   s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
   plgpu.barrier_arrive(bars.k_free.at[ring(0, stages)])
   # Block 0 is masked whenever any block can be: exact where it is not needed, and one tile.
+  cols0 = drop_cols(0, early=True)
   p, m, l, _ = softmax(
       s, 0, kp.needs_mask or sparse is not None,
       plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), common.ROW),
-      plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW), tiles)
+      plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW), tiles, cols0)
   acc = plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA)
   carry = lax.optimization_barrier((acc, p.astype(kp.dtype), m, l))
 
   def step(j, carry, *, masked: bool):
     acc, p16, m, l = carry  # acc is scaled to m; p16 = P_j is not in it yet
     slot, nxt = ring(j, stages), ring(j + 1, stages)
+    cols = drop_cols(j + 1, early=True)
     with jax.named_scope("wait_kv"):
       plgpu.barrier_arrive(bars.sched)
       plgpu.barrier_wait(bars.k_ready.at[nxt])
@@ -562,7 +592,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P_j·V_j keeps running
       plgpu.barrier_arrive(bars.k_free.at[nxt])
       with jax.named_scope("softmax"):
-        return softmax(s, j + 1, masked, m, l, tiles)
+        return softmax(s, j + 1, masked, m, l, tiles, cols)
 
     if kp.interpret:  # P staged through SMEM, P_j·V_j into its own accumulator
       p_smem[...] = p16
@@ -639,8 +669,8 @@ def _registers(config: MosaicConfig) -> tuple[int, int]:
 
 
 def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs=(),
-             split: split_tail.TailSplit | None = None, slopes=(), sinks=(), dense=(),
-             blks=()):
+             split: split_tail.TailSplit | None = None, slopes=(), sinks=(), keys=(),
+             dense=(), blks=()):
   """Runs the kernel on q [B, T, H, D], k/v [B, S, K, D] -> (o [B, T, H, D], lse [B, H, Tp]),
   T and S padded as common.operand_rows says (up to kp.t_pad and kp.s_pad, or less: TMA
   reads rows past the end as zeros and drops stores past it); lse always has kp.t_pad rows.
@@ -650,11 +680,11 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
   split (non-causal, no segments, not persistent): the split tail; the result is then
   (o, lse, o_part, lse_part) with the tail tiles of o and lse unwritten (`combine_tail`).
   slopes: () or ALiBi's (common.raw_alibi_slopes [H],), an input after q, k, v and segs;
-  sinks: () or (sink_logits [H],), the attention sinks, an input after those; dense: () or
-  dense.inputs' bias and / or mask (kp.dense says which), the last inputs (grid kernel only).
-  blks: () or the block mask's operands (block_mask.inputs; grid kernel, no segs), inputs
-  right after q, k, v.
-  """
+  sinks: () or (sink_logits [H],), the attention sinks, an input after those; keys: () or
+  dropout's (row keys [B, H, Tp], column keys [Sp]) (common.dropout_keys), after those; dense:
+  () or dense.inputs' bias and / or mask (kp.dense says which), the last inputs (grid kernel
+  only). blks: () or the block mask's operands (block_mask.inputs; grid kernel, no segs),
+  inputs right after q, k, v."""
   bsz, _, h, d = q.shape
   t_pad = kp.t_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
@@ -685,8 +715,9 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
                               transforms=common.smem_transforms(jnp.float32)))
 
     def body(q_ref, k_ref, v_ref, *refs):
-      heads = common.head_refs(refs, bool(slopes), bool(sinks))
-      o_ref, lse_ref, o_part, lse_part, *scratch_refs, o32 = refs[len(slopes) + len(sinks):]
+      heads = common.head_refs(refs, bool(slopes), bool(sinks), bool(keys))
+      n = len(slopes) + len(sinks) + len(keys)
+      o_ref, lse_ref, o_part, lse_part, *scratch_refs, o32 = refs[n:]
       _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch_refs, kp=kp,
                   tail=_SplitRefs(split, o_part, lse_part, o32), **heads)
 
@@ -696,14 +727,14 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
     assert not kp.causal, "the persistent forward is non-causal only"
     scratch.append(plgpu.Barrier(num_arrivals=2, num_barriers=2))
     body = _with_head_refs(functools.partial(_fwd_persistent_kernel, kp=kp, ctas=persistent_ctas,
-                                             heads=h, batch=bsz), slopes, sinks)
+                                             heads=h, batch=bsz), slopes, sinks, keys)
     grid, names = (persistent_ctas,), ("cta",)
     most_steps = kp.num_kv_blocks * -(-kp.num_q_tiles * h * bsz // persistent_ctas)
   else:
     def make_body(blk=None):
       return common.with_segment_refs(functools.partial(_fwd_kernel, kp=kp, blk=blk), 3,
                                       bool(segs), alibi=bool(slopes), sinks=bool(sinks),
-                                      dense=kp.dense)
+                                      dropout=bool(keys), dense=kp.dense)
 
     body = block_mask.with_block_refs(make_body, 3, len(blks)) if blks else make_body()
     launch = common.launch_grid(kp.num_q_tiles, h, bsz, ("qt", "h", "b"),
@@ -720,20 +751,29 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
       # check, so long or persistent kernels still fit.
       compiler_params=common.compiler_params(kp, min(most_steps, PROFILE_STEPS)),
       interpret=common.interpret_params(kp.interpret),
-  )(q, k, v, *blks, *segs, *slopes, *sinks, *dense)
+  )(q, k, v, *blks, *segs, *slopes, *sinks, *keys, *dense)
 
 
-def _with_head_refs(kernel, slopes, sinks):
-  """A body for kernel(q, k, v, *outputs, *scratch[, slopes=...][, sinks=...]) whose call
-  passes the ALiBi slopes and the sinks (where present) as inputs after q, k, v."""
-  n = len(slopes) + len(sinks)
+def _with_head_refs(kernel, slopes, sinks, keys=()):
+  """A body for kernel(q, k, v, *outputs, *scratch[, slopes=...][, sinks=...][, keys=...])
+  whose call passes the ALiBi slopes, the sinks and the dropout keys (where present) as inputs
+  after q, k, v."""
+  n = len(slopes) + len(sinks) + len(keys)
   if not n:
     return kernel
 
   def body(q_ref, k_ref, v_ref, *refs):
-    heads = common.head_refs(refs, bool(slopes), bool(sinks))
+    heads = common.head_refs(refs, bool(slopes), bool(sinks), bool(keys))
     return kernel(q_ref, k_ref, v_ref, *refs[n:], **heads)
   return body
+
+
+def _dropout_rows(keys, b, h, q0, kp: common.KernelParams) -> dict:
+  """The kv loops' dropout arguments for a WG's rows q0.. of (b, h): {} without dropout, else
+  the key refs and the rows' keys [block_q] ROW, loaded once per tile."""
+  if keys is None:
+    return {}
+  return dict(drop_keys=keys, drop_rows=common.dropout_row_keys(keys, b, h, q0, kp.block_q))
 
 
 def sink_logits(arrays: FeatureArrays | None, params: AttentionParams) -> tuple:
@@ -849,16 +889,17 @@ def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
 
 def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
             config: MosaicConfig, arrays: FeatureArrays | None = None):
-  """See pallas_flash.call for the contract; of `arrays` the ALiBi slopes, the sinks and the
-  dense bias and mask are read (the other features taken, logits_soft_cap and
-  local_window_size, live in params); ALiBi runs in every form, added to each score tile
-  (common.alibi), and the sinks too, added to each row's sum before O is normalised
-  (`_store_tile`; a split tail's parts in combine_tail). The dense bias and mask run in the
-  grid kernel (no persistent form, no split tail), each step loading its tiles (sm90/dense.py).
-  With segment ids or a window the
-  grid kernel runs its plain kv loop (no persistent form, no intra-warpgroup overlap); only
-  the key blocks that may share an id with a q tile, or lie in its band, are loaded, and ids
-  and bounds are compared on those that do not lie wholly inside them."""
+  """See pallas_flash.call for the contract; of `arrays` the ALiBi slopes, the sinks, the
+  dropout seed and the dense bias and mask are read (the other features taken,
+  logits_soft_cap and local_window_size, live in params); ALiBi runs in every form, added to
+  each score tile (common.alibi), and the sinks too, added to each row's sum before O is
+  normalised (`_store_tile`; a split tail's parts in combine_tail), and dropout, whose keep
+  mask (common.dropout_keep) zeroes the probabilities P·V takes, not those the row sum l takes.
+  The dense bias and mask run in the grid kernel (no persistent form, no split tail), each step
+  loading its tiles (sm90/dense.py). With segment ids or a window the grid kernel runs its
+  plain kv loop (no persistent form, no intra-warpgroup overlap); only the key blocks that may
+  share an id with a q tile, or lie in its band, are loaded, and ids and bounds are compared on
+  those that do not lie wholly inside them."""
   b, t, h, d = q.shape
   s = k.shape[1]
   t_pad = _tiling.round_up(t, 2 * config.block_q)
@@ -887,10 +928,11 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
   ctas = persistent_ctas(q, config, params)
   split = tail_split(q, config, params, kp.num_kv_blocks, ctas > 0)
   sinks = sink_logits(arrays, params)
+  keys = common.dropout_keys(arrays, params, batch=b, heads=h, t_pad=t_pad, s_pad=s_pad)
   blks = () if bm is None else block_mask.inputs(
       bm, q_tile=2 * kp.block_q, kv_tile=kp.block_kv, t_pad=t_pad, s_pad=s_pad, by_q=True)
   out = fwd_call(qp, kpad, vpad, kp=kp, persistent_ctas=ctas, segs=segs, split=split,
-                 slopes=common.raw_alibi_slopes(arrays, params), sinks=sinks,
+                 slopes=common.raw_alibi_slopes(arrays, params), sinks=sinks, keys=keys,
                  dense=sm90_dense.inputs(arrays, params, t_pad, s_pad), blks=blks)
   o, lse = out if split is None else combine_tail(*out, split, sinks)
   return o[:, :t], lse[:, :, :t]

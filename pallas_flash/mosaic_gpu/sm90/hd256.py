@@ -32,7 +32,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_flash import _tiling
-from pallas_flash.call import AttentionParams
+from pallas_flash.call import AttentionParams, FeatureArrays
 from pallas_flash.mosaic_gpu.config import MosaicConfig
 from pallas_flash.mosaic_gpu.sm90 import common, kv_stream
 from pallas_flash.mosaic_gpu.sm90.dq import LOG2E, dq_call
@@ -54,7 +54,7 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
                        st_scratch, kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free,
                        do_free, lse_free, delta_free, p_ready, p_free, *,
                        kp: common.KernelParams, seg: common.SegmentRefs | None = None,
-                       slopes=None):
+                       slopes=None, keys: common.DropoutKeys | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
 
   Grid over (Sp / block_kv, K, B) in the backward's launch order; dk/dv_ref [B, Sp, K, D]. k/v_smem
@@ -65,7 +65,10 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
   keys' and queries' segment ids and per kv tile the hull of q blocks that may share an id with
   it (the split dK/dV kernel's); the CTA streams only those and masks every step. slopes:
   ALiBi's common.raw_alibi_slopes [H] (GMEM) or None; only the "P" role, which forms Pᵀ,
-  adds it (dSᵀ needs no change: ALiBi is a constant per score).
+  adds it (dSᵀ needs no change: ALiBi is a constant per score). keys: dropout's row and
+  column keys (common.dropout_keys) or None: both roles form the keep mask, the "P" role for
+  dV += (kept Pᵀ)·dO (scaled by 1 / (1 - rate) at the end), the "dS" role for the kept, scaled
+  dPᵀ; the Pᵀ handed over is the undropped one, which dSᵀ takes.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   wg = lax.axis_index("wg")
@@ -101,10 +104,12 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[0])
     plgpu.barrier_wait(kv_ready.at[0])
     alibi_at = kv_stream.alibi_steps(slopes, k0, index, kp)
+    drop_at = kv_stream.dropout_steps(keys, b, k0, index, kp)
 
     def step(t, dv, *, masked: bool):
       slot, pslot = lax.rem(t, stages), lax.rem(t, 2)
       bias = alibi_at(t)  # the slope's load runs ahead of the waits
+      drop = drop_at(t)  # as do the queries' dropout keys
       q_smem, do_smem = kv_stream.wait_streams(streams, slot)
       s_t = common.smem_matmul(k_smem, q_smem.T, (bkv, bq))
       if bias is not None:
@@ -121,13 +126,19 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
       # The slot's previous Pᵀ (two steps ago) must have been read by the dS role, which
       # released both slots once before its first step.
       plgpu.barrier_wait(p_free.at[pslot])
+      kept = lambda: kv_stream.dropped(  # noqa: E731  dV's operand with dropout: the kept Pᵀ
+          p_t, kv_stream.dropout_keep_t(drop, p_t.shape, kp)).astype(kp.dtype)
+      if kp.interpret and drop is not None:  # dV from the kept Pᵀ through the slot first
+        p_smem[...] = kept()
+        plgpu.commit_smem()
+        dv = dv + common.smem_matmul(p_smem, do_smem, dv.shape)
       p_smem[...] = p16
       plgpu.commit_smem()
       plgpu.barrier_arrive(p_ready.at[pslot])
-      if kp.interpret:  # Pᵀ is in shared memory already: an SMEM-operand wgmma
+      if kp.interpret and drop is None:  # Pᵀ is in shared memory already: SMEM operands
         dv = dv + common.smem_matmul(p_smem, do_smem, dv.shape)
-      else:
-        dv = common.accumulate(dv, p16, None, do_smem, kp)
+      elif not kp.interpret:  # the kept Pᵀ formed once the handed-over one is stored
+        dv = common.accumulate(dv, p16 if drop is None else kept(), None, do_smem, kp)
       release(slot, streams[:2])
       return dv
 
@@ -143,6 +154,8 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
     for pslot in range(2):  # each slot's last release, not waited for above: every phase of
       plgpu.barrier_wait(p_free.at[pslot])  # an mbarrier must be observed
 
+    if kp.dropout:  # the kept probabilities' 1 / (1 - rate), once
+      dv = dv * kp.inv_keep
     _store_through(dv, k_smem, dv_ref.at[rows], kp)  # only this role reads K
 
   @pl.when(wg == 1)
@@ -152,9 +165,11 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
     for pslot in range(2):  # both Pᵀ slots start free
       plgpu.barrier_arrive(p_free.at[pslot])
     plgpu.barrier_wait(kv_ready.at[1])
+    drop_at = kv_stream.dropout_steps(keys, b, k0, index, kp)
 
     def step(t, dk):
       slot, pslot = lax.rem(t, stages), lax.rem(t, 2)
+      drop = drop_at(t)  # the queries' dropout keys load ahead of the waits
       q_smem, do_smem = kv_stream.wait_streams(streams, slot)
       dp_t = common.smem_matmul(v_smem, do_smem.T, (bkv, bq))
       delta = plgpu.load(delta_scratch.at[slot], layout=common.COL)
@@ -162,6 +177,9 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
       plgpu.barrier_wait(p_ready.at[pslot])
       p_t = plgpu.load(p_scratch.at[pslot], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
       plgpu.barrier_arrive(p_free.at[pslot])
+      if drop is not None:
+        dp_t = jnp.where(kv_stream.dropout_keep_t(drop, dp_t.shape, kp), dp_t * kp.inv_keep,
+                         0.0)
       ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
       dk = common.accumulate(dk, ds_t.astype(kp.dtype), st_scratch, q_smem, kp)
       release(slot, streams[:2])
@@ -187,12 +205,14 @@ def _store_through(acc, smem, dst, kp: common.KernelParams):
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slopes=()):
+def _dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slopes=(),
+               keys=()):
   """(dK, dV) [B, S', K, D] of q/do [B, T', H, D], k/v [B, S', K, D], T' and S' padded as
   common.operand_rows says (tiles cover kp.t_pad / kp.s_pad rows); lse2/delta [B, H, Tp]
   (kp.stats_view);
   segs: () or (kv_seg [B, Sp], q_seg [B, Tp], q limits per kv tile) int32; slopes: () or
-  (common.raw_alibi_slopes [H],)."""
+  (common.raw_alibi_slopes [H],); keys: () or dropout's (row keys [B, H, Tp], column keys
+  [Sp])."""
   bsz, _, kh, d = k.shape
   s_pad = kp.s_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
@@ -216,14 +236,14 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), sl
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
   return plgpu.kernel(
       common.with_segment_refs(functools.partial(_dkdv_roles_kernel, kp=kp), 6, bool(segs),
-                               alibi=bool(slopes)),
+                               alibi=bool(slopes), dropout=bool(keys)),
       out_type=(kv_out, kv_out),
       scratch_types=scratch,
       **common.launch_grid(s_pad // bkv, kh, bsz, ("kt", "kvh", "b"), heads_fastest=False),
       num_threads=3, thread_name="wg",
       compiler_params=common.compiler_params(kp),
       interpret=common.interpret_params(kp.interpret),
-  )(q, k, v, do, kp.stats_view(lse2), kp.stats_view(delta), *segs, *slopes)
+  )(q, k, v, do, kp.stats_view(lse2), kp.stats_view(delta), *segs, *slopes, *keys)
 
 
 def padded_lengths(t: int, s: int) -> tuple[int, int]:
@@ -247,10 +267,11 @@ def kernel_params(q, k, params: AttentionParams, config: MosaicConfig, *, t_pad:
 
 
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
-             config: MosaicConfig, slopes=()):
+             config: MosaicConfig, slopes=(), arrays: FeatureArrays | None = None):
   """q/do [B, T, H, D] (D = 192 or 256), k/v [B, S, K, D], q/kv_seg [B, T] / [B, S] int32 or
   None, lse as the forward returned it, delta the correction -dlse or None (backward.py's contract),
-  slopes () or ALiBi's (common.raw_alibi_slopes [H],) -> (dq, dk, dv)."""
+  slopes () or ALiBi's (common.raw_alibi_slopes [H],), of `arrays` only the dropout seed is
+  read -> (dq, dk, dv)."""
   if params.logits_soft_cap is not None:
     raise ValueError("the head-dim-256 backward has no soft cap (its dS warpgroup never sees "
                      "Sᵀ); backward.backward sends capped calls to the Triton kernels")
@@ -272,7 +293,10 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
     dq_segs, dkdv_segs = common.segment_inputs(
         *common.path_segment_ids(q, k, q_seg, kv_seg, params), t_pad, s_pad,
         dq_tiles=(2 * BLOCK_Q, BLOCK_KV_DQ), dkdv_tiles=(BLOCK_Q, BLOCK_KV), params=params)
-  dq = dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs, slopes=slopes)
+  keys = common.dropout_keys(arrays, params, batch=q.shape[0], heads=q.shape[2], t_pad=t_pad,
+                            s_pad=s_pad)
+  dq = dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs, slopes=slopes,
+               keys=keys)
   dk, dv = _dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs,
-                      slopes=slopes)
+                      slopes=slopes, keys=keys)
   return dq[:, :t], dk[:, :s], dv[:, :s]

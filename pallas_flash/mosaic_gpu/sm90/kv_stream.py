@@ -60,7 +60,7 @@ def skip_step(t, carry, *, streams, stages: int):
   return carry
 
 def transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, mask_block, kp,
-                          ids=None, early_probs=False, bias=None, visible=None):
+                          ids=None, early_probs=False, bias=None, drop=None, visible=None):
   """Pᵀ and dSᵀ [block_kv, block_q] float32 of one step; releases its lse and delta slots.
 
   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (SMEM operands), Pᵀ = exp2(Sᵀ·c − lse2), dSᵀ = Pᵀ∘(dPᵀ − delta).
@@ -69,6 +69,9 @@ def transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, ma
   ids: (key ids [block_kv] ROW, query ids [block_q] COL) of a segmented call (with mask_block).
   early_probs: wait for Sᵀ alone and form Pᵀ while dPᵀ runs (the fused kernel's order).
   bias: None, or the step's ALiBi on a raw Sᵀ tile (`alibi_steps`).
+  drop: None, or the step's dropout key vectors (`dropout_steps`): the Pᵀ returned (dV's
+  operand) is then the kept probabilities' (unscaled: dV is scaled once at the end) and dSᵀ
+  takes the kept, scaled dPᵀ (`grad_scores_t`).
   visible: a block mask's element mask of the step (a function giving the [block_kv, block_q]
   bool tile) used instead of common.tile_mask where mask_block is given.
   """
@@ -83,7 +86,9 @@ def transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, ma
     # loaded only after dPᵀ's wait, so that its registers are not live through the exp2s.
     p_t, slope = probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1),
                           step_stat(streams, slot, 2), k0, mask_block, kp, ids, bias, visible)
-    return p_t, grad_scores_t(p_t, slope, dp_ref[...], step_stat(streams, slot, 3))
+    keep = dropout_keep_t(drop, p_t.shape, kp)
+    return (dropped(p_t, keep),
+            grad_scores_t(p_t, slope, dp_ref[...], step_stat(streams, slot, 3), keep, kp))
 
   with jax.named_scope("scores"):
     s_t, dp_t = pl.run_scoped(scores, plgpu.ACC((bkv, bq), jnp.float32),
@@ -93,8 +98,9 @@ def transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, ma
   with jax.named_scope("softmax"):
     lse, delta = step_stats(streams, slot)
     p_t, slope = probs_t(s_t, lse, k0, mask_block, kp, ids, bias, visible)
-    ds_t = grad_scores_t(p_t, slope, dp_t, delta)
-  return p_t, ds_t
+    keep = dropout_keep_t(drop, p_t.shape, kp)
+    ds_t = grad_scores_t(p_t, slope, dp_t, delta, keep, kp)
+  return dropped(p_t, keep), ds_t
 
 def step_stats(streams, slot):
   """The lse (log2 units) and delta column vectors [block_q] of ring slot `slot`, whose
@@ -152,9 +158,40 @@ def alibi_steps(slopes, k0, index, kp: common.KernelParams):
 
   return bias_at
 
-def grad_scores_t(p_t, slope, dp_t, delta):
+def dropout_steps(keys, b, k0, index, kp: common.KernelParams):
+  """drop_at(t): the dropout key vectors of step t's transposed tile (keys k0.. of batch b by
+  the step's queries): (the keys' [block_kv] ROW, loaded once, the queries' [block_q] COL),
+  for a kernel whose step t streams (q block, query head) = index(t); None without dropout
+  (keys: the common.DropoutKeys GMEM refs). Call it at the top of a step, so the queries' keys
+  load ahead of the step's waits."""
+  if keys is None:
+    return lambda t: None
+  cols = common.dropout_col_keys(keys, k0, kp.block_kv, layout=common.ROW)
+
+  def drop_at(t):
+    block, head = index(t)
+    return cols, common.dropout_row_keys(keys, b, head, block * kp.block_q, kp.block_q,
+                                         layout=common.COL)
+
+  return drop_at
+
+def dropout_keep_t(drop, shape, kp: common.KernelParams):
+  """The keep mask [block_kv, block_q] of a transposed tile from `dropout_steps`' vectors, or
+  None (no dropout)."""
+  if drop is None:
+    return None
+  return common.dropout_keep(*drop, shape, kp)
+
+def dropped(p_t, keep):
+  """Pᵀ with the entries dropout drops set to 0 (keep None: unchanged)."""
+  return p_t if keep is None else jnp.where(keep, p_t, 0.0)
+
+def grad_scores_t(p_t, slope, dp_t, delta, keep=None, kp: common.KernelParams | None = None):
   """dSᵀ = Pᵀ∘(dPᵀ − delta) [block_kv, block_q], times the soft cap's slope where there is one
-  (the raw scores' gradient); delta [block_q] COL."""
+  (the raw scores' gradient); delta [block_q] COL. keep: dropout's mask (`dropout_keep_t`) or
+  None: dPᵀ is then the kept entries' times 1 / (1 - rate), 0 elsewhere (Pᵀ undropped)."""
+  if keep is not None:
+    dp_t = jnp.where(keep, dp_t * kp.inv_keep, 0.0)
   if slope is not None:
     p_t = p_t * slope
   return p_t * (dp_t - lax.broadcast_in_dim(delta, p_t.shape, [1]))
