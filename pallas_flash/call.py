@@ -91,6 +91,8 @@ class AttentionParams:
     has_mask: arrays.mask [B|1, H|1, T, S] bool is present.
     block_mask_blocks: (block_q, block_kv) of arrays.block_mask (a masks.BlockMask),
       which then replaces causal / window / segment masking; None without a block mask.
+    block_mask_fn_types: the classes of its mask function's nodes (masks.node_types), for
+      backends that evaluate only some mask functions; () without a block mask.
     deterministic: gradients must be bitwise identical run to run (backends whose fastest
       backward sums in a varying order choose another; see flash_attention).
     has_sinks: arrays.sinks [H] float32 is present and the backend's forward adds them (only
@@ -110,6 +112,7 @@ class AttentionParams:
   has_bias: bool = False
   has_mask: bool = False
   block_mask_blocks: tuple[int, int] | None = None
+  block_mask_fn_types: tuple[type, ...] = ()
   deterministic: bool = False
   has_sinks: bool = False
 

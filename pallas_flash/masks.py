@@ -161,6 +161,14 @@ def _batched(fn: MaskFn, q_len: int, kv_len: int, batch: int | None = None) -> M
   return treedef.unflatten([jnp.broadcast_to(x, (b, *x.shape[1:])) for x in shaped])
 
 
+def node_types(fn: MaskFn) -> tuple[type, ...]:
+  """The classes of the nodes of mask function `fn`, depth first (AndMask / OrMask, then their
+  operands'): what a kernel that evaluates mask functions itself checks it knows."""
+  if isinstance(fn, AndMask):  # OrMask too
+    return (type(fn), *node_types(fn.a), *node_types(fn.b))
+  return (type(fn),)
+
+
 def batch_size(fn: MaskFn) -> int:
   leaves = jax.tree_util.tree_leaves(fn)
   return leaves[0].shape[0] if leaves else 1

@@ -251,6 +251,7 @@ def canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
       dropout_rng=dropout_rng)
   if block_mask is not None:
     features["block_mask_blocks"] = (block_mask.block_q, block_mask.block_kv)
+    features["block_mask_fn_types"] = masks.node_types(block_mask.mask_fn)
     arrays = dataclasses.replace(arrays, block_mask=block_mask)
   if not isinstance(deterministic, bool):
     raise TypeError(f"`deterministic` must be a Python bool (static), got {deterministic!r}.")

@@ -65,6 +65,13 @@ VARIANTS = {
     "fwd_window": ("fwd", False, dict(window=1023)),
     "fwd_window_causal": ("fwd", True, dict(window=1023)),
     "bwd_window_causal": ("fwdbwd", True, dict(window=1023)),
+    # A BlockMask, CausalMask() & LocalMask(1023, 0) at 128 x 128 blocks (the features grid's
+    # row): the kernels' table-driven loops. The call passes is_causal=False (the mask holds
+    # it); `causal` True picks the causal config, the one a block mask takes
+    # (mosaic_gpu.config.call_config). Not a config field.
+    "fwd_blockmask": ("fwd", True, dict(blockmask=1023)),
+    "fwd_blockmask_plain": ("fwd", True, dict(blockmask=1023, fwd_intra_wg_overlap=False)),
+    "bwd_blockmask": ("fwdbwd", True, dict(blockmask=1023)),
     # Attention sinks (an [H] input of the forward, added in its epilogue). Not a config field.
     "fwd_sinks": ("fwd", False, dict(sinks=True)),
     "fwd_sinks_causal": ("fwd", True, dict(sinks=True)),
@@ -171,6 +178,7 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   softcap = kw.pop("softcap", None)
   window = kw.pop("window", None)
   sinks = kw.pop("sinks", False)
+  block_mask = kw.pop("blockmask", None)
   alibi = kw.pop("alibi", False)
   dropout = kw.pop("dropout", 0.0)
   # The dense inputs are jit arguments (shape, dtype), the bias differentiated.
@@ -195,9 +203,14 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
     features["alibi_slopes"] = 2.0 ** (-8.0 * jnp.arange(1, h + 1, dtype=jnp.float32) / h)
   if dropout:
     features.update(dropout_rate=float(dropout), dropout_rng=jax.random.key(1))
+  if block_mask is not None:
+    features["block_mask"] = pallas_flash.BlockMask.build(
+        pallas_flash.CausalMask() & pallas_flash.LocalMask(int(block_mask), 0), q_len=t,
+        kv_len=t, block_q=128, block_kv=128)
 
   def attn(q, k, v, arrays=None, impl="mosaic"):
-    return pallas_flash.flash_attention(q, k, v, is_causal=causal, implementation=impl,
+    return pallas_flash.flash_attention(q, k, v, is_causal=causal and block_mask is None,
+                                        implementation=impl,
                                         config=config if impl == "mosaic" else None, **features,
                                         **(arrays or {}))
 

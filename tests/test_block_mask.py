@@ -159,8 +159,6 @@ def test_validation_errors():
     pallas_flash.flash_attention(q[:, :10], k, v, block_mask=bm)
   with pytest.raises(TypeError, match="must be a pallas_flash.BlockMask"):
     pallas_flash.flash_attention(q, k, v, block_mask=CausalMask())
-  with pytest.raises(NotImplementedError, match="mosaic does not support block_mask"):
-    pallas_flash.flash_attention(q, k, v, block_mask=bm, implementation="mosaic")
   with pytest.raises(NotImplementedError, match="differ from the block_mask"):
     pallas_flash.flash_attention(q, k, v, block_mask=bm, implementation="interpret",
                                  config=TritonConfig(block_q=32, block_kv=32))

@@ -196,6 +196,53 @@ def check_against_reference(impl: str, case: Case, *, config=None, seed: int | N
     assert_close_to_ref(name, g, g_ref, 2 * tol)
 
 
+def block_mask_fn(name: str, case: Case, seed: int = 0) -> pallas_flash.masks.MaskFn:
+  """The mask function `name` (BLOCK_MASK_FNS) for a case's batch and lengths: document ids
+  with random boundaries, a random prefix length per batch entry, a window of a quarter of
+  the query length."""
+  from pallas_flash import CausalMask, LocalMask, PrefixLMMask, SegmentMask
+  keys = jax.random.split(jax.random.key(seed), 3)
+  b, t, s = case.batch, case.q_len, case.kv_len
+  seg_q = random_segments(keys[0], b, t, num_docs=3)
+  seg_kv = seg_q if t == s else random_segments(keys[1], b, s, num_docs=3)
+  prefix = jax.random.randint(keys[2], (b,), 0, s + 1)
+  w = max(t // 4, 1)
+  fns = {
+      "causal_local": lambda: CausalMask() & LocalMask(w, 0),
+      "causal_segment": lambda: CausalMask() & SegmentMask(seg_q, seg_kv),
+      "prefix_lm": lambda: PrefixLMMask(prefix),
+      "local_or_prefix": lambda: LocalMask(w, w // 2) | PrefixLMMask(prefix),
+      "segment_and_prefix_or_local": lambda: SegmentMask(seg_q, seg_kv) & (
+          PrefixLMMask(prefix) | LocalMask(w, 0)),
+  }
+  return fns[name]()
+
+
+BLOCK_MASK_FNS = ("causal_local", "causal_segment", "prefix_lm", "local_or_prefix",
+                  "segment_and_prefix_or_local")
+
+
+def check_block_mask_against_reference(impl: str, case: Case, name: str, *, blocks=(64, 64),
+                                       config=None, seed: int | None = None):
+  """`check_against_reference` for a call with the block mask of mask function `name`
+  (block_mask_fn) built at `blocks` (block_q, block_kv); returns (o, lse)."""
+  from pallas_flash import BlockMask
+  (q, k, v, do), _ = make_inputs(case, seed)
+  bm = BlockMask.build(block_mask_fn(name, case), q_len=case.q_len, kv_len=case.kv_len,
+                       block_q=blocks[0], block_kv=blocks[1])
+  (o, lse), grads = run(impl, q, k, v, do, config=config, block_mask=bm)
+  up = [x.astype(jnp.float32) for x in (q, k, v, do)]
+  (o_ref, lse_ref), grads_ref = run("reference", *up, block_mask=bm)
+  tol = tolerance(case.dtype)
+  assert o.dtype == q.dtype, f"out dtype {o.dtype}"
+  assert_close_to_ref("out", o, o_ref, tol)
+  assert_close_to_ref("lse", lse, lse_ref, max(tol, 1e-5))
+  for g_name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref, strict=True):
+    assert g.dtype == q.dtype, f"{g_name} dtype {g.dtype}"
+    assert_close_to_ref(g_name, g, g_ref, 2 * tol)
+  return o, lse
+
+
 def max_abs(x) -> float:
   """max|x| in float64, NaN where x holds a NaN. In numpy: XLA's CPU max reduction skips NaNs
   in large arrays (jnp.abs(x).max() read 1.0 for a [200, 4, 128] array of ones and NaNs), so a

@@ -27,6 +27,7 @@ from pallas_flash.mosaic_gpu.config import (KERNEL_HEAD_DIMS, NARROW_HEAD_DIMS, 
                                             MosaicConfig, MosaicDebug, backward_head_dim,
                                             default_config, kernel_head_dim)
 from pallas_flash.mosaic_gpu.sm90 import backward as sm90_backward
+from pallas_flash.mosaic_gpu.sm90 import block_mask as sm90_block_mask
 from pallas_flash.mosaic_gpu.sm90 import common as sm90_common
 from pallas_flash.mosaic_gpu.sm90 import forward as sm90_forward
 from pallas_flash.mosaic_gpu.sm90 import fp8_forward as sm90_fp8_forward
@@ -48,9 +49,10 @@ MEASURED_HEAD_DIMS = frozenset({(64, 64), (80, 80), (96, 96), (128, 128), (192, 
 # to 128, the split backward). Dropout's keep mask is formed in the forward and the split
 # backward kernels from pallas_flash.dropout's row and column keys (sm90/common.dropout_keep:
 # bitwise every backend's mask), in every kernel but the fused backward (calls with dropout
-# take the split backward).
+# take the split backward). A block mask's tables become the kernels' per-tile lists of
+# blocks (sm90/block_mask.py).
 SUPPORTED_FEATURES = frozenset({"logits_soft_cap", "local_window_size", "alibi_slopes", "bias",
-                                "mask", "dropout"})
+                                "mask", "dropout", "block_mask"})
 # The forward adds attention sinks in its epilogue (sm90/forward._store_tile): the API passes
 # calls with sinks here as params.has_sinks and arrays.sinks (pallas_flash.call); the backward
 # kernels need nothing more, given the forward's o and lse, and dsinks comes from their delta.
@@ -120,6 +122,18 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
   if call.params.has_alibi and max(call.q_len, call.kv_len) >= sm90_common.ALIBI_MAX_LEN:
     return (f"ALiBi distances are exact below {sm90_common.ALIBI_MAX_LEN} positions, this call "
             f"has {max(call.q_len, call.kv_len)}")
+  if call.params.block_mask_blocks is not None:
+    if (why := sm90_block_mask.fn_reason(call.params.block_mask_fn_types)) is not None:
+      return why
+    if kernel_head_dim(call.head_dim, call.value_head_dim) > 128:
+      return (f"block_mask runs in the kernels of head dims up to 128, this call has "
+              f"{_dims(call)} (the head-dim-192/256 backward kernels take no block mask)")
+    if call.params.has_bias:
+      return ("a dense bias with a block_mask is not in the wgmma kernels (dbias is written "
+              "for key-block ranges, not tables)")
+    if call.params.dropout_rate:
+      return ("dropout with a block_mask is not in the wgmma kernels (their dropout keys are "
+              "indexed by key-block ranges, not tables)")
   if call.params.deterministic and config is not None and config.fused_backward:
     return ("config.fused_backward=True sums dQ with float32 atomics in a varying order, "
             "which deterministic=True rules out; pass fused_backward=False (the split backward)")
@@ -129,7 +143,7 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
 # Features the kernels run (SUPPORTED_FEATURES) that are not yet checked and timed on the GPU:
 # `implementation=None` runs the next implementation for calls that use them, and
 # implementation="mosaic" runs them.
-UNMEASURED_FEATURES = frozenset({"bias", "mask", "dropout"})
+UNMEASURED_FEATURES = frozenset({"bias", "mask", "dropout", "block_mask"})
 
 
 def unmeasured_reason(call: CallInfo) -> str | None:

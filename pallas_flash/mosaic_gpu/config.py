@@ -218,7 +218,11 @@ def call_config(head_dim: int, params: AttentionParams, kv_len: int, batch: int)
   the fused backward where FUSED's rules say; never where a call asks for bitwise-reproducible
   gradients, or carries segment ids, lengths, a window (which the fused kernel does not
   stream), a soft cap (not measured with it), ALiBi, dropout, a dense bias or mask (the fused
-  kernel adds none of them; backward.py would warn and run the split kernels)."""
+  kernel adds none of them; backward.py would warn and run the split kernels). A block mask
+  takes the causal forms (128-key tiles: finer sparsity than the non-causal 192 or 256) and
+  the split backward (the fused kernel takes none)."""
+  if params.block_mask_blocks is not None:
+    return tuned(head_dim, True, kv_len)
   config = tuned(head_dim, params.is_causal, kv_len)
   if params.has_bias or params.has_mask:
     config = dense_config(config, head_dim, params.is_causal)

@@ -20,9 +20,9 @@ from pallas_flash import mosaic_gpu, xla
 from pallas_flash.mosaic_gpu import MosaicDebug
 from pallas_flash.mosaic_gpu.sm90 import common, fp8_forward
 from testing import (FP8_TRAINING_TOLERANCE, MOSAIC_FP8_INTERPRET, MOSAIC_INTERPRET, Case,
-                     assert_close_to_ref, check_against_reference, check_fp8_against_reference,
+                     assert_close_to_ref, block_mask_fn, check_against_reference,
+                     check_block_mask_against_reference, check_fp8_against_reference,
                      check_fp8_training, make_inputs, run, tolerance)
-
 
 def _config(**kw) -> pallas_flash.MosaicConfig:
   debug = kw.pop("debug", {})
@@ -434,3 +434,123 @@ def test_fp8_training_gradients(case, kwargs):
                             {"config": MOSAIC_FP8_INTERPRET})
   assert plan.fp8_kernel and plan.config.interpret
   check_fp8_training(case, tol=FP8_TRAINING_TOLERANCE, config=MOSAIC_FP8_INTERPRET, **kwargs)
+
+
+# Block masks (pallas_flash.BlockMask): each kernel streams the blocks its tile's table lists,
+# the partial ones with the mask function evaluated on the tile (sm90/block_mask.py). Mask
+# blocks dividing the kernels' tiles (64 x 64) and straddling them (32 x 96: some kernel tiles
+# become partial); tables per batch entry (segment ids, prefix lengths) and shared; the plain
+# and the overlapped forward loops. For the suite's time one runs by default (with the plain
+# loop in test_block_mask_rows_that_see_nothing_give_zeros); the GPU tests run the default forms.
+_OVERLAP = _config(fwd_intra_wg_overlap=True, block_kv=128)
+BLOCK_MASK = [
+    ("segment_and_prefix_or_local", _OVERLAP,
+     Case(batch=2, q_len=150, kv_len=130, num_heads=2, num_kv_heads=1, head_dim=64,
+          dtype=jnp.bfloat16), (32, 96)),
+]
+BLOCK_MASK_SLOW = [
+    ("causal_segment", _config(), Case(batch=2, q_len=200, kv_len=200, num_heads=2,
+                                       num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16),
+     (64, 64)),
+    ("local_or_prefix", _config(), _case(190, 130, h=4, kh=2), (32, 96)),
+    ("causal_local", _OVERLAP, _case(333, 333, h=2, kh=2, d=128, dtype=jnp.float16), (64, 64)),
+    ("prefix_lm", _config(), Case(batch=2, q_len=130, kv_len=260, num_heads=2, num_kv_heads=1,
+                                  head_dim=64, dtype=jnp.bfloat16), (128, 128)),
+    ("segment_and_prefix_or_local", _config(),
+     Case(batch=2, q_len=200, kv_len=200, num_heads=2, num_kv_heads=2, head_dim=128,
+          dtype=jnp.bfloat16), (64, 32)),
+]
+
+
+@pytest.mark.parametrize(
+    "name, config, case, blocks",
+    BLOCK_MASK + [pytest.param(*f, marks=pytest.mark.slow) for f in BLOCK_MASK_SLOW],
+    ids=[f"{n}-{'overlap' if c.fwd_intra_wg_overlap else 'plain'}-{b[0]}x{b[1]}-{case.id}"
+         for n, c, case, b in BLOCK_MASK + BLOCK_MASK_SLOW])
+def test_block_mask_matches_reference(name, config, case, blocks):
+  check_block_mask_against_reference("mosaic", case, name, blocks=blocks, config=config)
+
+
+def test_block_mask_rows_that_see_nothing_give_zeros():
+  """Query tiles whose table is empty (rows past every prefix and window) run one masked
+  step in the forward and none in the dQ kernel: o = 0, lse = -inf, dq = 0."""
+  case = _case(150, 64, h=2, kh=1)
+  (q, k, v, do), _ = make_inputs(case)
+  bm = pallas_flash.BlockMask.build(pallas_flash.LocalMask(64, 0) & pallas_flash.LocalMask(0, 64),
+                                    q_len=150, kv_len=64, block_q=64, block_kv=64)
+  (o, lse), grads = run("mosaic", q, k, v, do, config=MOSAIC_INTERPRET, block_mask=bm)
+  (o_ref, lse_ref), grads_ref = run("reference", *(x.astype(jnp.float32) for x in (q, k, v, do)),
+                                    block_mask=bm)
+  assert np.all(np.asarray(o[:, 128:]) == 0) and np.all(np.isneginf(np.asarray(lse[..., 128:])))
+  assert np.all(np.asarray(grads[0][:, 128:]) == 0)
+  for name, x, ref in zip(("out", "dq", "dk", "dv"), (o, *grads), (o_ref, *grads_ref)):
+    assert_close_to_ref(name, x, ref, 2 * tolerance(case.dtype))
+
+
+def _tile_state(dense, t_pad, s_pad, q_tile, kv_tile):
+  """Brute-force block states [B, t_pad / q_tile, s_pad / kv_tile] of a dense [B, T, S] mask
+  (padded rows ignored, padded keys invisible)."""
+  b, t, s = dense.shape
+  vis = np.zeros((b, t_pad, s_pad), bool)
+  vis[:, :t, :s] = dense
+  real = np.zeros(t_pad, bool)
+  real[:t] = True
+  blocks = vis.reshape(b, t_pad // q_tile, q_tile, s_pad // kv_tile, kv_tile)
+  real = real.reshape(t_pad // q_tile, q_tile)[None, :, :, None, None]
+  any_ = (blocks & real).any((2, 4))
+  all_ = (blocks | ~real).all((2, 4))
+  return np.where(all_, 2, np.where(any_, 1, 0))
+
+
+@pytest.mark.parametrize("blocks, exact", [((64, 32), True), ((32, 96), False)])
+def test_block_mask_kernel_tables(blocks, exact):
+  """The tables at the kernels' tiles (128 x 64 here) list every tile with a visible entry and
+  call a tile full only where it is; with mask blocks dividing the tiles, exactly the tiles'
+  states (with straddling ones, some skipped or full tiles are called partial)."""
+  from pallas_flash.mosaic_gpu.sm90 import block_mask
+  case = Case(batch=2, q_len=300, kv_len=250)
+  fn = block_mask_fn("segment_and_prefix_or_local", case)
+  bm = pallas_flash.BlockMask.build(fn, q_len=300, kv_len=250, block_q=blocks[0],
+                                    block_kv=blocks[1])
+  want = _tile_state(np.asarray(bm.dense()), 384, 256, 128, 64)
+  for by_q in (True, False):
+    table, counts = block_mask.kernel_tables(bm, q_tile=128, kv_tile=64, t_pad=384, s_pad=256,
+                                             by_q=by_q)
+    table, counts = np.asarray(table), np.asarray(counts)
+    ref = want if by_q else want.swapaxes(1, 2)
+    state = np.zeros_like(ref)
+    for b, i in np.ndindex(*counts.shape[:2]):
+      n, partial = counts[b, i]
+      state[b, i, table[b, i, :n]] = np.where(np.arange(n) < partial, 1, 2)
+    assert np.all((state == 0) <= (ref == 0)) and np.all((state == 2) <= (ref == 2))
+    assert np.all((ref > 0) <= (state > 0))
+    if exact:
+      np.testing.assert_array_equal(state, ref)
+
+
+def test_block_mask_refusals_say_why():
+  q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
+
+  class Everything(pallas_flash.masks.MaskFn):
+    def tile(self, q_pos, kv_pos):
+      return jnp.ones((len(q_pos), len(kv_pos)), bool)
+
+  jax.tree_util.register_dataclass(Everything, data_fields=[], meta_fields=[])
+  for fn, why in ((pallas_flash.CausalMask() & Everything(), "Everything is not evaluated"),
+                  (pallas_flash.CausalMask(), None)):
+    bm = pallas_flash.BlockMask.build(fn, q_len=64, kv_len=64)
+    ex = pallas_flash.explain(q, q, q, block_mask=bm, config=MOSAIC_INTERPRET)
+    assert (ex.reasons_when_named["mosaic"] is None) == (why is None), ex.reasons_when_named
+    if why:
+      assert why in ex.reasons_when_named["mosaic"]
+    else:  # runs when named; not yet the automatic choice
+      assert "not yet measured" in ex.reasons["mosaic"]
+  wide = jax.ShapeDtypeStruct((1, 64, 2, 256), jnp.bfloat16)
+  ex = pallas_flash.explain(wide, wide, wide, block_mask=bm, config=MOSAIC_INTERPRET)
+  assert "head dims up to 128" in ex.reasons_when_named["mosaic"]
+  bias = jax.ShapeDtypeStruct((1, 2, 64, 64), jnp.float32)
+  ex = pallas_flash.explain(q, q, q, bias, block_mask=bm, config=MOSAIC_INTERPRET)
+  assert "dense bias with a block_mask" in ex.reasons_when_named["mosaic"]
+  ex = pallas_flash.explain(q, q, q, block_mask=bm, dropout_rate=0.1,
+                            dropout_rng=jax.random.key(0), config=MOSAIC_INTERPRET)
+  assert "dropout with a block_mask" in ex.reasons_when_named["mosaic"]

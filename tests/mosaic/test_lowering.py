@@ -600,3 +600,26 @@ def test_fp8_training_lowers_to_the_fp8_forward_and_the_bf16_backward(causal, se
   assert text.count("custom_call @mosaic_gpu_v2") == kernels
   assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", text)
   assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16", text)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_block_mask_lowers_with_the_default_configs(d):
+  """A block mask's forward, dQ and dK/dV kernels (the causal configs' tiles, the dK/dV
+  kernel's overlapped full steps at head dim 128) lower for the H200 and fit."""
+  case = Case(batch=2, q_len=1000, kv_len=1000, num_heads=8, num_kv_heads=2, head_dim=d,
+              dtype=jnp.bfloat16)
+  q, kv = specs(case)
+  seg = jax.ShapeDtypeStruct((2, 1000), jnp.int32)
+
+  def grads(q, k, v, seg):
+    fn = (pallas_flash.CausalMask() & pallas_flash.SegmentMask(seg, seg)) | (
+        pallas_flash.PrefixLMMask(jnp.array([9, 300])) & pallas_flash.LocalMask(0, 64))
+    bm = pallas_flash.BlockMask.build(fn, q_len=1000, kv_len=1000, block_q=64, block_kv=64)
+
+    def loss(*a):
+      return pallas_flash.flash_attention(*a, block_mask=bm, implementation="mosaic").astype(
+          jnp.float32).sum()
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  module = export_for_h200(grads, q, kv, kv, seg).mlir_module()
+  assert module.count("custom_call @mosaic_gpu_v2") == 3

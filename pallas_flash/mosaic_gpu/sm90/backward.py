@@ -5,6 +5,7 @@ turned into the kernels' block limits.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 from pallas_flash import _tiling, merge
 from pallas_flash.call import AttentionParams, FeatureArrays
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
-from pallas_flash.mosaic_gpu.sm90 import common, dkdv, fused, hd256
+from pallas_flash.mosaic_gpu.sm90 import block_mask, common, dkdv, fused, hd256
 from pallas_flash.mosaic_gpu.sm90 import dense as sm90_dense
 from pallas_flash.mosaic_gpu.sm90.dq import LOG2E, dq_call, dq_smem_bytes
 
@@ -70,8 +71,9 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   compare ids on those not wholly inside the tile's one document; a local window runs the same
   path, its band's blocks as the limits (common.segment_inputs). A dense bias and mask
   (head dims up to 128) are loaded by the split kernels, and dbias (dS, from the dQ kernel)
-  follows dk and dv. The fused kernel takes none of them, nor ALiBi: it falls back to the
-  split with a warning."""
+  follows dk and dv. A block mask (head dims up to 128) runs the split kernels over its tables
+  at their tiles (block_mask.inputs). The fused kernel takes none of them, nor ALiBi: it falls
+  back to the split with a warning."""
   d = q.shape[3]
   slopes = common.raw_alibi_slopes(arrays, params)
   full_delta = None  # rowsum(dO∘O) - dlse, where the split kernels return it
@@ -110,19 +112,33 @@ def _fused_reason(q, params: AttentionParams, config: MosaicConfig) -> str | Non
     reason = "a dense bias or mask is loaded in the split kernels only"
   if reason is None and params.dropout_rate:
     reason = "dropout's mask is formed in the split kernels only"
+  if reason is None and params.block_mask_blocks is not None:
+    reason = "block masks are streamed in the split kernels only"
   return reason
 
 
 def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
                     config: MosaicConfig, slopes=(), arrays: FeatureArrays | None = None):
   """The dQ kernel, then the dK/dV kernel (backward's contract; slopes: () or ALiBi's
-  (common.raw_alibi_slopes [H],); of `arrays` the dense bias and mask and the dropout seed are
+  (common.raw_alibi_slopes [H],); of `arrays` the dense bias and mask, the dropout seed and
+  the block mask are
   read) -> (dq, dk, dv[, dbias], delta [B, H, T] = rowsum(dO∘O) - dlse), dbias with
   params.has_bias (summed over the bias's broadcast axes), delta as the dQ kernel or XLA
   computed it (unused but for the sinks' gradient)."""
   t, s = q.shape[1], k.shape[1]
   t_pad, s_pad = padded_lengths(t, s, config)
   kp_dq, kp_dkdv = split_kernel_params(q, k, params, config, t_pad=t_pad, s_pad=s_pad)
+  dq_blks = dkdv_blks = ()
+  bm = None if arrays is None else arrays.block_mask
+  if bm is not None:
+    info = block_mask.Info.of(bm)
+    kp_dq = dataclasses.replace(kp_dq, block_mask=info)
+    kp_dkdv = dataclasses.replace(kp_dkdv, block_mask=info)
+    dq_blks = block_mask.inputs(bm, q_tile=2 * config.block_q_dq, kv_tile=config.block_kv_dq,
+                                t_pad=t_pad, s_pad=s_pad, by_q=True)
+    dkdv_blks = block_mask.inputs(bm, q_tile=config.block_q_dkv,
+                                  kv_tile=2 * config.block_kv_dkv, t_pad=t_pad, s_pad=s_pad,
+                                  by_q=False)
   t_in = common.operand_rows(t, t_pad, config.interpret, kp_dkdv.stages * kp_dkdv.block_q)
   s_in = common.operand_rows(s, s_pad, config.interpret, kp_dq.stages * kp_dq.block_kv)
   qp, dop, op = (_tiling.pad_axis(x, 1, t_in) for x in (q, do, o))
@@ -145,16 +161,17 @@ def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: Attent
     if delta is not None:
       delta = _tiling.pad_axis(delta, 2, t_pad)
     dq, lse2, delta, *dbias = dq_call(qp, kpad, vpad, dop, op, lse, delta, kp=kp_dq,
-                                      segs=dq_segs, slopes=slopes, dense=dense_in, keys=keys)
+                                      segs=dq_segs, slopes=slopes, dense=dense_in, keys=keys,
+                                      blks=dq_blks)
   else:  # the dQ kernel's O tile does not fit beside this config's tiles: XLA's pass
     lse, delta = common.xla_row_stats(o, lse, do, delta)
     # lse in log2 units so that P = exp2(S·c − lse2).
     lse2 = _tiling.pad_axis(lse * LOG2E, 2, t_pad, jnp.inf)
     delta = _tiling.pad_axis(delta, 2, t_pad)
     out = dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs,
-                  slopes=slopes, dense=dense_in, keys=keys)
+                  slopes=slopes, dense=dense_in, keys=keys, blks=dq_blks)
     dq, *dbias = out if kp_dq.dense[0] else (out,)
   dk, dv = dkdv.dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs,
-                          slopes=slopes, dense=dense_in, keys=keys)
+                          slopes=slopes, dense=dense_in, keys=keys, blks=dkdv_blks)
   dbias = tuple(sm90_dense.reduce_dbias(x, arrays.bias.shape, t, s) for x in dbias)
   return dq[:, :t], dk[:, :s], dv[:, :s], *dbias, delta[:, :, :t]

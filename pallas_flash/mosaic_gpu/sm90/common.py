@@ -62,6 +62,9 @@ class KernelParams:
   window: tuple[int, int] | None = None
   # AttentionParams.has_alibi: the kernels take raw_alibi_slopes' [H] vector as an input.
   alibi: bool = False
+  # A block mask (block_mask.Info: the mask function's structure): the kernels stream the
+  # blocks of their tile's table and evaluate the function on its partial ones.
+  block_mask: Any = None
   # (AttentionParams.has_bias, .has_mask): the kernels take dense.inputs' arrays, after the
   # ALiBi slopes, the sinks and the dropout keys (sm90/dense.py).
   dense: tuple[bool, bool] = (False, False)

@@ -17,7 +17,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_flash.mosaic_gpu.sm90 import common, kv_stream
+from pallas_flash.mosaic_gpu.sm90 import block_mask, common, kv_stream
 from pallas_flash.mosaic_gpu.sm90 import dense as sm90_dense
 
 
@@ -26,7 +26,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
                  kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free, do_free,
                  lse_free, delta_free, *, kp: common.KernelParams,
                  seg: common.SegmentRefs | None = None, slopes=None,
-                 keys: common.DropoutKeys | None = None, dense=None):
+                 keys: common.DropoutKeys | None = None, dense=None,
+                 blk: block_mask.Refs | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [1, B·H, Tp].
 
   Grid (K, Sp / (2·block_kv), B) named (kvh, kt, b); dk/dv_ref [B, Sp, K, D]
@@ -41,7 +42,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
   common.raw_alibi_slopes [H] (GMEM), or None. keys: dropout's row and column keys
   (common.dropout_keys), or None: dV takes the kept Pᵀ (scaled by 1 / (1 - rate) once, at
   the end), dSᵀ the kept, scaled dPᵀ. dense: the dense bias and mask (dense.DenseRefs), or
-  None: each step loads its transposed tiles.
+  None: each step loads its transposed tiles. blk: a block mask's q-block table per kv tile
+  and mask function (block_mask.Refs): the CTA streams the listed q blocks (each for every
+  query head of the group), evaluating the function on the partial ones (listed first).
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   wg = lax.axis_index("wg")
@@ -55,9 +58,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     cta_first, cta_last = jnp.maximum(cta_first, first), jnp.minimum(cta_last, last)
     cta_last = jnp.maximum(cta_last, cta_first)  # no q block: zero steps, dK = dV = 0
   cta_steps = (cta_last - cta_first) * g_size
+  sparse = None
+  if blk is not None:
+    sparse = block_mask.sparse(blk, kp.block_mask, b, kt)
+    cta_steps = sparse.steps * g_size
 
   def index(step):
     """(q block, query head) of CTA step `step`."""
+    if sparse is not None:
+      return sparse.block(lax.div(step, g_size)), kvh * g_size + lax.rem(step, g_size)
     i = cta_first + lax.div(step, g_size)
     return i, kvh * g_size + lax.rem(step, g_size)
 
@@ -102,10 +111,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
         return _overlapped_step(
             dk, dv, (k_smem, v_smem, q_smem, do_smem), streams, slot, k0,
             (do_free.at[slot], q_free.at[slot]), kp)
+      visible = None
+      if sparse is not None:
+        visible = lambda: sparse.mask(k0, index(t)[0] * bq, (bkv, bq), kp.kv_len,  # noqa: E731
+                                      kp.kv_tail, transposed=True)
       p_t, ds_t = kv_stream.transposed_grad_tiles(
           k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
           (lambda: index(t)[0]) if masked else None, kp, ids=ids and ids(t), bias=bias,
-          drop=drop)
+          drop=drop, visible=visible)
       return _dk_dv_updates(dk, dv, p_t, ds_t, q_smem, do_smem, st_smem,
                             (do_free.at[slot], q_free.at[slot]), kp)
 
@@ -119,8 +132,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     first = (kv_stream.first_q_block(k0, kp) - cta_first) * g_size
     if seg is not None:  # cta_first may lie past this WG's first q block
       first = jnp.clip(first, 0, cta_steps)
+    if sparse is not None:  # the partial q blocks, then the full ones
+      first = 0
     lax.fori_loop(0, first, skip_step, None)
-    if seg is not None:
+    if sparse is not None:
+      carry = lax.fori_loop(0, sparse.masked * g_size, functools.partial(step, masked=True),
+                            carry)
+      first = sparse.masked * g_size
+    elif seg is not None:
       # Ids are compared except on the q blocks wholly inside the tile's one document, and
       # (causal) past the diagonal.
       lo = (full_first - cta_first) * g_size
@@ -227,12 +246,13 @@ def _overlapped_step(dk, dv, tiles, streams, slot, k0, frees, kp: common.KernelP
 
 
 def dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slopes=(),
-              keys=(), dense=()):
+              keys=(), dense=(), blks=()):
   """(dK, dV) [B, S, K, D] for q, do [B, T, H, D] and k, v [B, S, K, D], T and S padded as
   common.operand_rows says; lse2, delta [B, H, Tp]. segs: () or (kv_seg [B, Sp], q_seg
   [B, Tp], q limits per kv tile) int32. slopes: () or (common.raw_alibi_slopes [H],). keys:
   () or dropout's (row keys [B, H, Tp], column keys [Sp]) (common.dropout_keys). dense: () or
-  dense.inputs' bias and / or mask (kp.dense says which)."""
+  dense.inputs' bias and / or mask (kp.dense says which). blks: () or a block mask's operands
+  (block_mask.inputs by kv tile), inputs after the six others."""
   bsz, _, kh, d = k.shape
   s_pad = kp.s_pad
   bq, bkv = kp.block_q, kp.block_kv
@@ -243,9 +263,14 @@ def dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slo
       *kv_stream.kv_stream_barriers(kp),
   ]
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
+
+  def make_body(blk=None):
+    return common.with_segment_refs(functools.partial(_dkdv_kernel, kp=kp, blk=blk), 6,
+                                    bool(segs), alibi=bool(slopes), dropout=bool(keys),
+                                    dense=kp.dense)
+
   return plgpu.kernel(
-      common.with_segment_refs(functools.partial(_dkdv_kernel, kp=kp), 6, bool(segs),
-                               alibi=bool(slopes), dropout=bool(keys), dense=kp.dense),
+      block_mask.with_block_refs(make_body, 6, len(blks)) if blks else make_body(),
       out_type=(kv_out, kv_out),
       scratch_types=scratch,
       **common.launch_grid(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"), heads_fastest=False),
@@ -255,4 +280,5 @@ def dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slo
       compiler_params=common.compiler_params(
           kp, min(kv_stream.profile_steps(kp), kv_stream.PROFILE_STEPS)),
       interpret=common.interpret_params(kp.interpret),
-  )(q, k, v, do, kp.stats_view(lse2), kp.stats_view(delta), *segs, *slopes, *keys, *dense)
+  )(q, k, v, do, kp.stats_view(lse2), kp.stats_view(delta), *blks, *segs, *slopes, *keys,
+    *dense)

@@ -19,7 +19,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_flash.mosaic_gpu.sm90 import common
+from pallas_flash.mosaic_gpu.sm90 import block_mask, common
 from pallas_flash.mosaic_gpu.sm90 import dense as sm90_dense
 
 LOG2E = math.log2(math.e)
@@ -30,7 +30,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
                    delta_scratch, k_scratch, v_scratch, ds_scratch, row_ready, k_ready, v_ready,
                    k_free, v_free,
                    *, kp: common.KernelParams, seg: common.SegmentRefs | None = None,
-                   slopes=None, keys: common.DropoutKeys | None = None, dense=None):
+                   slopes=None, keys: common.DropoutKeys | None = None, dense=None,
+                   blk: block_mask.Refs | None = None):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse/delta_ref [B, H, Tp].
 
   Two forms (absent refs are None). Statistics from XLA (o_ref, lse2_out_ref, delta_out_ref
@@ -47,13 +48,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
   dense: the dense bias and mask (dense.DenseRefs), or None; with a bias, dbias_ref [B, H, Tp,
   Sp] (dense.dbias_dtype) gets dS (before the soft cap's slope: the bias is added after the
   cap) of every score tile, zeros on the key blocks a warpgroup does not stream; else dbias_ref
-  is None.
+  is None. blk: a block mask's key-block table per q tile and mask function
+  (block_mask.Refs), the forward's way; q tiles last one first (no dense bias or dropout with
+  it: mosaic_gpu.unsupported_reason).
   """
   bq, bkv, stages, v_stages = kp.block_q, kp.block_kv, kp.stages, kp.dq_v_stages
   wg = lax.axis_index("wg")
   b = lax.axis_index("b")
   qt, h = lax.axis_index("qt"), lax.axis_index("h")
-  if kp.causal:
+  if kp.causal or blk is not None:
     qt = kp.t_pad // (2 * bq) - 1 - qt  # heaviest tiles first, as in the forward
   cta_q0 = qt * (2 * bq)
 
@@ -61,6 +64,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
   kv0, full = 0, None  # the CTA's first key block (steps count from it), its full run
   if seg is not None:
     kv0, cta_steps, full = common.streamed_kv_range(seg, b, qt, cta_steps)
+  sparse = None
+  if blk is not None:  # may be 0 steps: dQ = 0
+    sparse = block_mask.sparse(blk, kp.block_mask, b, qt)
+    cta_steps = sparse.steps
+
+  def key_block(j):
+    return kv0 + j if sparse is None else sparse.block(j)
 
   @pl.when(wg < 2)
   def _consumer():
@@ -100,6 +110,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
     alibi_slope = None if slopes is None else slopes[h]  # one scalar load per CTA
     drop_rows = None if keys is None else common.dropout_row_keys(keys, b, h, q0, bq)
     ids = None
+    if sparse is not None:
+      steps = cta_steps
     if seg is not None:
       steps = jnp.clip(steps - kv0, 1, cta_steps)
       if kp.segment_ids:
@@ -129,10 +141,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
       plgpu.barrier_arrive(v_free.at[vslot])
       s, slope = common.soft_cap_with_slope(s, kp)
       if alibi_slope is not None:  # a constant per score: dS is unchanged
-        s = common.alibi(s, q0, (kv0 + j) * bkv, alibi_slope)
+        s = common.alibi(s, q0, key_block(j) * bkv, alibi_slope)
       s = sm90_dense.add(s, tiles, kp.scale)
       p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(lse2, s.shape, [0]))
-      if masked:
+      if masked and sparse is not None:
+        p = jnp.where(sparse.mask(q0, key_block(j) * bkv, (bq, bkv), kp.kv_len, kp.kv_tail),
+                      p, 0.0)
+      elif masked:
         col0 = (kv0 + j) * bkv
         mask = common.tile_mask(q0, col0, (bq, bkv), kp, ids=ids and ids(col0))
         p = jnp.where(mask, p, 0.0)
@@ -161,14 +176,18 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
       return carry
 
     dq = plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA)
-    u0, u1 = common.unmasked_run(q0, steps, kp, kv0=kv0, full=full)
-    if seg is not None:
-      dq = lax.fori_loop(0, u0, functools.partial(step, masked=True), dq)
-    dq = lax.fori_loop(u0, u1, functools.partial(step, masked=False), dq)
-    if kp.needs_mask:
-      dq = lax.fori_loop(u1, steps, functools.partial(step, masked=True), dq)
-    if kp.causal or seg is not None:
-      lax.fori_loop(steps, cta_steps, idle_step, None)
+    if sparse is not None:  # the partial blocks, then the full ones
+      dq = lax.fori_loop(0, sparse.masked, functools.partial(step, masked=True), dq)
+      dq = lax.fori_loop(sparse.masked, steps, functools.partial(step, masked=False), dq)
+    else:
+      u0, u1 = common.unmasked_run(q0, steps, kp, kv0=kv0, full=full)
+      if seg is not None:
+        dq = lax.fori_loop(0, u0, functools.partial(step, masked=True), dq)
+      dq = lax.fori_loop(u0, u1, functools.partial(step, masked=False), dq)
+      if kp.needs_mask:
+        dq = lax.fori_loop(u1, steps, functools.partial(step, masked=True), dq)
+      if kp.causal or seg is not None:
+        lax.fori_loop(steps, cta_steps, idle_step, None)
     if dbias_ref is not None:  # no key of the other blocks is visible: dbias is 0 there
       sm90_dense.zero_dbias_blocks(dbias_ref, b, h, q0, bq, bkv, 0, kv0)
       sm90_dense.zero_dbias_blocks(dbias_ref, b, h, q0, bq, bkv, kv0 + steps, kp.num_kv_blocks)
@@ -182,7 +201,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
   def _producer():
     plgpu.set_max_registers(kp.producer_registers, action="decrease")
     kvh = lax.div(h, kp.group)
-    rows = lambda j: (b, pl.ds((kv0 + j) * bkv, bkv), kvh)  # noqa: E731
+    rows = lambda j: (b, pl.ds(key_block(j) * bkv, bkv), kvh)  # noqa: E731
     common.produce(cta_steps, (stages, v_stages), ((k_ref, k_scratch, k_ready, k_free, rows),
                                              (v_ref, v_scratch, v_ready, v_free, rows)))
 
@@ -227,7 +246,7 @@ def dq_smem_bytes(kp: common.KernelParams, *, in_kernel: bool, correction: bool)
 
 
 def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slopes=(),
-            keys=(), dense=()):
+            keys=(), dense=(), blks=()):
   """dQ [B, T, H, D], or (dQ, lse2, delta) when o is given: see _bwd_dq_kernel's two forms
   (o None: lse in log2 units and the full delta; else natural-log lse and delta the correction
   or None). q, do, o [B, T, H, D] and k, v [B, S, K, D] padded as common.operand_rows says;
@@ -235,7 +254,8 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
   [B, Sp], kv limits per q tile) int32. slopes: () or (common.raw_alibi_slopes [H],). keys: ()
   or dropout's (row keys [B, H, Tp], column keys [Sp]) (common.dropout_keys). dense: () or
   dense.inputs' bias and / or mask (kp.dense says which); with a bias the result ends with
-  dbias [B, H, Tp, Sp] in dense.dbias_dtype (dS of every score)."""
+  dbias [B, H, Tp, Sp] in dense.dbias_dtype (dS of every score). blks: () or a block mask's
+  operands (block_mask.inputs by q tile), inputs after q .. delta."""
   bsz, _, h, d = q.shape
   t_pad = kp.t_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
@@ -266,9 +286,15 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
   if kp.dense[0]:
     out_type.append(jax.ShapeDtypeStruct((bsz, h, t_pad, kp.s_pad),
                                          sm90_dense.dbias_dtype(dense[0].dtype)))
-  kernel = functools.partial(_with_absent_refs, functools.partial(_dq_kernel, kp=kp), present)
-  body = common.with_segment_refs(kernel, sum(present) - len(out_type), bool(segs),
-                                  alibi=bool(slopes), dropout=bool(keys), dense=kp.dense)
+  num_inputs = sum(present) - len(out_type)
+
+  def make_body(blk=None):
+    kernel = functools.partial(_with_absent_refs, functools.partial(_dq_kernel, kp=kp, blk=blk),
+                               present)
+    return common.with_segment_refs(kernel, num_inputs, bool(segs), alibi=bool(slopes),
+                                    dropout=bool(keys), dense=kp.dense)
+
+  body = block_mask.with_block_refs(make_body, num_inputs, len(blks)) if blks else make_body()
   out = plgpu.kernel(
       body,
       out_type=tuple(out_type),
@@ -277,5 +303,5 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
       num_threads=3, thread_name="wg",
       compiler_params=common.compiler_params(),
       interpret=common.interpret_params(kp.interpret),
-  )(*(x for x in inputs if x is not None), *segs, *slopes, *keys, *dense)
+  )(*(x for x in inputs if x is not None), *blks, *segs, *slopes, *keys, *dense)
   return tuple(out) if in_kernel or kp.dense[0] else out[0]

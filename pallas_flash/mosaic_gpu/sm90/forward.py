@@ -40,7 +40,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_flash import _tiling
 from pallas_flash.call import MASK_VALUE, AttentionParams, FeatureArrays
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
-from pallas_flash.mosaic_gpu.sm90 import common, split_tail
+from pallas_flash.mosaic_gpu.sm90 import block_mask, common, split_tail
 from pallas_flash.mosaic_gpu.sm90 import dense as sm90_dense
 
 LOG2E = math.log2(math.e)
@@ -63,7 +63,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
                 lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free, v_free, sched, *,
                 kp: common.KernelParams, seg: common.SegmentRefs | None = None,
                 tail: _SplitRefs | None = None, slopes=None, sinks=None,
-                keys: common.DropoutKeys | None = None, dense=None):
+                keys: common.DropoutKeys | None = None, dense=None,
+                blk: block_mask.Refs | None = None):
   """q_ref [B, Tp, H, D], k_ref/v_ref [B, Sp, K, D] (GMEM), o_ref [B, Tp, H, D], lse_ref [B, H, Tp].
 
   Grid (H, q tiles, B), or (q tiles, H, B) with kp.heads_fastest; q_scratch [2, block_q, D],
@@ -76,7 +77,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   common.raw_alibi_slopes [H] (GMEM), or None. sinks: the attention sinks' sink_logits [H]
   (GMEM), added to each row's softmax by `_store_tile` (a split tail's parts leave them to
   combine_tail), or None. keys: dropout's row and column keys (common.dropout_keys), or None.
-  dense: the dense bias and mask (dense.DenseRefs), or None.
+  dense: the dense bias and mask (dense.DenseRefs), or None. blk: the block mask's table of
+  key blocks per q tile and its mask function's leaves (block_mask.Refs): the CTA streams the
+  tile's listed blocks, at least one, and evaluates the function on the partial ones (listed
+  first); q tiles are launched last one first, as causal ones.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   wg = lax.axis_index("wg")
@@ -85,7 +89,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     b, h, qt = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("qt")
   else:
     is_part, part_row, (b, h, qt) = tail.split.this_cta()
-  if kp.causal:
+  if kp.causal or blk is not None:
     qt = kp.num_q_tiles - 1 - qt  # heaviest tiles first
   cta_q0 = qt * (2 * bq)
 
@@ -96,6 +100,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   if tail is not None:
     kv0, kv_end = tail.split.bounds(is_part, part_row, kp.num_kv_blocks)
     cta_steps = kv_end - kv0
+  sparse = None
+  if blk is not None:
+    sparse = block_mask.sparse(blk, kp.block_mask, b, qt, min_steps=1)
+    cta_steps = sparse.steps
 
   sched_sync = functools.partial(common.sync, sched)
 
@@ -111,7 +119,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
       # A window alone compares its zero ids too, as the measured kernel does (the backward's
       # windowed kernels skip them, KernelParams.segment_ids).
       seg_ids = common.row_and_col_ids(seg, b, q0, bq, bkv)
-    if tail is not None:
+    if tail is not None or sparse is not None:
       steps = cta_steps
     slope = None if slopes is None else slopes[h]  # one scalar load per CTA
     sink = None if sinks is None else sinks[h]
@@ -128,6 +136,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
       loop = functools.partial(_plain_kv_loop, kv0=kv0, seg_ids=seg_ids, full=full)
     elif tail is not None:
       loop = functools.partial(loop, kv0=kv0)
+    if sparse is not None:
+      loop = functools.partial(loop, sparse=sparse)
     if dense is not None:
       loop = functools.partial(loop, dense=functools.partial(sm90_dense.load, dense, b, h))
     carry = loop(q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
@@ -157,8 +167,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     plgpu.set_max_registers(kp.producer_registers, action="decrease")
     kvh = lax.div(h, kp.group)
 
+    def kv_block(j):
+      return sparse.block(j) if sparse is not None else _kv_block(j, kv0, cta_steps, kp)
+
     def load(j, slot):
-      rows = (b, pl.ds(_kv_block(j, kv0, cta_steps, kp) * bkv, bkv), kvh)
+      rows = (b, pl.ds(kv_block(j) * bkv, bkv), kvh)
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_scratch.at[slot], v_ready.at[slot])
 
@@ -168,7 +181,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     @pl.loop(stages, cta_steps)
     def _(j):
       slot = lax.rem(j, stages)
-      rows = (b, pl.ds(_kv_block(j, kv0, cta_steps, kp) * bkv, bkv), kvh)
+      rows = (b, pl.ds(kv_block(j) * bkv, bkv), kvh)
       with jax.named_scope("wait_free"):
         plgpu.barrier_wait(k_free.at[slot])
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot])
@@ -336,7 +349,7 @@ def _last_block_first(kp: common.KernelParams) -> bool:
   Non-causal, masking every step instead (a peeled masked last step makes ptxas serialise the
   wgmmas, C7512) cost 10 % at 1x5000x16x128 (H200: 508 against 565 TFLOP/s);
   causal calls ran the diagonal block as a masked step after the unmasked loop."""
-  if not kp.intra_wg_overlap or kp.segments:
+  if not kp.intra_wg_overlap or kp.segments or kp.block_mask is not None:
     return False
   if kp.causal:
     return kp.block_kv == 2 * kp.block_q
@@ -355,7 +368,8 @@ def _kv_block(j, kv0, steps, kp: common.KernelParams):
 
 def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers, *, q0,
                    steps, kp: common.KernelParams, base=None, kv0=0, seg_ids=None, full=None,
-                   slope=None, drop_keys=None, drop_rows=None, dense=None):
+                   slope=None, drop_keys=None, drop_rows=None, dense=None,
+                   sparse: block_mask.Sparse | None = None):
   """One consumer WG's kv loop, S_j then O += P_j·V_j per step -> (acc, m, l).
 
   q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
@@ -365,12 +379,17 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
   head's ALiBi slope in raw-score units (common.alibi), or None. drop_keys, drop_rows: dropout's
   key refs and the rows' keys [block_q] ROW (`_dropout_rows`), or None: P·V takes the kept
   probabilities, l sums them all. dense: the dense bias and mask tiles' loader (dense.load
-  bound to the CTA's batch and head), or None.
+  bound to the CTA's batch and head), or None. sparse: a block mask's view of the CTA's table
+  (step j is key block sparse.block(j), its first sparse.masked steps evaluate the mask
+  function), or None.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
 
   sched_sync = functools.partial(common.sync, bars.sched)
+
+  def key_block(j):
+    return kv0 + j if sparse is None else sparse.block(j)
 
   def step(j, carry, *, masked: bool):
     acc, m, l = carry
@@ -394,10 +413,13 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
     with jax.named_scope("softmax"):
       s = common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
       if slope is not None:  # on every block, masked or not
-        s = common.alibi(s, q0, (kv0 + j) * bkv, slope)
+        s = common.alibi(s, q0, key_block(j) * bkv, slope)
       if dense_tiles is not None:  # on every block too: the mask is data
         s = sm90_dense.add(s, dense_tiles, kp.scale)
-      if masked:
+      if masked and sparse is not None:
+        s = jnp.where(sparse.mask(q0, key_block(j) * bkv, (bq, bkv), kp.kv_len, kp.kv_tail), s,
+                      -jnp.inf)
+      elif masked:
         col0 = (kv0 + j) * bkv
         ids = None if seg_ids is None else seg_ids(col0)
         s = jnp.where(common.tile_mask(q0, col0, (bq, bkv), kp, ids=ids), s, -jnp.inf)
@@ -440,6 +462,9 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
   carry = (plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA),
            plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), common.ROW),
            plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW))
+  if sparse is not None:  # the partial blocks, then the full ones
+    carry = lax.fori_loop(0, sparse.masked, functools.partial(step, masked=True), carry)
+    return lax.fori_loop(sparse.masked, steps, functools.partial(step, masked=False), carry)
   u0, u1 = common.unmasked_run(q0, steps, kp, kv0=kv0, full=full)
   if full is not None:  # the segment-id path: masked blocks before the full run
     carry = lax.fori_loop(0, u0, functools.partial(step, masked=True), carry)
@@ -478,7 +503,8 @@ def _softmax(s, m, l, kp: common.KernelParams):
 
 def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers, *, q0,
                         steps, kp: common.KernelParams, base=None, kv0=0, slope=None,
-                        drop_keys=None, drop_rows=None, dense=None):
+                        drop_keys=None, drop_rows=None, dense=None,
+                        sparse: block_mask.Sparse | None = None):
   """One consumer WG's kv loop with FA3's intra-warpgroup 2-stage pipeline -> (acc, m, l).
 
   q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
@@ -488,8 +514,9 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
   follows the loop. Each matmul pair sits between the same two schedule-barrier rounds per
   block as in the plain loop, so the two WGs still alternate (ping-pong) and the idle steps of
   a causal CTA are unchanged. `base`: see `_ring`; step j is key block `_kv_block(j, ...)`;
-  slope, drop_keys, drop_rows, dense: as in `_plain_kv_loop` (S_{j+1}'s dense tiles are loaded
-  in its softmax).
+  slope, drop_keys, drop_rows, dense, sparse: as in `_plain_kv_loop` (S_{j+1}'s dense tiles
+  are loaded in its softmax; with a block mask block 0 is masked, the others as their table
+  says).
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
@@ -514,10 +541,12 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
   def softmax(s, j, masked, m, l, tiles=None, cols=None):
     s = common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
     if masked or slope is not None or tiles is not None:
-      col0 = _kv_block(j, kv0, steps, kp) * bkv
+      col0 = (_kv_block(j, kv0, steps, kp) if sparse is None else sparse.block(j)) * bkv
       s = common.alibi(s, q0, col0, slope)  # on every block, masked or not
     s = sm90_dense.add(s, tiles, kp.scale)
-    if masked:
+    if masked and sparse is not None:
+      s = jnp.where(sparse.mask(q0, col0, (bq, bkv), kp.kv_len, kp.kv_tail), s, -jnp.inf)
+    elif masked:
       s = jnp.where(common.visible(q0, col0, (bq, bkv), kp), s, -jnp.inf)
     p, m, l, alpha = _softmax(s, m, l, kp)
     if drop_keys is not None:  # after l: l sums every probability, P·V takes the kept ones
@@ -536,8 +565,8 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
   # Block 0 is masked whenever any block can be: exact where it is not needed, and one tile.
   cols0 = drop_cols(0, early=True)
   p, m, l, _ = softmax(
-      s, 0, kp.needs_mask, plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32),
-                                             common.ROW),
+      s, 0, kp.needs_mask or sparse is not None,
+      plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), common.ROW),
       plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW), tiles, cols0)
   acc = plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA)
   carry = lax.optimization_barrier((acc, p.astype(kp.dtype), m, l))
@@ -600,7 +629,12 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
       # Pin the softmax and the rescale before the next barrier round (see the plain loop).
       return lax.optimization_barrier((acc, p16, m, l))
 
-  if kp.needs_mask and not _last_block_first(kp):
+  if sparse is not None:
+    # Loop step j forms block j + 1's softmax: the table's partial blocks, then the full ones.
+    split = jnp.maximum(sparse.masked - 1, 0)
+    carry = lax.fori_loop(0, split, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(split, steps - 1, functools.partial(step, masked=False), carry)
+  elif kp.needs_mask and not _last_block_first(kp):
     # Causal with other tiles: the blocks from the diagonal's first on are masked. (A
     # non-causal key tail is streamed first, `_last_block_first`: a masked last step after an
     # unmasked loop made ptxas serialise every wgmma of the kernel, C7512, and masking every
@@ -636,7 +670,7 @@ def _registers(config: MosaicConfig) -> tuple[int, int]:
 
 def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs=(),
              split: split_tail.TailSplit | None = None, slopes=(), sinks=(), keys=(),
-             dense=()):
+             dense=(), blks=()):
   """Runs the kernel on q [B, T, H, D], k/v [B, S, K, D] -> (o [B, T, H, D], lse [B, H, Tp]),
   T and S padded as common.operand_rows says (up to kp.t_pad and kp.s_pad, or less: TMA
   reads rows past the end as zeros and drops stores past it); lse always has kp.t_pad rows.
@@ -649,7 +683,8 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
   sinks: () or (sink_logits [H],), the attention sinks, an input after those; keys: () or
   dropout's (row keys [B, H, Tp], column keys [Sp]) (common.dropout_keys), after those; dense:
   () or dense.inputs' bias and / or mask (kp.dense says which), the last inputs (grid kernel
-  only)."""
+  only). blks: () or the block mask's operands (block_mask.inputs; grid kernel, no segs),
+  inputs right after q, k, v."""
   bsz, _, h, d = q.shape
   t_pad = kp.t_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
@@ -696,9 +731,12 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
     grid, names = (persistent_ctas,), ("cta",)
     most_steps = kp.num_kv_blocks * -(-kp.num_q_tiles * h * bsz // persistent_ctas)
   else:
-    body = common.with_segment_refs(functools.partial(_fwd_kernel, kp=kp), 3, bool(segs),
-                                    alibi=bool(slopes), sinks=bool(sinks), dropout=bool(keys),
-                                    dense=kp.dense)
+    def make_body(blk=None):
+      return common.with_segment_refs(functools.partial(_fwd_kernel, kp=kp, blk=blk), 3,
+                                      bool(segs), alibi=bool(slopes), sinks=bool(sinks),
+                                      dropout=bool(keys), dense=kp.dense)
+
+    body = block_mask.with_block_refs(make_body, 3, len(blks)) if blks else make_body()
     launch = common.launch_grid(kp.num_q_tiles, h, bsz, ("qt", "h", "b"),
                                  heads_fastest=kp.heads_fastest)
     grid, names = launch["grid"], launch["grid_names"]
@@ -713,7 +751,7 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
       # check, so long or persistent kernels still fit.
       compiler_params=common.compiler_params(kp, min(most_steps, PROFILE_STEPS)),
       interpret=common.interpret_params(kp.interpret),
-  )(q, k, v, *segs, *slopes, *sinks, *keys, *dense)
+  )(q, k, v, *blks, *segs, *slopes, *sinks, *keys, *dense)
 
 
 def _with_head_refs(kernel, slopes, sinks, keys=()):
@@ -763,6 +801,7 @@ def tail_split(q, config: MosaicConfig, params: AttentionParams, kv_blocks: int,
   b, t, h, d = q.shape
   if (not config.fwd_split_tail or params.is_causal or common.segment_path(params)
       or persistent or params.has_bias or params.has_mask
+      or params.block_mask_blocks is not None
       or smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
                     jnp.dtype(q.dtype).itemsize, tail_staging=True) > SMEM_LIMIT_BYTES):
     return None
@@ -838,7 +877,8 @@ def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
   memory (not at head_dim 256)."""
   b, t, h, d = q.shape
   if (not config.fwd_persistent or params.is_causal or common.segment_path(params)
-      or params.has_bias or params.has_mask):  # the dense tiles: the grid kernel only
+      or params.has_bias or params.has_mask  # the dense tiles: the grid kernel only
+      or params.block_mask_blocks is not None):
     return 0
   if smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
                 jnp.dtype(q.dtype).itemsize, persistent=True) > SMEM_LIMIT_BYTES:
@@ -873,6 +913,9 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
       q, k, params=params, block_q=config.block_q, block_kv=config.block_kv,
       stages=min(config.num_stages, s_pad // config.block_kv), t_pad=t_pad, s_pad=s_pad,
       kv_len=s, config=config)
+  bm = None if arrays is None else arrays.block_mask
+  if bm is not None:
+    kp = dataclasses.replace(kp, block_mask=block_mask.Info.of(bm))
   if config.fwd_intra_wg_overlap:
     compute, producer = _registers(config)
     kp = dataclasses.replace(kp, compute_registers=compute, producer_registers=producer,
@@ -886,8 +929,10 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
   split = tail_split(q, config, params, kp.num_kv_blocks, ctas > 0)
   sinks = sink_logits(arrays, params)
   keys = common.dropout_keys(arrays, params, batch=b, heads=h, t_pad=t_pad, s_pad=s_pad)
+  blks = () if bm is None else block_mask.inputs(
+      bm, q_tile=2 * kp.block_q, kv_tile=kp.block_kv, t_pad=t_pad, s_pad=s_pad, by_q=True)
   out = fwd_call(qp, kpad, vpad, kp=kp, persistent_ctas=ctas, segs=segs, split=split,
                  slopes=common.raw_alibi_slopes(arrays, params), sinks=sinks, keys=keys,
-                 dense=sm90_dense.inputs(arrays, params, t_pad, s_pad))
+                 dense=sm90_dense.inputs(arrays, params, t_pad, s_pad), blks=blks)
   o, lse = out if split is None else combine_tail(*out, split, sinks)
   return o[:, :t], lse[:, :, :t]

@@ -60,7 +60,7 @@ def skip_step(t, carry, *, streams, stages: int):
   return carry
 
 def transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, mask_block, kp,
-                          ids=None, early_probs=False, bias=None, drop=None):
+                          ids=None, early_probs=False, bias=None, drop=None, visible=None):
   """Pᵀ and dSᵀ [block_kv, block_q] float32 of one step; releases its lse and delta slots.
 
   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (SMEM operands), Pᵀ = exp2(Sᵀ·c − lse2), dSᵀ = Pᵀ∘(dPᵀ − delta).
@@ -72,6 +72,8 @@ def transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, ma
   drop: None, or the step's dropout key vectors (`dropout_steps`): the Pᵀ returned (dV's
   operand) is then the kept probabilities' (unscaled: dV is scaled once at the end) and dSᵀ
   takes the kept, scaled dPᵀ (`grad_scores_t`).
+  visible: a block mask's element mask of the step (a function giving the [block_kv, block_q]
+  bool tile) used instead of common.tile_mask where mask_block is given.
   """
   bq, bkv = kp.block_q, kp.block_kv
 
@@ -83,7 +85,7 @@ def transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, ma
     # Sᵀ alone is waited for; Pᵀ's exp2s run while dPᵀ is on the tensor cores. delta is
     # loaded only after dPᵀ's wait, so that its registers are not live through the exp2s.
     p_t, slope = probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1),
-                          step_stat(streams, slot, 2), k0, mask_block, kp, ids, bias)
+                          step_stat(streams, slot, 2), k0, mask_block, kp, ids, bias, visible)
     keep = dropout_keep_t(drop, p_t.shape, kp)
     return (dropped(p_t, keep),
             grad_scores_t(p_t, slope, dp_ref[...], step_stat(streams, slot, 3), keep, kp))
@@ -95,7 +97,7 @@ def transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, ma
     return s_t, dp_t  # already Pᵀ and dSᵀ
   with jax.named_scope("softmax"):
     lse, delta = step_stats(streams, slot)
-    p_t, slope = probs_t(s_t, lse, k0, mask_block, kp, ids, bias)
+    p_t, slope = probs_t(s_t, lse, k0, mask_block, kp, ids, bias, visible)
     keep = dropout_keep_t(drop, p_t.shape, kp)
     ds_t = grad_scores_t(p_t, slope, dp_t, delta, keep, kp)
   return dropped(p_t, keep), ds_t
@@ -120,18 +122,23 @@ def step_stat(streams, slot, which: int):
   plgpu.barrier_arrive(free.at[slot])
   return x
 
-def probs_t(s_t, lse, k0, mask_block, kp: common.KernelParams, ids=None, bias=None):
+def probs_t(s_t, lse, k0, mask_block, kp: common.KernelParams, ids=None, bias=None,
+            visible=None):
   """(Pᵀ, slope): Pᵀ = exp2((soft_cap(Sᵀ) + bias)·c − lse2) [block_kv, block_q] with the
   entries the mask hides set to 0 (mask_block: see transposed_grad_tiles; bias: ALiBi's
   `alibi_steps`, or None), and the soft cap's slope (common.soft_cap_with_slope; None without
-  a cap) for `grad_scores_t` (ALiBi adds a constant: no slope)."""
+  a cap) for `grad_scores_t` (ALiBi adds a constant: no slope). visible: see
+  transposed_grad_tiles."""
   s_t, slope = common.soft_cap_with_slope(s_t, kp)
   if bias is not None:
     s_t = bias(s_t)
   p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
   if mask_block is not None:
-    visible = common.tile_mask(k0, mask_block() * kp.block_q, (kp.block_kv, kp.block_q), kp,
-                                transposed=True, ids=ids)
+    if visible is not None:
+      visible = visible()
+    else:
+      visible = common.tile_mask(k0, mask_block() * kp.block_q, (kp.block_kv, kp.block_q), kp,
+                                 transposed=True, ids=ids)
     p_t = jnp.where(visible, p_t, 0.0)
   return p_t, slope
 
