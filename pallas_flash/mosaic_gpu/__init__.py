@@ -249,6 +249,6 @@ def fp8_unsupported_reason(call: CallInfo, *, scale_layouts, out_dtype, config=N
 __all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "FUSES_SINKS", "KERNELS",
            "KERNEL_HEAD_DIMS", "MEASURED_HEAD_DIMS", "NARROW_HEAD_DIMS", "MosaicConfig",
            "MosaicDebug", "SUPPORTED_FEATURES", "TUNED", "UNMEASURED_FEATURES", "backward",
-           "default_config", "forward",
-           "fp8_forward", "fp8_unmeasured_reason", "fp8_unsupported_reason", "kernel_head_dim",
-           "padded_call", "unmeasured_reason", "unsupported_reason"]
+           "default_config", "forward", "fp8_forward", "fp8_unmeasured_reason",
+           "fp8_unsupported_reason", "kernel_head_dim", "padded_call", "unmeasured_reason",
+           "unsupported_reason"]
