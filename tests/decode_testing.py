@@ -9,7 +9,7 @@ import zlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from testing import assert_close_to_ref, tolerance
+from testing import assert_close_to_ref, export_for_h200, tolerance
 
 import pallas_flash
 
@@ -138,3 +138,24 @@ def check_decode(impl: str, case: DecodeCase, *, seed: int = 0, **call_kwargs) -
       assert_close_to_ref(name, x, ref, 0.0 if case.rotary is None else tol)
   else:
     assert len(got) == 2
+
+
+def lowered_for_h200(implementation: str, *, pool: tuple[int, int] | None, max_pages: int = 0,
+                     num_splits: int | None = None) -> str:
+  """The MLIR module of a decode call lowered for an H200: Llama-like heads (32 / 8, D 128),
+  B 2, Tq 4 appended and rotated, a window and a soft cap; a contiguous cache of 1024 keys, or
+  with `pool` = (pages, page_size) a page pool read through a [2, max_pages] table."""
+  b, h, kh, d = 2, 32, 8, 128
+  q = jax.ShapeDtypeStruct((b, 4, h, d), jnp.bfloat16)
+  new = jax.ShapeDtypeStruct((b, 4, kh, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((*pool, kh, d) if pool else (b, 1024, kh, d), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((b, max_pages), jnp.int32) if pool else None
+  lens = jax.ShapeDtypeStruct((b,), jnp.int32)
+
+  def f(q, kc, vc, lens, table, nk, nv):
+    return pallas_flash.decode_attention(q, kc, vc, lens, page_table=table, new_key=nk,
+                                         new_value=nv, rotary=1e4, logits_soft_cap=30.0,
+                                         local_window_size=256, num_splits=num_splits,
+                                         implementation=implementation)
+
+  return export_for_h200(f, q, kv, kv, lens, table, new, new).mlir_module()

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from decode_testing import DecodeCase, case_seed, check_decode, fill_page_table, make_decode_inputs
+from decode_testing import (DecodeCase, case_seed, check_decode, fill_page_table,
+                            lowered_for_h200, make_decode_inputs)
 from jax.experimental import checkify
 from jax.sharding import use_abstract_mesh
 from testing import H200, assert_close_to_ref, export_for_h200
@@ -311,20 +312,8 @@ def test_explain_on_cpu_and_for_h200():
 def test_triton_kernel_lowers_for_h200(paged, num_splits):
   """One Triton kernel without splits, the decode kernel and its merge kernel with them, and
   no other launch: the query is read in place and the outputs written in their layouts."""
-  b, h, kh, d = 2, 32, 8, 128
-  q = jax.ShapeDtypeStruct((b, 4, h, d), jnp.bfloat16)
-  new = jax.ShapeDtypeStruct((b, 4, kh, d), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((40, 64, kh, d) if paged else (b, 1024, kh, d), jnp.bfloat16)
-  table = jax.ShapeDtypeStruct((b, 16), jnp.int32) if paged else None
-  lens = jax.ShapeDtypeStruct((b,), jnp.int32)
-
-  def f(q, kc, vc, lens, table, nk, nv):
-    return pallas_flash.decode_attention(q, kc, vc, lens, page_table=table, new_key=nk,
-                                         new_value=nv, rotary=1e4, logits_soft_cap=30.0,
-                                         local_window_size=256, num_splits=num_splits,
-                                         implementation="triton")
-
-  module = export_for_h200(f, q, kv, kv, lens, table, new, new).mlir_module()
+  module = lowered_for_h200("triton", pool=(40, 64) if paged else None, max_pages=16,
+                            num_splits=num_splits)
   assert module.count("xla.gpu.triton") == (1 if num_splits == 1 else 2)
 
 

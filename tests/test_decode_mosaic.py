@@ -8,9 +8,9 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from decode_testing import DecodeCase, case_seed, check_decode
+from decode_testing import DecodeCase, case_seed, check_decode, lowered_for_h200
 from jax.sharding import use_abstract_mesh
-from testing import H200, export_for_h200
+from testing import H200
 
 import pallas_flash
 from pallas_flash.decode import MosaicDecodeConfig, api
@@ -66,20 +66,8 @@ def test_mosaic_kernel_lowers_for_h200(paged, num_splits):
   """One Mosaic GPU kernel between the Triton prepare and merge kernels and nothing else but
   the append: Llama-like heads, Tq 4 appended and rotated, window and soft cap; pages of 16
   keys (eight TMA copies per 128-key tile)."""
-  b, h, kh, d = 2, 32, 8, 128
-  q = jax.ShapeDtypeStruct((b, 4, h, d), jnp.bfloat16)
-  new = jax.ShapeDtypeStruct((b, 4, kh, d), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((130, 16, kh, d) if paged else (b, 1024, kh, d), jnp.bfloat16)
-  table = jax.ShapeDtypeStruct((b, 64), jnp.int32) if paged else None
-  lens = jax.ShapeDtypeStruct((b,), jnp.int32)
-
-  def f(q, kc, vc, lens, table, nk, nv):
-    return pallas_flash.decode_attention(q, kc, vc, lens, page_table=table, new_key=nk,
-                                         new_value=nv, rotary=1e4, logits_soft_cap=30.0,
-                                         local_window_size=256, num_splits=num_splits,
-                                         implementation="mosaic")
-
-  module = export_for_h200(f, q, kv, kv, lens, table, new, new).mlir_module()
+  module = lowered_for_h200("mosaic", pool=(130, 16) if paged else None, max_pages=64,
+                            num_splits=num_splits)
   assert len(re.findall(r"custom_call @mosaic_gpu", module)) == 1
   assert module.count("xla.gpu.triton") == 2  # the prepare and merge kernels
 
