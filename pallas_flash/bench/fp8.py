@@ -189,6 +189,19 @@ def _on_hopper() -> bool:
   return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
+def _timed(name: str, median_s: float, work: float) -> dict:
+  """A row's `<name>_ms` and `<name>_tflops` fields for one timed call doing `work` FLOPs."""
+  return {f"{name}_ms": median_s * 1e3, f"{name}_tflops": flops_lib.tflops(work, median_s)}
+
+
+def _printed_skip(rows: list[dict]) -> bool:
+  """Prints a section's skip row (the section ran nothing here) and says whether it did."""
+  if rows and rows[0]["status"] == "skip":
+    print(f"  skip: {rows[0]['reason']}")
+    return True
+  return False
+
+
 def _flops(dims, *, is_causal: bool, mode: str) -> float:
   """flops.attention_flops of self-attention on q, k, v of shape dims = (B, T, H, D)."""
   b, t, h, d = dims
@@ -239,8 +252,7 @@ def speed_row(dims, *, is_causal: bool, opts: argparse.Namespace) -> dict:
     if name.startswith("fp8 "):
       row.setdefault("fp8_other_forms", {})[name[4:]] = flops_lib.tflops(work, tm.median_s)
       continue
-    row[f"{name}_ms"] = tm.median_s * 1e3
-    row[f"{name}_tflops"] = flops_lib.tflops(work, tm.median_s)
+    row.update(_timed(name, tm.median_s, work))
   # Accuracy on the first ACCURACY_ROWS queries (top-left causal alignment: the same keys).
   n = min(ACCURACY_ROWS, t)
   deq = [fp8.dequantize(x, sc) for x, sc in ((q8, scales.q), (k8, scales.k), (v8, scales.v))]
@@ -280,8 +292,7 @@ def run_speed(opts: argparse.Namespace) -> list[dict]:
 def print_speed(rows: list[dict]) -> None:
   print("\nFP8 forward speed (TFLOP/s; the FP8 time includes the V transpose) and the FP8 "
         f"kernel's error on the first {ACCURACY_ROWS} queries")
-  if rows and rows[0]["status"] == "skip":
-    print(f"  skip: {rows[0]['reason']}")
+  if _printed_skip(rows):
     return
   print(f"  {'shape':<20}{'causal':<8}{'fp8 (form)':>18}{'bf16':>8}{'cudnn-fp8':>11}"
         f"{'rmse/max vs deq':>20}{'rmse/max vs f32':>20}{'bf16 rmse/max':>20}")
@@ -367,8 +378,7 @@ def feature_speed_row(name: str, opts: argparse.Namespace) -> dict:
          "head_dim": d, "is_causal": causal, "default_impl": default, "rel_err": rel_err,
          "status": "ok" if rel_err <= KERNEL_TOLERANCE else "FAIL"}
   for fn_name, tm in timings.items():
-    row[f"{fn_name}_ms"] = tm.median_s * 1e3
-    row[f"{fn_name}_tflops"] = flops_lib.tflops(work, tm.median_s)
+    row.update(_timed(fn_name, tm.median_s, work))
   return row
 
 
@@ -383,8 +393,7 @@ def print_feature_speed(rows: list[dict]) -> None:
   print("\nFP8 forward with features (TFLOP/s of the feature's own work; x plain: / the FP8 "
         "forward without it, same causality; x default: / the same FP8 call under "
         "implementation=None, which ran `default`)")
-  if rows and rows[0]["status"] == "skip":
-    print(f"  skip: {rows[0]['reason']}")
+  if _printed_skip(rows):
     return
   f = flops_lib.format_tflops
   print(f"  {'feature':<10}{'shape':<20}{'status':<8}{'rel_err':>9}{'fp8':>7}{'x plain':>9}"
@@ -494,9 +503,7 @@ def training_speed_row(dims, *, is_causal: bool, opts: argparse.Namespace) -> di
          "head_dim": d, "is_causal": is_causal, "status": "ok", "reason": None,
          "impl": training_impl(q, k, v, is_causal=is_causal)}
   for name, tm in timings.items():
-    key = name.replace(" +rot", "_rot")
-    row[f"{key}_ms"] = tm.median_s * 1e3
-    row[f"{key}_tflops"] = flops_lib.tflops(work, tm.median_s)
+    row.update(_timed(name.replace(" +rot", "_rot"), tm.median_s, work))
   row["speedup"] = row["bf16_ms"] / row["fp8_ms"]
   row["speedup_rot"] = row["bf16_ms"] / row["fp8_rot_ms"]
   return row
@@ -513,8 +520,7 @@ def run_training_speed(opts: argparse.Namespace) -> list[dict]:
 def print_training_speed(rows: list[dict]) -> None:
   print("\nFP8 forward+backward speed (TFLOP/s of 3.5x the forward's matmuls): "
         "fp8.quantized_attention (quantisation included) vs the bf16 Mosaic fwd+bwd")
-  if rows and rows[0]["status"] == "skip":
-    print(f"  skip: {rows[0]['reason']}")
+  if _printed_skip(rows):
     return
   print(f"  {'shape':<20}{'causal':<8}{'bf16':>8}{'fp8':>8}{'x bf16':>8}{'fp8 +rot':>10}"
         f"{'x bf16':>8}  impl")
