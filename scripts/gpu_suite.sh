@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # What the GPU machine checks and measures, in one call: ./scripts/gpu_suite.sh STAGE...
-# Stages: env tests bench long memory retrieval ptxas decode (the decode grid; DECODE_ARGS, e.g.
-# --quick) decode-tests. GPU_MARK: the tests stage's marker expression (default "gpu"); GPU_TESTS:
-# its paths; GPU_WORKERS: its pytest-xdist workers (default 8: compiling is CPU-bound; on the
-# H200 machine's 16 cores 8 workers ran 26 cases in 3.5 min, 25-40 s a case alone); SHAPES /
-# IMPLS: the bench stage's shapes and implementations; PTXAS_SHAPE B,T,H,D and PTXAS_VARIANTS (scripts/mosaic_ptxas.py variants).
+# Stages: env tests bench features long memory retrieval ptxas decode (the decode grid;
+# DECODE_ARGS, e.g. --quick) decode-tests.
+# tests: GPU_MARK its marker expression (default "gpu"), GPU_K its -k expression (default all),
+#   GPU_TESTS its paths, GPU_WORKERS its pytest-xdist workers (default 8: compiling is CPU-bound;
+#   on the H200 machine's 16 cores 8 workers ran 26 cases in 3.5 min, 25-40 s a case alone).
+# bench: SHAPES and IMPLS; features: FEATURES (bench/features.py rows, default all) and IMPLS;
+# ptxas: PTXAS_SHAPE B,T,H,D and PTXAS_VARIANTS (scripts/mosaic_ptxas.py variants).
 # Results go to $OUT (default ./gpu_out). Each stage is cut off after ${STAGE_LIMIT_S:-900} s.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -19,8 +21,10 @@ for stage in "$@"; do
   case $stage in
     env) run env bash -c "nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv; \
            $py -c 'import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())'; git rev-parse HEAD 2>/dev/null || true" ;;
-    tests) run tests $py -m pytest -q -m "${GPU_MARK:-gpu}" -n "${GPU_WORKERS:-8}" -p no:cacheprovider ${GPU_TESTS:-tests} ;;
+    tests) run tests $py -m pytest -q -m "${GPU_MARK:-gpu}" -k "${GPU_K:-}" -n "${GPU_WORKERS:-8}" -p no:cacheprovider ${GPU_TESTS:-tests} ;;
     bench) run bench $py -m pallas_flash.bench --shapes "${SHAPES:-anchors}" --impl "${IMPLS:-mosaic,cudnn}" --json "$OUT/bench.json" ;;
+    features) run features $py -m pallas_flash.bench --features "${FEATURES:-all}" --impl "${IMPLS:-mosaic,cudnn}" \
+                --json "$OUT/features.json" ;;
     long) run long $py -m pallas_flash.bench --shapes long --impl "${IMPLS:-mosaic,cudnn}" --json "$OUT/bench_long.json" ;;
     memory) XLA_PYTHON_CLIENT_MEM_FRACTION=.95 run memory $py -m pallas_flash.bench --memory --impl "${MEM_IMPLS:-mosaic}" \
               --max-seq "${MAX_SEQ:-262144}" --json "$OUT/memory.json" ;;
