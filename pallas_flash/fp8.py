@@ -125,6 +125,11 @@ def hadamard_rotation(head_dim: int, key: jax.Array | None = None) -> jax.Array:
   Hadamard matrix and signs random ±1 (FA3's incoherent processing). The same rotation on Q
   and K leaves Q·Kᵀ unchanged and spreads an outlier over all D entries of its row.
   key: a JAX PRNG key for the signs; None uses jax.random.key(0)."""
+  return _signed_hadamard(head_dim, key) / math.sqrt(head_dim)
+
+
+def _signed_hadamard(head_dim: int, key: jax.Array | None) -> jax.Array:
+  """diag(signs) @ H, [D, D] float32 of ±1: hadamard_rotation times sqrt(D)."""
   if head_dim < 1 or head_dim & (head_dim - 1):
     raise ValueError(f"the Hadamard rotation needs a power-of-two `head_dim` (64, 128, 256), "
                      f"got {head_dim}; quantize with rotate=False.")
@@ -133,11 +138,20 @@ def hadamard_rotation(head_dim: int, key: jax.Array | None = None) -> jax.Array:
     h = np.block([[h, h], [h, -h]])
   key = jax.random.key(0) if key is None else key
   signs = jax.random.rademacher(key, (head_dim,), jnp.float32)
-  return signs[:, None] * jnp.asarray(h / math.sqrt(head_dim))
+  return signs[:, None] * jnp.asarray(h)
 
 
-def _rotate(x, rotation) -> jax.Array:
-  return jnp.einsum("...d,de->...e", x.astype(jnp.float32), rotation,
+def _rotate(x, key) -> jax.Array:
+  """x [..., D] @ hadamard_rotation(D, key), float32. A 16-bit x multiplies the ±1 entries in
+  its own dtype (exact products, float32 sums: a tensor-core matmul on a GPU, where a float32
+  product at HIGHEST precision is not) and divides by sqrt(D) after; a float32 x takes the
+  float32 product."""
+  d = x.shape[-1]
+  if x.dtype in (jnp.bfloat16, jnp.float16):
+    signed = _signed_hadamard(d, key).astype(x.dtype)
+    return jnp.einsum("...d,de->...e", x, signed,
+                      preferred_element_type=jnp.float32) / math.sqrt(d)
+  return jnp.einsum("...d,de->...e", x.astype(jnp.float32), hadamard_rotation(d, key),
                     precision=jax.lax.Precision.HIGHEST)
 
 
@@ -166,8 +180,7 @@ def quantize(q, k, v, *, rotate: bool = False, block: int | str | None = None,
   """
   _check_block_option(block)
   if rotate:
-    rotation = hadamard_rotation(q.shape[-1], key)
-    q, k = _rotate(q, rotation), _rotate(k, rotation)
+    q, k = _rotate(q, key), _rotate(k, key)
   (q8, sq), (k8, sk), (v8, sv) = (_quantize_one(x, block) for x in (q, k, v))
   return (q8, k8, v8), Fp8Scales(sq, sk, sv, block if isinstance(block, int) else None)
 
@@ -638,10 +651,9 @@ def quantized_attention(q, k, v, *, rotate: bool = False, block: int | str | Non
     raise ValueError("Pass one of `return_residuals` (float32 [B, H, T], differentiable) and "
                      "`return_residual` (jax.nn's: [B, T, H] in the output dtype, "
                      "stop_gradient), not both.")
-  rotation = hadamard_rotation(q.shape[-1], key) if rotate else None
   inputs = [q, k, v]
-  if rotation is not None:
-    inputs[:2] = (_rotate(x, rotation) for x in inputs[:2])
+  if rotate:
+    inputs[:2] = (_rotate(x, key) for x in inputs[:2])
   abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
   (q8, k8, v8), scales = jax.eval_shape(functools.partial(quantize, block=block), *abstract)
   scales, out = check_call(q8, k8, v8, scales, out_dtype)

@@ -86,6 +86,24 @@ def test_quantize_maps_each_groups_max_to_448(block):
     assert (np.abs(deq - a * np.sign(x))[normal] <= 2.0**-4 * a[normal] * (1 + 1e-6)).all()
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_rotation_of_16_bit_inputs_equals_the_float32_product(dtype):
+  # 16-bit inputs multiply the ±1 Hadamard entries in their own dtype (float32 sums); the
+  # result and its gradient must be the float32 product's.
+  key = jax.random.key(7)
+  x = jax.random.normal(jax.random.key(1), (2, 33, 3, 128), jnp.float32).astype(dtype)
+  r = fp8.hadamard_rotation(128, key)
+  want = jnp.einsum("...d,de->...e", x.astype(jnp.float32), r,
+                    precision=jax.lax.Precision.HIGHEST)
+  np.testing.assert_allclose(fp8._rotate(x, key), want, rtol=1e-5, atol=1e-5)
+  g = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
+  got = jax.grad(lambda x: jnp.vdot(fp8._rotate(x, key), g))(x)
+  assert got.dtype == dtype
+  want = (g @ r.T).astype(dtype)
+  np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32),
+                             rtol=2.0**-7, atol=2.0**-7)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_rotation_is_orthogonal_and_leaves_bf16_attention_unchanged(head_dim):
   r = fp8.hadamard_rotation(head_dim, jax.random.key(head_dim))
