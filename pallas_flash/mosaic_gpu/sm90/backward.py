@@ -75,6 +75,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   at their tiles (block_mask.inputs). The fused kernel takes none of them, nor ALiBi: it falls
   back to the split with a warning."""
   d = q.shape[3]
+  assert v.shape[3] == d or d > 128, "a value head dim of its own: the kernels of D > 128 only"
   slopes = common.raw_alibi_slopes(arrays, params)
   full_delta = None  # rowsum(dO∘O) - dlse, where the split kernels return it
   if d > 128 and params.logits_soft_cap is not None:

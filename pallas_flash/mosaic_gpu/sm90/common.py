@@ -70,6 +70,13 @@ class KernelParams:
   dense: tuple[bool, bool] = (False, False)
   # AttentionParams.dropout_rate: the kernels take dropout_keys' row and column keys as inputs.
   dropout: float = 0.0
+  # The value head dim Dv: the columns of V, O, dO and dV (0 given: d). Differs from d only
+  # with MosaicConfig.native_value_head_dim (config.kernel_head_dims).
+  dv: int = 0
+
+  def __post_init__(self):
+    if not self.dv:
+      object.__setattr__(self, "dv", self.d)
 
   @staticmethod
   def stats_view(x):
@@ -110,9 +117,10 @@ class KernelParams:
   @staticmethod
   def make(q, k, *, params: AttentionParams, block_q: int, block_kv: int, stages: int,
            t_pad: int, s_pad: int, kv_len: int, config: MosaicConfig,
-           q_tile_rows: int | None = None) -> KernelParams:
+           q_tile_rows: int | None = None, value_head_dim: int = 0) -> KernelParams:
+    """value_head_dim: V's columns (0: q's head dim)."""
     return KernelParams(
-        dtype=jnp.dtype(q.dtype), d=q.shape[3], group=q.shape[2] // k.shape[2],
+        dtype=jnp.dtype(q.dtype), d=q.shape[3], dv=value_head_dim, group=q.shape[2] // k.shape[2],
         block_q=block_q, block_kv=block_kv, stages=stages,
         num_q_tiles=t_pad // (q_tile_rows or 2 * block_q), num_kv_blocks=s_pad // block_kv,
         t_pad=t_pad, s_pad=s_pad, kv_len=kv_len, q_len=q.shape[1], causal=params.is_causal,

@@ -32,16 +32,19 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
                    *, kp: common.KernelParams, seg: common.SegmentRefs | None = None,
                    slopes=None, keys: common.DropoutKeys | None = None, dense=None,
                    blk: block_mask.Refs | None = None):
-  """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse/delta_ref [B, H, Tp].
+  """q_ref [B, Tp, H, D], do_ref [B, Tp, H, Dv], k_ref [B, Sp, K, D], v_ref [B, Sp, K, Dv],
+  lse/delta_ref [B, H, Tp] (Dv = kp.dv: D but with MosaicConfig.native_value_head_dim; dP =
+  dO·Vᵀ contracts over Dv, every other product over D or the keys).
 
   Two forms (absent refs are None). Statistics from XLA (o_ref, lse2_out_ref, delta_out_ref
   None): lse_ref in log2 units, delta_ref the full delta. Statistics in the kernel: o_ref
   [B, Tp, H, D], lse_ref natural log (-inf on fully masked rows), delta_ref the correction
   -dlse or None; the kernel computes lse2 and delta = rowsum(O∘dO) + correction and stores them
-  to lse2_out/delta_out_ref [B, H, Tp] for the dK/dV kernel.
+  to lse2_out/delta_out_ref [B, H, Tp] for the dK/dV kernel (o_ref [B, Tp, H, Dv]).
   Grid (H, Tp / (2·block_q), B) named (h, qt, b); dq_ref [B, Tp, H, D];
-  q/do/o_scratch [2, block_q, D], lse/delta_scratch [2, block_q], k/v_scratch [stages,
-  block_kv, D], ds_scratch [2, block_q, block_kv] (interpret only). seg: segment ids, the
+  q_scratch [2, block_q, D], do/o_scratch [2, block_q, Dv], lse/delta_scratch [2, block_q],
+  k_scratch [stages, block_kv, D], v_scratch [v stages, block_kv, Dv], ds_scratch [2, block_q,
+  block_kv] (interpret only). seg: segment ids, the
   forward's way (the CTA streams only the key blocks its tile may share an id with). slopes:
   ALiBi's common.raw_alibi_slopes [H] (GMEM), or None. keys: dropout's row and column keys
   (common.dropout_keys), or None: dP is masked and scaled, dS = P∘(dP_kept / (1 - rate) − delta).
@@ -233,23 +236,26 @@ def _with_absent_refs(kernel, present, *refs, **kwargs):
 
 
 def dq_smem_bytes(kp: common.KernelParams, *, in_kernel: bool, correction: bool) -> int:
-  """Shared memory of one dQ CTA (dq_call's scratch): Q, dO (and O with the statistics in the
-  kernel) [2 WGs, block_q, D], lse and delta [2, block_q] float32, the K and V rings, the
-  barriers and 1 KiB that Mosaic adds (the estimate equals its 231,552 B with and 198,784 B
-  without the O tile at head_dim 128, block_q 64, block_kv 128, 2 stages)."""
+  """Shared memory of one dQ CTA (dq_call's scratch): Q [2 WGs, block_q, D], dO (and O with the
+  statistics in the kernel) [2 WGs, block_q, Dv], lse and delta [2, block_q] float32, the K
+  [.., D] and V [.., Dv] rings, the barriers and 1 KiB that Mosaic adds (the estimate equals
+  its 231,552 B with and 198,784 B without the O tile at head_dim 128, block_q 64, block_kv
+  128, 2 stages)."""
   itemsize = jnp.dtype(kp.dtype).itemsize
-  rows = (3 if in_kernel else 2) * 2 * kp.block_q * kp.d * itemsize + 2 * 2 * kp.block_q * 4
+  cols = kp.d + (2 if in_kernel else 1) * kp.dv  # Q, dO[, O]
+  rows = 2 * kp.block_q * cols * itemsize + 2 * 2 * kp.block_q * 4
   slots = kp.stages + kp.dq_v_stages
-  ring = slots * kp.block_kv * kp.d * itemsize
+  ring = kp.block_kv * (kp.stages * kp.d + kp.dq_v_stages * kp.dv) * itemsize
   barriers = 8 * (2 * (3 + (correction or not in_kernel) + in_kernel) + 2 * slots)
   return rows + ring + barriers + 1024
 
 
 def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slopes=(),
             keys=(), dense=(), blks=()):
-  """dQ [B, T, H, D], or (dQ, lse2, delta) when o is given: see _bwd_dq_kernel's two forms
-  (o None: lse in log2 units and the full delta; else natural-log lse and delta the correction
-  or None). q, do, o [B, T, H, D] and k, v [B, S, K, D] padded as common.operand_rows says;
+  """dQ [B, T, H, D], or (dQ, lse2, delta) when o is given: see _dq_kernel's two forms (o
+  None: lse in log2 units and the full delta; else natural-log lse and delta the correction
+  or None). q [B, T, H, D], do, o [B, T, H, Dv], k [B, S, K, D], v [B, S, K, Dv] (Dv = kp.dv)
+  padded as common.operand_rows says;
   lse, delta and the lse2 and delta it returns [B, H, Tp]. segs: () or (q_seg [B, Tp], kv_seg
   [B, Sp], kv limits per q tile) int32. slopes: () or (common.raw_alibi_slopes [H],). keys: ()
   or dropout's (row keys [B, H, Tp], column keys [Sp]) (common.dropout_keys). dense: () or
@@ -263,14 +269,15 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
   in_kernel = o is not None
   inputs = (q, k, v, do, o, lse, delta)
   row_tile = plgpu.SMEM((2, bq, d), kp.dtype, transforms=tiles)
+  value_row_tile = plgpu.SMEM((2, bq, kp.dv), kp.dtype, transforms=tiles)
   scratch = [
       row_tile,
-      row_tile,
-      row_tile if in_kernel else None,
+      value_row_tile,
+      value_row_tile if in_kernel else None,
       plgpu.SMEM((2, bq), jnp.float32),
       plgpu.SMEM((2, bq), jnp.float32),
       plgpu.SMEM((stages, bkv, d), kp.dtype, transforms=tiles),
-      plgpu.SMEM((kp.dq_v_stages, bkv, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((kp.dq_v_stages, bkv, kp.dv), kp.dtype, transforms=tiles),
       plgpu.SMEM((2, bq, bkv), kp.dtype, transforms=tiles) if kp.interpret else None,
       # One per row load of a WG: Q, dO, lse, then delta and O where given.
       plgpu.Barrier(num_barriers=(2, 3 + (delta is not None) + in_kernel)),

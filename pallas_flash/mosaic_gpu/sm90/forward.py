@@ -50,8 +50,8 @@ PROFILE_STEPS = 32
 
 
 class _SplitRefs(NamedTuple):
-  """A split-tail kernel's extra operands: o_part [parts total, 2, block_q, D] and lse_part
-  [parts total, 2, block_q] float32 (GMEM), o32_scratch [2, block_q, D] float32 (SMEM)."""
+  """A split-tail kernel's extra operands: o_part [parts total, 2, block_q, Dv] and lse_part
+  [parts total, 2, block_q] float32 (GMEM), o32_scratch [2, block_q, Dv] float32 (SMEM)."""
 
   split: split_tail.TailSplit
   o_part: Any
@@ -60,27 +60,30 @@ class _SplitRefs(NamedTuple):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scratch,
-                lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free, v_free, sched, *,
+                lse_scratch, p_scratch, o_scratch, q_ready, k_ready, v_ready, k_free, v_free,
+                sched, *,
                 kp: common.KernelParams, seg: common.SegmentRefs | None = None,
                 tail: _SplitRefs | None = None, slopes=None, sinks=None,
                 keys: common.DropoutKeys | None = None, dense=None,
                 blk: block_mask.Refs | None = None):
-  """q_ref [B, Tp, H, D], k_ref/v_ref [B, Sp, K, D] (GMEM), o_ref [B, Tp, H, D], lse_ref [B, H, Tp].
+  """q_ref [B, Tp, H, D], k_ref [B, Sp, K, D], v_ref [B, Sp, K, Dv] (GMEM), o_ref [B, Tp, H, Dv],
+  lse_ref [B, H, Tp] (Dv = kp.dv: D but with MosaicConfig.native_value_head_dim).
 
   Grid (H, q tiles, B), or (q tiles, H, B) with kp.heads_fastest; q_scratch [2, block_q, D],
-  k/v_scratch [stages, block_kv, D], lse_scratch [2, block_q], p_scratch [2, block_q, block_kv]
-  (interpret mode only). seg: segment ids of the rows (q) and keys, and per q tile the hull of
-  key blocks that may share an id (_tiling.segment_block_limits): the CTA streams only those
-  blocks, at least one, and compares ids on each except the run of blocks that lie wholly
-  inside the tile's one document. tail (non-causal, no seg): a one-dimensional grid of
-  tail.split.ctas CTAs in the same launch order, see split_tail.TailSplit. slopes: ALiBi's
-  common.raw_alibi_slopes [H] (GMEM), or None. sinks: the attention sinks' sink_logits [H]
-  (GMEM), added to each row's softmax by `_store_tile` (a split tail's parts leave them to
-  combine_tail), or None. keys: dropout's row and column keys (common.dropout_keys), or None.
-  dense: the dense bias and mask (dense.DenseRefs), or None. blk: the block mask's table of
-  key blocks per q tile and its mask function's leaves (block_mask.Refs): the CTA streams the
-  tile's listed blocks, at least one, and evaluates the function on the partial ones (listed
-  first); q tiles are launched last one first, as causal ones.
+  k_scratch [stages, block_kv, D], v_scratch [stages, block_kv, Dv], lse_scratch [2, block_q],
+  p_scratch [2, block_q, block_kv] (interpret mode only), o_scratch [2, block_q, Dv] (O's staging
+  where Dv differs from D, else None: O leaves through the Q buffer). seg: segment ids of the rows
+  (q) and keys, and per q tile the hull of key blocks that may share an id
+  (_tiling.segment_block_limits): the CTA streams only those blocks, at least one, and compares ids
+  on each except the run of blocks that lie wholly inside the tile's one document. tail (non-causal,
+  no seg): a one-dimensional grid of tail.split.ctas CTAs in the same launch order, see
+  split_tail.TailSplit. slopes: ALiBi's common.raw_alibi_slopes [H] (GMEM), or None. sinks: the
+  attention sinks' sink_logits [H] (GMEM), added to each row's softmax by `_store_tile` (a split
+  tail's parts leave them to combine_tail), or None. keys: dropout's row and column keys
+  (common.dropout_keys), or None. dense: the dense bias and mask (dense.DenseRefs), or None. blk:
+  the block mask's table of key blocks per q tile and its mask function's leaves (block_mask.Refs):
+  the CTA streams the tile's listed blocks, at least one, and evaluates the function on the partial
+  ones (listed first); q tiles are launched last one first, as causal ones.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   wg = lax.axis_index("wg")
@@ -149,7 +152,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     pl.when(wg == 0)(sched_sync)
 
     with jax.named_scope("epilogue"):
-      store = functools.partial(_store_tile, *carry, q_smem, lse_smem,
+      o_smem = q_smem if o_scratch is None else o_scratch.at[wg]
+      store = functools.partial(_store_tile, *carry, o_smem, lse_smem,
                                 o_ref.at[b, pl.ds(q0, bq), h], lse_ref.at[b, h, pl.ds(q0, bq)],
                                 kp, sink=sink)
       if tail is None:
@@ -194,9 +198,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
 
 def _store_tile(acc, m, l, o_smem, lse_smem, o_dst, lse_dst, kp: common.KernelParams, *,
                 sink=None):
-  """Normalises one WG's tile and starts its TMA stores: O = acc / l [block_q, D] through
-  o_smem (the WG's Q buffer, free once its last Q·Kᵀ retired; a split tail's part: a float32
-  buffer), lse (natural log) through lse_smem. The caller waits for the stores.
+  """Normalises one WG's tile and starts its TMA stores: O = acc / l [block_q, Dv] through
+  o_smem (the WG's Q buffer, free once its last Q·Kᵀ retired, or where Dv differs from D its
+  own [block_q, Dv] buffer; a split tail's part: a float32 buffer), lse (natural log) through
+  lse_smem. The caller waits for the stores.
 
   sink: the head's attention-sink logit in log2 units (sink_logits), or None. It joins each
   row's softmax as one more score with a zero value: m' = max(m, sink), and with
@@ -223,8 +228,8 @@ def _store_tile(acc, m, l, o_smem, lse_smem, o_dst, lse_dst, kp: common.KernelPa
 
 
 def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scratch,
-                           lse_scratch, p_scratch, q_ready, k_ready, v_ready, k_free, v_free,
-                           sched, q_free, *, kp: common.KernelParams, ctas: int, heads: int,
+                           lse_scratch, p_scratch, o_scratch, q_ready, k_ready, v_ready, k_free,
+                           v_free, sched, q_free, *, kp: common.KernelParams, ctas: int, heads: int,
                            batch: int, slopes=None, sinks=None, keys=None):
   """The non-causal forward as a persistent kernel: `ctas` CTAs (one per SM) loop over the
   (q tile, head, batch) tiles, CTA c taking tiles c, c + ctas, ...
@@ -237,7 +242,9 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
 
   q_scratch [2 (tile parity), 2 (WG), block_q, D]; q_ready [4] indexed parity·2 + WG (TMA
   arrivals); q_free [2] (2 arrivals: both WGs stored that parity's tile and the TMA has read
-  its O out of the buffer). Other operands (slopes, sinks and keys too) as in `_fwd_kernel`.
+  its O out of the buffer). o_scratch [2, block_q, Dv] or None, as in `_fwd_kernel` (a WG's
+  store is read out before its next tile). Other operands (slopes, sinks and keys too) as in
+  `_fwd_kernel`.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   nqt, steps = kp.num_q_tiles, kp.num_kv_blocks  # non-causal: every tile sees every key block
@@ -277,7 +284,8 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
                    **_dropout_rows(keys, b, h, q0, kp))
       pl.when(wg == 0)(sched_sync)
       with jax.named_scope("epilogue"):
-        _store_tile(*carry, q_smem, lse_scratch.at[wg], o_ref.at[b, pl.ds(q0, bq), h],
+        _store_tile(*carry, q_smem if o_scratch is None else o_scratch.at[wg],
+                    lse_scratch.at[wg], o_ref.at[b, pl.ds(q0, bq), h],
                     lse_ref.at[b, h, pl.ds(q0, bq)], kp,
                     sink=None if sinks is None else sinks[h])
         # The buffer takes tile i+2's Q next; lse_scratch is rewritten by the next tile.
@@ -372,15 +380,15 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
                    sparse: block_mask.Sparse | None = None):
   """One consumer WG's kv loop, S_j then O += P_j·V_j per step -> (acc, m, l).
 
-  q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
-  mode only). The caller has waited for K_0; `base`: see `_ring`. Step j is key block kv0 + j;
-  seg_ids(col0) gives the (row, column) segment ids of the block starting at key col0, and
-  `full` the run of key blocks that share the rows' one id (common.unmasked_run). slope: the
-  head's ALiBi slope in raw-score units (common.alibi), or None. drop_keys, drop_rows: dropout's
-  key refs and the rows' keys [block_q] ROW (`_dropout_rows`), or None: P·V takes the kept
-  probabilities, l sums them all. dense: the dense bias and mask tiles' loader (dense.load
-  bound to the CTA's batch and head), or None. sparse: a block mask's view of the CTA's table
-  (step j is key block sparse.block(j), its first sparse.masked steps evaluate the mask
+  q_smem [block_q, D], k_scratch [stages, block_kv, D], v_scratch [stages, block_kv, Dv], p_smem
+  [block_q, block_kv] (interpret mode only); acc is [block_q, Dv]. The caller has waited for K_0;
+  `base`: see `_ring`. Step j is key block kv0 + j; seg_ids(col0) gives the (row, column) segment
+  ids of the block starting at key col0, and `full` the run of key blocks that share the rows' one
+  id (common.unmasked_run). slope: the head's ALiBi slope in raw-score units (common.alibi), or
+  None. drop_keys, drop_rows: dropout's key refs and the rows' keys [block_q] ROW (`_dropout_rows`),
+  or None: P·V takes the kept probabilities, l sums them all. dense: the dense bias and mask tiles'
+  loader (dense.load bound to the CTA's batch and head), or None. sparse: a block mask's view of the
+  CTA's table (step j is key block sparse.block(j), its first sparse.masked steps evaluate the mask
   function), or None.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
@@ -447,7 +455,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
         plgpu.barrier_wait(bars.k_ready.at[ring(j + 1, stages)])
 
     if kp.interpret:
-      acc = acc + common.staged_matmul(p16, p_smem, v_scratch.at[slot], (bq, kp.d))
+      acc = acc + common.staged_matmul(p16, p_smem, v_scratch.at[slot], (bq, kp.dv))
       wait_next_k()
     else:
       def pv(acc_ref):
@@ -459,7 +467,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
     plgpu.barrier_arrive(bars.v_free.at[slot])
     return acc, m_new, l
 
-  carry = (plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA),
+  carry = (plgpu.layout_cast(jnp.zeros((bq, kp.dv), jnp.float32), plgpu.Layout.WGMMA),
            plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), common.ROW),
            plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW))
   if sparse is not None:  # the partial blocks, then the full ones
@@ -507,16 +515,15 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
                         sparse: block_mask.Sparse | None = None):
   """One consumer WG's kv loop with FA3's intra-warpgroup 2-stage pipeline -> (acc, m, l).
 
-  q_smem [block_q, D], k/v_scratch [stages, block_kv, D], p_smem [block_q, block_kv] (interpret
-  mode only). S_0 is computed before the loop; step j issues S_{j+1} = Q·K_{j+1}ᵀ and then
-  O += P_j·V_j, waits for S_{j+1} alone (`wgmma_accumulator_load(wait_n=1)`) and runs its
-  softmax while P_j·V_j is still in flight; O is rescaled once that has retired. The last P·V
-  follows the loop. Each matmul pair sits between the same two schedule-barrier rounds per
-  block as in the plain loop, so the two WGs still alternate (ping-pong) and the idle steps of
-  a causal CTA are unchanged. `base`: see `_ring`; step j is key block `_kv_block(j, ...)`;
-  slope, drop_keys, drop_rows, dense, sparse: as in `_plain_kv_loop` (S_{j+1}'s dense tiles
-  are loaded in its softmax; with a block mask block 0 is masked, the others as their table
-  says).
+  q_smem [block_q, D], k_scratch [stages, block_kv, D], v_scratch [stages, block_kv, Dv], p_smem
+  [block_q, block_kv] (interpret mode only). S_0 is computed before the loop; step j issues S_{j+1}
+  = Q·K_{j+1}ᵀ and then O += P_j·V_j, waits for S_{j+1} alone (`wgmma_accumulator_load(wait_n=1)`)
+  and runs its softmax while P_j·V_j is still in flight; O is rescaled once that has retired. The
+  last P·V follows the loop. Each matmul pair sits between the same two schedule-barrier rounds per
+  block as in the plain loop, so the two WGs still alternate (ping-pong) and the idle steps of a
+  causal CTA are unchanged. `base`: see `_ring`; step j is key block `_kv_block(j, ...)`; slope,
+  drop_keys, drop_rows, dense, sparse: as in `_plain_kv_loop` (S_{j+1}'s dense tiles are loaded in
+  its softmax; with a block mask block 0 is masked, the others as their table says).
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
@@ -568,7 +575,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
       s, 0, kp.needs_mask or sparse is not None,
       plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), common.ROW),
       plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW), tiles, cols0)
-  acc = plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA)
+  acc = plgpu.layout_cast(jnp.zeros((bq, kp.dv), jnp.float32), plgpu.Layout.WGMMA)
   carry = lax.optimization_barrier((acc, p.astype(kp.dtype), m, l))
 
   def step(j, carry, *, masked: bool):
@@ -604,7 +611,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
         return out, pv_ref[...]
 
       (p, m, l, alpha), pv = pl.run_scoped(scoped, plgpu.ACC((bq, bkv), jnp.float32),
-                                           plgpu.ACC((bq, kp.d), jnp.float32))
+                                           plgpu.ACC((bq, kp.dv), jnp.float32))
       acc = acc + pv
     else:
       def state(refs):
@@ -671,9 +678,10 @@ def _registers(config: MosaicConfig) -> tuple[int, int]:
 def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs=(),
              split: split_tail.TailSplit | None = None, slopes=(), sinks=(), keys=(),
              dense=(), blks=()):
-  """Runs the kernel on q [B, T, H, D], k/v [B, S, K, D] -> (o [B, T, H, D], lse [B, H, Tp]),
-  T and S padded as common.operand_rows says (up to kp.t_pad and kp.s_pad, or less: TMA
-  reads rows past the end as zeros and drops stores past it); lse always has kp.t_pad rows.
+  """Runs the kernel on q [B, T, H, D], k [B, S, K, D], v [B, S, K, Dv] -> (o [B, T, H, Dv], lse [B,
+  H, Tp]) (Dv = kp.dv), T and S padded as common.operand_rows says (up to kp.t_pad and kp.s_pad, or
+  less: TMA reads rows past the end as zeros and drops stores past it); lse always has kp.t_pad
+  rows.
 
   persistent_ctas > 0 (non-causal, no segments): `_fwd_persistent_kernel` on that many CTAs.
   segs: () or the padded (q_seg [B, Tp], kv_seg [B, Sp], kv_limits [B, q tiles, 4]) int32.
@@ -686,6 +694,7 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
   only). blks: () or the block mask's operands (block_mask.inputs; grid kernel, no segs),
   inputs right after q, k, v."""
   bsz, _, h, d = q.shape
+  dv = kp.dv
   t_pad = kp.t_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   tiles = common.smem_transforms(kp.dtype, kp.d)
@@ -693,9 +702,11 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
   scratch = [
       plgpu.SMEM(((2,) if persistent else ()) + (2, bq, d), kp.dtype, transforms=tiles),
       plgpu.SMEM((stages, bkv, d), kp.dtype, transforms=tiles),
-      plgpu.SMEM((stages, bkv, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((stages, bkv, dv), kp.dtype, transforms=tiles),
       plgpu.SMEM((2, bq), jnp.float32),
       plgpu.SMEM((2, bq, bkv), kp.dtype, transforms=tiles) if kp.interpret else None,
+      # O's staging where its columns are not Q's (MosaicConfig.native_value_head_dim).
+      plgpu.SMEM((2, bq, dv), kp.dtype, transforms=tiles) if dv != d else None,
       plgpu.Barrier(num_barriers=4 if persistent else 2),
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_barriers=stages),
@@ -703,15 +714,15 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2),
   ]
-  out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+  out_type = [jax.ShapeDtypeStruct((*q.shape[:3], dv), q.dtype),
               jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)]
   assert not ((split is not None or persistent) and dense), "dense inputs: grid kernel only"
   if split is not None:
     assert not (kp.causal or persistent or segs), "the split tail is for the non-causal grid"
     rows = (split.tiles - split.main) * split.parts
-    out_type += [jax.ShapeDtypeStruct((rows, 2, bq, d), jnp.float32),
+    out_type += [jax.ShapeDtypeStruct((rows, 2, bq, dv), jnp.float32),
                  jax.ShapeDtypeStruct((rows, 2, bq), jnp.float32)]
-    scratch.append(plgpu.SMEM((2, bq, d), jnp.float32,
+    scratch.append(plgpu.SMEM((2, bq, dv), jnp.float32,
                               transforms=common.smem_transforms(jnp.float32)))
 
     def body(q_ref, k_ref, v_ref, *refs):
@@ -785,17 +796,22 @@ def sink_logits(arrays: FeatureArrays | None, params: AttentionParams) -> tuple:
 
 
 def smem_bytes(d: int, block_q: int, block_kv: int, stages: int, itemsize: int = 2, *,
-               persistent: bool = False, tail_staging: bool = False) -> int:
+               persistent: bool = False, tail_staging: bool = False, dv: int = 0) -> int:
   """Shared memory of one forward CTA: Q (double-buffered when persistent), the K/V ring and
-  lse, plus ~1 KiB of barriers and alignment (and the split tail's float32 o staging)."""
+  lse, plus ~1 KiB of barriers and alignment (and the split tail's float32 o staging); dv:
+  the value head dim where it differs from d (0: d), whose O has a staging buffer of its own."""
+  dv = dv or d
   q = (2 if persistent else 1) * 2 * block_q * d * itemsize
-  staging = 2 * block_q * d * 4 if tail_staging else 0
-  return q + 2 * stages * block_kv * d * itemsize + 2 * block_q * 4 + 1024 + staging
+  staging = 2 * block_q * dv * 4 if tail_staging else 0
+  o = 2 * block_q * dv * itemsize if dv != d else 0
+  return (q + stages * block_kv * (d + dv) * itemsize + o + 2 * block_q * 4 + 1024
+          + staging)
 
 
 def tail_split(q, config: MosaicConfig, params: AttentionParams, kv_blocks: int,
-               persistent: bool) -> split_tail.TailSplit | None:
-  """The split tail of a call with q [B, T, H, D], or None where it does not apply (not
+               persistent: bool, dv: int = 0) -> split_tail.TailSplit | None:
+  """The split tail of a call with q [B, T, H, D] (dv: V's head dim, 0: D), or None where it
+  does not apply (not
   config.fwd_split_tail, causal, segment ids, the persistent kernel, no room for the float32
   staging tile, or no split that pays)."""
   b, t, h, d = q.shape
@@ -803,7 +819,7 @@ def tail_split(q, config: MosaicConfig, params: AttentionParams, kv_blocks: int,
       or persistent or params.has_bias or params.has_mask
       or params.block_mask_blocks is not None
       or smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
-                    jnp.dtype(q.dtype).itemsize, tail_staging=True) > SMEM_LIMIT_BYTES):
+                    jnp.dtype(q.dtype).itemsize, tail_staging=True, dv=dv) > SMEM_LIMIT_BYTES):
     return None
   num_q_tiles = _tiling.round_up(t, 2 * config.block_q) // (2 * config.block_q)
   return split_tail.plan(num_q_tiles, h, b, kv_blocks, heads_fastest=config.heads_fastest,
@@ -869,8 +885,9 @@ def segment_inputs(q, k, q_seg, kv_seg, *, params: AttentionParams,
   return q_seg, kv_seg, kv_limits
 
 
-def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
-  """CTAs of the persistent forward for q [B, T, H, D] (0: run the one-CTA-per-tile kernel).
+def persistent_ctas(q, config: MosaicConfig, params: AttentionParams, dv: int = 0) -> int:
+  """CTAs of the persistent forward for q [B, T, H, D] (0: run the one-CTA-per-tile kernel;
+  dv: V's head dim, 0: D).
 
   Persistent only where it applies: config.fwd_persistent, non-causal (causal tiles differ in
   length; that kernel balances them by its launch order) and Q's second buffer fits in shared
@@ -881,7 +898,7 @@ def persistent_ctas(q, config: MosaicConfig, params: AttentionParams) -> int:
       or params.block_mask_blocks is not None):
     return 0
   if smem_bytes(d, config.block_q, config.block_kv, config.num_stages,
-                jnp.dtype(q.dtype).itemsize, persistent=True) > SMEM_LIMIT_BYTES:
+                jnp.dtype(q.dtype).itemsize, persistent=True, dv=dv) > SMEM_LIMIT_BYTES:
     return 0
   tiles = b * h * (_tiling.round_up(t, 2 * config.block_q) // (2 * config.block_q))
   return min(tiles, config.debug.persistent_ctas or common.sm_count())
@@ -912,7 +929,7 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
   kp = common.KernelParams.make(
       q, k, params=params, block_q=config.block_q, block_kv=config.block_kv,
       stages=min(config.num_stages, s_pad // config.block_kv), t_pad=t_pad, s_pad=s_pad,
-      kv_len=s, config=config)
+      kv_len=s, config=config, value_head_dim=v.shape[3])
   bm = None if arrays is None else arrays.block_mask
   if bm is not None:
     kp = dataclasses.replace(kp, block_mask=block_mask.Info.of(bm))
@@ -925,8 +942,8 @@ def forward(q, k, v, q_seg, kv_seg, *, params: AttentionParams,
   qp = _tiling.pad_axis(q, 1, t_in)
   kpad, vpad = _tiling.pad_axis(k, 1, s_in), _tiling.pad_axis(v, 1, s_in)
   segs = segment_inputs(q, k, q_seg, kv_seg, params=params, kp=kp)
-  ctas = persistent_ctas(q, config, params)
-  split = tail_split(q, config, params, kp.num_kv_blocks, ctas > 0)
+  ctas = persistent_ctas(q, config, params, kp.dv)
+  split = tail_split(q, config, params, kp.num_kv_blocks, ctas > 0, kp.dv)
   sinks = sink_logits(arrays, params)
   keys = common.dropout_keys(arrays, params, batch=b, heads=h, t_pad=t_pad, s_pad=s_pad)
   blks = () if bm is None else block_mask.inputs(

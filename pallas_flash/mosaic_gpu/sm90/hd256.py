@@ -55,10 +55,12 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
                        do_free, lse_free, delta_free, p_ready, p_free, *,
                        kp: common.KernelParams, seg: common.SegmentRefs | None = None,
                        slopes=None, keys: common.DropoutKeys | None = None):
-  """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [B, H, Tp].
+  """q_ref [B, Tp, H, D], do_ref [B, Tp, H, Dv], k_ref [B, Sp, K, D], v_ref [B, Sp, K, Dv], lse
+  (log2 units)/delta_ref [B, H, Tp] (Dv = kp.dv: D but with MosaicConfig.native_value_head_dim).
 
-  Grid over (Sp / block_kv, K, B) in the backward's launch order; dk/dv_ref [B, Sp, K, D]. k/v_smem
-  [block_kv, D], q/do_scratch [stages, block_q, D], lse/delta_scratch [stages, block_q], p_scratch
+  Grid over (Sp / block_kv, K, B) in the backward's launch order; dk_ref [B, Sp, K, D], dv_ref
+  [B, Sp, K, Dv]. k_smem [block_kv, D], v_smem [block_kv, Dv], q_scratch [stages, block_q, D],
+  do_scratch [stages, block_q, Dv], lse/delta_scratch [stages, block_q], p_scratch
   [2, block_kv, block_q] (Pᵀ from WG 0 to WG 1, slot t % 2 at step t; p_ready / p_free [2] hand each
   slot over and back), st_scratch [block_kv, block_q] (dSᵀ staging, interpret only). Steps run over
   (q block, query head) with the head minor, from the first q block that sees the keys. seg: the
@@ -69,6 +71,14 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
   column keys (common.dropout_keys) or None: both roles form the keep mask, the "P" role for
   dV += (kept Pᵀ)·dO (scaled by 1 / (1 - rate) at the end), the "dS" role for the kept, scaled
   dPᵀ; the Pᵀ handed over is the undropped one, which dSᵀ takes.
+
+  Each role stores its accumulator through a tile of its shape that no role reads any more:
+  with Dv = D, dV through K (only the "P" role reads K) and dK through V (only the "dS" role
+  reads V); with Dv < D the other way round, dV [block_kv, Dv] through V and dK [block_kv, D]
+  through K, each tile then being the other role's: the "P" role's last waits on p_free come
+  after the "dS" role's last read of V (its dPᵀ retires before it takes the step's Pᵀ), and
+  that role's last p_ready wait after the "P" role's last read of K (its Sᵀ retires before it
+  hands Pᵀ over). Both roles wait for both tiles' loads first, for a CTA of no steps.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   wg = lax.axis_index("wg")
@@ -97,6 +107,8 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
   def release(slot, names):
     for stream in names:
       plgpu.barrier_arrive(stream[3].at[slot])
+
+  swapped = kp.dv != kp.d  # each role stores through the other's tile (see above)
 
   @pl.when(wg == 0)
   def _p_role():
@@ -142,7 +154,7 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
       release(slot, streams[:2])
       return dv
 
-    dv = plgpu.layout_cast(jnp.zeros((bkv, kp.d), jnp.float32), plgpu.Layout.WGMMA)
+    dv = plgpu.layout_cast(jnp.zeros((bkv, kp.dv), jnp.float32), plgpu.Layout.WGMMA)
     # Causal: the CTA's first q block holds key k0 (no step is skipped) and every step is
     # masked: past the diagonal the mask is all true. One loop, not a masked and an unmasked
     # one: with two loops of dynamic bounds here the Mosaic GPU interpreter hung, before the
@@ -156,15 +168,19 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
 
     if kp.dropout:  # the kept probabilities' 1 / (1 - rate), once
       dv = dv * kp.inv_keep
-    _store_through(dv, k_smem, dv_ref.at[rows], kp)  # only this role reads K
+    # Only this role reads K; V, once the "dS" role's last p_free arrival is observed above.
+    _store_through(dv, v_smem if swapped else k_smem, dv_ref.at[rows], kp)
 
   @pl.when(wg == 1)
   def _ds_role():
     plgpu.set_max_registers(kp.compute_registers, action="increase")
     plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[1])
+    if swapped:  # the "P" role may store dV through V after these arrivals: V has landed
+      plgpu.barrier_wait(kv_ready.at[1])
     for pslot in range(2):  # both Pᵀ slots start free
       plgpu.barrier_arrive(p_free.at[pslot])
-    plgpu.barrier_wait(kv_ready.at[1])
+    if not swapped:
+      plgpu.barrier_wait(kv_ready.at[1])
     drop_at = kv_stream.dropout_steps(keys, b, k0, index, kp)
 
     def step(t, dk):
@@ -187,7 +203,10 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
 
     dk = plgpu.layout_cast(jnp.zeros((bkv, kp.d), jnp.float32), plgpu.Layout.WGMMA)
     dk = lax.fori_loop(0, cta_steps, step, dk)
-    _store_through(dk * kp.scale, v_smem, dk_ref.at[rows], kp)  # only this role reads V
+    if swapped:  # K: read by the "P" role's Sᵀ only, the last before its last Pᵀ (waited for
+      plgpu.barrier_wait(kv_ready.at[0])  # above); its load, for a CTA of no steps
+    # Only this role reads V; K, see above.
+    _store_through(dk * kp.scale, k_smem if swapped else v_smem, dk_ref.at[rows], kp)
 
   @pl.when(wg == 2)
   def _producer():
@@ -207,12 +226,11 @@ def _store_through(acc, smem, dst, kp: common.KernelParams):
 
 def _dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slopes=(),
                keys=()):
-  """(dK, dV) [B, S', K, D] of q/do [B, T', H, D], k/v [B, S', K, D], T' and S' padded as
-  common.operand_rows says (tiles cover kp.t_pad / kp.s_pad rows); lse2/delta [B, H, Tp]
-  (kp.stats_view);
-  segs: () or (kv_seg [B, Sp], q_seg [B, Tp], q limits per kv tile) int32; slopes: () or
-  (common.raw_alibi_slopes [H],); keys: () or dropout's (row keys [B, H, Tp], column keys
-  [Sp])."""
+  """(dK [B, S', K, D], dV [B, S', K, Dv]) of q [B, T', H, D], do [B, T', H, Dv], k [B, S', K, D], v
+  [B, S', K, Dv] (Dv = kp.dv), T' and S' padded as common.operand_rows says (tiles cover kp.t_pad /
+  kp.s_pad rows); lse2/delta [B, H, Tp] (kp.stats_view); segs: () or (kv_seg [B, Sp], q_seg [B, Tp],
+  q limits per kv tile) int32; slopes: () or (common.raw_alibi_slopes [H],); keys: () or dropout's
+  (row keys [B, H, Tp], column keys [Sp])."""
   bsz, _, kh, d = k.shape
   s_pad = kp.s_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
@@ -221,9 +239,9 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), sl
   free = [plgpu.Barrier(num_arrivals=2, num_barriers=stages) for _ in range(4)]
   scratch = [
       plgpu.SMEM((bkv, d), kp.dtype, transforms=tiles),
-      plgpu.SMEM((bkv, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((bkv, kp.dv), kp.dtype, transforms=tiles),
       plgpu.SMEM((stages, bq, d), kp.dtype, transforms=tiles),
-      plgpu.SMEM((stages, bq, d), kp.dtype, transforms=tiles),
+      plgpu.SMEM((stages, bq, kp.dv), kp.dtype, transforms=tiles),
       plgpu.SMEM((stages, bq), jnp.float32),
       plgpu.SMEM((stages, bq), jnp.float32),
       plgpu.SMEM((2, bkv, bq), kp.dtype, transforms=tiles),
@@ -233,11 +251,11 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), sl
       plgpu.Barrier(num_barriers=2),
       plgpu.Barrier(num_barriers=2),
   ]
-  kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
+  dk_out, dv_out = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k, v))
   return plgpu.kernel(
       common.with_segment_refs(functools.partial(_dkdv_roles_kernel, kp=kp), 6, bool(segs),
                                alibi=bool(slopes), dropout=bool(keys)),
-      out_type=(kv_out, kv_out),
+      out_type=(dk_out, dv_out),
       scratch_types=scratch,
       **common.launch_grid(s_pad // bkv, kh, bsz, ("kt", "kvh", "b"), heads_fastest=False),
       num_threads=3, thread_name="wg",
@@ -252,13 +270,15 @@ def padded_lengths(t: int, s: int) -> tuple[int, int]:
 
 
 def kernel_params(q, k, params: AttentionParams, config: MosaicConfig, *, t_pad: int,
-                  s_pad: int):
+                  s_pad: int, value_head_dim: int = 0):
   """(dQ, dK/dV) KernelParams for q [B, T, H, D], k [B, S, K, D] (arrays or
-  jax.ShapeDtypeStruct), their tiles covering t_pad / s_pad rows (padded_lengths)."""
+  jax.ShapeDtypeStruct) and V's head dim (0: D), their tiles covering t_pad / s_pad rows
+  (padded_lengths)."""
   # FA3's register split: a dQ warpgroup holds a 128-register accumulator beside S and dP.
   config = dataclasses.replace(config, compute_registers=240, producer_registers=24)
   make = functools.partial(common.KernelParams.make, q, k, params=params, t_pad=t_pad,
-                           s_pad=s_pad, kv_len=k.shape[1], config=config)
+                           s_pad=s_pad, kv_len=k.shape[1], config=config,
+                           value_head_dim=value_head_dim)
   kp_dq = dataclasses.replace(make(block_q=BLOCK_Q, block_kv=BLOCK_KV_DQ, stages=DQ_K_STAGES),
                               v_stages=DQ_V_STAGES)
   kp_dkdv = make(block_q=BLOCK_Q, block_kv=BLOCK_KV,
@@ -268,16 +288,18 @@ def kernel_params(q, k, params: AttentionParams, config: MosaicConfig, *, t_pad:
 
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
              config: MosaicConfig, slopes=(), arrays: FeatureArrays | None = None):
-  """q/do [B, T, H, D] (D = 192 or 256), k/v [B, S, K, D], q/kv_seg [B, T] / [B, S] int32 or
-  None, lse as the forward returned it, delta the correction -dlse or None (backward.py's contract),
-  slopes () or ALiBi's (common.raw_alibi_slopes [H],), of `arrays` only the dropout seed is
-  read -> (dq, dk, dv)."""
+  """q [B, T, H, D] (D = 192 or 256), k [B, S, K, D], v [B, S, K, Dv], o/do [B, T, H, Dv] (Dv: D, or
+  with MosaicConfig.native_value_head_dim its own, a multiple of 64 below D), q/kv_seg [B, T] / [B,
+  S] int32 or None, lse as the forward returned it, delta the correction -dlse or None
+  (backward.py's contract), slopes () or ALiBi's (common.raw_alibi_slopes [H],), of `arrays` only
+  the dropout seed is read -> (dq, dk, dv)."""
   if params.logits_soft_cap is not None:
     raise ValueError("the head-dim-256 backward has no soft cap (its dS warpgroup never sees "
                      "Sᵀ); backward.backward sends capped calls to the Triton kernels")
   t, s = q.shape[1], k.shape[1]
   t_pad, s_pad = padded_lengths(t, s)
-  kp_dq, kp_dkdv = kernel_params(q, k, params, config, t_pad=t_pad, s_pad=s_pad)
+  kp_dq, kp_dkdv = kernel_params(q, k, params, config, t_pad=t_pad, s_pad=s_pad,
+                                 value_head_dim=v.shape[3])
   # As in the split backward: operands padded only to TMA's 8-row tile where the producers'
   # static first loads allow it; rows past the end read as zeros, stores past it are dropped.
   t_in = common.operand_rows(t, t_pad, config.interpret, kp_dkdv.stages * kp_dkdv.block_q)
