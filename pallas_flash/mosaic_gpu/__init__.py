@@ -12,7 +12,9 @@ their own width, with a narrower shared-memory swizzle, and run a fused backward
 128. Other head dims up to 256, and a value head dim of its own, run here zero-padded to the
 next of those (`padded_call`: e.g. 112 to 128, 72 to 80, V of MLA's 192 / 128 to 192; the
 padded columns cost matrix work, plus a pad and a slice in XLA); `implementation=None` takes a pair
-of head dims only once measured faster than Triton (MEASURED_HEAD_DIMS).
+of head dims only once measured faster than Triton (MEASURED_HEAD_DIMS). With
+MosaicConfig.native_value_head_dim the head-dim-192 and 256 kernels take V, O, dO and dV at
+their own value head dim instead (config.kernel_head_dims; not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import jax.numpy as jnp
 from pallas_flash import _tiling, backends, validation
 from pallas_flash.call import CallInfo
 from pallas_flash.mosaic_gpu.config import (KERNEL_HEAD_DIMS, NARROW_HEAD_DIMS, TUNED,
-                                            MosaicConfig, MosaicDebug, backward_head_dim,
-                                            default_config, kernel_head_dim)
+                                            MosaicConfig, MosaicDebug, default_config,
+                                            kernel_head_dim, kernel_head_dims,
+                                            native_value_reason)
 from pallas_flash.mosaic_gpu.sm90 import backward as sm90_backward
 from pallas_flash.mosaic_gpu.sm90 import block_mask as sm90_block_mask
 from pallas_flash.mosaic_gpu.sm90 import common as sm90_common
@@ -71,18 +74,19 @@ def _kernels(config: MosaicConfig):
   return KERNELS[cc[0]]
 
 
-def padded_call(kernel, q, k, v, *arrays, head_dim: int | None = None):
-  """kernel(q, k, v, *arrays) with q, k, v, and the arrays of rank 4 (the backward's o and
-  do) zero-padded along the head dim to `head_dim` (None: kernel_head_dim(D, Dv)); its
-  outputs of rank 4 (o; dq, dk, dv) sliced back to D (q's and k's) or Dv (o's and v's
-  columns), the backward's others (dsinks) passed on. No pad or slice where D = Dv is that
-  head dim."""
+def padded_call(kernel, q, k, v, *arrays, dims: tuple[int, int] | None = None):
+  """kernel(q, k, v, *arrays) with q and k zero-padded along the head dim to dims[0], v and
+  the arrays of rank 4 (the backward's o and do, which have V's columns) to dims[1] (None:
+  kernel_head_dim(D, Dv) for both); its outputs of rank 4 (o; dq, dk, dv) sliced back to D
+  (q's and k's) or Dv (o's and v's columns), the backward's others (dsinks) passed on. No pad
+  or slice where a head dim is already the kernels'."""
   d, dv = q.shape[3], v.shape[3]
-  p = kernel_head_dim(d, dv) if head_dim is None else head_dim
-  if d == dv == p:
+  p, pv = (kernel_head_dim(d, dv),) * 2 if dims is None else dims
+  if (d, dv) == (p, pv):
     return kernel(q, k, v, *arrays)
-  pad = lambda x: x if x is None or x.ndim != 4 else _tiling.pad_axis(x, 3, p)  # noqa: E731
-  out = kernel(pad(q), pad(k), pad(v), *map(pad, arrays))
+  pad = lambda x, n: _tiling.pad_axis(x, 3, n)  # noqa: E731
+  pad_v = lambda x: x if x is None or x.ndim != 4 else pad(x, pv)  # noqa: E731
+  out = kernel(pad(q, p), pad(k, p), pad_v(v), *map(pad_v, arrays))
   if len(out) == 2:  # forward: (o, lse)
     return out[0][..., :dv], out[1]
   dq, dk, dv_, *rest = out
@@ -91,13 +95,14 @@ def padded_call(kernel, q, k, v, *arrays, head_dim: int | None = None):
 
 def forward(q, k, v, q_seg, kv_seg, *, config: MosaicConfig, **kwargs):
   kernel = functools.partial(_kernels(config)[0], config=config, **kwargs)
-  return padded_call(kernel, q, k, v, q_seg, kv_seg)
+  return padded_call(kernel, q, k, v, q_seg, kv_seg,
+                     dims=kernel_head_dims(q.shape[3], v.shape[3], config))
 
 
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, config: MosaicConfig, **kwargs):
   kernel = functools.partial(_kernels(config)[1], config=config, **kwargs)
   return padded_call(kernel, q, k, v, q_seg, kv_seg, o, lse, do, delta,
-                     head_dim=backward_head_dim(q.shape[3], v.shape[3], config))
+                     dims=kernel_head_dims(q.shape[3], v.shape[3], config, backward=True))
 
 
 def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> str | None:
@@ -112,6 +117,10 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
   if max(call.head_dim, call.value_head_dim) > KERNEL_HEAD_DIMS[-1]:
     return (f"head dims up to {KERNEL_HEAD_DIMS[-1]} (others zero-padded to one of "
             f"{KERNEL_HEAD_DIMS}), this call has {_dims(call)}")
+  if (config is not None and config.native_value_head_dim
+      and call.value_head_dim != call.head_dim
+      and (why := native_value_reason(call.head_dim, call.value_head_dim)) is not None):
+    return why
   if call.params.bias_in_cap:
     return ("logits_soft_cap_order='bias_then_cap' (ALiBi and the bias inside the soft cap) "
             "is not in the wgmma kernels")
@@ -250,5 +259,5 @@ __all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "FUSES_SINKS", "KERNELS",
            "KERNEL_HEAD_DIMS", "MEASURED_HEAD_DIMS", "NARROW_HEAD_DIMS", "MosaicConfig",
            "MosaicDebug", "SUPPORTED_FEATURES", "TUNED", "UNMEASURED_FEATURES", "backward",
            "default_config", "forward", "fp8_forward", "fp8_unmeasured_reason",
-           "fp8_unsupported_reason", "kernel_head_dim", "padded_call", "unmeasured_reason",
-           "unsupported_reason"]
+           "fp8_unsupported_reason", "kernel_head_dim", "kernel_head_dims", "padded_call",
+           "unmeasured_reason", "unsupported_reason"]

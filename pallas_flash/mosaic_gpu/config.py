@@ -73,6 +73,14 @@ class MosaicConfig:
     fused_backward: the single FA3-style backward kernel (head dim 128; dQ summed with float32
       atomics, so not bitwise reproducible) instead of the two split kernels.
     compute_registers, producer_registers: setmaxnreg of the consumer and producer warpgroups.
+    native_value_head_dim: a call whose value head dim Dv is below its query/key head dim D
+      runs kernels that take V, O, dO and dV at their own Dv columns (O's accumulator, P·V, its
+      epilogue and store, dP = dO·Vᵀ, dV += Pᵀ·dO), Q, K, dQ and dK at D, instead of V, O and
+      dO zero-padded to D (`kernel_head_dims`). Built for D = 192 or 256 (the forward and
+      hd256.py's backward; MLA's 192 / 128) with Dv a multiple of 64 below D; the backend
+      refuses other pairs of Dv != D with it (`native_value_reason`), Dv = D runs as without
+      it. Checked in the interpreter and by ptxas only, not yet run on a GPU: off by default
+      (V padded, as measured).
     debug: MosaicDebug (interpreter, profiler, test sizes).
   """
 
@@ -96,6 +104,7 @@ class MosaicConfig:
   fused_stages: int = 2
   compute_registers: int = 232
   producer_registers: int = 40
+  native_value_head_dim: bool = False
   debug: MosaicDebug = MosaicDebug()
 
   def __post_init__(self):
@@ -119,6 +128,9 @@ class MosaicConfig:
       # the interpreter nor ptxas reports).
       raise ValueError("2 * compute_registers + producer_registers must be <= 504 (3 "
                        "warpgroups x 168 registers per thread at launch), e.g. 240 / 24")
+    if not isinstance(self.native_value_head_dim, bool):
+      raise ValueError("MosaicConfig.native_value_head_dim must be True or False, got "
+                       f"{self.native_value_head_dim!r}")
     if not isinstance(self.debug, MosaicDebug):
       raise TypeError(f"MosaicConfig.debug must be a MosaicDebug, got {self.debug!r}")
 
@@ -271,6 +283,42 @@ def backward_head_dim(head_dim: int, value_head_dim: int, config: MosaicConfig) 
   NARROW_HEAD_DIMS call whose config asks for the fused backward (head dim 128 only)."""
   p = kernel_head_dim(head_dim, value_head_dim)
   return 128 if p in NARROW_HEAD_DIMS and config.fused_backward else p
+
+
+# Query/key head dims whose kernels take a value head dim of its own
+# (MosaicConfig.native_value_head_dim): the forward and hd256.py's backward, whose every
+# [rows, Dv] tile and Dv-wide product is sized by the value head dim apart from the D-wide ones.
+NATIVE_VALUE_HEAD_DIMS = (192, 256)
+
+
+def native_value_reason(head_dim: int, value_head_dim: int) -> str | None:
+  """Why the kernels cannot take V at its own head dim for a call of query/key head dim
+  `head_dim` and value head dim `value_head_dim` (config.native_value_head_dim), or None.
+  Dv must be a multiple of 64 (16-bit: one 128-byte swizzle group, so that V, O and dO tiles
+  share the swizzle of Q, K and of P, dS) and below D, which must be one of
+  NATIVE_VALUE_HEAD_DIMS (the split and fused backward at D <= 128 take one head dim)."""
+  if head_dim not in NATIVE_VALUE_HEAD_DIMS:
+    return (f"config.native_value_head_dim=True takes query/key head dims "
+            f"{NATIVE_VALUE_HEAD_DIMS}, this call has {head_dim} (value head dim "
+            f"{value_head_dim}); pass native_value_head_dim=False to run V zero-padded")
+  if value_head_dim % 64 or value_head_dim >= head_dim:
+    return (f"config.native_value_head_dim=True takes value head dims that are multiples of "
+            f"64 below the query/key head dim {head_dim}, this call has {value_head_dim}; pass "
+            "native_value_head_dim=False to run V zero-padded")
+  return None
+
+
+def kernel_head_dims(head_dim: int, value_head_dim: int, config: MosaicConfig, *,
+                     backward: bool = False) -> tuple[int, int]:
+  """(query/key, value) head dims the forward (or with `backward` the backward) kernels of a
+  call run at, the one place that decides: the call's own (D, Dv) where they differ and
+  config.native_value_head_dim is set (the backend refused the pairs `native_value_reason`
+  rules out), else one head dim for Q, K and V, kernel_head_dim (backward_head_dim)."""
+  if config.native_value_head_dim and value_head_dim != head_dim:
+    return head_dim, value_head_dim
+  p = (backward_head_dim(head_dim, value_head_dim, config) if backward
+       else kernel_head_dim(head_dim, value_head_dim))
+  return p, p
 
 
 def default_config(info: CallInfo) -> MosaicConfig:
