@@ -158,8 +158,10 @@ def test_fused_shared_memory_estimate_refuses_what_does_not_fit():
     (lambda: MosaicConfig(compute_registers=248, producer_registers=24),
      "2 \\* compute_registers"),
     (lambda: MosaicDebug(persistent_ctas=-1), "persistent_ctas"),
-    (lambda: MosaicConfig(debug=dict(interpret=True)), "MosaicDebug")],
-    ids=["block_q", "bwd_stages", "registers", "register_pool", "debug_field", "debug_type"])
+    (lambda: MosaicConfig(debug=dict(interpret=True)), "MosaicDebug"),
+    (lambda: MosaicConfig(native_value_head_dim=1), "native_value_head_dim")],
+    ids=["block_q", "bwd_stages", "registers", "register_pool", "debug_field", "debug_type",
+         "native_value_head_dim"])
 def test_bad_config_is_refused_naming_the_field(make, field):
   with pytest.raises((ValueError, TypeError), match=field):
     make()
@@ -229,6 +231,38 @@ def test_padded_head_dims_lower_at_the_kernel_head_dim(d, dv, causal):
   assert why.reasons_when_named["mosaic"] is None
 
 
+# MosaicConfig.native_value_head_dim at (D, Dv, causal): every kernel takes V, O, dO and dV at
+# Dv and Q, K, dQ, dK at D (the types of the forward's, the dQ and the dK/dV kernels' calls),
+# nothing is padded along the head dim, and the kernels fit in shared memory.
+NATIVE = [(192, 128, False), (192, 128, True), pytest.param(256, 64, True, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("d,dv,causal", NATIVE, ids=["d192v128_full", "d192v128_causal",
+                                                     "d256v64_causal"])
+def test_native_value_head_dim_kernels_take_v_at_its_own_width(d, dv, causal):
+  q = jax.ShapeDtypeStruct((2, 1024, 8, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((2, 1024, 2, d), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((2, 1024, 2, dv), jnp.bfloat16)
+  config = dataclasses.replace(TUNED[(d, causal)], native_value_head_dim=True)
+
+  def grads(q, k, v):
+    def loss(*a):
+      return pallas_flash.flash_attention(*a, is_causal=causal, implementation="mosaic",
+                                          config=config).astype(jnp.float32).sum()
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  text = export_for_h200(grads, q, k, v).mlir_module()
+  calls = re.findall(r"custom_call @mosaic_gpu_v2\(.* : \((.*?)\) -> \(?(.*?)\)? loc\(", text)
+  rows = lambda types: re.findall(r"2x1024x(\d+)x(\d+)xbf16", types)  # noqa: E731
+  q_, kv, o_, v_ = ("8", str(d)), ("2", str(d)), ("8", str(dv)), ("2", str(dv))
+  assert [(rows(a), rows(r)) for a, r in calls] == [
+      ([q_, kv, v_], [o_]),  # forward: o
+      ([q_, kv, v_, o_], [q_]),  # dQ (dO): dq
+      ([q_, kv, v_, o_], [kv, v_]),  # dK/dV (dO): dk, dv
+  ], calls
+  assert "stablehlo.pad" not in text
+
+
 # (D, causal, fused backward): head dims 80 and 96 run head dim 128's forward and split backward
 # at their own width (a 32- or 64-byte swizzle: common.swizzle_bytes), with head dim 128's
 # configs; a config with the fused backward (head dim 128 only) runs that zero-padded to 128.
@@ -279,6 +313,9 @@ def _info(**kw):
   return CallInfo(**base)
 
 
+NATIVE_CONFIG = MosaicConfig(native_value_head_dim=True)
+
+
 @pytest.mark.parametrize("kw,config,expected", [
     (dict(), None, None),
     (dict(platform="cpu", compute_capability=None, device_kind="cpu"), None,
@@ -297,11 +334,33 @@ def _info(**kw):
     (dict(q_len=2**23, kv_len=2**23, params=AttentionParams(
         scale=1.0, is_causal=True, has_segments=False, has_alibi=True)), None,
      "ALiBi distances are exact below"),
+    # MosaicConfig.native_value_head_dim: D of 192 or 256, Dv a multiple of 64 below it.
+    (dict(head_dim=192, value_head_dim=128), NATIVE_CONFIG, None),
+    (dict(head_dim=256, value_head_dim=192), NATIVE_CONFIG, None),
+    (dict(head_dim=192, value_head_dim=192), NATIVE_CONFIG, None),
+    (dict(head_dim=128, value_head_dim=64), NATIVE_CONFIG, "query/key head dims (192, 256)"),
+    (dict(head_dim=176, value_head_dim=128), NATIVE_CONFIG, "query/key head dims (192, 256)"),
+    (dict(head_dim=192, value_head_dim=96), NATIVE_CONFIG, "multiples of 64 below"),
+    (dict(head_dim=192, value_head_dim=256), NATIVE_CONFIG, "multiples of 64 below"),
 ], ids=["ok", "cpu", "ampere", "f32", "hd96", "hd288", "dv320", "segments",
-        "deterministic_fused", "alibi", "alibi_8m"])
+        "deterministic_fused", "alibi", "alibi_8m", "native_d192v128", "native_d256v192",
+        "native_d192v192", "native_d128v64", "native_d176v128", "native_d192v96",
+        "native_d192v256"])
 def test_unsupported_reason(kw, config, expected):
   reason = mosaic_gpu.unsupported_reason(_info(**kw), config)
   assert reason is None if expected is None else expected in reason
+
+
+@pytest.mark.parametrize("d,dv,native,forward,backward", [
+    (192, 128, False, (192, 192), (192, 192)), (192, 128, True, (192, 128), (192, 128)),
+    (256, 64, True, (256, 64), (256, 64)), (192, 192, True, (192, 192), (192, 192)),
+    (112, 64, False, (128, 128), (128, 128))])
+def test_kernel_head_dims_are_resolved_in_one_place(d, dv, native, forward, backward):
+  """config.kernel_head_dims: (query/key, value) head dims of the kernels, padded (one head
+  dim, kernel_head_dim) unless the config asks for V's own."""
+  config = MosaicConfig(native_value_head_dim=native)
+  assert mconfig.kernel_head_dims(d, dv, config) == forward
+  assert mconfig.kernel_head_dims(d, dv, config, backward=True) == backward
 
 
 @pytest.mark.parametrize("shape,causal,fused_backward", [
