@@ -100,6 +100,18 @@ VARIANTS = {
                                                   block_kv=128, fwd_q_registers=True)),
     "bwd_dropout": ("fwdbwd", False, dict(dropout=0.1)),
     "bwd_dropout_causal": ("fwdbwd", True, dict(dropout=0.1)),
+    # A value head dim of 128 (MLA's, beside --shape's D of 192): V, O and dO zero-padded to D
+    # (`mla`, what a default config runs) or at their own width (`mla_native`: the config field
+    # native_value_head_dim). `value_head_dim` is not a config field.
+    "fwd_mla": ("fwd", False, dict(value_head_dim=128)),
+    "fwd_mla_causal": ("fwd", True, dict(value_head_dim=128)),
+    "bwd_mla": ("fwdbwd", False, dict(value_head_dim=128)),
+    "bwd_mla_causal": ("fwdbwd", True, dict(value_head_dim=128)),
+    "fwd_mla_native": ("fwd", False, dict(value_head_dim=128, native_value_head_dim=True)),
+    "fwd_mla_native_causal": ("fwd", True, dict(value_head_dim=128, native_value_head_dim=True)),
+    "bwd_mla_native": ("fwdbwd", False, dict(value_head_dim=128, native_value_head_dim=True)),
+    "bwd_mla_native_causal": ("fwdbwd", True, dict(value_head_dim=128,
+                                                    native_value_head_dim=True)),
     # The FP8 forward (float8_e4m3fn q, k, v, per-tensor scales; sm90/fp8_forward.py): its
     # default tiles per head dim (no config), and 128-key tiles (the default's at head dim 256).
     "fp8": ("fp8", False, {}),
@@ -172,8 +184,10 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
 
   mode, causal, kw = variant(name)
   b, t, h, d = shape[:4]
+  dv = int(kw.pop("value_head_dim", d))
   kv_shape = (b, t, shape[4] if len(shape) > 4 else h, d)
-  operand_shapes = (shape[:4], kv_shape, kv_shape, shape[:4])  # q, k, v, do
+  v_shape = (*kv_shape[:3], dv)
+  operand_shapes = (shape[:4], kv_shape, v_shape, (b, t, h, dv))  # q, k, v, do
   segments = kw.pop("segments", False)
   softcap = kw.pop("softcap", None)
   window = kw.pop("window", None)
@@ -252,7 +266,9 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   errs = [float(jnp.max(jnp.abs(x.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))
           for x, r in zip(jax.tree.leaves(out), jax.tree.leaves(want))]
   ms = time_ms(f, args, reps)
-  flops = 4 * b * h * t * t * d * (0.5 if causal else 1.0) * (3.5 if mode == "fwdbwd" else 1.0)
+  # Q·Kᵀ over D, P·V over Dv (4·B·H·T²·D at one head dim).
+  flops = (2 * b * h * t * t * (d + dv) * (0.5 if causal else 1.0)
+           * (3.5 if mode == "fwdbwd" else 1.0))
   print(json.dumps(dict(variant=name, ms=ms, tflops=flops / ms / 1e9, max_rel_err=max(errs))),
         flush=True)
 
@@ -392,6 +408,17 @@ def invariant_operand_writes(sass: str, loops) -> int:
   return bad
 
 
+_REG = re.compile(r"\bR(\d+)\b")
+
+
+def max_register(lines) -> int:
+  """The highest general register that SASS `lines` name (-1: none): the register demand of
+  that code, give or take the last operand's width (a .64 or vector operand names its first
+  register). ptxas' "Used N registers" is the launch's count under setmaxnreg, not this."""
+  text = (ln.split("*/", 1)[-1].split("/*")[0] for ln in lines)  # no address, no encoding
+  return max((int(r) for t in text for r in _REG.findall(t)), default=-1)
+
+
 def sass_report(ptx: pathlib.Path) -> str:
   """Assembles ptx with ptxas, disassembles it to ptx.with_suffix('.sass') and counts the
   spill loads / stores inside the loops that issue wgmmas."""
@@ -409,6 +436,7 @@ def sass_report(ptx: pathlib.Path) -> str:
             and any(lo <= int(m.group(1), 16) <= hi for lo, hi in loops)]
   return (f"{len(loops)} wgmma loops, {sum(bool(_GMMA.search(ln)) for ln in inside)} "
           "HGMMA/QGMMA in them; "
+          f"registers named in them: up to R{max_register(inside)}; "
           f"spill loads / stores in them: {sum('LDL' in ln for ln in inside)} / "
           f"{sum('STL' in ln for ln in inside)}; writes to loop-invariant wgmma register "
           f"operands: {invariant_operand_writes(sass, loops)}")
