@@ -34,7 +34,11 @@ packed documents, T/1024 per row at random boundaries), softcap (causal, 50), al
 slopes 2^(-8(h+1)/H)), dropout (causal, 0.1), bias (non-causal, [1, H, T, S], differentiated),
 mask (non-causal, bool [B, 1, T, S], 90 % visible), blockmask (causal & local(T/4), 128x128
 blocks), sinks (causal, differentiated), gqa (causal, K kv heads), hd64 hd80 hd96 hd192 hd256
-and hd192v128 (query/key head dim 192, value head dim 128, MLA's) (non-causal and causal).
+and hd192v128 (query/key head dim 192, value head dim 128, MLA's) (non-causal and causal), and
+hd192v128native: hd192v128 on the Mosaic kernels with MosaicConfig.native_value_head_dim (V,
+O, dO and dV at 128 columns instead of zero-padded to 192) set on the config implementation=None
+picks; that needs mosaic to be that pick (an H200), and another implementation (--impl)
+runs it as hd192v128.
 
 Default shape bf16 4x4096x32x128, GQA with 8 kv heads (--features-shape BxTxHxD[xK]); --quick:
 1x128x4x32 (2 kv heads) and short loops, which runs on CPU with --impl xla in seconds.
@@ -82,6 +86,9 @@ class Feature:
   value_head_dim: int = 0  # 0: the head dim
   gqa: bool = False
   banded: bool = False
+  # MosaicConfig fields set on the config of a call the Mosaic kernels run ((name, value)
+  # pairs; other implementations run the call without them).
+  mosaic_config: tuple[tuple[str, object], ...] = ()
 
   @property
   def is_causal(self) -> bool:
@@ -160,8 +167,11 @@ FEATURES: tuple[Feature, ...] = (
     Feature("blockmask", True, _block_mask, cudnn="window", banded=True),
     Feature("gqa", True, gqa=True),
     *(Feature(f"hd{d}", c, head_dim=d) for d in HEAD_DIMS for c in (False, True)),
-    # MLA's query/key head dim 192 with a value head dim of 128.
+    # MLA's query/key head dim 192 with a value head dim of 128: V padded to 192 (what
+    # implementation=None runs), then at its own 128 columns (not yet run on a GPU).
     *(Feature("hd192v128", c, head_dim=192, value_head_dim=128) for c in (False, True)),
+    *(Feature("hd192v128native", c, head_dim=192, value_head_dim=128,
+              mosaic_config=(("native_value_head_dim", True),)) for c in (False, True)),
 )
 
 
@@ -392,6 +402,12 @@ def _our_call(case: _Case, forced: str | None) -> tuple[str | None, str | None, 
   # but a named call runs (Mosaic head dims not yet measured).
   if impl is None or how.reasons_when_named.get(impl) is not None:
     return None, how.chosen, None, None
+  if case.feature.mosaic_config and impl == "mosaic":
+    if how.chosen != "mosaic":  # no tuned config of mosaic's to set the fields on
+      return None, how.chosen, None, None
+    config = dataclasses.replace(how.config, **dict(case.feature.mosaic_config))
+    attn = _ours(impl, case.feature, case.static, config)
+    return impl, how.chosen, attn, attn
   # A BlockMask's blocks are the config's: the slice's rebuilt mask brings them.
   config = how.config if impl == how.chosen and "block_mask" not in case.args[4] else None
   return (impl, how.chosen, _ours(impl, case.feature, case.static),
@@ -423,7 +439,9 @@ def run_features(opts, dtype, on_rows=lambda rows: None) -> list[dict]:
     if impl is None:
       how = _explain(case)
       reason = (how.reasons_when_named.get(forced) if forced
-                else "explain() finds no implementation")
+                else "explain() finds no implementation") or (
+                    f"its MosaicConfig fields go on implementation=None's config, which is "
+                    f"{how.chosen}'s here")
       return impl, chosen, {"status": "skip", "reason": reason, "rel_errs": None,
                             "rel_err": None, "compile_s": None}, None
     return (impl, chosen, *_prepare(case, attn, rerun=rerun))

@@ -2,13 +2,19 @@
 the grid checked against the reference, then timed next to plain attention; cuDNN's column
 degrades to "—" (never asserting on speed)."""
 
+import argparse
 import json
 import math
+import re
 
+import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import use_abstract_mesh
 
 from pallas_flash.bench import __main__ as bench
 from pallas_flash.bench import features, flops, shapes
+from testing import H200, export_for_h200
 
 FAST = ["--quick", "--iters", "1"]
 FIELDS = ("feature", "mode", "causal", "label", "impl", "explain", "status", "rel_errs",
@@ -102,7 +108,31 @@ def test_cudnn_rejecting_a_call_prints_a_dash(tmp_path, monkeypatch, capsys):
 
 def test_feature_selection():
   assert [f.name for f in features.select("hd")] == [f"hd{d}" for d in features.HEAD_DIMS
-                                                     for _ in range(2)] + ["hd192v128"] * 2
+                                                     for _ in range(2)] + [
+                                                         "hd192v128"] * 2 + ["hd192v128native"] * 2
   assert len(features.select("all")) == len(features.FEATURES)
   with pytest.raises(SystemExit, match="Unknown features"):
     features.select("nope")
+
+
+@pytest.mark.parametrize("forced", [None, "xla"])
+def test_native_value_row_sets_the_config_field_where_mosaic_runs(forced):
+  """hd192v128native on an (abstract) H200: implementation=None's pick, mosaic, with
+  MosaicConfig.native_value_head_dim set on its tuned config: its kernels take V and dO at 128
+  columns (lowered for the H200: the row builds its call; the bench times Mosaic kernels on a
+  GPU only). Another implementation (--impl) runs the row's call as hd192v128."""
+  opts = argparse.Namespace(seed=0, check_seq_cap=4096)
+  base = shapes.parse_shape(features.QUICK_SHAPE).replace(num_kv_heads=0)
+  feature = next(f for f in features.FEATURES if f.name == "hd192v128native" and f.causal)
+  spec = feature.spec(base, 2)
+  case = features._case(feature, spec, shapes.make_inputs(spec, jnp.bfloat16), "fwdbwd", opts)
+  with use_abstract_mesh(H200):
+    impl, chosen, attn, _ = features._our_call(case, forced)
+  assert chosen == "mosaic" and impl == (forced or "mosaic") and attn is not None
+  if forced:
+    return
+  q, k, v, do = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in case.args[:4])
+  text = export_for_h200(features._step(attn, "fwdbwd", ()), q, k, v, do, {}).mlir_module()
+  calls = re.findall(r"custom_call @mosaic_gpu_v2\(.* : \((.*?)\) -> ", text)
+  v_type = f"x{spec.kv_heads}x128xbf16"  # [B, T, K, 128]
+  assert len(calls) == 3 and all(v_type in c for c in calls), calls
