@@ -21,6 +21,10 @@ import pytest
 
 from train import metrics as metrics_lib
 
+# One worker runs the module: the module-scoped reference run and compilation cache then
+# exist once, not once per xdist worker (scripts/test.sh passes --dist loadgroup).
+pytestmark = pytest.mark.xdist_group(__name__)
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 60  # checkpoints every 10 steps, the last two kept: 50 and 60
 TINY = ["--seq-len", "64", "--batch-size", "1", "--steps", str(STEPS), "--warmup-steps", "1",
