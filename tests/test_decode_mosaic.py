@@ -27,6 +27,11 @@ CASES = [
     # empty cache before the append, the longest sequence split over two runs.
     (DecodeCase(seqlens=(30, 0, 120), q_len=4, num_heads=4, num_kv_heads=1, head_dim=64,
                 capacity=128, page_size=16, append=True, dtype=jnp.bfloat16), 2),
+    # One split, not aligned (6 runs of 3 blocks over 13): run 0 holds sequences 0-4 with two
+    # empty pieces between its three tiles, so the producer's ring wraps across sequences;
+    # runs 1-4 hold the last sequence, run 5 nothing.
+    (DecodeCase(seqlens=(50, 0, 64, 0, 10, 640), num_heads=4, num_kv_heads=1, head_dim=64,
+                capacity=640, dtype=jnp.bfloat16), 1),
 ]
 SLOW_CASES = [
     # Page 128 (two tiles per page), MHA, window and soft cap with rotary, float16.

@@ -1,19 +1,24 @@
 """Split-KV decode attention as a Mosaic GPU (Hopper, sm_90) kernel: TMA-fed K/V ring, wgmma.
 
-One CTA (one warpgroup) owns the M = Tq * G GQA-packed query rows of one kv head, padded to 64
-(one wgmma tile: row r is token r // G of query head k * G + r % G), and one of N = S * B
-balanced runs of the batch's key blocks (decode/config.py's `balanced_partition`, the same runs
-as the Triton kernel's `_split_kernel`). For each sequence its run touches it TMA-loads the
-query tile, then streams `block_kv`-key tiles of K and V through a ring of `num_stages` shared
-memory buffers: the loads of the next num_stages - 1 tiles are in flight while a tile is
-scored (S = Q·Kᵀ, SMEM operands), soft-maxed online in registers and accumulated (O += P·V, P
-from registers; in interpret mode P is staged through shared memory), and a slot is refilled
-as soon as its tile's two matmuls retired. Tiles that every row sees whole run without masks;
-the ones at the sequence's end (and at the window's start) mask scores, and zero the V rows
-past the length in shared memory first, so stale or NaN slots never reach the output (0 · NaN).
-Each (run, sequence) piece writes a float32 partial (o, lse) to slot run + b, and the Triton
-merge kernel (decode/triton.py's `merge_partials`) combines each sequence's slots, with one
-split too (N = B runs).
+One CTA owns the M = Tq * G GQA-packed query rows of one kv head, padded to 64 (one wgmma
+tile: row r is token r // G of query head k * G + r % G), and one of N = S * B balanced runs
+of the batch's key blocks (decode/config.py's `balanced_partition`, the same runs as the
+Triton kernel's `_split_kernel`). It has two warpgroups (FA3's warp specialisation). The
+producer walks the run's (sequence, key block) pairs and TMA-loads their `block_kv`-key K and
+V tiles into a ring of `num_stages` shared memory slots, refilling a slot as soon as the
+consumer released it, across sequence boundaries: a run that touches several sequences keeps
+the ring full instead of draining and refilling it per sequence. The consumer, for each
+sequence its run touches (a piece), takes the query tile (its TMA load issued as the previous
+piece's last matmul retired), and per tile waits for it, scores it (S = Q·Kᵀ, SMEM
+operands), soft-maxes online in registers, accumulates (O += P·V, P from registers; in
+interpret mode P is staged through shared memory) and releases the slot once both matmuls
+retired. Both warpgroups derive the pieces' blocks from the same table entries, so they walk
+the same pairs. Tiles that every row sees whole run without masks; the ones at the
+sequence's end (and at the window's start) mask scores, and zero the V rows past the length
+in shared memory first, so stale or NaN slots never reach the output (0 · NaN). Each (run,
+sequence) piece, an empty one too, writes a float32 partial (o, lse) to slot run + b, and
+the Triton merge kernel (decode/triton.py's `merge_partials`) combines each sequence's
+slots, with one split too (N = B runs).
 
 Before the Mosaic kernel, one Triton program per (sequence, kv head) packs the query tiles;
 the first also writes the runs' table (each sequence's length, first visible block, block
@@ -29,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +57,12 @@ HEAD_DIMS = (64, 128)
 SMEM_BUDGET = 227 * 1024 - 1024
 LN2 = math.log(2.0)
 O_COLS = 64  # columns of the float32 o staging buffer
+# setmaxnreg of the two warpgroups (the kernel starts at 240 per thread). The consumer holds
+# the scores, O and the softmax statistics; the producer computes page addresses and issues
+# the TMA copies: 80 is the least at which ptxas spills nothing with pages of 16 at D = 128
+# (40 to 72 spill 8 bytes a tile there). With one consumer the register file is not short.
+CONSUMER_REGISTERS = 240
+PRODUCER_REGISTERS = 80
 
 
 def _smem_bytes(d: int, block_kv: int, stages: int, itemsize: int) -> int:
@@ -150,24 +162,51 @@ def _soft_cap(s, p: _KernelParams):
   return jnp.tanh(s * (p.params.scale / cap)) * (cap / p.params.scale)
 
 
-def _tile_copies(ref, seq, kh, j, pt_ref, p: _KernelParams):
-  """[(GMEM source, row offset in the tile)] of key block j of sequence `seq`, kv head kh."""
+def _tile_copies(refs, seq, kh, j, pt_ref, p: _KernelParams):
+  """Per ref of `refs` (K, V), [(GMEM source, row offset in the tile)] of key block j of
+  sequence `seq`, kv head kh; a paged tile's page ids are read once for both."""
   bk, ps = p.block_kv, p.params.page_size
   if ps is None:
-    return [(ref.at[seq, pl.ds(j * bk, bk), kh], None)]
+    return [[(ref.at[seq, pl.ds(j * bk, bk), kh], None)] for ref in refs]
 
-  def page(key):  # the pool page holding key position `key`, clamped into the pool
-    slot = jnp.minimum(lax.div(key, ps), p.max_pages - 1)
+  def page(slot):  # the pool page of the sequence's page-table entry `slot`, clamped
     return jnp.clip(pt_ref[seq, slot], 0, p.num_pages - 1)
 
   if ps >= bk:
     key = j * bk
-    return [(ref.at[page(key), pl.ds(lax.rem(key, ps), bk), kh], None)]
-  return [(ref.at[page(j * bk + c * ps), pl.ds(0, ps), kh], c * ps) for c in range(p.copies)]
+    pg = page(jnp.minimum(lax.div(key, ps), p.max_pages - 1))
+    return [[(ref.at[pg, pl.ds(lax.rem(key, ps), bk), kh], None)] for ref in refs]
+  # The tile's pages are consecutive table entries (one base address for their loads).
+  first = jnp.minimum(j * p.copies, p.max_pages - p.copies)
+  pages = [page(first + c) for c in range(p.copies)]
+  return [[(ref.at[pg, pl.ds(0, ps), kh], c * ps) for c, pg in enumerate(pages)]
+          for ref in refs]
+
+
+class _Ring(NamedTuple):
+  """The K/V ring: `stages` slots of block_kv keys each, with per slot a barrier that the TMA
+  copies of its K (k_full) and V (v_full) tile complete, and one the consumer arrives on once
+  both matmuls that read the slot retired (empty)."""
+
+  k: Any
+  v: Any
+  k_full: Any
+  v_full: Any
+  empty: Any
+
+
+def _piece_blocks(tab_ref, seq, run, per, p: _KernelParams):
+  """(n, lo, hi): sequence seq's length and the key blocks [lo, hi) of it that run `run`
+  holds (lo == hi: none), from the table's entries, the same for both warpgroups."""
+  n, blk_lo, count, start = (tab_ref[ROWS + k * p.batch + seq] for k in range(4))
+  lo = blk_lo + jnp.clip(run * per - start, 0, count)
+  hi = blk_lo + jnp.clip((run + 1) * per - start, 0, count)
+  return n, lo, hi
 
 
 def _decode_kernel(tab_ref, q_ref, k_ref, v_ref, *refs, p: _KernelParams):
-  """One run of the batch's key blocks for one kv head. Grid (K, N), names ("k", "i").
+  """One run of the batch's key blocks for one kv head. Grid (K, N), names ("k", "i"); two
+  warpgroups ("wg"): the consumer (0) and the producer (1).
 
   tab_ref: the rows' token offsets and the runs' table (_prepare_kernel);
   q_ref [B, K, 64, D] (GQA-packed rows; padding rows repeat the last); k_ref / v_ref
@@ -178,70 +217,69 @@ def _decode_kernel(tab_ref, q_ref, k_ref, v_ref, *refs, p: _KernelParams):
   paged = p.params.page_size is not None
   pt_ref = refs[0] if paged else None
   refs = refs[1:] if paged else refs
-  (o_ref, lse_ref, q_smem, k_ring, v_ring, p_smem, o_smem, lse_smem, q_bar, k_bar,
-   v_bar) = refs
-  prm, bk, stages = p.params, p.block_kv, p.stages
-  d = p.head_dim
-  kh, run = lax.axis_index("k"), lax.axis_index("i")
-  b = p.batch
-  runs = ROWS + 4 * b  # the table's run entries
+  (o_ref, lse_ref, q_smem, k_ring, v_ring, p_smem, o_smem, lse_smem, q_bar, k_full, v_full,
+   empty) = refs
+  ring = _Ring(k_ring, v_ring, k_full, v_full, empty)
+  kh, run, wg = lax.axis_index("k"), lax.axis_index("i"), lax.axis_index("wg")
+  runs = ROWS + 4 * p.batch  # the table's run entries
   first, stop = tab_ref[runs + run], tab_ref[runs + p.programs + run]
   per = tab_ref[runs + 2 * p.programs]
+  pieces = functools.partial(_piece_blocks, tab_ref, run=run, per=per, p=p)
+
+  @pl.when(wg == 0)
+  def _consumer():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    _consume(q_ref, o_ref, lse_ref, tab_ref, q_smem, p_smem, o_smem, lse_smem, q_bar, ring,
+             pieces, kh=kh, run=run, first=first, stop=stop, p=p)
+
+  @pl.when(wg == 1)
+  def _producer():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    _produce(k_ref, v_ref, pt_ref, ring, pieces, kh=kh, first=first, stop=stop, p=p)
+
+
+def _produce(k_ref, v_ref, pt_ref, ring: _Ring, pieces, *, kh, first, stop, p: _KernelParams):
+  """The producer warpgroup: walks the run's (sequence, key block) pairs in the consumer's
+  order and TMA-loads the g-th pair's K and V tiles into slot g % stages once the consumer
+  released the pair `stages` before it, so the ring stays full across sequence boundaries."""
+  stages = p.stages
+
+  def piece(seq, g):
+    _, lo, hi = pieces(seq)
+
+    def tile(j, g):
+      slot = lax.rem(g, stages)
+      pl.when(g >= stages)(lambda: plgpu.barrier_wait(ring.empty.at[slot]))
+      copies = _tile_copies((k_ref, v_ref), seq, kh, j, pt_ref, p)
+      for srcs, buf, full in zip(copies, (ring.k, ring.v), (ring.k_full, ring.v_full)):
+        for src, row in srcs:
+          dst = buf.at[slot] if row is None else buf.at[slot, pl.ds(row, p.params.page_size)]
+          plgpu.copy_gmem_to_smem(src, dst, full.at[slot])
+      return g + 1
+
+    return lax.fori_loop(lo, hi, tile, g)
+
+  total = lax.fori_loop(first, stop, piece, 0)
+  common.observe_last_releases([ring.empty], total, stages)
+
+
+def _consume(q_ref, o_ref, lse_ref, tab_ref, q_smem, p_smem, o_smem, lse_smem, q_bar,
+             ring: _Ring, pieces, *, kh, run, first, stop, p: _KernelParams):
+  """The consumer warpgroup: per (run, sequence) piece, the query tile, the online softmax
+  over the piece's key blocks as the producer delivers them, and the float32 partial."""
+  prm, bk = p.params, p.block_kv
   tok = plgpu.load(tab_ref.at[pl.ds(0, ROWS)], layout=common.ROW, optimized=False)
 
-  def load_tile(seq, j, slot):
-    for ref, ring, bar in ((k_ref, k_ring, k_bar), (v_ref, v_ring, v_bar)):
-      for src, row in _tile_copies(ref, seq, kh, j, pt_ref, p):
-        dst = ring.at[slot] if row is None else ring.at[slot, pl.ds(row, prm.page_size)]
-        plgpu.copy_gmem_to_smem(src, dst, bar.at[slot])
-
-  def piece(seq, carry):
-    del carry
-    n, blk_lo, count, start = (tab_ref[ROWS + k * b + seq] for k in range(4))
-    lo = blk_lo + jnp.clip(run * per - start, 0, count)
-    hi = blk_lo + jnp.clip((run + 1) * per - start, 0, count)
+  def load_q(seq):
     plgpu.copy_gmem_to_smem(q_ref.at[seq, kh], q_smem, q_bar)
-    for s in range(stages):
-      pl.when(lo + s < hi)(functools.partial(load_tile, seq, lo + s, s))
+
+  pl.when(first < stop)(functools.partial(load_q, first))
+
+  def piece(seq, g0):
+    n, lo, hi = pieces(seq)
     plgpu.barrier_wait(q_bar)
     q_pos = tok + n  # [64] ROW: each row's query position
-
-    def step(j, carry, *, masked: bool):
-      acc, m, l = carry
-      slot = lax.rem(j - lo, stages)
-      plgpu.barrier_wait(k_bar.at[slot])
-      plgpu.barrier_wait(v_bar.at[slot])
-      s = common.smem_matmul(q_smem, k_ring.at[slot].T, (ROWS, bk))  # [64, block_kv]
-      s = _soft_cap(s, p)  # before the mask: a hidden score must stay -inf
-      if masked:
-        keys = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1,
-                                      layout=plgpu.Layout.WGMMA) + j * bk
-        pos = lax.broadcast_in_dim(q_pos, (ROWS, bk), [0])
-        visible = keys <= pos
-        if prm.window is not None:
-          visible &= keys >= pos - prm.window
-        s = jnp.where(visible, s, -jnp.inf)
-        # Slots past the length may hold NaN or inf: P is 0 there, but 0 * NaN is not. The
-        # tile is zeroed there 64 rows at a time (a whole 128-row tile in registers spills).
-        @pl.when((j + 1) * bk > n)
-        def _():
-          for r0 in range(0, bk, ROWS):
-            chunk = v_ring.at[slot, pl.ds(r0, ROWS)]
-            v = plgpu.load(chunk, layout=plgpu.Layout.WGMMA)
-            rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, d), 0, layout=plgpu.Layout.WGMMA)
-            chunk[...] = jnp.where(rows + (j * bk + r0) < n, v, jnp.zeros_like(v))
-          plgpu.commit_smem()
-      # FA2 Alg. 1 in log2 units; m starts at the finite MASK_VALUE, so -inf scores give 0.
-      m_new = jnp.maximum(m, s.max(axis=1) * p.c)
-      alpha = jnp.exp2(m - m_new)
-      probs = jnp.exp2(s * p.c - lax.broadcast_in_dim(m_new, s.shape, [0]))
-      l = l * alpha + probs.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      acc = common.accumulate(acc, probs.astype(p.dtype), p_smem, v_ring.at[slot], p)
-      # Both matmuls of the slot retired (their results are in registers): refill it.
-      pl.when(j + stages < hi)(functools.partial(load_tile, seq, j + stages, slot))
-      return acc, m_new, l
-
+    step = functools.partial(_step, q_smem, p_smem, ring, q_pos=q_pos, n=n, g0=g0 - lo, p=p)
     # Blocks that every row sees whole: below the first token's position and, with a
     # window, at or above the last token's window start. The rest is masked.
     full_hi = jnp.maximum(n - prm.q_len + 1, 0) // bk
@@ -250,37 +288,89 @@ def _decode_kernel(tab_ref, q_ref, k_ref, v_ref, *refs, p: _KernelParams):
       full_lo = (jnp.maximum(n - 1 - prm.window, 0) + bk - 1) // bk
     mid_lo = jnp.clip(full_lo, lo, hi)
     mid_hi = jnp.clip(full_hi, mid_lo, hi)
-    carry = (plgpu.layout_cast(jnp.zeros((ROWS, d), jnp.float32), plgpu.Layout.WGMMA),
+    carry = (plgpu.layout_cast(jnp.zeros((ROWS, p.head_dim), jnp.float32), plgpu.Layout.WGMMA),
              plgpu.layout_cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), common.ROW),
              plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), common.ROW))
     carry = lax.fori_loop(lo, mid_lo, functools.partial(step, masked=True), carry)
     carry = lax.fori_loop(mid_lo, mid_hi, functools.partial(step, masked=False), carry)
-    acc, m, l = lax.fori_loop(mid_hi, hi, functools.partial(step, masked=True), carry)
-
-    empty = l == 0.0  # an empty share, or a row that sees none of its keys: o = 0, lse = -inf
-    safe = jnp.where(empty, 1.0, l)
-    o = acc * lax.broadcast_in_dim(1.0 / safe, acc.shape, [0])
-    # Only the partial's first o_ref.shape[2] rows (M rounded up to a power of two >= 16)
-    # are written: the merge reads no padding row past them. o leaves through a float32
-    # buffer of O_COLS columns, one column block at a time (a whole [64, 128] float32 tile
-    # would cost the ring a stage at D = 128).
-    prows = pl.ds(0, o_ref.shape[2])
-    for c0 in range(0, d, O_COLS):
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores have read o_smem
-      o_smem[...] = o[:, c0:c0 + O_COLS]
-      if c0 == 0:
-        lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(safe)) * LN2)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem.at[prows], o_ref.at[kh, run + seq, :, pl.ds(c0, O_COLS)],
-                              commit_group=False)
-      if c0 == 0:
-        plgpu.copy_smem_to_gmem(lse_smem.at[prows], lse_ref.at[kh, run + seq],
-                                commit_group=False)
-      plgpu.commit_smem_to_gmem_group()
-    return 0
+    carry = lax.fori_loop(mid_hi, hi, functools.partial(step, masked=True), carry)
+    # Every Q·Kᵀ of the piece retired (its scores are in registers): the next piece's query
+    # lands in q_smem while this one's partial is written.
+    pl.when(seq + 1 < stop)(functools.partial(load_q, seq + 1))
+    _write_partial(*carry, o_smem, lse_smem, o_ref.at[kh, run + seq], lse_ref.at[kh, run + seq],
+                   p)
+    return g0 + hi - lo
 
   lax.fori_loop(first, stop, piece, 0)
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _step(q_smem, p_smem, ring: _Ring, j, carry, *, q_pos, n, g0, masked: bool,
+          p: _KernelParams):
+  """Key block j of a piece, the run's (g0 + j)-th tile (fori_loop body; carry (acc [64, D],
+  m [64], l [64]), FA2 Alg. 1 in log2 units)."""
+  prm, bk, d = p.params, p.block_kv, p.head_dim
+  acc, m, l = carry
+  slot = lax.rem(g0 + j, p.stages)
+  plgpu.barrier_wait(ring.k_full.at[slot])
+  s = common.smem_matmul(q_smem, ring.k.at[slot].T, (ROWS, bk))  # [64, block_kv]
+  s = _soft_cap(s, p)  # before the mask: a hidden score must stay -inf
+  if masked:
+    keys = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1, layout=plgpu.Layout.WGMMA) + j * bk
+    pos = lax.broadcast_in_dim(q_pos, (ROWS, bk), [0])
+    visible = keys <= pos
+    if prm.window is not None:
+      visible &= keys >= pos - prm.window
+    s = jnp.where(visible, s, -jnp.inf)
+  # m starts at the finite MASK_VALUE, so -inf scores give 0.
+  m_new = jnp.maximum(m, s.max(axis=1) * p.c)
+  alpha = jnp.exp2(m - m_new)
+  probs = jnp.exp2(s * p.c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+  l = l * alpha + probs.sum(axis=1)
+  probs = probs.astype(p.dtype)
+  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+  plgpu.barrier_wait(ring.v_full.at[slot])
+  if masked:
+    # Slots past the length may hold NaN or inf: P is 0 there, but 0 * NaN is not. The tile
+    # is zeroed there 64 rows at a time (a whole 128-row tile in registers spills); the
+    # producer refills the slot only after this step released it.
+    @pl.when((j + 1) * bk > n)
+    def _():
+      for r0 in range(0, bk, ROWS):
+        chunk = ring.v.at[slot, pl.ds(r0, ROWS)]
+        v = plgpu.load(chunk, layout=plgpu.Layout.WGMMA)
+        rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, d), 0, layout=plgpu.Layout.WGMMA)
+        chunk[...] = jnp.where(rows + (j * bk + r0) < n, v, jnp.zeros_like(v))
+      plgpu.commit_smem()  # the generic-proxy writes, before the wgmma reads the tile
+  acc = common.accumulate(acc, probs, p_smem, ring.v.at[slot], p)
+  # Both matmuls that read the slot retired (their results are in registers): release it.
+  plgpu.barrier_arrive(ring.empty.at[slot])
+  return acc, m_new, l
+
+
+def _write_partial(acc, m, l, o_smem, lse_smem, o_dst, lse_dst, p: _KernelParams):
+  """Normalises a piece's (acc, m, l) and TMA-stores it to its partial slot: o_dst [R, D],
+  lse_dst [R] (natural log). An empty share, or a row that sees none of its keys, gives
+  o = 0, lse = -inf."""
+  empty = l == 0.0
+  safe = jnp.where(empty, 1.0, l)
+  o = acc * lax.broadcast_in_dim(1.0 / safe, acc.shape, [0])
+  # Only the partial's first R rows (M rounded up to a power of two >= 16) are written: the
+  # merge reads no padding row past them. o leaves through a float32 buffer of O_COLS
+  # columns, one column block at a time (a whole [64, 128] float32 tile would cost the ring
+  # a stage at D = 128).
+  prows = pl.ds(0, o_dst.shape[0])
+  for c0 in range(0, p.head_dim, O_COLS):
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores have read o_smem
+    o_smem[...] = o[:, c0:c0 + O_COLS]
+    if c0 == 0:
+      lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(safe)) * LN2)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem.at[prows], o_dst.at[:, pl.ds(c0, O_COLS)],
+                            commit_group=False)
+    if c0 == 0:
+      plgpu.copy_smem_to_gmem(lse_smem.at[prows], lse_dst, commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
 
 
 def _partial_rows(rows: int) -> int:
@@ -397,9 +487,11 @@ def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodePara
       plgpu.SMEM((ROWS, bk), q.dtype, transforms=tiled) if config.interpret else None,
       plgpu.SMEM((ROWS, O_COLS), jnp.float32, transforms=common.smem_transforms(jnp.float32)),
       plgpu.SMEM((ROWS,), jnp.float32),
-      plgpu.Barrier(),
+      plgpu.Barrier(),  # the query tile
+      # Per slot: its K and V tile landed (one arrival per TMA copy), the consumer released it.
       plgpu.Barrier(num_arrivals=kp.copies, num_barriers=stages),
       plgpu.Barrier(num_arrivals=kp.copies, num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages),
   ]
   inputs = (table, packed, key_cache, value_cache) + ((page_table,) if paged else ())
   o, lse = plgpu.kernel(
@@ -407,7 +499,7 @@ def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodePara
       out_type=(jax.ShapeDtypeStruct((kh, slots, prows, d), jnp.float32),
                 jax.ShapeDtypeStruct((kh, slots, prows), jnp.float32)),
       scratch_types=scratch,
-      grid=(kh, programs), grid_names=("k", "i"),
+      grid=(kh, programs), grid_names=("k", "i"), num_threads=2, thread_name="wg",
       compiler_params=common.compiler_params(),
       interpret=common.interpret_params(config.interpret),
       kernel_name="pallas_flash_decode_mosaic",
