@@ -17,8 +17,8 @@ MOSAIC_GPU_DUMP_TO=DIR/ptxas/<variant>. The parent prints per kernel ptxas' spil
 C7512 / C7513 "wgmma ... serialized" or C7507 "setmaxnreg ignored" warning; with --sass also
 the SASS (`<kernel>.sass`, needs ptxas and nvdisasm) and how many spill instructions sit in the
 loops that issue wgmmas (HGMMA), i.e. in the main loops rather than in set-up code. A variant
-is NAME or NAME@key=value,... (MosaicConfig overrides); without arguments every entry of
-VARIANTS runs.
+is NAME or NAME@key=value,... (MosaicConfig overrides; MosaicDecodeConfig ones for the
+decode variants); without arguments every entry of VARIANTS runs.
 """
 
 from __future__ import annotations
@@ -112,6 +112,15 @@ VARIANTS = {
     "bwd_mla_native": ("fwdbwd", False, dict(value_head_dim=128, native_value_head_dim=True)),
     "bwd_mla_native_causal": ("fwdbwd", True, dict(value_head_dim=128,
                                                     native_value_head_dim=True)),
+    # The Mosaic decode kernel (decode_attention(implementation="mosaic"), decode/mosaic.py):
+    # --shape B,T,H,D,K with T the cache's keys per sequence, every sequence full; contiguous
+    # or paged (a shuffled pool, page_size keys a page), Tq = q_len; window and soft cap.
+    # Overrides after @ are MosaicDecodeConfig fields (block_kv, num_stages).
+    "decode": ("decode", False, {}),
+    "decode_paged": ("decode", False, dict(page_size=16)),
+    "decode_paged8": ("decode", False, dict(page_size=8)),
+    "decode_features": ("decode", False, dict(page_size=16, q_len=4, window=1000,
+                                              softcap=30.0)),
     # The FP8 forward (float8_e4m3fn q, k, v, per-tensor scales; sm90/fp8_forward.py): its
     # default tiles per head dim (no config), and 128-key tiles (the default's at head dim 256).
     "fp8": ("fp8", False, {}),
@@ -183,6 +192,8 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   from pallas_flash.mosaic_gpu.config import config_head_dim, dense_config, dropout_tiles
 
   mode, causal, kw = variant(name)
+  if mode == "decode":
+    return decode_child(name, kw, shape, deviceless, reps)
   b, t, h, d = shape[:4]
   dv = int(kw.pop("value_head_dim", d))
   kv_shape = (b, t, shape[4] if len(shape) > 4 else h, d)
@@ -319,6 +330,60 @@ def fp8_child(name: str, causal: bool, kw: dict, operand_shapes, deviceless: boo
   b, t, h, d = q_shape
   flops = 4 * b * h * t * t * d * (0.5 if causal else 1.0)
   print(json.dumps(dict(variant=name, ms=ms, tflops=flops / ms / 1e9, max_rel_err=err)),
+        flush=True)
+
+
+def decode_child(name: str, kw: dict, shape: tuple[int, ...], deviceless: bool,
+                 reps: int) -> None:
+  """child() for the Mosaic decode kernel: q [B, q_len, H, D] bf16 over full caches of T keys
+  per sequence ([B, T, K, D], or with page_size a shuffled pool of B·T / page_size pages);
+  on a GPU checked against decode_reference and timed."""
+  import jax
+  import jax.numpy as jnp
+
+  import pallas_flash
+
+  kw = dict(kw)
+  ps, tq = kw.pop("page_size", None), kw.pop("q_len", 1)
+  features = {arg: v for arg, v in (("local_window_size", kw.pop("window", None)),
+                                    ("logits_soft_cap", kw.pop("softcap", None)))
+              if v is not None}
+  config = pallas_flash.MosaicDecodeConfig(**kw) if kw else None
+  b, t, h, d = shape[:4]
+  kh = shape[4] if len(shape) > 4 else h
+  shapes = [(b, tq, h, d), (b * t // ps, ps, kh, d) if ps else (b, t, kh, d)]
+
+  def attn(q, kc, vc, lens, table, impl="mosaic"):
+    return pallas_flash.decode_attention(q, kc, vc, lens, page_table=table, implementation=impl,
+                                         config=config if impl == "mosaic" else None,
+                                         **features)
+
+  if deviceless:
+    from jax.sharding import use_abstract_mesh
+    sharding, h200 = abstract_h200()
+    q, kv = (jax.ShapeDtypeStruct(sh, jnp.bfloat16, sharding=sharding) for sh in shapes)
+    lens = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=sharding)
+    table = jax.ShapeDtypeStruct((b, t // ps), jnp.int32, sharding=sharding) if ps else None
+    with use_abstract_mesh(h200):
+      traced = jax.jit(attn).trace(q, kv, kv, lens, table)
+    traced.lower(lowering_platforms=("cuda",)).compile()
+    print(json.dumps(dict(variant=name, compiled=True)), flush=True)
+    return
+
+  ks = jax.random.split(jax.random.key(0), 4)
+  q, kc, vc = (jax.random.normal(kk, sh, jnp.bfloat16)
+               for kk, sh in zip(ks, shapes[:1] + shapes[1:] * 2))
+  lens = jnp.full((b,), t, jnp.int32)
+  table = (jax.random.permutation(ks[3], b * t // ps).reshape(b, t // ps).astype(jnp.int32)
+           if ps else None)
+  args = (q, kc, vc, lens, table)
+  f = jax.jit(attn)
+  out = jax.block_until_ready(f(*args))
+  want = attn(*(x.astype(jnp.float32) for x in (q, kc, vc)), lens, table, impl="reference")
+  err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+  ms = time_ms(f, args, reps)
+  cache_bytes = 2 * b * t * kh * d * 2
+  print(json.dumps(dict(variant=name, ms=ms, tb_per_s=cache_bytes / ms / 1e9, max_rel_err=err)),
         flush=True)
 
 
