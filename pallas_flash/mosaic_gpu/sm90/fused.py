@@ -133,10 +133,12 @@ def _gradient_matmuls(dv, dk, p_t, ds_smem, q_smem, do_smem, dq_smem, dq_terms, 
 
 def _reduce_dq(dq_smem, dq_acc_ref, dst, wg, dq_loaded, kp: common.KernelParams):
   """Adds dq_smem [block_q, D/2] f32 (a dQ_part just written) into dq_acc_ref[dst]."""
-  plgpu.commit_smem()
   if kp.interpret:
+    # dQ_part is read before the fence, so that the TMA load overwriting it is ordered after
+    # the read (a generic-proxy read, then an async-proxy write of the same bytes).
     dst = dq_acc_ref.at[(wg, *dst)]
     part = dq_smem[...]
+    plgpu.commit_smem()
     plgpu.copy_gmem_to_smem(dst, dq_smem, dq_loaded)
     plgpu.barrier_wait(dq_loaded)
     dq_smem[...] = dq_smem[...] + part
@@ -144,6 +146,7 @@ def _reduce_dq(dq_smem, dq_acc_ref, dst, wg, dq_loaded, kp: common.KernelParams)
     plgpu.copy_smem_to_gmem(dq_smem, dst)
     plgpu.wait_smem_to_gmem(0)
     return
+  plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(dq_smem, dq_acc_ref.at[dst], reduction_op="add")
 
 
