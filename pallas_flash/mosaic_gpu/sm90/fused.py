@@ -21,8 +21,9 @@ dQ's summation order, and so its last bits, vary run to run; the split backward 
 reproducible one.
 
 In interpret mode (the interpreter has no TMA reductions, register-operand wgmma or `run_state`
-accumulators), each warpgroup read-modify-writes its own slice of a [2, ...] dQ buffer (grid
-points run one after another there, so only the two warpgroups of a CTA could collide), Pᵀ is
+accumulators), each warpgroup of each CTA read-modify-writes its own slice of a [2·(Sp /
+(2·block_kv)), ...] dQ buffer (no two read-modify-writes touch the same bytes, as the atomic
+reduce-adds may: the interpreter's race detector takes CTAs to run concurrently), Pᵀ is
 staged through SMEM and the accumulations are scoped products added in registers.
 """
 
@@ -132,7 +133,8 @@ def _gradient_matmuls(dv, dk, p_t, ds_smem, q_smem, do_smem, dq_smem, dq_terms, 
 
 
 def _reduce_dq(dq_smem, dq_acc_ref, dst, wg, dq_loaded, kp: common.KernelParams):
-  """Adds dq_smem [block_q, D/2] f32 (a dQ_part just written) into dq_acc_ref[dst]."""
+  """Adds dq_smem [block_q, D/2] f32 (a dQ_part just written) into dq_acc_ref[dst]; in
+  interpret mode into dq_acc_ref[wg, *dst] (wg: one slice per warpgroup of each CTA)."""
   if kp.interpret:
     # dQ_part is read before the fence, so that the TMA load overwriting it is ordered after
     # the read (a generic-proxy read, then an async-proxy write of the same bytes).
@@ -157,15 +159,15 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
                       kv_done, ds_handoff, *, kp: common.KernelParams):
   """q/do_ref [B, Tp, H, D], k/v_ref [B, Sp, K, D], lse (log2 units)/delta_ref [1, B·H, Tp].
 
-  Grid (K, Sp / (2·block_kv), B) named (kvh, kt, b). dq_acc_ref [B, Tp, H, D] f32 (a zeroed
-  buffer the kernel adds into, with a leading [2] in interpret mode, one slice per WG); dk/dv_ref
-  [B, Sp, K, D]. k/v_scratch [2, block_kv, D], q/do_scratch [stages, block_q, D],
-  lse/delta_scratch [stages, block_q], ds_scratch [4, 2, block_kv, block_q] (dSᵀ of step t in
-  slot t % 4), dq_scratch [2, block_q, D/2] f32, p_scratch [2, block_kv, block_q] (interpret
-  only). ds_handoff [2 WGs, 4]: WG w arrives at [w, t % 4] once its dSᵀ of step t is stored.
-  Steps run over (q block i, query head g) with g minor, starting at the first q block that
-  sees the CTA's keys; both WGs run every CTA step (the other WG needs each dSᵀ), the ones
-  before a WG's first visible q block masked to zero.
+  Grid (K, Sp / (2·block_kv), B) named (kvh, kt, b). dq_acc_ref [B, Tp, H, D] f32 (a zeroed buffer
+  the kernel adds into, with a leading [2·(Sp / (2·block_kv))] in interpret mode, one slice per WG
+  of each kt); dk/dv_ref [B, Sp, K, D]. k/v_scratch [2, block_kv, D], q/do_scratch [stages, block_q,
+  D], lse/delta_scratch [stages, block_q], ds_scratch [4, 2, block_kv, block_q] (dSᵀ of step t in
+  slot t % 4), dq_scratch [2, block_q, D/2] f32, p_scratch [2, block_kv, block_q] (interpret only).
+  ds_handoff [2 WGs, 4]: WG w arrives at [w, t % 4] once its dSᵀ of step t is stored. Steps run over
+  (q block i, query head g) with g minor, starting at the first q block that sees the CTA's keys;
+  both WGs run every CTA step (the other WG needs each dSᵀ), the ones before a WG's first visible q
+  block masked to zero.
   """
   del unused  # a two-party barrier no step waits on; see fused_call
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
@@ -209,7 +211,8 @@ def _bwd_fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_acc_re
 
     def reduce_dq(i, h, cols):
       """Reduce-adds dq_smem into the rows of q block i, head h, columns cols."""
-      _reduce_dq(dq_smem, dq_acc_ref, (b, pl.ds(i * bq, bq), h, cols), wg,
+      _reduce_dq(dq_smem, dq_acc_ref, (b, pl.ds(i * bq, bq), h, cols),
+                 2 * kt + wg if kp.interpret else wg,
                  common.at(dq_loaded, wg), kp)
 
     def last_dq(t):
@@ -337,7 +340,8 @@ def fused_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams):
   # constant zeros have no operands, and XLA fused the memsets of a whole model's backward
   # into one at its start, all the buffers live at once (12 layers at 2x16384x8x128: +1.4 GiB).
   zero, _ = lax.optimization_barrier((jnp.zeros((), jnp.float32), do))
-  dq_acc = jax.new_ref(jnp.broadcast_to(zero, ((2,) if kp.interpret else ()) + q.shape))
+  slices = (2 * (kp.s_pad // (2 * bkv)),) if kp.interpret else ()
+  dq_acc = jax.new_ref(jnp.broadcast_to(zero, slices + q.shape))
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
   dk, dv = plgpu.kernel(
       functools.partial(_bwd_fused_kernel, kp=kp),
