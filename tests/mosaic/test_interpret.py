@@ -2,8 +2,9 @@
 
 `MosaicConfig(debug=MosaicDebug(interpret=True))` runs TMA, barriers and the warp-specialised
 rings on the CPU and stages register wgmma operands through shared memory (which the
-interpreter can run). Async hazards are not modelled here: tests/mosaic/test_gpu.py runs the
-same forms on a Hopper GPU.
+interpreter can run). Async hazards are not modelled here: tests/mosaic/test_races.py runs the
+interpreter's race detector over the forms (the orderings the interpreted program has), and
+tests/mosaic/test_gpu.py runs them on a Hopper GPU.
 """
 
 import dataclasses
