@@ -38,7 +38,9 @@ and hd192v128 (query/key head dim 192, value head dim 128, MLA's) (non-causal an
 hd192v128native: hd192v128 on the Mosaic kernels with MosaicConfig.native_value_head_dim (V,
 O, dO and dV at 128 columns instead of zero-padded to 192) set on the config implementation=None
 picks; that needs mosaic to be that pick (an H200), and another implementation (--impl)
-runs it as hd192v128.
+runs it as hd192v128; hd80split and hd96split (non-causal): hd80 and hd96 with
+MosaicConfig.fused_backward off, the split backward at their own width where the default at
+this shape runs the fused one zero-padded to 128.
 
 Default shape bf16 4x4096x32x128, GQA with 8 kv heads (--features-shape BxTxHxD[xK]); --quick:
 1x128x4x32 (2 kv heads) and short loops, which runs on CPU with --impl xla in seconds.
@@ -172,6 +174,10 @@ FEATURES: tuple[Feature, ...] = (
     *(Feature("hd192v128", c, head_dim=192, value_head_dim=128) for c in (False, True)),
     *(Feature("hd192v128native", c, head_dim=192, value_head_dim=128,
               mosaic_config=(("native_value_head_dim", True),)) for c in (False, True)),
+    # Head dims 80 and 96, non-causal, with the split backward at their own width where the
+    # default config takes the fused backward zero-padded to 128.
+    *(Feature(f"hd{d}split", False, head_dim=d, mosaic_config=(("fused_backward", False),))
+      for d in (80, 96)),
 )
 
 

@@ -107,9 +107,9 @@ def test_cudnn_rejecting_a_call_prints_a_dash(tmp_path, monkeypatch, capsys):
 
 
 def test_feature_selection():
-  assert [f.name for f in features.select("hd")] == [f"hd{d}" for d in features.HEAD_DIMS
-                                                     for _ in range(2)] + [
-                                                         "hd192v128"] * 2 + ["hd192v128native"] * 2
+  assert [f.name for f in features.select("hd")] == (
+      [f"hd{d}" for d in features.HEAD_DIMS for _ in range(2)]
+      + ["hd192v128"] * 2 + ["hd192v128native"] * 2 + ["hd80split", "hd96split"])
   assert len(features.select("all")) == len(features.FEATURES)
   with pytest.raises(SystemExit, match="Unknown features"):
     features.select("nope")
