@@ -141,17 +141,16 @@ def _signed_hadamard(head_dim: int, key: jax.Array | None) -> jax.Array:
   return signs[:, None] * jnp.asarray(h)
 
 
-def _rotate(x, key) -> jax.Array:
-  """x [..., D] @ hadamard_rotation(D, key), float32. A 16-bit x multiplies the ±1 entries in
-  its own dtype (exact products, float32 sums: a tensor-core matmul on a GPU, where a float32
-  product at HIGHEST precision is not) and divides by sqrt(D) after; a float32 x takes the
-  float32 product."""
+def _rotate(x, signed) -> jax.Array:
+  """x [..., D] @ hadamard_rotation(D, key), float32, given signed = _signed_hadamard(D, key).
+  A 16-bit x multiplies the ±1 entries in its own dtype (exact products, float32 sums: a
+  tensor-core matmul on a GPU, where a float32 product at HIGHEST precision is not) and
+  divides by sqrt(D) after; a float32 x takes the float32 product."""
   d = x.shape[-1]
   if x.dtype in (jnp.bfloat16, jnp.float16):
-    signed = _signed_hadamard(d, key).astype(x.dtype)
-    return jnp.einsum("...d,de->...e", x, signed,
+    return jnp.einsum("...d,de->...e", x, signed.astype(x.dtype),
                       preferred_element_type=jnp.float32) / math.sqrt(d)
-  return jnp.einsum("...d,de->...e", x.astype(jnp.float32), hadamard_rotation(d, key),
+  return jnp.einsum("...d,de->...e", x.astype(jnp.float32), signed / math.sqrt(d),
                     precision=jax.lax.Precision.HIGHEST)
 
 
@@ -180,7 +179,8 @@ def quantize(q, k, v, *, rotate: bool = False, block: int | str | None = None,
   """
   _check_block_option(block)
   if rotate:
-    q, k = _rotate(q, key), _rotate(k, key)
+    signed = _signed_hadamard(q.shape[-1], key)
+    q, k = _rotate(q, signed), _rotate(k, signed)
   (q8, sq), (k8, sk), (v8, sv) = (_quantize_one(x, block) for x in (q, k, v))
   return (q8, k8, v8), Fp8Scales(sq, sk, sv, block if isinstance(block, int) else None)
 
@@ -653,7 +653,8 @@ def quantized_attention(q, k, v, *, rotate: bool = False, block: int | str | Non
                      "stop_gradient), not both.")
   inputs = [q, k, v]
   if rotate:
-    inputs[:2] = (_rotate(x, key) for x in inputs[:2])
+    signed = _signed_hadamard(q.shape[-1], key)
+    inputs[:2] = (_rotate(x, signed) for x in inputs[:2])
   abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
   (q8, k8, v8), scales = jax.eval_shape(functools.partial(quantize, block=block), *abstract)
   scales, out = check_call(q8, k8, v8, scales, out_dtype)
