@@ -123,10 +123,13 @@ ALIBI_SLOW = [
 ]
 
 
-@pytest.mark.parametrize(
-    "name, config, case",
-    ALIBI + [pytest.param(*f, marks=pytest.mark.slow) for f in ALIBI_SLOW],
-    ids=[f"{n}-{c.id}" for n, _, c in ALIBI + ALIBI_SLOW])
+def _named_rows(rows, slow_rows=()):
+  """parametrize's argvalues and ids for (name, config, case) rows, `slow_rows` marked slow."""
+  return dict(argvalues=rows + [pytest.param(*r, marks=pytest.mark.slow) for r in slow_rows],
+              ids=[f"{n}-{c.id}" for n, _, c in [*rows, *slow_rows]])
+
+
+@pytest.mark.parametrize("name, config, case", **_named_rows(ALIBI, ALIBI_SLOW))
 def test_alibi_matches_reference(name, config, case):
   del name
   check_against_reference("mosaic", case, config=config)
@@ -151,7 +154,7 @@ SINKS = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, config, case", SINKS, ids=[f"{n}-{c.id}" for n, _, c in SINKS])
+@pytest.mark.parametrize("name, config, case", **_named_rows(SINKS))
 def test_sinks_match_reference(name, config, case):
   del name
   check_against_reference("mosaic", case, config=config)
@@ -217,10 +220,7 @@ DROPOUT_SLOW = [
 ]
 
 
-@pytest.mark.parametrize(
-    "name, config, case",
-    DROPOUT + [pytest.param(*f, marks=pytest.mark.slow) for f in DROPOUT_SLOW],
-    ids=[f"{n}-{c.id}" for n, _, c in DROPOUT + DROPOUT_SLOW])
+@pytest.mark.parametrize("name, config, case", **_named_rows(DROPOUT, DROPOUT_SLOW))
 def test_dropout_matches_reference(name, config, case):
   del name
   check_against_reference("mosaic", case, config=config)
