@@ -6,17 +6,11 @@ a sharding that splits the sequence axis (see `sharding`). `context_parallel_exp
 what runs and why. docs/context_parallel.md describes both, the zig-zag layout and the limits.
 """
 
-from pallas_flash.context_parallel.api import (
-                                               ContextParallelExplanation,
-                                               context_parallel_attention,
-                                               context_parallel_explain,
-)
-from pallas_flash.context_parallel.layout import (
-                                               contiguous_to_zigzag,
-                                               from_zigzag,
-                                               to_zigzag,
-                                               zigzag_to_contiguous,
-)
+from pallas_flash.context_parallel.api import (ContextParallelExplanation,
+                                               context_parallel_attention)
+from pallas_flash.context_parallel.layout import (contiguous_to_zigzag, from_zigzag, to_zigzag,
+                                                  zigzag_to_contiguous)
+from pallas_flash.context_parallel.sharding import context_parallel_explain
 
 __all__ = ["ContextParallelExplanation", "context_parallel_attention", "context_parallel_explain",
            "contiguous_to_zigzag", "from_zigzag", "to_zigzag", "zigzag_to_contiguous"]

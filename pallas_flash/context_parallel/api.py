@@ -214,21 +214,9 @@ def context_parallel_attention(
   return (o, lse) if return_residuals else o
 
 
-def context_parallel_explain(query, key, value, *, axis_size: int | None = None,
-                             **kwargs) -> ContextParallelExplanation:
-  """What a context-parallel call runs: strategy and why, the ring's steps and per-device
-  programs (skipped steps, kernel calls, load balance), the local backend, bytes sent.
-
-  Two forms, on arrays or jax.ShapeDtypeStructs:
-    * local shards and `axis_size` (the arguments of `context_parallel_attention`, without
-      axis_name): entry point A;
-    * global arrays whose sharding splits the sequence (axis_size None): what
-      `flash_attention` runs for them (entry point B, including its layout choice); takes
-      `flash_attention`'s keyword arguments.
-  """
-  if axis_size is None:
-    from pallas_flash.context_parallel import sharding
-    return sharding.explain_sharded(query, key, value, **kwargs)
+def explain_shards(query, key, value, *, axis_size: int,
+                   **kwargs) -> ContextParallelExplanation:
+  """context_parallel_explain for entry point A: local shards and `axis_size`."""
   lengths = [n for n in ("query_seq_lengths", "key_value_seq_lengths") if n in kwargs]
   if lengths:
     raise TypeError(f"context_parallel_attention takes no {lengths[0]}: fold lengths into "

@@ -1,4 +1,5 @@
-"""Entry point B: `flash_attention` on inputs whose sharding splits the sequence axis.
+"""Entry point B: `flash_attention` on inputs whose sharding splits the sequence axis (and
+`context_parallel_explain`, which explains either entry point).
 
 Detection (`sequence_sharding`) reads the query's sharding:
   * under jit on a mesh with Explicit axes (`jax.sharding.AxisType.Explicit`),
@@ -28,7 +29,9 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_flash import validation
 from pallas_flash.context_parallel import layout as layouts
-from pallas_flash.context_parallel.api import context_parallel_attention, decide
+from pallas_flash.context_parallel.api import (ContextParallelExplanation,
+                                               context_parallel_attention, decide,
+                                               explain_shards)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +195,23 @@ def _place(x, cp: SequenceSharding, spec: P):
   if cp.traced:
     return jax.sharding.reshard(x, spec)
   return jax.device_put(x, NamedSharding(cp.mesh, spec))
+
+
+def context_parallel_explain(query, key, value, *, axis_size: int | None = None,
+                             **kwargs) -> ContextParallelExplanation:
+  """What a context-parallel call runs: strategy and why, the ring's steps and per-device
+  programs (skipped steps, kernel calls, load balance), the local backend, bytes sent.
+
+  Two forms, on arrays or jax.ShapeDtypeStructs:
+    * local shards and `axis_size` (the arguments of `context_parallel_attention`, without
+      axis_name): entry point A;
+    * global arrays whose sharding splits the sequence (axis_size None): what
+      `flash_attention` runs for them (entry point B, including its layout choice); takes
+      `flash_attention`'s keyword arguments.
+  """
+  if axis_size is None:
+    return explain_sharded(query, key, value, **kwargs)
+  return explain_shards(query, key, value, axis_size=axis_size, **kwargs)
 
 
 def explain_sharded(query, key, value, **kwargs):
