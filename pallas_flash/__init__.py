@@ -5,7 +5,8 @@ Needs only jax: the Flax layers are in `pallas_flash.flax`, the benchmark in
 """
 
 from pallas_flash import dropout, masks
-from pallas_flash.api import CHECKPOINT_NAME, IMPLEMENTATIONS, Explanation, explain, flash_attention
+from pallas_flash.api import (CHECKPOINT_NAME, IMPLEMENTATIONS, Explanation, explain,
+                              flash_attention, quantized_attention)
 from pallas_flash.context_parallel import (ContextParallelExplanation, context_parallel_attention,
                                            context_parallel_explain, from_zigzag, to_zigzag)
 from pallas_flash.decode import (DecodeExplanation, FlashSplitConfig, MosaicDecodeConfig,
@@ -27,4 +28,5 @@ __all__ = ["CHECKPOINT_NAME", "IMPLEMENTATIONS", "BlockMask", "CausalMask",
            "__version__",
            "attention_reference", "context_parallel_attention", "context_parallel_explain",
            "decode_attention", "decode_explain", "decode_reference", "dropout", "explain",
-           "flash_attention", "from_zigzag", "masks", "merge_attention_states", "to_zigzag"]
+           "flash_attention", "from_zigzag", "masks", "merge_attention_states",
+           "quantized_attention", "to_zigzag"]

@@ -1,84 +1,26 @@
-"""The public entry point: validate -> choose -> differentiate -> call.
+"""The public entry points: `flash_attention`, `explain` and `quantized_attention`.
 
-`flash_attention` canonicalises and checks its arguments (`validation`), chooses an
-implementation and resolves its config once (`backends`), and runs it under one `custom_vjp`
-whose backward recomputes scores from the saved output and log-sum-exp.
+Each routes a call to what runs it: FP8 inputs to `fp8` (the Mosaic FP8 forward, or this
+module's float32 call on the dequantized inputs), inputs whose sharding splits the sequence to
+`context_parallel` (ring or all-gather attention under shard_map), batch / head splits per
+shard under shard_map, and everything else to `core.attention` (validate -> choose ->
+differentiate -> call).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
-from jax.custom_derivatives import custom_vjp_primal_tree_values
 
-from pallas_flash import _tiling, backends, masks, merge, validation
+from pallas_flash import core, fp8, masks, merge, validation
 from pallas_flash.backends import IMPLEMENTATIONS, Implementation
-from pallas_flash.call import AttentionParams, FeatureArrays, backward_inputs
 from pallas_flash.context_parallel import sharding as _cp_sharding
-from pallas_flash.reference import attention_reference
+from pallas_flash.core import CHECKPOINT_NAME, Explanation
 
-__all__ = ["CHECKPOINT_NAME", "IMPLEMENTATIONS", "Explanation", "explain", "flash_attention"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Explanation:
-  """Which implementation `implementation=None` runs, and why each other one was not chosen."""
-
-  chosen: str | None  # None: no automatic choice can run the call
-  reasons: dict[str, str | None]  # None: could run this call
-  # Fraction of (query block, key block) pairs the blocked kernels compute, from causal masking
-  # and the local window at `block_q x block_kv`: the blocks of `config` (else 128 x 128 when
-  # nothing can run). Segment ids and dense masks skip nothing here.
-  blocks_computed: float = 1.0
-  block_shape: tuple[int, int] = (128, 128)
-  # The config `chosen` runs: the one passed, else the backend's default for this call (the
-  # one flash_attention resolves). To change one knob of it:
-  # dataclasses.replace(explanation.config, ...).
-  config: Any = None
-  # Why each implementation cannot run the call when named (implementation=name), None where
-  # it can: `reasons` less the calls a backend runs only when named (not yet measured).
-  reasons_when_named: dict[str, str | None] = dataclasses.field(default_factory=dict)
-
-  def __str__(self) -> str:
-    lines = [f"implementation=None runs {self.chosen!r}" if self.chosen else
-             "implementation=None cannot run this call"]
-    if self.config is not None:
-      lines.append(f"  config: {_config_summary(self.config)}")
-    lines.append(f"  blocks computed: {self.blocks_computed:.1%} of "
-                 f"{self.block_shape[0]}x{self.block_shape[1]} score blocks")
-    for name, why in self.reasons.items():
-      if name == self.chosen:
-        continue
-      lines.append(f"  {name}: " + ("can run, but " + _not_chosen(name) if why is None else why))
-    return "\n".join(lines)
-
-
-def _config_summary(config) -> str:
-  """`Name(field=value, ...)` with only the fields that differ from the class's defaults."""
-  if not dataclasses.is_dataclass(config):
-    return repr(config)
-  base = type(config)()
-  changed = (f"{f.name}={getattr(config, f.name)!r}" for f in dataclasses.fields(config)
-             if getattr(config, f.name) != getattr(base, f.name))
-  return f"{type(config).__name__}({', '.join(changed)})"
-
-
-def _not_chosen(name: str) -> str:
-  if name in ("interpret", "reference"):
-    return "is never chosen automatically (testing only)"
-  return "a faster implementation applies"
-
-
-def _fp8():
-  """pallas_flash.fp8, which takes FP8 calls; imported late because it builds on this module."""
-  from pallas_flash import fp8
-  return fp8
+__all__ = ["CHECKPOINT_NAME", "IMPLEMENTATIONS", "Explanation", "explain", "flash_attention",
+           "quantized_attention"]
 
 
 def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
@@ -89,90 +31,9 @@ def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
   blocked kernels compute under causal masking and the local window, or under `block_mask`
   (whose tables must then be concrete). Print the result for a readable report.
   """
-  if _fp8().is_fp8_call(query, key, value, kwargs.get("descale"), kwargs.get("out_dtype")):
-    return _fp8().explain_fp8(explain, query, key, value, bias=bias, mask=mask, **kwargs)
-  kwargs.update(bias=bias, mask=mask)
-  config = kwargs.pop("config", None)
-  kwargs.pop("implementation", None)
-  kwargs.pop("return_residuals", None)
-  kwargs.pop("sinks", None)  # every backend takes them: no influence on the choice
-  kwargs.pop("checked", None)
-  kwargs.pop("return_residual", None)
-  info = validation.abstract_call_info(query, key, value,
-                                       validation.with_defaults(kwargs))
-  reasons = {name: backends.auto_reason(name, info, config) for name in IMPLEMENTATIONS}
-  when_named = {name: backends.reason(name, info, config) for name in IMPLEMENTATIONS}
-  chosen = backends.auto_choice(reasons)
-  used = None if chosen is None else backends.resolve_config(chosen, info, config)
-  bm = kwargs.get("block_mask")
-  if bm is not None:
-    block, fraction = (bm.block_q, bm.block_kv), bm.fraction_computed()
-  else:
-    tiles = used if used is not None else config  # the blocks of the kernels that run
-    block = (getattr(tiles, "block_q", 128), getattr(tiles, "block_kv", 128))
-    fraction = _tiling.fraction_computed(q_len=info.q_len, kv_len=info.kv_len, block_q=block[0],
-                                       block_kv=block[1], band=info.params.band)
-  return Explanation(chosen, reasons, fraction, block, used, when_named)
-
-
-
-# The differentiable core
-
-# The name (jax.ad_checkpoint.checkpoint_name) of the forward's o and lse, the residuals the
-# backward needs besides the inputs: `jax.checkpoint(f, policy=
-# jax.checkpoint_policies.save_only_these_names(CHECKPOINT_NAME))` keeps them, so that a
-# rematerialised block recomputes its projections but not its attention forward.
-CHECKPOINT_NAME = "pallas_flash.attention"
-
-
-def backward_from_residuals(backend: backends.Backend, params: AttentionParams, config,
-                            res: tuple, cotangents: tuple) -> tuple:
-  """The VJP rule of `_differentiable` (also that of pallas_flash.fp8's training path):
-  cotangents (q, k, v, None, None, FeatureArrays(bias=dbias, sinks=dsinks)) of the inputs,
-  from the residuals (q, k, v, q_seg, kv_seg, arrays, o, lse) and the cotangents (do, dlse)
-  of (o, lse), either of which may be a SymbolicZero. The backend recomputes the scores from
-  q, k, v and lse."""
-  q, k, v, q_seg, kv_seg, arrays, o, lse = res
-  do, delta, lse = backward_inputs(backend.computes_delta, o, lse, cotangents, q.dtype)
-  uses_arrays = bool(params.features) or params.has_sinks
-  kw = dict(params=params, config=config, **({"arrays": arrays} if uses_arrays else {}))
-  grads = backend.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, **kw)
-  extra = list(grads[3:])  # [dbias][, dsinks]
-  dbias = extra.pop(0).astype(arrays.bias.dtype) if params.has_bias else None
-  dsinks = extra.pop(0) if params.has_sinks else None
-  return (*grads[:3], None, None, FeatureArrays(bias=dbias, sinks=dsinks))
-
-
-@functools.cache
-def _differentiable(name: str, params: AttentionParams, config) -> Callable:
-  """A custom_vjp attention for one backend and static configuration.
-
-  The forward saves only (q, k, v, segment ids, feature arrays, o, lse); the backward recomputes
-  scores (and the dropout mask) blockwise. Feature arrays reach the backend only when the call
-  uses a feature, so core-only backends keep the plain contract.
-  """
-  backend = backends.load(name)
-  uses_features = bool(params.features) or params.has_sinks
-
-  def kw(arrays):
-    return dict(params=params, config=config, **({"arrays": arrays} if uses_features else {}))
-
-  @jax.custom_vjp
-  def attention(q, k, v, q_seg, kv_seg, arrays):
-    return backend.forward(q, k, v, q_seg, kv_seg, **kw(arrays))
-
-  def attention_fwd(*primals):
-    # symbolic_zeros: each leaf comes as CustomVJPPrimal(value, perturbed).
-    q, k, v, q_seg, kv_seg, arrays = custom_vjp_primal_tree_values(primals)
-    o, lse = checkpoint_name(backend.forward(q, k, v, q_seg, kv_seg, **kw(arrays)),
-                             CHECKPOINT_NAME)
-    return (o, lse), (q, k, v, q_seg, kv_seg, arrays, o, lse)
-
-  def attention_bwd(res, cotangents):
-    return backward_from_residuals(backend, params, config, res, cotangents)
-
-  attention.defvjp(attention_fwd, attention_bwd, symbolic_zeros=True)
-  return attention
+  if fp8.is_fp8_call(query, key, value, kwargs.get("descale"), kwargs.get("out_dtype")):
+    return fp8.explain_fp8(query, key, value, bias=bias, mask=mask, **kwargs)
+  return core.explain(query, key, value, bias, mask, **kwargs)
 
 
 def flash_attention(
@@ -261,7 +122,7 @@ def flash_attention(
       with per-tensor or per-(batch, head) scales runs the Mosaic FP8 forward (None or
       "mosaic"); every other FP8 call runs the float32 attention on the dequantized inputs
       (`explain` says which and why). No gradient with respect to FP8 inputs: to train,
-      differentiate the bf16 activations with `pallas_flash.fp8.quantized_attention`
+      differentiate the bf16 activations with `pallas_flash.quantized_attention`
       (docs/fp8.md, "Training").
     out_dtype: the output dtype of an FP8 call (default bfloat16).
     deterministic: True guarantees bitwise-identical gradients run to run. Every default path
@@ -302,8 +163,8 @@ def flash_attention(
   block_mask). On Auto axes under jit nothing is visible: the partitioner places the call, and
   it runs the Pallas kernels whole on every device.
   """
-  if _fp8().is_fp8_call(query, key, value, descale, out_dtype):
-    return _fp8().flash_attention_fp8(flash_attention, **locals())
+  if fp8.is_fp8_call(query, key, value, descale, out_dtype):
+    return _fp8_attention(**locals())
   del descale, out_dtype  # FP8 only; the paths below pass locals() on
   validation.check_reverse_mode(implementation, query=query, key=key, value=value, bias=bias)
   if return_residuals and return_residual:
@@ -331,34 +192,15 @@ def flash_attention(
     args = {n: x for n, x in locals().items() if n != "jax_nn_lse"}
     return _as_jax_nn(_cp_sharding.split_attention(flash_attention, **args), jax_nn_lse)
   # --
-  call = validation.canonicalize(query, key, value, scale=scale, is_causal=is_causal,
-                       query_seq_lengths=query_seq_lengths,
-                       key_value_seq_lengths=key_value_seq_lengths,
-                       query_segment_ids=query_segment_ids,
-                       key_value_segment_ids=key_value_segment_ids, bias=bias, mask=mask,
-                       local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
-                       logits_soft_cap_order=logits_soft_cap_order,
-                       alibi_slopes=alibi_slopes, dropout_rate=dropout_rate,
-                       dropout_rng=dropout_rng, block_mask=block_mask,
-                       deterministic=deterministic, checked=checked)
-  if sinks is not None:
-    sinks = validation.check_sinks(sinks, call.q.shape[2])
-  name = backends.choose(call.info, implementation, config)
-  args = (call.q, call.k, call.v, call.q_seg, call.kv_seg)
-  if name == "reference":  # defines sinks directly, as an extra softmax column
-    o, lse = attention_reference(*args, params=call.info.params, arrays=call.arrays, sinks=sinks)
-  else:
-    config = backends.resolve_config(name, call.info, config)
-    params, arrays = call.info.params, call.arrays
-    fused_sinks = sinks is not None and backends.load(name).fuses_sinks
-    if fused_sinks:  # the backend's forward adds them (pallas_flash.call)
-      params = dataclasses.replace(params, has_sinks=True)
-      arrays = dataclasses.replace(arrays, sinks=sinks.astype(jnp.float32))
-    o, lse = _differentiable(name, params, config)(*args, arrays)
-    if sinks is not None and not fused_sinks:
-      o, lse = merge.add_sinks(o, lse, sinks)
-  if call.unbatched:
-    o, lse = o[0], lse[0]
+  o, lse = core.attention(
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      query_segment_ids=query_segment_ids, key_value_segment_ids=key_value_segment_ids,
+      local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+      logits_soft_cap_order=logits_soft_cap_order, alibi_slopes=alibi_slopes,
+      dropout_rate=dropout_rate, dropout_rng=dropout_rng, block_mask=block_mask, sinks=sinks,
+      deterministic=deterministic, checked=checked, implementation=implementation,
+      config=config)
   return _as_jax_nn((o, lse), jax_nn_lse) if return_residuals else o
 
 
@@ -369,3 +211,40 @@ def _as_jax_nn(results, jax_nn_lse: bool):
     return results
   o, lse = results
   return o, jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(o.dtype))
+
+
+def _fp8_attention(*, query, key, value, descale, out_dtype, **kwargs):
+  """`flash_attention` on FP8 inputs: checked, then the Mosaic FP8 forward where it applies,
+  else `flash_attention` on the inputs dequantized to float32 (no gradient), cast."""
+  scales, out = fp8.check_call(query, key, value, descale, out_dtype)
+  if fp8.runs_on_mosaic(query, key, value, scales, out, kwargs):
+    return fp8.mosaic_attention(query, key, value, scales, out, kwargs)
+  q, k, v = fp8.dequantize_inputs(query, key, value, scales)
+  return fp8.cast_output(flash_attention(q, k, v, **fp8.float32_kwargs(kwargs)), out)
+
+
+def quantized_attention(q, k, v, *, rotate: bool = False, block: int | str | None = None,
+                        key: jax.Array | None = None, out_dtype=None, **kwargs):
+  """FP8 attention on bf16 (or any float) activations, differentiable: the training path.
+
+  The forward is that of `flash_attention(*fp8.quantize(q, k, v, rotate=, block=, key=))`; the
+  gradient with respect to q, k, v is straight-through: the attention's gradient at the
+  dequantized values, carried to q, k, v as if quantisation were the identity (back through
+  the rotation when `rotate=True`). On a Hopper GPU, causal or full attention with per-tensor
+  or per-(batch, head) scales (block None or "head") runs the Mosaic FP8 forward and, for the
+  gradient, the bf16 Mosaic backward on the dequantized values rounded to bfloat16,
+  recomputing from the FP8 forward's output and lse (`deterministic=True` as for bf16
+  inputs); elsewhere the float32 attention on the dequantized values (`xla` on CPU, `triton`
+  on a GPU) runs both. kwargs: those of flash_attention (is_causal, segment ids,
+  implementation, config, deterministic, return_residuals, ...); a MosaicConfig configures
+  the FP8 forward and the bf16 backward alike. Output: out_dtype, default bfloat16.
+  """
+  inputs, plan, out = fp8.training_call(q, k, v, rotate=rotate, block=block, key=key,
+                                       out_dtype=out_dtype, kwargs=kwargs)
+  if plan is not None:
+    return fp8.training_attention(plan, inputs, out, block, kwargs)
+  # Features, segment ids, sinks, sharded inputs, "reference": flash_attention's float32 call on
+  # the dequantized values, the cotangents straight through to the (rotated) inputs.
+  result = flash_attention(*fp8.straight_through_inputs(inputs, block),
+                           **fp8.float32_kwargs(kwargs))
+  return fp8.cast_output(result, out)

@@ -1,5 +1,6 @@
 """FP8 (float8_e4m3fn) attention: descale factors, quantisation, the Hadamard rotation, and
-the dispatch of FP8 calls.
+how FP8 calls run (`pallas_flash.api` routes `flash_attention`'s FP8 calls and
+`quantized_attention` here).
 
 `flash_attention(q8, k8, v8, descale=Fp8Scales(...))` takes e4m3 query/key/value whose real
 values are `float32(x8) * scale`. On a Hopper GPU, causal or full attention with per-tensor
@@ -20,12 +21,12 @@ applies the v scale to the output; per-block scales run the reference semantics.
 
 Gradients: `flash_attention` refuses to differentiate FP8 inputs or their scales (an e4m3
 cotangent flushes everything below 2**-9 to zero, and an FP8 array is a quantised copy, not a
-parameter). Training goes through `quantized_attention(q, k, v, ...)`: it takes the bf16
-activations, quantises them (`quantize`) and differentiates straight through the quantiser:
-its gradient is the attention's gradient at the dequantized values, carried to q, k, v as if
-quantisation were the identity (through the rotation when `rotate=True`). On a Hopper GPU
-(causal or full attention, per-tensor or per-(batch, head) scales) its forward is the Mosaic
-FP8 forward and its backward our bf16 Mosaic backward on the dequantized values in bf16,
+parameter). Training goes through `pallas_flash.quantized_attention(q, k, v, ...)`: it takes
+the bf16 activations, quantises them (`quantize`) and differentiates straight through the
+quantiser: its gradient is the attention's gradient at the dequantized values, carried to q, k,
+v as if quantisation were the identity (through the rotation when `rotate=True`). On a Hopper
+GPU (causal or full attention, per-tensor or per-(batch, head) scales) its forward is the
+Mosaic FP8 forward and its backward our bf16 Mosaic backward on the dequantized values in bf16,
 recomputing from the FP8 forward's output and lse; elsewhere a backend's float32 forward and
 backward on the dequantized values (`_training_plan`, docs/fp8.md "Training").
 """
@@ -43,12 +44,11 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import custom_vjp_primal_tree_values
 
-from pallas_flash import _tiling, api, backends, validation
+from pallas_flash import _tiling, backends, core, validation
 from pallas_flash.call import FeatureArrays
 from pallas_flash.context_parallel import sharding as _cp_sharding
 
-__all__ = ["E4M3_MAX", "Fp8Scales", "dequantize", "hadamard_rotation", "quantize",
-           "quantized_attention"]
+__all__ = ["E4M3_MAX", "Fp8Scales", "dequantize", "hadamard_rotation", "quantize"]
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448: quantize maps each scale group's max here
@@ -289,31 +289,32 @@ def check_call(query, key, value, descale, out_dtype) -> tuple[Fp8Scales, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# flash_attention and explain on FP8 inputs (api.py hands FP8 calls here)
+# flash_attention and explain on FP8 inputs (pallas_flash.api hands FP8 calls here)
 
 _NO_GRAD = (
     "flash_attention has no gradient with respect to float8 inputs or their descale factors: "
     "an e4m3 cotangent would flush every gradient below 2**-9 to zero, and an FP8 array is a "
     "quantised copy, not a parameter. To train through FP8 attention, differentiate the bf16 "
-    "activations with pallas_flash.fp8.quantized_attention(q, k, v, ...): its backward is "
+    "activations with pallas_flash.quantized_attention(q, k, v, ...): its backward is "
     "straight-through (the attention's gradient at the dequantized values).")
 
 
 @jax.custom_vjp
-def _dequantize_inputs(q8, k8, v8, scales: Fp8Scales):
+def dequantize_inputs(q8, k8, v8, scales: Fp8Scales):
+  """(q, k, v) float32 of FP8 inputs, refusing to be differentiated (_NO_GRAD)."""
   return tuple(dequantize(x, s, scales.block)
                for x, s in ((q8, scales.q), (k8, scales.k), (v8, scales.v)))
 
 
 def _dequantize_fwd(q8, k8, v8, scales):
-  return _dequantize_inputs(q8, k8, v8, scales), None
+  return dequantize_inputs(q8, k8, v8, scales), None
 
 
 def _dequantize_bwd(_, cotangents):
   raise TypeError(_NO_GRAD)
 
 
-_dequantize_inputs.defvjp(_dequantize_fwd, _dequantize_bwd)
+dequantize_inputs.defvjp(_dequantize_fwd, _dequantize_bwd)
 
 
 def _float_call_info(query, key, value, kwargs, dtype=jnp.float32):
@@ -406,8 +407,8 @@ def _canonical_call(query, key, value, kwargs) -> validation.Call:
   return validation.canonicalize(*shapes, **kw, checked=bool(kwargs.get("checked", False)))
 
 
-def _mosaic_attention(query, key, value, scales: Fp8Scales, out, kwargs):
-  """flash_attention's result for an FP8 call the Mosaic FP8 forward runs."""
+def mosaic_attention(query, key, value, scales: Fp8Scales, out, kwargs):
+  """flash_attention's result for an FP8 call the Mosaic FP8 forward runs (runs_on_mosaic)."""
   if kwargs.get("return_residuals") and kwargs.get("return_residual"):
     raise ValueError("Pass one of `return_residuals` (float32 [B, H, T]) and "
                      "`return_residual` (jax.nn's: [B, T, H] in the output dtype), not both.")
@@ -433,7 +434,7 @@ def _returned(o, lse, unbatched: bool, kwargs: dict):
   return o
 
 
-def _float32_kwargs(kwargs: dict) -> dict:
+def float32_kwargs(kwargs: dict) -> dict:
   """The keyword arguments of the float32 call that runs the reference semantics: a
   MosaicConfig, which configures the FP8 kernel, is dropped (no float32 path takes it)."""
   from pallas_flash.mosaic_gpu import MosaicConfig  # noqa: PLC0415
@@ -442,28 +443,28 @@ def _float32_kwargs(kwargs: dict) -> dict:
   return kwargs
 
 
-def flash_attention_fp8(attention_fn, *, query, key, value, descale, out_dtype, **kwargs):
-  """`flash_attention` on FP8 inputs: checked, then the Mosaic FP8 forward where it applies
-  (implementation None or "mosaic"), else dequantized to float32 (no gradient), run by
-  `attention_fn` (flash_attention itself) on the chosen float32 implementation, cast."""
-  scales, out = check_call(query, key, value, descale, out_dtype)
+def runs_on_mosaic(query, key, value, scales: Fp8Scales, out, kwargs) -> bool:
+  """Whether the Mosaic FP8 forward runs this checked FP8 call (implementation None or
+  "mosaic"; when named and it cannot, a NotImplementedError says why). Otherwise the call
+  runs on the dequantized inputs (dequantize_inputs, float32_kwargs, cast_output)."""
   implementation = kwargs.get("implementation")
-  if implementation in (None, "mosaic"):
-    why = mosaic_reason(query, key, value, scales, out, kwargs,
-                        named=implementation == "mosaic")
-    if why is None:
-      return _mosaic_attention(query, key, value, scales, out, kwargs)
-    if implementation == "mosaic":
-      raise NotImplementedError(f"implementation='mosaic' cannot run this call: {why}.")
-  q, k, v = _dequantize_inputs(query, key, value, scales)
-  result = attention_fn(q, k, v, **_float32_kwargs(kwargs))
+  if implementation not in (None, "mosaic"):
+    return False
+  why = mosaic_reason(query, key, value, scales, out, kwargs, named=implementation == "mosaic")
+  if why is not None and implementation == "mosaic":
+    raise NotImplementedError(f"implementation='mosaic' cannot run this call: {why}.")
+  return why is None
+
+
+def cast_output(result, out):
+  """flash_attention's result (o, or (o, lse)) with o cast to `out`."""
   if isinstance(result, tuple):  # return_residuals: (o, lse)
     return (result[0].astype(out), *result[1:])
   return result.astype(out)
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8Explanation(api.Explanation):
+class Fp8Explanation(core.Explanation):
   """An `Explanation` of an FP8 call, with a first line saying how FP8 runs today."""
 
   fp8: str = ""
@@ -472,7 +473,7 @@ class Fp8Explanation(api.Explanation):
     return self.fp8 + "\n" + super().__str__()
 
 
-def explain_fp8(explain_fn, query, key, value, **kwargs) -> Fp8Explanation:
+def explain_fp8(query, key, value, **kwargs) -> Fp8Explanation:
   """`explain` of an FP8 call: the Mosaic FP8 forward where it applies, else that of the
   float32 call it runs (the reference semantics), with the Mosaic kernel's reason."""
   descale, out_dtype = kwargs.pop("descale", None), kwargs.pop("out_dtype", None)
@@ -480,7 +481,7 @@ def explain_fp8(explain_fn, query, key, value, **kwargs) -> Fp8Explanation:
   why = mosaic_reason(query, key, value, scales, out, kwargs, named=False)
   f32 = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (query, key, value)]
   config = kwargs.get("config")
-  base = explain_fn(*f32, **_float32_kwargs(kwargs))
+  base = core.explain(*f32, **float32_kwargs(kwargs))
   layouts = sorted({_scale_layout(len(getattr(s, "shape", ())), len(query.shape))
                     for s in (scales.q, scales.k, scales.v)})
   head = f"FP8 (float8_e4m3fn, scales per {'/'.join(layouts)})"
@@ -555,7 +556,7 @@ def _dequantized(q8, k8, v8, scales: Fp8Scales, dtype) -> tuple[jax.Array, ...]:
 def _training_attention(plan: _TrainingPlan, out, block):
   """(q, k, v) [B, ...] -> (o in `out`, lse [B, H, T]): `quantize(q, k, v, block=block)`, then
   attention on the quantised values as `plan` says, under one custom_vjp whose backward is
-  api.backward_from_residuals (flash_attention's) on the dequantized values, the gradients
+  core.backward_from_residuals (flash_attention's) on the dequantized values, the gradients
   straight through the quantiser to q, k, v in their dtypes."""
   from pallas_flash import mosaic_gpu  # noqa: PLC0415
   backend = backends.load(plan.name)
@@ -580,14 +581,14 @@ def _training_attention(plan: _TrainingPlan, out, block):
   def attention_fwd(*primals):
     q, k, v = custom_vjp_primal_tree_values(primals)
     o, lse, quantized = forward(q, k, v)
-    o, lse = checkpoint_name((o, lse), api.CHECKPOINT_NAME)
+    o, lse = checkpoint_name((o, lse), core.CHECKPOINT_NAME)
     dtypes = tuple(jnp.zeros((0,), x.dtype) for x in (q, k, v))  # the inputs' dtypes only
     return (o.astype(out), lse), (dtypes, quantized, o, lse)
 
   def attention_bwd(res, cotangents):
     dtypes, (q8, k8, v8, scales), o, lse = res
     deq = _dequantized(q8, k8, v8, scales, plan.grad_dtype)
-    grads = api.backward_from_residuals(
+    grads = core.backward_from_residuals(
         backend, params, plan.config,
         (*deq, None, None, FeatureArrays(), o.astype(plan.grad_dtype), lse), cotangents)
     return tuple(g.astype(d.dtype) for g, d in zip(grads[:3], dtypes))
@@ -619,7 +620,7 @@ def _training_plan(inputs, scales: Fp8Scales, out, kwargs) -> _TrainingPlan | No
   if (_cp_sharding.sequence_sharding(*inputs) is not None
       or _cp_sharding.batch_head_sharding(inputs[0]) is not None):
     return None
-  kwargs = _float32_kwargs(kwargs)
+  kwargs = float32_kwargs(kwargs)
   info = _float_call_info(*inputs, kwargs)
   if info.params.features or info.params.has_segments or kwargs.get("sinks") is not None:
     return None
@@ -630,22 +631,10 @@ def _training_plan(inputs, scales: Fp8Scales, out, kwargs) -> _TrainingPlan | No
                        backends.resolve_config(name, info, kwargs.get("config")), False)
 
 
-def quantized_attention(q, k, v, *, rotate: bool = False, block: int | str | None = None,
-                        key: jax.Array | None = None, out_dtype=None, **kwargs):
-  """FP8 attention on bf16 (or any float) activations, differentiable: the training path.
-
-  The forward is that of `flash_attention(*quantize(q, k, v, rotate=, block=, key=))`; the
-  gradient with respect to q, k, v is straight-through: the attention's gradient at the
-  dequantized values, carried to q, k, v as if quantisation were the identity (back through
-  the rotation when `rotate=True`). On a Hopper GPU, causal or full attention with per-tensor
-  or per-(batch, head) scales (block None or "head") runs the Mosaic FP8 forward and, for the
-  gradient, the bf16 Mosaic backward on the dequantized values rounded to bfloat16,
-  recomputing from the FP8 forward's output and lse (`deterministic=True` as for bf16
-  inputs); elsewhere the float32 attention on the dequantized values (`xla` on CPU, `triton`
-  on a GPU) runs both. kwargs: those of flash_attention (is_causal, segment ids,
-  implementation, config, deterministic, return_residuals, ...); a MosaicConfig configures
-  the FP8 forward and the bf16 backward alike. Output: out_dtype, default bfloat16.
-  """
+def training_call(q, k, v, *, rotate: bool, block, key, out_dtype, kwargs: dict):
+  """(inputs, plan, out) of `pallas_flash.quantized_attention`: the (rotated) inputs, the
+  `_TrainingPlan` that runs them (None: the straight-through float32 call instead,
+  `straight_through_inputs`) and the output dtype. Checks the arguments."""
   _check_block_option(block)
   if kwargs.get("return_residuals") and kwargs.get("return_residual"):
     raise ValueError("Pass one of `return_residuals` (float32 [B, H, T], differentiable) and "
@@ -658,23 +647,21 @@ def quantized_attention(q, k, v, *, rotate: bool = False, block: int | str | Non
   abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
   (q8, k8, v8), scales = jax.eval_shape(functools.partial(quantize, block=block), *abstract)
   scales, out = check_call(q8, k8, v8, scales, out_dtype)
-  plan = _training_plan(inputs, scales, out, kwargs)
-  if plan is None:
-    return _straight_through_attention(inputs, block, out, kwargs)
-  unbatched = q.ndim == 3
+  return inputs, _training_plan(inputs, scales, out, kwargs), out
+
+
+def training_attention(plan: _TrainingPlan, inputs, out, block, kwargs: dict):
+  """quantized_attention's result for the (rotated) `inputs` that `plan` runs."""
+  unbatched = inputs[0].ndim == 3
   o, lse = _training_attention(plan, out, block)(
       *(x[None] if unbatched else x for x in inputs))
   return _returned(o, lse, unbatched, kwargs)
 
 
-def _straight_through_attention(inputs, block, out, kwargs):
-  """quantized_attention's calls outside `_training_attention` (features, segment ids, sinks,
-  sharded inputs, implementation="reference"): flash_attention on the dequantized values,
-  the cotangent straight through to the (rotated) inputs."""
+def straight_through_inputs(inputs, block) -> list[jax.Array]:
+  """The (rotated) `inputs` quantised and dequantized to float32, their cotangents straight
+  through to `inputs`: what quantized_attention's calls outside a `_TrainingPlan` (features,
+  segment ids, sinks, sharded inputs, implementation="reference") attend on."""
   (q8, k8, v8), scales = quantize(*(jax.lax.stop_gradient(x) for x in inputs), block=block)
   deq = _dequantized(q8, k8, v8, scales, jnp.float32)
-  args = [_straight_through(x, x_hat) for x, x_hat in zip(inputs, deq)]
-  result = api.flash_attention(*args, **_float32_kwargs(kwargs))
-  if isinstance(result, tuple):
-    return (result[0].astype(out), *result[1:])
-  return result.astype(out)
+  return [_straight_through(x, x_hat) for x, x_hat in zip(inputs, deq)]

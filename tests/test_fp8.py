@@ -156,7 +156,7 @@ def test_quantized_attention_is_straight_through():
   def loss(fn, *xs):
     return jnp.sum(fn(*xs).astype(jnp.float32) * do)
 
-  got = jax.grad(lambda *xs: loss(lambda *a: fp8.quantized_attention(
+  got = jax.grad(lambda *xs: loss(lambda *a: pallas_flash.quantized_attention(
       *a, block=32, out_dtype=jnp.float32, implementation="xla", **kwargs), *xs),
       argnums=(0, 1, 2))(q, k, v)
   want = jax.grad(lambda *xs: loss(lambda *a: pallas_flash.flash_attention(
@@ -165,7 +165,7 @@ def test_quantized_attention_is_straight_through():
     assert g.dtype == jnp.bfloat16
     assert_close_to_ref(f"d{name}", g, w, 2 * TOLERANCES[jnp.dtype(jnp.bfloat16)])
   # With the rotation the gradient is the attention's, up to FP8 error.
-  got = jax.grad(lambda q: loss(lambda q: fp8.quantized_attention(
+  got = jax.grad(lambda q: loss(lambda q: pallas_flash.quantized_attention(
       q, k, v, rotate=True, implementation="reference", **kwargs), q))(q)
   want = jax.grad(lambda q: loss(lambda q: pallas_flash.flash_attention(
       q, k.astype(jnp.float32), v.astype(jnp.float32), implementation="reference",
@@ -238,16 +238,16 @@ def _bad_calls():
                                   alibi_slopes=jnp.ones((q.shape[2],)),
                                   config=MOSAIC_FP8_INTERPRET),
                        NotImplementedError, "not alibi_slopes"),
-      "mosaic quantized_attention window": (lambda: fp8.quantized_attention(
+      "mosaic quantized_attention window": (lambda: pallas_flash.quantized_attention(
           q, k, v, local_window_size=8, implementation="mosaic", config=MOSAIC_FP8_INTERPRET),
           NotImplementedError, "causal or full attention only, not local_window_size"),
-      "mosaic quantized_attention": (lambda: fp8.quantized_attention(
+      "mosaic quantized_attention": (lambda: pallas_flash.quantized_attention(
           q, k, v, implementation="mosaic"), NotImplementedError,
           "the FP8 kernel needs a Hopper GPU"),
-      "mosaic quantized_attention per block": (lambda: fp8.quantized_attention(
+      "mosaic quantized_attention per block": (lambda: pallas_flash.quantized_attention(
           q, k, v, block=32, implementation="mosaic", config=MOSAIC_FP8_INTERPRET),
           NotImplementedError, "per-block descale factors"),
-      "quantized_attention two residuals": (lambda: fp8.quantized_attention(
+      "quantized_attention two residuals": (lambda: pallas_flash.quantized_attention(
           q, k, v, return_residuals=True, return_residual=True), ValueError,
           "not both"),
       "grad": (lambda: jax.grad(lambda x: fa(x, k8, v8, descale=s).astype(

@@ -332,7 +332,7 @@ def check_fp8_against_reference(case: Case, *, config=None, block=None, out_dtyp
   assert_close_to_ref("fp8 out vs float32", o, exact, FP8_TOLERANCE)
 
 
-# pallas_flash.fp8.quantized_attention's gradients on the Mosaic path (the FP8 forward, then
+# pallas_flash.quantized_attention's gradients on the Mosaic path (the FP8 forward, then
 # the bf16 Mosaic backward on the dequantized values rounded to bf16) against the float32
 # gradient of the same dequantized attention: the bf16 backward's own budget
 # (2 * TOLERANCES[bf16], gradients getting twice the forward's) plus the FP8 forward's output
@@ -363,8 +363,8 @@ def check_fp8_training(case: Case, *, tol: float, seed: int | None = None, **kwa
       return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)) + jnp.sum(lse * dl)
     return jax.grad(loss, argnums=(0, 1, 2))(*xs)
 
-  got = jax.jit(functools.partial(grads, functools.partial(fp8.quantized_attention, **kwargs)))(
-      q, k, v)
+  attention = functools.partial(pallas_flash.quantized_attention, **kwargs)
+  got = jax.jit(functools.partial(grads, attention))(q, k, v)
   rotate, block, key = (kwargs.pop(n, d) for n, d in (("rotate", False), ("block", None),
                                                        ("key", None)))
   ref_kwargs = {n: x for n, x in kwargs.items()

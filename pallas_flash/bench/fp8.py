@@ -408,10 +408,10 @@ def print_feature_speed(rows: list[dict]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Training: forward + backward (fp8.quantized_attention against bf16)
+# Training: forward + backward (pallas_flash.quantized_attention against bf16)
 
-# (row name, rotate): fp8.quantized_attention on the bf16 inputs (per-tensor scales), beside
-# flash_attention's bf16 gradient.
+# (row name, rotate): pallas_flash.quantized_attention on the bf16 inputs (per-tensor scales),
+# beside flash_attention's bf16 gradient.
 GRAD_ROWS = (("fp8 tensor", False), ("fp8 tensor +rot", True))
 
 
@@ -426,7 +426,7 @@ def _grad_errors(grads, ref) -> dict:
 
 
 def training_impl(q, k, v, **kwargs) -> str:
-  """What runs fp8.quantized_attention(q, k, v, **kwargs), in words."""
+  """What runs pallas_flash.quantized_attention(q, k, v, **kwargs), in words."""
   _, scales = jax.eval_shape(fp8.quantize, q, k, v)
   plan = fp8._training_plan([q, k, v], scales, jnp.dtype(jnp.bfloat16), kwargs)
   if plan is None:
@@ -456,7 +456,8 @@ def run_grad_rows(shape: Shape, *, outliers: bool, seed: int) -> list[dict]:
   rows = [{**base, "row": "bf16", "impl": pallas_flash.explain(q, k, v).chosen,
            **_grad_errors(grads, ref)}]
   for name, rotate in GRAD_ROWS:
-    grads = _grad_fn(functools.partial(fp8.quantized_attention, rotate=rotate), do)(q, k, v)
+    fn = functools.partial(pallas_flash.quantized_attention, rotate=rotate)
+    grads = _grad_fn(fn, do)(q, k, v)
     rows.append({**base, "row": name, "impl": training_impl(q, k, v), "rotate": rotate,
                  **_grad_errors(grads, ref)})
   return rows
@@ -475,7 +476,7 @@ def print_grad_rows(rows: list[dict]) -> None:
 
 
 def training_speed_row(dims, *, is_causal: bool, opts: argparse.Namespace) -> dict:
-  """One forward+backward speed row: the bf16 Mosaic fwd+bwd and fp8.quantized_attention's
+  """One forward+backward speed row: the bf16 Mosaic fwd+bwd and pallas_flash.quantized_attention's
   (quantisation included), without and with the rotation, on the same bf16 inputs, timed
   interleaved as TFLOP/s of 3.5 · 4·B·H·T·S·D (halved causal)."""
   b, t, h, d = dims
@@ -492,8 +493,9 @@ def training_speed_row(dims, *, is_causal: bool, opts: argparse.Namespace) -> di
 
   fns = {"bf16": step(functools.partial(pallas_flash.flash_attention, is_causal=is_causal,
                                         implementation="mosaic")),
-         **{"fp8" + label: step(functools.partial(fp8.quantized_attention, is_causal=is_causal,
-                                                  rotate=rotate, implementation="mosaic"))
+         **{"fp8" + label: step(functools.partial(
+                pallas_flash.quantized_attention, is_causal=is_causal, rotate=rotate,
+                implementation="mosaic"))
             for label, rotate in (("", False), (" +rot", True))}}
   timings = timing.time_interleaved(fns, args, iters=opts.iters,
                                     min_loop_s=opts.min_loop_ms / 1e3,
@@ -519,7 +521,7 @@ def run_training_speed(opts: argparse.Namespace) -> list[dict]:
 
 def print_training_speed(rows: list[dict]) -> None:
   print("\nFP8 forward+backward speed (TFLOP/s of 3.5x the forward's matmuls): "
-        "fp8.quantized_attention (quantisation included) vs the bf16 Mosaic fwd+bwd")
+        "pallas_flash.quantized_attention (quantisation included) vs the bf16 Mosaic fwd+bwd")
   if _printed_skip(rows):
     return
   print(f"  {'shape':<20}{'causal':<8}{'bf16':>8}{'fp8':>8}{'x bf16':>8}{'fp8 +rot':>10}"

@@ -4,7 +4,7 @@ For short local sequences (or small K/V under GQA) a ring step's compute cannot 
 transfer; one all-gather moves the same bytes with one collective, and each device runs a
 single kernel call. The local query chunks see K/V windows placed at their global offsets
 (`plan.AllGatherPlan`), stacked along the batch axis. Gradients come from autodiff: the
-all-gather transposes to a float32 reduce-scatter of dK/dV, and the call is `flash_attention`
+all-gather transposes to a float32 reduce-scatter of dK/dV, and the call is `core.attention`
 with its own custom_vjp.
 """
 
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_flash import core
 from pallas_flash.call import KV_PAD_SEGMENT, AttentionParams
 from pallas_flash.context_parallel import layout as layouts
 from pallas_flash.context_parallel.plan import AllGatherPlan
@@ -52,8 +53,6 @@ def _gather(x, axis_name, plan: AllGatherPlan):
 def all_gather_attention(q, k, v, q_seg, kv_seg, *, axis_name, plan: AllGatherPlan,
                          params: AttentionParams, implementation: str, config):
   """(o [B, T, H, D], lse [B, H, T]) of local shards in `plan.layout`, inside shard_map."""
-  from pallas_flash import api  # api imports this package for its sharding hook
-
   k_all, v_all = _gather(k, axis_name, plan), _gather(v, axis_name, plan)
   ks_all = None if kv_seg is None else _gather(kv_seg, axis_name, plan)
   call = plan.call.params
@@ -61,11 +60,11 @@ def all_gather_attention(q, k, v, q_seg, kv_seg, *, axis_name, plan: AllGatherPl
   def attend(q, k, v, qs, ks):
     # K/V were gathered in float32 so that the gradient sums (windows, devices) stay float32.
     k, v = k.astype(q.dtype), v.astype(q.dtype)
-    return api.flash_attention(
+    return core.attention(
         q, k, v, scale=params.scale, is_causal=call.is_causal,
         local_window_size=call.local_window, logits_soft_cap=params.logits_soft_cap,
         query_segment_ids=qs, key_value_segment_ids=ks, deterministic=params.deterministic,
-        return_residuals=True, implementation=implementation, config=config)
+        implementation=implementation, config=config)
 
   if not plan.rotate:
     return attend(q, k_all, v_all, q_seg, ks_all)

@@ -401,7 +401,7 @@ def test_fp8_forward_is_chosen_and_bitwise_reproducible():
   assert bool(jnp.array_equal(run_fp8(f8, scales), run_fp8(f8, scales)))
 
 
-# fp8.quantized_attention's training path on the GPU: the FP8 forward, then the bf16 Mosaic
+# pallas_flash.quantized_attention's training path on the GPU: the FP8 forward, then the bf16 Mosaic
 # backward (the split kernels, or the fused one where the default config takes it) on the
 # dequantized values; gradients against the float32 gradient of the dequantized attention
 # (FP8_TRAINING_TOLERANCE) and of the unquantised inputs (2 * FP8_TOLERANCE).
@@ -432,12 +432,11 @@ def test_fp8_training_gradients(case, kwargs):
 def test_fp8_training_deterministic_is_bitwise_reproducible():
   """deterministic=True reaches the bf16 backward: where the default takes the fused backward
   (dQ by float32 atomics) it runs the split kernels, and two runs agree bitwise."""
-  from pallas_flash import fp8
   case = _case(1, 8192, 8192, 4, 4, 128, True)
   assert _fp8_training_plan(case).config.fused_backward
   assert not _fp8_training_plan(case, deterministic=True).config.fused_backward
   (q, k, v, do), _ = make_inputs(case)
-  grads = jax.jit(jax.grad(lambda *a: jnp.sum(fp8.quantized_attention(
+  grads = jax.jit(jax.grad(lambda *a: jnp.sum(pallas_flash.quantized_attention(
       *a, is_causal=True, deterministic=True).astype(jnp.float32) * do), argnums=(0, 1, 2)))
   first, again = grads(q, k, v), grads(q, k, v)
   assert all(bool(jnp.array_equal(a, b)) for a, b in zip(first, again, strict=True))

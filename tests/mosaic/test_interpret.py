@@ -468,11 +468,11 @@ def test_fp8_forward_features_match_reference_semantics(config, case):
   check_fp8_against_reference(case, config=config)
 
 
-# fp8.quantized_attention's training path: the FP8 forward, then the bf16 Mosaic backward on
-# the dequantized values (both interpreted), gradients against the float32 gradient of the
-# dequantized attention (FP8_TRAINING_TOLERANCE) and of the unquantised inputs. Slow (15-25 s
-# each: three interpreted kernels); tests/test_fp8.py checks the same custom_vjp on CPU with
-# xla's float32 forward and backward in its place.
+# pallas_flash.quantized_attention's training path: the FP8 forward, then the bf16 Mosaic
+# backward on the dequantized values (both interpreted), gradients against the float32 gradient
+# of the dequantized attention (FP8_TRAINING_TOLERANCE) and of the unquantised inputs. Slow
+# (15-25 s each: three interpreted kernels); tests/test_fp8.py checks the same custom_vjp on CPU
+# with xla's float32 forward and backward in its place.
 @pytest.mark.slow
 @pytest.mark.parametrize("case, kwargs", [
     (_case(64, 130, h=4, kh=2, is_causal=True), dict(rotate=True)),

@@ -635,12 +635,11 @@ def test_fp8_training_lowers_to_the_fp8_forward_and_the_bf16_backward(causal, se
   """quantized_attention's gradient on an H200: the FP8 forward (e4m3 wgmma) and the bf16
   backward's kernels (bf16 wgmma): the split dQ and dK/dV kernels, or the fused one where
   the default config takes it (non-causal 4K keys at head dim 128)."""
-  from pallas_flash import fp8
   q = jax.ShapeDtypeStruct((1, seq_len, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, seq_len, 2, 128), jnp.bfloat16)
 
   def grads(q, k, v):
-    return jax.grad(lambda *a: fp8.quantized_attention(
+    return jax.grad(lambda *a: pallas_flash.quantized_attention(
         *a, is_causal=causal, implementation="mosaic").astype(jnp.float32).sum(),
         argnums=(0, 1, 2))(q, k, v)
 
