@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What the GPU machine checks and measures, in one call: ./scripts/gpu_suite.sh STAGE...
 # Stages: env tests bench features long memory retrieval ptxas decode (the decode grid;
-# DECODE_ARGS, e.g. --quick) decode-tests.
+# DECODE_ARGS, e.g. --quick) decode-tests fp8 (FP8_ARGS: --fp8 (default), --fp8-training or
+# --fp8-features).
 # tests: GPU_MARK its marker expression (default "gpu"), GPU_K its -k expression (default all),
 #   GPU_TESTS its paths, GPU_WORKERS its pytest-xdist workers (default 8: compiling is CPU-bound;
 #   on the H200 machine's 16 cores 8 workers ran 26 cases in 3.5 min, 25-40 s a case alone).
@@ -33,6 +34,7 @@ for stage in "$@"; do
              --shape ${PTXAS_SHAPE:-4,4096,16,128} \
              ${PTXAS_VARIANTS:-} && cp /tmp/pf_ptxas/ptxas/report.json '$OUT/ptxas_report.json'" ;;
     decode) run decode $py -m pallas_flash.bench --decode ${DECODE_ARGS:-} --json "$OUT/decode.json" ;;
+    fp8) run fp8 $py -m pallas_flash.bench ${FP8_ARGS:---fp8} --json "$OUT/fp8.json" ;;
     decode-tests) run decode-tests $py -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_decode.py ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
