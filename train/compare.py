@@ -262,10 +262,6 @@ def format_row(r: dict) -> str:
           f"{'  [GPU ' + r['gpu'] + ']' if r.get('gpu') else ''}")
 
 
-def format_table(rows: list[dict]) -> str:
-  return "\n".join([format_header(), *map(format_row, rows)])
-
-
 def _write_json(path: str, mode: str, rows: list[dict], complete: bool) -> None:
   """Rewrites the whole file atomically, so that a reader never sees half of it."""
   tmp = f"{path}.tmp"

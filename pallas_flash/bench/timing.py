@@ -110,16 +110,6 @@ def seconds_per_call(fn: Callable, args: tuple, calls: int) -> float:
   return (time.perf_counter() - start) / calls
 
 
-def time_compiled(fn: Callable, args: tuple, *, iters: int = 5,
-                  min_loop_s: float = 0.05) -> Timing:
-  """Times an already compiled `fn(*args)`.
-
-  One warm-up call, one call to size the loops (enough calls that a loop lasts `min_loop_s`),
-  then `iters` timed loops; returns their median.
-  """
-  return time_interleaved({"fn": fn}, args, iters=iters, min_loop_s=min_loop_s)["fn"]
-
-
 def sign_test_p(wins: int, rounds: int) -> float:
   """Two-sided exact sign test: the probability, were each round a fair coin, of a split at
   least as uneven as `wins` of `rounds` (1.0 for none). Interleaved rounds are paired samples,

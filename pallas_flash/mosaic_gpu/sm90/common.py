@@ -308,12 +308,6 @@ def profile_space(steps: int) -> int:
   return 16 * steps + 64
 
 
-def profiler_smem_bytes(steps: int, warpgroups: int = 3) -> int:
-  """Shared memory the profiler's event buffer takes (MosaicConfig.profile_dir): Mosaic keeps 4
-  int32 entries per range (two events of two) for each warpgroup, 27,648 B at 32 steps."""
-  return warpgroups * profile_space(steps) * 4 * 4
-
-
 # The Mosaic GPU interpreter runs each warpgroup of a CTA as its own XLA:CPU computation, whose
 # barrier waits block inside host callbacks. XLA's concurrency-optimised schedule lets those
 # callbacks run on XLA's intra-op thread pool (one thread per core): on a 2-core machine two
