@@ -242,7 +242,8 @@ def _cache_step(q, k, v, mask, *, scale, implementation) -> jax.Array:
   none), so a one-query training call that happens to look like a cache step still trains.
   """
   b, s_len = q.shape[0], k.shape[1]
-  # The decode kernels' names are flash_attention's, except Mosaic's (none yet for decode).
+  # "mosaic" takes decode_attention's automatic choice: its Mosaic kernel runs only when
+  # named there, until it is measured on the GPU (decode/api.py's BY_NAME_ONLY).
   impl = None if implementation in (None, "mosaic") else implementation
 
   def dense(q, k, v, mask):
