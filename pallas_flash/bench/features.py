@@ -42,8 +42,9 @@ runs it as hd192v128; hd80split and hd96split (non-causal): hd80 and hd96 with
 MosaicConfig.fused_backward off, the split backward at their own width where the default at
 this shape runs the fused one zero-padded to 128.
 
-Default shape bf16 4x4096x32x128, GQA with 8 kv heads (--features-shape BxTxHxD[xK]); --quick:
-1x128x4x32 (2 kv heads) and short loops, which runs on CPU with --impl xla in seconds.
+Default shape bf16 4x4096x32x128x8 (--features-shape BxTxHxD[xK]): every row has as many kv
+heads as query heads except gqa, which takes the shape's K (8); --quick: 1x128x4x32 (gqa: 2 kv
+heads) and short loops, which runs on CPU with --impl xla in seconds.
 """
 
 from __future__ import annotations
