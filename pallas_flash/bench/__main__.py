@@ -11,6 +11,8 @@ Usage (from the repository root; see docs/perf.md for how numbers are produced):
   python -m pallas_flash.bench --fp8-training       # its forward+backward rows only
   python -m pallas_flash.bench --fp8-features       # the FP8 forward with window/segments/cap
   python -m pallas_flash.bench --features [LIST] --json features.json  # bench/features.py
+  python -m pallas_flash.bench --impl mosaic,cudnn --variant mosaic:ovl:fwd_intra_wg_overlap=True
+      # a column "mosaic:ovl": each call's default Mosaic config with that field replaced
 
 Implementations: mosaic, triton, xla (blockwise), interpret, reference (pallas_flash), cudnn and
 jax_xla (jax.nn.dot_product_attention with implementation="cudnn" / "xla", materialising).
@@ -35,7 +37,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from pallas_flash.bench import checks, decode, features, flops, memory, shapes, timing
+from pallas_flash.bench import checks, decode, features, flops, memory, shapes, timing, variants
 from pallas_flash.bench import fp8 as fp8_report
 from pallas_flash.mosaic_gpu import config as mosaic_config
 from pallas_flash.call import AttentionParams
@@ -66,6 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--xla-cap-gib", type=float, default=32.0,
                  help="skip jax_xla where its B*H*T*T*4-byte score matrix exceeds this")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--variant", action="append", default=[], metavar="IMPL:LABEL:FIELD=VALUE,...",
+                 help="also time IMPL with each call's default config with these fields "
+                 "replaced, as column IMPL:LABEL (repeatable; bench/variants.py)")
   p.add_argument("--json", default=None, metavar="FILE", help="write all rows as JSON")
   p.add_argument("--memory", action="store_true", help="memory mode (causal fwd+bwd, B=1)")
   p.add_argument("--start-seq", type=int, default=1024, help="memory mode: first length")
@@ -76,6 +81,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   fp8_report.add_arguments(p)
   features.add_arguments(p)
   opts = p.parse_args(argv)
+  opts.variants = {v.name: v for v in map(variants.parse, opts.variant)}
+  if opts.variants and (opts.memory or opts.decode or opts.features or opts.fp8
+                        or opts.fp8_training or opts.fp8_features):
+    p.error("--variant adds columns to the speed table only (no --memory, --decode, "
+            "--features or --fp8*)")
   defaults = ((decode.ITERS, decode.MIN_LOOP_MS, decode.SETTLE_MS) if opts.decode
               else features.QUICK_TIMING if opts.features and opts.quick else (5, 50.0, 1000.0))
   for name, default in zip(("iters", "min_loop_ms", "settle_ms"), defaults):
@@ -142,10 +152,13 @@ def slice_kwargs(impl: str, spec: shapes.ShapeSpec, *, is_causal: bool) -> dict:
 
 
 def check(impl: str, compiled, args: tuple, spec: shapes.ShapeSpec, *, mode: str,
-          is_causal: bool, seq_cap: int, reference) -> tuple[dict[str, float], str]:
+          is_causal: bool, seq_cap: int, reference,
+          kwargs: dict | None = None) -> tuple[dict[str, float], str]:
   """Relative error per output of `impl` on the check shape (shapes.check_spec's rule).
 
-  `reference(check_args)` returns the reference outputs (cached by the caller per group).
+  `reference(check_args)` returns the reference outputs (cached by the caller per group);
+  `kwargs` those of the benchmarked call (a variant's config), which a rerun on a leading
+  slice takes too (else `slice_kwargs`).
   Returns ({"o": err} or {"dq": .., "dk": .., "dv": ..}, label of the shape checked).
   """
   small = shapes.check_spec(spec, seq_cap=seq_cap)
@@ -157,7 +170,7 @@ def check(impl: str, compiled, args: tuple, spec: shapes.ShapeSpec, *, mode: str
   else:  # rerun the implementation on the leading slice
     args = _heads(tuple(x[:, :tc] for x in args), arg_heads)
     step = timing.make_step(impl, mode=mode, is_causal=is_causal,
-                            **slice_kwargs(impl, spec, is_causal=is_causal))
+                            **(kwargs or slice_kwargs(impl, spec, is_causal=is_causal)))
     out = _as_tuple(step(*args))
   small_args = _heads(args, arg_heads)
   ref = reference(small_args)
@@ -183,15 +196,22 @@ def prepare_case(impl: str, spec: shapes.ShapeSpec, args: tuple, *, mode: str, i
          "rel_err": None, "rel_errs": None, "check_shape": None,
          "tolerance": TOLERANCE[jnp.dtype(dtype).name], "compile_s": None,
          "flops": flops.attention_flops(spec, is_causal=is_causal, mode=mode)}
-  row["reason"] = timing.skip_reason(impl, spec, dtype, is_causal=is_causal,
+  variant = opts.variants.get(impl)
+  base = variant.impl if variant else impl
+  row["reason"] = timing.skip_reason(base, spec, dtype, is_causal=is_causal,
                                      xla_cap_gib=opts.xla_cap_gib)
   if row["reason"] is not None:
     return row, None
   try:
-    step = timing.make_step(impl, mode=mode, is_causal=is_causal)
+    kwargs = {}
+    if variant:
+      kwargs["config"] = variant.config(spec, dtype, is_causal=is_causal)
+      row["config"] = repr(kwargs["config"])
+    step = timing.make_step(base, mode=mode, is_causal=is_causal, **kwargs)
     compiled, row["compile_s"] = timing.compile_step(step, args)
-    errs, row["check_shape"] = check(impl, compiled, args, spec, mode=mode, is_causal=is_causal,
-                                     seq_cap=opts.check_seq_cap, reference=reference)
+    errs, row["check_shape"] = check(base, compiled, args, spec, mode=mode, is_causal=is_causal,
+                                     seq_cap=opts.check_seq_cap, reference=reference,
+                                     kwargs=kwargs)
   except Exception as e:  # noqa: BLE001 -- one broken row must not stop the table
     row.update(status="error", reason=f"{type(e).__name__}: {str(e).strip()[:300]}")
     return row, None
@@ -246,10 +266,11 @@ def print_group(rows: list[dict]) -> None:
   r0 = rows[0]
   print(f"\n{r0['mode']} {r0['shape']} ({r0['label']}) causal={'yes' if r0['causal'] else 'no'}"
         f" {r0['dtype']}  {r0['flops']:.3e} FLOP")
-  print(f"  {'impl':<10}{'status':<7}{'ms':>10}{'TFLOP/s':>9}{'/cuDNN':>8}{'rounds':>28}"
+  w = max(10, *(len(r["impl"]) + 1 for r in rows))  # --variant columns have longer names
+  print(f"  {'impl':<{w}}{'status':<7}{'ms':>10}{'TFLOP/s':>9}{'/cuDNN':>8}{'rounds':>28}"
         f"{'rel_err':>9}{'compile_s':>10}  check")
   for r in rows:
-    print(f"  {r['impl']:<10}{r['status']:<7}{_fmt(r['ms'], '.3f'):>10}"
+    print(f"  {r['impl']:<{w}}{r['status']:<7}{_fmt(r['ms'], '.3f'):>10}"
           f"{flops.format_tflops(r['tflops']):>9}{_fmt(r['ratio_cudnn'], '.2f'):>8}"
           f"{_rounds(r):>28}{_fmt(r['rel_err'], '.1e'):>9}{_fmt(r['compile_s'], '.1f'):>10}  "
           f"{r['check_shape'] or r['reason'] or ''}", flush=True)
@@ -291,14 +312,15 @@ def print_summary(rows: list[dict], impls: list[str]) -> None:
 
 
 def _impls(opts: argparse.Namespace, first: shapes.ShapeSpec, dtype) -> list[str]:
+  """The --impl list (default: timing.default_impls), then the --variant columns."""
   if opts.impl is None:
-    return timing.default_impls(first, dtype)
+    return timing.default_impls(first, dtype) + list(opts.variants)
   impls = [i.strip() for i in opts.impl.split(",") if i.strip()]
   unknown = set(impls) - set(timing.ALL_IMPLS)
   if unknown:
     raise SystemExit(f"Unknown implementations {sorted(unknown)}; choose from "
                      f"{timing.ALL_IMPLS}.")
-  return impls
+  return impls + list(opts.variants)
 
 
 def run_speed(opts: argparse.Namespace, specs: list[shapes.ShapeSpec], impls: list[str],

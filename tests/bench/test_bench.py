@@ -2,6 +2,7 @@
 JSON rows (never on speed)."""
 
 import collections
+import dataclasses
 import json
 import math
 import statistics
@@ -12,7 +13,8 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_flash.bench import __main__ as bench
-from pallas_flash.bench import flops, shapes, timing
+import pallas_flash
+from pallas_flash.bench import flops, shapes, timing, variants
 
 FAST = ["--iters", "2", "--min-loop-ms", "1", "--settle-ms", "0"]
 META = ("device_kind", "jax_version", "git_commit", "date")
@@ -84,6 +86,33 @@ def test_a_sliced_mosaic_check_runs_the_benchmarked_calls_config():
   small = shapes.check_spec(spec, seq_cap=4096)
   assert not bench.slice_kwargs("mosaic", small, is_causal=True)["config"].fused_backward
   assert bench.slice_kwargs("xla", spec, is_causal=True) == {}
+
+
+def test_a_variant_column_runs_each_calls_default_config_with_fields_replaced(tmp_path):
+  rows = _run(tmp_path, "--shapes", "cpu_t128", "--impl", "xla", "--mode", "fwdbwd",
+              "--causal", "yes", "--check-seq-cap", "64",
+              "--variant", "xla:small:block_q=32,block_kv=64")
+  assert [r["impl"] for r in rows] == ["xla", "xla:small"]
+  for row in rows:
+    _assert_timed_and_correct(row)  # the variant is checked on the slice with its config too
+  assert rows[1]["config"] == repr(pallas_flash.XlaConfig(block_q=32, block_kv=64))
+  # Mosaic: the config implementation="mosaic" takes for the full call, one field replaced.
+  spec = shapes.ShapeSpec(name="x", batch=2, seq_len=16384, num_heads=8, head_dim=128,
+                          num_kv_heads=4)
+  variant = variants.parse("mosaic:tail:fwd_split_tail=True")
+  default = bench.slice_kwargs("mosaic", spec, is_causal=True)["config"]
+  assert default.fused_backward and not default.fwd_split_tail
+  assert variant.config(spec, jnp.bfloat16, is_causal=True) == dataclasses.replace(
+      default, fwd_split_tail=True)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("xla", "expected IMPL:LABEL"), ("cudnn:a:block_q=1", "IMPL must be one of"),
+    ("xla:a:nope=1", "'nope' is not a field of XlaConfig"),
+    ("xla:a:block_q=foo", "must be a Python literal")])
+def test_a_bad_variant_exits_naming_the_problem(text, match):
+  with pytest.raises(SystemExit, match=match):
+    variants.parse(text)
 
 
 def test_a_row_above_tolerance_is_marked_fail_but_still_timed(tmp_path, monkeypatch):
