@@ -82,10 +82,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   features.add_arguments(p)
   opts = p.parse_args(argv)
   opts.variants = {v.name: v for v in map(variants.parse, opts.variant)}
-  if opts.variants and (opts.memory or opts.decode or opts.features or opts.fp8
-                        or opts.fp8_training or opts.fp8_features):
-    p.error("--variant adds columns to the speed table only (no --memory, --decode, "
-            "--features or --fp8*)")
+  if opts.variants and (opts.memory or opts.decode or opts.fp8 or opts.fp8_training
+                        or opts.fp8_features):
+    p.error("--variant adds columns to the speed table and the features grid only (no "
+            "--memory, --decode or --fp8*)")
   defaults = ((decode.ITERS, decode.MIN_LOOP_MS, decode.SETTLE_MS) if opts.decode
               else features.QUICK_TIMING if opts.features and opts.quick else (5, 50.0, 1000.0))
   for name, default in zip(("iters", "min_loop_ms", "settle_ms"), defaults):

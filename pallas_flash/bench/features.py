@@ -421,6 +421,31 @@ def _our_call(case: _Case, forced: str | None) -> tuple[str | None, str | None, 
           _ours(impl, case.feature, case.static, config))
 
 
+def _variant_calls(case: _Case, impl: str | None, chosen: str | None,
+                   variants: dict) -> dict[str, tuple[dict, Callable | None]]:
+  """{variant name: (fields, compiled call)} of the --variant configs on `case`: the row's
+  config (implementation=None's, with the feature's MosaicConfig fields) with the variant's
+  fields replaced, where the row runs the variant's implementation as the automatic pick."""
+  out = {}
+  for name, variant in variants.items():
+    if impl is None or impl != variant.impl or impl != chosen:
+      why = f"the row runs {impl or 'nothing'} ({chosen or 'none'} by automatic choice)"
+      out[name] = ({"status": "skip", "reason": why, "rel_errs": None, "rel_err": None,
+                    "compile_s": None}, None)
+      continue
+    config = _explain(case).config
+    if impl == "mosaic" and case.feature.mosaic_config:
+      config = dataclasses.replace(config, **dict(case.feature.mosaic_config))
+    try:
+      config = dataclasses.replace(config, **dict(variant.fields))
+    except (TypeError, ValueError) as e:
+      out[name] = ({"status": "error", "reason": f"{type(e).__name__}: {e}", "rel_errs": None,
+                    "rel_err": None, "compile_s": None}, None)
+      continue
+    out[name] = _prepare(case, _ours(impl, case.feature, case.static, config))
+  return out
+
+
 def run_features(opts, dtype, on_rows=lambda rows: None) -> list[dict]:
   """Every selected feature on every mode: checked, timed next to plain attention and cuDNN;
   prints each row as it finishes and the markdown table at the end."""
@@ -477,10 +502,13 @@ def run_features(opts, dtype, on_rows=lambda rows: None) -> list[dict]:
       elif feature.cudnn is not None:
         cudnn_fields, cudnn_fn = _prepare(case, _cudnn(feature, spec, case.static),
                                           checked=feature.cudnn != "dropout")
+      variant_calls = _variant_calls(case, impl, chosen, getattr(opts, "variants", {}))
       t = timing.time_each({"ours": fn, "cudnn": cudnn_fn,
-                            "plain": None if is_base else plain_fn}, (), **kw)
+                            "plain": None if is_base else plain_fn,
+                            **{n: f for n, (_, f) in variant_calls.items()}}, (), **kw)
       row = _row(feature, spec, mode, case, impl, chosen, fields, t, cudnn_fields,
                  plain_case, plain_impl, plain_fields, dtype)
+      row["variants"] = {n: _variant_entry(row, v, t[n]) for n, (v, _) in variant_calls.items()}
       _print_row(row)
       rows.append(row)
       on_rows(rows)
@@ -496,6 +524,17 @@ def _timed(fields: dict, t, flop: float) -> dict:
   elif t is not None:
     out.update(ms=t.median_s * 1e3, tflops=flops.tflops(flop, t.median_s),
                loop_ms=[s * 1e3 for s in t.loop_s])
+  return out
+
+
+def _variant_entry(row: dict, fields: dict, t) -> dict:
+  """A --variant's timing on a row: its fields, TFLOP/s, and its ratio to the row's own call
+  (`ratio_ours`, with the rounds it won) timed in the same rounds."""
+  out = _timed(fields, t, row["flops"])
+  out["ratio_ours"] = None
+  if out["tflops"] and row["tflops"]:
+    out["ratio_ours"] = out["tflops"] / row["tflops"]
+    out["rounds_vs_ours"] = timing.paired_rounds(out["loop_ms"], row["loop_ms"])
   return out
 
 
@@ -546,6 +585,9 @@ def _print_row(r: dict) -> None:
         f"{flops.format_tflops(r['tflops']):>8} x plain {_ratio(r['ratio_plain'], '-'):>5}"
         f"  cuDNN {_cudnn_cell(r):>6} x {_ratio(r['ratio_cudnn'], UNSUPPORTED):>5}"
         f"  {r['reason'] or ''}", flush=True)
+  for name, v in r.get("variants", {}).items():
+    print(f"    {name}: {v['status']} {flops.format_tflops(v['tflops'])} TFLOP/s, "
+          f"x ours {_ratio(v['ratio_ours'], '-')}  {v['reason'] or ''}", flush=True)
 
 
 def print_table(rows: list[dict]) -> None:

@@ -136,3 +136,18 @@ def test_native_value_row_sets_the_config_field_where_mosaic_runs(forced):
   calls = re.findall(r"custom_call @mosaic_gpu_v2\(.* : \((.*?)\) -> ", text)
   v_type = f"x{spec.kv_heads}x128xbf16"  # [B, T, K, 128]
   assert len(calls) == 3 and all(v_type in c for c in calls), calls
+
+
+def test_a_variant_is_checked_and_timed_beside_each_rows_own_call(tmp_path):
+  """--variant on the grid: each row's config (implementation=None's) with the variant's
+  fields replaced, checked and timed in the row's rounds (x ours); a variant of an
+  implementation the row does not run is skipped with the reason."""
+  rows = _run(tmp_path, "causal,alibi", "--impl", "xla", "--mode", "fwd",
+              "--variant", "xla:b32:block_q=32,block_kv=32",
+              "--variant", "triton:k32:block_kv=32")
+  for row in rows:
+    small, other = row["variants"]["xla:b32"], row["variants"]["triton:k32"]
+    assert small["status"] == "ok" and 0 <= small["rel_err"] < row["tolerance"], small
+    assert small["ratio_ours"] > 0
+    assert len(small["rounds_vs_ours"]["round_ratios"]) == len(row["loop_ms"])
+    assert other["status"] == "skip" and "runs xla" in other["reason"] and not other["tflops"]

@@ -103,6 +103,11 @@ def test_features_match_reference(case):
 # moves the output far past the tolerance.
 ALIBI = [
     ("plain", _config(), _case(200, 170, features=("alibi",))),
+    # MosaicConfig.fwd_last_block_select: the key tail streamed first, its column positions
+    # from a select (the one instruction-order field whose operations the interpreter runs).
+    ("last_block_select", _config(fwd_intra_wg_overlap=True, block_kv=128,
+                                  fwd_last_block_select=True),
+     _case(130, 200, h=2, kh=1, d=128, dtype=jnp.float16, features=("alibi",))),
 ]
 # For the suite's time, the other forms, GQA and head dim 256 run with -m slow; the GPU tests
 # (tests/mosaic/test_gpu.py -k alibi) check the default forms on the device.
@@ -112,6 +117,9 @@ ALIBI_SLOW = [
     ("causal_segments", _config(), _case(300, 300, h=4, kh=2, is_causal=True, segments=True,
                                          features=("alibi",))),
     ("overlap_gqa", _config(fwd_intra_wg_overlap=True, block_kv=128),
+     _case(333, 200, h=4, kh=1, d=128, dtype=jnp.float16, is_causal=True, features=("alibi",))),
+    ("overlap_gqa_select", _config(fwd_intra_wg_overlap=True, block_kv=128,
+                                   fwd_last_block_select=True),
      _case(333, 200, h=4, kh=1, d=128, dtype=jnp.float16, is_causal=True, features=("alibi",))),
     ("hd256", _config(), _case(130, 190, d=256, is_causal=True, features=("alibi",))),
     ("persistent", _config(fwd_persistent=True, fwd_intra_wg_overlap=True,

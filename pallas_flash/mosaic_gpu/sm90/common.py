@@ -50,6 +50,11 @@ class KernelParams:
   intra_wg_overlap: bool = False  # forward: MosaicConfig.fwd_intra_wg_overlap
   q_registers: bool = False  # forward: MosaicConfig.fwd_q_registers
   dkdv_overlap: bool = False  # dK/dV kernel: MosaicConfig.dkdv_overlap
+  # MosaicConfig's instruction-order candidates (their docstrings there).
+  pin_softmax: bool = False
+  last_block_select: bool = False
+  dq_early_probs: bool = False
+  dkdv_early_probs: bool = False
   profile_dir: str = ""  # MosaicDebug.profile_dir
   segments: bool = False  # the segment-id path (segment_path): per-tile block limits
   # The backward kernels compare ids (False for a window alone, one document; the forward
@@ -129,7 +134,9 @@ class KernelParams:
         compute_registers=config.compute_registers,
         producer_registers=config.producer_registers, interpret=config.interpret,
         intra_wg_overlap=config.fwd_intra_wg_overlap, q_registers=config.fwd_q_registers,
-        dkdv_overlap=config.dkdv_overlap,
+        dkdv_overlap=config.dkdv_overlap, pin_softmax=config.fwd_pin_softmax,
+        last_block_select=config.fwd_last_block_select, dq_early_probs=config.dq_early_probs,
+        dkdv_early_probs=config.dkdv_early_probs,
         profile_dir=config.debug.profile_dir, segments=segment_path(params),
         segment_ids=params.has_segments,
         softcap=params.logits_soft_cap, window=params.local_window, alibi=params.has_alibi,

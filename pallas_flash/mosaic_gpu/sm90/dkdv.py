@@ -118,7 +118,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
       p_t, ds_t = kv_stream.transposed_grad_tiles(
           k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
           (lambda: index(t)[0]) if masked else None, kp, ids=ids and ids(t), bias=bias,
-          drop=drop, visible=visible)
+          drop=drop, visible=visible,
+          early_probs=kp.dkdv_early_probs and not kp.interpret and dense is None)
       return _dk_dv_updates(dk, dv, p_t, ds_t, q_smem, do_smem, st_smem,
                             (do_free.at[slot], q_free.at[slot]), kp)
 

@@ -132,40 +132,50 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
       if v_stages == stages:
         plgpu.barrier_wait(v_ready.at[vslot])
 
+      def probs(s):
+        """(P, the soft cap's slope) of the raw score tile s [block_q, block_kv]."""
+        s, slope = common.soft_cap_with_slope(s, kp)
+        if alibi_slope is not None:  # a constant per score: dS is unchanged
+          s = common.alibi(s, q0, key_block(j) * bkv, alibi_slope)
+        s = sm90_dense.add(s, tiles, kp.scale)
+        p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(lse2, s.shape, [0]))
+        if masked and sparse is not None:
+          p = jnp.where(sparse.mask(q0, key_block(j) * bkv, (bq, bkv), kp.kv_len, kp.kv_tail),
+                        p, 0.0)
+        elif masked:
+          col0 = (kv0 + j) * bkv
+          mask = common.tile_mask(q0, col0, (bq, bkv), kp, ids=ids and ids(col0))
+          p = jnp.where(mask, p, 0.0)
+        return p, slope
+
+      early = kp.dq_early_probs and not kp.interpret
+
       def scores(s_ref, dp_ref):
         plgpu.wgmma(s_ref, q_smem, k_scratch.at[slot].T)
         if v_stages != stages:  # a shallower V ring: its load gets until Sᵀ is issued
           plgpu.barrier_wait(v_ready.at[vslot])
         plgpu.wgmma(dp_ref, do_smem, v_scratch.at[vslot].T)
-        return s_ref[...], dp_ref[...]
+        if not early:
+          return s_ref[...], dp_ref[...]
+        # MosaicConfig.dq_early_probs: S alone is waited for, P is formed while dP runs.
+        return probs(plgpu.wgmma_accumulator_load(s_ref, wait_n=1)), dp_ref[...]
 
-      s, dp = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32),
-                            plgpu.ACC((bq, bkv), jnp.float32))
+      s_or_p, dp = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32),
+                                 plgpu.ACC((bq, bkv), jnp.float32))
       plgpu.barrier_arrive(v_free.at[vslot])
-      s, slope = common.soft_cap_with_slope(s, kp)
-      if alibi_slope is not None:  # a constant per score: dS is unchanged
-        s = common.alibi(s, q0, key_block(j) * bkv, alibi_slope)
-      s = sm90_dense.add(s, tiles, kp.scale)
-      p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(lse2, s.shape, [0]))
-      if masked and sparse is not None:
-        p = jnp.where(sparse.mask(q0, key_block(j) * bkv, (bq, bkv), kp.kv_len, kp.kv_tail),
-                      p, 0.0)
-      elif masked:
-        col0 = (kv0 + j) * bkv
-        mask = common.tile_mask(q0, col0, (bq, bkv), kp, ids=ids and ids(col0))
-        p = jnp.where(mask, p, 0.0)
+      p, slope = s_or_p if early else probs(s_or_p)
       if drop_cols is not None:  # the forward's mask: dropped entries took no part in O
         dp = jnp.where(common.dropout_keep(drop_rows, drop_cols, dp.shape, kp),
                        dp * kp.inv_keep, 0.0)
       if dbias_ref is not None:  # dbias = dS of the capped scores: the slope comes after
-        ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+        ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [0]))
         sm90_dense.dbias_tile(dbias_ref, ds, b, h, q0, (kv0 + j) * bkv)
         if slope is not None:
           ds = ds * slope
       else:
         if slope is not None:  # P feeds only dS here: the cap's slope dies at once
           p = p * slope
-        ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+        ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [0]))
       dq = common.accumulate(dq, ds.astype(kp.dtype), common.at(ds_scratch, wg),
                              k_scratch.at[slot], kp)
       plgpu.barrier_arrive(k_free.at[slot])
