@@ -18,23 +18,26 @@ on the GPU and then re-recorded: `python tests/test_gate.py --record`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import itertools
 import json
 import pathlib
+import re
 import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.experimental.mosaic.gpu import core as mosaic_core
 from jax.sharding import use_abstract_mesh
 
 import pallas_flash
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from testing import H200, TRITON_CALL, captured_kernels, normalised_kernel  # noqa: E402
+from testing import H200, TRITON_CALL  # noqa: E402
 
 RECORD_PATH = pathlib.Path(__file__).with_name("gate.json")
 
@@ -211,6 +214,42 @@ KERNEL_CALLS = [
 ]
 
 
+@contextlib.contextmanager
+def _captured_kernels(out: list):
+  """Appends ("mosaic" | "triton", module text without locations) for each kernel lowered."""
+  from jax._src.pallas.triton import lowering as triton_lowering
+
+  serde, to_triton = mosaic_core._run_serde_pass, triton_lowering.lower_jaxpr_to_triton_module
+
+  def capture_mosaic(module, *, serialize, ir_version=None):
+    if serialize:
+      out.append(("mosaic", module.operation.get_asm(enable_debug_info=False)))
+    return serde(module, serialize=serialize, ir_version=ir_version)
+
+  def capture_triton(*args, **kwargs):
+    result = to_triton(*args, **kwargs)
+    out.append(("triton", result.module.operation.get_asm(enable_debug_info=False)))
+    return result
+
+  mosaic_core._run_serde_pass = capture_mosaic
+  triton_lowering.lower_jaxpr_to_triton_module = capture_triton
+  try:
+    yield
+  finally:
+    mosaic_core._run_serde_pass = serde
+    triton_lowering.lower_jaxpr_to_triton_module = to_triton
+
+
+def _normalised_kernel(text: str) -> str:
+  """A kernel module's text without the names taken from Python function names (Mosaic names
+  a module after the kernel body's function, and numbers its dumps per process)."""
+  text = re.sub(r'mosaic_gpu\.dump_basename = "[^"]*"', 'mosaic_gpu.dump_basename = ""', text)
+  name = re.match(r"module @([\w.$]+)", text)
+  if name:
+    text = re.sub(rf"@{re.escape(name.group(1))}\b", "@kernel", text)
+  return text
+
+
 def _glue(exported: jax.export.Exported) -> str:
   """The exported module without locations and without the kernels' payloads (each kernel is
   fingerprinted on its own; a Triton call's payload holds source locations); a kernel call's
@@ -257,10 +296,10 @@ def fingerprint(call: GateCall) -> dict:
     return o, vjp(do)
 
   kernels: list = []
-  with captured_kernels(kernels), use_abstract_mesh(H200):
+  with _captured_kernels(kernels), use_abstract_mesh(H200):
     exported = jax.export.export(jax.jit(fwd_bwd), platforms=["cuda"],
                                  disabled_checks=[TRITON_CALL])(q, k, v, q, arrays)
-  return {"kernels": [f"{kind}:{_sha(normalised_kernel(t))}" for kind, t in kernels],
+  return {"kernels": [f"{kind}:{_sha(_normalised_kernel(t))}" for kind, t in kernels],
           "glue": _sha(_glue(exported))}
 
 

@@ -8,16 +8,13 @@ error against `TOLERANCES`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import re
 import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.mosaic.gpu import core as mosaic_core
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 import pallas_flash
@@ -279,42 +276,6 @@ def export_for_h200(fn, *specs) -> jax.export.Exported:
   with use_abstract_mesh(H200):
     return jax.export.export(jax.jit(fn), platforms=["cuda"],
                              disabled_checks=[TRITON_CALL])(*specs)
-
-
-@contextlib.contextmanager
-def captured_kernels(out: list):
-  """Appends ("mosaic" | "triton", module text without locations) for each kernel lowered."""
-  from jax._src.pallas.triton import lowering as triton_lowering
-
-  serde, to_triton = mosaic_core._run_serde_pass, triton_lowering.lower_jaxpr_to_triton_module
-
-  def capture_mosaic(module, *, serialize, ir_version=None):
-    if serialize:
-      out.append(("mosaic", module.operation.get_asm(enable_debug_info=False)))
-    return serde(module, serialize=serialize, ir_version=ir_version)
-
-  def capture_triton(*args, **kwargs):
-    result = to_triton(*args, **kwargs)
-    out.append(("triton", result.module.operation.get_asm(enable_debug_info=False)))
-    return result
-
-  mosaic_core._run_serde_pass = capture_mosaic
-  triton_lowering.lower_jaxpr_to_triton_module = capture_triton
-  try:
-    yield
-  finally:
-    mosaic_core._run_serde_pass = serde
-    triton_lowering.lower_jaxpr_to_triton_module = to_triton
-
-
-def normalised_kernel(text: str) -> str:
-  """A kernel module's text without the names taken from Python function names (Mosaic names
-  a module after the kernel body's function, and numbers its dumps per process)."""
-  text = re.sub(r'mosaic_gpu\.dump_basename = "[^"]*"', 'mosaic_gpu.dump_basename = ""', text)
-  name = re.match(r"module @([\w.$]+)", text)
-  if name:
-    text = re.sub(rf"@{re.escape(name.group(1))}\b", "@kernel", text)
-  return text
 
 
 def specs(case: Case):

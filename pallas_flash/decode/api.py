@@ -39,10 +39,11 @@ IMPLEMENTATIONS: tuple[str, ...] = ("flash", "mosaic", "triton", "interpret", "x
 AUTO_ORDER: tuple[str, ...] = ("flash", "mosaic", "triton", "xla")  # fastest first
 
 # Implementations that run only when asked for by name (or by passing their config type),
-# with why: the Mosaic kernel's speed is not yet measured on the GPU, so the automatic choice
-# keeps the Triton kernel.
-BY_NAME_ONLY = {"mosaic": "runs by name only (implementation='mosaic'): its speed is not yet "
-                          "measured on the GPU, so the automatic choice keeps 'triton'"}
+# with why: on the H200 the Mosaic kernel ran level with the Triton kernel (0.72-1.09x its
+# speed over the decode grid, docs/decode.md), so the automatic choice keeps the Triton kernel.
+BY_NAME_ONLY = {"mosaic": "runs by name only (implementation='mosaic'): on the H200 it ran "
+                          "0.72-1.09x the Triton kernel's speed, so the automatic choice keeps "
+                          "'triton'"}
 
 _MODULES = {
     "triton": ("pallas_flash.decode.triton", {"interpret": False}),
@@ -265,7 +266,7 @@ def decode_attention(
       cached prefix and the new tokens as two `flash_attention` calls and merges them
       (docs/decode.md); by name it runs on any platform. "mosaic" is the Hopper kernel
       (Tq * G <= 64 rows per kv head, D 64 or 128, bf16 / f16), run only when named or
-      given a `MosaicDecodeConfig` (its speed is not yet measured on the GPU).
+      given a `MosaicDecodeConfig` (level with "triton" on the H200, docs/decode.md).
     config: a `TritonDecodeConfig`, `MosaicDecodeConfig` or `XlaDecodeConfig` overriding the
       backend's tiles, or a `FlashSplitConfig` (flash_attention's implementation and config
       for the "flash" route).

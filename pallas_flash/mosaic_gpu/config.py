@@ -83,21 +83,6 @@ class MosaicConfig:
       (V padded, as measured).
     debug: MosaicDebug (interpreter, profiler, test sizes).
 
-  Instruction-order candidates, from the compiled SASS (deviceless ptxas, CUDA 13.0): same
-  operations in another order (the interpreter runs them as without), lowered and
-  ptxas-checked, not yet timed on a GPU: off by default until `python -m pallas_flash.bench
-  --variant` measures them beside the default (docs/mosaic.md, "Instruction order").
-    fwd_pin_softmax: the forward stores each step's row sums to the WG's lse buffer before the
-      point ptxas would otherwise move above the softmax: the overlapped loop's wait for
-      P_j·V_j (so that P_j·V_j overlaps the softmax, as that loop intends) and the plain
-      loop's arrive on the schedule barrier (so that it follows the softmax).
-    fwd_last_block_select: the forward's key block of step j when the last block streams
-      first is a select (j = 0: the last, else j - 1), not a remainder, whose integer-division
-      chain ptxas keeps ahead of the ALiBi work it would otherwise overlap with P·V.
-    dq_early_probs: the dQ kernel waits for S alone and forms P while dP = dO·Vᵀ runs.
-    dkdv_early_probs: the dK/dV steps that do not take the overlap step (ALiBi, dropout, masked
-      steps; not with a dense bias or mask, whose loop then spilled more) wait for Sᵀ alone and
-      form Pᵀ while dPᵀ runs (the fused kernel's order).
   """
 
   block_q: int = 64
@@ -122,10 +107,6 @@ class MosaicConfig:
   producer_registers: int = 40
   native_value_head_dim: bool = False
   debug: MosaicDebug = MosaicDebug()
-  fwd_pin_softmax: bool = False
-  fwd_last_block_select: bool = False
-  dq_early_probs: bool = False
-  dkdv_early_probs: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_q_dkv",
@@ -148,11 +129,9 @@ class MosaicConfig:
       # the interpreter nor ptxas reports).
       raise ValueError("2 * compute_registers + producer_registers must be <= 504 (3 "
                        "warpgroups x 168 registers per thread at launch), e.g. 240 / 24")
-    for name in ("native_value_head_dim", "fwd_pin_softmax", "fwd_last_block_select",
-                 "dq_early_probs", "dkdv_early_probs"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"MosaicConfig.{name} must be True or False, got "
-                         f"{getattr(self, name)!r}")
+    if not isinstance(self.native_value_head_dim, bool):
+      raise ValueError("MosaicConfig.native_value_head_dim must be True or False, got "
+                       f"{self.native_value_head_dim!r}")
     if not isinstance(self.debug, MosaicDebug):
       raise TypeError(f"MosaicConfig.debug must be a MosaicDebug, got {self.debug!r}")
 

@@ -167,28 +167,6 @@ def test_alibi(case):
   _assert_reproducible(case)
 
 
-# MosaicConfig's instruction-order candidates (docs/mosaic.md, "Instruction order"): the same
-# operations in another order, so bitwise the default's outputs and gradients. The overlapped
-# and the plain forward loops (head dims 128 and 64), ALiBi's forward select and the dQ and
-# dK/dV steps outside the overlap step (ALiBi, causal masked steps, a key tail).
-ORDER_CASES = [
-    (dict(fwd_pin_softmax=True), CASES[1]), (dict(fwd_pin_softmax=True), CASES[2]),
-    (dict(fwd_pin_softmax=True), CASES[5]),
-    (dict(fwd_last_block_select=True, dq_early_probs=True, dkdv_early_probs=True),
-     ALIBI_CASES[0]),
-    (dict(fwd_last_block_select=True, dq_early_probs=True, dkdv_early_probs=True),
-     ALIBI_CASES[1]),
-    (dict(dq_early_probs=True, dkdv_early_probs=True), CASES[3]),
-    (dict(fwd_pin_softmax=True, dq_early_probs=True, dkdv_early_probs=True), CASES[9]),
-]
-
-
-@pytest.mark.parametrize("changes, case", ORDER_CASES,
-                         ids=[f"{'+'.join(c)}-{k.id}" for c, k in ORDER_CASES])
-def test_instruction_order_fields_give_the_same_bits(changes, case):
-  _same(case, changes, {})
-
-
 # A dense bias and mask (sm90/dense.py: tiles loaded by the forward grid kernel and the split
 # backward; dbias from the dQ kernel): bias [1, H, T, S] and [B, 1, T, S] (bias_bcast), masks
 # with rows that see no key, causal and not, GQA, odd lengths, head dims 64, 96 and 128, with a

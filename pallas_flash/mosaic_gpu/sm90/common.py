@@ -50,11 +50,6 @@ class KernelParams:
   intra_wg_overlap: bool = False  # forward: MosaicConfig.fwd_intra_wg_overlap
   q_registers: bool = False  # forward: MosaicConfig.fwd_q_registers
   dkdv_overlap: bool = False  # dK/dV kernel: MosaicConfig.dkdv_overlap
-  # MosaicConfig's instruction-order candidates (their docstrings there).
-  pin_softmax: bool = False
-  last_block_select: bool = False
-  dq_early_probs: bool = False
-  dkdv_early_probs: bool = False
   profile_dir: str = ""  # MosaicDebug.profile_dir
   segments: bool = False  # the segment-id path (segment_path): per-tile block limits
   # The backward kernels compare ids (False for a window alone, one document; the forward
@@ -134,13 +129,22 @@ class KernelParams:
         compute_registers=config.compute_registers,
         producer_registers=config.producer_registers, interpret=config.interpret,
         intra_wg_overlap=config.fwd_intra_wg_overlap, q_registers=config.fwd_q_registers,
-        dkdv_overlap=config.dkdv_overlap, pin_softmax=config.fwd_pin_softmax,
-        last_block_select=config.fwd_last_block_select, dq_early_probs=config.dq_early_probs,
-        dkdv_early_probs=config.dkdv_early_probs,
+        dkdv_overlap=config.dkdv_overlap,
         profile_dir=config.debug.profile_dir, segments=segment_path(params),
         segment_ids=params.has_segments,
         softcap=params.logits_soft_cap, window=params.local_window, alibi=params.has_alibi,
         dense=(params.has_bias, params.has_mask), dropout=params.dropout_rate)
+
+
+def early_probs(kp: KernelParams, *, dense, sparse) -> bool:
+  """Whether a split backward step waits for S (Sᵀ) alone and forms P (Pᵀ) while dP (dPᵀ) runs
+  instead of waiting for both: 1.03-1.07x fwd+bwd on the H200 and bitwise the other order's
+  results there for plain, key-tail and ALiBi calls at head dims 64 and 128 (docs/mosaic.md
+  "Instruction order"). The forms not run that way on a GPU (other head dims, dropout, segment
+  ids and windows, soft caps, dense tiles, block masks) keep the measured order, as does the
+  interpreter."""
+  return not (kp.interpret or kp.d not in (64, 128) or kp.dropout or kp.segments
+              or kp.softcap is not None or dense is not None or sparse is not None)
 
 
 def soft_cap(s, kp: KernelParams):

@@ -119,7 +119,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
           k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
           (lambda: index(t)[0]) if masked else None, kp, ids=ids and ids(t), bias=bias,
           drop=drop, visible=visible,
-          early_probs=kp.dkdv_early_probs and not kp.interpret and dense is None)
+          early_probs=common.early_probs(kp, dense=dense, sparse=sparse))
       return _dk_dv_updates(dk, dv, p_t, ds_t, q_smem, do_smem, st_smem,
                             (do_free.at[slot], q_free.at[slot]), kp)
 

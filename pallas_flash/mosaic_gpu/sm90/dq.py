@@ -148,7 +148,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
           p = jnp.where(mask, p, 0.0)
         return p, slope
 
-      early = kp.dq_early_probs and not kp.interpret
+      early = common.early_probs(kp, dense=dense, sparse=sparse)
 
       def scores(s_ref, dp_ref):
         plgpu.wgmma(s_ref, q_smem, k_scratch.at[slot].T)
@@ -157,7 +157,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
         plgpu.wgmma(dp_ref, do_smem, v_scratch.at[vslot].T)
         if not early:
           return s_ref[...], dp_ref[...]
-        # MosaicConfig.dq_early_probs: S alone is waited for, P is formed while dP runs.
         return probs(plgpu.wgmma_accumulator_load(s_ref, wait_n=1)), dp_ref[...]
 
       s_or_p, dp = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32),

@@ -143,8 +143,6 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
       loop = functools.partial(loop, sparse=sparse)
     if dense is not None:
       loop = functools.partial(loop, dense=functools.partial(sm90_dense.load, dense, b, h))
-    if kp.pin_softmax and not kp.interpret:
-      loop = functools.partial(loop, pin_ref=lse_smem)  # free until the epilogue
     carry = loop(q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
                  bars, q0=q0, steps=steps, kp=kp,
                  slope=slope, **drop)
@@ -268,9 +266,6 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
   def _consumer():
     plgpu.set_max_registers(kp.compute_registers, action="increase")
     loop = _overlapped_kv_loop if kp.intra_wg_overlap else _plain_kv_loop
-    if kp.pin_softmax and not kp.interpret:
-      # lse_scratch is free in the loop: the last tile's store waited for its reads.
-      loop = functools.partial(loop, pin_ref=lse_scratch.at[wg])
     bars = common.KvBarriers(k_ready, v_ready, k_free, v_free, sched)
 
     @pl.loop(0, tiles)
@@ -374,10 +369,12 @@ def _kv_block(j, kv0, steps, kp: common.KernelParams):
   or with `_last_block_first` the last block at step 0 and kv0 + j - 1 after it. The rotated
   index is computed at run time even from Python ints, so that the producer's first loads
   have no static offset past the operand's rows (common.operand_rows). A loop's traced j takes
-  a select with MosaicConfig.fwd_last_block_select."""
+  a select: a remainder's integer-division chain kept ALiBi's work of the step behind it, where
+  with the select ptxas overlaps it with P·V (ALiBi's causal forward 1.06x on the H200,
+  docs/mosaic.md "Instruction order")."""
   if not _last_block_first(kp):
     return kv0 + j
-  if kp.last_block_select and not isinstance(j, int):
+  if not isinstance(j, int):
     return kv0 + jnp.where(j == 0, jnp.int32(steps) - 1, j - 1)
   return kv0 + lax.rem(jnp.int32(j) + steps - 1, jnp.int32(steps))
 
@@ -385,7 +382,7 @@ def _kv_block(j, kv0, steps, kp: common.KernelParams):
 def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers, *, q0,
                    steps, kp: common.KernelParams, base=None, kv0=0, seg_ids=None, full=None,
                    slope=None, drop_keys=None, drop_rows=None, dense=None,
-                   sparse: block_mask.Sparse | None = None, pin_ref=None):
+                   sparse: block_mask.Sparse | None = None):
   """One consumer WG's kv loop, S_j then O += P_j·V_j per step -> (acc, m, l).
 
   q_smem [block_q, D], k_scratch [stages, block_kv, D], v_scratch [stages, block_kv, Dv], p_smem
@@ -397,8 +394,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
   or None: P·V takes the kept probabilities, l sums them all. dense: the dense bias and mask tiles'
   loader (dense.load bound to the CTA's batch and head), or None. sparse: a block mask's view of the
   CTA's table (step j is key block sparse.block(j), its first sparse.masked steps evaluate the mask
-  function), or None. pin_ref: None, or a free [block_q] float32 SMEM ref each step's row sums are
-  stored to before the schedule arrive (MosaicConfig.fwd_pin_softmax).
+  function), or None.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
@@ -453,8 +449,6 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
       p16 = p.astype(kp.dtype)
       # Pin the softmax before the barrier so that it overlaps the other WG's matmuls.
       acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-    if pin_ref is not None:  # MosaicConfig.fwd_pin_softmax: the arrive follows the softmax
-      pin_ref[...] = l
     with jax.named_scope("wait_kv"):
       plgpu.barrier_arrive(bars.sched)
       plgpu.barrier_wait(bars.v_ready.at[slot])
@@ -523,7 +517,7 @@ def _softmax(s, m, l, kp: common.KernelParams):
 def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers, *, q0,
                         steps, kp: common.KernelParams, base=None, kv0=0, slope=None,
                         drop_keys=None, drop_rows=None, dense=None,
-                        sparse: block_mask.Sparse | None = None, pin_ref=None):
+                        sparse: block_mask.Sparse | None = None):
   """One consumer WG's kv loop with FA3's intra-warpgroup 2-stage pipeline -> (acc, m, l).
 
   q_smem [block_q, D], k_scratch [stages, block_kv, D], v_scratch [stages, block_kv, Dv], p_smem
@@ -533,9 +527,8 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
   last P·V follows the loop. Each matmul pair sits between the same two schedule-barrier rounds per
   block as in the plain loop, so the two WGs still alternate (ping-pong) and the idle steps of a
   causal CTA are unchanged. `base`: see `_ring`; step j is key block `_kv_block(j, ...)`; slope,
-  drop_keys, drop_rows, dense, sparse, pin_ref: as in `_plain_kv_loop` (S_{j+1}'s dense tiles are
-  loaded in its softmax; with a block mask block 0 is masked, the others as their table says; the
-  row sums are stored before the run_state exit's wait for P_j·V_j).
+  drop_keys, drop_rows, dense, sparse: as in `_plain_kv_loop` (S_{j+1}'s dense tiles are loaded in
+  its softmax; with a block mask block 0 is masked, the others as their table says).
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   ring = _ring(base)
@@ -633,8 +626,6 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
         out = scores_and_softmax(
             s_ref, lambda: plgpu.wgmma(o_ref, p16, v_scratch.at[slot]))  # RS wgmma
         p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = out
-        if pin_ref is not None:  # MosaicConfig.fwd_pin_softmax: the exit's wait follows it
-          pin_ref[...] = out[2]
 
       s0 = plgpu.layout_cast(jnp.zeros((bq, bkv), jnp.float32), plgpu.Layout.WGMMA)
       _, acc, p, m, l, alpha = pl.run_state(state)(
