@@ -333,13 +333,18 @@ class _Case:
     return self._ref
 
 
+def _fields(status: str, reason: str | None = None) -> dict:
+  """A call's {status, reason, rel_errs, rel_err, compile_s} before (or without) its check."""
+  return {"status": status, "reason": reason, "rel_errs": None, "rel_err": None,
+          "compile_s": None}
+
+
 def _prepare(case: _Case, attn: Callable, *, rerun: Callable | None = None,
              checked: bool = True) -> tuple[dict, Callable | None]:
   """Compiles and checks `attn` on `case` (on the leading slice: `rerun`, default attn):
   ({status, reason, rel_errs, rel_err, compile_s}, the compiled call bound to its inputs), or
   (fields, None) where it failed. checked=False: run, but nothing to compare with."""
-  fields = {"status": "ok", "reason": None, "rel_errs": None, "rel_err": None,
-            "compile_s": None}
+  fields = _fields("ok")
   try:
     step = _step(attn, case.mode, case.grads)
     compiled, fields["compile_s"] = timing.compile_step(step, case.args)
@@ -412,8 +417,7 @@ def _our_call(case: _Case, forced: str | None) -> tuple[str | None, str | None, 
   if case.feature.mosaic_config and impl == "mosaic":
     if how.chosen != "mosaic":  # no tuned config of mosaic's to set the fields on
       return None, how.chosen, None, None
-    config = dataclasses.replace(how.config, **dict(case.feature.mosaic_config))
-    attn = _ours(impl, case.feature, case.static, config)
+    attn = _ours(impl, case.feature, case.static, _row_config(case, how))
     return impl, how.chosen, attn, attn
   # A BlockMask's blocks are the config's: the slice's rebuilt mask brings them.
   config = how.config if impl == how.chosen and "block_mask" not in case.args[4] else None
@@ -421,26 +425,31 @@ def _our_call(case: _Case, forced: str | None) -> tuple[str | None, str | None, 
           _ours(impl, case.feature, case.static, config))
 
 
+def _row_config(case: _Case, how) -> object:
+  """The config implementation=None's pick runs `case` with (explain()'s `how`), with the
+  feature's MosaicConfig fields where that pick is mosaic."""
+  if how.chosen == "mosaic" and case.feature.mosaic_config:
+    return dataclasses.replace(how.config, **dict(case.feature.mosaic_config))
+  return how.config
+
+
 def _variant_calls(case: _Case, impl: str | None, chosen: str | None,
                    variants: dict) -> dict[str, tuple[dict, Callable | None]]:
   """{variant name: (fields, compiled call)} of the --variant configs on `case`: the row's
-  config (implementation=None's, with the feature's MosaicConfig fields) with the variant's
-  fields replaced, where the row runs the variant's implementation as the automatic pick."""
+  config (`_row_config`) with the variant's fields replaced, where the row runs the
+  variant's implementation as the automatic pick."""
   out = {}
+  row_config = None
   for name, variant in variants.items():
     if impl is None or impl != variant.impl or impl != chosen:
       why = f"the row runs {impl or 'nothing'} ({chosen or 'none'} by automatic choice)"
-      out[name] = ({"status": "skip", "reason": why, "rel_errs": None, "rel_err": None,
-                    "compile_s": None}, None)
+      out[name] = (_fields("skip", why), None)
       continue
-    config = _explain(case).config
-    if impl == "mosaic" and case.feature.mosaic_config:
-      config = dataclasses.replace(config, **dict(case.feature.mosaic_config))
+    row_config = row_config or _row_config(case, _explain(case))
     try:
-      config = dataclasses.replace(config, **dict(variant.fields))
+      config = dataclasses.replace(row_config, **dict(variant.fields))
     except (TypeError, ValueError) as e:
-      out[name] = ({"status": "error", "reason": f"{type(e).__name__}: {e}", "rel_errs": None,
-                    "rel_err": None, "compile_s": None}, None)
+      out[name] = (_fields("error", f"{type(e).__name__}: {e}"), None)
       continue
     out[name] = _prepare(case, _ours(impl, case.feature, case.static, config))
   return out
@@ -474,8 +483,7 @@ def run_features(opts, dtype, on_rows=lambda rows: None) -> list[dict]:
                 else "explain() finds no implementation") or (
                     f"its MosaicConfig fields go on implementation=None's config, which is "
                     f"{how.chosen}'s here")
-      return impl, chosen, {"status": "skip", "reason": reason, "rel_errs": None,
-                            "rel_err": None, "compile_s": None}, None
+      return impl, chosen, _fields("skip", reason), None
     return (impl, chosen, *_prepare(case, attn, rerun=rerun))
 
   def baseline(mode, causal):

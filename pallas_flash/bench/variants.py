@@ -14,19 +14,17 @@ import dataclasses
 import re
 from typing import Any
 
-import pallas_flash
 from pallas_flash import backends, validation
 from pallas_flash.bench.shapes import ShapeSpec, kv_struct, shape_struct
 
-# The implementations that take a config, and its class.
-CONFIG_CLASSES = {"mosaic": pallas_flash.MosaicConfig, "triton": pallas_flash.TritonConfig,
-                  "interpret": pallas_flash.TritonConfig, "xla": pallas_flash.XlaConfig}
+# The implementations that take a config (backends.Backend.config_type).
+CONFIGURED = tuple(n for n in backends.IMPLEMENTATIONS if n != "reference")
 _USAGE = "IMPL:LABEL:FIELD=VALUE[,FIELD=VALUE...]"
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-  """An implementation (a key of CONFIG_CLASSES) run with config fields replaced."""
+  """An implementation (one of CONFIGURED) run with config fields replaced."""
 
   impl: str
   label: str
@@ -51,16 +49,20 @@ def parse(text: str) -> Variant:
   if len(parts) != 3 or not parts[1] or not parts[2]:
     raise SystemExit(f"--variant {text!r}: expected {_USAGE}.")
   impl, label, assignments = parts
-  if impl not in CONFIG_CLASSES:
-    raise SystemExit(f"--variant {text!r}: IMPL must be one of {sorted(CONFIG_CLASSES)}.")
-  known = {f.name for f in dataclasses.fields(CONFIG_CLASSES[impl])}
+  if impl not in CONFIGURED:
+    raise SystemExit(f"--variant {text!r}: IMPL must be one of {sorted(CONFIGURED)}.")
+  backend = backends.load(impl)
+  if isinstance(backend, str):
+    raise SystemExit(f"--variant {text!r}: {backend}")
+  config_type = backend.config_type
+  known = {f.name for f in dataclasses.fields(config_type)}
   fields = []
   for item in re.split(r",(?=\s*\w+\s*=)", assignments):  # commas inside tuples stay
     name, eq, value = item.partition("=")
     name = name.strip()
     if not eq or name not in known:
       raise SystemExit(f"--variant {text!r}: {name!r} is not a field of "
-                       f"{CONFIG_CLASSES[impl].__name__} ({', '.join(sorted(known))}).")
+                       f"{config_type.__name__} ({', '.join(sorted(known))}).")
     try:
       fields.append((name, ast.literal_eval(value.strip())))
     except (ValueError, SyntaxError):
