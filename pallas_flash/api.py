@@ -167,10 +167,7 @@ def flash_attention(
     return _fp8_attention(**locals())
   del descale, out_dtype  # FP8 only; the paths below pass locals() on
   validation.check_reverse_mode(implementation, query=query, key=key, value=value, bias=bias)
-  if return_residuals and return_residual:
-    raise ValueError("Pass one of `return_residuals` (float32 [B, H, T], differentiable) and "
-                     "`return_residual` (jax.nn's: [B, T, H] in the input dtype, "
-                     "stop_gradient), not both.")
+  validation.check_residual_flags(return_residuals, return_residual, "input")
   jax_nn_lse = return_residual  # the lse is returned, then converted by _as_jax_nn
   return_residuals = return_residuals or jax_nn_lse
   del return_residual

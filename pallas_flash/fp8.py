@@ -409,9 +409,8 @@ def _canonical_call(query, key, value, kwargs) -> validation.Call:
 
 def mosaic_attention(query, key, value, scales: Fp8Scales, out, kwargs):
   """flash_attention's result for an FP8 call the Mosaic FP8 forward runs (runs_on_mosaic)."""
-  if kwargs.get("return_residuals") and kwargs.get("return_residual"):
-    raise ValueError("Pass one of `return_residuals` (float32 [B, H, T]) and "
-                     "`return_residual` (jax.nn's: [B, T, H] in the output dtype), not both.")
+  validation.check_residual_flags(kwargs.get("return_residuals"), kwargs.get("return_residual"),
+                                  "output")
   call = _canonical_call(query, key, value, kwargs)
   params = call.info.params
   unbatched = len(query.shape) == 3
@@ -636,10 +635,8 @@ def training_call(q, k, v, *, rotate: bool, block, key, out_dtype, kwargs: dict)
   `_TrainingPlan` that runs them (None: the straight-through float32 call instead,
   `straight_through_inputs`) and the output dtype. Checks the arguments."""
   _check_block_option(block)
-  if kwargs.get("return_residuals") and kwargs.get("return_residual"):
-    raise ValueError("Pass one of `return_residuals` (float32 [B, H, T], differentiable) and "
-                     "`return_residual` (jax.nn's: [B, T, H] in the output dtype, "
-                     "stop_gradient), not both.")
+  validation.check_residual_flags(kwargs.get("return_residuals"), kwargs.get("return_residual"),
+                                  "output")
   inputs = [q, k, v]
   if rotate:
     signed = _signed_hadamard(q.shape[-1], key)

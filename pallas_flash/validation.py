@@ -62,6 +62,15 @@ def _check_inputs(query, key, value) -> None:
     raise TypeError(f"Unsupported dtype {query.dtype}: use bfloat16, float16 or float32.")
 
 
+def check_residual_flags(return_residuals, return_residual, lse_dtype: str) -> None:
+  """A call asks for at most one of the two lse conventions; lse_dtype names return_residual's
+  dtype ("input" or, for FP8 inputs, "output")."""
+  if return_residuals and return_residual:
+    raise ValueError("Pass one of `return_residuals` (float32 [B, H, T], differentiable) and "
+                     f"`return_residual` (jax.nn's: [B, T, H] in the {lse_dtype} dtype, "
+                     "stop_gradient), not both.")
+
+
 def check_reverse_mode(implementation, **arrays) -> None:
   """Forward mode (jax.jvp, jax.jacfwd) cannot pass the custom_vjp; say so before JAX's
   TypeError, which names neither the function nor a way out. Only the reference has a JVP."""
