@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from pallas_flash import core, fp8, masks, merge, validation
 from pallas_flash.backends import IMPLEMENTATIONS, Implementation
@@ -168,7 +167,7 @@ def flash_attention(
   del descale, out_dtype  # FP8 only; the paths below pass locals() on
   validation.check_reverse_mode(implementation, query=query, key=key, value=value, bias=bias)
   validation.check_residual_flags(return_residuals, return_residual, "input")
-  jax_nn_lse = return_residual  # the lse is returned, then converted by _as_jax_nn
+  jax_nn_lse = return_residual  # the lse is returned, then converted by core.as_jax_nn
   return_residuals = return_residuals or jax_nn_lse
   del return_residual
   # -- context parallelism: a sequence split over mesh axes runs as ring / all-gather
@@ -177,17 +176,17 @@ def flash_attention(
     # the arguments above, and cp
     args = {n: x for n, x in locals().items() if n not in ("sinks", "jax_nn_lse")}
     if sinks is None:
-      return _as_jax_nn(_cp_sharding.sharded_attention(**args), jax_nn_lse)
+      return core.as_jax_nn(_cp_sharding.sharded_attention(**args), jax_nn_lse)
     o, lse = _cp_sharding.sharded_attention(**{**args, "return_residuals": True})
     o, lse = merge.add_sinks(o, lse, validation.check_sinks(sinks, query.shape[-2]))
-    return _as_jax_nn((o, lse), jax_nn_lse) if return_residuals else o
+    return core.as_jax_nn((o, lse), jax_nn_lse) if return_residuals else o
   # Batch / head splits visible here run per shard under shard_map, so that every backend's
   # loops and kernels see local shapes (Explicit axes cannot enter their carries). Dropout and
   # block masks index global batch / head positions and stay on the global call.
   if (dropout_rate == 0.0 and block_mask is None
       and (split := _cp_sharding.batch_head_sharding(query)) is not None):
     args = {n: x for n, x in locals().items() if n != "jax_nn_lse"}
-    return _as_jax_nn(_cp_sharding.split_attention(flash_attention, **args), jax_nn_lse)
+    return core.as_jax_nn(_cp_sharding.split_attention(flash_attention, **args), jax_nn_lse)
   # --
   o, lse = core.attention(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
@@ -198,16 +197,7 @@ def flash_attention(
       dropout_rate=dropout_rate, dropout_rng=dropout_rng, block_mask=block_mask, sinks=sinks,
       deterministic=deterministic, checked=checked, implementation=implementation,
       config=config)
-  return _as_jax_nn((o, lse), jax_nn_lse) if return_residuals else o
-
-
-def _as_jax_nn(results, jax_nn_lse: bool):
-  """(o, lse) with lse in jax.nn's residual convention when asked: [..., T, H], o's dtype,
-  stop_gradient (return_residual); unchanged otherwise (return_residuals, or o alone)."""
-  if not jax_nn_lse:
-    return results
-  o, lse = results
-  return o, jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(o.dtype))
+  return core.as_jax_nn((o, lse), jax_nn_lse) if return_residuals else o
 
 
 def _fp8_attention(*, query, key, value, descale, out_dtype, **kwargs):

@@ -24,7 +24,8 @@ from pallas_flash.backends import IMPLEMENTATIONS
 from pallas_flash.call import AttentionParams, FeatureArrays, backward_inputs
 from pallas_flash.reference import attention_reference
 
-__all__ = ["CHECKPOINT_NAME", "Explanation", "attention", "backward_from_residuals", "explain"]
+__all__ = ["CHECKPOINT_NAME", "Explanation", "as_jax_nn", "attention", "backward_from_residuals",
+           "explain"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,3 +196,12 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   if call.unbatched:
     o, lse = o[0], lse[0]
   return o, lse
+
+
+def as_jax_nn(results, jax_nn_lse: bool):
+  """(o, lse) with lse in jax.nn's residual convention when asked: [..., T, H], o's dtype,
+  stop_gradient (return_residual); unchanged otherwise (return_residuals, or o alone)."""
+  if not jax_nn_lse:
+    return results
+  o, lse = results
+  return o, jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(o.dtype))

@@ -426,10 +426,8 @@ def _returned(o, lse, unbatched: bool, kwargs: dict):
   dropped again for unbatched inputs), per `return_residual(s)` in kwargs."""
   if unbatched:
     o, lse = o[0], lse[0]
-  if kwargs.get("return_residual"):
-    return o, jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(o.dtype))
-  if kwargs.get("return_residuals"):
-    return o, lse
+  if kwargs.get("return_residual") or kwargs.get("return_residuals"):
+    return core.as_jax_nn((o, lse), bool(kwargs.get("return_residual")))
   return o
 
 
