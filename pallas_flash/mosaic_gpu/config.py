@@ -82,7 +82,6 @@ class MosaicConfig:
       it. Checked in the interpreter and by ptxas only, not yet run on a GPU: off by default
       (V padded, as measured).
     debug: MosaicDebug (interpreter, profiler, test sizes).
-
   """
 
   block_q: int = 64

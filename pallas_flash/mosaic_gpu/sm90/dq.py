@@ -120,6 +120,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
       if kp.segment_ids:
         ids = common.row_and_col_ids(seg, b, q0, bq, bkv)
 
+    early = common.early_probs(kp, dense=dense, sparse=sparse)
+
     def step(j, dq, *, masked: bool):
       slot = lax.rem(j, stages)
       vslot = slot if v_stages == stages else lax.rem(j, v_stages)
@@ -147,8 +149,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
           mask = common.tile_mask(q0, col0, (bq, bkv), kp, ids=ids and ids(col0))
           p = jnp.where(mask, p, 0.0)
         return p, slope
-
-      early = common.early_probs(kp, dense=dense, sparse=sparse)
 
       def scores(s_ref, dp_ref):
         plgpu.wgmma(s_ref, q_smem, k_scratch.at[slot].T)
