@@ -816,9 +816,8 @@ def smem_bytes(d: int, block_q: int, block_kv: int, stages: int, itemsize: int =
 def tail_split(q, config: MosaicConfig, params: AttentionParams, kv_blocks: int,
                persistent: bool, dv: int = 0) -> split_tail.TailSplit | None:
   """The split tail of a call with q [B, T, H, D] (dv: V's head dim, 0: D), or None where it
-  does not apply (not
-  config.fwd_split_tail, causal, segment ids, the persistent kernel, no room for the float32
-  staging tile, or no split that pays)."""
+  does not apply (not config.fwd_split_tail, causal, segment ids, the persistent kernel, no room
+  for the float32 staging tile, or no split that pays)."""
   b, t, h, d = q.shape
   if (not config.fwd_split_tail or params.is_causal or common.segment_path(params)
       or persistent or params.has_bias or params.has_mask
