@@ -262,6 +262,19 @@ def max_rel_err(x, ref) -> float:
 # several steps per ring.
 MOSAIC_INTERPRET = MosaicConfig(block_kv=64, block_kv_dq=64, debug=MosaicDebug(interpret=True))
 
+
+def interpret_config(**kw) -> MosaicConfig:
+  """MOSAIC_INTERPRET with fields replaced; `debug`: a dict of MosaicDebug fields to replace."""
+  debug = kw.pop("debug", {})
+  return dataclasses.replace(MOSAIC_INTERPRET, **kw,
+                             debug=dataclasses.replace(MOSAIC_INTERPRET.debug, **debug))
+
+
+def small_case(t, s, *, b=1, h=2, kh=1, d=64, dtype=jnp.bfloat16, **kw) -> Case:
+  """A Case of T = t queries and S = s keys, the interpreter tests' sizes by default."""
+  return Case(batch=b, q_len=t, kv_len=s, num_heads=h, num_kv_heads=kh, head_dim=d,
+              dtype=dtype, **kw)
+
 # An H200 that need not exist: lowering for CUDA on a CPU machine checks tracing, layouts and
 # (for Mosaic) shared memory without a GPU.
 H200 = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(

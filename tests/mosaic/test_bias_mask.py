@@ -2,7 +2,6 @@
 reference (outputs, lse and dq, dk, dv, dbias), the kernels lowered for an abstract H200, and
 the reasons `explain` gives for the forms that run elsewhere."""
 
-import dataclasses
 import functools
 
 import jax
@@ -15,16 +14,11 @@ from pallas_flash import backends, mosaic_gpu, validation
 from pallas_flash.call import AttentionParams, CallInfo
 from pallas_flash.mosaic_gpu import MosaicConfig
 from pallas_flash.mosaic_gpu import config as mconfig
-from testing import H200, MOSAIC_INTERPRET, Case, check_against_reference, export_for_h200
+from testing import (H200, check_against_reference, export_for_h200,
+                     interpret_config, small_case)
 
 
-def _config(**kw) -> MosaicConfig:
-  return dataclasses.replace(MOSAIC_INTERPRET, **kw)
-
-
-def _case(t, s, *, b=2, h=2, kh=1, d=64, dtype=jnp.bfloat16, **kw) -> Case:
-  return Case(batch=b, q_len=t, kv_len=s, num_heads=h, num_kv_heads=kh, head_dim=d,
-              dtype=dtype, **kw)
+_config, _case = interpret_config, functools.partial(small_case, b=2)
 
 
 _slow = functools.partial(pytest.param, marks=pytest.mark.slow)

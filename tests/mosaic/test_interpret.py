@@ -23,17 +23,10 @@ from pallas_flash.mosaic_gpu.sm90 import common, fp8_forward
 from testing import (FP8_TRAINING_TOLERANCE, MOSAIC_FP8_INTERPRET, MOSAIC_INTERPRET, Case,
                      assert_close_to_ref, block_mask_fn, check_against_reference,
                      check_block_mask_against_reference, check_fp8_against_reference,
-                     check_fp8_training, make_inputs, run, tolerance)
+                     check_fp8_training, interpret_config, make_inputs, run, small_case,
+                     tolerance)
 
-def _config(**kw) -> pallas_flash.MosaicConfig:
-  debug = kw.pop("debug", {})
-  return dataclasses.replace(MOSAIC_INTERPRET, **kw,
-                             debug=dataclasses.replace(MOSAIC_INTERPRET.debug, **debug))
-
-
-def _case(t, s, *, h=2, kh=1, d=64, dtype=jnp.bfloat16, **kw) -> Case:
-  return Case(batch=1, q_len=t, kv_len=s, num_heads=h, num_kv_heads=kh, head_dim=d,
-              dtype=dtype, **kw)
+_config, _case = interpret_config, small_case
 
 
 # (name, config, case): the forward's loops, launch forms and tiles, the backward's kernels

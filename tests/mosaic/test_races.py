@@ -31,8 +31,8 @@ from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 from jax._src.pallas.mosaic_gpu.interpret import shared_memory as interpret_memory
 
 from pallas_flash.mosaic_gpu.sm90 import common
-from testing import (MOSAIC_INTERPRET, Case, check_against_reference,
-                     check_block_mask_against_reference)
+from testing import (check_against_reference, check_block_mask_against_reference,
+                     interpret_config, small_case)
 
 pytestmark = pytest.mark.slow
 
@@ -150,15 +150,7 @@ def test_wgmma_operand_reads_are_checked(race_detector, ordered):
   assert race_detector.races == [not ordered]
 
 
-def _config(**kw):
-  debug = kw.pop("debug", {})
-  return dataclasses.replace(MOSAIC_INTERPRET, **kw,
-                             debug=dataclasses.replace(MOSAIC_INTERPRET.debug, **debug))
-
-
-def _case(t, s, *, b=1, h=2, kh=1, d=64, dtype=jnp.bfloat16, **kw) -> Case:
-  return Case(batch=b, q_len=t, kv_len=s, num_heads=h, num_kv_heads=kh, head_dim=d,
-              dtype=dtype, **kw)
+_config, _case = interpret_config, small_case
 
 
 _native = functools.partial(_config, native_value_head_dim=True)
@@ -167,7 +159,7 @@ _PERSISTENT = _config(fwd_persistent=True, fwd_intra_wg_overlap=True,
                       debug=dict(persistent_ctas=2))
 # (name, config, case, block mask (mask function, blocks) or None). The forms run on the GPU
 # (the plain, overlapped, persistent and split-tail forwards, the split and fused backward, head
-# dim 256), then those not yet run there: the dense bias and mask, dropout, block masks, the
+# dim 256, the dense bias and mask, dropout, block masks), then the one not yet run there: the
 # native value head dim (forward, dQ and hd256.py's role-split dK/dV kernel, which with Dv < D
 # stores dV through V's tile and dK through K's). Each 5-10 s here.
 FORMS = [
