@@ -3,8 +3,8 @@
 Each backend package (`xla`, `triton`, `mosaic_gpu`) provides the contract described in
 `pallas_flash.call`: `forward`, `backward`, `unsupported_reason(call, config)`,
 `default_config(call)`, `CONFIG_TYPE`, `SUPPORTED_FEATURES` and optionally
-`BACKWARD_COMPUTES_DELTA`, `FUSES_SINKS` and `unmeasured_reason(call)` (calls it runs
-only when named: correct, not yet measured faster than the next choice). This module turns it
+`BACKWARD_COMPUTES_DELTA`, `FUSES_SINKS` and `by_name_reason(call)` (calls it runs
+only when named: correct, not measured faster than the next choice). This module turns it
 into one frozen `Backend` record; the API knows no backend's config fields.
 """
 
@@ -46,8 +46,8 @@ class Backend:
   features: frozenset[str]  # the optional features (call.FEATURES) it implements
   computes_delta: bool = False  # BACKWARD_COMPUTES_DELTA
   fuses_sinks: bool = False  # FUSES_SINKS: its forward adds attention sinks (pallas_flash.call)
-  # Other calls it runs only when named (the module's unmeasured_reason(call)): why, or None.
-  unmeasured_reason: Callable[[CallInfo], str | None] | None = None
+  # Other calls it runs only when named (the module's by_name_reason(call)): why, or None.
+  by_name_reason: Callable[[CallInfo], str | None] | None = None
 
 
 @functools.cache
@@ -63,7 +63,7 @@ def load(name: str) -> Backend | str:
                  mod.default_config, mod.CONFIG_TYPE, frozenset(mod.SUPPORTED_FEATURES),
                  bool(getattr(mod, "BACKWARD_COMPUTES_DELTA", False)),
                  bool(getattr(mod, "FUSES_SINKS", False)),
-                 getattr(mod, "unmeasured_reason", None))
+                 getattr(mod, "by_name_reason", None))
 
 
 def config_type_reason(name: str, config_type: type, config) -> str | None:
@@ -92,8 +92,8 @@ def auto_reason(name: str, info: CallInfo, config) -> str | None:
   """`reason`, plus the calls `name` runs only when asked for by name."""
   why = reason(name, info, config)
   if why is None and name != "reference" and not isinstance(backend := load(name), str):
-    if backend.unmeasured_reason is not None:
-      why = backend.unmeasured_reason(info)
+    if backend.by_name_reason is not None:
+      why = backend.by_name_reason(info)
   return why
 
 

@@ -34,13 +34,7 @@ packed documents, T/1024 per row at random boundaries), softcap (causal, 50), al
 slopes 2^(-8(h+1)/H)), dropout (causal, 0.1), bias (non-causal, [1, H, T, S], differentiated),
 mask (non-causal, bool [B, 1, T, S], 90 % visible), blockmask (causal & local(T/4), 128x128
 blocks), sinks (causal, differentiated), gqa (causal, K kv heads), hd64 hd80 hd96 hd192 hd256
-and hd192v128 (query/key head dim 192, value head dim 128, MLA's) (non-causal and causal), and
-hd192v128native: hd192v128 on the Mosaic kernels with MosaicConfig.native_value_head_dim (V,
-O, dO and dV at 128 columns instead of zero-padded to 192) set on the config implementation=None
-picks; that needs mosaic to be that pick (an H200), and another implementation (--impl)
-runs it as hd192v128; hd80split and hd96split (non-causal): hd80 and hd96 with
-MosaicConfig.fused_backward off, the split backward at their own width where the default at
-this shape runs the fused one zero-padded to 128.
+and hd192v128 (query/key head dim 192, value head dim 128, MLA's) (non-causal and causal).
 
 Default shape bf16 4x4096x32x128x8 (--features-shape BxTxHxD[xK]): every row has as many kv
 heads as query heads except gqa, which takes the shape's K (8); --quick: 1x128x4x32 (gqa: 2 kv
@@ -89,9 +83,6 @@ class Feature:
   value_head_dim: int = 0  # 0: the head dim
   gqa: bool = False
   banded: bool = False
-  # MosaicConfig fields set on the config of a call the Mosaic kernels run ((name, value)
-  # pairs; other implementations run the call without them).
-  mosaic_config: tuple[tuple[str, object], ...] = ()
 
   @property
   def is_causal(self) -> bool:
@@ -170,15 +161,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("blockmask", True, _block_mask, cudnn="window", banded=True),
     Feature("gqa", True, gqa=True),
     *(Feature(f"hd{d}", c, head_dim=d) for d in HEAD_DIMS for c in (False, True)),
-    # MLA's query/key head dim 192 with a value head dim of 128: V padded to 192 (what
-    # implementation=None runs), then at its own 128 columns (not yet run on a GPU).
+    # MLA's query/key head dim 192 with a value head dim of 128.
     *(Feature("hd192v128", c, head_dim=192, value_head_dim=128) for c in (False, True)),
-    *(Feature("hd192v128native", c, head_dim=192, value_head_dim=128,
-              mosaic_config=(("native_value_head_dim", True),)) for c in (False, True)),
-    # Head dims 80 and 96, non-causal, with the split backward at their own width where the
-    # default config takes the fused backward zero-padded to 128.
-    *(Feature(f"hd{d}split", False, head_dim=d, mosaic_config=(("fused_backward", False),))
-      for d in (80, 96)),
 )
 
 
@@ -414,30 +398,17 @@ def _our_call(case: _Case, forced: str | None) -> tuple[str | None, str | None, 
   # but a named call runs (Mosaic head dims not yet measured).
   if impl is None or how.reasons_when_named.get(impl) is not None:
     return None, how.chosen, None, None
-  if case.feature.mosaic_config and impl == "mosaic":
-    if how.chosen != "mosaic":  # no tuned config of mosaic's to set the fields on
-      return None, how.chosen, None, None
-    attn = _ours(impl, case.feature, case.static, _row_config(case, how))
-    return impl, how.chosen, attn, attn
   # A BlockMask's blocks are the config's: the slice's rebuilt mask brings them.
   config = how.config if impl == how.chosen and "block_mask" not in case.args[4] else None
   return (impl, how.chosen, _ours(impl, case.feature, case.static),
           _ours(impl, case.feature, case.static, config))
 
 
-def _row_config(case: _Case, how) -> object:
-  """The config implementation=None's pick runs `case` with (explain()'s `how`), with the
-  feature's MosaicConfig fields where that pick is mosaic."""
-  if how.chosen == "mosaic" and case.feature.mosaic_config:
-    return dataclasses.replace(how.config, **dict(case.feature.mosaic_config))
-  return how.config
-
-
 def _variant_calls(case: _Case, impl: str | None, chosen: str | None,
                    variants: dict) -> dict[str, tuple[dict, Callable | None]]:
-  """{variant name: (fields, compiled call)} of the --variant configs on `case`: the row's
-  config (`_row_config`) with the variant's fields replaced, where the row runs the
-  variant's implementation as the automatic pick."""
+  """{variant name: (fields, compiled call)} of the --variant configs on `case`: the config
+  the row's automatic pick runs it with, with the variant's fields replaced, where the row
+  runs the variant's implementation as that pick."""
   out = {}
   row_config = None
   for name, variant in variants.items():
@@ -445,7 +416,7 @@ def _variant_calls(case: _Case, impl: str | None, chosen: str | None,
       why = f"the row runs {impl or 'nothing'} ({chosen or 'none'} by automatic choice)"
       out[name] = (_fields("skip", why), None)
       continue
-    row_config = row_config or _row_config(case, _explain(case))
+    row_config = row_config or _explain(case).config
     try:
       config = dataclasses.replace(row_config, **dict(variant.fields))
     except (TypeError, ValueError) as e:

@@ -8,13 +8,15 @@ the sm90 kernels run in the Mosaic GPU interpreter, on any platform (slowly: for
 
 The kernels run at head dims 64, 80, 96, 128, 192 and 256 (KERNEL_HEAD_DIMS; one head dim for
 Q, K and V); 80 and 96 (NARROW_HEAD_DIMS) are head dim 128's forward and split backward at
-their own width, with a narrower shared-memory swizzle, and run a fused backward zero-padded to
-128. Other head dims up to 256, and a value head dim of its own, run here zero-padded to the
-next of those (`padded_call`: e.g. 112 to 128, 72 to 80, V of MLA's 192 / 128 to 192; the
-padded columns cost matrix work, plus a pad and a slice in XLA); `implementation=None` takes a pair
-of head dims only once measured faster than Triton (MEASURED_HEAD_DIMS). With
-MosaicConfig.native_value_head_dim the head-dim-192 and 256 kernels take V, O, dO and dV at
-their own value head dim instead (config.kernel_head_dims; not yet run on a GPU).
+their own width, with a narrower shared-memory swizzle (a config that asks for the fused
+backward runs it zero-padded to 128). Other head dims up to 256, and a value head dim of its
+own, run here zero-padded to the next of those (`padded_call`: e.g. 112 to 128, 72 to 80; the
+padded columns cost matrix work, plus a pad and a slice in XLA); `implementation=None` takes a
+pair of head dims only once measured faster than Triton (MEASURED_HEAD_DIMS). The default
+config (config.default_config) runs 80 and 96's backward split at their own width, and the
+head-dim-192 and 256 kernels with V, O, dO and dV at their own value head dim
+(MosaicConfig.native_value_head_dim, config.kernel_head_dims: MLA's 192 / 128) rather than
+padded.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ CONFIG_TYPE = MosaicConfig
 KERNELS = {9: (sm90_forward.forward, sm90_backward.backward)}
 # (head dim, value head dim) pairs measured on the H200 at least as fast here as on Triton:
 # `implementation=None` runs only these here; other head dims (zero-padded to one of
-# KERNEL_HEAD_DIMS) run when asked for by name (unmeasured_reason). 80, 96, 192 and 192 / 128
-# measured 1.3-2.6x Triton (80 and 96 then padded; at their own width faster still; docs/mosaic.md,
-# "Other head dims").
+# KERNEL_HEAD_DIMS) run when asked for by name (by_name_reason). 80, 96, 192 and 192 / 128
+# measured 1.3-2.6x Triton with V and the backward padded (docs/mosaic.md, "Other head dims");
+# default_config now runs them at their own widths, faster still.
 MEASURED_HEAD_DIMS = frozenset({(64, 64), (80, 80), (96, 96), (128, 128), (192, 192),
                                 (192, 128), (256, 256)})
 # Optional features (pallas_flash.call.FEATURES) the kernels take; calls with any other run
@@ -149,19 +151,20 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
   return None
 
 
-# Features the kernels run (SUPPORTED_FEATURES) that are not yet timed against the next
-# implementation on the GPU: `implementation=None` runs that one for calls that use them, and
-# implementation="mosaic" runs them (a dense bias and mask: correct on the H200, 0.67-0.83x
-# cuDNN, docs/mosaic.md).
-UNMEASURED_FEATURES = frozenset({"bias", "mask"})
+# Features the kernels run (SUPPORTED_FEATURES) that `implementation=None` leaves to triton:
+# timed against it on the H200 (4x4096x32x128, non-causal, fwd / fwd+bwd, 2026-12-05 at
+# f382829), a dense bias ran at 0.98 / 1.02x triton's and a boolean mask at 1.17 / 0.77x: no
+# gain for a bias, a loss for a mask in training. implementation="mosaic" runs them.
+BY_NAME_FEATURES = frozenset({"bias", "mask"})
 
 
-def unmeasured_reason(call: CallInfo) -> str | None:
+def by_name_reason(call: CallInfo) -> str | None:
   """Why `implementation=None` does not run `call` here though it can (its head dims are not
-  in MEASURED_HEAD_DIMS, or it uses UNMEASURED_FEATURES), or None."""
-  if unmeasured := sorted(call.params.features & UNMEASURED_FEATURES):
-    return (f"mosaic runs {', '.join(unmeasured)} only when asked for (implementation="
-            "'mosaic'): not yet timed against triton on the GPU")
+  in MEASURED_HEAD_DIMS, or it uses BY_NAME_FEATURES), or None."""
+  if features := sorted(call.params.features & BY_NAME_FEATURES):
+    return (f"mosaic runs {', '.join(features)} only when asked for (implementation="
+            "'mosaic'): no faster than triton on the H200 (bias 0.98 / 1.02x, mask 1.17 / "
+            "0.77x, fwd / fwd+bwd)")
   d, dv = call.head_dim, call.value_head_dim
   if (d, dv) in MEASURED_HEAD_DIMS:
     return None
@@ -256,9 +259,9 @@ def fp8_unsupported_reason(call: CallInfo, *, scale_layouts, out_dtype, config=N
   return None
 
 
-__all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "FUSES_SINKS", "KERNELS",
-           "KERNEL_HEAD_DIMS", "MEASURED_HEAD_DIMS", "NARROW_HEAD_DIMS", "MosaicConfig",
-           "MosaicDebug", "SUPPORTED_FEATURES", "TUNED", "UNMEASURED_FEATURES", "backward",
-           "default_config", "forward", "fp8_forward", "fp8_unmeasured_reason",
-           "fp8_unsupported_reason", "kernel_head_dim", "kernel_head_dims", "padded_call",
-           "unmeasured_reason", "unsupported_reason"]
+__all__ = ["BACKWARD_COMPUTES_DELTA", "BY_NAME_FEATURES", "CONFIG_TYPE", "FUSES_SINKS",
+           "KERNELS", "KERNEL_HEAD_DIMS", "MEASURED_HEAD_DIMS", "NARROW_HEAD_DIMS",
+           "MosaicConfig", "MosaicDebug", "SUPPORTED_FEATURES", "TUNED", "backward",
+           "by_name_reason", "default_config", "forward", "fp8_forward",
+           "fp8_unmeasured_reason", "fp8_unsupported_reason", "kernel_head_dim",
+           "kernel_head_dims", "padded_call", "unsupported_reason"]

@@ -71,7 +71,8 @@ class MosaicConfig:
     dkdv_overlap: the dK/dV kernel's unmasked steps form Pᵀ while dPᵀ runs and dSᵀ while dV
       runs (FA3's order; bitwise equal gradients); needs 240 / 24 registers.
     fused_backward: the single FA3-style backward kernel (head dim 128; dQ summed with float32
-      atomics, so not bitwise reproducible) instead of the two split kernels.
+      atomics, so not bitwise reproducible) instead of the two split kernels. Head dims 80 / 96
+      run it zero-padded to 128; `default_config` leaves it off for them.
     compute_registers, producer_registers: setmaxnreg of the consumer and producer warpgroups.
     native_value_head_dim: a call whose value head dim Dv is below its query/key head dim D
       runs kernels that take V, O, dO and dV at their own Dv columns (O's accumulator, P·V, its
@@ -79,8 +80,10 @@ class MosaicConfig:
       dO zero-padded to D (`kernel_head_dims`). Built for D = 192 or 256 (the forward and
       hd256.py's backward; MLA's 192 / 128) with Dv a multiple of 64 below D; the backend
       refuses other pairs of Dv != D with it (`native_value_reason`), Dv = D runs as without
-      it. Checked in the interpreter and by ptxas only, not yet run on a GPU: off by default
-      (V padded, as measured).
+      it. `default_config` sets it for every pair the kernels take (a config a user builds
+      keeps the field's False: V padded). H200, 4x4096x32, 192 / 128, x padded V: forward
+      1.19 / 1.26, fwd+bwd 1.11 / 1.16 (non-causal / causal); GPU tests at 192 / 128,
+      256 / 128 and 192 / 64.
     debug: MosaicDebug (interpreter, profiler, test sizes).
   """
 
@@ -323,6 +326,14 @@ def kernel_head_dims(head_dim: int, value_head_dim: int, config: MosaicConfig, *
 
 def default_config(info: CallInfo) -> MosaicConfig:
   """The config of a call that passes none: that of the head dim its kernels run at
-  (config_head_dim)."""
-  return call_config(config_head_dim(info.head_dim, info.value_head_dim), info.params,
-                     info.kv_len, info.batch)
+  (config_head_dim), with the split backward at NARROW_HEAD_DIMS' own width rather than the
+  fused one padded to 128, and V at its own head dim where the kernels take it (H200,
+  4x4096x32, fwd+bwd x the other form: head dims 80 / 96 1.24 / 1.21 non-causal and
+  1.03 / 1.01 causal; 192 / 128 1.11 / 1.16, its forward 1.19 / 1.26; docs/mosaic.md)."""
+  d, dv = info.head_dim, info.value_head_dim
+  config = call_config(config_head_dim(d, dv), info.params, info.kv_len, info.batch)
+  if kernel_head_dim(d, dv) in NARROW_HEAD_DIMS and config.fused_backward:
+    config = dataclasses.replace(config, fused_backward=False)
+  if dv != d and native_value_reason(d, dv) is None:
+    config = dataclasses.replace(config, native_value_head_dim=True)
+  return config

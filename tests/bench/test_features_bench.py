@@ -109,21 +109,20 @@ def test_cudnn_rejecting_a_call_prints_a_dash(tmp_path, monkeypatch, capsys):
 def test_feature_selection():
   assert [f.name for f in features.select("hd")] == (
       [f"hd{d}" for d in features.HEAD_DIMS for _ in range(2)]
-      + ["hd192v128"] * 2 + ["hd192v128native"] * 2 + ["hd80split", "hd96split"])
+      + ["hd192v128"] * 2)
   assert len(features.select("all")) == len(features.FEATURES)
   with pytest.raises(SystemExit, match="Unknown features"):
     features.select("nope")
 
 
 @pytest.mark.parametrize("forced", [None, "xla"])
-def test_native_value_row_sets_the_config_field_where_mosaic_runs(forced):
-  """hd192v128native on an (abstract) H200: implementation=None's pick, mosaic, with
-  MosaicConfig.native_value_head_dim set on its tuned config: its kernels take V and dO at 128
-  columns (lowered for the H200: the row builds its call; the bench times Mosaic kernels on a
-  GPU only). Another implementation (--impl) runs the row's call as hd192v128."""
+def test_value_head_dim_row_runs_v_at_its_own_width_on_mosaic(forced):
+  """hd192v128 on an (abstract) H200: implementation=None's pick, mosaic, whose default config
+  takes V and dO at 128 columns (lowered for the H200: the row builds its call; the bench
+  times Mosaic kernels on a GPU only). Another implementation (--impl) runs the same call."""
   opts = argparse.Namespace(seed=0, check_seq_cap=4096)
   base = shapes.parse_shape(features.QUICK_SHAPE).replace(num_kv_heads=0)
-  feature = next(f for f in features.FEATURES if f.name == "hd192v128native" and f.causal)
+  feature = next(f for f in features.FEATURES if f.name == "hd192v128" and f.causal)
   spec = feature.spec(base, 2)
   case = features._case(feature, spec, shapes.make_inputs(spec, jnp.bfloat16), "fwdbwd", opts)
   with use_abstract_mesh(H200):

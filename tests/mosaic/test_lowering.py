@@ -184,7 +184,8 @@ HEAD_DIMS = [(80, 80, 80, True), (96, 96, 96, True), (72, 72, 80, False),
 def test_head_dims_run_padded_and_unmeasured_ones_only_when_asked(d, dv, kernel_dim, measured):
   """Every head dim up to 256 runs here, zero-padded to the next kernel head dim where it is
   not one; `implementation=None` passes the pairs not yet measured by, with a reason naming
-  the padding, and a config is that of the kernels' head dim (128's for 80 and 96)."""
+  the padding, and a config is that of the kernels' head dim (128's for 80 and 96, with the
+  split backward at their own width), with V at its own width where the kernels take it."""
   info = _info(head_dim=d, value_head_dim=dv)
   assert mosaic_gpu.unsupported_reason(info) is None
   assert mconfig.kernel_head_dim(d, dv) == kernel_dim
@@ -197,8 +198,26 @@ def test_head_dims_run_padded_and_unmeasured_ones_only_when_asked(d, dv, kernel_
     assert ("value head dim" in why) == (dv != d)
   config_dim = 128 if kernel_dim in mosaic_gpu.NARROW_HEAD_DIMS else kernel_dim
   assert mconfig.config_head_dim(d, dv) == config_dim
-  assert mosaic_gpu.default_config(info) == mconfig.call_config(
-      config_dim, info.params, info.kv_len, info.batch)
+  native = dv != d and mconfig.native_value_reason(d, dv) is None
+  assert mosaic_gpu.default_config(info) == dataclasses.replace(
+      mconfig.call_config(config_dim, info.params, info.kv_len, info.batch),
+      native_value_head_dim=native)
+  assert mconfig.kernel_head_dims(d, dv, mosaic_gpu.default_config(info)) == (
+      (d, dv) if native else (kernel_dim, kernel_dim))
+
+
+@pytest.mark.parametrize("d", mosaic_gpu.NARROW_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_narrow_head_dims_take_the_split_backward_at_their_own_width(d, causal):
+  """Head dims 80 / 96 where head dim 128 takes the fused backward (8K keys) run the split
+  one at their own width instead (measured faster), keeping 128's other fields."""
+  info = _info(head_dim=d, q_len=8192, kv_len=8192,
+               params=AttentionParams(scale=1.0, is_causal=causal, has_segments=False))
+  fused = mconfig.call_config(128, info.params, info.kv_len, info.batch)
+  assert fused.fused_backward
+  config = mosaic_gpu.default_config(info)
+  assert config == dataclasses.replace(fused, fused_backward=False)
+  assert mconfig.kernel_head_dims(d, d, config, backward=True) == (d, d)
 
 
 # (D, Dv, causal): each runs the kernels of its kernel head dim (128: overlapped forward and
