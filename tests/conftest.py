@@ -7,6 +7,7 @@ import jax
 import pytest
 
 from pallas_flash.mosaic_gpu.sm90 import common as mosaic_common
+from race_detection import race_detector  # noqa: F401  (the fixture, for every test module)
 
 # Before any test computes (XLA reads XLA_FLAGS when its CPU client starts); subprocesses that
 # the tests start inherit it. Tests compile hundreds of small CPU programs and run each once or

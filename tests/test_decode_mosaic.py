@@ -7,17 +7,14 @@ on the producer / consumer ring, lowered for an abstract H200, and what it refus
 import re
 
 import jax
-import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import pytest
 from decode_testing import DecodeCase, case_seed, check_decode, lowered_for_h200
-from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 from jax.sharding import use_abstract_mesh
 from testing import H200
 
 import pallas_flash
 from pallas_flash.decode import MosaicDecodeConfig, api
-from pallas_flash.mosaic_gpu.sm90 import common
 
 # 64-key tiles and 2 stages, so that a sequence spans several tiles and the ring wraps.
 INTERPRET = MosaicDecodeConfig(block_kv=64, num_stages=2, interpret=True)
@@ -71,17 +68,15 @@ def test_mosaic_kernel_in_interpreter_sweep(case, num_splits):
 
 
 @pytest.mark.slow
-def test_mosaic_kernel_ring_has_no_races_in_interpreter(monkeypatch):
-  """The interpreter's race detector on runs that cross sequences, paged (four TMA copies a
-  tile): the producer's refills of a slot never overlap the consumer's zeroing of V rows in
-  it. It sees shared-memory writes and TMA copies, not wgmma operand reads."""
-  monkeypatch.setattr(common, "interpret_params",
-                      lambda interpret: plgpu.InterpretGPUParams(detect_races=True))
+def test_mosaic_kernel_ring_has_no_races_in_interpreter(race_detector):
+  """The interpreter's race detector, with wgmma operand reads (tests/race_detection.py), on
+  runs that cross sequences, paged (four TMA copies a tile): the producer's refills of a slot
+  never overlap the consumer's zeroing of V rows in it nor its products reading the slot."""
   case = DecodeCase(seqlens=(50, 0, 64, 0, 10, 640), num_heads=4, num_kv_heads=1, head_dim=64,
                     capacity=640, page_size=16, dtype=jnp.float16)
   check_decode("mosaic", case, seed=case_seed(case), num_splits=1, config=INTERPRET)
-  found = gpu_callbacks.get_races().races_found  # the last Mosaic GPU kernel's
-  assert not found, "the interpreter's race detector reported a race (printed above)"
+  assert race_detector.states and race_detector.wgmma_reads
+  assert not any(race_detector.races), "the race detector reported a race (printed above)"
 
 
 @pytest.mark.parametrize("paged,num_splits", [(False, 1), (True, None)])
