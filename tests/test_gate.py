@@ -56,11 +56,13 @@ class GateCall:
   dtype: str = "bfloat16"
   features: tuple[str, ...] = ()  # segments lengths window softcap deterministic alibi
   #                                  dropout bias mask block_mask
+  value_head_dim: int = 0  # 0: head_dim
 
   @property
   def id(self) -> str:
     out = (f"b{self.batch}_t{self.q_len}_s{self.kv_len}_h{self.heads}:{self.kv_heads}"
-           f"_d{self.head_dim}_{self.dtype}" + ("_causal" if self.causal else ""))
+           f"_d{self.head_dim}" + (f"v{self.value_head_dim}" if self.value_head_dim else "")
+           + f"_{self.dtype}" + ("_causal" if self.causal else ""))
     return "-".join((out, *self.features))
 
   def specs(self):
@@ -68,6 +70,7 @@ class GateCall:
     dt = jnp.dtype(self.dtype)
     q = jax.ShapeDtypeStruct((self.batch, self.q_len, self.heads, self.head_dim), dt)
     kv = jax.ShapeDtypeStruct((self.batch, self.kv_len, self.kv_heads, self.head_dim), dt)
+    v = jax.ShapeDtypeStruct((*kv.shape[:3], self.value_head_dim or self.head_dim), dt)
     i32 = jnp.int32
     arrays = {}
     if "segments" in self.features:
@@ -84,7 +87,7 @@ class GateCall:
       arrays["dropout_rng"] = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
     if "mask" in self.features:
       arrays["mask"] = jax.ShapeDtypeStruct((self.batch, 1, self.q_len, self.kv_len), jnp.bool_)
-    return q, kv, kv, arrays
+    return q, kv, v, arrays
 
   def static_kwargs(self) -> dict:
     kw: dict = {"is_causal": self.causal}
@@ -108,13 +111,15 @@ class GateCall:
 
 
 def config_grid() -> list[GateCall]:
-  """Mosaic: every head dim x causal x key length x batch x feature; Triton: the head dims and
-  dtypes it alone runs on an H200, and the features the Mosaic kernels leave to it."""
+  """Mosaic: every head dim (and MLA's 192 / 128) x causal x key length x batch x feature;
+  Triton: the head dims and dtypes it alone runs on an H200, and the features the Mosaic
+  kernels leave to it."""
   calls = []
-  for d, causal, s, b, feat in itertools.product(
-      (64, 128, 256), (False, True), (1024, 2048, 4096, 5000, 8192, 16384, 131072),
-      (1, 2, 8, 16, 32), ((), ("segments",), ("window",), ("softcap",), ("deterministic",))):
-    calls.append(GateCall(b, s, s, 8, 4, d, causal, features=feat))
+  for (d, dv), causal, s, b, feat in itertools.product(
+      ((64, 0), (80, 0), (96, 0), (128, 0), (192, 0), (192, 128), (256, 0)), (False, True),
+      (1024, 2048, 4096, 5000, 8192, 16384, 131072), (1, 2, 8, 16, 32),
+      ((), ("segments",), ("window",), ("softcap",), ("deterministic",))):
+    calls.append(GateCall(b, s, s, 8, 4, d, causal, features=feat, value_head_dim=dv))
   for d, dtype, causal, feat in itertools.product(
       (64, 96, 128, 256), ("bfloat16", "float32"), (False, True),
       ((), ("alibi",), ("dropout",), ("bias",), ("mask",), ("softcap", "dropout"),
@@ -205,8 +210,12 @@ KERNEL_CALLS = [
     GateCall(1, 1000, 700, 4, 4, 256),
     GateCall(1, 1000, 1000, 4, 2, 256, True, features=("segments",)),
     GateCall(1, 2048, 2048, 4, 4, 256, True, features=("softcap",)),
-    # The Triton kernels: head dims, dtypes and features the Mosaic kernels do not take.
+    # Head dim 96 (the split backward at 96 where 128 takes the fused one) and MLA's 192 / 128
+    # (V at 128).
     GateCall(2, 1000, 1000, 8, 4, 96, True),
+    GateCall(4, 4096, 4096, 32, 32, 96),
+    GateCall(2, 2048, 2048, 8, 2, 192, True, value_head_dim=128),
+    # The Triton kernels: dtypes and features the Mosaic kernels do not take.
     GateCall(2, 1024, 1024, 8, 8, 128, True, features=("alibi", "dropout")),
     GateCall(2, 512, 512, 4, 4, 64, features=("bias",)),
     GateCall(1, 1024, 1024, 4, 4, 64, features=("block_mask",)),
@@ -288,6 +297,7 @@ def fingerprint(call: GateCall) -> dict:
   """{"kernels": [kind:sha, ...] in lowering order, "glue": sha} of the forward and the
   gradient (a vjp with a cotangent input) of `call` with implementation=None, on an H200."""
   q, k, v, arrays = call.specs()
+  do = jax.ShapeDtypeStruct((*q.shape[:3], v.shape[3]), q.dtype)
   static = call.static_kwargs()
 
   def fwd_bwd(q, k, v, do, arrays):
@@ -298,7 +308,7 @@ def fingerprint(call: GateCall) -> dict:
   kernels: list = []
   with _captured_kernels(kernels), use_abstract_mesh(H200):
     exported = jax.export.export(jax.jit(fwd_bwd), platforms=["cuda"],
-                                 disabled_checks=[TRITON_CALL])(q, k, v, q, arrays)
+                                 disabled_checks=[TRITON_CALL])(q, k, v, do, arrays)
   return {"kernels": [f"{kind}:{_sha(_normalised_kernel(t))}" for kind, t in kernels],
           "glue": _sha(_glue(exported))}
 
