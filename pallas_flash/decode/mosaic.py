@@ -323,10 +323,7 @@ def _step(q_smem, p_smem, ring: _Ring, j, carry, *, q_pos, n, g0, masked: bool,
       visible &= keys >= pos - prm.window
     s = jnp.where(visible, s, -jnp.inf)
   # m starts at the finite MASK_VALUE, so -inf scores give 0.
-  m_new = jnp.maximum(m, s.max(axis=1) * p.c)
-  alpha = jnp.exp2(m - m_new)
-  probs = jnp.exp2(s * p.c - lax.broadcast_in_dim(m_new, s.shape, [0]))
-  l = l * alpha + probs.sum(axis=1)
+  probs, m_new, l, alpha = common.online_softmax(s, m, l, p.c)
   probs = probs.astype(p.dtype)
   acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
   plgpu.barrier_wait(ring.v_full.at[slot])

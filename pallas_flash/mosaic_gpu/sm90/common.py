@@ -147,6 +147,22 @@ def early_probs(kp: KernelParams, *, dense, sparse) -> bool:
               or kp.softcap is not None or dense is not None or sparse is not None)
 
 
+def online_softmax(s, m, l, c, *, log2_scale: int = 0):
+  """Online softmax (FA2 Alg. 1) of one score tile s [rows, cols] f32 in log2 units: the
+  forward's, the FP8 forward's and the decode kernel's step.
+
+  m, l [rows]: running row max (c-scaled log2 units) and row sum; c: the scores' factor to log2
+  units (None: s is in them already). Returns (P = 2^log2_scale · exp2(s·c − m_new) float32,
+  m_new, l_new, alpha), alpha = exp2(m − m_new) being the factor that brings O from m to m_new.
+  log2_scale: the FP8 forward's exact power-of-two factor on P (l then sums the scaled P)."""
+  scaled = (lambda x: x) if c is None else (lambda x: x * c)
+  m_new = jnp.maximum(m, scaled(s.max(axis=1)))
+  alpha = jnp.exp2(m - m_new)
+  p = jnp.exp2(scaled(s) - lax.broadcast_in_dim(m_new - log2_scale if log2_scale else m_new,
+                                                s.shape, [0]))
+  return p, m_new, l * alpha + p.sum(axis=1), alpha
+
+
 def soft_cap(s, kp: KernelParams):
   """Raw scores s = Q·Kᵀ [rows, cols] f32 through logits_soft_cap c: (c/scale)·tanh(s·scale/c),
   the capped logit c·tanh(s·scale/c) still in raw-score units, so that the softmax after it

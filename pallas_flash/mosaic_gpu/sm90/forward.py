@@ -500,20 +500,6 @@ def _q_operand(q_smem, kp: common.KernelParams):
   return q_smem
 
 
-def _softmax(s, m, l, kp: common.KernelParams):
-  """Online softmax (FA2 Alg. 1) of one score tile s [block_q, block_kv] f32.
-
-  m, l [block_q]: running row max (scaled log2 units) and row sum. Returns (p [block_q,
-  block_kv] float32, m_new, l_new, alpha), alpha = exp2(m - m_new) being the factor that brings
-  O from m to m_new. p stays float32: the caller converts it once no wgmma reads P any more.
-  """
-  m_new = jnp.maximum(m, s.max(axis=1) * kp.c)
-  alpha = jnp.exp2(m - m_new)
-  p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(m_new, s.shape, [0]))
-  l = l * alpha + p.sum(axis=1)
-  return p, m_new, l, alpha
-
-
 def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers, *, q0,
                         steps, kp: common.KernelParams, base=None, kv0=0, slope=None,
                         drop_keys=None, drop_rows=None, dense=None,
@@ -560,7 +546,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
       s = jnp.where(sparse.mask(q0, col0, (bq, bkv), kp.kv_len, kp.kv_tail), s, -jnp.inf)
     elif masked:
       s = jnp.where(common.visible(q0, col0, (bq, bkv), kp), s, -jnp.inf)
-    p, m, l, alpha = _softmax(s, m, l, kp)
+    p, m, l, alpha = common.online_softmax(s, m, l, kp.c)
     if drop_keys is not None:  # after l: l sums every probability, P·V takes the kept ones
       cols = drop_cols(j) if cols is None else cols
       p = jnp.where(common.dropout_keep(drop_rows, cols, p.shape, kp), p, 0.0)

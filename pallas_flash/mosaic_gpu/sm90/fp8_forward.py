@@ -144,7 +144,8 @@ def _kv_loop(q_smem, k_scratch, vt_scratch, p_smem, bars: common.KvBarriers, *, 
         col0 = (kv0 + j) * bkv
         ids = None if seg_ids is None else seg_ids(col0)
         s = jnp.where(_segment_path_mask(q0, col0, (bq, bkv), kp, ids), s, -jnp.inf)
-      p, m_new, l, alpha = _softmax(s, m, l, factor)
+      p, m_new, l, alpha = common.online_softmax(s, m, l, factor,
+                                                   log2_scale=P_SCALE_LOG2)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p8 = p_operand(p, kp)
       acc, l, m_new, p8 = lax.optimization_barrier((acc, l, m_new, p8))
@@ -228,17 +229,6 @@ def _capped_logits(s, c, kp: common.KernelParams):
     return s, c
   cap = kp.softcap * LOG2E
   return jnp.tanh(s * (c * (1.0 / cap))) * cap, None
-
-
-def _softmax(s, m, l, c):
-  """Online softmax of one score tile s [block_q, block_kv] f32 -> (P = 2⁸·exp2(s·c − m_new)
-  float32, m_new, l_new, alpha = exp2(m − m_new)); m in c-scaled log2 units (c None: s is
-  in log2 units already)."""
-  scaled = (lambda x: x) if c is None else (lambda x: x * c)
-  m_new = jnp.maximum(m, scaled(s.max(axis=1)))
-  alpha = jnp.exp2(m - m_new)
-  p = jnp.exp2(scaled(s) - lax.broadcast_in_dim(m_new - P_SCALE_LOG2, s.shape, [0]))
-  return p, m_new, l * alpha + p.sum(axis=1), alpha
 
 
 def _kernel(q_ref, k_ref, vt_ref, scales_ref, o_ref, lse_ref, q_scratch, k_scratch,
