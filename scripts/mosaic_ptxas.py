@@ -101,8 +101,9 @@ VARIANTS = {
     "bwd_dropout": ("fwdbwd", False, dict(dropout=0.1)),
     "bwd_dropout_causal": ("fwdbwd", True, dict(dropout=0.1)),
     # A value head dim of 128 (MLA's, beside --shape's D of 192): V, O and dO zero-padded to D
-    # (`mla`, what a default config runs) or at their own width (`mla_native`: the config field
-    # native_value_head_dim). `value_head_dim` is not a config field.
+    # (`mla`: the tuned config, whose native_value_head_dim is off) or at their own width
+    # (`mla_native`: the field on, what default_config sets). `value_head_dim` is not a config
+    # field.
     "fwd_mla": ("fwd", False, dict(value_head_dim=128)),
     "fwd_mla_causal": ("fwd", True, dict(value_head_dim=128)),
     "bwd_mla": ("fwdbwd", False, dict(value_head_dim=128)),
