@@ -450,10 +450,10 @@ def run_features(opts, dtype, on_rows=lambda rows: None) -> list[dict]:
     impl, chosen, attn, rerun = _our_call(case, forced)
     if impl is None:
       how = _explain(case)
-      reason = (how.reasons_when_named.get(forced) if forced
-                else "explain() finds no implementation") or (
-                    f"its MosaicConfig fields go on implementation=None's config, which is "
-                    f"{how.chosen}'s here")
+      # _our_call runs a forced implementation unless it names a reason, and the automatic
+      # pick unless there is none.
+      reason = (how.reasons_when_named[forced] if forced
+                else "explain() finds no implementation")
       return impl, chosen, _fields("skip", reason), None
     return (impl, chosen, *_prepare(case, attn, rerun=rerun))
 
