@@ -205,7 +205,7 @@ KERNEL_CALLS = [
     GateCall(16, 1024, 1024, 16, 16, 64),
     GateCall(4, 4096, 4096, 32, 32, 64, True),
     GateCall(2, 1000, 1000, 8, 2, 64, True, features=("lengths",)),
-    # head dim 256: its own backward kernels; a soft cap's backward runs the Triton kernels.
+    # head dim 256: its own backward kernels (a soft cap's slope handed over with Pᵀ).
     GateCall(4, 4096, 4096, 8, 8, 256, True),
     GateCall(1, 1000, 700, 4, 4, 256),
     GateCall(1, 1000, 1000, 4, 2, 256, True, features=("segments",)),

@@ -48,14 +48,13 @@ KERNELS = {9: (sm90_forward.forward, sm90_backward.backward)}
 MEASURED_HEAD_DIMS = frozenset({(64, 64), (80, 80), (96, 96), (128, 128), (192, 192),
                                 (192, 128), (256, 256)})
 # Optional features (pallas_flash.call.FEATURES) the kernels take; calls with any other run
-# elsewhere. The soft cap's backward at head dims 192 and 256 runs the Triton kernels. ALiBi's
-# -slope·|i - j| is added to each score tile in the kernels (sm90/common.alibi), and so are the
-# dense bias and mask ([B|1, H|1, T, S] tiles loaded by each kernel, sm90/dense.py; head dims up
-# to 128, the split backward). Dropout's keep mask is formed in the forward and the split
-# backward kernels from pallas_flash.dropout's row and column keys (sm90/common.dropout_keep:
-# bitwise every backend's mask), in every kernel but the fused backward (calls with dropout
-# take the split backward). A block mask's tables become the kernels' per-tile lists of
-# blocks (sm90/block_mask.py).
+# elsewhere. ALiBi's -slope·|i - j| is added to each score tile in the kernels
+# (sm90/common.alibi), and so are the dense bias and mask ([B|1, H|1, T, S] tiles loaded by
+# each kernel, sm90/dense.py; head dims up to 128, the split backward). Dropout's keep mask is
+# formed in the forward and the split backward kernels from pallas_flash.dropout's row and
+# column keys (sm90/common.dropout_keep: bitwise every backend's mask), in every kernel but the
+# fused backward (calls with dropout take the split backward). A block mask's tables become the
+# kernels' per-tile lists of blocks (sm90/block_mask.py).
 SUPPORTED_FEATURES = frozenset({"logits_soft_cap", "local_window_size", "alibi_slopes", "bias",
                                 "mask", "dropout", "block_mask"})
 # The forward adds attention sinks in its epilogue (sm90/forward._store_tile): the API passes

@@ -194,7 +194,7 @@ def test_bias_and_mask(case):
 # each default form (hd64 persistent at 1K, split tail at 4K, causal; hd128 persistent
 # overlapped at 2K, 192-key tiles at 8K where a plain call takes the fused backward, causal),
 # GQA, odd lengths, segment ids, a window with a soft cap, ALiBi, and head dim 256 (its
-# role-split dK/dV kernel; with a soft cap the Triton backward); against the reference with
+# role-split dK/dV kernel, with a soft cap too); against the reference with
 # the same seed, and bitwise reproducible.
 DROPOUT_CASES = [
     _case(4, 2048, 2048, 8, 2, 128, True, features=("dropout",)),
@@ -219,7 +219,7 @@ def test_dropout(case):
 # Attention sinks, added in the forward kernels' epilogue (dsinks from the backward's delta):
 # the training shape causal and not (the fused backward at 4K non-causal), head dim 64 and 256
 # with GQA, lengths (rows that see no key: lse = the sink), segment ids with ALiBi, a window
-# with a soft cap (at head dim 256 the Triton backward kernels), and the persistent and
+# with a soft cap (at head dim 256 hd256.py's backward), and the persistent and
 # split-tail forwards.
 SINKS_CASES = [
     _case(4, 2048, 2048, 8, 2, 128, True, features=("sinks",)),
@@ -255,7 +255,7 @@ def test_sinks_forms(name, changes, case):
 # fused backward, which the non-causal training shape takes, zero-padded to 128), 192 (its own
 # kernels: the forward at 64-key tiles, hd256.py's backward) and MLA's 192 / 128 (V padded to
 # 192), by name (not yet the automatic choice): the training shape with GQA, causal and not,
-# then segment ids and a soft cap (at 192 the Triton backward kernels) on ragged lengths, and
+# then segment ids and a soft cap (at 192 hd256.py's backward) on ragged lengths, and
 # 96 past MEDIUM_KV_LEN keys (192-key forward tiles, a key tail, the split backward).
 HEAD_DIM_CASES = [
     *(_case(2, 2048, 2048, 8, 2, d, causal, value_head_dim=dv)
@@ -276,7 +276,7 @@ def test_head_dims(case):
 
 # MosaicConfig.native_value_head_dim (the default for these pairs) on MLA's 192 / 128 (V, O, dO
 # and dV at 128 columns in the forward and hd256.py's backward): the training shape with GQA,
-# causal and not; ragged causal with segment ids; a soft cap (the Triton backward, given V at
+# causal and not; ragged causal with segment ids; a soft cap (hd256.py's backward, given V at
 # 128); 256 / 128 and 192 / 64 (other pairs it takes); the tuned configs with the field set.
 # Each also bitwise reproducible, and within the tolerance of the V-padded form's results.
 NATIVE_VALUE_CASES = [

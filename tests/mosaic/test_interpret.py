@@ -78,7 +78,7 @@ FEATURES = [
     _slow(_case(190, 130, d=256, kh=2, is_causal=True, segments=True)),
     _slow(_case(200, 200, d=128, segments=True, features=("window_left",))),
     _case(190, 130, is_causal=True, lengths=True, features=("softcap", "window")),
-    # Head dim 256 with a soft cap: the Triton backward kernels, interpreted.
+    # Head dim 256 with a soft cap: hd256.py's dS role takes Pᵀ times the cap's slope.
     _case(130, 130, d=256, features=("softcap",)),
     _slow(_case(200, 200, h=2, kh=2, features=("unsorted_segments",))),
 ]
@@ -190,7 +190,7 @@ def test_sinks_on_rows_that_see_no_key():
 # output, lse and dq, dk, dv against the reference with the same seed. Causal GQA on ragged
 # lengths runs in the suite; the other forward forms, head dim 128's overlapped loop, the split
 # tail, the persistent kernel, features together and head dim 256 (its role-split dK/dV kernel
-# forms the mask in both roles; with a soft cap the Triton backward) with -m slow
+# forms the mask in both roles; with a soft cap too) with -m slow
 # (tests/mosaic/test_gpu.py -k dropout runs the defaults on the GPU).
 DROPOUT = [
     ("plain", _config(), _case(130, 100, h=4, kh=2, is_causal=True, features=("dropout",))),
@@ -346,7 +346,7 @@ NATIVE_VALUE = [
           _case(384, 192, h=3, d=192, value_head_dim=128)),
     _slow("grid", _native(), _case(200, 200, kh=2, d=192, value_head_dim=128, is_causal=True,
                                    segments=True)),
-    # A soft cap at D > 128: the Triton backward kernels (interpreted), given V at 128.
+    # A soft cap at D > 128 (hd256.py's kernels), given V at 128.
     _slow("grid", _native(), _case(130, 130, kh=1, d=192, value_head_dim=128,
                                    features=("softcap",))),
     _slow("grid", _native(), _case(130, 190, kh=1, d=192, value_head_dim=128, is_causal=True,

@@ -84,7 +84,8 @@ _PERSISTENT = _config(fwd_persistent=True, fwd_intra_wg_overlap=True,
 # (the plain, overlapped, persistent and split-tail forwards, the split and fused backward, head
 # dim 256, the dense bias and mask, dropout, block masks), then the one not yet run there: the
 # native value head dim (forward, dQ and hd256.py's role-split dK/dV kernel, which with Dv < D
-# stores dV through V's tile and dK through K's). Each 5-10 s here.
+# stores dV through V's tile and dK through K's) and hd256.py's soft cap (its interpreted "P"
+# role stages dV's operand through the Pᵀ slot before the tile it hands over). Each 5-10 s here.
 FORMS = [
     ("plain", _config(), _case(130, 190, is_causal=True), None),
     ("overlap", _OVERLAP, _case(200, 200, kh=2, is_causal=True), None),
@@ -109,6 +110,8 @@ FORMS = [
     # GQA 3:1 (persistent forward).
     ("native_persistent", _native(fwd_persistent=True, debug=dict(persistent_ctas=2)),
      _case(200, 200, h=3, d=192, value_head_dim=128), None),
+    ("softcap_hd256", _config(), _case(130, 190, kh=2, d=256, is_causal=True,
+                                       features=("softcap",)), None),
 ]
 
 

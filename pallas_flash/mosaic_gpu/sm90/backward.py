@@ -40,24 +40,6 @@ def split_kernel_params(q, k, params: AttentionParams, config: MosaicConfig, *, 
                stages=min(config.bwd_stages, t_pad // config.block_q_dkv)))
 
 
-def _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *,
-                     params: AttentionParams, config: MosaicConfig,
-                     arrays: FeatureArrays | None = None):
-  """The Triton backward kernels (Pallas' Triton lowering, on any GPU this backend runs on; in
-  its interpreter when the Mosaic kernels are interpreted), same contract, deterministic, for
-  the one call the Mosaic backward kernels do not take: a soft cap at head dims above 128
-  (hd256.py's dS warpgroup gets Pᵀ through shared memory, never Sᵀ, so it has no cap slope).
-  The Triton kernels read the same dropout keys (pallas_flash.dropout.key_tables), so with
-  dropout too their mask is the forward's.
-  """
-  from pallas_flash import triton as triton_backend
-  lse, delta = common.xla_row_stats(o, lse, do, delta)
-  triton_config = triton_backend.call_config(q.shape[3], q.dtype, params)
-  return triton_backend.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
-                                 config=triton_config, interpret=config.interpret,
-                                 arrays=arrays)
-
-
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionParams,
              config: MosaicConfig, arrays: FeatureArrays | None = None):
   """See pallas_flash.call for the contract (of `arrays` only the ALiBi slopes and the sinks
@@ -78,10 +60,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   assert v.shape[3] == d or d > 128, "a value head dim of its own: the kernels of D > 128 only"
   slopes = common.raw_alibi_slopes(arrays, params)
   full_delta = None  # rowsum(dO∘O) - dlse, where the split kernels return it
-  if d > 128 and params.logits_soft_cap is not None:
-    grads = _triton_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
-                             config=config, arrays=arrays)
-  elif d > 128:  # 192 or 256
+  if d > 128:  # 192 or 256
     grads = hd256.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, params=params,
                            config=config, slopes=slopes, arrays=arrays)
   elif config.fused_backward and (reason := _fused_reason(q, params, config)) is None:
@@ -96,7 +75,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
                                          arrays=arrays)
   if not params.has_sinks:
     return tuple(grads)
-  if full_delta is None:  # XLA's, as the Triton and head-dim-256 paths compute it (CSE'd)
+  if full_delta is None:  # XLA's, as the head-dim-256 path computes it (CSE'd)
     _, full_delta = common.xla_row_stats(o, lse, do, delta)
   return (*grads, merge.sinks_grad(arrays.sinks, lse, full_delta))
 

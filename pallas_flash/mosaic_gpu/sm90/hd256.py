@@ -8,7 +8,9 @@ warpgroup through a two-slot shared-memory buffer; the "dS" warpgroup holds dK, 
 dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − δ) and dK += dSᵀ·Q. Each product is computed once (4 per tile
 pair, as the head-dim-128 kernel's), each warpgroup holds one 128-register accumulator, the "P"
 warpgroup needs only K and the "dS" warpgroup only V. dSᵀ uses the 16-bit Pᵀ (the split kernel
-at D <= 128 uses float32 Pᵀ), which adds one 16-bit rounding to dSᵀ before its own.
+at D <= 128 uses float32 Pᵀ), which adds one 16-bit rounding to dSᵀ before its own. With a soft
+cap the "P" warpgroup hands over Pᵀ times the cap's slope 1 − tanh² instead (the raw scores'
+dSᵀ is the capped ones' times it), so the "dS" warpgroup still needs no Sᵀ.
 
 The dQ kernel is dq.py's, with two K slots and one V slot (see DQ_K_STAGES) and the row
 statistics from XLA. Segment ids (and lengths, folded into them): as in the split kernels, a
@@ -61,13 +63,14 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
   Grid over (Sp / block_kv, K, B) in the backward's launch order; dk_ref [B, Sp, K, D], dv_ref
   [B, Sp, K, Dv]. k_smem [block_kv, D], v_smem [block_kv, Dv], q_scratch [stages, block_q, D],
   do_scratch [stages, block_q, Dv], lse/delta_scratch [stages, block_q], p_scratch
-  [2, block_kv, block_q] (Pᵀ from WG 0 to WG 1, slot t % 2 at step t; p_ready / p_free [2] hand each
-  slot over and back), st_scratch [block_kv, block_q] (dSᵀ staging, interpret only). Steps run over
-  (q block, query head) with the head minor, from the first q block that sees the keys. seg: the
-  keys' and queries' segment ids and per kv tile the hull of q blocks that may share an id with
-  it (the split dK/dV kernel's); the CTA streams only those and masks every step. slopes:
-  ALiBi's common.raw_alibi_slopes [H] (GMEM) or None; only the "P" role, which forms Pᵀ,
-  adds it (dSᵀ needs no change: ALiBi is a constant per score). keys: dropout's row and
+  [2, block_kv, block_q] (Pᵀ, with a soft cap times its slope, from WG 0 to WG 1, slot t % 2 at
+  step t; p_ready / p_free [2] hand each slot over and back), st_scratch [block_kv, block_q]
+  (dSᵀ staging, interpret only). Steps run over (q block, query head) with the head minor, from
+  the first q block that sees the keys. seg: the keys' and queries' segment ids and per kv tile
+  the hull of q blocks that may share an id with it (the split dK/dV kernel's); the CTA streams
+  only those and masks every step. slopes: ALiBi's common.raw_alibi_slopes [H] (GMEM) or None;
+  only the "P" role, which forms Pᵀ, adds it (dSᵀ needs no change: ALiBi is a constant per
+  score). keys: dropout's row and
   column keys (common.dropout_keys) or None: both roles form the keep mask, the "P" role for
   dV += (kept Pᵀ)·dO (scaled by 1 / (1 - rate) at the end), the "dS" role for the kept, scaled
   dPᵀ; the Pᵀ handed over is the undropped one, which dSᵀ takes.
@@ -124,6 +127,7 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
       drop = drop_at(t)  # as do the queries' dropout keys
       q_smem, do_smem = kv_stream.wait_streams(streams, slot)
       s_t = common.smem_matmul(k_smem, q_smem.T, (bkv, bq))
+      s_t, slope = common.soft_cap_with_slope(s_t, kp)
       if bias is not None:
         s_t = bias(s_t)
       lse = plgpu.load(lse_scratch.at[slot], layout=common.COL)
@@ -134,20 +138,24 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
                                     ids=ids and ids(t))
         p_t = jnp.where(visible, p_t, 0.0)
       p16 = p_t.astype(kp.dtype)
+      # What the dS role takes: Pᵀ, times the soft cap's slope where there is one (the raw
+      # scores' dSᵀ = Pᵀ∘slope∘(dPᵀ − δ)), so that role never needs Sᵀ.
+      handed = p16 if slope is None else (p_t * slope).astype(kp.dtype)
       p_smem = p_scratch.at[pslot]
       # The slot's previous Pᵀ (two steps ago) must have been read by the dS role, which
       # released both slots once before its first step.
       plgpu.barrier_wait(p_free.at[pslot])
       kept = lambda: kv_stream.dropped(  # noqa: E731  dV's operand with dropout: the kept Pᵀ
           p_t, kv_stream.dropout_keep_t(drop, p_t.shape, kp)).astype(kp.dtype)
-      if kp.interpret and drop is not None:  # dV from the kept Pᵀ through the slot first
-        p_smem[...] = kept()
+      # Interpret: dV's operand through the slot first where it is not the handed-over tile.
+      if kp.interpret and (drop is not None or slope is not None):
+        p_smem[...] = p16 if drop is None else kept()
         plgpu.commit_smem()
         dv = dv + common.smem_matmul(p_smem, do_smem, dv.shape)
-      p_smem[...] = p16
+      p_smem[...] = handed
       plgpu.commit_smem()
       plgpu.barrier_arrive(p_ready.at[pslot])
-      if kp.interpret and drop is None:  # Pᵀ is in shared memory already: SMEM operands
+      if kp.interpret and drop is None and slope is None:  # SMEM operands: Pᵀ is there
         dv = dv + common.smem_matmul(p_smem, do_smem, dv.shape)
       elif not kp.interpret:  # the kept Pᵀ formed once the handed-over one is stored
         dv = common.accumulate(dv, p16 if drop is None else kept(), None, do_smem, kp)
@@ -293,9 +301,6 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   S] int32 or None, lse as the forward returned it, delta the correction -dlse or None
   (backward.py's contract), slopes () or ALiBi's (common.raw_alibi_slopes [H],), of `arrays` only
   the dropout seed is read -> (dq, dk, dv)."""
-  if params.logits_soft_cap is not None:
-    raise ValueError("the head-dim-256 backward has no soft cap (its dS warpgroup never sees "
-                     "Sᵀ); backward.backward sends capped calls to the Triton kernels")
   t, s = q.shape[1], k.shape[1]
   t_pad, s_pad = padded_lengths(t, s)
   kp_dq, kp_dkdv = kernel_params(q, k, params, config, t_pad=t_pad, s_pad=s_pad,
