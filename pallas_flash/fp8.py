@@ -114,10 +114,14 @@ def _quantize_one(x, block) -> tuple[jax.Array, jax.Array]:
     xb = jnp.pad(jnp.abs(x), pad).reshape(*x.shape[:-3], blocks, block, *x.shape[-2:])
     amax = jnp.max(xb, axis=(-3, -1))  # [*B, blocks, heads]
   scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-  # Clip: e4m3fn has no infinity, and a quotient rounding just above 448 would become NaN.
-  scaled = jnp.clip(x / _broadcast_scale(scale, x.shape, block if block != "head" else None),
-                    -E4M3_MAX, E4M3_MAX)
-  return scaled.astype(E4M3), scale
+  return to_e4m3(x, _broadcast_scale(scale, x.shape, block if block != "head" else None)), scale
+
+
+def to_e4m3(x, scale) -> jax.Array:
+  """e4m3 of float32(x) / scale (broadcasting), rounded to nearest and clipped to ±E4M3_MAX:
+  e4m3fn has no infinity, and a quotient rounding just above 448 would become NaN. The inverse
+  of `dequantize` up to e4m3's rounding."""
+  return jnp.clip(x.astype(jnp.float32) / scale, -E4M3_MAX, E4M3_MAX).astype(E4M3)
 
 
 def hadamard_rotation(head_dim: int, key: jax.Array | None = None) -> jax.Array:

@@ -12,6 +12,7 @@ import numpy as np
 from testing import assert_close_to_ref, export_for_h200, tolerance
 
 import pallas_flash
+from pallas_flash import fp8
 
 # A page-table entry past the pages a sequence uses: never a valid page, must be ignored.
 GARBAGE_PAGE = 1 << 20
@@ -32,7 +33,8 @@ class DecodeCase:
   window: int | None = None
   softcap: float | None = None
   rotary: float | str | None = None  # a base period, or "tables"
-  dtype: type = jnp.float32
+  dtype: type = jnp.float32  # the query's (and the caches', unless fp8)
+  fp8: str | None = None  # float8_e4m3fn caches with kv_descale per "tensor" or per kv "head"
 
   @property
   def batch(self) -> int:
@@ -43,7 +45,7 @@ class DecodeCase:
     parts = [(f"b{self.batch}_t{self.q_len}_h{self.num_heads}:{self.num_kv_heads}"
               f"_d{self.head_dim}_L{self.capacity}"), jnp.dtype(self.dtype).name]
     for name, on in (("page", self.page_size), ("append", self.append), ("win", self.window),
-                     ("cap", self.softcap), ("rope", self.rotary)):
+                     ("cap", self.softcap), ("rope", self.rotary), ("fp8", self.fp8)):
       if on:
         parts.append(name if on is True else f"{name}{on}")
     return "-".join(parts)
@@ -55,7 +57,9 @@ def case_seed(case: DecodeCase) -> int:
 
 def make_decode_inputs(case: DecodeCase, seed: int = 0):
   """(query, key_cache, value_cache, cache_seqlens, kwargs) with NaN in every cache slot no
-  sequence holds (before the append) and garbage in unused page-table entries."""
+  sequence holds (before the append) and garbage in unused page-table entries. With case.fp8
+  the caches are float8_e4m3fn (NaN stays NaN), quantised with kwargs["kv_descale"] mapping
+  max |x| (per tensor or per kv head) to 448."""
   rng = np.random.default_rng(seed)
   b, t, kh, d, cap = case.batch, case.q_len, case.num_kv_heads, case.head_dim, case.capacity
   lens = np.asarray(case.seqlens, np.int32)
@@ -99,9 +103,16 @@ def make_decode_inputs(case: DecodeCase, seed: int = 0):
                                                                            jnp.float32))
   elif case.rotary is not None:
     kwargs["rotary"] = case.rotary
-  arrays = (jnp.asarray(q, case.dtype), jnp.asarray(k_cache, case.dtype),
-            jnp.asarray(v_cache, case.dtype), jnp.asarray(lens))
-  return (*arrays, kwargs)
+  if case.fp8 is None:
+    k_cache, v_cache = jnp.asarray(k_cache, case.dtype), jnp.asarray(v_cache, case.dtype)
+  else:
+    axes = (0, 1, 3) if case.fp8 == "head" else None
+    descale = tuple(jnp.asarray(np.nanmax(np.abs(x), axis=axes) / 448.0, jnp.float32)
+                    for x in (logical_k, logical_v))
+    k_cache, v_cache = (fp8.to_e4m3(x, jnp.broadcast_to(s, (kh,))[:, None])
+                        for x, s in zip((k_cache, v_cache), descale))
+    kwargs["kv_descale"] = descale
+  return jnp.asarray(q, case.dtype), k_cache, v_cache, jnp.asarray(lens), kwargs
 
 
 def fill_page_table(table: jax.Array, num_pages: int) -> jax.Array:
@@ -125,7 +136,8 @@ def check_decode(impl: str, case: DecodeCase, *, seed: int = 0, **call_kwargs) -
   q, kc, vc, lens, kwargs = make_decode_inputs(case, seed)
   got = pallas_flash.decode_attention(q, kc, vc, lens, return_residuals=True,
                                       implementation=impl, **kwargs, **call_kwargs)
-  up = [x.astype(jnp.float32) for x in (q, kc, vc)]
+  # FP8 caches stay e4m3: the reference dequantises them with kv_descale.
+  up = [x if x.dtype == fp8.E4M3 else x.astype(jnp.float32) for x in (q, kc, vc)]
   want = pallas_flash.decode_reference(*up, lens, **_upcast(kwargs))
   tol = tolerance(case.dtype)
   assert got[0].dtype == q.dtype and got[0].shape == q.shape
@@ -133,29 +145,34 @@ def check_decode(impl: str, case: DecodeCase, *, seed: int = 0, **call_kwargs) -
   assert_close_to_ref("lse", got[1], want[1], max(tol, 1e-5))
   if case.append:
     for name, x, ref in zip(("key_cache", "value_cache"), got[2:], want[2:]):
-      assert x.shape == ref.shape and x.dtype == q.dtype
-      # The new tokens land in the cache dtype (rotated in float32, then rounded).
-      assert_close_to_ref(name, x, ref, 0.0 if case.rotary is None else tol)
+      assert x.shape == ref.shape and x.dtype == kc.dtype
+      # The new tokens land in the cache dtype (rotated in float32, then rounded: e4m3 has a
+      # 2**-3 step, which a float32 rounding difference may cross).
+      rounded = 0.0 if case.rotary is None else 0.125 if case.fp8 else tol
+      assert_close_to_ref(name, x.astype(jnp.float32), ref.astype(jnp.float32), rounded)
   else:
     assert len(got) == 2
 
 
 def lowered_for_h200(implementation: str, *, pool: tuple[int, int] | None, max_pages: int = 0,
-                     num_splits: int | None = None) -> str:
+                     num_splits: int | None = None, fp8_cache: bool = False) -> str:
   """The MLIR module of a decode call lowered for an H200: Llama-like heads (32 / 8, D 128),
   B 2, Tq 4 appended and rotated, a window and a soft cap; a contiguous cache of 1024 keys, or
-  with `pool` = (pages, page_size) a page pool read through a [2, max_pages] table."""
+  with `pool` = (pages, page_size) a page pool read through a [2, max_pages] table; bf16, or
+  with fp8_cache float8_e4m3fn caches (per kv head descales)."""
   b, h, kh, d = 2, 32, 8, 128
   q = jax.ShapeDtypeStruct((b, 4, h, d), jnp.bfloat16)
   new = jax.ShapeDtypeStruct((b, 4, kh, d), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((*pool, kh, d) if pool else (b, 1024, kh, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((*pool, kh, d) if pool else (b, 1024, kh, d),
+                            fp8.E4M3 if fp8_cache else jnp.bfloat16)
   table = jax.ShapeDtypeStruct((b, max_pages), jnp.int32) if pool else None
   lens = jax.ShapeDtypeStruct((b,), jnp.int32)
+  descale = dict(kv_descale=(jnp.full((kh,), 0.01), jnp.full((kh,), 0.02))) if fp8_cache else {}
 
   def f(q, kc, vc, lens, table, nk, nv):
     return pallas_flash.decode_attention(q, kc, vc, lens, page_table=table, new_key=nk,
                                          new_value=nv, rotary=1e4, logits_soft_cap=30.0,
                                          local_window_size=256, num_splits=num_splits,
-                                         implementation=implementation)
+                                         implementation=implementation, **descale)
 
   return export_for_h200(f, q, kv, kv, lens, table, new, new).mlir_module()

@@ -17,7 +17,7 @@ from jax.sharding import use_abstract_mesh
 from testing import H200, assert_close_to_ref, export_for_h200
 
 import pallas_flash
-from pallas_flash.decode import TritonDecodeConfig, XlaDecodeConfig
+from pallas_flash.decode import MosaicDecodeConfig, TritonDecodeConfig, XlaDecodeConfig
 from pallas_flash.flax.rotary import apply_rotary
 
 IMPLS = ["xla", "interpret"]
@@ -38,6 +38,12 @@ CASES = [
     # Rotary from tables over half the features; head_dim 48 (padded to 64 in the kernel).
     DecodeCase(seqlens=(50, 3), q_len=2, head_dim=48, capacity=80, append=True,
                rotary="tables"),
+    # FP8 caches (float8_e4m3fn, kv_descale): per kv head, a bf16 query, ragged lengths with 0
+    # and L_max and no append; per tensor, float16, paged with appends crossing pages (quantised
+    # into the cache), a window and a soft cap.
+    DecodeCase(seqlens=(0, 41, 100), q_len=1, capacity=100, dtype=jnp.bfloat16, fp8="head"),
+    DecodeCase(seqlens=(30, 0, 47), q_len=3, capacity=64, page_size=16, append=True,
+               window=20, softcap=5.0, dtype=jnp.float16, fp8="tensor"),
 ]
 
 
@@ -232,6 +238,8 @@ def _bad_inputs():
   table = kw["page_table"]
   nk = jnp.zeros((2, 2, 2, 32))
   contiguous = make_decode_inputs(DecodeCase(seqlens=(30, 10), q_len=2, capacity=64))[:4]
+  fp8_cache = tuple(x.astype(jnp.float8_e4m3fn) for x in (kc, vc))
+  fp8_nk = nk.astype(jnp.float8_e4m3fn)
   return [
       ("table rank", (q, kc, vc, lens), dict(page_table=table[0]), ValueError,
        r"`page_table` must have rank 2 \[batch, max_pages_per_seq\]"),
@@ -254,7 +262,28 @@ def _bad_inputs():
        r"`new_key` must have shape \(2, 2, 2, 32\)"),
       ("contiguous batch", (q, kc, vc, lens), {}, ValueError, "pass `page_table`"),
       ("dtypes", (q.astype(jnp.bfloat16), kc, vc, lens), dict(page_table=table), TypeError,
-       "share one dtype"),
+       "must have the query's dtype, or both be float8_e4m3fn"),
+      ("fp8 without kv_descale", (q, *fp8_cache, lens), dict(page_table=table), ValueError,
+       r"needs `kv_descale=\(key_descale, value_descale\)`"),
+      ("kv_descale shape", (q, *fp8_cache, lens),
+       dict(page_table=table, kv_descale=(jnp.ones(3), 1.0)), ValueError,
+       r"key_descale must have shape \(\) \(per tensor\) or \(2,\)"),
+      ("kv_descale value", (q, *fp8_cache, lens),
+       dict(page_table=table, kv_descale=(1.0, jnp.array(-1.0))), ValueError,
+       "value_descale must be finite and positive"),
+      ("kv_descale on bf16", (q, kc, vc, lens), dict(page_table=table, kv_descale=(1.0, 1.0)),
+       ValueError, "applies to float8_e4m3fn caches only"),
+      ("fp8 new_key", (q, *fp8_cache, lens),
+       dict(page_table=table, kv_descale=(1.0, 1.0), new_key=fp8_nk, new_value=fp8_nk),
+       TypeError, "`new_key` must have the query's dtype float32"),
+      ("mosaic fp8", (q.astype(jnp.bfloat16), *fp8_cache, lens),
+       dict(page_table=table, kv_descale=(1.0, 1.0), implementation="mosaic",
+            config=MosaicDecodeConfig(interpret=True)),
+       NotImplementedError, "an FP8 cache: the Mosaic decode kernel"),
+      ("flash fp8", (contiguous[0].astype(jnp.bfloat16),
+                     *(x.astype(jnp.float8_e4m3fn) for x in contiguous[1:3]), contiguous[3]),
+       dict(kv_descale=(1.0, 1.0), implementation="flash"),
+       NotImplementedError, "an FP8 cache: flash_attention's FP8 kernel takes FP8 queries"),
       ("num_splits", (q, kc, vc, lens), dict(page_table=table, num_splits=0), ValueError,
        "`num_splits` must be None"),
       ("config type", (q, kc, vc, lens), dict(page_table=table, implementation="xla",
@@ -315,6 +344,15 @@ def test_triton_kernel_lowers_for_h200(paged, num_splits):
   module = lowered_for_h200("triton", pool=(40, 64) if paged else None, max_pages=16,
                             num_splits=num_splits)
   assert module.count("xla.gpu.triton") == (1 if num_splits == 1 else 2)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_fp8_cache_lowers_for_h200(paged):
+  """FP8 caches on the Triton kernel for an H200 (e4m3 converted in the kernel): the same
+  launches as bf16 caches."""
+  module = lowered_for_h200("triton", pool=(40, 64) if paged else None, max_pages=16,
+                            fp8_cache=True)
+  assert module.count("xla.gpu.triton") == 2 and "f8E4M3FN" in module
 
 
 def test_attention_alone_is_one_or_two_kernels_on_h200():

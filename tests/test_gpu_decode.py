@@ -46,6 +46,11 @@ CASES = [
     # Chunked prefill: 1024 new tokens appended to a 31K cache (two 128-row tiles per token
     # block of the kernel at G = 4).
     DecodeCase(seqlens=(31744,), q_len=1024, capacity=32768, append=True, **_LLAMA),
+    # FP8 (e4m3) caches: per kv head at 32K ragged, paged; per tensor, appended and rotated.
+    DecodeCase(seqlens=_ragged(8, 32768, 8), capacity=32768, page_size=64, fp8="head",
+               **_LLAMA),
+    DecodeCase(seqlens=_ragged(4, 8192, 9, q_len=4), q_len=4, capacity=8192, append=True,
+               rotary=10_000.0, fp8="tensor", **_LLAMA),
 ]
 
 

@@ -12,7 +12,10 @@ lengths * K * D * itemsize) / time, and that bandwidth as a fraction of the copy
 each anchor cell gives its microseconds and our speed-up over it. `--impl` may also name
 decode_attention's kernels, "mosaic" (Hopper) and "triton", to time them side by side: the
 first implementation named is the column the others are compared with (`--impl
-mosaic,triton,cudnn --prefill no`).
+mosaic,triton,cudnn --prefill no`); and "ours_fp8": ours on float8_e4m3fn copies of the same
+caches (per-tensor descales, quantised once, untimed), checked against the reference on those
+copies, its bandwidth counted in e4m3 bytes (`--impl ours_fp8,ours --prefill no`: the ours
+cell's ratio is then FP8's speed-up over the bf16 cache).
 
 Chunked prefill rows: Tq new tokens (B = 1) against a 32K cache, end-aligned causal, in TFLOP/s
 (4 * H * D * visible pairs): ours (the default path: on Hopper from FLASH_SPLIT_MIN_Q_LEN
@@ -40,13 +43,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_flash
+from pallas_flash import fp8
 from pallas_flash.bench import checks, flops, timing
 
 # Our implementations (pallas_flash.decode_attention; "ours" = implementation=None) and the
 # anchors.
 # "mosaic" and "triton" name decode_attention's kernels, to time them side by side
 # (`--impl mosaic,triton,cudnn`: the first is the column the others are compared with).
-OURS = ("ours", "mosaic", "triton", "xla", "interpret")
+OURS = ("ours", "ours_fp8", "mosaic", "triton", "xla", "interpret")
 ANCHORS = ("cudnn", "jax_xla", "jaxops_gqa", "jaxops_paged", "torch")
 DECODE_IMPLS = OURS + ANCHORS
 PREFILL_ANCHORS = ("split_kv", "flash", "cudnn")
@@ -188,7 +192,7 @@ def _page_table(batch: int, cache: int, page_size: int, seed: int) -> np.ndarray
 # The calls (each returns out [B, 1, H, D] or [B, H, D]; `lens` is traced)
 
 
-def _call(impl: str, layout: str, *, ours_kw: dict, page_size: int):
+def _call(impl: str, layout: str, *, ours_kw: dict, page_size: int, kv_descale=None):
   """fn(q, k, v, lens, table) for one implementation, or None where it does not apply.
 
   k and v come as contiguous [B, L, K, D] caches; paged calls view them as a pool
@@ -198,7 +202,9 @@ def _call(impl: str, layout: str, *, ours_kw: dict, page_size: int):
   """
   pool = lambda x: x.reshape(-1, page_size, *x.shape[2:])  # noqa: E731
   if impl in OURS:
-    kw = dict(ours_kw) if impl == "ours" else {"implementation": impl}
+    kw = dict(ours_kw) if impl in ("ours", "ours_fp8") else {"implementation": impl}
+    if impl == "ours_fp8":
+      kw["kv_descale"] = kv_descale
     if impl == "mosaic":
       kw.update(_mosaic_kwargs(ours_kw))
     elif impl == "triton":  # the Triton kernel by name: the same flags as ours
@@ -227,6 +233,14 @@ def _call(impl: str, layout: str, *, ours_kw: dict, page_size: int):
     from jax.experimental.pallas.ops.gpu import decode_attention as ops_decode
     return lambda q, k, v, lens, table: ops_decode.gqa(q[:, 0], k, v, kv_seq_len=lens)
   return None
+
+
+@jax.jit
+def _fp8_copies(k, v):
+  """((k8, v8), (k_descale, v_descale)): e4m3 copies of the caches, each tensor's max |x| at
+  448 (fp8.to_e4m3), and their per-tensor descales."""
+  descale = tuple(jnp.max(jnp.abs(x.astype(jnp.float32))) / fp8.E4M3_MAX for x in (k, v))
+  return tuple(fp8.to_e4m3(x, s) for x, s in zip((k, v), descale)), descale
 
 
 @functools.partial(jax.jit, static_argnames=("page_size",))
@@ -327,10 +341,13 @@ def run_point(grid: Grid, batch: int, cache: int, layout: str, impls: list[str],
   table = None
   if layout == "paged":
     table = jnp.asarray(_page_table(batch, cache, grid.page_size, opts.seed))
-  calls = {i: _call(i, layout, ours_kw=_ours_kwargs(opts), page_size=grid.page_size)
+  kv, descale = {}, None
+  if "ours_fp8" in impls:  # e4m3 copies of the caches, max |x| -> 448 per tensor
+    kv["ours_fp8"], descale = _fp8_copies(k, v)
+  calls = {i: _call(i, layout, ours_kw=_ours_kwargs(opts), page_size=grid.page_size,
+                    kv_descale=descale)
            for i in impls if i != "torch"}
   calls = {i: f for i, f in calls.items() if f is not None}
-  kv = {}
   if "jaxops_paged" in calls:  # its layout [K, pages, page, D]: a copy made once, not timed
     move = jax.jit(lambda x: jnp.moveaxis(x.reshape(-1, grid.page_size, kh, d), 2, 0))
     try:
@@ -346,6 +363,8 @@ def run_point(grid: Grid, batch: int, cache: int, layout: str, impls: list[str],
   idx = jnp.asarray(sorted({0, batch - 1}))
   ref_kv = [_sequences(x, table, idx, page_size=grid.page_size).astype(jnp.float32)
             for x in (k, v)]
+  fp8_kv = ([_sequences(x, table, idx, page_size=grid.page_size) for x in kv["ours_fp8"]]
+            if "ours_fp8" in kv else None)
   for mode in grid.lengths:
     lens = jnp.asarray(_lengths(mode, batch, cache, opts.seed + batch))
     read = 2 * int(np.asarray(lens, np.int64).sum()) * kh * d * itemsize
@@ -353,9 +372,13 @@ def run_point(grid: Grid, batch: int, cache: int, layout: str, impls: list[str],
                 num_kv_heads=kh, head_dim=d, dtype=jnp.dtype(dtype).name, bytes_read=read,
                 compile_s=compile_s)
     ref = pallas_flash.decode_reference(q[idx].astype(jnp.float32), *ref_kv, lens[idx])[0]
+    fp8_ref = None if fp8_kv is None else pallas_flash.decode_reference(
+        q[idx].astype(jnp.float32), *fp8_kv, lens[idx], kv_descale=descale)[0]
     fns, group = {}, []
     for impl in impls:
       row = _row("decode", impl, **base)
+      if impl == "ours_fp8":
+        row.update(bytes_read=read // itemsize, dtype="float8_e4m3fn")
       group.append(row)
       if impl == "torch":
         if layout != "contiguous" or mode != "uniform":
@@ -377,14 +400,16 @@ def run_point(grid: Grid, batch: int, cache: int, layout: str, impls: list[str],
         continue
       call_args = (*args[impl][:3], lens, table)
       try:
-        row["rel_err"], row["status"] = _check(exe(*call_args), ref, idx, dtype)
+        row["rel_err"], row["status"] = _check(exe(*call_args),
+                                               fp8_ref if impl == "ours_fp8" else ref, idx,
+                                               dtype)
       except Exception as e:  # noqa: BLE001
         row.update(status="error", reason=f"{type(e).__name__}: {str(e).strip()[:300]}")
         continue
       fns[impl] = functools.partial(exe, *call_args)
       row["device_us"] = _device_us(exe, call_args)
       if row["device_us"]:
-        row["device_tbs"] = read / row["device_us"] / 1e6
+        row["device_tbs"] = row["bytes_read"] / row["device_us"] / 1e6
     copy_elems = min(read, COPY_CAP_BYTES, k.size * itemsize) // itemsize
     copy = jax.jit(lambda x, n=copy_elems: x.reshape(-1)[:n] + jnp.ones((), x.dtype))
     copy = copy.lower(k).compile()
@@ -394,12 +419,13 @@ def run_point(grid: Grid, batch: int, cache: int, layout: str, impls: list[str],
     copy_dev = _device_us(copy, (k,))
     for row in group:
       row["copy_tbs"] = copy_bw / 1e12
+      nbytes = row["bytes_read"]
       if copy_dev and row.get("device_us"):  # the same fraction in GPU time
-        row["device_copy_fraction"] = (read / row["device_us"]) / (2 * copy_elems * itemsize
-                                                                   / copy_dev)
+        row["device_copy_fraction"] = (nbytes / row["device_us"]) / (2 * copy_elems * itemsize
+                                                                     / copy_dev)
       if (t := times.get(row["impl"])) is not None:
-        row.update(us=t.median_s * 1e6, tbs=read / t.median_s / 1e12,
-                   copy_fraction=read / t.median_s / copy_bw)
+        row.update(us=t.median_s * 1e6, tbs=nbytes / t.median_s / 1e12,
+                   copy_fraction=nbytes / t.median_s / copy_bw)
     ours = next((r for r in group if r["impl"] == impls[0] and r["us"]), None)
     for row in group:
       row["ours_speedup"] = ours["us"] and row["us"] and row["us"] / ours["us"] if ours else None

@@ -213,6 +213,7 @@ def decode_attention(
     local_window_size: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
     sinks: jax.Array | None = None,
+    kv_descale: tuple[Any, Any] | None = None,
     return_residuals: bool = False,
     num_splits: int | None = None,
     implementation: Implementation | None = None,
@@ -232,10 +233,12 @@ def decode_attention(
   `lax.while_loop` generation loops with no host planning and no device-to-host copy.
 
   Args:
-    query: [B, Tq, H, D], in the cache's dtype (bfloat16, float16 or float32).
+    query: [B, Tq, H, D], bfloat16, float16 or float32: the caches' dtype, unless they are FP8.
     key_cache, value_cache: contiguous [B, L_max, K, D], or a page pool [num_pages, page_size,
       K, D] with `page_table`. H % K == 0 (MHA, GQA, MQA). Positions at or past a sequence's
-      length are never read into the result, whatever they hold (stale tokens, NaN).
+      length are never read into the result, whatever they hold (stale tokens, NaN). Both in
+      the query's dtype, or both float8_e4m3fn with `kv_descale` (an FP8 cache: half the
+      bytes of bf16 to store and to read).
     cache_seqlens: int32 [B], tokens in each sequence's cache before this call, in [0, L].
     page_table: int32 [B, max_pages_per_seq]: entry p of row b is the pool page holding
       positions p * page_size .. (p + 1) * page_size - 1 of sequence b (any order, any page
@@ -254,6 +257,13 @@ def decode_attention(
     logits_soft_cap: c > 0 replaces each scaled logit s by c * tanh(s / c).
     sinks: float [H] attention sinks, as in `flash_attention` (applied to the output after
       the kernels; lse then includes the sink).
+    kv_descale: with float8_e4m3fn caches, (key_descale, value_descale): float32 factors of
+      shape [] (per tensor) or [K] (per kv head), a cached entry's real value being
+      float32(x8) * descale (e.g. max |k| / 448 over calibration data). The new tokens
+      (`new_key` / `new_value`, in the query's dtype) are quantised with them on the append:
+      e4m3 of x / descale, rounded to nearest and clipped to +-448 (`fp8.to_e4m3`); the
+      attention reads them back quantised, like the rest of the cache. Scores and the output
+      accumulate in float32.
     return_residuals: also return the float32 log-sum-exp [B, H, Tq] (natural log), e.g. to
       merge with attention over other keys (`merge_attention_states`).
     num_splits: S, the split-KV factor: the batch's key blocks are dealt into S·B balanced
@@ -287,7 +297,7 @@ def decode_attention(
   call = validation.canonicalize(query, key_cache, value_cache, cache_seqlens,
                                  page_table=page_table, new_key=new_key, new_value=new_value,
                                  rotary=rotary, scale=scale, local_window_size=local_window_size,
-                                 logits_soft_cap=logits_soft_cap)
+                                 logits_soft_cap=logits_soft_cap, kv_descale=kv_descale)
   if not isinstance(checked, bool):
     raise TypeError(f"`checked` must be a Python bool, got {checked!r}.")
   if sinks is not None:
@@ -301,7 +311,8 @@ def decode_attention(
     out, lse, k_cache, v_cache = decode_reference(
         call.q, call.key_cache, call.value_cache, jnp.clip(call.seqlens, 0, info.capacity),
         page_table=call.page_table, new_key=call.new_key, new_value=call.new_value, rotary=rot,
-        scale=info.scale, local_window_size=info.window, logits_soft_cap=info.logits_soft_cap)
+        scale=info.scale, local_window_size=info.window, logits_soft_cap=info.logits_soft_cap,
+        kv_descale=call.kv_descale)
   else:
     out, lse, k_cache, v_cache = _run(call, plan)
   if sinks is not None:
@@ -322,9 +333,11 @@ def _run(call: validation.DecodeCall, plan: DecodeExplanation):
     new_key = call.new_key
     if info.rotary:
       pos = jnp.clip(call.seqlens, 0, info.capacity)[:, None] + jnp.arange(info.q_len)[None, :]
-      new_key = cache.rotate(new_key, pos, **rot)
+      # Into an FP8 cache the rotated keys go from float32: one rounding, to e4m3.
+      new_key = cache.rotate(new_key.astype(jnp.float32) if info.fp8_cache else new_key, pos,
+                             **rot)
     k_cache, v_cache = cache.append(info, k_cache, v_cache, new_key, call.new_value,
-                                    call.seqlens, call.page_table)
+                                    call.seqlens, call.page_table, call.kv_descale)
   q = call.q
   if info.rotary:
     lengths = sequence_lengths(call.seqlens, q_len=info.q_len, appends=info.appends,
@@ -337,5 +350,6 @@ def _run(call: validation.DecodeCall, plan: DecodeExplanation):
   params = DecodeParams.create(info, plan.num_splits)
   # The backends derive each sequence's length from cache_seqlens themselves (no XLA op).
   out, lse = _load(plan.chosen).attend(q, k_cache, v_cache, call.seqlens, call.page_table,
-                                       params=params, config=plan.config)
+                                       params=params, config=plan.config,
+                                       kv_descale=call.kv_descale)
   return out, lse, k_cache, v_cache

@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_flash import fp8
 from pallas_flash.decode.call import DecodeInfo
 
 
@@ -45,13 +46,18 @@ def rotate(x: jax.Array, positions: jax.Array, *, theta: float | None, cos: jax.
   return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], axis=-1).astype(x.dtype)
 
 
-def append(info: DecodeInfo, key_cache, value_cache, new_key, new_value, seqlens, page_table):
+def append(info: DecodeInfo, key_cache, value_cache, new_key, new_value, seqlens, page_table,
+           kv_descale=None):
   """Writes the new tokens at positions seqlens .. seqlens + Tq - 1 of each sequence.
 
   Returns (key_cache, value_cache). Tokens past the capacity (or on a page index outside the
   pool) are dropped, never written elsewhere (checked=True reports such calls); the
-  attention's lengths follow from call.sequence_lengths.
+  attention's lengths follow from call.sequence_lengths. FP8 caches (kv_descale float32
+  [2, K]) take the new tokens quantised: e4m3 of x / descale of their kv head (fp8.to_e4m3).
   """
+  if kv_descale is not None:
+    new_key = fp8.to_e4m3(new_key, kv_descale[0][:, None])
+    new_value = fp8.to_e4m3(new_value, kv_descale[1][:, None])
   lens = jnp.clip(seqlens, 0, info.capacity)
   pos = lens[:, None] + jnp.arange(info.q_len, dtype=jnp.int32)[None, :]  # [B, Tq]
   if info.paged:

@@ -8,11 +8,14 @@ k * G + r % G, so one read of a kv head's keys serves all its query heads and to
 Backend contract (pallas_flash.decode.xla and pallas_flash.decode.triton provide it; a Mosaic
 kernel for Hopper would be a third module with the same five names, see decode/api.py):
 
-  attend(q, key_cache, value_cache, lengths, page_table, *, params, config) -> (out, lse)
-    q [B, Tq, H, D] in the cache dtype, already rotated.
+  attend(q, key_cache, value_cache, lengths, page_table, *, params, config, kv_descale=None)
+      -> (out, lse)
+    q [B, Tq, H, D] in the cache dtype (with an FP8 cache: bf16, f16 or f32), already rotated.
     key_cache, value_cache: contiguous [B, L, K, D], or a page pool [P, page_size, K, D] with
       page_table [B, max_pages] int32 (None for a contiguous cache). New tokens are already
       appended.
+    kv_descale: None, or with float8_e4m3fn caches float32 [2, K]: a key's real value is
+      float32(k8) * kv_descale[0, kv head], a value's float32(v8) * kv_descale[1, kv head].
     lengths [B] int32: cache_seqlens as passed (before the append). The backend derives n_b,
       the valid tokens of each sequence, as `sequence_lengths` does: clamped to [0, L]
       (unchecked calls may pass anything), plus Tq when params.appends. Query token i sits
@@ -47,6 +50,8 @@ class DecodeInfo:
   Attributes:
     capacity: L, the most tokens a sequence can hold (L_max, or max_pages * page_size).
     page_size, num_pages, max_pages: the paged layout (None for a contiguous cache).
+    dtype: the query's (and output's) dtype; cache_dtype: the caches' (dtype, or
+      float8_e4m3fn with kv_descale).
     appends: new_key / new_value are written into the cache by this call.
     window: query at position p sees keys p - window .. p (None: all earlier keys).
     num_cores: streaming multiprocessors of the target GPU (None off-GPU).
@@ -58,6 +63,7 @@ class DecodeInfo:
   num_kv_heads: int
   head_dim: int
   dtype: jnp.dtype
+  cache_dtype: jnp.dtype
   capacity: int
   page_size: int | None
   num_pages: int | None
@@ -84,6 +90,10 @@ class DecodeInfo:
   @property
   def paged(self) -> bool:
     return self.page_size is not None
+
+  @property
+  def fp8_cache(self) -> bool:
+    return self.cache_dtype != self.dtype
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -110,6 +110,9 @@ def reason(info: DecodeInfo, config, num_splits: int | None, *, auto: bool) -> s
   if info.paged:
     return ("a paged cache: the prefix call would read a contiguous copy of the pages, a pass "
             "over the cache beside the attention")
+  if info.fp8_cache:
+    return ("an FP8 cache: flash_attention's FP8 kernel takes FP8 queries, and a dequantized "
+            "copy of the cache would be a pass over it beside the attention")
   if num_splits is not None:
     return "num_splits splits the keys of the split-KV kernels; this route splits none"
   explicit = config is not None  # a FlashSplitConfig asks for the route: no threshold

@@ -103,6 +103,8 @@ def unsupported_reason(info: DecodeInfo, config: MosaicDecodeConfig | None) -> s
     if info.compute_capability not in (None, (9, 0)):
       cc = info.compute_capability
       return f"the Mosaic decode kernel is for Hopper (sm_90); this GPU is sm_{cc[0]}{cc[1]}"
+  if info.fp8_cache:
+    return "an FP8 cache: the Mosaic decode kernel reads caches in the query's dtype only"
   if info.rows > ROWS:
     return (f"Tq * G = {info.rows} query rows per kv head > {ROWS} (one wgmma tile); the "
             "Triton kernel tiles more rows")
@@ -453,10 +455,11 @@ def _prepare(q5, lengths, *, kp: decode_triton._KernelParams, programs: int, int
 
 
 def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodeParams,
-           config: MosaicDecodeConfig):
+           config: MosaicDecodeConfig, kv_descale=None):
   """Split-KV decode attention; the contract is in pallas_flash.decode.call. `config` is
   resolved (config_for): the Mosaic kernel writes float32 partials over N = S * B balanced
   runs, the Triton merge kernel combines them into the final layout."""
+  assert kv_descale is None, "unsupported_reason refuses FP8 caches"
   b, tq, h, d = q.shape
   kh = key_cache.shape[2]
   g = h // kh

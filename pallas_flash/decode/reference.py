@@ -8,6 +8,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_flash import fp8
+
 _HI = jax.lax.Precision.HIGHEST
 
 
@@ -29,15 +31,26 @@ def _rope(x, positions, theta=None, cos=None, sin=None):
 
 def decode_reference(query, key_cache, value_cache, cache_seqlens, *, page_table=None,
                      new_key=None, new_value=None, rotary=None, scale=None,
-                     local_window_size=None, logits_soft_cap=None):
+                     local_window_size=None, logits_soft_cap=None, kv_descale=None):
   """Decode attention with the full [B, H, Tq, L] score matrix.
 
   Takes `decode_attention`'s arguments (already valid: lengths within the cache, pages within
-  the pool; a window as int or (left, right)) and returns (out [B, Tq, H, D] in query.dtype,
-  lse [B, H, Tq] float32, key_cache, value_cache) with the new tokens appended.
+  the pool; a window as int or (left, right); kv_descale, with float8_e4m3fn caches, a pair of
+  [] or [K] factors) and returns (out [B, Tq, H, D] in query.dtype, lse [B, H, Tq] float32,
+  key_cache, value_cache) with the new tokens appended (quantised into an FP8 cache:
+  fp8.to_e4m3 of x / descale; the attention reads every cached entry as float32(x8) *
+  descale).
   """
-  b, t, h, d = query.shape
   kh = key_cache.shape[2]
+  if kv_descale is not None:
+    k_scale, v_scale = (jnp.broadcast_to(jnp.asarray(x, jnp.float32), (kh,))[:, None]
+                        for x in kv_descale)
+    if new_key is not None:  # rotated (below) and quantised as the append does
+      quantize = lambda x, s: fp8.to_e4m3(x, s)  # noqa: E731
+      new_key = new_key.astype(jnp.float32)
+  else:
+    k_scale = v_scale = quantize = None
+  b, t, h, d = query.shape
   g = h // kh
   lens = jnp.asarray(cache_seqlens, jnp.int32)
   if page_table is not None:  # the pool read through each sequence's page list: [B, L, K, D]
@@ -56,13 +69,16 @@ def decode_reference(query, key_cache, value_cache, cache_seqlens, *, page_table
   if new_key is not None:
     pos = lens[:, None] + jnp.arange(t)[None, :]  # [B, Tq]
     nk = new_key if rotary is None else _rope(new_key, pos, theta, cos, sin).astype(new_key.dtype)
+    nv = new_value
+    if quantize is not None:
+      nk, nv = quantize(nk, k_scale), quantize(new_value, v_scale)
     rows = jnp.arange(b)[:, None]
     k_seq = k_seq.at[rows, pos].set(nk, mode="drop")
-    v_seq = v_seq.at[rows, pos].set(new_value, mode="drop")
+    v_seq = v_seq.at[rows, pos].set(nv, mode="drop")
     if page_table is not None:
       page = page_table[rows, pos // ps]
       key_cache = key_cache.at[page, pos % ps].set(nk)
-      value_cache = value_cache.at[page, pos % ps].set(new_value)
+      value_cache = value_cache.at[page, pos % ps].set(nv)
     else:
       key_cache, value_cache = k_seq, v_seq
     lens = lens + t
@@ -71,8 +87,11 @@ def decode_reference(query, key_cache, value_cache, cache_seqlens, *, page_table
   key_pos = jnp.arange(cap)
   valid = key_pos[None, :] < lens[:, None]  # [B, L]
   # Unused cache slots may hold anything (NaN included): zero them so 0 * NaN never happens.
-  k32 = jnp.where(valid[:, :, None, None], k_seq.astype(jnp.float32), 0.0)
-  v32 = jnp.where(valid[:, :, None, None], v_seq.astype(jnp.float32), 0.0)
+  k32, v32 = k_seq.astype(jnp.float32), v_seq.astype(jnp.float32)
+  if k_scale is not None:
+    k32, v32 = k32 * k_scale, v32 * v_scale
+  k32 = jnp.where(valid[:, :, None, None], k32, 0.0)
+  v32 = jnp.where(valid[:, :, None, None], v32, 0.0)
   q32 = q.astype(jnp.float32).reshape(b, t, kh, g, d)
   s = jnp.einsum("btkgd,blkd->bkgtl", q32, k32, precision=_HI).reshape(b, h, t, cap)
   s = s * (1.0 / math.sqrt(d) if scale is None else scale)

@@ -38,7 +38,13 @@ def unsupported_reason(info: DecodeInfo, config: TritonDecodeConfig | None, *,
   del config
   if info.head_dim > MAX_HEAD_DIM:
     return f"head_dim {info.head_dim} > {MAX_HEAD_DIM} is not supported by the Triton kernel"
-  return None if interpret else common.platform_reason(info.platform, info.compute_capability)
+  if interpret:
+    return None
+  cc = info.compute_capability
+  if info.fp8_cache and cc is not None and cc < (8, 9):
+    return (f"an FP8 cache: Triton converts float8_e4m3fn from compute capability 8.9 on; this "
+            f"GPU is sm_{cc[0]}{cc[1]}")
+  return common.platform_reason(info.platform, cc)
 
 
 def default_config(info: DecodeInfo) -> TritonDecodeConfig:
@@ -122,7 +128,9 @@ def _load_rows(ref, rows, cols, row_ok, p: _KernelParams):
   so scores ignore them, and outputs there equal column D - 1's (see _store_rows)."""
   cols, _ = _col_index(cols, p)
   view = ref.at[rows[:, None], cols[None, :]]
-  return view[...] if row_ok is None else pltriton.load(view, mask=row_ok[:, None], other=0)
+  # An FP8 tile's fill: Triton casts floats to e4m3, not integers.
+  fill = 0.0 if jnp.dtype(ref.dtype).itemsize == 1 else 0
+  return view[...] if row_ok is None else pltriton.load(view, mask=row_ok[:, None], other=fill)
 
 
 def _tile_rows(row0, p: _KernelParams):
@@ -205,13 +213,16 @@ def _cache_rows(keys, pt_ref, seq, p: _KernelParams):
   return jnp.clip(page, 0, p.num_pages - 1) * ps + keys % ps
 
 
-def _attend_blocks(q, k_ref, v_ref, rows_of, start, end, *, n, row0, p: _KernelParams):
+def _attend_blocks(q, k_ref, v_ref, rows_of, start, end, *, n, row0, p: _KernelParams,
+                   descale=None):
   """Online softmax of one row tile over key blocks [start, end) of one sequence.
 
   q [block_m, D_pad] holds rows row0 .. row0 + block_m - 1 of a sequence holding n tokens;
   rows_of(keys [block_kv]) -> their rows in k_ref / v_ref ([rows, D]). Returns float32 o
   [block_m, D_pad] normalised over the range's keys and lse [block_m] (natural log); a row
-  that sees none of them gets o = 0, lse = -inf.
+  that sees none of them gets o = 0, lse = -inf. descale: None, or an FP8 cache's (key, value)
+  factors of this kv head (scalars): tiles are converted to q's dtype for the dots, the scores
+  multiplied by the key factor and the output by the value factor.
   """
   prm, bm, bk = p.params, p.block_m, p.block_kv
   t, _ = _tile_rows(row0, p)
@@ -233,7 +244,10 @@ def _attend_blocks(q, k_ref, v_ref, rows_of, start, end, *, n, row0, p: _KernelP
     in_cache = keys < n if masked else None
     rows = rows_of(jnp.where(in_cache, keys, 0) if masked else keys)
     k = _load_rows(k_ref, rows, cols, in_cache, p)
-    s = _scores(common.dot(q, k, trans_b=True), p)  # [block_m, block_kv]
+    if descale is None:
+      s = _scores(common.dot(q, k, trans_b=True), p)  # [block_m, block_kv]
+    else:
+      s = _scores(common.dot(q, k.astype(q.dtype), trans_b=True) * descale[0], p)
     if masked:
       visible = (keys[None, :] <= q_pos[:, None]) & in_cache[None, :]
       if prm.window is not None:
@@ -245,6 +259,8 @@ def _attend_blocks(q, k_ref, v_ref, rows_of, start, end, *, n, row0, p: _KernelP
     if masked:  # a row with no visible key yet has m_next == MASK_VALUE, where exp2 gives 1
       probs = jnp.where(visible, probs, 0.0)
     v = _load_rows(v_ref, rows, cols, in_cache, p)
+    if descale is not None:
+      v = v.astype(q.dtype)
     acc = alpha[:, None] * acc + common.dot(probs.astype(v.dtype), v)
     return m_next, alpha * l_prev + probs.sum(axis=1), acc
 
@@ -255,11 +271,20 @@ def _attend_blocks(q, k_ref, v_ref, rows_of, start, end, *, n, row0, p: _KernelP
   m, l, acc = lax.fori_loop(mid_hi, end, functools.partial(step, masked=True), carry)
   empty = l == 0.0  # an empty range (or a query that sees no key): o = 0, lse = -inf
   l_safe = jnp.where(empty, 1.0, l)
-  return (acc * (1.0 / l_safe)[:, None],
+  inv_l = 1.0 / l_safe if descale is None else descale[1] / l_safe
+  return (acc * inv_l[:, None],
           jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * common.LN2))
 
 
-def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, o_ref, lse_ref, *,
+def _descale(descale_ref, kv_head):
+  """(key, value) factors of one kv head from an FP8 cache's [2, K] float32 descale_ref, or
+  None without one."""
+  if descale_ref is None:
+    return None
+  return descale_ref[0, kv_head], descale_ref[1, kv_head]
+
+
+def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, descale_ref, o_ref, lse_ref, *,
                    p: _KernelParams):
   """One split: one row tile of one (sequence, kv head) against all the keys it sees.
 
@@ -267,8 +292,9 @@ def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, o_ref, lse_ref, *,
   as in call.sequence_lengths); q_ref [Tq, G, D] (this sequence's query heads of this kv
   head); k_ref / v_ref [L, D] (this sequence and kv head of a contiguous cache) or
   [P * page_size, D] (this kv head of the pool); pt_ref [max_pages] int32 (this sequence's
-  page table, None when contiguous); o_ref [Tq, G, D] and lse_ref [G, Tq], the final outputs
-  (query dtype; float32). Grid: (row tiles, 1, B * K).
+  page table, None when contiguous); descale_ref [2, K] float32 (an FP8 cache's factors, else
+  None); o_ref [Tq, G, D] and lse_ref [G, Tq], the final outputs (query dtype; float32).
+  Grid: (row tiles, 1, B * K).
   """
   mi, bh = pl.program_id(0), pl.program_id(2)
   row0 = mi * p.block_m
@@ -278,11 +304,12 @@ def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, o_ref, lse_ref, *,
   cols = lax.broadcasted_iota(jnp.int32, (common.padded_head_dim(p.head_dim),), 0)
   q = _load_q(q_ref, t, g, cols, p)  # [block_m, D_pad]
   o, lse = _attend_blocks(q, k_ref, v_ref, lambda keys: _cache_rows(keys, pt_ref, None, p),
-                          start, end, n=n, row0=row0, p=p)
+                          start, end, n=n, row0=row0, p=p,
+                          descale=_descale(descale_ref, bh % p.num_kv_heads))
   _store_rows(o_ref, lse_ref, o, lse, t, g, cols, p)
 
 
-def _split_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, o_ref, lse_ref, *,
+def _split_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, descale_ref, o_ref, lse_ref, *,
                   p: _KernelParams):
   """S splits: one row tile of one kv head against one program's share of the batch's keys.
 
@@ -296,8 +323,9 @@ def _split_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, o_ref, lse_ref, *,
   Refs after BlockSpec slicing: lengths_ref [B] int32 (cache_seqlens as passed); q_ref
   [B, Tq, G, D] (this kv head's query heads of every sequence); k_ref / v_ref [B * L, D] or
   [P * page_size, D] (this kv head, rows flattened); pt_ref [B, max_pages] int32 (None when
-  contiguous); o_ref [B + N - 1, block_m, D_pad] and lse_ref [B + N - 1, block_m], the
-  partial slots of this row tile and kv head. Grid: (row tiles, N, K).
+  contiguous); descale_ref as in _decode_kernel; o_ref [B + N - 1, block_m, D_pad] and lse_ref
+  [B + N - 1, block_m], the partial slots of this row tile and kv head. Grid: (row tiles, N,
+  K).
   """
   mi, program = pl.program_id(0), pl.program_id(1)
   row0 = mi * p.block_m
@@ -307,6 +335,7 @@ def _split_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, o_ref, lse_ref, *,
   first, stop = decode_config.program_sequences(part, counts, program)
   t, g = _tile_rows(row0, p)
   cols = lax.broadcasted_iota(jnp.int32, (common.padded_head_dim(p.head_dim),), 0)
+  descale = _descale(descale_ref, pl.program_id(2))
 
   def one_sequence(seq, seq_start):
     n = _tokens_held(lengths_ref[seq], p)
@@ -314,7 +343,8 @@ def _split_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, o_ref, lse_ref, *,
     share_lo, share_hi = decode_config.sequence_share(part, seq_start, blk_hi - blk_lo, program)
     q = _load_q(q_ref, t, g, cols, p, seq=seq)
     o, lse = _attend_blocks(q, k_ref, v_ref, lambda keys: _cache_rows(keys, pt_ref, seq, p),
-                            blk_lo + share_lo, blk_lo + share_hi, n=n, row0=row0, p=p)
+                            blk_lo + share_lo, blk_lo + share_hi, n=n, row0=row0, p=p,
+                            descale=descale)
     o_ref[program + seq] = o
     lse_ref[program + seq] = lse
     return seq_start + part.extent(blk_hi - blk_lo)
@@ -359,7 +389,7 @@ def _merge_kernel(lengths_ref, o_ref, lse_ref, out_ref, lse_out_ref, *, p: _Kern
 
 
 def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodeParams,
-           config: TritonDecodeConfig, interpret: bool):
+           config: TritonDecodeConfig, interpret: bool, kv_descale=None):
   """Split-KV decode attention; the contract is in pallas_flash.decode.call. `config` is
   resolved (config_for). One kernel when there is one split; with S splits _split_kernel
   writes float32 partials over balanced runs of the batch's keys and _merge_kernel combines
@@ -374,8 +404,8 @@ def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodePara
                      approx_tanh=not interpret and jnp.dtype(q.dtype).itemsize == 2)
   q = q.reshape(b, tq, kh, g, d)  # free views: the kernels address rows (t, g) directly
   call = _one_split if params.num_splits == 1 else _balanced_splits
-  o, lse = call(q, key_cache, value_cache, lengths, page_table, kp=kp, config=config,
-                interpret=interpret)
+  o, lse = call(q, key_cache, value_cache, lengths, page_table, kv_descale, kp=kp,
+                config=config, interpret=interpret)
   return o.reshape(b, tq, h, d), lse.reshape(b, h, tq)
 
 
@@ -396,8 +426,8 @@ def _compiler_params(config: TritonDecodeConfig):
   return pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
 
 
-def _one_split(q, key_cache, value_cache, lengths, page_table, *, kp: _KernelParams,
-               config: TritonDecodeConfig, interpret: bool):
+def _one_split(q, key_cache, value_cache, lengths, page_table, kv_descale, *,
+               kp: _KernelParams, config: TritonDecodeConfig, interpret: bool):
   """q [B, Tq, K, G, D] -> out [B, Tq, K, G, D], lse [B, K, G, Tq]: one kernel, each program
   one row tile of one (sequence, kv head)."""
   b, tq, kh, g, d = q.shape
@@ -415,17 +445,22 @@ def _one_split(q, key_cache, value_cache, lengths, page_table, *, kp: _KernelPar
       functools.partial(_decode_kernel, p=kp),
       grid=(-(-kp.rows // kp.block_m), 1, b * kh),
       in_specs=[pl.BlockSpec(lengths.shape, lambda *_: (0,)), final[0], kv_spec, kv_spec,
-                pt_spec],
+                pt_spec, _descale_spec(kv_descale)],
       out_specs=final,
       out_shape=_final_shapes(q),
       compiler_params=_compiler_params(config),
       interpret=interpret,
       name="pallas_flash_decode",
-  )(lengths, q, key_cache, value_cache, page_table)
+  )(lengths, q, key_cache, value_cache, page_table, kv_descale)
 
 
-def _balanced_splits(q, key_cache, value_cache, lengths, page_table, *, kp: _KernelParams,
-                     config: TritonDecodeConfig, interpret: bool):
+def _descale_spec(kv_descale):
+  """The whole [2, K] descale array to every program (None without one)."""
+  return None if kv_descale is None else pl.BlockSpec(kv_descale.shape, lambda *_: (0, 0))
+
+
+def _balanced_splits(q, key_cache, value_cache, lengths, page_table, kv_descale, *,
+                     kp: _KernelParams, config: TritonDecodeConfig, interpret: bool):
   """q [B, Tq, K, G, D] -> out [B, Tq, K, G, D], lse [B, K, G, Tq]: _split_kernel over
   N = S * B programs per (row tile, kv head), then _merge_kernel."""
   b, tq, kh, g, d = q.shape
@@ -451,14 +486,14 @@ def _balanced_splits(q, key_cache, value_cache, lengths, page_table, *, kp: _Ker
       grid=(tiles_m, programs, kh),
       in_specs=[lengths_spec,
                 pl.BlockSpec((b, tq, None, g, d), lambda mi, i, k: (0, 0, k, 0, 0)),
-                kv_spec, kv_spec, pt_spec],
+                kv_spec, kv_spec, pt_spec, _descale_spec(kv_descale)],
       out_specs=[pl.BlockSpec((None, slots, bm, d_pad), lambda mi, i, k: o_slots(mi, k)),
                  pl.BlockSpec((None, slots, bm), lambda mi, i, k: lse_slots(mi, k))],
       out_shape=partial_shapes,
       compiler_params=_compiler_params(config),
       interpret=interpret,
       name="pallas_flash_decode",
-  )(lengths, q, key_cache, value_cache, page_table)
+  )(lengths, q, key_cache, value_cache, page_table, kv_descale)
   return merge_partials(q, lengths, o, lse, kp=kp, interpret=interpret)
 
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
+from pallas_flash import fp8
 from pallas_flash import validation as flash_validation
 from pallas_flash.decode.call import DecodeInfo
 
@@ -38,6 +39,7 @@ class DecodeCall:
   rotary_theta: float | None
   rotary_cos: jax.Array | None
   rotary_sin: jax.Array | None
+  kv_descale: jax.Array | None  # float32 [2, K] with an FP8 cache (keys', values' factors)
   info: DecodeInfo
 
 
@@ -104,13 +106,14 @@ def _check_shapes(query, key_cache, value_cache, new_key, new_value) -> None:
   if h % kh:
     raise ValueError(f"num_heads of `query` ({h}) must be a multiple of the caches' num_kv_heads "
                      f"({kh}) (MHA: equal; GQA: a multiple; MQA: 1 kv head).")
-  dtypes = {jnp.dtype(x.dtype) for x in (query, key_cache, value_cache)}
-  if len(dtypes) != 1:
-    raise TypeError(f"`query`, `key_cache` and `value_cache` must share one dtype, got "
-                    f"{query.dtype}, {key_cache.dtype}, {value_cache.dtype}; cast the query "
-                    "to the cache's dtype.")
   if jnp.dtype(query.dtype) not in [jnp.dtype(x) for x in SUPPORTED_DTYPES]:
-    raise TypeError(f"Unsupported dtype {query.dtype}: use bfloat16, float16 or float32.")
+    raise TypeError(f"Unsupported `query` dtype {query.dtype}: use bfloat16, float16 or "
+                    "float32 (an FP8 cache takes a query of one of these).")
+  cache_dtypes = {jnp.dtype(key_cache.dtype), jnp.dtype(value_cache.dtype)}
+  if cache_dtypes != {jnp.dtype(query.dtype)} and cache_dtypes != {fp8.E4M3}:
+    raise TypeError(f"`key_cache` and `value_cache` must have the query's dtype, or both be "
+                    f"float8_e4m3fn (with `kv_descale`), got {key_cache.dtype} and "
+                    f"{value_cache.dtype} for a {query.dtype} query.")
   if (new_key is None) != (new_value is None):
     raise ValueError("Pass both `new_key` and `new_value` (the tokens to append), or neither.")
   for name, x in (("new_key", new_key), ("new_value", new_value)):
@@ -120,8 +123,41 @@ def _check_shapes(query, key_cache, value_cache, new_key, new_value) -> None:
     if tuple(x.shape) != (b, t, kh, d):
       raise ValueError(f"`{name}` must have shape {(b, t, kh, d)} (one key/value per query "
                        f"token), got {tuple(x.shape)}.")
-    if jnp.dtype(x.dtype) != jnp.dtype(key_cache.dtype):
-      raise TypeError(f"`{name}` must have the cache's dtype {key_cache.dtype}, got {x.dtype}.")
+    if jnp.dtype(x.dtype) != jnp.dtype(query.dtype):
+      raise TypeError(f"`{name}` must have the query's dtype {query.dtype}, got {x.dtype} (an "
+                      "FP8 cache quantises the new tokens itself, with `kv_descale`).")
+
+
+def _check_kv_descale(kv_descale, key_cache, num_kv_heads: int) -> jax.Array | None:
+  """float32 [2, K] from `kv_descale` = (key_descale, value_descale), each [] or [K]; None for
+  a cache in the query's dtype."""
+  is_fp8 = jnp.dtype(key_cache.dtype) == fp8.E4M3
+  if kv_descale is None:
+    if is_fp8:
+      raise ValueError("A float8_e4m3fn cache needs `kv_descale=(key_descale, value_descale)`: "
+                       "float32 factors, [] or [num_kv_heads], with real value = float32(x8) * "
+                       "descale (e.g. max |k| / 448 from calibration).")
+    return None
+  if not is_fp8:
+    raise ValueError(f"`kv_descale` applies to float8_e4m3fn caches only; this cache is "
+                     f"{key_cache.dtype}: drop it.")
+  if not isinstance(kv_descale, (tuple, list)) or len(kv_descale) != 2:
+    raise TypeError("`kv_descale` must be a pair (key_descale, value_descale), got "
+                    f"{type(kv_descale).__name__}.")
+  rows = []
+  for name, x in zip(("key_descale", "value_descale"), kv_descale):
+    if not hasattr(x, "shape"):
+      x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"`kv_descale`'s {name} must be a float array, got {x.dtype}.")
+    if tuple(x.shape) not in ((), (num_kv_heads,)):
+      raise ValueError(f"`kv_descale`'s {name} must have shape () (per tensor) or "
+                       f"({num_kv_heads},) (per kv head), got {tuple(x.shape)}.")
+    concrete = _concrete(x)
+    if concrete is not None and not (np.all(np.isfinite(concrete)) and np.all(concrete > 0)):
+      raise ValueError(f"`kv_descale`'s {name} must be finite and positive, got {concrete}.")
+    rows.append(jnp.broadcast_to(jnp.asarray(x, jnp.float32), (num_kv_heads,)))
+  return jnp.stack(rows)
 
 
 def _check_rotary(rotary, head_dim: int, capacity: int):
@@ -155,8 +191,10 @@ def _check_window(w) -> int | None:
 
 
 def canonicalize(query, key_cache, value_cache, cache_seqlens, *, page_table, new_key,
-                 new_value, rotary, scale, local_window_size, logits_soft_cap) -> DecodeCall:
+                 new_value, rotary, scale, local_window_size, logits_soft_cap,
+                 kv_descale) -> DecodeCall:
   _check_shapes(query, key_cache, value_cache, new_key, new_value)
+  kv_descale = _check_kv_descale(kv_descale, key_cache, key_cache.shape[2])
   b, t, _, d = query.shape
   capacity, page_size, num_pages, max_pages = _cache_layout(query, key_cache, page_table)
   if page_table is not None:
@@ -182,7 +220,7 @@ def canonicalize(query, key_cache, value_cache, cache_seqlens, *, page_table, ne
                    scale=float(scale), window=window, rotary=rotary is not None,
                    logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap))
   call = DecodeCall(query, key_cache, value_cache, seqlens, page_table, new_key, new_value,
-                    theta, cos, sin, info)
+                    theta, cos, sin, kv_descale, info)
   check_values(call, cache_seqlens, page_table)
   return call
 
@@ -191,7 +229,8 @@ def _describe(query, key_cache, **kwargs) -> DecodeInfo:
   b, t, h, d = query.shape
   platform, cc, kind = flash_validation.target_device()
   return DecodeInfo(batch=b, q_len=t, num_heads=h, num_kv_heads=key_cache.shape[2], head_dim=d,
-                    dtype=jnp.dtype(query.dtype), platform=platform, compute_capability=cc,
+                    dtype=jnp.dtype(query.dtype), cache_dtype=jnp.dtype(key_cache.dtype),
+                    platform=platform, compute_capability=cc,
                     device_kind=kind, num_cores=num_cores(platform), **kwargs)
 
 
@@ -298,8 +337,9 @@ def runtime_checks(call: DecodeCall) -> None:
 def abstract_info(query, key_cache, value_cache, cache_seqlens, kwargs: dict) -> DecodeInfo:
   """Describes a call from arrays or ShapeDtypeStructs, without computing anything."""
   arrays = {n: x for n, x in kwargs.items() if hasattr(x, "shape") and hasattr(x, "dtype")}
-  if isinstance(kwargs.get("rotary"), (tuple, list)):  # (cos, sin) tables
-    arrays["rotary"] = tuple(kwargs["rotary"])
+  for name in ("rotary", "kv_descale"):  # pairs of arrays: (cos, sin) tables, descales
+    if isinstance(kwargs.get(name), (tuple, list)):
+      arrays[name] = tuple(kwargs[name])
   statics = {n: x for n, x in kwargs.items() if n not in arrays}
   infos = []
 
@@ -314,7 +354,7 @@ def abstract_info(query, key_cache, value_cache, cache_seqlens, kwargs: dict) ->
 # decode_attention's keyword arguments that describe the call, with their defaults.
 DEFAULTS: dict[str, Any] = {"page_table": None, "new_key": None, "new_value": None,
                             "rotary": None, "scale": None, "local_window_size": None,
-                            "logits_soft_cap": None}
+                            "logits_soft_cap": None, "kv_descale": None}
 
 
 def with_defaults(kwargs: dict) -> dict:

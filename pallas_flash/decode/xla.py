@@ -110,12 +110,12 @@ def _unpack(o: jax.Array, lse: jax.Array, q_len: int) -> tuple[jax.Array, jax.Ar
 
 
 def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodeParams,
-           config: XlaDecodeConfig):
+           config: XlaDecodeConfig, kv_descale=None):
   """Split-KV attention; the contract is in pallas_flash.decode.call. Each sequence's
   partials are combined by merge_attention_states' rule (_merge_slots)."""
   kh = key_cache.shape[2]
   o, lse, seq = _partials(_pack(q, kh), key_cache, value_cache, lengths, page_table,
-                          params=params, config=config)
+                          params=params, config=config, kv_descale=kv_descale)
   if params.num_splits > 1:
     o, lse = _merge_slots(o, lse, seq, q.shape[0])
   out, lse = _unpack(o, lse, params.q_len)
@@ -136,9 +136,10 @@ def _merge_slots(o, lse, seq, batch: int):
 
 
 def _partials(q, key_cache, value_cache, lengths, page_table, *, params: DecodeParams,
-              config: XlaDecodeConfig):
+              config: XlaDecodeConfig, kv_descale=None):
   """q [B, K, M, D] packed -> float32 o [J, K, M, D], lse [J, K, M] of the J partial slots
-  (split_ranges), and each slot's sequence [J]."""
+  (split_ranges), and each slot's sequence [J]. kv_descale: None, or an FP8 cache's float32
+  [2, K] factors, applied to each gathered block."""
   _, kh, m, d = q.shape
   bk = config.block_kv
   paged = params.page_size is not None
@@ -167,8 +168,11 @@ def _partials(q, key_cache, value_cache, lengths, page_table, *, params: DecodeP
                & in_cache[:, None, :])  # [J, M, bk]
     if params.window is not None:
       visible &= keys[:, None, :] >= q_pos[:, :, None] - params.window
-    k = jnp.where(in_cache[..., None, None], k_flat[rows].astype(jnp.float32), 0.0)
-    v = jnp.where(in_cache[..., None, None], v_flat[rows].astype(jnp.float32), 0.0)
+    k, v = k_flat[rows].astype(jnp.float32), v_flat[rows].astype(jnp.float32)
+    if kv_descale is not None:  # [J, bk, K, D] times each kv head's factor
+      k, v = k * kv_descale[0][:, None], v * kv_descale[1][:, None]
+    k = jnp.where(in_cache[..., None, None], k, 0.0)
+    v = jnp.where(in_cache[..., None, None], v, 0.0)
     s = jnp.einsum("jkmd,jnkd->jkmn", qf, k, precision=_HI)  # k, v: [J, bk, K, D]
     if params.logits_soft_cap is not None:
       s = params.logits_soft_cap * jnp.tanh(s / params.logits_soft_cap)
