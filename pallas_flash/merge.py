@@ -68,14 +68,17 @@ def add_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array) -> tuple[jax.Arr
 
   Returns:
     (out [B, T, H, D] in out's dtype, lse [B, H, T] float32). A row that saw no key keeps zeros
-    and gets lse = sink. Differentiable in all three arguments, with finite gradients there.
+    and gets lse = sink. A sink of -inf is no sink: that head's rows pass unchanged. Finite
+    gradients in all three arguments, there too.
   """
   sink = sinks.astype(jnp.float32)[None, :, None]  # [1, H, 1]
+  none = sink == -jnp.inf
+  sink = jnp.where(none, 0.0, sink)  # a finite stand-in: -inf - -inf would be NaN
   rel = lse - sink  # [B, H, T]
   # sigmoid and softplus are finite with zero slope at rel = -inf (a row that saw no key).
-  weight = jax.nn.sigmoid(rel).transpose(0, 2, 1)[..., None]  # [B, T, H, 1]
-  out = (out.astype(jnp.float32) * weight).astype(out.dtype)
-  return out, sink + jax.nn.softplus(rel)
+  weight = jnp.where(none, 1.0, jax.nn.sigmoid(rel)).transpose(0, 2, 1)[..., None]
+  out = (out.astype(jnp.float32) * weight).astype(out.dtype)  # weight [B, T, H, 1]
+  return out, jnp.where(none, lse, sink + jax.nn.softplus(rel))
 
 
 def sinks_grad(sinks: jax.Array, lse: jax.Array, delta: jax.Array) -> jax.Array:

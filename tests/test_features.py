@@ -172,6 +172,26 @@ def test_rows_that_see_nothing_with_sinks(impl):
 
 
 @pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_a_sink_of_minus_inf_is_no_sink(impl):
+  """sinks[h] = -inf: head h as without sinks (lse too), on rows that see keys and on rows that
+  see none (zeros, lse -inf), with finite gradients; the other head keeps its sink."""
+  case = Case(q_len=32, kv_len=20, num_heads=2, num_kv_heads=1, head_dim=16, is_causal=True)
+  (q, k, v, do), kw = make_inputs(case)
+  sinks = jnp.array([-jnp.inf, 0.5])
+  features = dict(local_window_size=(6, 0), **kw)
+  (o, lse), grads = run(impl, q, k, v, do, sinks=sinks, **features)
+  (o_ref, lse_ref), grads_ref = run("reference", q, k, v, do, sinks=sinks, **features)
+  (o_none, lse_none), _ = run("reference", q[:, :, :1], k, v, do[:, :, :1], **features)
+  assert_close_to_ref("out", o, o_ref, 1e-5)
+  assert_close_to_ref("lse", lse, lse_ref, 1e-5)
+  assert_close_to_ref("out of the -inf head", o[:, :, :1], o_none, 1e-5)
+  assert_close_to_ref("lse of the -inf head", lse[:, :1], lse_none, 1e-5)
+  for name, g, g_ref in zip(("dq", "dk", "dv", "dsinks"), grads, grads_ref):
+    assert np.isfinite(np.asarray(g)).all(), name
+    assert_close_to_ref(name, g, g_ref, 1e-4)
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
 @pytest.mark.parametrize("cap", [50.0, 70.0])  # under / over triton's FIXED_MAX_SOFTCAP
 def test_softcap_saturated_rows(impl, cap):
   # Scores far beyond ±cap: rows whose every logit saturates near -cap (the fixed-max forward's
