@@ -9,6 +9,8 @@ differentiate -> call).
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from typing import Any
 
 import jax
@@ -210,6 +212,11 @@ def _fp8_attention(*, query, key, value, descale, out_dtype, **kwargs):
   return fp8.cast_output(flash_attention(q, k, v, **fp8.float32_kwargs(kwargs)), out)
 
 
+# flash_attention's keyword arguments that quantized_attention passes on.
+_QUANTIZED_KWARGS = frozenset(inspect.signature(flash_attention).parameters) - {
+    "query", "key", "value", "descale", "out_dtype"}
+
+
 def quantized_attention(q, k, v, *, rotate: bool = False, block: int | str | None = None,
                         key: jax.Array | None = None, out_dtype=None, **kwargs):
   """FP8 attention on bf16 (or any float) activations, differentiable: the training path.
@@ -226,6 +233,16 @@ def quantized_attention(q, k, v, *, rotate: bool = False, block: int | str | Non
   implementation, config, deterministic, return_residuals, ...); a MosaicConfig configures
   the FP8 forward and the bf16 backward alike. Output: out_dtype, default bfloat16.
   """
+  # The planned path reads only the names it knows: an unknown one (a misspelt is_causal, a
+  # descale of one's own) must not pass unnoticed.
+  unknown = sorted(set(kwargs) - _QUANTIZED_KWARGS)
+  if unknown:
+    hints = {n: difflib.get_close_matches(n, _QUANTIZED_KWARGS, n=1) for n in unknown}
+    said = ", ".join(f"`{n}`" + (f" (did you mean `{h[0]}`?)" if h else "")
+                     for n, h in hints.items())
+    raise TypeError(f"quantized_attention got unexpected keyword arguments {said}: it takes "
+                    "flash_attention's keyword arguments other than `descale` and `out_dtype`, "
+                    "which it sets itself (out_dtype is its own argument).")
   inputs, plan, out = fp8.training_call(q, k, v, rotate=rotate, block=block, key=key,
                                        out_dtype=out_dtype, kwargs=kwargs)
   if plan is not None:

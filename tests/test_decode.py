@@ -240,6 +240,8 @@ def _bad_inputs():
   contiguous = make_decode_inputs(DecodeCase(seqlens=(30, 10), q_len=2, capacity=64))[:4]
   fp8_cache = tuple(x.astype(jnp.float8_e4m3fn) for x in (kc, vc))
   fp8_nk = nk.astype(jnp.float8_e4m3fn)
+  wrapping_table = np.asarray(table, np.int64).copy()
+  wrapping_table[0, 1] += 2**32  # a valid page once wrapped to int32
   return [
       ("table rank", (q, kc, vc, lens), dict(page_table=table[0]), ValueError,
        r"`page_table` must have rank 2 \[batch, max_pages_per_seq\]"),
@@ -253,6 +255,11 @@ def _bad_inputs():
        r"the cache of 64 tokens"),
       ("page outside the pool", (q, kc, vc, lens), dict(page_table=table.at[0, 1].set(kc.shape[0])),
        ValueError, r"page_table\[0, 1\] = 11 is outside the pool of 11 pages"),
+      # int64 indices are checked as given, not after wrapping to int32 (2**32 + 3 -> 3).
+      ("int64 page outside the pool", (q, kc, vc, lens), dict(page_table=wrapping_table),
+       ValueError, r"page_table\[0, 1\] = 42949\d+ is outside the pool"),
+      ("cache rank", (q, kc[..., 0], vc[..., 0], lens), dict(page_table=table), ValueError,
+       r"`key_cache` must have rank 4"),
       ("lengths dtype", (q, kc, vc, lens.astype(jnp.float32)), dict(page_table=table), TypeError,
        r"`cache_seqlens` must be an int32 array"),
       ("new_key alone", (q, kc, vc, lens), dict(page_table=table, new_key=nk), ValueError,

@@ -247,6 +247,10 @@ def _bad_calls():
       "mosaic quantized_attention per block": (lambda: pallas_flash.quantized_attention(
           q, k, v, block=32, implementation="mosaic", config=MOSAIC_FP8_INTERPRET),
           NotImplementedError, "per-block descale factors"),
+      "quantized_attention misspelt": (lambda: pallas_flash.quantized_attention(
+          q, k, v, is_casual=True), TypeError, "`is_casual` (did you mean `is_causal`?)"),
+      "quantized_attention descale": (lambda: pallas_flash.quantized_attention(
+          q, k, v, descale=s), TypeError, "other than `descale` and `out_dtype`"),
       "quantized_attention two residuals": (lambda: pallas_flash.quantized_attention(
           q, k, v, return_residuals=True, return_residual=True), ValueError,
           "not both"),

@@ -93,6 +93,8 @@ def _cache_layout(query, key_cache, page_table) -> tuple[int, int | None, int | 
 
 def _check_shapes(query, key_cache, value_cache, new_key, new_value) -> None:
   _rank4("query", query, "[batch, q_len, num_heads, head_dim]")
+  _rank4("key_cache", key_cache, "[batch, L_max, num_kv_heads, head_dim] (contiguous) or "
+         "[num_pages, page_size, num_kv_heads, head_dim] (paged)")
   b, t, h, d = query.shape
   if 0 in query.shape or 0 in key_cache.shape:
     raise ValueError(f"Empty input: query {query.shape}, key_cache {key_cache.shape}.")
@@ -197,6 +199,7 @@ def canonicalize(query, key_cache, value_cache, cache_seqlens, *, page_table, ne
   kv_descale = _check_kv_descale(kv_descale, key_cache, key_cache.shape[2])
   b, t, _, d = query.shape
   capacity, page_size, num_pages, max_pages = _cache_layout(query, key_cache, page_table)
+  page_table_arg = page_table  # its values as given: int64 ones are checked before the cast
   if page_table is not None:
     page_table = _int_array("page_table", page_table, None,
                             "[batch, max_pages_per_seq] of page indices")
@@ -221,7 +224,7 @@ def canonicalize(query, key_cache, value_cache, cache_seqlens, *, page_table, ne
                    logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap))
   call = DecodeCall(query, key_cache, value_cache, seqlens, page_table, new_key, new_value,
                     theta, cos, sin, kv_descale, info)
-  check_values(call, cache_seqlens, page_table)
+  check_values(call, cache_seqlens, page_table_arg)
   return call
 
 
