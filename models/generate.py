@@ -15,6 +15,7 @@ that row's own position (decode_attention's per-sequence lengths; rotary there t
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +89,30 @@ def _check_prompt_lengths(prompt_lengths, b: int, p: int) -> jax.Array:
   return jnp.asarray(prompt_lengths, jnp.int32)
 
 
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_sampling(prompt, max_new_tokens, temperature, top_k, page_size) -> None:
+  """ValueError / TypeError naming the argument for what `generate` cannot take."""
+  if not hasattr(prompt, "shape") or prompt.ndim != 2 or prompt.shape[0] < 1:
+    raise ValueError(f"`prompt` must be an int array [batch >= 1, prompt_len], got "
+                     f"{getattr(prompt, 'shape', type(prompt).__name__)}.")
+  if not jnp.issubdtype(prompt.dtype, jnp.integer):
+    raise TypeError(f"`prompt` must hold integer token ids, got {prompt.dtype}.")
+  if not _is_int(max_new_tokens):
+    raise TypeError(f"`max_new_tokens` must be a Python int, got {max_new_tokens!r}.")
+  if (not isinstance(temperature, (int, float)) or isinstance(temperature, bool)
+      or not math.isfinite(temperature) or temperature < 0):
+    raise ValueError(f"`temperature` must be a finite Python float >= 0 (0: greedy), got "
+                     f"{temperature!r}.")
+  if top_k is not None and (not _is_int(top_k) or top_k < 1):
+    raise ValueError(f"`top_k` must be None or a Python int >= 1, got {top_k!r}.")
+  if page_size is not None and (not _is_int(page_size) or page_size < 1):
+    raise ValueError(f"`page_size` must be None (a contiguous cache) or a Python int >= 1, got "
+                     f"{page_size!r}.")
+
+
 def generate(model: Transformer, prompt: jax.Array, max_new_tokens: int, *,
              prompt_lengths: jax.Array | None = None, rng: jax.Array | None = None,
              temperature: float = 0.0, top_k: int | None = None, page_size: int | None = None,
@@ -114,6 +139,7 @@ def generate(model: Transformer, prompt: jax.Array, max_new_tokens: int, *,
     tokens [B, N] int32, the N new tokens of each row, which start right after its own prompt
     (padding is not repeated in them); with return_logits also the logits [B, N, V].
   """
+  _check_sampling(prompt, max_new_tokens, temperature, top_k, page_size)
   b, p = prompt.shape
   if p < 1 or max_new_tokens < 1:
     raise ValueError(f"Need a prompt of at least one token and max_new_tokens >= 1, got prompt "

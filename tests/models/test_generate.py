@@ -121,6 +121,22 @@ def test_bad_prompt_lengths_raise(model, lengths, match):
     generate(model, jnp.zeros((2, 4), jnp.int32), 2, prompt_lengths=jnp.array(lengths))
 
 
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(temperature=-1.0), ValueError, "`temperature` must be a finite"),
+    (dict(temperature=float("nan")), ValueError, "`temperature` must be a finite"),
+    (dict(top_k=0), ValueError, "`top_k` must be None or a Python int >= 1"),
+    (dict(page_size=0), ValueError, "`page_size` must be None"),
+    (dict(max_new_tokens=2.5), TypeError, "`max_new_tokens` must be a Python int"),
+    (dict(prompt=jnp.zeros((4,), jnp.int32)), ValueError, "`prompt` must be an int array"),
+    (dict(prompt=jnp.zeros((2, 4))), TypeError, "`prompt` must hold integer token ids"),
+])
+def test_bad_sampling_arguments_raise(model, kwargs, error, match):
+  args = dict(prompt=jnp.zeros((2, 4), jnp.int32), max_new_tokens=2)
+  args.update(kwargs)
+  with pytest.raises(error, match=match):
+    generate(model, args.pop("prompt"), args.pop("max_new_tokens"), **args)
+
+
 def test_traced_prompt_lengths_are_clipped(model):
   """Under nnx.jit the lengths cannot be checked; they are clipped to 1..P as documented."""
   prompt = jax.random.randint(jax.random.key(5), (2, 4), 0, 256)
