@@ -42,14 +42,12 @@ def decode_reference(query, key_cache, value_cache, cache_seqlens, *, page_table
   descale).
   """
   kh = key_cache.shape[2]
-  if kv_descale is not None:
+  k_scale = v_scale = None
+  if kv_descale is not None:  # [K, 1] factors of the [..., K, D] entries
     k_scale, v_scale = (jnp.broadcast_to(jnp.asarray(x, jnp.float32), (kh,))[:, None]
                         for x in kv_descale)
-    if new_key is not None:  # rotated (below) and quantised as the append does
-      quantize = lambda x, s: fp8.to_e4m3(x, s)  # noqa: E731
+    if new_key is not None:  # rotated in float32 (below), then quantised, as the append does
       new_key = new_key.astype(jnp.float32)
-  else:
-    k_scale = v_scale = quantize = None
   b, t, h, d = query.shape
   g = h // kh
   lens = jnp.asarray(cache_seqlens, jnp.int32)
@@ -70,8 +68,8 @@ def decode_reference(query, key_cache, value_cache, cache_seqlens, *, page_table
     pos = lens[:, None] + jnp.arange(t)[None, :]  # [B, Tq]
     nk = new_key if rotary is None else _rope(new_key, pos, theta, cos, sin).astype(new_key.dtype)
     nv = new_value
-    if quantize is not None:
-      nk, nv = quantize(nk, k_scale), quantize(new_value, v_scale)
+    if k_scale is not None:
+      nk, nv = fp8.to_e4m3(nk, k_scale), fp8.to_e4m3(new_value, v_scale)
     rows = jnp.arange(b)[:, None]
     k_seq = k_seq.at[rows, pos].set(nk, mode="drop")
     v_seq = v_seq.at[rows, pos].set(nv, mode="drop")
