@@ -31,17 +31,18 @@ def merge_attention_states(outputs: jax.Array | Sequence[jax.Array],
     (out [B, T, H, D] in the outputs' dtype, lse [B, H, T] float32). A query that saw no key
     in any part gets zeros and lse -inf. Differentiable in both arguments.
   """
-  if not hasattr(outputs, "ndim"):
-    outputs = jnp.stack(list(outputs))
-  if not hasattr(lses, "ndim"):
-    lses = jnp.stack(list(lses))
-  if outputs.ndim != 5 or lses.ndim != 4:
-    raise ValueError(f"`outputs` must be [N, B, T, H, D] and `lses` [N, B, H, T] (or sequences "
-                     f"of N such arrays), got {outputs.shape} and {lses.shape}.")
+  outputs = _stacked("outputs", outputs, 4, "[B, T, H, D]")
+  lses = _stacked("lses", lses, 3, "[B, H, T]")
   n, b, t, h, _ = outputs.shape
+  if n == 0:
+    raise ValueError("Nothing to merge: `outputs` and `lses` hold no partial result.")
   if lses.shape != (n, b, h, t):
     raise ValueError(f"`lses` must have shape {(n, b, h, t)} to match `outputs` "
                      f"{outputs.shape}, got {lses.shape}.")
+  if not (jnp.issubdtype(outputs.dtype, jnp.floating)
+          and jnp.issubdtype(lses.dtype, jnp.floating)):
+    raise TypeError(f"`outputs` and `lses` must be float arrays, got {outputs.dtype} and "
+                    f"{lses.dtype}.")
   lses = lses.astype(jnp.float32)
   m = jnp.max(lses, axis=0)
   # Shift by a finite max: rows where every part is empty keep weights exp(-inf) = 0, not NaN.
@@ -53,6 +54,22 @@ def merge_attention_states(outputs: jax.Array | Sequence[jax.Array],
   out = (weights * outputs.astype(jnp.float32)).sum(axis=0)
   lse = jnp.where(total == 0.0, -jnp.inf, m + jnp.log(safe))
   return out.astype(outputs.dtype), lse
+
+
+def _stacked(name: str, x, rank: int, layout: str) -> jax.Array:
+  """x as one [N, ...] array of rank + 1 (stacked if a sequence of N rank-`rank` arrays), or a
+  ValueError naming the argument."""
+  if not hasattr(x, "ndim"):
+    parts = list(x)
+    shapes = {tuple(getattr(p, "shape", ())) for p in parts}
+    if len(shapes) > 1 or any(not hasattr(p, "ndim") or p.ndim != rank for p in parts):
+      raise ValueError(f"`{name}` as a sequence must hold arrays {layout} of one shape, got "
+                       f"shapes {[tuple(getattr(p, 'shape', ())) for p in parts]}.")
+    x = jnp.stack(parts) if parts else jnp.zeros((0,) + (1,) * rank)
+  if x.ndim != rank + 1:
+    raise ValueError(f"`{name}` must be [N, {layout[1:]} (or a sequence of N {layout} arrays), "
+                     f"got shape {x.shape}.")
+  return x
 
 
 def add_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -63,12 +63,17 @@ def test_gradients_through_the_merge():
     assert_close_to_ref(name, a, b, 5e-6)
 
 
-@pytest.mark.parametrize("outs,lses,match", [
-    (np.zeros((2, 1, 4, 2, 8)), np.zeros((2, 1, 4, 2)), "lses"),
-    (np.zeros((1, 4, 2, 8)), np.zeros((1, 2, 4)), r"\[N, B, T, H, D\]"),
+@pytest.mark.parametrize("outs,lses,error,match", [
+    (np.zeros((2, 1, 4, 2, 8)), np.zeros((2, 1, 4, 2)), ValueError, "lses"),
+    (np.zeros((1, 4, 2, 8)), np.zeros((1, 2, 4)), ValueError, r"\[N, B, T, H, D\]"),
+    ([np.zeros((1, 4, 2, 8)), np.zeros((1, 3, 2, 8))], [np.zeros((1, 2, 4))] * 2, ValueError,
+     "`outputs` as a sequence must hold arrays .* of one shape"),
+    ([], [], ValueError, "Nothing to merge"),
+    (np.zeros((2, 1, 4, 2, 8), np.int32), np.zeros((2, 1, 2, 4)), TypeError,
+     "must be float arrays"),
 ])
-def test_bad_shapes_name_the_argument(outs, lses, match):
-  with pytest.raises(ValueError, match=match):
+def test_bad_shapes_name_the_argument(outs, lses, error, match):
+  with pytest.raises(error, match=match):
     pallas_flash.merge_attention_states(outs, lses)
 
 

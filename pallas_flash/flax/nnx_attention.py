@@ -112,7 +112,15 @@ class FlashMultiHeadAttention(nnx.Module):
       rngs: parameter initialisation.
     """
     qkv_features = qkv_features or in_features
+    for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+      if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise ValueError(f"`{name}` must be a positive int (num_kv_heads: None for MHA), got "
+                         f"{n!r}.")
     num_kv_heads = num_kv_heads or num_heads
+    if rope_theta is not None and (not isinstance(rope_theta, (int, float))
+                                   or not math.isfinite(rope_theta) or rope_theta <= 0):
+      raise ValueError(f"`rope_theta` must be a positive base period (e.g. 10000.0) or None, got "
+                       f"{rope_theta!r}.")
     if qkv_features % num_heads:
       raise ValueError(f"qkv_features ({qkv_features}) must be divisible by num_heads "
                        f"({num_heads}).")

@@ -125,6 +125,18 @@ def test_alibi_slopes_schedule():
     FlashMultiHeadAttention(4, 32, alibi=(0.5, 0.25), rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_heads=0), "`num_heads` must be a positive int"),
+    (dict(num_kv_heads=0), "`num_kv_heads` must be a positive int"),
+    (dict(rope_theta=0.0), "`rope_theta` must be a positive base period"),
+    (dict(rope_theta=-1.0), "`rope_theta` must be a positive base period"),
+])
+def test_bad_layer_arguments_name_themselves(kwargs, match):
+  args = dict(num_heads=4, in_features=32, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=match):
+    FlashMultiHeadAttention(**(args | kwargs))
+
+
 # ---------------------------------------------------------------------------------------------
 # KV cache: init_cache, then decode=True for the prompt and each new token
 
