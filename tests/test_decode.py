@@ -318,6 +318,19 @@ def test_bad_input_names_the_argument_and_the_fix(args, kwargs, error, match):
     pallas_flash.decode_attention(*args, **kwargs)
 
 
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: TritonDecodeConfig(block_kv="64"), TypeError, "TritonDecodeConfig.block_kv must "
+     "be a Python int"),
+    (lambda: TritonDecodeConfig(num_stages=2.5), TypeError, "num_stages must be a Python int"),
+    (lambda: MosaicDecodeConfig(block_kv="64"), TypeError, "MosaicDecodeConfig.block_kv"),
+    (lambda: XlaDecodeConfig(block_kv=16.5), TypeError, "XlaDecodeConfig.block_kv"),
+    (lambda: TritonDecodeConfig(block_kv=48), ValueError, "power of two >= 16"),
+])
+def test_decode_configs_name_a_bad_field(make, error, match):
+  with pytest.raises(error, match=match):
+    make()
+
+
 def test_flash_split_config_names_flash_attentions_implementations():
   with pytest.raises(ValueError, match="flash_implementation must be None or one of"):
     pallas_flash.FlashSplitConfig(flash_implementation="cudnn")

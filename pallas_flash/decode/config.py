@@ -23,6 +23,16 @@ def _is_pow2(n: int) -> bool:
   return n > 0 and n & (n - 1) == 0
 
 
+def _check_ints(config, names: tuple[str, ...]) -> None:
+  """TypeError naming the field for a value that is neither None nor a Python int (a string
+  or a float would fail later, deep inside a kernel's tiling)."""
+  for name in names:
+    value = getattr(config, name)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+      raise TypeError(f"{type(config).__name__}.{name} must be a Python int or None, got "
+                      f"{value!r}.")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TritonDecodeConfig:
   """Tiling of the Triton decode kernel.
@@ -37,6 +47,7 @@ class TritonDecodeConfig:
   num_stages: int | None = None
 
   def __post_init__(self):
+    _check_ints(self, ("block_kv", "block_m", "num_warps", "num_stages"))
     for name in ("block_kv", "block_m"):
       value = getattr(self, name)
       if value is not None and (not _is_pow2(value) or value < 16):
@@ -63,6 +74,7 @@ class MosaicDecodeConfig:
   interpret: bool = False
 
   def __post_init__(self):
+    _check_ints(self, ("block_kv", "num_stages"))
     if self.block_kv is not None and (not _is_pow2(self.block_kv) or self.block_kv < 64):
       raise ValueError(f"MosaicDecodeConfig.block_kv must be a power of two >= 64, got "
                        f"{self.block_kv}.")
@@ -80,6 +92,7 @@ class XlaDecodeConfig:
   block_kv: int | None = None
 
   def __post_init__(self):
+    _check_ints(self, ("block_kv",))
     if self.block_kv is not None and self.block_kv < 1:
       raise ValueError(f"XlaDecodeConfig.block_kv must be positive, got {self.block_kv}.")
 
