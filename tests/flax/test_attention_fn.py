@@ -275,6 +275,14 @@ def test_unknown_keyword_is_an_error():
     flash_attention_fn(q, k, v, input_positions=jnp.arange(20))
 
 
+@pytest.mark.parametrize("rate", [-0.5, 1.0])
+def test_dropout_rate_outside_zero_one_is_an_error(rate):
+  q, k, v = _qkv(0)
+  with pytest.raises(ValueError, match=r"`dropout_rate` must be a Python float in \[0, 1\)"):
+    flash_attention_fn(q, k, v, dropout_rate=rate, deterministic=False,
+                       dropout_rng=jax.random.key(0))
+
+
 # ---------------------------------------------------------------------------------------------
 # Cached decoding (decode=True): one query against the cache, on decode_attention
 
