@@ -116,7 +116,7 @@ def _check_sampling(prompt, max_new_tokens, temperature, top_k, page_size) -> No
 def generate(model: Transformer, prompt: jax.Array, max_new_tokens: int, *,
              prompt_lengths: jax.Array | None = None, rng: jax.Array | None = None,
              temperature: float = 0.0, top_k: int | None = None, page_size: int | None = None,
-             return_logits: bool = False):
+             cache_dtype=None, return_logits: bool = False):
   """Continues each prompt by `max_new_tokens` tokens.
 
   Args:
@@ -133,6 +133,9 @@ def generate(model: Transformer, prompt: jax.Array, max_new_tokens: int, *,
     rng: a PRNG key for sampling (default key 0; unused at temperature 0).
     temperature, top_k: greedy at 0; else sampling (sample_logits).
     page_size: a paged KV cache with pages of this many tokens (None: contiguous).
+    cache_dtype: the KV cache's dtype: None for the model's compute dtype, or
+      jnp.float8_e4m3fn (half the bytes of bf16 to hold and read; descales 1.0, see
+      FlashMultiHeadAttention.init_cache).
     return_logits: also return the logits [B, N, V] each new token was drawn from.
 
   Returns:
@@ -149,7 +152,7 @@ def generate(model: Transformer, prompt: jax.Array, max_new_tokens: int, *,
   length = p + max_new_tokens
   if page_size is not None:
     length = -(-length // page_size) * page_size
-  model.init_cache(b, length, page_size=page_size)
+  model.init_cache(b, length, page_size=page_size, dtype=cache_dtype)
   graphdef, cache, rest = nnx.split(model, nnx.Cache, ...)
   rng = jax.random.key(0) if rng is None else rng
   tokens, logits, cache = _generate(graphdef, cache, rest, jnp.asarray(prompt, jnp.int32),

@@ -94,12 +94,13 @@ class Transformer(nnx.Module):
         config.d_model, config.vocab_size, use_bias=False, dtype=config.compute_dtype,
         kernel_init=_init, rngs=rngs)
 
-  def init_cache(self, batch_size: int, max_length: int, *,
-                 page_size: int | None = None) -> None:
+  def init_cache(self, batch_size: int, max_length: int, *, page_size: int | None = None,
+                 dtype=None) -> None:
     """Empty KV caches in every block for generation (`models.generate`): contiguous, or paged
-    with `page_size` (see FlashMultiHeadAttention.init_cache), in the compute dtype."""
+    with `page_size` (see FlashMultiHeadAttention.init_cache), in `dtype`: the compute dtype
+    by default, or jnp.float8_e4m3fn (FP8 caches, descales 1.0)."""
     for block in self.blocks:
-      block.attn.init_cache(batch_size, max_length, dtype=self.config.compute_dtype,
+      block.attn.init_cache(batch_size, max_length, dtype=dtype or self.config.compute_dtype,
                             page_size=page_size)
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,

@@ -42,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0: all)")
   p.add_argument("--batch", type=int, default=1, help="sequences continuing the same prompt")
   p.add_argument("--page-size", type=int, default=None, help="a paged KV cache (tokens/page)")
+  p.add_argument("--fp8-cache", action="store_true",
+                 help="an FP8 (e4m3) KV cache, descales 1.0 (half the bytes of bf16)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--profile", action="store_true",
                  help="report a decode step's time and attention's share of it")
@@ -87,25 +89,30 @@ def _timed(fn) -> tuple[object, float]:
   return out, time.perf_counter() - start
 
 
-def attention_share(model: Transformer, batch: int, context: int, step_s: float) -> dict:
+def attention_share(model: Transformer, batch: int, context: int, step_s: float, *,
+                    fp8_cache: bool = False) -> dict:
   """decode_attention's time in one decode step: every layer's call at the step's shapes (one
-  query token against `context` cached tokens), timed alone."""
+  query token against `context` cached tokens, in the compute dtype or e4m3), timed alone."""
   c = model.config
   dtype = c.compute_dtype
   q = jnp.zeros((batch, 1, c.n_heads, c.head_dim), dtype)
   cache = jax.random.normal(jax.random.key(0), (batch, context, c.n_kv_heads, c.head_dim), dtype)
+  descale = {}
+  if fp8_cache:
+    cache, descale = cache.astype(jnp.float8_e4m3fn), dict(kv_descale=(1.0, 1.0))
   lens = jnp.full((batch,), context, jnp.int32)
 
   @jax.jit
   def layers(q, k, v, lens):
-    outs = [pallas_flash.decode_attention(q + i, k, v, lens) for i in range(c.n_layers)]
+    outs = [pallas_flash.decode_attention(q + i, k, v, lens, **descale)
+            for i in range(c.n_layers)]
     return sum(o.astype(jnp.float32) for o in outs)
 
   layers(q, cache, cache, lens).block_until_ready()
   reps = 10
   _, t = _timed(lambda: [layers(q, cache, cache, lens) for _ in range(reps)][-1])
   attn_s = t / reps
-  kv_bytes = 2 * batch * context * c.n_kv_heads * c.head_dim * jnp.dtype(dtype).itemsize
+  kv_bytes = 2 * batch * context * c.n_kv_heads * c.head_dim * cache.dtype.itemsize
   return {"attention_s": attn_s, "attention_fraction": attn_s / step_s,
           "kv_tb_per_s": kv_bytes * c.n_layers / attn_s / 1e12}
 
@@ -131,11 +138,12 @@ def main(argv: list[str] | None = None) -> list[str]:
     raise SystemExit("--prompt must not be empty.")
   tokens = jnp.tile(jnp.asarray(prompt, jnp.int32)[None], (opts.batch, 1))
   kw = dict(temperature=opts.temperature, top_k=opts.top_k or None, page_size=opts.page_size,
-            rng=jax.random.key(opts.seed))
+            rng=jax.random.key(opts.seed),
+            cache_dtype=jnp.float8_e4m3fn if opts.fp8_cache else None)
   device = jax.devices()[0]
   print(f"{source}, {model.config.num_params() / 1e6:.2f}M parameters) on "
         f"{device.device_kind}: {opts.batch} x {opts.max_new_tokens} tokens after a "
-        f"{len(prompt)}-byte prompt")
+        f"{len(prompt)}-byte prompt" + (", FP8 KV cache" if opts.fp8_cache else ""))
   out, first_s = _timed(lambda: generate(model, tokens, opts.max_new_tokens, **kw))
   texts = [opts.prompt + decode_bytes(row) for row in jax.device_get(out)]
   for i, text in enumerate([] if opts.quiet else texts):
@@ -150,7 +158,12 @@ def main(argv: list[str] | None = None) -> list[str]:
       generate(model, tokens, 1, **kw)  # compiles the prefill-only call
       _, one_s = _timed(lambda: generate(model, tokens, 1, **kw))  # the prefill and 1 token
       step_s = (total_s - one_s) / (n - 1)
-      share = attention_share(model, opts.batch, len(prompt) + n // 2, step_s)
+      if step_s <= 0:  # timing noise exceeds the steps' time (tiny models, a CPU)
+        print("--- decode step: too short to time apart from the prefill; raise "
+              "--max-new-tokens")
+        return texts
+      share = attention_share(model, opts.batch, len(prompt) + n // 2, step_s,
+                              fp8_cache=opts.fp8_cache)
       print(f"--- decode step {step_s * 1e3:.3f} ms at a {len(prompt) + n // 2}-token context; "
             f"attention {share['attention_s'] * 1e3:.3f} ms of it "
             f"({share['attention_fraction']:.0%}), reading the KV cache at "

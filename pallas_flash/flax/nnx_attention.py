@@ -161,6 +161,7 @@ class FlashMultiHeadAttention(nnx.Module):
     self.cached_value: nnx.Cache | None = nnx.data(None)
     self.cache_seqlens: nnx.Cache | None = nnx.data(None)
     self.page_table: nnx.Cache | None = nnx.data(None)
+    self.kv_descale: nnx.Cache | None = nnx.data(None)  # [2, K] with an FP8 cache
     linear = functools.partial(
         nnx.LinearGeneral, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
         bias_init=bias_init, use_bias=use_bias, kernel_metadata=kernel_metadata, rngs=rngs)
@@ -227,16 +228,34 @@ class FlashMultiHeadAttention(nnx.Module):
     return self.out(x)
 
   def init_cache(self, batch_size: int, max_length: int, *, dtype: Any = None,
-                 page_size: int | None = None) -> None:
+                 page_size: int | None = None, kv_descale: tuple[Any, Any] | None = None
+                 ) -> None:
     """Allocates an empty KV cache for `batch_size` sequences of up to `max_length` tokens.
 
     Contiguous [B, max_length, K, D] buffers, or with `page_size` a page pool
     [B * max_length / page_size, page_size, K, D] and a page table giving sequence b pages
     b * n .. b * n + n - 1 (`page_table` can be replaced, e.g. by a serving engine's
     allocator). dtype: the cache's, default the layer's compute dtype (`dtype`, else the
-    parameters'). Calling it again starts empty.
+    parameters'); jnp.float8_e4m3fn for an FP8 cache, whose `kv_descale` (key, value factors,
+    [] or [num_kv_heads], decode_attention's) default to (1.0, 1.0), vLLM's uncalibrated
+    choice: keys and values then keep e4m3's 3-bit mantissa from 2**-6 to 448 in magnitude.
+    Calling it again starts empty.
     """
-    dtype = dtype or self.query.dtype or self.query.param_dtype
+    dtype = jnp.dtype(dtype or self.query.dtype or self.query.param_dtype)
+    if dtype == jnp.dtype(jnp.float8_e4m3fn):
+      pair = [jnp.asarray(x, jnp.float32) for x in ((1.0, 1.0) if kv_descale is None
+                                                     else kv_descale)]
+      if len(pair) != 2 or any(x.shape not in ((), (self.num_kv_heads,)) for x in pair):
+        raise ValueError(f"`kv_descale` must be (key_descale, value_descale), each of shape () "
+                         f"or ({self.num_kv_heads},), got shapes {[x.shape for x in pair]}.")
+      # [2, K]: key factors, value factors (decode_attention's kv_descale per kv head).
+      self.kv_descale = nnx.Cache(jnp.stack([jnp.broadcast_to(x, (self.num_kv_heads,))
+                                             for x in pair]))
+    elif kv_descale is not None:
+      raise ValueError(f"`kv_descale` applies to float8_e4m3fn caches only; this cache is "
+                       f"{dtype.name}: drop it, or pass dtype=jnp.float8_e4m3fn.")
+    else:
+      self.kv_descale = nnx.data(None)
     shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
     if page_size is not None:
       if max_length % page_size:
@@ -267,7 +286,10 @@ class FlashMultiHeadAttention(nnx.Module):
                        "segments or ALiBi.")
     self._check_features(inputs=inputs)
     query = self.query(inputs)  # [B, T, H, D]
-    dtype = self.cached_key.dtype
+    descale = None if self.kv_descale is None else tuple(self.kv_descale[...])  # (keys', values')
+    # The query's and the new tokens' dtype: the cache's, or the compute dtype for an FP8
+    # cache (decode_attention quantises the new tokens into it).
+    dtype = query.dtype if descale is not None else self.cached_key.dtype
     key = self.key(inputs).astype(dtype)  # [B, T, K, D]
     value = self.value(inputs).astype(dtype)
     table = None if self.page_table is None else self.page_table[...]
@@ -275,7 +297,8 @@ class FlashMultiHeadAttention(nnx.Module):
         query.astype(dtype), self.cached_key[...], self.cached_value[...],
         self.cache_seqlens[...], page_table=table, new_key=key, new_value=value,
         rotary=self.rope_theta, local_window_size=self.local_window_size,
-        logits_soft_cap=self.logits_soft_cap, implementation=self.decode_implementation)
+        logits_soft_cap=self.logits_soft_cap, kv_descale=descale,
+        implementation=self.decode_implementation)
     self.cached_key[...], self.cached_value[...] = k_cache, v_cache
     self.cache_seqlens[...] = self.cache_seqlens[...] + inputs.shape[1]
     return self.out(x.astype(query.dtype))

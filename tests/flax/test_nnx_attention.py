@@ -162,6 +162,26 @@ def test_prefill_then_steps_equal_the_full_causal_forward(page_size, features):
   assert_close(step(layer, x[:, :3]), full[:, :3], tol=1e-5, what="after re-init")
 
 
+@pytest.mark.parametrize("page_size", [None, 4], ids=["contiguous", "paged"])
+def test_fp8_cache_steps_follow_the_full_forward(page_size):
+  """An e4m3 cache with per-head descales: keys and values rounded to 3 mantissa bits (outputs
+  within a few % of the full forward), the cache e4m3 and the descales honoured."""
+  layer = FlashMultiHeadAttention(4, 32, num_kv_heads=2, is_causal=True, rope_theta=1e4,
+                                  implementation="xla", rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 11, 32))
+  full = layer(x)
+  layer.init_cache(2, 16, page_size=page_size, dtype=jnp.float8_e4m3fn,
+                   kv_descale=(jnp.array([0.01, 0.02]), 0.01))
+  outs = [layer(x[:, :6], decode=True)] + [layer(x[:, t:t + 1], decode=True)
+                                           for t in range(6, 11)]
+  assert layer.cached_key.dtype == jnp.float8_e4m3fn
+  assert_close(jnp.concatenate(outs, axis=1), full, tol=0.05, what="FP8 cached decode")
+  with pytest.raises(ValueError, match="applies to float8_e4m3fn caches only"):
+    layer.init_cache(2, 16, kv_descale=(1.0, 1.0))
+  with pytest.raises(ValueError, match=r"each of shape \(\) or \(2,\)"):
+    layer.init_cache(2, 16, dtype=jnp.float8_e4m3fn, kv_descale=(jnp.ones(3), 1.0))
+
+
 def test_decode_needs_a_cache_and_no_positions():
   layer = FlashMultiHeadAttention(4, 32, is_causal=True, rngs=nnx.Rngs(0))
   x = jnp.zeros((1, 2, 32))
