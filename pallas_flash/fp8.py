@@ -413,7 +413,8 @@ def _canonical_call(query, key, value, kwargs) -> validation.Call:
 
 def mosaic_attention(query, key, value, scales: Fp8Scales, out, kwargs):
   """flash_attention's result for an FP8 call the Mosaic FP8 forward runs (runs_on_mosaic)."""
-  validation.check_residual_flags(kwargs.get("return_residuals"), kwargs.get("return_residual"),
+  validation.check_residual_flags(kwargs.get("return_residuals", False),
+                                  kwargs.get("return_residual", False),
                                   "output")
   call = _canonical_call(query, key, value, kwargs)
   params = call.info.params
@@ -637,7 +638,8 @@ def training_call(q, k, v, *, rotate: bool, block, key, out_dtype, kwargs: dict)
   `_TrainingPlan` that runs them (None: the straight-through float32 call instead,
   `straight_through_inputs`) and the output dtype. Checks the arguments."""
   _check_block_option(block)
-  validation.check_residual_flags(kwargs.get("return_residuals"), kwargs.get("return_residual"),
+  validation.check_residual_flags(kwargs.get("return_residuals", False),
+                                  kwargs.get("return_residual", False),
                                   "output")
   inputs = [q, k, v]
   if rotate:

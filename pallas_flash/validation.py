@@ -65,6 +65,9 @@ def _check_inputs(query, key, value) -> None:
 def check_residual_flags(return_residuals, return_residual, lse_dtype: str) -> None:
   """A call asks for at most one of the two lse conventions; lse_dtype names return_residual's
   dtype ("input" or, for FP8 inputs, "output")."""
+  for name, flag in (("return_residuals", return_residuals), ("return_residual", return_residual)):
+    if not isinstance(flag, (bool, np.bool_)):  # static: it decides what the call returns
+      raise TypeError(f"`{name}` must be a Python bool, got {flag!r}.")
   if return_residuals and return_residual:
     raise ValueError("Pass one of `return_residuals` (float32 [B, H, T], differentiable) and "
                      f"`return_residual` (jax.nn's: [B, T, H] in the {lse_dtype} dtype, "

@@ -381,3 +381,10 @@ def test_return_residuals_gradient_is_exact(impl):
 def test_return_residual_and_residuals_together_are_rejected():
   with pytest.raises(ValueError, match="`return_residuals`.*`return_residual`.*not both"):
     pallas_flash.flash_attention(Q, KV, KV, return_residuals=True, return_residual=True)
+
+
+@pytest.mark.parametrize("name", ["return_residuals", "return_residual"])
+def test_residual_flags_must_be_bools(name):
+  """A string or array flag is not read by truthiness: it decides what the call returns."""
+  with pytest.raises(TypeError, match=f"`{name}` must be a Python bool"):
+    pallas_flash.flash_attention(Q, KV, KV, **{name: "no"})

@@ -293,6 +293,8 @@ def _bad_inputs():
        NotImplementedError, "an FP8 cache: flash_attention's FP8 kernel takes FP8 queries"),
       ("num_splits", (q, kc, vc, lens), dict(page_table=table, num_splits=0), ValueError,
        "`num_splits` must be None"),
+      ("return_residuals", (q, kc, vc, lens), dict(page_table=table, return_residuals="no"),
+       TypeError, "`return_residuals` must be a Python bool"),
       ("config type", (q, kc, vc, lens), dict(page_table=table, implementation="xla",
                                               config=TritonDecodeConfig()),
        NotImplementedError, "takes a XlaDecodeConfig"),

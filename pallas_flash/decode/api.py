@@ -298,8 +298,9 @@ def decode_attention(
                                  page_table=page_table, new_key=new_key, new_value=new_value,
                                  rotary=rotary, scale=scale, local_window_size=local_window_size,
                                  logits_soft_cap=logits_soft_cap, kv_descale=kv_descale)
-  if not isinstance(checked, bool):
-    raise TypeError(f"`checked` must be a Python bool, got {checked!r}.")
+  for name, flag in (("checked", checked), ("return_residuals", return_residuals)):
+    if not isinstance(flag, bool):
+      raise TypeError(f"`{name}` must be a Python bool, got {flag!r}.")
   if sinks is not None:
     sinks = attention_validation.check_sinks(sinks, call.q.shape[2])
   info = call.info
