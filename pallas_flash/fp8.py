@@ -182,6 +182,7 @@ def quantize(q, k, v, *, rotate: bool = False, block: int | str | None = None,
     key: PRNG key of the rotation's signs (None: jax.random.key(0)).
   """
   _check_block_option(block)
+  _check_float_inputs(q, k, v)
   if rotate:
     signed = _signed_hadamard(q.shape[-1], key)
     q, k = _rotate(q, signed), _rotate(k, signed)
@@ -191,6 +192,24 @@ def quantize(q, k, v, *, rotate: bool = False, block: int | str | None = None,
 
 # ---------------------------------------------------------------------------------------------
 # Checks
+
+
+def _check_float_inputs(q, k, v) -> None:
+  """`quantize`'s inputs: float arrays of rank 3 or 4, one rank for all three, none empty (a
+  max over nothing has no scale). Their dtypes may differ: each becomes e4m3."""
+  for name, x in zip(_NAMES, (q, k, v)):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"`{name}` must be a jax or numpy array, got {type(x).__name__}.")
+    if x.ndim not in (3, 4):
+      raise ValueError(f"`{name}` must have rank 4 [batch, length, heads, head_dim] (or 3 "
+                       f"without batch), got shape {tuple(x.shape)}.")
+    if not jnp.issubdtype(x.dtype, jnp.floating) or _is_fp8(x):
+      raise TypeError(f"`{name}` must be a bf16, f16 or f32 array to quantise, got {x.dtype}.")
+    if x.size == 0:
+      raise ValueError(f"`{name}` is empty (shape {tuple(x.shape)}): nothing to quantise.")
+  if len({x.ndim for x in (q, k, v)}) > 1:
+    raise ValueError(f"`query`, `key` and `value` must share one rank (all batched or none), "
+                     f"got shapes {[tuple(x.shape) for x in (q, k, v)]}.")
 
 
 def _is_fp8(x) -> bool:

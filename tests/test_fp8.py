@@ -259,6 +259,13 @@ def _bad_calls():
       "rotate d96": (lambda: fp8.quantize(q[..., :48], k[..., :48], v, rotate=True),
                      ValueError, "power-of-two `head_dim`"),
       "block option": (lambda: fp8.quantize(q, k, v, block=0), ValueError, "`block`"),
+      "quantize rank": (lambda: fp8.quantize(q[0, 0], k, v), ValueError,
+                        "`query` must have rank 4"),
+      "quantize list": (lambda: fp8.quantize(q, k.tolist(), v), TypeError,
+                        "`key` must be a jax or numpy array"),
+      "quantize ranks": (lambda: fp8.quantize(q[0], k, v), ValueError,
+                         "must share one rank (all batched or none)"),
+      "quantize empty": (lambda: fp8.quantize(q[:, :0], k, v), ValueError, "`query` is empty"),
   }
 
 
