@@ -89,6 +89,21 @@ def _check_prompt_lengths(prompt_lengths, b: int, p: int) -> jax.Array:
   return jnp.asarray(prompt_lengths, jnp.int32)
 
 
+def _check_tokens(prompt, prompt_lengths, vocab_size: int) -> None:
+  """ValueError for a concrete prompt token outside the vocabulary (an embedding lookup would
+  give NaN or wrap around); padding past prompt_lengths may hold anything."""
+  if isinstance(prompt, jax.core.Tracer) or isinstance(prompt_lengths, jax.core.Tracer):
+    return
+  tokens = np.asarray(prompt)
+  real = np.arange(tokens.shape[1])[None, :] < (
+      tokens.shape[1] if prompt_lengths is None else np.asarray(prompt_lengths)[:, None])
+  bad = np.argwhere(real & ((tokens < 0) | (tokens >= vocab_size)))
+  if bad.size:
+    row, col = (int(x) for x in bad[0])
+    raise ValueError(f"`prompt` token {int(tokens[row, col])} at [{row}, {col}] is outside the "
+                     f"vocabulary 0..{vocab_size - 1}.")
+
+
 def _is_int(x) -> bool:
   return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
@@ -149,6 +164,7 @@ def generate(model: Transformer, prompt: jax.Array, max_new_tokens: int, *,
                      f"{prompt.shape} and {max_new_tokens}.")
   if prompt_lengths is not None:
     prompt_lengths = _check_prompt_lengths(prompt_lengths, b, p)
+  _check_tokens(prompt, prompt_lengths, model.config.vocab_size)
   length = p + max_new_tokens
   if page_size is not None:
     length = -(-length // page_size) * page_size

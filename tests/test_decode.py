@@ -227,7 +227,7 @@ def test_checked_mode_reports_values_through_checkify():
   err, _ = checked(lens, kw["page_table"].at[1, 0].set(99))
   assert "page_table[1, 0] = 99 is outside the pool" in err.get()
   err, _ = checked(jnp.array([70, 10], jnp.int32), kw["page_table"])
-  assert "cache_seqlens[0] = 70 exceeds" in err.get()
+  assert "cache_seqlens[0] = 70 is outside [0, capacity]" in err.get()
   with pytest.raises(ValueError, match="checkify"):  # staged without checkify.checkify
     jax.jit(f)(lens, kw["page_table"])
 
@@ -248,7 +248,8 @@ def _bad_inputs():
       ("table dtype", (q, kc, vc, lens), dict(page_table=table.astype(jnp.float32)), TypeError,
        r"`page_table` must be an int32 array .*astype\(jnp.int32\)"),
       ("lengths past L", (q, kc, vc, jnp.array([65, 3], jnp.int32)), dict(page_table=table),
-       ValueError, r"cache_seqlens\[0\] = 65 exceeds the cache's capacity of 64 tokens"),
+       ValueError, r"cache_seqlens\[0\] = 65 is outside \[0, capacity\] for the cache of 64 "
+       "tokens"),
       ("overflowing append", (q, kc, vc, jnp.array([30, 63], jnp.int32)),
        dict(page_table=table.at[1].set(jnp.arange(4)), new_key=nk, new_value=nk), ValueError,
        r"appending q_len = 2 tokens to sequence 1 \(cache_seqlens\[1\] = 63\) would overflow "

@@ -259,7 +259,7 @@ def _capacity_text(info: DecodeInfo) -> str:
 
 
 def _length_message(info: DecodeInfo) -> str:
-  return (f"cache_seqlens[{{b}}] = {{n}} exceeds the cache's capacity of "
+  return (f"cache_seqlens[{{b}}] = {{n}} is outside [0, capacity] for the cache of "
           f"{_capacity_text(info)}")
 
 
@@ -289,8 +289,7 @@ def check_values(call: DecodeCall, seqlens_arg, page_table_arg) -> None:
   bad = np.flatnonzero((lens < 0) | (lens > info.capacity))
   if bad.size:
     b = int(bad[0])
-    raise ValueError(_length_message(info).format(b=b, n=int(lens[b])) +
-                     "; each must lie in [0, capacity].")
+    raise ValueError(_length_message(info).format(b=b, n=int(lens[b])) + ".")
   needed = _needed(info, lens.astype(np.int64))
   bad = np.flatnonzero(needed > info.capacity)
   if bad.size:

@@ -141,6 +141,10 @@ def test_bad_prompt_lengths_raise(model, lengths, match):
     (dict(max_new_tokens=2.5), TypeError, "`max_new_tokens` must be a Python int"),
     (dict(prompt=jnp.zeros((4,), jnp.int32)), ValueError, "`prompt` must be an int array"),
     (dict(prompt=jnp.zeros((2, 4))), TypeError, "`prompt` must hold integer token ids"),
+    (dict(prompt=jnp.zeros((2, 4), jnp.int32).at[1, 2].set(256)), ValueError,
+     r"`prompt` token 256 at \[1, 2\] is outside the vocabulary 0..255"),
+    (dict(prompt=jnp.zeros((2, 4), jnp.int32).at[0, 0].set(-5)), ValueError,
+     "`prompt` token -5"),
 ])
 def test_bad_sampling_arguments_raise(model, kwargs, error, match):
   args = dict(prompt=jnp.zeros((2, 4), jnp.int32), max_new_tokens=2)
