@@ -192,3 +192,6 @@ def test_decode_needs_a_cache_and_no_positions():
     layer(x, decode=True, positions=jnp.zeros((1, 2), jnp.int32))
   with pytest.raises(ValueError, match="multiple of page_size"):
     layer.init_cache(1, 10, page_size=4)
+  for kwargs in (dict(page_size=0), dict(batch_size=-1), dict(max_length=0)):
+    with pytest.raises(ValueError, match=f"`{next(iter(kwargs))}` must be a positive int"):
+      layer.init_cache(**(dict(batch_size=1, max_length=8) | kwargs))
