@@ -82,10 +82,14 @@ def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
   kwargs.update(bias=bias, mask=mask)
   config = kwargs.pop("config", None)
   kwargs.pop("implementation", None)
-  kwargs.pop("return_residuals", None)
-  kwargs.pop("sinks", None)  # every backend takes them: no influence on the choice
-  kwargs.pop("checked", None)
-  kwargs.pop("return_residual", None)
+  # No influence on the choice, but checked as the call checks them: an explanation must not
+  # call runnable what the call refuses.
+  validation.check_residual_flags(kwargs.pop("return_residuals", False),
+                                  kwargs.pop("return_residual", False), "input")
+  if (sinks := kwargs.pop("sinks", None)) is not None:  # every backend takes them
+    validation.check_sinks(sinks, query.shape[-2])
+  if not isinstance(checked := kwargs.pop("checked", False), bool):
+    raise TypeError(f"`checked` must be a Python bool, got {checked!r}.")
   info = validation.abstract_call_info(query, key, value,
                                        validation.with_defaults(kwargs))
   reasons = {name: backends.auto_reason(name, info, config) for name in IMPLEMENTATIONS}

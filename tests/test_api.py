@@ -388,3 +388,17 @@ def test_residual_flags_must_be_bools(name):
   """A string or array flag is not read by truthiness: it decides what the call returns."""
   with pytest.raises(TypeError, match=f"`{name}` must be a Python bool"):
     pallas_flash.flash_attention(Q, KV, KV, **{name: "no"})
+
+
+def test_explain_checks_what_the_call_checks():
+  """Arguments with no influence on the choice are still checked: an explanation does not call
+  runnable a call that raises."""
+  with pytest.raises(ValueError, match="`sinks` must have shape"):
+    pallas_flash.explain(Q, KV, KV, sinks=jnp.zeros(7))
+  with pytest.raises(TypeError, match="`return_residuals` must be a Python bool"):
+    pallas_flash.explain(Q, KV, KV, return_residuals="no")
+  q = jax.ShapeDtypeStruct((1, 1, 4, 32), jnp.float32)
+  kv = jax.ShapeDtypeStruct((1, 16, 2, 32), jnp.float32)
+  lens = jax.ShapeDtypeStruct((1,), jnp.int32)
+  with pytest.raises(ValueError, match="`sinks` must have shape"):
+    pallas_flash.decode_explain(q, kv, kv, lens, sinks=jnp.zeros(3))

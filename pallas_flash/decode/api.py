@@ -192,8 +192,12 @@ def decode_explain(query, key_cache, value_cache, cache_seqlens, **kwargs) -> De
   implementation = kwargs.pop("implementation", None)
   config = kwargs.pop("config", None)
   num_splits = kwargs.pop("num_splits", None)
-  for name in ("return_residuals", "checked", "sinks"):
-    kwargs.pop(name, None)
+  # No influence on the plan, but checked as the call checks them.
+  for name in ("return_residuals", "checked"):
+    if not isinstance(flag := kwargs.pop(name, False), bool):
+      raise TypeError(f"`{name}` must be a Python bool, got {flag!r}.")
+  if (sinks := kwargs.pop("sinks", None)) is not None:
+    attention_validation.check_sinks(sinks, query.shape[2])
   info = validation.abstract_info(query, key_cache, value_cache, cache_seqlens,
                                   validation.with_defaults(kwargs))
   return _plan(info, implementation, config, num_splits)
