@@ -202,6 +202,7 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   operand_shapes = (shape[:4], kv_shape, v_shape, (b, t, h, dv))  # q, k, v, do
   segments = kw.pop("segments", False)
   softcap = kw.pop("softcap", None)
+  cap_order = kw.pop("cap_order", None)  # logits_soft_cap_order, e.g. "bias_then_cap"
   window = kw.pop("window", None)
   sinks = kw.pop("sinks", False)
   block_mask = kw.pop("blockmask", None)
@@ -221,6 +222,8 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   features = dict(query_segment_ids=ids, key_value_segment_ids=ids) if segments else {}
   if softcap is not None:
     features["logits_soft_cap"] = float(softcap)
+  if cap_order is not None:
+    features["logits_soft_cap_order"] = cap_order
   if window is not None:
     features["local_window_size"] = (int(window), 0)
   if sinks:

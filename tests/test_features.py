@@ -427,7 +427,7 @@ def test_reference_soft_cap_order_is_the_formula(order):
   assert max_abs(want - other) > 0.1  # the orders differ far beyond the tolerance here
 
 
-def test_soft_cap_order_is_checked_and_mosaic_takes_cap_then_bias_only():
+def test_soft_cap_order_is_checked_and_mosaic_takes_bias_then_cap_with_alibi_only():
   from jax.sharding import use_abstract_mesh
   from testing import H200
 
@@ -440,6 +440,12 @@ def test_soft_cap_order_is_checked_and_mosaic_takes_cap_then_bias_only():
                                        logits_soft_cap_order=order).reasons_when_named["mosaic"]
            for order in ("bias_then_cap", "cap_then_bias")}
   assert "bias_then_cap" in why["bias_then_cap"] and why["cap_then_bias"] is None, why
+  # ALiBi alone goes inside the cap in the kernels: chosen automatically on an H200.
+  slopes = jax.ShapeDtypeStruct((2,), jnp.float32)
+  with use_abstract_mesh(H200):
+    ex = pallas_flash.explain(q, q, q, logits_soft_cap=5.0, logits_soft_cap_order="bias_then_cap",
+                              alibi_slopes=slopes)
+  assert ex.chosen == "mosaic", ex
 
 
 def test_bias_then_cap_lowers_to_triton_for_h200():

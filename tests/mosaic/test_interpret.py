@@ -99,6 +99,10 @@ ALIBI = [
     # The overlapped loop streaming the key tail first: its blocks' positions from a select.
     ("overlap_tail", _config(fwd_intra_wg_overlap=True, block_kv=128),
      _case(130, 200, h=2, kh=1, d=128, dtype=jnp.float16, features=("alibi",))),
+    # ALiBi inside the soft cap (logits_soft_cap_order="bias_then_cap"): the cap's slope taken
+    # at the biased scores in dQ and dK/dV.
+    ("bias_then_cap", _config(), _case(190, 130, h=2, kh=1, is_causal=True,
+                                       features=("alibi", "softcap", "bias_then_cap"))),
 ]
 # For the suite's time, the other forms, GQA and head dim 256 run with -m slow; the GPU tests
 # (tests/mosaic/test_gpu.py -k alibi) check the default forms on the device.
@@ -116,6 +120,10 @@ ALIBI_SLOW = [
     ("split_tail", _config(fwd_split_tail=True, debug=dict(wave_ctas=2, tail_parts=3)),
      _case(384, 192, h=3, features=("alibi",))),
     ("hd256_softcap", _config(), _case(130, 130, d=256, features=("alibi", "softcap"))),
+    ("overlap_bias_then_cap", _config(fwd_intra_wg_overlap=True, block_kv=128),
+     _case(130, 200, h=2, kh=1, d=128, features=("alibi", "softcap", "bias_then_cap"))),
+    ("hd256_bias_then_cap", _config(),
+     _case(130, 130, d=256, features=("alibi", "softcap", "bias_then_cap"))),
 ]
 
 

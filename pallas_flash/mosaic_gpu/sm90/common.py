@@ -57,6 +57,9 @@ class KernelParams:
   segment_ids: bool = False
   v_stages: int = 0  # dQ kernel: depth of the V ring where it differs from K's (0: stages)
   softcap: float | None = None  # AttentionParams.logits_soft_cap
+  # AttentionParams.bias_in_cap: ALiBi goes inside the cap (added before it); the kernels
+  # refuse it with a dense bias or mask (mosaic_gpu.unsupported_reason).
+  bias_in_cap: bool = False
   # AttentionParams.local_window (left, right); the kernels stream its band's blocks through
   # the segment-id path (band_limits).
   window: tuple[int, int] | None = None
@@ -132,7 +135,8 @@ class KernelParams:
         dkdv_overlap=config.dkdv_overlap,
         profile_dir=config.debug.profile_dir, segments=segment_path(params),
         segment_ids=params.has_segments,
-        softcap=params.logits_soft_cap, window=params.local_window, alibi=params.has_alibi,
+        softcap=params.logits_soft_cap, bias_in_cap=params.bias_in_cap,
+        window=params.local_window, alibi=params.has_alibi,
         dense=(params.has_bias, params.has_mask), dropout=params.dropout_rate)
 
 

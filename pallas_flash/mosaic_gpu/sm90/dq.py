@@ -136,10 +136,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
 
       def probs(s):
         """(P, the soft cap's slope) of the raw score tile s [block_q, block_kv]."""
-        s, slope = common.soft_cap_with_slope(s, kp)
+        if not kp.bias_in_cap:
+          s, slope = common.soft_cap_with_slope(s, kp)
         if alibi_slope is not None:  # a constant per score: dS is unchanged
           s = common.alibi(s, q0, key_block(j) * bkv, alibi_slope)
         s = sm90_dense.add(s, tiles, kp.scale)
+        if kp.bias_in_cap:  # "bias_then_cap" (ALiBi only): the slope is d cap / d(s + ALiBi)
+          s, slope = common.soft_cap_with_slope(s, kp)
         p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(lse2, s.shape, [0]))
         if masked and sparse is not None:
           p = jnp.where(sparse.mask(q0, key_block(j) * bkv, (bq, bkv), kp.kv_len, kp.kv_tail),

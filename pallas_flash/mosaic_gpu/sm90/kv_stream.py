@@ -124,14 +124,18 @@ def step_stat(streams, slot, which: int):
 
 def probs_t(s_t, lse, k0, mask_block, kp: common.KernelParams, ids=None, bias=None,
             visible=None):
-  """(Pᵀ, slope): Pᵀ = exp2((soft_cap(Sᵀ) + bias)·c − lse2) [block_kv, block_q] with the
+  """(Pᵀ, slope): Pᵀ = exp2((soft_cap(Sᵀ) + bias)·c − lse2) (with kp.bias_in_cap, ALiBi's
+  soft_cap(Sᵀ + bias)) [block_kv, block_q] with the
   entries the mask hides set to 0 (mask_block: see transposed_grad_tiles; bias: ALiBi's
   `alibi_steps`, or None), and the soft cap's slope (common.soft_cap_with_slope; None without
   a cap) for `grad_scores_t` (ALiBi adds a constant: no slope). visible: see
   transposed_grad_tiles."""
-  s_t, slope = common.soft_cap_with_slope(s_t, kp)
+  if not kp.bias_in_cap:
+    s_t, slope = common.soft_cap_with_slope(s_t, kp)
   if bias is not None:
     s_t = bias(s_t)
+  if kp.bias_in_cap:  # "bias_then_cap" (ALiBi only): inside the cap
+    s_t, slope = common.soft_cap_with_slope(s_t, kp)
   p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
   if mask_block is not None:
     if visible is not None:
