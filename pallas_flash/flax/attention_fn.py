@@ -191,6 +191,10 @@ def flash_attention_fn(
   if (not isinstance(dropout_rate, (int, float)) or isinstance(dropout_rate, bool)
       or not 0.0 <= dropout_rate < 1.0):  # a negative rate would pass as "no dropout"
     raise ValueError(f"`dropout_rate` must be a Python float in [0, 1), got {dropout_rate!r}.")
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if getattr(x, "ndim", 0) < 3:
+      raise ValueError(f"`{name}` must be [batch..., length, num_heads, head_dim] (rank >= 3), "
+                       f"got shape {getattr(x, 'shape', None)}.")
   query, key, value = _promote(query, key, value, dtype)
   linen_only = {n for n, v in (("qk_attn_weights_einsum", qk_attn_weights_einsum),
                                ("attn_weights_value_einsum", attn_weights_value_einsum))

@@ -275,6 +275,12 @@ def test_unknown_keyword_is_an_error():
     flash_attention_fn(q, k, v, input_positions=jnp.arange(20))
 
 
+def test_rank_two_inputs_are_an_error():
+  q, k, v = _qkv(0)
+  with pytest.raises(ValueError, match=r"`query` must be \[batch..., length, num_heads"):
+    flash_attention_fn(q[0, :, 0], k, v)
+
+
 @pytest.mark.parametrize("rate", [-0.5, 1.0])
 def test_dropout_rate_outside_zero_one_is_an_error(rate):
   q, k, v = _qkv(0)
