@@ -281,6 +281,12 @@ def _bad_inputs():
        "value_descale must be finite and positive"),
       ("kv_descale on bf16", (q, kc, vc, lens), dict(page_table=table, kv_descale=(1.0, 1.0)),
        ValueError, "applies to float8_e4m3fn caches only"),
+      ("kv_descale None entry", (q, *fp8_cache, lens),
+       dict(page_table=table, kv_descale=(None, 1.0)), TypeError,
+       "key_descale must be a float or a float array, got NoneType"),
+      ("kv_descale one array", (q, *fp8_cache, lens),
+       dict(page_table=table, kv_descale=jnp.array([0.1, 0.2])), TypeError,
+       r"`kv_descale` must be a pair \(key_descale, value_descale\)"),
       ("fp8 new_key", (q, *fp8_cache, lens),
        dict(page_table=table, kv_descale=(1.0, 1.0), new_key=fp8_nk, new_value=fp8_nk),
        TypeError, "`new_key` must have the query's dtype float32"),
@@ -319,6 +325,19 @@ def _bad_inputs():
 def test_bad_input_names_the_argument_and_the_fix(args, kwargs, error, match):
   with pytest.raises(error, match=match):
     pallas_flash.decode_attention(*args, **kwargs)
+
+
+# What decode_explain must refuse as the call does (concrete values, which its tracing skips).
+_EXPLAIN_REFUSES = ("lengths past L", "page outside the pool", "kv_descale value",
+                    "kv_descale None entry", "fp8 without kv_descale")
+
+
+@pytest.mark.parametrize("args,kwargs,error,match",
+                         [c[1:] for c in _bad_inputs() if c[0] in _EXPLAIN_REFUSES],
+                         ids=[c[0] for c in _bad_inputs() if c[0] in _EXPLAIN_REFUSES])
+def test_explain_refuses_what_the_call_refuses(args, kwargs, error, match):
+  with pytest.raises(error, match=match):
+    pallas_flash.decode_explain(*args, **kwargs)
 
 
 @pytest.mark.parametrize("make, error, match", [

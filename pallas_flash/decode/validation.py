@@ -52,7 +52,7 @@ def _rank4(name: str, x, layout: str) -> None:
 
 def _concrete(x) -> np.ndarray | None:
   """x as numpy when its values are known now (not traced), else None."""
-  if x is None or isinstance(x, jax.core.Tracer):
+  if x is None or isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
     return None
   return np.asarray(x)
 
@@ -143,13 +143,23 @@ def _check_kv_descale(kv_descale, key_cache, num_kv_heads: int) -> jax.Array | N
   if not is_fp8:
     raise ValueError(f"`kv_descale` applies to float8_e4m3fn caches only; this cache is "
                      f"{key_cache.dtype}: drop it.")
+  return kv_descale_array(kv_descale, num_kv_heads)
+
+
+def kv_descale_array(kv_descale, num_kv_heads: int) -> jax.Array:
+  """float32 [2, K] (keys' factors, values') from `kv_descale` = (key_descale, value_descale),
+  each a float [] or [K]; concrete ones must be finite and positive. Also what
+  FlashMultiHeadAttention.init_cache checks its FP8 cache's descales with."""
   if not isinstance(kv_descale, (tuple, list)) or len(kv_descale) != 2:
     raise TypeError("`kv_descale` must be a pair (key_descale, value_descale), got "
                     f"{type(kv_descale).__name__}.")
   rows = []
   for name, x in zip(("key_descale", "value_descale"), kv_descale):
     if not hasattr(x, "shape"):
-      x = jnp.asarray(x)
+      if isinstance(x, bool) or not isinstance(x, (int, float, np.number)):
+        raise TypeError(f"`kv_descale`'s {name} must be a float or a float array, got "
+                        f"{type(x).__name__}.")
+      x = jnp.asarray(x, jnp.float32)
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"`kv_descale`'s {name} must be a float array, got {x.dtype}.")
     if tuple(x.shape) not in ((), (num_kv_heads,)):
@@ -224,7 +234,7 @@ def canonicalize(query, key_cache, value_cache, cache_seqlens, *, page_table, ne
                    logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap))
   call = DecodeCall(query, key_cache, value_cache, seqlens, page_table, new_key, new_value,
                     theta, cos, sin, kv_descale, info)
-  check_values(call, cache_seqlens, page_table_arg)
+  check_values(info, cache_seqlens, page_table_arg)
   return call
 
 
@@ -280,9 +290,8 @@ def _needed(info: DecodeInfo, seqlens):
   return seqlens + (info.q_len if info.appends else 0)
 
 
-def check_values(call: DecodeCall, seqlens_arg, page_table_arg) -> None:
+def check_values(info: DecodeInfo, seqlens_arg, page_table_arg) -> None:
   """Raises ValueError for bad concrete lengths, appends or page indices (no-op when traced)."""
-  info = call.info
   lens = _concrete(seqlens_arg)
   if lens is None:
     return
@@ -337,7 +346,11 @@ def runtime_checks(call: DecodeCall) -> None:
 
 
 def abstract_info(query, key_cache, value_cache, cache_seqlens, kwargs: dict) -> DecodeInfo:
-  """Describes a call from arrays or ShapeDtypeStructs, without computing anything."""
+  """Describes a call from arrays or ShapeDtypeStructs, without computing anything. Concrete
+  values (descales, lengths, a page table) get the checks the call gives them, which tracing
+  would skip."""
+  if kwargs.get("kv_descale") is not None and getattr(key_cache, "ndim", 0) == 4:
+    kv_descale_array(kwargs["kv_descale"], key_cache.shape[2])
   arrays = {n: x for n, x in kwargs.items() if hasattr(x, "shape") and hasattr(x, "dtype")}
   for name in ("rotary", "kv_descale"):  # pairs of arrays: (cos, sin) tables, descales
     if isinstance(kwargs.get(name), (tuple, list)):
@@ -350,6 +363,7 @@ def abstract_info(query, key_cache, value_cache, cache_seqlens, kwargs: dict) ->
     return jnp.zeros(())
 
   jax.eval_shape(trace, query, key_cache, value_cache, cache_seqlens, arrays)
+  check_values(infos[0], cache_seqlens, kwargs.get("page_table"))
   return infos[0]
 
 

@@ -27,6 +27,7 @@ from pallas_flash import validation
 from pallas_flash.api import flash_attention
 from pallas_flash.decode import IMPLEMENTATIONS as DECODE_IMPLEMENTATIONS
 from pallas_flash.decode import decode_attention
+from pallas_flash.decode import validation as decode_validation
 from pallas_flash.flax.rotary import apply_rotary
 
 # The signature every attention function this layer calls must have (pallas_flash.flash_attention
@@ -248,14 +249,10 @@ class FlashMultiHeadAttention(nnx.Module):
         raise ValueError(f"`{name}` must be a positive int, got {n!r}.")
     dtype = jnp.dtype(dtype or self.query.dtype or self.query.param_dtype)
     if dtype == jnp.dtype(jnp.float8_e4m3fn):
-      pair = [jnp.asarray(x, jnp.float32) for x in ((1.0, 1.0) if kv_descale is None
-                                                     else kv_descale)]
-      if len(pair) != 2 or any(x.shape not in ((), (self.num_kv_heads,)) for x in pair):
-        raise ValueError(f"`kv_descale` must be (key_descale, value_descale), each of shape () "
-                         f"or ({self.num_kv_heads},), got shapes {[x.shape for x in pair]}.")
-      # [2, K]: key factors, value factors (decode_attention's kv_descale per kv head).
-      self.kv_descale = nnx.Cache(jnp.stack([jnp.broadcast_to(x, (self.num_kv_heads,))
-                                             for x in pair]))
+      # [2, K]: key factors, value factors, checked as decode_attention checks them (here, with
+      # the values in hand: a jitted decode step could not).
+      self.kv_descale = nnx.Cache(decode_validation.kv_descale_array(
+          (1.0, 1.0) if kv_descale is None else kv_descale, self.num_kv_heads))
     elif kv_descale is not None:
       raise ValueError(f"`kv_descale` applies to float8_e4m3fn caches only; this cache is "
                        f"{dtype.name}: drop it, or pass dtype=jnp.float8_e4m3fn.")

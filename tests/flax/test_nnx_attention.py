@@ -178,8 +178,13 @@ def test_fp8_cache_steps_follow_the_full_forward(page_size):
   assert_close(jnp.concatenate(outs, axis=1), full, tol=0.05, what="FP8 cached decode")
   with pytest.raises(ValueError, match="applies to float8_e4m3fn caches only"):
     layer.init_cache(2, 16, kv_descale=(1.0, 1.0))
-  with pytest.raises(ValueError, match=r"each of shape \(\) or \(2,\)"):
+  with pytest.raises(ValueError, match=r"key_descale must have shape \(\) \(per tensor\) or"):
     layer.init_cache(2, 16, dtype=jnp.float8_e4m3fn, kv_descale=(jnp.ones(3), 1.0))
+  # Checked here, with the values in hand: a jitted decode step could not.
+  for bad, error in (((0.0, 0.05), ValueError), ((float("nan"), 1.0), ValueError),
+                     (0.01, TypeError), (jnp.array([0.01, 0.02]), TypeError)):
+    with pytest.raises(error, match="kv_descale"):
+      layer.init_cache(2, 16, dtype=jnp.float8_e4m3fn, kv_descale=bad)
 
 
 def test_decode_needs_a_cache_and_no_positions():
