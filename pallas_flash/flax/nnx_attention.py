@@ -242,10 +242,11 @@ class FlashMultiHeadAttention(nnx.Module):
     choice: keys and values then keep e4m3's 3-bit mantissa from 2**-6 to 448 in magnitude.
     Calling it again starts empty.
     """
-    for name, n in (("batch_size", batch_size), ("max_length", max_length),
-                    ("page_size", page_size)):
-      if (n is not None or name != "page_size") and (
-          not isinstance(n, int) or isinstance(n, bool) or n < 1):
+    sizes = {"batch_size": batch_size, "max_length": max_length}
+    if page_size is not None:
+      sizes["page_size"] = page_size
+    for name, n in sizes.items():
+      if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"`{name}` must be a positive int, got {n!r}.")
     dtype = jnp.dtype(dtype or self.query.dtype or self.query.param_dtype)
     if dtype == jnp.dtype(jnp.float8_e4m3fn):
