@@ -162,7 +162,9 @@ def test_prefill_then_steps_equal_the_full_causal_forward(page_size, features):
   assert_close(step(layer, x[:, :3]), full[:, :3], tol=1e-5, what="after re-init")
 
 
-@pytest.mark.parametrize("page_size", [None, 4], ids=["contiguous", "paged"])
+# Paged under -m slow: the FP8 append through pages is tests/test_decode.py's.
+@pytest.mark.parametrize("page_size", [None, pytest.param(4, marks=pytest.mark.slow)],
+                         ids=["contiguous", "paged"])
 def test_fp8_cache_steps_follow_the_full_forward(page_size):
   """An e4m3 cache with per-head descales: keys and values rounded to 3 mantissa bits (outputs
   within a few % of the full forward), the cache e4m3 and the descales honoured."""
