@@ -88,8 +88,7 @@ def explain(query, key, value, bias=None, mask=None, **kwargs) -> Explanation:
                                   kwargs.pop("return_residual", False), "input")
   if (sinks := kwargs.pop("sinks", None)) is not None:  # every backend takes them
     validation.check_sinks(sinks, query.shape[-2])
-  if not isinstance(checked := kwargs.pop("checked", False), bool):
-    raise TypeError(f"`checked` must be a Python bool, got {checked!r}.")
+  validation.check_bool("checked", kwargs.pop("checked", False))
   info = validation.abstract_call_info(query, key, value,
                                        validation.with_defaults(kwargs))
   reasons = {name: backends.auto_reason(name, info, config) for name in IMPLEMENTATIONS}

@@ -62,6 +62,12 @@ def _check_inputs(query, key, value) -> None:
     raise TypeError(f"Unsupported dtype {query.dtype}: use bfloat16, float16 or float32.")
 
 
+def check_bool(name: str, value) -> None:
+  """TypeError unless `value` is a Python bool: a static flag is not read by truthiness."""
+  if not isinstance(value, bool):
+    raise TypeError(f"`{name}` must be a Python bool, got {value!r}.")
+
+
 def check_residual_flags(return_residuals, return_residual, lse_dtype: str) -> None:
   """A call asks for at most one of the two lse conventions; lse_dtype names return_residual's
   dtype ("input" or, for FP8 inputs, "output")."""
@@ -249,8 +255,7 @@ def canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
                               "Segment ids are [batch, kv_len] int32.")
   _check_segment_ids_range("query_segment_ids", q_seg)
   _check_segment_ids_range("key_value_segment_ids", kv_seg)
-  if not isinstance(checked, bool):
-    raise TypeError(f"`checked` must be a Python bool, got {checked!r}.")
+  check_bool("checked", checked)
   if checked:
     _runtime_checks(q_lens, kv_lens, q_seg, kv_seg, t, s)
   q_seg, kv_seg = _fold_lengths(q_seg, kv_seg, q_lens, kv_lens, t, s)

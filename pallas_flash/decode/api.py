@@ -181,6 +181,14 @@ def _plan(info: DecodeInfo, implementation, config, num_splits) -> DecodeExplana
                            route=f"the split-KV kernel of {chosen!r}")
 
 
+def _check_outputs_and_sinks(query, return_residuals, checked, sinks):
+  """The arguments that do not describe the call (decode_attention's and decode_explain's
+  alike), checked; returns `sinks`."""
+  attention_validation.check_bool("return_residuals", return_residuals)
+  attention_validation.check_bool("checked", checked)
+  return None if sinks is None else attention_validation.check_sinks(sinks, query.shape[2])
+
+
 def decode_explain(query, key_cache, value_cache, cache_seqlens, **kwargs) -> DecodeExplanation:
   """Says what `decode_attention(query, key_cache, value_cache, cache_seqlens, **kwargs)` runs.
 
@@ -193,11 +201,8 @@ def decode_explain(query, key_cache, value_cache, cache_seqlens, **kwargs) -> De
   config = kwargs.pop("config", None)
   num_splits = kwargs.pop("num_splits", None)
   # No influence on the plan, but checked as the call checks them.
-  for name in ("return_residuals", "checked"):
-    if not isinstance(flag := kwargs.pop(name, False), bool):
-      raise TypeError(f"`{name}` must be a Python bool, got {flag!r}.")
-  if (sinks := kwargs.pop("sinks", None)) is not None:
-    attention_validation.check_sinks(sinks, query.shape[2])
+  _check_outputs_and_sinks(query, kwargs.pop("return_residuals", False),
+                           kwargs.pop("checked", False), kwargs.pop("sinks", None))
   info = validation.abstract_info(query, key_cache, value_cache, cache_seqlens,
                                   validation.with_defaults(kwargs))
   return _plan(info, implementation, config, num_splits)
@@ -302,11 +307,7 @@ def decode_attention(
                                  page_table=page_table, new_key=new_key, new_value=new_value,
                                  rotary=rotary, scale=scale, local_window_size=local_window_size,
                                  logits_soft_cap=logits_soft_cap, kv_descale=kv_descale)
-  for name, flag in (("checked", checked), ("return_residuals", return_residuals)):
-    if not isinstance(flag, bool):
-      raise TypeError(f"`{name}` must be a Python bool, got {flag!r}.")
-  if sinks is not None:
-    sinks = attention_validation.check_sinks(sinks, call.q.shape[2])
+  sinks = _check_outputs_and_sinks(query, return_residuals, checked, sinks)
   info = call.info
   plan = _plan(info, implementation, config, num_splits)
   if checked:

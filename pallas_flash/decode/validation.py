@@ -130,10 +130,11 @@ def _check_shapes(query, key_cache, value_cache, new_key, new_value) -> None:
                       "FP8 cache quantises the new tokens itself, with `kv_descale`).")
 
 
-def _check_kv_descale(kv_descale, key_cache, num_kv_heads: int) -> jax.Array | None:
-  """float32 [2, K] from `kv_descale` = (key_descale, value_descale), each [] or [K]; None for
-  a cache in the query's dtype."""
-  is_fp8 = jnp.dtype(key_cache.dtype) == fp8.E4M3
+def check_kv_descale(kv_descale, cache_dtype, num_kv_heads: int) -> jax.Array | None:
+  """float32 [2, K] from `kv_descale` = (key_descale, value_descale), each [] or [K], for a
+  float8_e4m3fn cache; None for a cache in the query's dtype (which takes none). Also what
+  FlashMultiHeadAttention.init_cache checks its cache's descales with."""
+  is_fp8 = jnp.dtype(cache_dtype) == fp8.E4M3
   if kv_descale is None:
     if is_fp8:
       raise ValueError("A float8_e4m3fn cache needs `kv_descale=(key_descale, value_descale)`: "
@@ -142,14 +143,13 @@ def _check_kv_descale(kv_descale, key_cache, num_kv_heads: int) -> jax.Array | N
     return None
   if not is_fp8:
     raise ValueError(f"`kv_descale` applies to float8_e4m3fn caches only; this cache is "
-                     f"{key_cache.dtype}: drop it.")
+                     f"{jnp.dtype(cache_dtype).name}: drop it, or make the cache float8_e4m3fn.")
   return kv_descale_array(kv_descale, num_kv_heads)
 
 
 def kv_descale_array(kv_descale, num_kv_heads: int) -> jax.Array:
   """float32 [2, K] (keys' factors, values') from `kv_descale` = (key_descale, value_descale),
-  each a float [] or [K]; concrete ones must be finite and positive. Also what
-  FlashMultiHeadAttention.init_cache checks its FP8 cache's descales with."""
+  each a float [] or [K]; concrete ones must be finite and positive."""
   if not isinstance(kv_descale, (tuple, list)) or len(kv_descale) != 2:
     raise TypeError("`kv_descale` must be a pair (key_descale, value_descale), got "
                     f"{type(kv_descale).__name__}.")
@@ -206,7 +206,7 @@ def canonicalize(query, key_cache, value_cache, cache_seqlens, *, page_table, ne
                  new_value, rotary, scale, local_window_size, logits_soft_cap,
                  kv_descale) -> DecodeCall:
   _check_shapes(query, key_cache, value_cache, new_key, new_value)
-  kv_descale = _check_kv_descale(kv_descale, key_cache, key_cache.shape[2])
+  kv_descale = check_kv_descale(kv_descale, key_cache.dtype, key_cache.shape[2])
   b, t, _, d = query.shape
   capacity, page_size, num_pages, max_pages = _cache_layout(query, key_cache, page_table)
   page_table_arg = page_table  # its values as given: int64 ones are checked before the cast

@@ -249,16 +249,12 @@ class FlashMultiHeadAttention(nnx.Module):
       if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"`{name}` must be a positive int, got {n!r}.")
     dtype = jnp.dtype(dtype or self.query.dtype or self.query.param_dtype)
-    if dtype == jnp.dtype(jnp.float8_e4m3fn):
-      # [2, K]: key factors, value factors, checked as decode_attention checks them (here, with
-      # the values in hand: a jitted decode step could not).
-      self.kv_descale = nnx.Cache(decode_validation.kv_descale_array(
-          (1.0, 1.0) if kv_descale is None else kv_descale, self.num_kv_heads))
-    elif kv_descale is not None:
-      raise ValueError(f"`kv_descale` applies to float8_e4m3fn caches only; this cache is "
-                       f"{dtype.name}: drop it, or pass dtype=jnp.float8_e4m3fn.")
-    else:
-      self.kv_descale = nnx.data(None)
+    if kv_descale is None and dtype == jnp.dtype(jnp.float8_e4m3fn):
+      kv_descale = (1.0, 1.0)
+    # [2, K]: key factors, value factors, checked as decode_attention checks them (here, with
+    # the values in hand: a jitted decode step could not).
+    descale = decode_validation.check_kv_descale(kv_descale, dtype, self.num_kv_heads)
+    self.kv_descale = nnx.data(None) if descale is None else nnx.Cache(descale)
     shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
     if page_size is not None:
       if max_length % page_size:
