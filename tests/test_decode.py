@@ -5,6 +5,7 @@ cache donation, bad input and the checked mode."""
 
 import dataclasses
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -294,6 +295,10 @@ def _bad_inputs():
        dict(page_table=table, kv_descale=(1.0, 1.0), implementation="mosaic",
             config=MosaicDecodeConfig(interpret=True)),
        NotImplementedError, "an FP8 cache: the Mosaic decode kernel"),
+      ("triton fp8 odd head_dim", (q[..., :31].astype(jnp.bfloat16),
+                                   *(x[..., :31] for x in fp8_cache), lens),
+       dict(page_table=table, kv_descale=(1.0, 1.0), implementation="interpret"),
+       NotImplementedError, r"an FP8 cache with an odd head_dim \(31\)"),
       ("flash fp8", (contiguous[0].astype(jnp.bfloat16),
                      *(x.astype(jnp.float8_e4m3fn) for x in contiguous[1:3]), contiguous[3]),
        dict(kv_descale=(1.0, 1.0), implementation="flash"),
@@ -395,6 +400,38 @@ def test_fp8_cache_lowers_for_h200(paged):
   module = lowered_for_h200("triton", pool=(40, 64) if paged else None, max_pages=16,
                             fp8_cache=True)
   assert module.count("xla.gpu.triton") == 2 and "f8E4M3FN" in module
+
+
+def _triton_operands(module: str) -> list[tuple[tuple[int, ...], str]]:
+  """(shape, element type) of every operand of the module's Triton calls."""
+  calls = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(.*?: \((.*?)\) ->", module)
+  return [(tuple(int(n) for n in dims.split("x")[:-1]), dims.split("x")[-1])
+          for sig in calls for dims in re.findall(r"tensor<([0-9x]+\w+)>", sig)]
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_fp8_cache_offsets_fit_int32(paged):
+  """Pallas-Triton addresses an operand of at most 2^32 bytes with int32 element offsets: no
+  one-byte operand of 2^31 .. 2^32 elements may reach the kernels (an e4m3 cache of 3 GiB
+  read the wrong rows, or faulted, on the H200). The FP8 cache arrives as 16-bit words."""
+  b, L, kh, d = 24, 131072, 8, 128  # 3 GiB per cache
+  q = jax.ShapeDtypeStruct((b, 1, 32, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b * L // 64, 64, kh, d) if paged else (b, L, kh, d),
+                            jnp.float8_e4m3fn)
+  table = jax.ShapeDtypeStruct((b, L // 64), jnp.int32) if paged else None
+  lens = jax.ShapeDtypeStruct((b,), jnp.int32)
+
+  def f(q, kc, vc, lens, table):
+    return pallas_flash.decode_attention(q, kc, vc, lens, page_table=table,
+                                         kv_descale=(1.0, 1.0), implementation="triton")
+
+  operands = _triton_operands(export_for_h200(f, q, kv, kv, lens, table).mlir_module())
+  bits = {"i8": 8, "ui8": 8, "f8E4M3FN": 8, "i16": 16, "ui16": 16, "bf16": 16, "f16": 16,
+          "i32": 32, "ui32": 32, "f32": 32}
+  assert any(np.prod(s) * bits[t] // 8 == b * L * kh * d for s, t in operands), operands
+  for shape, t in operands:
+    n = int(np.prod(shape))
+    assert n < 2**31 or n * bits[t] // 8 > 2**32, (shape, t)
 
 
 def test_attention_alone_is_one_or_two_kernels_on_h200():

@@ -10,6 +10,11 @@ contiguous cache reads rows start .. start + block_kv, a paged one looks each ro
 the page table, so a tile may span pages of any size in any order. Tiles wholly visible to every
 row run without masks; the ones at the sequence's end (and at the window's start) mask scores
 and load zeros past the length, so stale or NaN cache slots never reach the output.
+
+An FP8 (e4m3) cache reaches the kernels as 16-bit words, two features each (fp8_words), and is
+unpacked in registers: Pallas-Triton addresses an array of at most 2^32 bytes with int32
+element offsets, which overflow for a one-byte array of more than 2^31 elements (a 2-4 GiB
+cache read the wrong rows or faulted); counted in words they stay below 2^31.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ def unsupported_reason(info: DecodeInfo, config: TritonDecodeConfig | None, *,
   del config
   if info.head_dim > MAX_HEAD_DIM:
     return f"head_dim {info.head_dim} > {MAX_HEAD_DIM} is not supported by the Triton kernel"
+  if info.fp8_cache and info.head_dim % 2:
+    return (f"an FP8 cache with an odd head_dim ({info.head_dim}): the kernel reads e4m3 "
+            f"features in pairs")
   if interpret:
     return None
   cc = info.compute_capability
@@ -111,26 +119,44 @@ def _scores(qk, p: _KernelParams):
   return t * (cap * common.LOG2E)
 
 
-def _col_index(cols, p: _KernelParams):
-  """(column indices to address D features with, their mask or None).
+def _col_index(cols, width: int):
+  """(column indices to address `width` columns with, their mask or None).
 
-  The index stays a bare iota whenever D is a power of two: Triton vectorises an access only
-  along an axis it can prove contiguous, and a clamp (jnp.minimum) would hide that.
+  The index stays a bare iota whenever width is a power of two: Triton vectorises an access
+  only along an axis it can prove contiguous, and a clamp (jnp.minimum) would hide that.
   """
-  if p.head_dim == cols.shape[0]:
+  if width == cols.shape[0]:
     return cols, None
-  return jnp.minimum(cols, p.head_dim - 1), (cols < p.head_dim)[None, :]
+  return jnp.minimum(cols, width - 1), (cols < width)[None, :]
 
 
 def _load_rows(ref, rows, cols, row_ok, p: _KernelParams):
   """ref[rows, cols] as [block_kv, D_pad], zeros where a row is not in the cache. Padding
   columns (D not a power of two) repeat column D - 1: the query's padding columns are zero,
   so scores ignore them, and outputs there equal column D - 1's (see _store_rows)."""
-  cols, _ = _col_index(cols, p)
+  cols, _ = _col_index(cols, ref.shape[-1])
   view = ref.at[rows[:, None], cols[None, :]]
-  # An FP8 tile's fill: Triton casts floats to e4m3, not integers.
-  fill = 0.0 if jnp.dtype(ref.dtype).itemsize == 1 else 0
-  return view[...] if row_ok is None else pltriton.load(view, mask=row_ok[:, None], other=fill)
+  return view[...] if row_ok is None else pltriton.load(view, mask=row_ok[:, None], other=0)
+
+
+def fp8_words(cache):
+  """An e4m3 cache [..., D] (D even) as uint16 [..., D / 2], a free view: word j holds feature
+  2j in its low byte and 2j + 1 in its high byte."""
+  pairs = cache.reshape(*cache.shape[:-1], cache.shape[-1] // 2, 2)
+  return lax.bitcast_convert_type(pairs, jnp.uint16)
+
+
+def _load_fp8_rows(ref, rows, cols, row_ok, dtype, p: _KernelParams):
+  """_load_rows of an FP8 cache seen as words (fp8_words: ref [rows, D / 2] uint16), as
+  [block_kv, D_pad] in `dtype`. Padding columns repeat column D - 1, as _load_rows' do."""
+  half = cols.shape[0] // 2
+  wcols = lax.broadcasted_iota(jnp.int32, (half,), 0)
+  words = _load_rows(ref, rows, wcols, row_ok, p)
+  lo, hi = (lax.bitcast_convert_type(b.astype(jnp.uint8), jnp.float8_e4m3fn).astype(dtype)
+            for b in (words & 0xFF, words >> 8))
+  if ref.shape[-1] != half:  # padding words repeat the last one: make both halves its high
+    lo = jnp.where((wcols < ref.shape[-1])[None, :], lo, hi)
+  return jnp.stack([lo, hi], axis=-1).reshape(words.shape[0], 2 * half)
 
 
 def _tile_rows(row0, p: _KernelParams):
@@ -147,7 +173,7 @@ def _tile_rows(row0, p: _KernelParams):
 def _load_q(q_ref, t, g, cols, p: _KernelParams, seq=None):
   """The tile's query rows [block_m, D_pad] from q_ref [Tq, G, D], or from sequence `seq` of
   q_ref [B, Tq, G, D] (zeros past D)."""
-  cols, col_ok = _col_index(cols, p)
+  cols, col_ok = _col_index(cols, p.head_dim)
   index = (t[:, None], g[:, None], cols[None, :])
   view = q_ref.at[index if seq is None else (seq, *index)]
   return view[...] if col_ok is None else pltriton.load(view, mask=col_ok, other=0)
@@ -161,7 +187,7 @@ def _store_rows(o_ref, lse_ref, o, lse, t, g, cols, p: _KernelParams):
   values, so their writes repeat it (a masked store would be as cheap on a GPU, but the
   interpreter's masked scatter writes stale values for masked-off duplicates).
   """
-  cols, _ = _col_index(cols, p)
+  cols, _ = _col_index(cols, p.head_dim)
   o_ref[t[:, None], g[:, None], cols[None, :]] = o.astype(o_ref.dtype)
   lse_ref[g, t] = lse
 
@@ -221,7 +247,8 @@ def _attend_blocks(q, k_ref, v_ref, rows_of, start, end, *, n, row0, p: _KernelP
   rows_of(keys [block_kv]) -> their rows in k_ref / v_ref ([rows, D]). Returns float32 o
   [block_m, D_pad] normalised over the range's keys and lse [block_m] (natural log); a row
   that sees none of them gets o = 0, lse = -inf. descale: None, or an FP8 cache's (key, value)
-  factors of this kv head (scalars): tiles are converted to q's dtype for the dots, the scores
+  factors of this kv head (scalars), k_ref / v_ref then its words (fp8_words): tiles are
+  converted to q's dtype for the dots, the scores
   multiplied by the key factor and the output by the value factor.
   """
   prm, bm, bk = p.params, p.block_m, p.block_kv
@@ -243,11 +270,12 @@ def _attend_blocks(q, k_ref, v_ref, rows_of, start, end, *, n, row0, p: _KernelP
     keys = j * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
     in_cache = keys < n if masked else None
     rows = rows_of(jnp.where(in_cache, keys, 0) if masked else keys)
-    k = _load_rows(k_ref, rows, cols, in_cache, p)
     if descale is None:
+      k = _load_rows(k_ref, rows, cols, in_cache, p)
       s = _scores(common.dot(q, k, trans_b=True), p)  # [block_m, block_kv]
     else:
-      s = _scores(common.dot(q, k.astype(q.dtype), trans_b=True) * descale[0], p)
+      k = _load_fp8_rows(k_ref, rows, cols, in_cache, q.dtype, p)
+      s = _scores(common.dot(q, k, trans_b=True) * descale[0], p)
     if masked:
       visible = (keys[None, :] <= q_pos[:, None]) & in_cache[None, :]
       if prm.window is not None:
@@ -258,9 +286,8 @@ def _attend_blocks(q, k_ref, v_ref, rows_of, start, end, *, n, row0, p: _KernelP
     probs = jnp.exp2(s - m_next[:, None])
     if masked:  # a row with no visible key yet has m_next == MASK_VALUE, where exp2 gives 1
       probs = jnp.where(visible, probs, 0.0)
-    v = _load_rows(v_ref, rows, cols, in_cache, p)
-    if descale is not None:
-      v = v.astype(q.dtype)
+    v = (_load_rows(v_ref, rows, cols, in_cache, p) if descale is None
+         else _load_fp8_rows(v_ref, rows, cols, in_cache, q.dtype, p))
     acc = alpha[:, None] * acc + common.dot(probs.astype(v.dtype), v)
     return m_next, alpha * l_prev + probs.sum(axis=1), acc
 
@@ -292,9 +319,9 @@ def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, descale_ref, o_ref,
   as in call.sequence_lengths); q_ref [Tq, G, D] (this sequence's query heads of this kv
   head); k_ref / v_ref [L, D] (this sequence and kv head of a contiguous cache) or
   [P * page_size, D] (this kv head of the pool); pt_ref [max_pages] int32 (this sequence's
-  page table, None when contiguous); descale_ref [2, K] float32 (an FP8 cache's factors, else
-  None); o_ref [Tq, G, D] and lse_ref [G, Tq], the final outputs (query dtype; float32).
-  Grid: (row tiles, 1, B * K).
+  page table, None when contiguous); descale_ref [2, K] float32 (an FP8 cache's factors, whose
+  k_ref / v_ref hold D / 2 words; else None); o_ref [Tq, G, D] and lse_ref [G, Tq], the final
+  outputs (query dtype; float32). Grid: (row tiles, 1, B * K).
   """
   mi, bh = pl.program_id(0), pl.program_id(2)
   row0 = mi * p.block_m
@@ -403,6 +430,8 @@ def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodePara
                      block_kv=bk, capacity=capacity, num_pages=num_pages, max_pages=max_pages,
                      approx_tanh=not interpret and jnp.dtype(q.dtype).itemsize == 2)
   q = q.reshape(b, tq, kh, g, d)  # free views: the kernels address rows (t, g) directly
+  if kv_descale is not None:
+    key_cache, value_cache = fp8_words(key_cache), fp8_words(value_cache)
   call = _one_split if params.num_splits == 1 else _balanced_splits
   o, lse = call(q, key_cache, value_cache, lengths, page_table, kv_descale, kp=kp,
                 config=config, interpret=interpret)
@@ -431,13 +460,14 @@ def _one_split(q, key_cache, value_cache, lengths, page_table, kv_descale, *,
   """q [B, Tq, K, G, D] -> out [B, Tq, K, G, D], lse [B, K, G, Tq]: one kernel, each program
   one row tile of one (sequence, kv head)."""
   b, tq, kh, g, d = q.shape
+  dc = key_cache.shape[-1]  # D, or D / 2 words of an FP8 cache
   if page_table is not None:
-    key_cache = key_cache.reshape(-1, kh, d)  # [P * page_size, K, D]: a free view of the pool
-    value_cache = value_cache.reshape(-1, kh, d)
-    kv_spec = pl.BlockSpec((key_cache.shape[0], None, d), lambda mi, si, bh: (0, bh % kh, 0))
+    key_cache = key_cache.reshape(-1, kh, dc)  # [P * page_size, K, D]: a free view of the pool
+    value_cache = value_cache.reshape(-1, kh, dc)
+    kv_spec = pl.BlockSpec((key_cache.shape[0], None, dc), lambda mi, si, bh: (0, bh % kh, 0))
     pt_spec = pl.BlockSpec((None, page_table.shape[1]), lambda mi, si, bh: (bh // kh, 0))
   else:
-    kv_spec = pl.BlockSpec((None, kp.capacity, None, d),
+    kv_spec = pl.BlockSpec((None, kp.capacity, None, dc),
                            lambda mi, si, bh: (bh // kh, 0, bh % kh, 0))
     pt_spec = None
   final = _final_specs(kh, tq, g, d)
@@ -469,10 +499,12 @@ def _balanced_splits(q, key_cache, value_cache, lengths, page_table, kv_descale,
   tiles_m = -(-kp.rows // bm)
   programs = kp.params.num_splits * b
   slots = b + programs - 1
-  # [rows, K, D]: a free view of the pool or of the contiguous cache (row b * L + key).
-  key_cache = key_cache.reshape(-1, kh, d)
-  value_cache = value_cache.reshape(-1, kh, d)
-  kv_spec = pl.BlockSpec((key_cache.shape[0], None, d), lambda mi, i, k: (0, k, 0))
+  # [rows, K, D]: a free view of the pool or of the contiguous cache (row b * L + key); D / 2
+  # words for an FP8 cache.
+  dc = key_cache.shape[-1]
+  key_cache = key_cache.reshape(-1, kh, dc)
+  value_cache = value_cache.reshape(-1, kh, dc)
+  kv_spec = pl.BlockSpec((key_cache.shape[0], None, dc), lambda mi, i, k: (0, k, 0))
   pt_spec = None if page_table is None else pl.BlockSpec(page_table.shape, lambda *_: (0, 0))
   partial_shapes = [jax.ShapeDtypeStruct((kh, slots, tiles_m * bm, d_pad), jnp.float32),
                     jax.ShapeDtypeStruct((kh, slots, tiles_m * bm), jnp.float32)]
