@@ -147,7 +147,8 @@ def test_block_mask(name, case, blocks):
 
 # ALiBi (issue 43): the training shape causal and not (the overlapped forward, persistent
 # non-causal), head dim 64 with segment ids, persistent and split-tail forwards, 192-key tiles
-# with a key tail, a window with a soft cap, head dim 256; every one on the Mosaic kernels
+# with a key tail, a window with a soft cap, head dim 256, ALiBi inside the cap
+# (logits_soft_cap_order="bias_then_cap") at 128 and 256; every one on the Mosaic kernels
 # (by name: not yet the automatic choice), against the reference.
 ALIBI_CASES = [
     _case(4, 2048, 2048, 8, 2, 128, True, features=("alibi",)),
@@ -158,6 +159,9 @@ ALIBI_CASES = [
     _case(1, 8000, 8000, 4, 2, 128, False, features=("alibi",)),
     _case(1, 3000, 3000, 4, 2, 128, True, lengths=True, features=("alibi", "window", "softcap")),
     _case(1, 1024, 1024, 4, 2, 256, True, features=("alibi",)),
+    _case(1, 3000, 3000, 4, 2, 128, True, lengths=True,
+          features=("alibi", "softcap", "bias_then_cap")),
+    _case(1, 1024, 1024, 4, 2, 256, True, features=("alibi", "softcap", "bias_then_cap")),
 ]
 
 
