@@ -70,10 +70,11 @@ def test_kernel_forms_match_reference(name, config, case):
 
 # Segment ids and lengths (the kernels stream only the blocks that may share an id), windows
 # (the band's blocks) and soft caps, alone and together, at each head dim's kernels.
-# For the suite's time, three run with -m slow (the GPU tests run them all on the device).
+# For the suite's time, four run with -m slow (the GPU tests run them all on the device; causal
+# segment ids with GQA also run with ALiBi, sinks and dropout under -m slow).
 _slow = functools.partial(pytest.param, marks=pytest.mark.slow)
 FEATURES = [
-    _case(300, 300, h=4, kh=2, is_causal=True, segments=True),
+    _slow(_case(300, 300, h=4, kh=2, is_causal=True, segments=True)),
     _case(200, 330, d=128, segments=True, lengths=True),
     _slow(_case(190, 130, d=256, kh=2, is_causal=True, segments=True)),
     _slow(_case(200, 200, d=128, segments=True, features=("window_left",))),
@@ -392,6 +393,7 @@ def test_rows_that_see_nothing_give_zeros_and_zero_gradients():
   assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
 
 
+@pytest.mark.slow  # the suite's time; the GPU tests check every device case twice, bit for bit
 def test_split_backward_is_bitwise_reproducible():
   case = _case(128, 192, kh=1, is_causal=True, segments=True)
   (q, k, v, do), kw = make_inputs(case)
