@@ -5,7 +5,6 @@ cache donation, bad input and the checked mode."""
 
 import dataclasses
 import itertools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +14,8 @@ from decode_testing import (DecodeCase, case_seed, check_decode, fill_page_table
                             lowered_for_h200, make_decode_inputs)
 from jax.experimental import checkify
 from jax.sharding import use_abstract_mesh
-from testing import H200, assert_close_to_ref, export_for_h200
+from testing import (H200, assert_close_to_ref, assert_offsets_fit_int32, export_for_h200,
+                     triton_operands)
 
 import pallas_flash
 from pallas_flash.decode import MosaicDecodeConfig, TritonDecodeConfig, XlaDecodeConfig
@@ -402,13 +402,6 @@ def test_fp8_cache_lowers_for_h200(paged):
   assert module.count("xla.gpu.triton") == 2 and "f8E4M3FN" in module
 
 
-def _triton_operands(module: str) -> list[tuple[tuple[int, ...], str]]:
-  """(shape, element type) of every operand of the module's Triton calls."""
-  calls = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(.*?: \((.*?)\) ->", module)
-  return [(tuple(int(n) for n in dims.split("x")[:-1]), dims.split("x")[-1])
-          for sig in calls for dims in re.findall(r"tensor<([0-9x]+\w+)>", sig)]
-
-
 @pytest.mark.parametrize("paged", [False, True])
 def test_fp8_cache_offsets_fit_int32(paged):
   """Pallas-Triton addresses an operand of at most 2^32 bytes with int32 element offsets: no
@@ -425,13 +418,9 @@ def test_fp8_cache_offsets_fit_int32(paged):
     return pallas_flash.decode_attention(q, kc, vc, lens, page_table=table,
                                          kv_descale=(1.0, 1.0), implementation="triton")
 
-  operands = _triton_operands(export_for_h200(f, q, kv, kv, lens, table).mlir_module())
-  bits = {"i8": 8, "ui8": 8, "f8E4M3FN": 8, "i16": 16, "ui16": 16, "bf16": 16, "f16": 16,
-          "i32": 32, "ui32": 32, "f32": 32}
-  assert any(np.prod(s) * bits[t] // 8 == b * L * kh * d for s, t in operands), operands
-  for shape, t in operands:
-    n = int(np.prod(shape))
-    assert n < 2**31 or n * bits[t] // 8 > 2**32, (shape, t)
+  operands = triton_operands(export_for_h200(f, q, kv, kv, lens, table).mlir_module())
+  assert any(nbytes == b * L * kh * d for _, nbytes in operands), operands  # the caches
+  assert_offsets_fit_int32(operands)
 
 
 def test_attention_alone_is_one_or_two_kernels_on_h200():

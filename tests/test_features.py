@@ -84,6 +84,25 @@ def test_value_head_dim_matches_jax_nn_on_zero_padded_values():
     assert_close_to_ref(impl, got, want, 2e-5)
 
 
+def test_a_mask_grown_for_int64_offsets_gives_the_same_attention(monkeypatch):
+  """A 2-4 GiB mask reaches the Triton kernels grown along rows they never read
+  (triton.common._int32_offsets_safe); with the size limit lowered to this case's mask, the
+  grown mask's forward and gradients still match the reference in the interpreter."""
+  from pallas_flash.triton import common
+  grown, original = [], common._int32_offsets_safe
+
+  def grow(mask):
+    monkeypatch.setattr(common, "INT32_OFFSET_BYTES", mask.size)
+    out = original(mask)
+    grown.append(out.shape[2] > mask.shape[2])
+    return out
+
+  monkeypatch.setattr(common, "_int32_offsets_safe", grow)
+  check_against_reference("interpret", dataclasses.replace(CASE, features=("mask",)),
+                          config=SMALL["interpret"])
+  assert grown and all(grown), grown
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", CPU_IMPLS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])

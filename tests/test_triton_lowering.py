@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import use_abstract_mesh
 
 import pallas_flash
-from testing import H200, export_for_h200
+from testing import H200, assert_offsets_fit_int32, export_for_h200, triton_operands
 
 
 def _export(fn, *specs):
@@ -60,3 +60,22 @@ def test_triton_features_lower_for_h200(dtype):
   module = _export(g, q, q, q, seg, slopes)
   assert module.count("xla.gpu.triton") == 3
   assert ("tanh.approx" in module) == (dtype == jnp.bfloat16)
+
+
+def test_a_dense_mask_of_2_to_4_gib_is_addressed_with_int64_offsets():
+  """A [B, 1, T, S] bool mask of 2^31 .. 2^32 entries (8 x 16400 x 16400) reaches the kernels as
+  int8: grown past 4 GiB along rows no kernel reads, so that Pallas-Triton's offsets are int64
+  (at most 4 GiB, they would be int32 and overflow), forward and backward."""
+  q = jax.ShapeDtypeStruct((8, 16400, 4, 64), jnp.bfloat16)
+  mask = jax.ShapeDtypeStruct((8, 1, 16400, 16400), jnp.bool_)
+
+  def f(q, k, v, mask):
+    return pallas_flash.flash_attention(q, k, v, mask=mask, implementation="triton")
+
+  def g(q, k, v, mask):
+    return jax.grad(lambda *a: f(*a, mask).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
+
+  for fn in (f, g):
+    operands = triton_operands(_export(fn, q, q, q, mask))
+    assert any(nbytes > 2**32 and shape[1] == 1 for shape, nbytes in operands), operands
+    assert_offsets_fit_int32(operands)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import re
 import zlib
 
 import jax
@@ -289,6 +291,27 @@ def export_for_h200(fn, *specs) -> jax.export.Exported:
   with use_abstract_mesh(H200):
     return jax.export.export(jax.jit(fn), platforms=["cuda"],
                              disabled_checks=[TRITON_CALL])(*specs)
+
+
+def triton_operands(module: str) -> list[tuple[tuple[int, ...], int]]:
+  """(shape, bytes) of every operand of an exported module's Triton calls."""
+  itemsize = {"i8": 1, "ui8": 1, "f8E4M3FN": 1, "i16": 2, "ui16": 2, "bf16": 2, "f16": 2,
+              "i32": 4, "ui32": 4, "f32": 4, "i64": 8}
+  out = []
+  for sig in re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(.*?: \((.*?)\) ->", module):
+    for dims in re.findall(r"tensor<([0-9x]*[a-zA-Z]\w*)>", sig):
+      *shape, dtype = dims.split("x")
+      shape = tuple(int(n) for n in shape)
+      out.append((shape, math.prod(shape) * itemsize[dtype]))
+  return out
+
+
+def assert_offsets_fit_int32(operands):
+  """Pallas-Triton addresses an operand of at most 2^32 bytes with int32 element offsets: no
+  operand of triton_operands may hold more than 2^31 elements within that size (a one-byte
+  operand of 2-4 GiB read the wrong rows, or faulted, on the H200)."""
+  for shape, nbytes in operands:
+    assert math.prod(shape) <= 2**31 or nbytes > 2**32, (shape, nbytes)
 
 
 def specs(case: Case):

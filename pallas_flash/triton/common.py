@@ -19,6 +19,9 @@ from pallas_flash.triton.config import TritonConfig, default_config
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MAX_HEAD_DIM = 256
+# Pallas-Triton addresses an operand of at most this many bytes with int32 element offsets,
+# which a one-byte operand of more than 2^31 elements overflows (jax 0.11's lowering).
+INT32_OFFSET_BYTES = 2**32
 # Largest soft-cap for which the forward skips the running max (KernelParams.fixed_max):
 # probabilities stay within [2**-87, 2**87], and l, acc far below float32's 2**128.
 FIXED_MAX_SOFTCAP = 60.0
@@ -187,6 +190,8 @@ def pad_arrays(arrays: FeatureArrays | None, *, batch: int, heads: int, t_pad: i
   if bias is not None and mask is not None:  # one broadcast shape: both share index maps
     lead = tuple(max(m, n) for m, n in zip(bias.shape[:2], mask.shape[:2]))
     bias, mask = (jnp.broadcast_to(x, lead + x.shape[2:]) for x in (bias, mask))
+  if mask is not None:
+    mask = _int32_offsets_safe(mask)
   slopes, seed = arrays.alibi_slopes, arrays.dropout_seed
   if slopes is not None:
     slopes = _tiling.pad_axis(slopes, 0, pl_next_pow2(slopes.shape[0]))
@@ -194,6 +199,17 @@ def pad_arrays(arrays: FeatureArrays | None, *, batch: int, heads: int, t_pad: i
   if seed is not None:
     row_keys, col_keys = dropout.key_tables(seed, batch, heads, t_pad, s_pad)
   return bias, mask, slopes, row_keys, col_keys
+
+
+def _int32_offsets_safe(mask):
+  """An int8 mask [B|1, H|1, T_pad, S_pad] whose element offsets would pass int32
+  (INT32_OFFSET_BYTES) grown along T past that many bytes, so that the kernels address it
+  with int64 offsets: the rows past T_pad are never read (at most a copy's worth more memory,
+  for masks of 2-4 GiB)."""
+  if not INT32_OFFSET_BYTES // 2 < mask.size <= INT32_OFFSET_BYTES:
+    return mask
+  per_row = mask.size // mask.shape[2]
+  return _tiling.pad_axis(mask, 2, INT32_OFFSET_BYTES // per_row + 1)
 
 
 def _limits(limits_ref, p: KernelParams):
