@@ -70,7 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--variant", action="append", default=[], metavar="IMPL:LABEL:FIELD=VALUE,...",
                  help="also time IMPL with each call's default config with these fields "
-                 "replaced, as column IMPL:LABEL (repeatable; bench/variants.py)")
+                 "replaced, as column IMPL:LABEL (repeatable; bench/variants.py; --decode: "
+                 "IMPL one of bench/decode.py's VARIANT_CONFIGS, fields of that config)")
   p.add_argument("--json", default=None, metavar="FILE", help="write all rows as JSON")
   p.add_argument("--memory", action="store_true", help="memory mode (causal fwd+bwd, B=1)")
   p.add_argument("--start-seq", type=int, default=1024, help="memory mode: first length")
@@ -81,11 +82,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   fp8_report.add_arguments(p)
   features.add_arguments(p)
   opts = p.parse_args(argv)
-  opts.variants = {v.name: v for v in map(variants.parse, opts.variant)}
-  if opts.variants and (opts.memory or opts.decode or opts.fp8 or opts.fp8_training
-                        or opts.fp8_features):
-    p.error("--variant adds columns to the speed table and the features grid only (no "
-            "--memory, --decode or --fp8*)")
+  types = decode.VARIANT_CONFIGS if opts.decode else None
+  opts.variants = {v.name: v for v in (variants.parse(t, types) for t in opts.variant)}
+  if opts.variants and (opts.memory or opts.fp8 or opts.fp8_training or opts.fp8_features):
+    p.error("--variant adds columns to the speed table, the features grid and the decode "
+            "table only (no --memory or --fp8*)")
   defaults = ((decode.ITERS, decode.MIN_LOOP_MS, decode.SETTLE_MS) if opts.decode
               else features.QUICK_TIMING if opts.features and opts.quick else (5, 50.0, 1000.0))
   for name, default in zip(("iters", "min_loop_ms", "settle_ms"), defaults):

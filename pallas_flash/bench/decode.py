@@ -15,7 +15,10 @@ first implementation named is the column the others are compared with (`--impl
 mosaic,triton,cudnn --prefill no`); and "ours_fp8": ours on float8_e4m3fn copies of the same
 caches (per-tensor descales, quantised once, untimed), checked against the reference on those
 copies, its bandwidth counted in e4m3 bytes (`--impl ours_fp8,ours --prefill no`: the ours
-cell's ratio is then FP8's speed-up over the bf16 cache).
+cell's ratio is then FP8's speed-up over the bf16 cache). `--variant IMPL:LABEL:FIELD=VALUE,...`
+(IMPL ours, ours_fp8, triton, interpret, mosaic or xla) adds a column running IMPL's call with
+a config of VARIANT_CONFIGS[IMPL]'s type and those fields, the rest its defaults (`--impl
+ours_fp8,ours --variant ours_fp8:bk256:block_kv=256`: a tile change decided in one run).
 
 Chunked prefill rows: Tq new tokens (B = 1) against a 32K cache, end-aligned causal, in TFLOP/s
 (4 * H * D * visible pairs): ours (the default path: on Hopper from FLASH_SPLIT_MIN_Q_LEN
@@ -55,6 +58,14 @@ ANCHORS = ("cudnn", "jax_xla", "jaxops_gqa", "jaxops_paged", "torch")
 DECODE_IMPLS = OURS + ANCHORS
 PREFILL_ANCHORS = ("split_kv", "flash", "cudnn")
 PREFILL_ONLY = ("split_kv", "flash")  # anchors of the prefill rows only
+# --variant IMPL:LABEL:FIELDS: IMPL's call with a config of these fields (the others None:
+# decode_attention's defaults), whose type picks the kernel as decode_attention does.
+VARIANT_CONFIGS = {"ours": pallas_flash.TritonDecodeConfig,
+                   "ours_fp8": pallas_flash.TritonDecodeConfig,
+                   "triton": pallas_flash.TritonDecodeConfig,
+                   "interpret": pallas_flash.TritonDecodeConfig,
+                   "mosaic": pallas_flash.MosaicDecodeConfig,
+                   "xla": pallas_flash.XlaDecodeConfig}
 # max|x - ref| / max|ref| above which a row is FAIL (the attention benchmark's tolerances).
 TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}
 # Decode-mode timing defaults (the flags override them): short loops, few rounds.
@@ -127,16 +138,24 @@ def _grid(opts) -> Grid:
 
 
 def _impls(opts) -> list[str]:
+  """The --impl list (default: ours and the anchors that run here), then the --variant
+  columns."""
+  variant_names = list(getattr(opts, "variants", {}))
   if opts.impl:
     impls = [i.strip() for i in opts.impl.split(",") if i.strip()]
     unknown = set(impls) - set(DECODE_IMPLS) - set(PREFILL_ANCHORS)
     if unknown:
       raise SystemExit(f"Unknown decode implementations {sorted(unknown)}; choose from "
                        f"{DECODE_IMPLS + PREFILL_ONLY}.")
-    return impls
+    return impls + variant_names
   if jax.devices()[0].platform == "gpu":
-    return ["ours", *ANCHORS, *PREFILL_ONLY]
-  return ["ours", "jax_xla", *PREFILL_ONLY]
+    return ["ours", *ANCHORS, *variant_names, *PREFILL_ONLY]
+  return ["ours", "jax_xla", *variant_names, *PREFILL_ONLY]
+
+
+def _base(impl: str) -> str:
+  """The implementation a column runs: a --variant column's (IMPL:LABEL), else itself."""
+  return impl.split(":", 1)[0]
 
 
 def _ours_kwargs(opts) -> dict:
@@ -192,8 +211,10 @@ def _page_table(batch: int, cache: int, page_size: int, seed: int) -> np.ndarray
 # The calls (each returns out [B, 1, H, D] or [B, H, D]; `lens` is traced)
 
 
-def _call(impl: str, layout: str, *, ours_kw: dict, page_size: int, kv_descale=None):
-  """fn(q, k, v, lens, table) for one implementation, or None where it does not apply.
+def _call(impl: str, layout: str, *, ours_kw: dict, page_size: int, kv_descale=None,
+          variant=None):
+  """fn(q, k, v, lens, table) for one implementation, or None where it does not apply;
+  `variant` (a bench.variants.Variant of `impl`) passes a config of its fields.
 
   k and v come as contiguous [B, L, K, D] caches; paged calls view them as a pool
   [B * L / page, page, K, D] inside the jitted function (a free bitcast there: eagerly,
@@ -209,6 +230,10 @@ def _call(impl: str, layout: str, *, ours_kw: dict, page_size: int, kv_descale=N
       kw.update(_mosaic_kwargs(ours_kw))
     elif impl == "triton":  # the Triton kernel by name: the same flags as ours
       kw.update({k: v for k, v in ours_kw.items() if k != "implementation"})
+    if variant is not None:  # the config's type picks its kernel
+      kw["config"] = VARIANT_CONFIGS[impl](**dict(variant.fields))
+      if impl in ("ours", "ours_fp8") and jax.devices()[0].platform != "gpu":
+        kw["implementation"] = "interpret"  # the Triton kernel's form off-GPU
     if layout == "paged":
       return lambda q, k, v, lens, table: pallas_flash.decode_attention(
           q, pool(k), pool(v), lens, page_table=table, **kw)
@@ -342,10 +367,11 @@ def run_point(grid: Grid, batch: int, cache: int, layout: str, impls: list[str],
   if layout == "paged":
     table = jnp.asarray(_page_table(batch, cache, grid.page_size, opts.seed))
   kv, descale = {}, None
-  if "ours_fp8" in impls:  # e4m3 copies of the caches, max |x| -> 448 per tensor
+  if "ours_fp8" in map(_base, impls):  # e4m3 copies of the caches, max |x| -> 448 per tensor
     kv["ours_fp8"], descale = _fp8_copies(k, v)
-  calls = {i: _call(i, layout, ours_kw=_ours_kwargs(opts), page_size=grid.page_size,
-                    kv_descale=descale)
+  variants = getattr(opts, "variants", {})
+  calls = {i: _call(_base(i), layout, ours_kw=_ours_kwargs(opts), page_size=grid.page_size,
+                    kv_descale=descale, variant=variants.get(i))
            for i in impls if i != "torch"}
   calls = {i: f for i, f in calls.items() if f is not None}
   if "jaxops_paged" in calls:  # its layout [K, pages, page, D]: a copy made once, not timed
@@ -355,7 +381,7 @@ def run_point(grid: Grid, batch: int, cache: int, layout: str, impls: list[str],
     except jax.errors.JaxRuntimeError:  # no room for the copy beside the cache: no anchor row
       del calls["jaxops_paged"]
   lens_spec = jax.ShapeDtypeStruct((batch,), jnp.int32)
-  args = {i: (q, *kv.get(i, (k, v)), lens_spec, table) for i in calls}
+  args = {i: (q, *kv.get(_base(i), (k, v)), lens_spec, table) for i in calls}
   start = time.perf_counter()
   compiled = _compile_all(calls, args)
   compile_s = time.perf_counter() - start
@@ -377,7 +403,7 @@ def run_point(grid: Grid, batch: int, cache: int, layout: str, impls: list[str],
     fns, group = {}, []
     for impl in impls:
       row = _row("decode", impl, **base)
-      if impl == "ours_fp8":
+      if _base(impl) == "ours_fp8":
         row.update(bytes_read=read // itemsize, dtype="float8_e4m3fn")
       group.append(row)
       if impl == "torch":
@@ -401,7 +427,8 @@ def run_point(grid: Grid, batch: int, cache: int, layout: str, impls: list[str],
       call_args = (*args[impl][:3], lens, table)
       try:
         row["rel_err"], row["status"] = _check(exe(*call_args),
-                                               fp8_ref if impl == "ours_fp8" else ref, idx,
+                                               fp8_ref if _base(impl) == "ours_fp8" else ref,
+                                               idx,
                                                dtype)
       except Exception as e:  # noqa: BLE001
         row.update(status="error", reason=f"{type(e).__name__}: {str(e).strip()[:300]}")

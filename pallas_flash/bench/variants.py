@@ -43,18 +43,24 @@ class Variant:
                                **dict(self.fields))
 
 
-def parse(text: str) -> Variant:
-  """`IMPL:LABEL:FIELD=VALUE[,FIELD=VALUE...]` -> Variant; SystemExit naming what is wrong."""
+def parse(text: str, config_types: dict[str, type] | None = None) -> Variant:
+  """`IMPL:LABEL:FIELD=VALUE[,FIELD=VALUE...]` -> Variant; SystemExit naming what is wrong.
+  config_types: {IMPL: its config class} where IMPL is not flash_attention's (the decode
+  benchmark's); by default one of CONFIGURED with its backend's config."""
   parts = text.split(":", 2)
   if len(parts) != 3 or not parts[1] or not parts[2]:
     raise SystemExit(f"--variant {text!r}: expected {_USAGE}.")
   impl, label, assignments = parts
-  if impl not in CONFIGURED:
-    raise SystemExit(f"--variant {text!r}: IMPL must be one of {sorted(CONFIGURED)}.")
-  backend = backends.load(impl)
-  if isinstance(backend, str):
-    raise SystemExit(f"--variant {text!r}: {backend}")
-  config_type = backend.config_type
+  allowed = CONFIGURED if config_types is None else tuple(config_types)
+  if impl not in allowed:
+    raise SystemExit(f"--variant {text!r}: IMPL must be one of {sorted(allowed)}.")
+  if config_types is None:
+    backend = backends.load(impl)
+    if isinstance(backend, str):
+      raise SystemExit(f"--variant {text!r}: {backend}")
+    config_type = backend.config_type
+  else:
+    config_type = config_types[impl]
   known = {f.name for f in dataclasses.fields(config_type)}
   fields = []
   for item in re.split(r",(?=\s*\w+\s*=)", assignments):  # commas inside tuples stay

@@ -73,6 +73,23 @@ def test_points_over_the_memory_cap_are_skipped(tmp_path, capsys):
   assert "skip B=3 cache 96" in capsys.readouterr().out
 
 
+def test_variant_columns_time_a_config_change(tmp_path):
+  """--variant ours_fp8:bk16:block_kv=16 adds a column: ours_fp8's FP8 caches with 16-key tiles,
+  checked against the same reference and timed beside ours_fp8 (its bytes in e4m3)."""
+  out = tmp_path / "rows.json"
+  bench.main(["--decode", "--grid", "cpu", "--dtype", "f32", "--batches", "3", "--caches", "96",
+              "--layouts", "paged", "--lengths", "ragged", "--prefill", "no", "--impl",
+              "ours_fp8", "--variant", "ours_fp8:bk16:block_kv=16", *FAST, "--json", str(out)])
+  rows = {r["impl"]: r for r in json.loads(out.read_text())}
+  assert set(rows) == {"ours_fp8", "ours_fp8:bk16"}
+  for r in rows.values():
+    assert r["status"] == "ok" and r["rel_err"] < 1e-4 and r["us"] > 0, r
+  assert rows["ours_fp8:bk16"]["bytes_read"] == rows["ours_fp8"]["bytes_read"]
+  assert rows["ours_fp8:bk16"]["ours_speedup"] > 0
+  with pytest.raises(SystemExit, match="block_kvv"):
+    bench.main(["--decode", "--variant", "ours:x:block_kvv=16"])
+
+
 def test_impl_names_the_mosaic_and_triton_kernels():
   """--impl mosaic,triton,cudnn times the two kernels side by side (the first is the column
   the others are compared with); --block-kv / --num-stages / --num-splits reach 'mosaic'."""
