@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from models.transformer import Transformer
+from pallas_flash import validation
 
 
 def sample_logits(logits: jax.Array, rng: jax.Array, *, temperature: float = 0.0,
@@ -104,10 +105,6 @@ def _check_tokens(prompt, prompt_lengths, vocab_size: int) -> None:
                      f"vocabulary 0..{vocab_size - 1}.")
 
 
-def _is_int(x) -> bool:
-  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 def _check_sampling(prompt, max_new_tokens, temperature, top_k, page_size) -> None:
   """ValueError / TypeError naming the argument for what `generate` cannot take."""
   if not hasattr(prompt, "shape") or prompt.ndim != 2 or prompt.shape[0] < 1:
@@ -115,17 +112,14 @@ def _check_sampling(prompt, max_new_tokens, temperature, top_k, page_size) -> No
                      f"{getattr(prompt, 'shape', type(prompt).__name__)}.")
   if not jnp.issubdtype(prompt.dtype, jnp.integer):
     raise TypeError(f"`prompt` must hold integer token ids, got {prompt.dtype}.")
-  if not _is_int(max_new_tokens):
+  if not validation.is_int(max_new_tokens):
     raise TypeError(f"`max_new_tokens` must be a Python int, got {max_new_tokens!r}.")
   if (not isinstance(temperature, (int, float)) or isinstance(temperature, bool)
       or not math.isfinite(temperature) or temperature < 0):
     raise ValueError(f"`temperature` must be a finite Python float >= 0 (0: greedy), got "
                      f"{temperature!r}.")
-  if top_k is not None and (not _is_int(top_k) or top_k < 1):
-    raise ValueError(f"`top_k` must be None or a Python int >= 1, got {top_k!r}.")
-  if page_size is not None and (not _is_int(page_size) or page_size < 1):
-    raise ValueError(f"`page_size` must be None (a contiguous cache) or a Python int >= 1, got "
-                     f"{page_size!r}.")
+  validation.check_positive_int("top_k", top_k, none="all tokens")
+  validation.check_positive_int("page_size", page_size, none="a contiguous cache")
 
 
 def generate(model: Transformer, prompt: jax.Array, max_new_tokens: int, *,

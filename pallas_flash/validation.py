@@ -62,6 +62,29 @@ def _check_inputs(query, key, value) -> None:
     raise TypeError(f"Unsupported dtype {query.dtype}: use bfloat16, float16 or float32.")
 
 
+def is_int(value) -> bool:
+  """A Python or NumPy integer, not a bool (True would pass for 1)."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_positive_int(name: str, value, *, none: str | None = None) -> None:
+  """ValueError naming `name` unless `value` is an int >= 1, or None where `none` says what
+  None means there (e.g. "a contiguous cache")."""
+  if value is None and none is not None:
+    return
+  if not is_int(value) or value < 1:
+    alt = f"None ({none}) or " if none is not None else ""
+    raise ValueError(f"`{name}` must be {alt}a positive Python int, got {value!r}.")
+
+
+def check_dropout_rate(dropout_rate) -> None:
+  """ValueError unless `dropout_rate` is a static Python number in [0, 1) (not a bool; a
+  negative rate would otherwise pass for "no dropout")."""
+  if (not isinstance(dropout_rate, (int, float)) or isinstance(dropout_rate, bool)
+      or not 0.0 <= dropout_rate < 1.0):
+    raise ValueError(f"`dropout_rate` must be a Python float in [0, 1), got {dropout_rate!r}.")
+
+
 def check_bool(name: str, value) -> None:
   """TypeError unless `value` is a Python bool: a static flag is not read by truthiness."""
   if not isinstance(value, bool):
@@ -366,8 +389,7 @@ def _canonicalize_features(full, *, bias, mask, local_window_size, logits_soft_c
     raise ValueError(f"`logits_soft_cap_order` must be one of {SOFT_CAP_ORDERS}, got "
                      f"{logits_soft_cap_order!r}: \"cap_then_bias\" computes c*tanh(s/c) + bias, "
                      "\"bias_then_cap\" c*tanh((s + bias)/c).")
-  if not isinstance(dropout_rate, (int, float)) or not 0.0 <= dropout_rate < 1.0:
-    raise ValueError(f"`dropout_rate` must be a Python float in [0, 1), got {dropout_rate!r}.")
+  check_dropout_rate(dropout_rate)
   seed = None
   if dropout_rate > 0.0:
     if dropout_rng is None:

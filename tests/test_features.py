@@ -305,6 +305,7 @@ KV = jnp.ones((2, 24, 2, 32), jnp.float32)
     ({"logits_soft_cap": jnp.float32(30)}, ValueError, "`logits_soft_cap` must be"),
     ({"alibi_slopes": jnp.ones(3)}, ValueError, r"`alibi_slopes` must be a float array of shape"),
     ({"dropout_rate": 1.0}, ValueError, r"`dropout_rate` must be a Python float in \[0, 1\)"),
+    ({"dropout_rate": False}, ValueError, r"`dropout_rate` must be a Python float in \[0, 1\)"),
     ({"dropout_rate": 0.1}, ValueError, "needs `dropout_rng`"),
     ({"bias": jnp.ones((2, 3, 16, 24))}, ValueError, "`bias` must broadcast to"),
     ({"bias": jnp.ones((16, 23))}, ValueError, "each axis must be 1 or the full size"),

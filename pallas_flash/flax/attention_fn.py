@@ -38,6 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_flash import validation
 from pallas_flash.api import flash_attention
 from pallas_flash.backends import check_implementation
 from pallas_flash.decode import decode_attention
@@ -188,9 +189,7 @@ def flash_attention_fn(
   Returns:
     [batch..., T, H, D] in the compute dtype.
   """
-  if (not isinstance(dropout_rate, (int, float)) or isinstance(dropout_rate, bool)
-      or not 0.0 <= dropout_rate < 1.0):  # a negative rate would pass as "no dropout"
-    raise ValueError(f"`dropout_rate` must be a Python float in [0, 1), got {dropout_rate!r}.")
+  validation.check_dropout_rate(dropout_rate)
   for name, x in (("query", query), ("key", key), ("value", value)):
     if getattr(x, "ndim", 0) < 3:
       raise ValueError(f"`{name}` must be [batch..., length, num_heads, head_dim] (rank >= 3), "

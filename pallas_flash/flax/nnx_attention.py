@@ -113,10 +113,8 @@ class FlashMultiHeadAttention(nnx.Module):
       rngs: parameter initialisation.
     """
     qkv_features = qkv_features or in_features
-    for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-      if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise ValueError(f"`{name}` must be a positive int (num_kv_heads: None for MHA), got "
-                         f"{n!r}.")
+    validation.check_positive_int("num_heads", num_heads)
+    validation.check_positive_int("num_kv_heads", num_kv_heads, none="MHA")
     num_kv_heads = num_kv_heads or num_heads
     if rope_theta is not None and (not isinstance(rope_theta, (int, float))
                                    or not math.isfinite(rope_theta) or rope_theta <= 0):
@@ -246,8 +244,7 @@ class FlashMultiHeadAttention(nnx.Module):
     if page_size is not None:
       sizes["page_size"] = page_size
     for name, n in sizes.items():
-      if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"`{name}` must be a positive int, got {n!r}.")
+      validation.check_positive_int(name, n)
     dtype = jnp.dtype(dtype or self.query.dtype or self.query.param_dtype)
     if kv_descale is None and dtype == jnp.dtype(jnp.float8_e4m3fn):
       kv_descale = (1.0, 1.0)

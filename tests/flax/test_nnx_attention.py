@@ -126,8 +126,8 @@ def test_alibi_slopes_schedule():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(num_heads=0), "`num_heads` must be a positive int"),
-    (dict(num_kv_heads=0), "`num_kv_heads` must be a positive int"),
+    (dict(num_heads=0), "`num_heads` must be a positive Python int"),
+    (dict(num_kv_heads=0), r"`num_kv_heads` must be None \(MHA\) or a positive Python int"),
     (dict(rope_theta=0.0), "`rope_theta` must be a positive base period"),
     (dict(rope_theta=-1.0), "`rope_theta` must be a positive base period"),
 ])
@@ -200,5 +200,5 @@ def test_decode_needs_a_cache_and_no_positions():
   with pytest.raises(ValueError, match="multiple of page_size"):
     layer.init_cache(1, 10, page_size=4)
   for kwargs in (dict(page_size=0), dict(batch_size=-1), dict(max_length=0)):
-    with pytest.raises(ValueError, match=f"`{next(iter(kwargs))}` must be a positive int"):
+    with pytest.raises(ValueError, match=f"`{next(iter(kwargs))}` must be a positive Python int"):
       layer.init_cache(**(dict(batch_size=1, max_length=8) | kwargs))

@@ -136,7 +136,7 @@ def test_bad_prompt_lengths_raise(model, lengths, match):
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(temperature=-1.0), ValueError, "`temperature` must be a finite"),
     (dict(temperature=float("nan")), ValueError, "`temperature` must be a finite"),
-    (dict(top_k=0), ValueError, "`top_k` must be None or a Python int >= 1"),
+    (dict(top_k=0), ValueError, r"`top_k` must be None \(all tokens\) or a positive Python int"),
     (dict(page_size=0), ValueError, "`page_size` must be None"),
     (dict(max_new_tokens=2.5), TypeError, "`max_new_tokens` must be a Python int"),
     (dict(prompt=jnp.zeros((4,), jnp.int32)), ValueError, "`prompt` must be an int array"),
