@@ -29,8 +29,9 @@ _slow = functools.partial(pytest.param, marks=pytest.mark.slow)
 # GQA; the slow ones: the overlapped forward and head dim 128, a dQ tile with XLA's delta,
 # segment ids, a soft cap with ALiBi (the bias after both).
 DENSE = [
-    ("bias_causal_gqa", _config(), _case(140, 100, b=1, is_causal=True,
-                                         features=("bias",))),
+    # bias_dropout below runs the same causal GQA shape with the bias (and a mask): slow.
+    _slow("bias_causal_gqa", _config(), _case(140, 100, b=1, is_causal=True,
+                                              features=("bias",))),
     ("mask_rows_bias_bcast", _config(), _case(100, 150, features=("bias_bcast",
                                                                   "mask_empty_rows"))),
     # Composed with dropout (its key tables are inputs before the dense tiles).
