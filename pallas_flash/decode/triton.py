@@ -131,9 +131,9 @@ def _col_index(cols, width: int):
 
 
 def _load_rows(ref, rows, cols, row_ok, p: _KernelParams):
-  """ref[rows, cols] as [block_kv, D_pad], zeros where a row is not in the cache. Padding
-  columns (D not a power of two) repeat column D - 1: the query's padding columns are zero,
-  so scores ignore them, and outputs there equal column D - 1's (see _store_rows)."""
+  """ref[rows, cols] as [block_kv, len(cols)] (D_pad), zeros where a row is not in the cache.
+  Padding columns (D not a power of two) repeat column D - 1: the query's padding columns are
+  zero, so scores ignore them, and outputs there equal column D - 1's (see _store_rows)."""
   cols, _ = _col_index(cols, ref.shape[-1])
   view = ref.at[rows[:, None], cols[None, :]]
   return view[...] if row_ok is None else pltriton.load(view, mask=row_ok[:, None], other=0)
@@ -248,8 +248,8 @@ def _attend_blocks(q, k_ref, v_ref, rows_of, start, end, *, n, row0, p: _KernelP
   [block_m, D_pad] normalised over the range's keys and lse [block_m] (natural log); a row
   that sees none of them gets o = 0, lse = -inf. descale: None, or an FP8 cache's (key, value)
   factors of this kv head (scalars), k_ref / v_ref then its words (fp8_words): tiles are
-  converted to q's dtype for the dots, the scores
-  multiplied by the key factor and the output by the value factor.
+  converted to q's dtype for the dots, the scores multiplied by the key factor and the output
+  by the value factor.
   """
   prm, bm, bk = p.params, p.block_m, p.block_kv
   t, _ = _tile_rows(row0, p)
