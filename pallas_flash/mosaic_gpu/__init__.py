@@ -122,9 +122,6 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
       and call.value_head_dim != call.head_dim
       and (why := native_value_reason(call.head_dim, call.value_head_dim)) is not None):
     return why
-  if call.params.bias_in_cap and (call.params.has_bias or call.params.has_mask):
-    return ("logits_soft_cap_order='bias_then_cap' with a dense bias or mask: the kernels put "
-            "ALiBi inside the cap, not a dense bias (nor a mask after it)")
   if ((call.params.has_bias or call.params.has_mask)
       and kernel_head_dim(call.head_dim, call.value_head_dim) > 128):
     return (f"a dense bias or mask runs in the kernels of head dims up to 128 (the forward and "

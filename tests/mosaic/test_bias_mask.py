@@ -27,7 +27,7 @@ _slow = functools.partial(pytest.param, marks=pytest.mark.slow)
 # query (o = 0, zero gradients); "bias_full" is [B, H, T, S] in the inputs' dtype (dbias
 # written in it, no sum). Ragged lengths (a padded key tile, padded query rows), causal
 # GQA; the slow ones: the overlapped forward and head dim 128, a dQ tile with XLA's delta,
-# segment ids, a soft cap with ALiBi (the bias after both).
+# segment ids, a soft cap with ALiBi (the bias after both); and with the bias inside the cap.
 DENSE = [
     # bias_dropout below runs the same causal GQA shape with the bias (and a mask): slow.
     _slow("bias_causal_gqa", _config(), _case(140, 100, b=1, is_causal=True,
@@ -49,6 +49,11 @@ DENSE = [
                                        features=("bias", "mask"))),
     _slow("softcap_alibi", _config(), _case(190, 130, is_causal=True, lengths=True,
                                             features=("bias", "softcap", "alibi"))),
+    # logits_soft_cap_order="bias_then_cap": ALiBi and the bias (std 5, so that the order
+    # shows) inside the cap, the mask after it (rows that see no key too); dbias the raw dS.
+    ("bias_then_cap", _config(), _case(190, 130, is_causal=True, lengths=True,
+                                       features=("bias_std5", "mask_empty_rows", "softcap",
+                                                 "alibi", "bias_then_cap"))),
 ]
 
 
@@ -118,8 +123,7 @@ def _info(**kw) -> CallInfo:
     (dict(params=AttentionParams(scale=1.0, is_causal=False, has_segments=False,
                                  has_mask=True, logits_soft_cap=30.0)), None),
     (dict(params=AttentionParams(scale=1.0, is_causal=False, has_segments=False,
-                                 has_bias=True, logits_soft_cap=30.0, bias_in_cap=True)),
-     "bias_then_cap"),
+                                 has_bias=True, logits_soft_cap=30.0, bias_in_cap=True)), None),
 ], ids=["hd128", "hd112", "hd256", "mask_softcap", "bias_then_cap"])
 def test_unsupported_reason(kw, expected):
   reason = mosaic_gpu.unsupported_reason(_info(**kw))

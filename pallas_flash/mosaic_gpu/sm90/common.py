@@ -57,8 +57,8 @@ class KernelParams:
   segment_ids: bool = False
   v_stages: int = 0  # dQ kernel: depth of the V ring where it differs from K's (0: stages)
   softcap: float | None = None  # AttentionParams.logits_soft_cap
-  # AttentionParams.bias_in_cap: ALiBi goes inside the cap (added before it); the kernels
-  # refuse it with a dense bias or mask (mosaic_gpu.unsupported_reason).
+  # AttentionParams.bias_in_cap: ALiBi and a dense bias go inside the cap (added before it),
+  # a dense mask after it (dense.add's cap).
   bias_in_cap: bool = False
   # AttentionParams.local_window (left, right); the kernels stream its band's blocks through
   # the segment-id path (band_limits).
@@ -186,6 +186,12 @@ def soft_cap_with_slope(s, kp: KernelParams):
     return s, None
   t = jnp.tanh(s * (kp.scale / kp.softcap))
   return t * (kp.softcap / kp.scale), 1.0 - t * t
+
+
+def cap_after_bias(kp: KernelParams):
+  """soft_cap_with_slope bound to kp: dense.add's `cap` (and the dK/dV biases') under
+  logits_soft_cap_order="bias_then_cap", where ALiBi and the bias go inside the cap."""
+  return functools.partial(soft_cap_with_slope, kp=kp)
 
 
 # Longest sequence the ALiBi distances handle: positions are built as float32 2**23 + i from

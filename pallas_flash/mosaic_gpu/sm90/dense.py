@@ -6,11 +6,12 @@ layout where they are added to the scores (no shared memory, no barriers; `load`
 not earlier). The dK/dV kernel's transposed tiles [keys, queries] are
 loaded in the transposed accumulator layout, whose vectors run along the keys (contiguous in
 GMEM), and changed to the accumulator layout in registers. Broadcast axes (size 1) read
-index 0. The bias is added after the soft cap and ALiBi (the default "cap_then_bias" order);
-masked scores become -inf, so P is 0 there in every kernel and a fully masked row gives o = 0,
-lse = -inf and zero gradients. dbias = dS, written by the dQ kernel to a [B, H, Tp, Sp]
-buffer (`dbias_tile`; in the bias's dtype where that is a 16-bit float, else float32:
-`dbias_dtype`) and summed over the broadcast axes by XLA in float32.
+index 0. The bias is added after the soft cap and ALiBi (the default "cap_then_bias" order;
+with "bias_then_cap" before the cap and the mask after it: `add`'s cap); masked scores become
+-inf, so P is 0 there in every kernel and a fully masked row gives o = 0, lse = -inf and zero
+gradients. dbias = dS (the raw scores' dS with "bias_then_cap"), written by the dQ kernel to a
+[B, H, Tp, Sp] buffer (`dbias_tile`; in the bias's dtype where that is a 16-bit float, else
+float32: `dbias_dtype`) and summed over the broadcast axes by XLA in float32.
 """
 
 from __future__ import annotations
@@ -98,18 +99,23 @@ def load(dense: DenseRefs | None, b, h, row0, col0, shape, *, transposed: bool =
   return lambda: (tile(dense.bias, bias_dtype), tile(dense.mask, jnp.int16))
 
 
-def add(s, tiles, scale: float):
+def add(s, tiles, scale: float, cap=None):
   """Raw scores s [rows, cols] float32 plus the bias tile in raw-score units (bias / scale:
   the kernels multiply scores by scale·log2(e) inside exp2), -inf where the mask tile hides a
-  key; tiles: `load`'s (s unchanged for None), loaded here."""
-  if tiles is None:
+  key; tiles: `load`'s (none for None), loaded here. With `cap` (logits_soft_cap_order=
+  "bias_then_cap": common.soft_cap_with_slope bound to the kernel's params) the biased scores
+  go through the cap before the mask hides keys (a hidden score must stay -inf), and
+  (s, the cap's slope) is returned."""
+  if tiles is None and cap is None:
     return s
-  bias, mask = tiles()
+  bias, mask = (None, None) if tiles is None else tiles()
   if bias is not None:
     s = s + bias.astype(jnp.float32) * (1.0 / scale)
+  if cap is not None:
+    s, slope = cap(s)
   if mask is not None:
     s = jnp.where(mask != 0, s, -jnp.inf)
-  return s
+  return s if cap is None else (s, slope)
 
 
 def dbias_dtype(bias_dtype):

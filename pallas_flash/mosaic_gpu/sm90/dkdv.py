@@ -169,8 +169,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
 
 def _with_dense(alibi, tiles, kp: common.KernelParams):
   """The step's bias on a raw Sᵀ tile: ALiBi's (`alibi`, or None), then the dense tiles
-  (dense.add)."""
-  return lambda s_t: sm90_dense.add(s_t if alibi is None else alibi(s_t), tiles, kp.scale)
+  (dense.add, whose `cap` the bias takes too)."""
+  return lambda s_t, cap=None: sm90_dense.add(s_t if alibi is None else alibi(s_t), tiles,
+                                              kp.scale, cap=cap)
 
 
 def _dk_dv_updates(dk, dv, p_t, ds_t, q_smem, do_smem, st_smem, frees, kp):

@@ -140,9 +140,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
           s, slope = common.soft_cap_with_slope(s, kp)
         if alibi_slope is not None:  # a constant per score: dS is unchanged
           s = common.alibi(s, q0, key_block(j) * bkv, alibi_slope)
-        s = sm90_dense.add(s, tiles, kp.scale)
-        if kp.bias_in_cap:  # "bias_then_cap" (ALiBi only): the slope is d cap / d(s + ALiBi)
-          s, slope = common.soft_cap_with_slope(s, kp)
+        if kp.bias_in_cap:  # "bias_then_cap": the slope is d cap / d(s + biases)
+          s, slope = sm90_dense.add(s, tiles, kp.scale, cap=common.cap_after_bias(kp))
+        else:
+          s = sm90_dense.add(s, tiles, kp.scale)
         p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(lse2, s.shape, [0]))
         if masked and sparse is not None:
           p = jnp.where(sparse.mask(q0, key_block(j) * bkv, (bq, bkv), kp.kv_len, kp.kv_tail),
@@ -169,7 +170,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
       if drop_cols is not None:  # the forward's mask: dropped entries took no part in O
         dp = jnp.where(common.dropout_keep(drop_rows, drop_cols, dp.shape, kp),
                        dp * kp.inv_keep, 0.0)
-      if dbias_ref is not None:  # dbias = dS of the capped scores: the slope comes after
+      if dbias_ref is not None and kp.bias_in_cap:  # the bias inside the cap: dbias = raw dS
+        ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [0]))
+        if slope is not None:
+          ds = ds * slope
+        sm90_dense.dbias_tile(dbias_ref, ds, b, h, q0, (kv0 + j) * bkv)
+      elif dbias_ref is not None:  # dbias = dS of the capped scores: the slope comes after
         ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [0]))
         sm90_dense.dbias_tile(dbias_ref, ds, b, h, q0, (kv0 + j) * bkv)
         if slope is not None:

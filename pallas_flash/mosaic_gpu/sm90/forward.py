@@ -428,10 +428,10 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
         s = common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
       if slope is not None:  # on every block, masked or not
         s = common.alibi(s, q0, key_block(j) * bkv, slope)
-      if dense_tiles is not None:  # on every block too: the mask is data
+      if kp.bias_in_cap:  # logits_soft_cap_order="bias_then_cap": the biases inside the cap
+        s, _ = sm90_dense.add(s, dense_tiles, kp.scale, cap=common.cap_after_bias(kp))
+      elif dense_tiles is not None:  # on every block too: the mask is data
         s = sm90_dense.add(s, dense_tiles, kp.scale)
-      if kp.bias_in_cap:  # logits_soft_cap_order="bias_then_cap" (ALiBi only): inside the cap
-        s = common.soft_cap(s, kp)
       if masked and sparse is not None:
         s = jnp.where(sparse.mask(q0, key_block(j) * bkv, (bq, bkv), kp.kv_len, kp.kv_tail), s,
                       -jnp.inf)
@@ -545,9 +545,10 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
     if masked or slope is not None or tiles is not None:
       col0 = (_kv_block(j, kv0, steps, kp) if sparse is None else sparse.block(j)) * bkv
       s = common.alibi(s, q0, col0, slope)  # on every block, masked or not
-    s = sm90_dense.add(s, tiles, kp.scale)
-    if kp.bias_in_cap:  # logits_soft_cap_order="bias_then_cap" (ALiBi only): inside the cap
-      s = common.soft_cap(s, kp)
+    if kp.bias_in_cap:  # logits_soft_cap_order="bias_then_cap": the biases inside the cap
+      s, _ = sm90_dense.add(s, tiles, kp.scale, cap=common.cap_after_bias(kp))
+    else:
+      s = sm90_dense.add(s, tiles, kp.scale)
     if masked and sparse is not None:
       s = jnp.where(sparse.mask(q0, col0, (bq, bkv), kp.kv_len, kp.kv_tail), s, -jnp.inf)
     elif masked:

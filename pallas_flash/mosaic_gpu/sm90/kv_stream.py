@@ -9,8 +9,6 @@ the register operand of dV += Pᵀ·dO and dK += dSᵀ·Q has the warpgroup's ke
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -124,18 +122,19 @@ def step_stat(streams, slot, which: int):
 
 def probs_t(s_t, lse, k0, mask_block, kp: common.KernelParams, ids=None, bias=None,
             visible=None):
-  """(Pᵀ, slope): Pᵀ = exp2((soft_cap(Sᵀ) + bias)·c − lse2) (with kp.bias_in_cap, ALiBi's
-  soft_cap(Sᵀ + bias)) [block_kv, block_q] with the
+  """(Pᵀ, slope): Pᵀ = exp2((soft_cap(Sᵀ) + bias)·c − lse2) (with kp.bias_in_cap
+  soft_cap(Sᵀ + bias), a dense mask after the cap) [block_kv, block_q] with the
   entries the mask hides set to 0 (mask_block: see transposed_grad_tiles; bias: ALiBi's
   `alibi_steps`, or None), and the soft cap's slope (common.soft_cap_with_slope; None without
   a cap) for `grad_scores_t` (ALiBi adds a constant: no slope). visible: see
   transposed_grad_tiles."""
   if not kp.bias_in_cap:
     s_t, slope = common.soft_cap_with_slope(s_t, kp)
-  if bias is not None:
-    s_t = bias(s_t)
-  if kp.bias_in_cap:  # "bias_then_cap" (ALiBi only): inside the cap
-    s_t, slope = common.soft_cap_with_slope(s_t, kp)
+    if bias is not None:
+      s_t = bias(s_t)
+  else:  # "bias_then_cap": the biases inside the cap (a dense mask after it: bias's `cap`)
+    cap = common.cap_after_bias(kp)
+    s_t, slope = cap(s_t) if bias is None else bias(s_t, cap=cap)
   p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
   if mask_block is not None:
     if visible is not None:
@@ -158,7 +157,12 @@ def alibi_steps(slopes, k0, index, kp: common.KernelParams):
   def bias_at(t):
     block, head = index(t)
     slope = cta_slope if kp.group == 1 else slopes[head]
-    return functools.partial(common.alibi, row0=k0, col0=block * kp.block_q, slope=slope)
+
+    def bias(s_t, cap=None):  # cap: as dense.add's, applied after ALiBi
+      s_t = common.alibi(s_t, row0=k0, col0=block * kp.block_q, slope=slope)
+      return s_t if cap is None else cap(s_t)
+
+    return bias
 
   return bias_at
 
