@@ -40,9 +40,11 @@ CASES = [
     DecodeCase(seqlens=(50, 3), q_len=2, head_dim=48, capacity=80, append=True,
                rotary="tables"),
     # FP8 caches (float8_e4m3fn, kv_descale): per kv head, a bf16 query, ragged lengths with 0
-    # and L_max and no append; per tensor, float16, paged with appends crossing pages (quantised
-    # into the cache), a window and a soft cap.
-    DecodeCase(seqlens=(0, 41, 100), q_len=1, capacity=100, dtype=jnp.bfloat16, fp8="head"),
+    # and L_max and no append, head_dim 48 (24 words of two features, padded to 32: the padding
+    # words repeat the last feature); per tensor, float16, paged with appends crossing pages
+    # (quantised into the cache), a window and a soft cap.
+    DecodeCase(seqlens=(0, 41, 100), q_len=1, capacity=100, head_dim=48, dtype=jnp.bfloat16,
+               fp8="head"),
     DecodeCase(seqlens=(30, 0, 47), q_len=3, capacity=64, page_size=16, append=True,
                window=20, softcap=5.0, dtype=jnp.float16, fp8="tensor"),
 ]
@@ -400,6 +402,31 @@ def test_fp8_cache_lowers_for_h200(paged):
   module = lowered_for_h200("triton", pool=(40, 64) if paged else None, max_pages=16,
                             fp8_cache=True)
   assert module.count("xla.gpu.triton") == 2 and "f8E4M3FN" in module
+
+
+def test_fp8_tiles_repeat_the_last_feature_in_padding_columns():
+  """The Triton kernel's FP8 tiles, unpacked from 16-bit words (decode/triton.py), hold the
+  cache's features and, past head_dim 48 up to the tile's 64 columns, feature 47 in every
+  padding column, as the bf16 tiles do: the stores clamp padding columns onto column D - 1,
+  and on a GPU any of those lanes' writes may land (the interpreter keeps the last one)."""
+  from jax.experimental import pallas as pl
+
+  from pallas_flash.decode import triton as decode_triton
+
+  rows, d, d_pad = 16, 48, 64
+  x = jax.random.normal(jax.random.key(0), (rows, d)).astype(jnp.float8_e4m3fn)
+
+  def kernel(words_ref, out_ref):
+    r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (d_pad,), 0)
+    out_ref[...] = decode_triton._load_fp8_rows(words_ref, r, cols, None, jnp.float32)
+
+  out = np.asarray(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((rows, d_pad),
+                                                                         jnp.float32),
+                                  interpret=True)(decode_triton.fp8_words(x)))
+  want = np.asarray(x.astype(jnp.float32))
+  np.testing.assert_array_equal(out[:, :d], want)
+  np.testing.assert_array_equal(out[:, d:], np.repeat(want[:, d - 1:], d_pad - d, axis=1))
 
 
 @pytest.mark.parametrize("paged", [False, True])

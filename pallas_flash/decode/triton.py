@@ -130,7 +130,7 @@ def _col_index(cols, width: int):
   return jnp.minimum(cols, width - 1), (cols < width)[None, :]
 
 
-def _load_rows(ref, rows, cols, row_ok, p: _KernelParams):
+def _load_rows(ref, rows, cols, row_ok):
   """ref[rows, cols] as [block_kv, len(cols)] (D_pad), zeros where a row is not in the cache.
   Padding columns (D not a power of two) repeat column D - 1: the query's padding columns are
   zero, so scores ignore them, and outputs there equal column D - 1's (see _store_rows)."""
@@ -146,12 +146,12 @@ def fp8_words(cache):
   return lax.bitcast_convert_type(pairs, jnp.uint16)
 
 
-def _load_fp8_rows(ref, rows, cols, row_ok, dtype, p: _KernelParams):
+def _load_fp8_rows(ref, rows, cols, row_ok, dtype):
   """_load_rows of an FP8 cache seen as words (fp8_words: ref [rows, D / 2] uint16), as
   [block_kv, D_pad] in `dtype`. Padding columns repeat column D - 1, as _load_rows' do."""
   half = cols.shape[0] // 2
   wcols = lax.broadcasted_iota(jnp.int32, (half,), 0)
-  words = _load_rows(ref, rows, wcols, row_ok, p)
+  words = _load_rows(ref, rows, wcols, row_ok)
   lo, hi = (lax.bitcast_convert_type(b.astype(jnp.uint8), jnp.float8_e4m3fn).astype(dtype)
             for b in (words & 0xFF, words >> 8))
   if ref.shape[-1] != half:  # padding words repeat the last one: make both halves its high
@@ -271,10 +271,10 @@ def _attend_blocks(q, k_ref, v_ref, rows_of, start, end, *, n, row0, p: _KernelP
     in_cache = keys < n if masked else None
     rows = rows_of(jnp.where(in_cache, keys, 0) if masked else keys)
     if descale is None:
-      k = _load_rows(k_ref, rows, cols, in_cache, p)
+      k = _load_rows(k_ref, rows, cols, in_cache)
       s = _scores(common.dot(q, k, trans_b=True), p)  # [block_m, block_kv]
     else:
-      k = _load_fp8_rows(k_ref, rows, cols, in_cache, q.dtype, p)
+      k = _load_fp8_rows(k_ref, rows, cols, in_cache, q.dtype)
       s = _scores(common.dot(q, k, trans_b=True) * descale[0], p)
     if masked:
       visible = (keys[None, :] <= q_pos[:, None]) & in_cache[None, :]
@@ -286,8 +286,8 @@ def _attend_blocks(q, k_ref, v_ref, rows_of, start, end, *, n, row0, p: _KernelP
     probs = jnp.exp2(s - m_next[:, None])
     if masked:  # a row with no visible key yet has m_next == MASK_VALUE, where exp2 gives 1
       probs = jnp.where(visible, probs, 0.0)
-    v = (_load_rows(v_ref, rows, cols, in_cache, p) if descale is None
-         else _load_fp8_rows(v_ref, rows, cols, in_cache, q.dtype, p))
+    v = (_load_rows(v_ref, rows, cols, in_cache) if descale is None
+         else _load_fp8_rows(v_ref, rows, cols, in_cache, q.dtype))
     acc = alpha[:, None] * acc + common.dot(probs.astype(v.dtype), v)
     return m_next, alpha * l_prev + probs.sum(axis=1), acc
 
