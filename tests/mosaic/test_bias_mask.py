@@ -51,7 +51,7 @@ DENSE = [
                                             features=("bias", "softcap", "alibi"))),
     # logits_soft_cap_order="bias_then_cap": ALiBi and the bias (std 5, so that the order
     # shows) inside the cap, the mask after it (rows that see no key too); dbias the raw dS.
-    ("bias_then_cap", _config(), _case(190, 130, is_causal=True, lengths=True,
+    ("bias_then_cap", _config(), _case(190, 130, b=1, is_causal=True, lengths=True,
                                        features=("bias_std5", "mask_empty_rows", "softcap",
                                                  "alibi", "bias_then_cap"))),
 ]
