@@ -31,10 +31,11 @@ ids, masks and dropout count the plain work, not the pairs they leave visible.
 Features and their causality (causal where a decoder uses them; dense bias and boolean mask as
 in an encoder): plain (non-causal), causal, window (causal, left = T/4), segments (causal,
 packed documents, T/1024 per row at random boundaries), softcap (causal, 50), alibi (causal,
-slopes 2^(-8(h+1)/H)), dropout (causal, 0.1), bias (non-causal, [1, H, T, S], differentiated),
-mask (non-causal, bool [B, 1, T, S], 90 % visible), blockmask (causal & local(T/4), 128x128
-blocks), sinks (causal, differentiated), gqa (causal, K kv heads), hd64 hd80 hd96 hd192 hd256
-and hd192v128 (query/key head dim 192, value head dim 128, MLA's) (non-causal and causal).
+slopes 2^(-8(h+1)/H)), alibi_in_cap (causal, those slopes inside a cap of 50), dropout (causal,
+0.1), bias (non-causal, [1, H, T, S], differentiated), mask (non-causal, bool [B, 1, T, S],
+90 % visible), blockmask (causal & local(T/4), 128x128 blocks), sinks (causal, differentiated),
+gqa (causal, K kv heads), hd64 hd80 hd96 hd192 hd256 and hd192v128 (query/key head dim 192,
+value head dim 128, MLA's) (non-causal and causal).
 
 Default shape bf16 4x4096x32x128x8 (--features-shape BxTxHxD[xK]): every row has as many kv
 heads as query heads except gqa, which takes the shape's K (8); --quick: 1x128x4x32 (gqa: 2 kv
@@ -151,6 +152,10 @@ FEATURES: tuple[Feature, ...] = (
     Feature("segments", True, _segments, cudnn=None),
     Feature("softcap", True, lambda s, _: {"logits_soft_cap": SOFT_CAP}, cudnn=None),
     Feature("alibi", True, _alibi, cudnn=None),
+    # ALiBi inside the soft cap (logits_soft_cap_order="bias_then_cap").
+    Feature("alibi_in_cap", True, lambda s, seed: {**_alibi(s, seed), "logits_soft_cap": SOFT_CAP,
+                                                   "logits_soft_cap_order": "bias_then_cap"},
+            cudnn=None),
     Feature("sinks", True, lambda s, seed: {"sinks": jax.random.normal(
         jax.random.key(seed + 14), (s.num_heads,))}, cudnn=None),
     Feature("dropout", True, lambda s, seed: {"dropout_rate": DROPOUT_RATE,
