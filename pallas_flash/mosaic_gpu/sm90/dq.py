@@ -170,15 +170,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
       if drop_cols is not None:  # the forward's mask: dropped entries took no part in O
         dp = jnp.where(common.dropout_keep(drop_rows, drop_cols, dp.shape, kp),
                        dp * kp.inv_keep, 0.0)
-      if dbias_ref is not None and kp.bias_in_cap:  # the bias inside the cap: dbias = raw dS
+      if dbias_ref is not None:  # dbias = dS of the scores the bias is added to
         ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [0]))
-        if slope is not None:
+        if slope is not None and kp.bias_in_cap:  # inside the cap: the raw scores' dS
           ds = ds * slope
         sm90_dense.dbias_tile(dbias_ref, ds, b, h, q0, (kv0 + j) * bkv)
-      elif dbias_ref is not None:  # dbias = dS of the capped scores: the slope comes after
-        ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [0]))
-        sm90_dense.dbias_tile(dbias_ref, ds, b, h, q0, (kv0 + j) * bkv)
-        if slope is not None:
+        if slope is not None and not kp.bias_in_cap:  # after it: the slope comes after
           ds = ds * slope
       else:
         if slope is not None:  # P feeds only dS here: the cap's slope dies at once

@@ -127,12 +127,7 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
       drop = drop_at(t)  # as do the queries' dropout keys
       q_smem, do_smem = kv_stream.wait_streams(streams, slot)
       s_t = common.smem_matmul(k_smem, q_smem.T, (bkv, bq))
-      if not kp.bias_in_cap:
-        s_t, slope = common.soft_cap_with_slope(s_t, kp)
-      if bias is not None:
-        s_t = bias(s_t)
-      if kp.bias_in_cap:  # "bias_then_cap": ALiBi inside the cap
-        s_t, slope = common.soft_cap_with_slope(s_t, kp)
+      s_t, slope = kv_stream.capped_scores_t(s_t, bias, kp)
       lse = plgpu.load(lse_scratch.at[slot], layout=common.COL)
       release(slot, streams[2:])  # lse read; delta is the other role's
       p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))

@@ -120,6 +120,17 @@ def step_stat(streams, slot, which: int):
   plgpu.barrier_arrive(free.at[slot])
   return x
 
+def capped_scores_t(s_t, bias, kp: common.KernelParams):
+  """(the scores a raw Sᵀ tile gives after the soft cap and the step's bias, the cap's slope):
+  soft_cap(Sᵀ) + bias, or with kp.bias_in_cap ("bias_then_cap") soft_cap(Sᵀ + bias), a dense
+  mask after the cap (bias's `cap`). bias: alibi_steps' or the dK/dV kernel's, or None."""
+  if not kp.bias_in_cap:
+    s_t, slope = common.soft_cap_with_slope(s_t, kp)
+    return (s_t if bias is None else bias(s_t)), slope
+  cap = common.cap_after_bias(kp)
+  return cap(s_t) if bias is None else bias(s_t, cap=cap)
+
+
 def probs_t(s_t, lse, k0, mask_block, kp: common.KernelParams, ids=None, bias=None,
             visible=None):
   """(Pᵀ, slope): Pᵀ = exp2((soft_cap(Sᵀ) + bias)·c − lse2) (with kp.bias_in_cap
@@ -128,13 +139,7 @@ def probs_t(s_t, lse, k0, mask_block, kp: common.KernelParams, ids=None, bias=No
   `alibi_steps`, or None), and the soft cap's slope (common.soft_cap_with_slope; None without
   a cap) for `grad_scores_t` (ALiBi adds a constant: no slope). visible: see
   transposed_grad_tiles."""
-  if not kp.bias_in_cap:
-    s_t, slope = common.soft_cap_with_slope(s_t, kp)
-    if bias is not None:
-      s_t = bias(s_t)
-  else:  # "bias_then_cap": the biases inside the cap (a dense mask after it: bias's `cap`)
-    cap = common.cap_after_bias(kp)
-    s_t, slope = cap(s_t) if bias is None else bias(s_t, cap=cap)
+  s_t, slope = capped_scores_t(s_t, bias, kp)
   p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
   if mask_block is not None:
     if visible is not None:
