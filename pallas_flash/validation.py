@@ -85,18 +85,23 @@ def check_dropout_rate(dropout_rate) -> None:
     raise ValueError(f"`dropout_rate` must be a Python float in [0, 1), got {dropout_rate!r}.")
 
 
+def is_static_bool(value) -> bool:
+  """A static flag is a host bool: Python's or NumPy's (config files and np.array(...)[()]
+  give the latter); never an array or a tracer, whose truth is not known when tracing."""
+  return isinstance(value, (bool, np.bool_))
+
+
 def check_bool(name: str, value) -> None:
-  """TypeError unless `value` is a Python bool: a static flag is not read by truthiness."""
-  if not isinstance(value, bool):
+  """TypeError unless `value` is a host bool (is_static_bool): a flag is not read by truthiness."""
+  if not is_static_bool(value):
     raise TypeError(f"`{name}` must be a Python bool, got {value!r}.")
 
 
 def check_residual_flags(return_residuals, return_residual, lse_dtype: str) -> None:
   """A call asks for at most one of the two lse conventions; lse_dtype names return_residual's
   dtype ("input" or, for FP8 inputs, "output")."""
-  for name, flag in (("return_residuals", return_residuals), ("return_residual", return_residual)):
-    if not isinstance(flag, (bool, np.bool_)):  # static: it decides what the call returns
-      raise TypeError(f"`{name}` must be a Python bool, got {flag!r}.")
+  check_bool("return_residuals", return_residuals)  # static: they decide what the call returns
+  check_bool("return_residual", return_residual)
   if return_residuals and return_residual:
     raise ValueError("Pass one of `return_residuals` (float32 [B, H, T], differentiable) and "
                      f"`return_residual` (jax.nn's: [B, T, H] in the {lse_dtype} dtype, "
@@ -250,7 +255,7 @@ def canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
                                                                 key_value_seq_lengths))
     query_segment_ids, key_value_segment_ids = map(_add_batch, (query_segment_ids,
                                                                 key_value_segment_ids))
-  if not isinstance(is_causal, (bool, np.bool_)):
+  if not is_static_bool(is_causal):
     raise TypeError(f"`is_causal` must be a Python bool (static: it picks the blocks to compute), "
                     f"got {type(is_causal).__name__}; under jit pass it as a static argument "
                     "(static_argnames) or close over it.")
@@ -293,10 +298,9 @@ def canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
     features["block_mask_blocks"] = (block_mask.block_q, block_mask.block_kv)
     features["block_mask_fn_types"] = masks.node_types(block_mask.mask_fn)
     arrays = dataclasses.replace(arrays, block_mask=block_mask)
-  if not isinstance(deterministic, bool):
-    raise TypeError(f"`deterministic` must be a Python bool (static), got {deterministic!r}.")
+  check_bool("deterministic", deterministic)
   params = AttentionParams(scale=float(scale), is_causal=bool(is_causal),
-                           has_segments=q_seg is not None, deterministic=deterministic,
+                           has_segments=q_seg is not None, deterministic=bool(deterministic),
                            **features)
   platform, cc, kind = target_device()
   info = CallInfo(batch=b, q_len=t, kv_len=s, num_heads=h, num_kv_heads=key.shape[2],

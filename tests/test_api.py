@@ -390,6 +390,21 @@ def test_residual_flags_must_be_bools(name):
     pallas_flash.flash_attention(Q, KV, KV, **{name: "no"})
 
 
+@pytest.mark.parametrize("name", ["is_causal", "deterministic", "return_residuals",
+                                  "return_residual", "checked"])
+def test_static_flags_follow_one_rule(name):
+  """Every static flag takes a host bool, Python's or NumPy's (np.array(True)[()]), alike; an
+  array's truth is unknown when tracing, so a jnp bool is refused."""
+  q, kv = (jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate((Q, KV)))
+  with_numpy = pallas_flash.flash_attention(q, kv, kv, implementation="xla",
+                                            **{name: np.array(True)[()]})
+  with_python = pallas_flash.flash_attention(q, kv, kv, implementation="xla", **{name: True})
+  for got, want in zip(jax.tree.leaves(with_numpy), jax.tree.leaves(with_python), strict=True):
+    np.testing.assert_array_equal(got, want)
+  with pytest.raises(TypeError, match=f"`{name}` must be a Python bool"):
+    pallas_flash.flash_attention(q, kv, kv, implementation="xla", **{name: jnp.array(True)})
+
+
 def test_explain_checks_what_the_call_checks():
   """Arguments with no influence on the choice are still checked: an explanation does not call
   runnable a call that raises."""
