@@ -171,8 +171,14 @@ def run(impl: str, q, k, v, do, *, config=None, **kwargs):
     return pallas_flash.flash_attention(q, k, v, implementation=impl, config=config,
                                         return_residuals=True, **extra, **kwargs)
 
-  (o, lse), vjp = jax.vjp(f, q, k, v, extra)
-  dq, dk, dv, dextra = vjp((do, jnp.zeros_like(lse)))
+  # One jit-compiled program: run op by op, each of the forward's and backward's hundreds of
+  # small operations is compiled on its own, which costs more than the whole program's compile.
+  @jax.jit
+  def forward_and_grads(q, k, v, do, extra):
+    (o, lse), vjp = jax.vjp(f, q, k, v, extra)
+    return (o, lse), vjp((do, jnp.zeros_like(lse)))
+
+  (o, lse), (dq, dk, dv, dextra) = forward_and_grads(q, k, v, do, extra)
   return (o, lse), (dq, dk, dv, *(dextra[n] for n in DIFFERENTIABLE_KWARGS if n in dextra))
 
 
