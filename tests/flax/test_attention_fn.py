@@ -53,10 +53,13 @@ def _nnx_pair(seed, attention_fn, **kw):
 
 
 def _nnx_loss_and_grads(layer, x, cot, **call_kw):
-  def loss(m):
-    return jnp.sum(m(x, **call_kw) * cot)
-  out = layer(x, **call_kw)
-  return out, nnx.grad(loss)(layer)
+  """The layer's output and its gradients of sum(out * cot), as one jit-compiled program (op by
+  op, each small operation compiles on its own)."""
+  @nnx.jit
+  def run(layer, x, cot):
+    return layer(x, **call_kw), nnx.grad(lambda m: jnp.sum(m(x, **call_kw) * cot))(layer)
+
+  return run(layer, x, cot)
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
@@ -99,14 +102,19 @@ def _qkv(seed, b=2, t=20, h=4, k=2, d=8):
 
 def _assert_matches_flax(fn, ref_fn, args, what, argnums):
   """Outputs and the gradients of a random projection of them, relative to the reference's."""
+  cot_key = jax.random.key(np.random.randint(1 << 30))
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def out_and_grads(fn, args):
+    out, vjp = jax.vjp(fn, *args)
+    return out, vjp(jax.random.normal(cot_key, out.shape))
+
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # the kernels path must not warn
-    out, vjp = jax.vjp(fn, *args)
-  ref, ref_vjp = jax.vjp(ref_fn, *args)
+    out, grads = out_and_grads(fn, args)
+  ref, ref_grads = out_and_grads(ref_fn, args)
   assert out.shape == ref.shape
   assert_close(out, ref, what=f"{what} output")
-  cot = jax.random.normal(jax.random.key(np.random.randint(1 << 30)), out.shape)
-  grads, ref_grads = vjp(cot), ref_vjp(cot)
   for i in argnums:
     assert_close(grads[i], ref_grads[i], what=f"{what} grad {i}")
 

@@ -40,8 +40,14 @@ def _layers(seed, *, heads=4, kv_heads=2, rope=False):
 
 
 def _out_and_grads(layer, x, cot, **kw):
-  return layer(x, **kw), nnx.state(nnx.grad(lambda m: jnp.sum(m(x, **kw) * cot))(layer),
-                                   nnx.Param)
+  """The layer's output on x and the parameters' gradients of sum(out * cot), as one
+  jit-compiled program (op by op, each small operation compiles on its own)."""
+  @nnx.jit
+  def run(layer, x, cot):
+    return layer(x, **kw), nnx.state(nnx.grad(lambda m: jnp.sum(m(x, **kw) * cot))(layer),
+                                     nnx.Param)
+
+  return run(layer, x, cot)
 
 
 def test_parameters_named_and_shaped_like_nnx():
