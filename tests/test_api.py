@@ -169,8 +169,8 @@ def test_lse_cotangent_is_differentiated():
       _, lse = pallas_flash.flash_attention(q, k, v, implementation=impl, return_residuals=True,
                                             **kw)
       return jnp.sin(lse).sum()
-    got = jax.grad(lambda *a: f(impl, *a), argnums=(0, 1, 2))(q, k, v)
-    want = jax.grad(lambda *a: f("reference", *a), argnums=(0, 1, 2))(q, k, v)
+    got = jax.jit(jax.grad(lambda *a: f(impl, *a), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(lambda *a: f("reference", *a), argnums=(0, 1, 2)))(q, k, v)
     for g, g_ref in zip(got, want):
       assert_close_to_ref(impl, g, g_ref, 5e-5)
 
@@ -324,7 +324,7 @@ def _lse_loss_grads(attention, q, k, v, do, w):
   def loss(q, k, v):
     o, lse = attention(q, k, v)
     return (o.astype(jnp.float32) * do).sum() + (lse.astype(jnp.float32) * w).sum(), (o, lse)
-  return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
 
 
 @pytest.mark.parametrize("impl, dtype", [  # xla float32 with -m slow (suite time)
