@@ -5,7 +5,8 @@
 # --fp8-features).
 # tests: GPU_MARK its marker expression (default "gpu"), GPU_K its -k expression (default all),
 #   GPU_TESTS its paths, GPU_WORKERS its pytest-xdist workers (default 8: compiling is CPU-bound;
-#   on the H200 machine's 16 cores 8 workers ran 26 cases in 3.5 min, 25-40 s a case alone).
+#   on the H200 machine's 16 cores 8 workers ran 26 cases in 3.5 min, 25-40 s a case alone;
+#   --dist loadgroup keeps the decode cases, 3-8 GiB of caches each, on one worker).
 # bench: SHAPES and IMPLS; features: FEATURES (bench/features.py rows, default all) and IMPLS;
 # ptxas: PTXAS_SHAPE B,T,H,D and PTXAS_VARIANTS (scripts/mosaic_ptxas.py variants).
 # Results go to $OUT (default ./gpu_out). Each stage is cut off after ${STAGE_LIMIT_S:-900} s.
@@ -22,7 +23,7 @@ for stage in "$@"; do
   case $stage in
     env) run env bash -c "nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv; \
            $py -c 'import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())'; git rev-parse HEAD 2>/dev/null || true" ;;
-    tests) run tests $py -m pytest -q -m "${GPU_MARK:-gpu}" -k "${GPU_K:-}" -n "${GPU_WORKERS:-8}" -p no:cacheprovider ${GPU_TESTS:-tests} ;;
+    tests) run tests $py -m pytest -q -m "${GPU_MARK:-gpu}" -k "${GPU_K:-}" -n "${GPU_WORKERS:-8}" --dist loadgroup -p no:cacheprovider ${GPU_TESTS:-tests} ;;
     bench) run bench $py -m pallas_flash.bench --shapes "${SHAPES:-anchors}" --impl "${IMPLS:-mosaic,cudnn}" --json "$OUT/bench.json" ;;
     features) run features $py -m pallas_flash.bench --features "${FEATURES:-all}" --impl "${IMPLS:-mosaic,cudnn}" \
                 --json "$OUT/features.json" ;;
