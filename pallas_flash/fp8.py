@@ -161,7 +161,7 @@ def _rotate(x, signed) -> jax.Array:
 def _check_block_option(block) -> None:
   if block is None or block == "head":
     return
-  if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+  if not validation.is_int(block) or block < 1:
     raise ValueError(f"`block` must be None (one scale per tensor), \"head\" (per batch and "
                      f"head) or a positive int (per that many positions of each head), got "
                      f"{block!r}.")
@@ -187,7 +187,7 @@ def quantize(q, k, v, *, rotate: bool = False, block: int | str | None = None,
     signed = _signed_hadamard(q.shape[-1], key)
     q, k = _rotate(q, signed), _rotate(k, signed)
   (q8, sq), (k8, sk), (v8, sv) = (_quantize_one(x, block) for x in (q, k, v))
-  return (q8, k8, v8), Fp8Scales(sq, sk, sv, block if isinstance(block, int) else None)
+  return (q8, k8, v8), Fp8Scales(sq, sk, sv, int(block) if validation.is_int(block) else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,8 +296,9 @@ def check_call(query, key, value, descale, out_dtype) -> tuple[Fp8Scales, Any]:
     raise TypeError(f"`descale` must be a (q_scale, k_scale, v_scale) tuple or a "
                     f"pallas_flash.fp8.Fp8Scales, got {type(descale).__name__}.")
   block = descale.block
-  if block is not None and (not isinstance(block, int) or isinstance(block, bool) or block < 1):
+  if block is not None and (not validation.is_int(block) or block < 1):
     raise ValueError(f"`descale.block` must be a positive int or None, got {block!r}.")
+  block = None if block is None else int(block)
   scales = [_check_scale(f"descale.{f}", getattr(descale, f), x, block, heads)
             for f, x, heads in (("q", query, "query head"), ("k", key, "kv head"),
                                 ("v", value, "kv head"))]

@@ -263,7 +263,7 @@ class BlockMask:
                       f"{type(mask_fn).__name__}.")
     for name, value in (("q_len", q_len), ("kv_len", kv_len), ("block_q", block_q),
                         ("block_kv", block_kv)):
-      if not isinstance(value, (int, np.integer)) or value < 1:
+      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
         raise ValueError(f"BlockMask.build: `{name}` must be a positive int, got {value!r}.")
     fn = _batched(mask_fn, q_len, kv_len, batch)
     nq, nk = -(-q_len // block_q), -(-kv_len // block_kv)

@@ -334,9 +334,8 @@ def _check_block_mask(bm, shape, *, is_causal, q_seg, mask, local_window_size) -
 def _check_window(w) -> tuple[int, int] | None:
   if w is None:
     return None
-  pair = (w, w) if isinstance(w, int) else tuple(w) if isinstance(w, (tuple, list)) else None
-  if (pair is None or len(pair) != 2
-      or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair)):
+  pair = (w, w) if is_int(w) else tuple(w) if isinstance(w, (tuple, list)) else None
+  if pair is None or len(pair) != 2 or not all(is_int(x) for x in pair):
     raise TypeError("`local_window_size` must be an int or a (left, right) pair of Python ints "
                     f"(tokens; static), got {w!r}.")
   if min(pair) < 0:

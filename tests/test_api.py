@@ -405,6 +405,44 @@ def test_static_flags_follow_one_rule(name):
     pallas_flash.flash_attention(q, kv, kv, implementation="xla", **{name: jnp.array(True)})
 
 
+def test_integer_arguments_follow_one_rule():
+  """Integer arguments and config fields take a Python or NumPy integer alike (NumPy's stored
+  as Python ints, so configs compare and hash equal); a bool is refused, not read as 0 or 1."""
+  q, kv = (jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate((Q, KV)))
+  for window in (3, (2, 1)):
+    as_numpy = jax.tree.map(np.int64, window)
+    np.testing.assert_array_equal(
+        pallas_flash.flash_attention(q, kv, kv, implementation="xla", local_window_size=as_numpy),
+        pallas_flash.flash_attention(q, kv, kv, implementation="xla", local_window_size=window))
+  with pytest.raises(TypeError, match="`local_window_size` must be an int"):
+    pallas_flash.flash_attention(q, kv, kv, implementation="xla", local_window_size=True)
+
+  config = pallas_flash.TritonDecodeConfig(block_kv=np.int64(64), num_warps=np.int32(4))
+  assert config == pallas_flash.TritonDecodeConfig(block_kv=64, num_warps=4)
+  assert hash(config) == hash(pallas_flash.TritonDecodeConfig(block_kv=64, num_warps=4))
+  assert type(config.block_kv) is int
+  with pytest.raises(TypeError, match="TritonDecodeConfig.block_kv must be a Python int"):
+    pallas_flash.TritonDecodeConfig(block_kv=True)
+
+  shapes = [jax.ShapeDtypeStruct(s, t) for s, t in (((1, 1, 4, 32), jnp.float32),
+                                                     ((1, 16, 2, 32), jnp.float32),
+                                                     ((1,), jnp.int32))]
+  plan = pallas_flash.decode_explain(shapes[0], shapes[1], shapes[1], shapes[2],
+                                     num_splits=np.int64(2))
+  assert plan.num_splits == 2 and type(plan.num_splits) is int
+  with pytest.raises(ValueError, match="`num_splits` must be"):
+    pallas_flash.decode_explain(shapes[0], shapes[1], shapes[1], shapes[2], num_splits=True)
+
+  from pallas_flash import fp8
+  with_numpy = fp8.quantize(q, kv, kv, block=np.int64(8))
+  with_python = fp8.quantize(q, kv, kv, block=8)
+  assert type(with_numpy[1].block) is int
+  for got, want in zip(jax.tree.leaves(with_numpy), jax.tree.leaves(with_python), strict=True):
+    np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match="`block` must be None"):
+    fp8.quantize(q, kv, kv, block=True)
+
+
 def test_explain_checks_what_the_call_checks():
   """Arguments with no influence on the choice are still checked: an explanation does not call
   runnable a call that raises."""

@@ -141,10 +141,8 @@ def _plan(info: DecodeInfo, implementation, config, num_splits) -> DecodeExplana
   if implementation is not None and implementation not in IMPLEMENTATIONS:
     raise ValueError(f"Unknown implementation {implementation!r}; choose one of "
                      f"{IMPLEMENTATIONS} or None for automatic.")
-  if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)
-                                 or num_splits < 1):
-    raise ValueError(f"`num_splits` must be None (chosen from the shapes) or a Python int >= 1, "
-                     f"got {num_splits!r}.")
+  attention_validation.check_positive_int("num_splits", num_splits, none="chosen from the shapes")
+  num_splits = None if num_splits is None else int(num_splits)
   reasons = {name: _reason(name, info, config, num_splits, auto=True) for name in IMPLEMENTATIONS}
   if implementation is not None:
     # Asked for by name: only whether it can run counts (the route's threshold does not).

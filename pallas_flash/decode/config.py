@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from pallas_flash import backends as flash_backends
+from pallas_flash import validation
 from pallas_flash.decode.call import DecodeInfo
 
 
@@ -24,13 +25,17 @@ def _is_pow2(n: int) -> bool:
 
 
 def _check_ints(config, names: tuple[str, ...]) -> None:
-  """TypeError naming the field for a value that is neither None nor a Python int (a string
-  or a float would fail later, deep inside a kernel's tiling)."""
+  """TypeError naming the field for a value that is neither None nor an integer (a string or
+  a float would fail later, deep inside a kernel's tiling); NumPy integers are stored as Python
+  ints, so that equal configs compare and hash alike."""
   for name in names:
     value = getattr(config, name)
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+    if value is None:
+      continue
+    if not validation.is_int(value):
       raise TypeError(f"{type(config).__name__}.{name} must be a Python int or None, got "
                       f"{value!r}.")
+    object.__setattr__(config, name, int(value))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
