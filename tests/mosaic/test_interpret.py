@@ -97,6 +97,9 @@ def test_features_match_reference(case):
 # moves the output far past the tolerance.
 ALIBI = [
     ("plain", _config(), _case(200, 170, features=("alibi",))),
+    # Causal: the forward leaves the bias's row term out of the scores and puts it back into
+    # lse (common.alibi's drop_rows), which lse's comparison and the gradients check.
+    ("causal", _config(), _case(260, 260, h=2, kh=1, is_causal=True, features=("alibi",))),
     # The overlapped loop streaming the key tail first: its blocks' positions from a select.
     ("overlap_tail", _config(fwd_intra_wg_overlap=True, block_kv=128),
      _case(130, 200, h=2, kh=1, d=128, dtype=jnp.float16, features=("alibi",))),

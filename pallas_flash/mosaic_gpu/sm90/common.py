@@ -216,7 +216,18 @@ def _alibi_positions(pos0, n: int, layout):
   return lax.bitcast_convert_type(idx, jnp.float32)
 
 
-def alibi(s, row0, col0, slope):
+def _alibi_offsets(n: int, layout):
+  """0 .. n - 1 float32 [n] in `layout` (_alibi_positions less the exact 2**23)."""
+  return _alibi_positions(0, n, layout) - float(2**23)
+
+
+def alibi_drops_rows(kp: KernelParams) -> bool:
+  """Whether the forward adds ALiBi without its row term (alibi's `drop_rows`): causal calls
+  with ALiBi outside the cap, whose visible keys all lie at or left of the diagonal."""
+  return kp.alibi and kp.causal and not kp.bias_in_cap
+
+
+def alibi(s, row0, col0, slope, *, drop_rows: bool = False):
   """Raw scores s [rows, cols] float32 plus ALiBi's slope·|row - col|, row = row0 + r and
   col = col0 + c (queries and keys, or keys and queries in a transposed tile: the distance is
   symmetric); slope is the head's raw_alibi_slopes entry, None for no ALiBi (s unchanged).
@@ -224,14 +235,31 @@ def alibi(s, row0, col0, slope):
   Applied after the soft cap and before the mask, as every backend does. The offset 2**23
   of both position vectors cancels exactly in the difference, so each entry costs a subtract,
   an absolute value and an FMA (FP32 pipe, no conversion), and a tile rows + cols integer
-  adds for the position vectors."""
+  adds for the position vectors.
+
+  drop_rows (a causal forward, alibi_drops_rows): every visible key has col <= row, so the
+  bias is slope·(row - row0) + slope·(row0 - col), and the first term, constant along each
+  row, leaves the softmax unchanged: it is left out (one add per entry of a [cols] vector)
+  and put back into the row max by alibi_row_term at the end. Keeping row0 (the tile's first
+  row) in the second term keeps the scores near the diagonal, where the row max lies, small:
+  relative to row 0 they would reach slope·T (float32 steps of 0.01 at 128K)."""
   if slope is None:
     return s
+  if drop_rows:
+    offset = lax.convert_element_type(row0 - col0, jnp.float32)  # one conversion per tile
+    return s + lax.broadcast_in_dim(slope * (offset - _alibi_offsets(s.shape[1], COL)),
+                                    s.shape, [1])
   rows = _alibi_positions(row0, s.shape[0], ROW)
   cols = _alibi_positions(col0, s.shape[1], COL)
   dist = jnp.abs(lax.broadcast_in_dim(rows, s.shape, [0])
                  - lax.broadcast_in_dim(cols, s.shape, [1]))
   return s + slope * dist
+
+
+def alibi_row_term(n: int, slope, c: float):
+  """ALiBi's row term that alibi(drop_rows=True) leaves out, in the row max's log2 units:
+  slope·c·r for the tile's rows r = 0 .. n - 1 [n] ROW."""
+  return _alibi_offsets(n, ROW) * (slope * c)
 
 
 class DropoutKeys(NamedTuple):

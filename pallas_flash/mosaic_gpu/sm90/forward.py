@@ -126,6 +126,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
       steps = cta_steps
     slope = None if slopes is None else slopes[h]  # one scalar load per CTA
     sink = None if sinks is None else sinks[h]
+    row_term = None
+    if slope is not None and common.alibi_drops_rows(kp):
+      row_term = common.alibi_row_term(bq, slope, kp.c)
     drop = _dropout_rows(keys, b, h, q0, kp)
     with jax.named_scope("prologue"):
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_smem, q_ready.at[wg])
@@ -155,14 +158,15 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
       o_smem = q_smem if o_scratch is None else o_scratch.at[wg]
       store = functools.partial(_store_tile, *carry, o_smem, lse_smem,
                                 o_ref.at[b, pl.ds(q0, bq), h], lse_ref.at[b, h, pl.ds(q0, bq)],
-                                kp, sink=sink)
+                                kp, sink=sink, row_term=row_term)
       if tail is None:
         store()
       else:
         pl.when(~is_part)(store)
         pl.when(is_part)(functools.partial(
             _store_tile, *carry, tail.o32_scratch.at[wg], lse_smem,
-            tail.o_part.at[part_row, wg], tail.lse_part.at[part_row, wg], kp))
+            tail.o_part.at[part_row, wg], tail.lse_part.at[part_row, wg], kp,
+            row_term=row_term))
       # The kernel's end: only the copies' reads of shared memory need to finish here.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -197,7 +201,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
 
 
 def _store_tile(acc, m, l, o_smem, lse_smem, o_dst, lse_dst, kp: common.KernelParams, *,
-                sink=None):
+                sink=None, row_term=None):
   """Normalises one WG's tile and starts its TMA stores: O = acc / l [block_q, Dv] through
   o_smem (the WG's Q buffer, free once its last Q·Kᵀ retired, or where Dv differs from D its
   own [block_q, Dv] buffer; a split tail's part: a float32 buffer), lse (natural log) through
@@ -207,7 +211,12 @@ def _store_tile(acc, m, l, o_smem, lse_smem, o_dst, lse_dst, kp: common.KernelPa
   row's softmax as one more score with a zero value: m' = max(m, sink), and with
   alpha = exp2(m - m') the row sum becomes l' = l·alpha + exp2(sink - m') and O = acc·alpha / l'
   (FA2's rescaling of one more, value-free, key block). Taking the max keeps exp2 finite on a
-  row that saw no key (m = MASK_VALUE): alpha = 0, l' = 1, O = 0 and lse = sink."""
+  row that saw no key (m = MASK_VALUE): alpha = 0, l' = 1, O = 0 and lse = sink.
+
+  row_term: ALiBi's row term [block_q] that the kv loop left out of m (common.alibi_row_term),
+  or None; added to m first, so that lse and the sink see the true row max."""
+  if row_term is not None:
+    m = m + row_term
   if sink is not None:
     m_all = jnp.maximum(m, sink)
     alpha = jnp.exp2(m - m_all)
@@ -427,7 +436,8 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
       if not kp.bias_in_cap:
         s = common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
       if slope is not None:  # on every block, masked or not
-        s = common.alibi(s, q0, key_block(j) * bkv, slope)
+        s = common.alibi(s, q0, key_block(j) * bkv, slope,
+                         drop_rows=common.alibi_drops_rows(kp))
       if kp.bias_in_cap:  # logits_soft_cap_order="bias_then_cap": the biases inside the cap
         s, _ = sm90_dense.add(s, dense_tiles, kp.scale, cap=common.cap_after_bias(kp))
       elif dense_tiles is not None:  # on every block too: the mask is data
@@ -544,7 +554,8 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
       s = common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
     if masked or slope is not None or tiles is not None:
       col0 = (_kv_block(j, kv0, steps, kp) if sparse is None else sparse.block(j)) * bkv
-      s = common.alibi(s, q0, col0, slope)  # on every block, masked or not
+      s = common.alibi(s, q0, col0, slope,  # on every block, masked or not
+                       drop_rows=common.alibi_drops_rows(kp))
     if kp.bias_in_cap:  # logits_soft_cap_order="bias_then_cap": the biases inside the cap
       s, _ = sm90_dense.add(s, tiles, kp.scale, cap=common.cap_after_bias(kp))
     else:
