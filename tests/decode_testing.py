@@ -35,6 +35,7 @@ class DecodeCase:
   rotary: float | str | None = None  # a base period, or "tables"
   dtype: type = jnp.float32  # the query's (and the caches', unless fp8)
   fp8: str | None = None  # float8_e4m3fn caches with kv_descale per "tensor" or per kv "head"
+  query_scale: float = 1.0  # the query's standard deviation
 
   @property
   def batch(self) -> int:
@@ -45,7 +46,8 @@ class DecodeCase:
     parts = [(f"b{self.batch}_t{self.q_len}_h{self.num_heads}:{self.num_kv_heads}"
               f"_d{self.head_dim}_L{self.capacity}"), jnp.dtype(self.dtype).name]
     for name, on in (("page", self.page_size), ("append", self.append), ("win", self.window),
-                     ("cap", self.softcap), ("rope", self.rotary), ("fp8", self.fp8)):
+                     ("cap", self.softcap), ("rope", self.rotary), ("fp8", self.fp8),
+                     ("qx", self.query_scale != 1.0 and self.query_scale)):
       if on:
         parts.append(name if on is True else f"{name}{on}")
     return "-".join(parts)
@@ -63,7 +65,7 @@ def make_decode_inputs(case: DecodeCase, seed: int = 0):
   rng = np.random.default_rng(seed)
   b, t, kh, d, cap = case.batch, case.q_len, case.num_kv_heads, case.head_dim, case.capacity
   lens = np.asarray(case.seqlens, np.int32)
-  q = rng.standard_normal((b, t, case.num_heads, d), np.float32)
+  q = rng.standard_normal((b, t, case.num_heads, d), np.float32) * case.query_scale
   logical_k = rng.standard_normal((b, cap, kh, d), np.float32)
   logical_v = rng.standard_normal((b, cap, kh, d), np.float32)
   held = np.arange(cap)[None, :] < lens[:, None]  # [B, L]

@@ -47,6 +47,10 @@ CASES = [
                fp8="head"),
     DecodeCase(seqlens=(30, 0, 47), q_len=3, capacity=64, page_size=16, append=True,
                window=20, softcap=5.0, dtype=jnp.float16, fp8="tensor"),
+    # A query far outside f16's range (the Triton kernel's FP8 dots run in f16 on a tile
+    # scaled by a power of two), at head_dim 16 (halves of 8 words, padded to 16).
+    DecodeCase(seqlens=(9, 50), q_len=2, capacity=64, head_dim=16, dtype=jnp.bfloat16,
+               fp8="head", query_scale=1e6),
 ]
 
 
@@ -404,11 +408,12 @@ def test_fp8_cache_lowers_for_h200(paged):
   assert module.count("xla.gpu.triton") == 2 and "f8E4M3FN" in module
 
 
-def test_fp8_tiles_repeat_the_last_feature_in_padding_columns():
-  """The Triton kernel's FP8 tiles, unpacked from 16-bit words (decode/triton.py), hold the
-  cache's features and, past head_dim 48 up to the tile's 64 columns, feature 47 in every
-  padding column, as the bf16 tiles do: the stores clamp padding columns onto column D - 1,
-  and on a GPU any of those lanes' writes may land (the interpreter keeps the last one)."""
+def test_fp8_halves_join_with_the_last_feature_in_padding_columns():
+  """The Triton kernel's FP8 tiles, split from 16-bit words into even and odd features
+  (decode/triton.py) and joined once per sequence, hold the cache's features and, past head_dim
+  48 up to the tile's 64 columns, feature 47 in every padding column, as the bf16 tiles do: the
+  stores clamp padding columns onto column D - 1, and on a GPU any of those lanes' writes may
+  land (the interpreter keeps the last one)."""
   from jax.experimental import pallas as pl
 
   from pallas_flash.decode import triton as decode_triton
@@ -418,8 +423,10 @@ def test_fp8_tiles_repeat_the_last_feature_in_padding_columns():
 
   def kernel(words_ref, out_ref):
     r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (d_pad,), 0)
-    out_ref[...] = decode_triton._load_fp8_rows(words_ref, r, cols, None, jnp.float32)
+    wcols = jax.lax.broadcasted_iota(jnp.int32, (d_pad // 2,), 0)
+    words = decode_triton._load_rows(words_ref, r, wcols, None)
+    lo, hi = decode_triton._unpack_words(words, jnp.float32, ptx=False)
+    out_ref[...] = decode_triton._join_halves(lo, hi, d // 2)
 
   out = np.asarray(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((rows, d_pad),
                                                                          jnp.float32),

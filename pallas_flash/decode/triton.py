@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +98,15 @@ class _KernelParams:
   num_pages: int | None
   max_pages: int | None
   approx_tanh: bool
+  fp8_cache: bool = False  # K and V as e4m3 words (fp8_words), attended in halves
+  fp8_ptx: bool = False  # the words converted by inline PTX (_unpack_words; off-GPU: jnp)
+
+  @property
+  def width(self) -> int:
+    """Columns of the kernel's query, output and partial tiles (D_pad): an FP8 cache's halves
+    take at least 16 words each (a dot's smallest K)."""
+    d_pad = common.padded_head_dim(self.head_dim)
+    return max(d_pad, 32) if self.fp8_cache else d_pad
 
   @property
   def rows(self) -> int:
@@ -146,17 +156,65 @@ def fp8_words(cache):
   return lax.bitcast_convert_type(pairs, jnp.uint16)
 
 
-def _load_fp8_rows(ref, rows, cols, row_ok, dtype):
-  """_load_rows of an FP8 cache seen as words (fp8_words: ref [rows, D / 2] uint16), as
-  [block_kv, D_pad] in `dtype`. Padding columns repeat column D - 1, as _load_rows' do."""
-  half = cols.shape[0] // 2
-  wcols = lax.broadcasted_iota(jnp.int32, (half,), 0)
-  words = _load_rows(ref, rows, wcols, row_ok)
-  lo, hi = (lax.bitcast_convert_type(b.astype(jnp.uint8), jnp.float8_e4m3fn).astype(dtype)
-            for b in (words & 0xFF, words >> 8))
-  if ref.shape[-1] != half:  # padding words repeat the last one: make both halves its high
-    lo = jnp.where((wcols < ref.shape[-1])[None, :], lo, hi)
-  return jnp.stack([lo, hi], axis=-1).reshape(words.shape[0], 2 * half)
+class _HalfQuery(NamedTuple):
+  """A row tile's query for an FP8 cache: its even and odd features [block_m, width / 2] in
+  the dots' dtype, and the factor (a power of two) its scaling multiplies the scores by."""
+
+  lo: Any
+  hi: Any
+  factor: Any
+
+
+# e4m3 pairs to f16 pairs in one instruction (sm_89+): the word's low byte becomes the low half.
+_CVT_E4M3X2 = "cvt.rn.f16x2.e4m3x2 $0, $1;"
+
+
+def _unpack_words(words, dtype, *, ptx: bool):
+  """words uint16 [n, W] (fp8_words) -> (even, odd) features [n, W] in `dtype`, exact: every
+  e4m3 value is an f16. ptx: one cvt per word (the GPU; FP8 caches run on sm_89+ only), else
+  jnp's conversions (the interpreter, which runs no PTX)."""
+  if ptx:
+    # Triton's integers are signless: int16 in, int32 (two f16) out.
+    [pair] = pltriton.elementwise_inline_asm(
+        _CVT_E4M3X2, args=[lax.bitcast_convert_type(words, jnp.int16)], constraints="=r,h",
+        pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int32)])
+    lo, hi = (lax.bitcast_convert_type(x.astype(jnp.int16), jnp.float16)
+              for x in (pair, pair >> 16))
+  else:
+    lo, hi = (lax.bitcast_convert_type(b.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float16)
+              for b in (words & 0xFF, words >> 8))
+  return lo.astype(dtype), hi.astype(dtype)
+
+
+def _join_halves(lo, hi, words: int):
+  """Even and odd features [n, W_pad] -> [n, 2 W_pad], feature 2j + i from half i, column j.
+  Past the cache's `words` both halves of a padding column take the odd half (the last word's
+  repeat holds features D - 2 and D - 1): every padding column then holds feature D - 1, as
+  _store_rows needs."""
+  if lo.shape[1] != words:
+    lo = jnp.where((lax.broadcasted_iota(jnp.int32, (lo.shape[1],), 0) < words)[None, :], lo, hi)
+  return jnp.stack([lo, hi], axis=-1).reshape(lo.shape[0], 2 * lo.shape[1])
+
+
+def _load_half_query(q_ref, t, g, p: _KernelParams, seq=None) -> _HalfQuery:
+  """The tile's query rows split into even and odd features (zeros past D), for an FP8 cache's
+  halves. 16-bit queries take f16 dots: the tile is scaled by a power of two that maps its
+  largest |q| into [2^13, 2^14) (no overflow, and bf16's range is kept), undone on the scores."""
+  w = lax.broadcasted_iota(jnp.int32, (p.width // 2,), 0)
+
+  def load(cols):
+    index = (t[:, None], g[:, None], jnp.minimum(cols, p.head_dim - 1)[None, :])
+    view = q_ref.at[index if seq is None else (seq, *index)]
+    return pltriton.load(view, mask=(cols < p.head_dim)[None, :], other=0).astype(jnp.float32)
+
+  lo, hi = load(2 * w), load(2 * w + 1)
+  if jnp.dtype(q_ref.dtype).itemsize == 4:
+    return _HalfQuery(lo, hi, 1.0)
+  top = jnp.maximum(jnp.max(jnp.max(jnp.abs(lo), axis=1), axis=0),
+                    jnp.max(jnp.max(jnp.abs(hi), axis=1), axis=0))
+  factor = jnp.exp2(jnp.floor(jnp.log2(jnp.maximum(top, 2.0 ** -100))) - 13.0)
+  return _HalfQuery((lo / factor).astype(jnp.float16), (hi / factor).astype(jnp.float16),
+                    factor)
 
 
 def _tile_rows(row0, p: _KernelParams):
@@ -247,9 +305,11 @@ def _attend_blocks(q, k_ref, v_ref, rows_of, start, end, *, n, row0, p: _KernelP
   rows_of(keys [block_kv]) -> their rows in k_ref / v_ref ([rows, D]). Returns float32 o
   [block_m, D_pad] normalised over the range's keys and lse [block_m] (natural log); a row
   that sees none of them gets o = 0, lse = -inf. descale: None, or an FP8 cache's (key, value)
-  factors of this kv head (scalars), k_ref / v_ref then its words (fp8_words): tiles are
-  converted to q's dtype for the dots, the scores multiplied by the key factor and the output
-  by the value factor.
+  factors of this kv head (scalars), k_ref / v_ref then its words (fp8_words) and q a
+  _HalfQuery: each word tile splits into its even and odd features (_unpack_words), two dots
+  form the scores (q_even·k_evenᵀ + q_odd·k_oddᵀ) and P·V fills two accumulators, joined once at
+  the end (_join_halves), so no tile is interleaved inside the loop; the scores take the key
+  factor and the output the value factor.
   """
   prm, bm, bk = p.params, p.block_m, p.block_kv
   t, _ = _tile_rows(row0, p)
@@ -263,19 +323,24 @@ def _attend_blocks(q, k_ref, v_ref, rows_of, start, end, *, n, row0, p: _KernelP
     full_lo = (jnp.maximum(n - prm.q_len + t_last - prm.window, 0) + bk - 1) // bk
   mid_lo = jnp.clip(full_lo, start, end)
   mid_hi = jnp.clip(full_hi, mid_lo, end)
-  cols = lax.broadcasted_iota(jnp.int32, (q.shape[1],), 0)
+  cols = lax.broadcasted_iota(jnp.int32, (p.width,), 0)
+  wcols = lax.broadcasted_iota(jnp.int32, (p.width // 2,), 0)  # an FP8 cache's words
+
+  def halves(ref, rows, in_cache):
+    return _unpack_words(_load_rows(ref, rows, wcols, in_cache), q.lo.dtype, ptx=p.fp8_ptx)
 
   def step(j, carry, *, masked: bool):
     m_prev, l_prev, acc = carry
     keys = j * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
     in_cache = keys < n if masked else None
     rows = rows_of(jnp.where(in_cache, keys, 0) if masked else keys)
-    if descale is None:
+    if p.fp8_cache:
+      k_lo, k_hi = halves(k_ref, rows, in_cache)
+      s = _scores((common.dot(q.lo, k_lo, trans_b=True) + common.dot(q.hi, k_hi, trans_b=True))
+                  * (descale[0] * q.factor), p)
+    else:
       k = _load_rows(k_ref, rows, cols, in_cache)
       s = _scores(common.dot(q, k, trans_b=True), p)  # [block_m, block_kv]
-    else:
-      k = _load_fp8_rows(k_ref, rows, cols, in_cache, q.dtype)
-      s = _scores(common.dot(q, k, trans_b=True) * descale[0], p)
     if masked:
       visible = (keys[None, :] <= q_pos[:, None]) & in_cache[None, :]
       if prm.window is not None:
@@ -286,16 +351,24 @@ def _attend_blocks(q, k_ref, v_ref, rows_of, start, end, *, n, row0, p: _KernelP
     probs = jnp.exp2(s - m_next[:, None])
     if masked:  # a row with no visible key yet has m_next == MASK_VALUE, where exp2 gives 1
       probs = jnp.where(visible, probs, 0.0)
-    v = (_load_rows(v_ref, rows, cols, in_cache) if descale is None
-         else _load_fp8_rows(v_ref, rows, cols, in_cache, q.dtype))
-    acc = alpha[:, None] * acc + common.dot(probs.astype(v.dtype), v)
+    if p.fp8_cache:
+      v_lo, v_hi = halves(v_ref, rows, in_cache)
+      pc = probs.astype(v_lo.dtype)
+      acc = (alpha[:, None] * acc[0] + common.dot(pc, v_lo),
+             alpha[:, None] * acc[1] + common.dot(pc, v_hi))
+    else:
+      v = _load_rows(v_ref, rows, cols, in_cache)
+      acc = alpha[:, None] * acc + common.dot(probs.astype(v.dtype), v)
     return m_next, alpha * l_prev + probs.sum(axis=1), acc
 
+  zeros = jnp.zeros((bm, p.width // 2 if p.fp8_cache else p.width), jnp.float32)
   carry = (jnp.full((bm,), MASK_VALUE, jnp.float32), jnp.zeros((bm,), jnp.float32),
-           jnp.zeros((bm, q.shape[1]), jnp.float32))
+           (zeros, zeros) if p.fp8_cache else zeros)
   carry = lax.fori_loop(start, mid_lo, functools.partial(step, masked=True), carry)
   carry = lax.fori_loop(mid_lo, mid_hi, functools.partial(step, masked=False), carry)
   m, l, acc = lax.fori_loop(mid_hi, end, functools.partial(step, masked=True), carry)
+  if p.fp8_cache:
+    acc = _join_halves(*acc, k_ref.shape[-1])
   empty = l == 0.0  # an empty range (or a query that sees no key): o = 0, lse = -inf
   l_safe = jnp.where(empty, 1.0, l)
   inv_l = 1.0 / l_safe if descale is None else descale[1] / l_safe
@@ -328,8 +401,9 @@ def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, descale_ref, o_ref,
   n = _tokens_held(lengths_ref[bh // p.num_kv_heads], p)
   t, g = _tile_rows(row0, p)
   start, end = _visible_blocks(n, *_tile_tokens(row0, p), p)
-  cols = lax.broadcasted_iota(jnp.int32, (common.padded_head_dim(p.head_dim),), 0)
-  q = _load_q(q_ref, t, g, cols, p)  # [block_m, D_pad]
+  cols = lax.broadcasted_iota(jnp.int32, (p.width,), 0)
+  q = (_load_half_query(q_ref, t, g, p) if p.fp8_cache
+       else _load_q(q_ref, t, g, cols, p))  # [block_m, D_pad]
   o, lse = _attend_blocks(q, k_ref, v_ref, lambda keys: _cache_rows(keys, pt_ref, None, p),
                           start, end, n=n, row0=row0, p=p,
                           descale=_descale(descale_ref, bh % p.num_kv_heads))
@@ -361,14 +435,15 @@ def _split_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, descale_ref, o_ref, 
   part = decode_config.balanced_partition(counts, p.params.num_splits * p.batch)
   first, stop = decode_config.program_sequences(part, counts, program)
   t, g = _tile_rows(row0, p)
-  cols = lax.broadcasted_iota(jnp.int32, (common.padded_head_dim(p.head_dim),), 0)
+  cols = lax.broadcasted_iota(jnp.int32, (p.width,), 0)
   descale = _descale(descale_ref, pl.program_id(2))
 
   def one_sequence(seq, seq_start):
     n = _tokens_held(lengths_ref[seq], p)
     blk_lo, blk_hi = _visible_blocks(n, t_first, t_last, p)
     share_lo, share_hi = decode_config.sequence_share(part, seq_start, blk_hi - blk_lo, program)
-    q = _load_q(q_ref, t, g, cols, p, seq=seq)
+    q = (_load_half_query(q_ref, t, g, p, seq=seq) if p.fp8_cache
+         else _load_q(q_ref, t, g, cols, p, seq=seq))
     o, lse = _attend_blocks(q, k_ref, v_ref, lambda keys: _cache_rows(keys, pt_ref, seq, p),
                             blk_lo + share_lo, blk_lo + share_hi, n=n, row0=row0, p=p,
                             descale=descale)
@@ -428,7 +503,8 @@ def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodePara
   capacity, num_pages, max_pages = cache_layout(key_cache, page_table, params)
   kp = _KernelParams(params=params, batch=b, num_kv_heads=kh, head_dim=d, block_m=bm,
                      block_kv=bk, capacity=capacity, num_pages=num_pages, max_pages=max_pages,
-                     approx_tanh=not interpret and jnp.dtype(q.dtype).itemsize == 2)
+                     approx_tanh=not interpret and jnp.dtype(q.dtype).itemsize == 2,
+                     fp8_cache=kv_descale is not None, fp8_ptx=not interpret)
   q = q.reshape(b, tq, kh, g, d)  # free views: the kernels address rows (t, g) directly
   if kv_descale is not None:
     key_cache, value_cache = fp8_words(key_cache), fp8_words(value_cache)
@@ -495,7 +571,7 @@ def _balanced_splits(q, key_cache, value_cache, lengths, page_table, kv_descale,
   N = S * B programs per (row tile, kv head), then _merge_kernel."""
   b, tq, kh, g, d = q.shape
   bm = kp.block_m
-  d_pad = common.padded_head_dim(d)
+  d_pad = kp.width
   tiles_m = -(-kp.rows // bm)
   programs = kp.params.num_splits * b
   slots = b + programs - 1
