@@ -167,25 +167,40 @@ def online_softmax(s, m, l, c, *, log2_scale: int = 0):
   return p, m_new, l * alpha + p.sum(axis=1), alpha
 
 
-def soft_cap(s, kp: KernelParams):
+def soft_cap(s, kp: KernelParams, *, folded: bool = False):
   """Raw scores s = Q·Kᵀ [rows, cols] f32 through logits_soft_cap c: (c/scale)·tanh(s·scale/c),
   the capped logit c·tanh(s·scale/c) still in raw-score units, so that the softmax after it
   (times kp.c, masked to -inf where hidden) is the uncapped one's. The identity without a cap.
 
   tanh is one MUFU op (tanh.approx.f32 under the kernels' approx_math, relative error about
-  2**-11), like the Triton kernels' soft cap."""
+  2**-11), like the Triton kernels' soft cap. folded (cap_folds): tanh alone, whose exp2 factor
+  is capped_exp2_factor."""
   if kp.softcap is None:
     return s
-  return jnp.tanh(s * (kp.scale / kp.softcap)) * (kp.softcap / kp.scale)
+  t = jnp.tanh(s * (kp.scale / kp.softcap))
+  return t if folded else t * (kp.softcap / kp.scale)
 
 
-def soft_cap_with_slope(s, kp: KernelParams):
-  """(soft_cap(s), its derivative d soft_cap(s)/ds = 1 − tanh², None without a cap): the raw
-  scores' dS is the capped scores' dS times it."""
+def cap_folds(kp: KernelParams, *, alibi: bool, dense: bool) -> bool:
+  """Whether a forward leaves the cap's factor c/scale out of the capped scores and into exp2's
+  (capped_exp2_factor): where nothing is added after the cap (no ALiBi, no dense bias, the
+  default cap_then_bias order) the scores only meet the max, exp2 and masks of -inf, so
+  tanh(s·scale/c) times c·log2(e) is the same softmax, one multiply per score fewer."""
+  return kp.softcap is not None and not (alibi or dense or kp.bias_in_cap)
+
+
+def capped_exp2_factor(kp: KernelParams) -> float:
+  """exp2's factor on soft_cap(s, kp, folded=True)'s scores: kp.c times the cap's c/scale."""
+  return kp.c * (kp.softcap / kp.scale)
+
+
+def soft_cap_with_slope(s, kp: KernelParams, *, folded: bool = False):
+  """(soft_cap(s, folded=folded), its derivative d soft_cap(s)/ds = 1 − tanh², None without a
+  cap): the raw scores' dS is the capped scores' dS times it."""
   if kp.softcap is None:
     return s, None
   t = jnp.tanh(s * (kp.scale / kp.softcap))
-  return t * (kp.softcap / kp.scale), 1.0 - t * t
+  return (t if folded else t * (kp.softcap / kp.scale)), 1.0 - t * t
 
 
 def cap_after_bias(kp: KernelParams):

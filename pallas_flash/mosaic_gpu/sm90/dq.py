@@ -111,6 +111,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
       plgpu.commit_smem_to_gmem_group()
     steps = kp.kv_steps(q0 + bq)
     alibi_slope = None if slopes is None else slopes[h]  # one scalar load per CTA
+    folded = common.cap_folds(kp, alibi=slopes is not None, dense=dense is not None)
+    c = common.capped_exp2_factor(kp) if folded else kp.c
     drop_rows = None if keys is None else common.dropout_row_keys(keys, b, h, q0, bq)
     ids = None
     if sparse is not None:
@@ -137,14 +139,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
       def probs(s):
         """(P, the soft cap's slope) of the raw score tile s [block_q, block_kv]."""
         if not kp.bias_in_cap:
-          s, slope = common.soft_cap_with_slope(s, kp)
+          s, slope = common.soft_cap_with_slope(s, kp, folded=folded)
         if alibi_slope is not None:  # a constant per score: dS is unchanged
           s = common.alibi(s, q0, key_block(j) * bkv, alibi_slope)
         if kp.bias_in_cap:  # "bias_then_cap": the slope is d cap / d(s + biases)
           s, slope = sm90_dense.add(s, tiles, kp.scale, cap=common.cap_after_bias(kp))
         else:
           s = sm90_dense.add(s, tiles, kp.scale)
-        p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(lse2, s.shape, [0]))
+        p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [0]))
         if masked and sparse is not None:
           p = jnp.where(sparse.mask(q0, key_block(j) * bkv, (bq, bkv), kp.kv_len, kp.kv_tail),
                         p, 0.0)

@@ -409,6 +409,8 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
   ring = _ring(base)
 
   sched_sync = functools.partial(common.sync, bars.sched)
+  folded = common.cap_folds(kp, alibi=slope is not None, dense=dense is not None)
+  c = common.capped_exp2_factor(kp) if folded else kp.c
 
   def key_block(j):
     return kv0 + j if sparse is None else sparse.block(j)
@@ -433,8 +435,8 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
     s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
     plgpu.barrier_arrive(bars.k_free.at[slot])
     with jax.named_scope("softmax"):
-      if not kp.bias_in_cap:
-        s = common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
+      if not kp.bias_in_cap:  # before the mask: a hidden score must stay -inf
+        s = common.soft_cap(s, kp, folded=folded)
       if slope is not None:  # on every block, masked or not
         s = common.alibi(s, q0, key_block(j) * bkv, slope,
                          drop_rows=common.alibi_drops_rows(kp))
@@ -452,9 +454,9 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
       # exp2 with softmax_scale·log2(e) folded in: m is kept in scaled log2 units, so each
       # probability is one FFMA plus one ex2. -inf scores give p = 0 without a select since
       # m starts at the finite MASK_VALUE.
-      m_new = jnp.maximum(m, s.max(axis=1) * kp.c)
+      m_new = jnp.maximum(m, s.max(axis=1) * c)
       alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(s * kp.c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       l = l * alpha + p.sum(axis=1)
       if drop_cols is not None:
@@ -549,9 +551,12 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
       return None
     return common.dropout_col_keys(drop_keys, _kv_block(j, kv0, steps, kp) * bkv, bkv)
 
+  folded = common.cap_folds(kp, alibi=slope is not None, dense=dense is not None)
+  c = common.capped_exp2_factor(kp) if folded else kp.c
+
   def softmax(s, j, masked, m, l, tiles=None, cols=None):
-    if not kp.bias_in_cap:
-      s = common.soft_cap(s, kp)  # before the mask: a hidden score must stay -inf
+    if not kp.bias_in_cap:  # before the mask: a hidden score must stay -inf
+      s = common.soft_cap(s, kp, folded=folded)
     if masked or slope is not None or tiles is not None:
       col0 = (_kv_block(j, kv0, steps, kp) if sparse is None else sparse.block(j)) * bkv
       s = common.alibi(s, q0, col0, slope,  # on every block, masked or not
@@ -564,7 +569,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
       s = jnp.where(sparse.mask(q0, col0, (bq, bkv), kp.kv_len, kp.kv_tail), s, -jnp.inf)
     elif masked:
       s = jnp.where(common.visible(q0, col0, (bq, bkv), kp), s, -jnp.inf)
-    p, m, l, alpha = common.online_softmax(s, m, l, kp.c)
+    p, m, l, alpha = common.online_softmax(s, m, l, c)
     if drop_keys is not None:  # after l: l sums every probability, P·V takes the kept ones
       cols = drop_cols(j) if cols is None else cols
       p = jnp.where(common.dropout_keep(drop_rows, cols, p.shape, kp), p, 0.0)

@@ -120,12 +120,13 @@ def step_stat(streams, slot, which: int):
   plgpu.barrier_arrive(free.at[slot])
   return x
 
-def capped_scores_t(s_t, bias, kp: common.KernelParams):
+def capped_scores_t(s_t, bias, kp: common.KernelParams, *, folded: bool = False):
   """(the scores a raw Sᵀ tile gives after the soft cap and the step's bias, the cap's slope):
   soft_cap(Sᵀ) + bias, or with kp.bias_in_cap ("bias_then_cap") soft_cap(Sᵀ + bias), a dense
-  mask after the cap (bias's `cap`). bias: alibi_steps' or the dK/dV kernel's, or None."""
+  mask after the cap (bias's `cap`). bias: alibi_steps' or the dK/dV kernel's, or None.
+  folded: the cap's factor left to exp2 (common.cap_folds; no bias)."""
   if not kp.bias_in_cap:
-    s_t, slope = common.soft_cap_with_slope(s_t, kp)
+    s_t, slope = common.soft_cap_with_slope(s_t, kp, folded=folded)
     return (s_t if bias is None else bias(s_t)), slope
   cap = common.cap_after_bias(kp)
   return cap(s_t) if bias is None else bias(s_t, cap=cap)
@@ -139,8 +140,10 @@ def probs_t(s_t, lse, k0, mask_block, kp: common.KernelParams, ids=None, bias=No
   `alibi_steps`, or None), and the soft cap's slope (common.soft_cap_with_slope; None without
   a cap) for `grad_scores_t` (ALiBi adds a constant: no slope). visible: see
   transposed_grad_tiles."""
-  s_t, slope = capped_scores_t(s_t, bias, kp)
-  p_t = jnp.exp2(s_t * kp.c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+  folded = bias is None and common.cap_folds(kp, alibi=False, dense=False)
+  s_t, slope = capped_scores_t(s_t, bias, kp, folded=folded)
+  c = common.capped_exp2_factor(kp) if folded else kp.c
+  p_t = jnp.exp2(s_t * c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
   if mask_block is not None:
     if visible is not None:
       visible = visible()
