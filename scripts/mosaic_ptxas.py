@@ -81,6 +81,11 @@ VARIANTS = {
     "fwd_alibi": ("fwd", False, dict(alibi=True)),
     "fwd_alibi_causal": ("fwd", True, dict(alibi=True)),
     "bwd_alibi_causal": ("fwdbwd", True, dict(alibi=True)),
+    # ALiBi inside a soft cap of 30 (logits_soft_cap_order="bias_then_cap").
+    "fwd_alibi_in_cap_causal": ("fwd", True, dict(alibi=True, softcap=30.0,
+                                                  cap_order="bias_then_cap")),
+    "bwd_alibi_in_cap_causal": ("fwdbwd", True, dict(alibi=True, softcap=30.0,
+                                                     cap_order="bias_then_cap")),
     # A dense bf16 bias [1, H, T, S] (differentiated: dbias from the dQ kernel) and a bool mask
     # [B, 1, T, S] (sm90/dense.py), inputs of the grid forward and the split backward, at
     # config.dense_config's tiles. Not config fields.

@@ -174,7 +174,7 @@ def soft_cap(s, kp: KernelParams, *, folded: bool = False):
 
   tanh is one MUFU op (tanh.approx.f32 under the kernels' approx_math, relative error about
   2**-11), like the Triton kernels' soft cap. folded (cap_folds): tanh alone, whose exp2 factor
-  is capped_exp2_factor."""
+  is exp2_factor's."""
   if kp.softcap is None:
     return s
   t = jnp.tanh(s * (kp.scale / kp.softcap))
@@ -183,15 +183,16 @@ def soft_cap(s, kp: KernelParams, *, folded: bool = False):
 
 def cap_folds(kp: KernelParams, *, alibi: bool, dense: bool) -> bool:
   """Whether a forward leaves the cap's factor c/scale out of the capped scores and into exp2's
-  (capped_exp2_factor): where nothing is added after the cap (no ALiBi, no dense bias, the
-  default cap_then_bias order) the scores only meet the max, exp2 and masks of -inf, so
-  tanh(s·scale/c) times c·log2(e) is the same softmax, one multiply per score fewer."""
-  return kp.softcap is not None and not (alibi or dense or kp.bias_in_cap)
+  (exp2_factor): where nothing is added after the cap (no ALiBi, no dense bias, or
+  "bias_then_cap", which puts both inside it) the scores only meet the max, exp2 and masks of
+  -inf, so tanh times c·log2(e) is the same softmax, one multiply per score fewer."""
+  return kp.softcap is not None and (kp.bias_in_cap or not (alibi or dense))
 
 
-def capped_exp2_factor(kp: KernelParams) -> float:
-  """exp2's factor on soft_cap(s, kp, folded=True)'s scores: kp.c times the cap's c/scale."""
-  return kp.c * (kp.softcap / kp.scale)
+def exp2_factor(kp: KernelParams, folded: bool) -> float:
+  """exp2's factor on the scores: kp.c (scale·log2(e) on raw scores), times the cap's c/scale
+  on soft_cap(s, kp, folded=True)'s."""
+  return kp.c * (kp.softcap / kp.scale) if folded else kp.c
 
 
 def soft_cap_with_slope(s, kp: KernelParams, *, folded: bool = False):
@@ -204,9 +205,10 @@ def soft_cap_with_slope(s, kp: KernelParams, *, folded: bool = False):
 
 
 def cap_after_bias(kp: KernelParams):
-  """soft_cap_with_slope bound to kp: dense.add's `cap` (and the dK/dV biases') under
-  logits_soft_cap_order="bias_then_cap", where ALiBi and the bias go inside the cap."""
-  return functools.partial(soft_cap_with_slope, kp=kp)
+  """soft_cap_with_slope bound to kp, folded (cap_folds holds: nothing follows the cap):
+  dense.add's `cap` (and the dK/dV biases') under logits_soft_cap_order="bias_then_cap", where
+  ALiBi and the bias go inside the cap."""
+  return functools.partial(soft_cap_with_slope, kp=kp, folded=True)
 
 
 # Longest sequence the ALiBi distances handle: positions are built as float32 2**23 + i from

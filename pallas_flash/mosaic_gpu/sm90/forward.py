@@ -410,7 +410,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
 
   sched_sync = functools.partial(common.sync, bars.sched)
   folded = common.cap_folds(kp, alibi=slope is not None, dense=dense is not None)
-  c = common.capped_exp2_factor(kp) if folded else kp.c
+  c = common.exp2_factor(kp, folded)
 
   def key_block(j):
     return kv0 + j if sparse is None else sparse.block(j)
@@ -552,7 +552,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
     return common.dropout_col_keys(drop_keys, _kv_block(j, kv0, steps, kp) * bkv, bkv)
 
   folded = common.cap_folds(kp, alibi=slope is not None, dense=dense is not None)
-  c = common.capped_exp2_factor(kp) if folded else kp.c
+  c = common.exp2_factor(kp, folded)
 
   def softmax(s, j, masked, m, l, tiles=None, cols=None):
     if not kp.bias_in_cap:  # before the mask: a hidden score must stay -inf
