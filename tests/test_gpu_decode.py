@@ -14,7 +14,7 @@ import pallas_flash
 
 # Their caches take 3-8 GiB a case, and eight xdist workers each holding some ran the H200 out
 # of memory: scripts/gpu_suite.sh runs them on two (decode-tests), apart from the other GPU
-# tests; one worker alone took 380 s for 26 of the 47 (one H100, 2026-12-05).
+# tests; two workers ran the 47 in 289 s on one H100 (2026-12-05, commit b5b8756).
 pytestmark = pytest.mark.gpu
 
 
