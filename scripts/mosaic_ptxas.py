@@ -16,7 +16,8 @@ Each variant runs in its own process with MOSAIC_GPU_DUMP_PTXAS / _PTX set and
 MOSAIC_GPU_DUMP_TO=DIR/ptxas/<variant>. The parent prints per kernel ptxas' spill bytes and any
 C7512 / C7513 "wgmma ... serialized" or C7507 "setmaxnreg ignored" warning; with --sass also
 the SASS (`<kernel>.sass`, needs ptxas and nvdisasm) and how many spill instructions sit in the
-loops that issue wgmmas (HGMMA), i.e. in the main loops rather than in set-up code. A variant
+loops that issue wgmmas (HGMMA), i.e. in the main loops rather than in set-up code, and each
+such loop's instructions with its softmax arithmetic (MUFU, FFMA, FMUL, ...). A variant
 is NAME or NAME@key=value,... (MosaicConfig overrides; MosaicDecodeConfig ones for the
 decode variants); without arguments every entry of VARIANTS runs.
 """
@@ -493,9 +494,24 @@ def max_register(lines) -> int:
   return max((int(r) for t in text for r in _REG.findall(t)), default=-1)
 
 
+def loop_mix(sass: str, loops) -> str:
+  """Per wgmma loop: its instructions and, of those, the softmax's arithmetic (_ARITH; MUFU:
+  exp2, tanh), e.g. "606 (MUFU 130, FFMA 130, ...)": the instruction counts the docs compare
+  between kernel forms."""
+  rows = [(int(m.group(1), 16), ln.split("*/", 1)[-1]) for ln in sass.splitlines()
+          if (m := _ADDR.search(ln))]
+  out = []
+  for lo, hi in loops:
+    ops = [re.sub(r"^\s*@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+           for a, text in rows if lo <= a <= hi and text.strip()]
+    mix = ", ".join(f"{op} {ops.count(op)}" for op in _ARITH if ops.count(op))
+    out.append(f"{len(ops)} ({mix})")
+  return "; ".join(out)
+
+
 def sass_report(ptx: pathlib.Path) -> str:
   """Assembles ptx with ptxas, disassembles it to ptx.with_suffix('.sass') and counts the
-  spill loads / stores inside the loops that issue wgmmas."""
+  spill loads / stores inside the loops that issue wgmmas, and each loop's instructions."""
   ptxas, nvdisasm = _tool("ptxas"), _tool("nvdisasm")
   if not (ptxas and nvdisasm):
     return "no SASS (ptxas or nvdisasm not found; scripts/setup_deviceless.sh installs both)"
@@ -513,7 +529,8 @@ def sass_report(ptx: pathlib.Path) -> str:
           f"registers named in them: up to R{max_register(inside)}; "
           f"spill loads / stores in them: {sum('LDL' in ln for ln in inside)} / "
           f"{sum('STL' in ln for ln in inside)}; writes to loop-invariant wgmma register "
-          f"operands: {invariant_operand_writes(sass, loops)}")
+          f"operands: {invariant_operand_writes(sass, loops)}; instructions per loop: "
+          f"{loop_mix(sass, loops)}")
 
 
 def main() -> None:
