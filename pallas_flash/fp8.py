@@ -296,8 +296,7 @@ def check_call(query, key, value, descale, out_dtype) -> tuple[Fp8Scales, Any]:
     raise TypeError(f"`descale` must be a (q_scale, k_scale, v_scale) tuple or a "
                     f"pallas_flash.fp8.Fp8Scales, got {type(descale).__name__}.")
   block = descale.block
-  if block is not None and (not validation.is_int(block) or block < 1):
-    raise ValueError(f"`descale.block` must be a positive int or None, got {block!r}.")
+  validation.check_positive_int("descale.block", block, none="one scale per tensor")
   block = None if block is None else int(block)
   scales = [_check_scale(f"descale.{f}", getattr(descale, f), x, block, heads)
             for f, x, heads in (("q", query, "query head"), ("k", key, "kv head"),
