@@ -419,6 +419,11 @@ _WARNINGS = ("C7507", "C7512", "C7513")
 _BRANCH = re.compile(r"@!?U?P\d\s+BRA\s+`\((\.L_x_\d+)\)")
 
 
+def _instructions(sass: str) -> list[tuple[int, str]]:
+  """(address, line) of each SASS instruction line (those that carry a /*address*/)."""
+  return [(int(m.group(1), 16), ln) for ln in sass.splitlines() if (m := _ADDR.search(ln))]
+
+
 def wgmma_loops(sass: str) -> list[tuple[int, int]]:
   """(first, last) instruction addresses of the loops (backward branches) that issue a wgmma
   (HGMMA; QGMMA for FP8 operands): the kernel's main loops, as opposed to set-up code and
@@ -460,7 +465,7 @@ def invariant_operand_writes(sass: str, loops) -> int:
   plain loop with MosaicConfig.fwd_q_registers, see forward._q_operand). A reload from a
   spill slot is not counted. Expected 0. FP8 wgmmas (QGMMA) are not looked at: their B
   operand is never transposed, and the FP8 forward's only register operand is P."""
-  rows = [(int(m.group(1), 16), ln) for ln in sass.splitlines() if (m := _ADDR.search(ln))]
+  rows = _instructions(sass)
   bad = 0
   for lo, hi in loops:
     body = [ln for a, ln in rows if lo <= a <= hi]
@@ -498,12 +503,11 @@ def loop_mix(sass: str, loops) -> str:
   """Per wgmma loop: its instructions and, of those, the softmax's arithmetic (_ARITH; MUFU:
   exp2, tanh), e.g. "606 (MUFU 130, FFMA 130, ...)": the instruction counts the docs compare
   between kernel forms."""
-  rows = [(int(m.group(1), 16), ln.split("*/", 1)[-1]) for ln in sass.splitlines()
-          if (m := _ADDR.search(ln))]
-  out = []
+  instrs, out = _instructions(sass), []
   for lo, hi in loops:
+    texts = (ln.split("*/", 1)[-1] for a, ln in instrs if lo <= a <= hi)
     ops = [re.sub(r"^\s*@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
-           for a, text in rows if lo <= a <= hi and text.strip()]
+           for text in texts if text.strip()]
     mix = ", ".join(f"{op} {ops.count(op)}" for op in _ARITH if ops.count(op))
     out.append(f"{len(ops)} ({mix})")
   return "; ".join(out)
@@ -522,8 +526,7 @@ def sass_report(ptx: pathlib.Path) -> str:
                         text=True).stdout
   ptx.with_suffix(".sass").write_text(sass)
   loops = wgmma_loops(sass)
-  inside = [ln for ln in sass.splitlines() if (m := _ADDR.search(ln))
-            and any(lo <= int(m.group(1), 16) <= hi for lo, hi in loops)]
+  inside = [ln for a, ln in _instructions(sass) if any(lo <= a <= hi for lo, hi in loops)]
   return (f"{len(loops)} wgmma loops, {sum(bool(_GMMA.search(ln)) for ln in inside)} "
           "HGMMA/QGMMA in them; "
           f"registers named in them: up to R{max_register(inside)}; "
