@@ -216,7 +216,8 @@ def block_mask_fn(name: str, case: Case, seed: int = 0) -> pallas_flash.masks.Ma
   prefix = jax.random.randint(keys[2], (b,), 0, s + 1)
   w = max(t // 4, 1)
   fns = {
-      "causal_local": lambda: CausalMask() & LocalMask(w, 0),
+      # The window's right side (3) lies past the causal bound: causal & local(w, 0).
+      "causal_local": lambda: CausalMask() & LocalMask(w, 3),
       "causal_segment": lambda: CausalMask() & SegmentMask(seg_q, seg_kv),
       "prefix_lm": lambda: PrefixLMMask(prefix),
       "local_or_prefix": lambda: LocalMask(w, w // 2) | PrefixLMMask(prefix),

@@ -28,6 +28,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_flash import masks
+from pallas_flash.mosaic_gpu.sm90 import common
 from pallas_flash.mosaic_gpu.sm90.common import COL, ROW
 
 # The mask functions the kernels evaluate on a tile.
@@ -196,11 +197,15 @@ def _evaluate(fn, qi, kj, ctx: _TileCtx):
   if isinstance(fn, masks.OrMask):
     return _evaluate(fn.a, qi, kj, ctx) | _evaluate(fn.b, qi, kj, ctx)
   if isinstance(fn, masks.AndMask):
+    local = [m for m in (fn.a, fn.b) if isinstance(m, masks.LocalMask)]
+    if local and any(isinstance(m, masks.CausalMask) for m in (fn.a, fn.b)):
+      # causal & local(left, right) is the band (left, 0): one compare (common.band)
+      return common.band(qi, kj, local[0].left, 0)
     return _evaluate(fn.a, qi, kj, ctx) & _evaluate(fn.b, qi, kj, ctx)
   if isinstance(fn, masks.CausalMask):
     return kj <= qi
   if isinstance(fn, masks.LocalMask):
-    return (kj >= qi - fn.left) & (kj <= qi + fn.right)
+    return common.band(qi, kj, fn.left, fn.right)
   if isinstance(fn, masks.PrefixLMMask):
     return (kj < fn.prefix_len[ctx.b]) | (kj <= qi)
   if isinstance(fn, masks.SegmentMask):

@@ -427,6 +427,18 @@ def interpret_params(interpret: bool):
   return plgpu.InterpretGPUParams()
 
 
+# Longer than any sequence: a band side past it changes nothing, and two of them fit uint32.
+_BAND_SIDE_MAX = 2**30
+
+
+def band(qi, kj, left: int, right: int):
+  """qi - left <= kj <= qi + right (int32 positions [rows, cols]; left, right >= 0
+  static) as one unsigned compare, uint32(qi - kj + right) <= left + right: one ISETP where
+  the two sides (and a causal bound) took one each, and each its own FSEL."""
+  left, right = min(left, _BAND_SIDE_MAX), min(right, _BAND_SIDE_MAX)
+  return lax.bitcast_convert_type(qi - kj + right, jnp.uint32) <= jnp.uint32(left + right)
+
+
 def visible(row0, col0, shape, kp: KernelParams, *, transposed: bool = False):
   """[rows, cols] bool: which keys each query sees (causal, local window and padded-key tail).
 
@@ -436,12 +448,11 @@ def visible(row0, col0, shape, kp: KernelParams, *, transposed: bool = False):
   c = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + col0
   qi, kj = (c, r) if transposed else (r, c)
   mask = None
-  if kp.causal:
-    mask = qi >= kj
-  if kp.window is not None:
+  if kp.window is not None:  # causal: the band's right side is 0
     left, right = kp.window
-    inside = (kj >= qi - left) & (kj <= qi + right)
-    mask = inside if mask is None else mask & inside
+    mask = band(qi, kj, left, 0 if kp.causal else right)
+  elif kp.causal:
+    mask = qi >= kj
   # Causal with T <= S, the padded keys (kj >= S >= T) lie above the diagonal for every real
   # query; the padded queries' results are dropped, so the causal mask covers the tail (and
   # the extra select per score made the dQ kernel spill 55 words per step at 1x5000x16x128).

@@ -119,9 +119,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     seg_ids = None
     if seg is not None:
       steps = jnp.clip(steps - kv0, 1, cta_steps)
-      # A window alone compares its zero ids too, as the measured kernel does (the backward's
-      # windowed kernels skip them, KernelParams.segment_ids).
-      seg_ids = common.row_and_col_ids(seg, b, q0, bq, bkv)
+      # A window alone compares no ids (its zero ids are one document), as in the backward's
+      # windowed kernels (KernelParams.segment_ids).
+      if kp.segment_ids:
+        seg_ids = common.row_and_col_ids(seg, b, q0, bq, bkv)
     if tail is not None or sparse is not None:
       steps = cta_steps
     slope = None if slopes is None else slopes[h]  # one scalar load per CTA
