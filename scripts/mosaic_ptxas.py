@@ -220,7 +220,7 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
       ("mask", kw.pop("mask", False), ((b, 1, t, t), jnp.bool_))) if on}
   config = TUNED.get((config_head_dim(d, d), causal), MosaicConfig())
   if dense:  # the tiles a dense call's default config takes (overrides still win)
-    config = dense_config(config, config_head_dim(d, d), causal)
+    config = dense_config(config, config_head_dim(d, d), causal, both=len(dense) == 2)
   if dropout:  # the tiles call_config takes for dropout
     config = dropout_tiles(config)
   config = dataclasses.replace(config, **kw)

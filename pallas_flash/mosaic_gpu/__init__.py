@@ -147,20 +147,9 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
   return None
 
 
-# Features the kernels run (SUPPORTED_FEATURES) that `implementation=None` leaves to triton:
-# timed against it on the H200 (4x4096x32x128, non-causal, fwd / fwd+bwd, 2026-12-05 at
-# f382829), a dense bias ran at 0.98 / 1.02x triton's and a boolean mask at 1.17 / 0.77x: no
-# gain for a bias, a loss for a mask in training. implementation="mosaic" runs them.
-BY_NAME_FEATURES = frozenset({"bias", "mask"})
-
-
 def by_name_reason(call: CallInfo) -> str | None:
   """Why `implementation=None` does not run `call` here though it can (its head dims are not
-  in MEASURED_HEAD_DIMS, or it uses BY_NAME_FEATURES), or None."""
-  if features := sorted(call.params.features & BY_NAME_FEATURES):
-    return (f"mosaic runs {', '.join(features)} only when asked for (implementation="
-            "'mosaic'): no faster than triton on the H200 (bias 0.98 / 1.02x, mask 1.17 / "
-            "0.77x, fwd / fwd+bwd)")
+  in MEASURED_HEAD_DIMS), or None."""
   d, dv = call.head_dim, call.value_head_dim
   if (d, dv) in MEASURED_HEAD_DIMS:
     return None
@@ -255,7 +244,7 @@ def fp8_unsupported_reason(call: CallInfo, *, scale_layouts, out_dtype, config=N
   return None
 
 
-__all__ = ["BACKWARD_COMPUTES_DELTA", "BY_NAME_FEATURES", "CONFIG_TYPE", "FUSES_SINKS",
+__all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "FUSES_SINKS",
            "KERNELS", "KERNEL_HEAD_DIMS", "MEASURED_HEAD_DIMS", "NARROW_HEAD_DIMS",
            "MosaicConfig", "MosaicDebug", "SUPPORTED_FEATURES", "TUNED", "backward",
            "by_name_reason", "default_config", "forward", "fp8_forward",

@@ -198,14 +198,19 @@ def tuned(head_dim: int, is_causal: bool, kv_len: int) -> MosaicConfig:
   return config
 
 
-def dense_config(config: MosaicConfig, head_dim: int, is_causal: bool) -> MosaicConfig:
-  """`config` for a call with a dense bias or mask (sm90/dense.py): the forward's grid kernel
-  (no persistent form, no split tail: those do not load the dense tiles), and the backward
-  tiles at which the dense tiles fit in registers beside the kernels' own (deviceless ptxas at
-  1x4096x16xD, bf16 bias and bool mask: no spills in the forward at any tuned tile; dK/dV
-  steps of 128 queries spilled 208 B at head dim 64 (0 at 64), causal dQ steps of 128 keys
-  116 B at head dim 128 (0 at 64; 0 at 128 keys at head dim 64))."""
+def dense_config(config: MosaicConfig, head_dim: int, is_causal: bool,
+                 both: bool = False) -> MosaicConfig:
+  """`config` for a call with a dense bias or mask (sm90/dense.py; `both`: a bias and a mask):
+  the forward's grid kernel (no persistent form, no split tail: those do not load the dense
+  tiles), and the tiles at which the dense tiles, loaded under the score matmuls
+  (`dense.issue`), fit in registers beside the kernels' own. Deviceless ptxas at
+  4x4096x32x128: no spills in the forward's loops at 128-key tiles with Q read from shared
+  memory and, with both inputs, the plain loop (192-key tiles or Q in registers spilled 54-174
+  spill loads per step, the overlapped loop with both 82); at 1x4096x16xD dK/dV steps of 128
+  queries spilled 208 B at head dim 64, causal dQ steps of 128 keys 116 B at head dim 128."""
   config = dataclasses.replace(config, fwd_persistent=False, fwd_split_tail=False,
+                               block_kv=min(config.block_kv, 128), fwd_q_registers=False,
+                               fwd_intra_wg_overlap=config.fwd_intra_wg_overlap and not both,
                                block_q_dkv=min(config.block_q_dkv, 64))
   if is_causal and head_dim >= 128:
     config = dataclasses.replace(config, block_kv_dq=min(config.block_kv_dq, 64))
@@ -240,7 +245,8 @@ def call_config(head_dim: int, params: AttentionParams, kv_len: int, batch: int)
     return tuned(head_dim, True, kv_len)
   config = tuned(head_dim, params.is_causal, kv_len)
   if params.has_bias or params.has_mask:
-    config = dense_config(config, head_dim, params.is_causal)
+    config = dense_config(config, head_dim, params.is_causal,
+                          both=params.has_bias and params.has_mask)
   if params.dropout_rate:
     config = dropout_tiles(config)
   if (head_dim != 128 or params.deterministic or params.has_segments

@@ -99,6 +99,18 @@ def load(dense: DenseRefs | None, b, h, row0, col0, shape, *, transposed: bool =
   return lambda: (tile(dense.bias, bias_dtype), tile(dense.mask, jnp.int16))
 
 
+def issue(tiles):
+  """`load`'s tiles() issued now and its (bias, mask) returned, None without tiles. A kernel
+  calls it right after issuing the score matmul, so the GMEM loads run under the matmul
+  rather than after its wait, where `add` needs them (the loads bound the dense kernels)."""
+  return None if tiles is None else tiles()
+
+
+def issued(tiles, loaded):
+  """`add`'s tiles: the tiles `issue` loaded (as a thunk), else `tiles` itself."""
+  return tiles if loaded is None else (lambda: loaded)
+
+
 def add(s, tiles, scale: float, cap=None):
   """Raw scores s [rows, cols] float32 plus the bias tile in raw-score units (bias / scale:
   the kernels multiply scores by scale·log2(e) inside exp2), -inf where the mask tile hides a

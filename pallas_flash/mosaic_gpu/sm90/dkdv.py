@@ -96,9 +96,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
       dk, dv = carry
       slot = lax.rem(t, stages)
       bias = alibi_at(t)  # the slope's load runs ahead of the waits
-      if dense is not None:  # the dense tiles, loaded where Pᵀ adds them (dense.load)
-        bias = _with_dense(bias, sm90_dense.load(dense, b, index(t)[1], k0, index(t)[0] * bq,
-                                                 (bkv, bq), transposed=True), kp)
+      tiles = None
+      if dense is not None:  # the dense tiles (dense.load), added to Sᵀ with the bias
+        tiles = (sm90_dense.load(dense, b, index(t)[1], k0, index(t)[0] * bq, (bkv, bq),
+                                 transposed=True),
+                 functools.partial(_with_dense, kp=kp))
       drop = drop_at(t)  # as do the queries' dropout keys
       q_smem, do_smem = kv_stream.wait_streams(streams, slot)
       if kp.dkdv_overlap and not (kp.interpret or masked or kp.alibi or kp.dropout
@@ -118,7 +120,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
       p_t, ds_t = kv_stream.transposed_grad_tiles(
           k_smem, v_smem, q_smem, do_smem, streams, slot, k0,
           (lambda: index(t)[0]) if masked else None, kp, ids=ids and ids(t), bias=bias,
-          drop=drop, visible=visible,
+          drop=drop, visible=visible, dense=tiles,
           early_probs=common.early_probs(kp, dense=dense, sparse=sparse))
       return _dk_dv_updates(dk, dv, p_t, ds_t, q_smem, do_smem, st_smem,
                             (do_free.at[slot], q_free.at[slot]), kp)

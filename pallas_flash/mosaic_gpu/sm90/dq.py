@@ -161,12 +161,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
         if v_stages != stages:  # a shallower V ring: its load gets until Sᵀ is issued
           plgpu.barrier_wait(v_ready.at[vslot])
         plgpu.wgmma(dp_ref, do_smem, v_scratch.at[vslot].T)
+        # Under both matmuls (early_probs excludes dense tiles); a bias and a mask loaded here
+        # spilled (deviceless: 33 / 31 spill loads / stores in the loop at 4x4096x32x128).
+        loaded = None if all(kp.dense) else sm90_dense.issue(tiles)
         if not early:
-          return s_ref[...], dp_ref[...]
-        return probs(plgpu.wgmma_accumulator_load(s_ref, wait_n=1)), dp_ref[...]
+          return s_ref[...], dp_ref[...], loaded
+        return probs(plgpu.wgmma_accumulator_load(s_ref, wait_n=1)), dp_ref[...], loaded
 
-      s_or_p, dp = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32),
-                                 plgpu.ACC((bq, bkv), jnp.float32))
+      s_or_p, dp, loaded = pl.run_scoped(scores, plgpu.ACC((bq, bkv), jnp.float32),
+                                         plgpu.ACC((bq, bkv), jnp.float32))
+      tiles = sm90_dense.issued(tiles, loaded)
       plgpu.barrier_arrive(v_free.at[vslot])
       p, slope = s_or_p if early else probs(s_or_p)
       if drop_cols is not None:  # the forward's mask: dropped entries took no part in O

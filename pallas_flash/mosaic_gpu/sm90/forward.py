@@ -428,12 +428,14 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
     def qk(s_ref):
       with jax.named_scope("issue"):
         plgpu.wgmma(s_ref, q_smem, k_scratch.at[slot].T)
+      loaded = sm90_dense.issue(dense_tiles)  # under the matmul
       with jax.named_scope("handoff"):
         sched_sync()  # hand the tensor cores to the other WG while S is computed
       with jax.named_scope("wait_s"):
-        return s_ref[...]
+        return s_ref[...], loaded
 
-    s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+    s, loaded = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+    dense_tiles = sm90_dense.issued(dense_tiles, loaded)
     plgpu.barrier_arrive(bars.k_free.at[slot])
     with jax.named_scope("softmax"):
       if not kp.bias_in_cap:  # before the mask: a hidden score must stay -inf
@@ -608,6 +610,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
       with jax.named_scope("issue"):
         plgpu.wgmma(s_ref, q_op, k_scratch.at[nxt].T)  # S_{j+1}
         issue_pv()  # P_j·V_j, queued behind it
+      tiles = sm90_dense.issued(tiles, sm90_dense.issue(tiles))  # under both
       with jax.named_scope("handoff"):
         sched_sync()  # hand the tensor cores to the other WG
       with jax.named_scope("wait_s"):

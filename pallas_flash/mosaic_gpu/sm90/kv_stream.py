@@ -16,6 +16,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_flash.mosaic_gpu.sm90 import common
+from pallas_flash.mosaic_gpu.sm90 import dense as sm90_dense
 
 # Steps per warpgroup that a profiled kernel (MosaicDebug.profile_dir) records: its event
 # buffer lives in shared memory, which the fused kernel nearly fills.
@@ -58,7 +59,8 @@ def skip_step(t, carry, *, streams, stages: int):
   return carry
 
 def transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, mask_block, kp,
-                          ids=None, early_probs=False, bias=None, drop=None, visible=None):
+                          ids=None, early_probs=False, bias=None, drop=None, visible=None,
+                          dense=None):
   """Pᵀ and dSᵀ [block_kv, block_q] float32 of one step; releases its lse and delta slots.
 
   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (SMEM operands), Pᵀ = exp2(Sᵀ·c − lse2), dSᵀ = Pᵀ∘(dPᵀ − delta).
@@ -72,6 +74,8 @@ def transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, ma
   takes the kept, scaled dPᵀ (`grad_scores_t`).
   visible: a block mask's element mask of the step (a function giving the [block_kv, block_q]
   bool tile) used instead of common.tile_mask where mask_block is given.
+  dense: None, or (the step's dense tiles, with_dense: (bias, tiles) -> the bias with them)
+  for the dK/dV kernel's dense bias / mask (the tiles' loads issued under the matmuls).
   """
   bq, bkv = kp.block_q, kp.block_kv
 
@@ -79,7 +83,8 @@ def transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, ma
     plgpu.wgmma(s_ref, k_smem, q_smem.T)
     plgpu.wgmma(dp_ref, v_smem, do_smem.T)
     if not early_probs:
-      return s_ref[...], dp_ref[...]
+      loaded = None if dense is None else sm90_dense.issue(dense[0])
+      return s_ref[...], dp_ref[...], loaded
     # Sᵀ alone is waited for; Pᵀ's exp2s run while dPᵀ is on the tensor cores. delta is
     # loaded only after dPᵀ's wait, so that its registers are not live through the exp2s.
     p_t, slope = probs_t(plgpu.wgmma_accumulator_load(s_ref, wait_n=1),
@@ -88,11 +93,15 @@ def transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, ma
     return (dropped(p_t, keep),
             grad_scores_t(p_t, slope, dp_ref[...], step_stat(streams, slot, 3), keep, kp))
 
+  assert not (early_probs and dense), "common.early_probs excludes dense tiles"
   with jax.named_scope("scores"):
-    s_t, dp_t = pl.run_scoped(scores, plgpu.ACC((bkv, bq), jnp.float32),
-                              plgpu.ACC((bkv, bq), jnp.float32))
+    out = pl.run_scoped(scores, plgpu.ACC((bkv, bq), jnp.float32),
+                        plgpu.ACC((bkv, bq), jnp.float32))
   if early_probs:
-    return s_t, dp_t  # already Pᵀ and dSᵀ
+    return out  # already Pᵀ and dSᵀ
+  s_t, dp_t, loaded = out
+  if dense is not None:
+    bias = dense[1](bias, sm90_dense.issued(dense[0], loaded))
   with jax.named_scope("softmax"):
     lse, delta = step_stats(streams, slot)
     p_t, slope = probs_t(s_t, lse, k0, mask_block, kp, ids, bias, visible)
