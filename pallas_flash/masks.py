@@ -302,8 +302,9 @@ class BlockMask:
     return n[None, None, :] < self.q_num_partial[..., None]
 
   def fraction_computed(self) -> float:
-    """Fraction of (query block, key block) pairs the kernels compute (needs concrete tables)."""
-    return float(jnp.mean(self.block_state != SKIPPED))
+    """Fraction of (query block, key block) pairs the kernels compute (needs concrete tables;
+    read on the host, so that explain() works under any mesh, an abstract one included)."""
+    return float(np.mean(np.asarray(self.block_state) != SKIPPED))
 
   def dense(self) -> jax.Array:
     """bool [B, T, S], the element mask (materialised: for tests and the reference)."""

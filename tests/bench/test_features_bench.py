@@ -115,6 +115,19 @@ def test_feature_selection():
     features.select("nope")
 
 
+@pytest.mark.parametrize("feature", features.FEATURES, ids=lambda f: f"{f.name}-{f.causal}")
+def test_every_row_runs_mosaic_on_an_h200(feature):
+  """Issue 43's mark: on an (abstract) H200 implementation=None picks mosaic for every call of
+  the grid, and names no reason a named call would refuse (the grid's head dims at a short
+  length: the --quick shape's head dim 32 is not one of Mosaic's measured ones)."""
+  opts = argparse.Namespace(seed=0, check_seq_cap=4096)
+  spec = feature.spec(shapes.parse_shape("1x512x4x128x2"), 2)
+  case = features._case(feature, spec, shapes.make_inputs(spec, jnp.bfloat16), "fwd", opts)
+  with use_abstract_mesh(H200):
+    how = features._explain(case)
+  assert how.chosen == "mosaic" and how.reasons_when_named.get("mosaic") is None, str(how)
+
+
 @pytest.mark.parametrize("forced", [None, "xla"])
 def test_value_head_dim_row_runs_v_at_its_own_width_on_mosaic(forced):
   """hd192v128 on an (abstract) H200: implementation=None's pick, mosaic, whose default config
