@@ -127,12 +127,10 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
       drop = drop_at(t)  # as do the queries' dropout keys
       q_smem, do_smem = kv_stream.wait_streams(streams, slot)
       s_t = common.smem_matmul(k_smem, q_smem.T, (bkv, bq))
-      folded = common.cap_folds(kp, alibi=bias is not None, dense=False)
-      s_t, slope = kv_stream.capped_scores_t(s_t, bias, kp, folded=folded)
+      s_t, slope, c = kv_stream.capped_scores_t(s_t, bias, kp)
       lse = plgpu.load(lse_scratch.at[slot], layout=common.COL)
       release(slot, streams[2:])  # lse read; delta is the other role's
-      p_t = jnp.exp2(s_t * common.exp2_factor(kp, folded)
-                     - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+      p_t = jnp.exp2(s_t * c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
       if masked:
         visible = common.tile_mask(k0, index(t)[0] * bq, (bkv, bq), kp, transposed=True,
                                     ids=ids and ids(t))

@@ -129,16 +129,19 @@ def step_stat(streams, slot, which: int):
   plgpu.barrier_arrive(free.at[slot])
   return x
 
-def capped_scores_t(s_t, bias, kp: common.KernelParams, *, folded: bool = False):
-  """(the scores a raw Sᵀ tile gives after the soft cap and the step's bias, the cap's slope):
-  soft_cap(Sᵀ) + bias, or with kp.bias_in_cap ("bias_then_cap") soft_cap(Sᵀ + bias), a dense
-  mask after the cap (bias's `cap`). bias: alibi_steps' or the dK/dV kernel's, or None.
-  folded: the cap's factor left to exp2 (common.cap_folds; always so with kp.bias_in_cap)."""
+def capped_scores_t(s_t, bias, kp: common.KernelParams):
+  """(the scores a raw Sᵀ tile gives after the soft cap and the step's bias, the cap's slope,
+  exp2's factor on those scores): soft_cap(Sᵀ) + bias, or with kp.bias_in_cap
+  ("bias_then_cap") soft_cap(Sᵀ + bias), a dense mask after the cap (bias's `cap`). bias:
+  alibi_steps' or the dK/dV kernel's, or None. Where nothing follows the cap the cap's factor
+  is left to exp2's (common.cap_folds; always so with kp.bias_in_cap)."""
+  folded = common.cap_folds(kp, alibi=bias is not None, dense=False)
+  c = common.exp2_factor(kp, folded)
   if not kp.bias_in_cap:
     s_t, slope = common.soft_cap_with_slope(s_t, kp, folded=folded)
-    return (s_t if bias is None else bias(s_t)), slope
+    return (s_t if bias is None else bias(s_t)), slope, c
   cap = common.cap_after_bias(kp)
-  return cap(s_t) if bias is None else bias(s_t, cap=cap)
+  return (*(cap(s_t) if bias is None else bias(s_t, cap=cap)), c)
 
 
 def probs_t(s_t, lse, k0, mask_block, kp: common.KernelParams, ids=None, bias=None,
@@ -149,9 +152,7 @@ def probs_t(s_t, lse, k0, mask_block, kp: common.KernelParams, ids=None, bias=No
   `alibi_steps`, or None), and the soft cap's slope (common.soft_cap_with_slope; None without
   a cap) for `grad_scores_t` (ALiBi adds a constant: no slope). visible: see
   transposed_grad_tiles."""
-  folded = common.cap_folds(kp, alibi=bias is not None, dense=False)
-  s_t, slope = capped_scores_t(s_t, bias, kp, folded=folded)
-  c = common.exp2_factor(kp, folded)
+  s_t, slope, c = capped_scores_t(s_t, bias, kp)
   p_t = jnp.exp2(s_t * c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
   if mask_block is not None:
     if visible is not None:
