@@ -169,6 +169,10 @@ def test_validation_errors():
     BlockMask.build(SegmentMask(SEG_Q, SEG_Q), q_len=T, kv_len=S)
   with pytest.raises(TypeError, match="integers"):
     PrefixLMMask(jnp.array([1.5])).dense(4, 4)
+  for bad in (dict(block_q=0), dict(kv_len=True), dict(q_len=8.0)):
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=f"`{name}` must be a positive Python int"):
+      BlockMask.build(CausalMask(), **{**dict(q_len=T, kv_len=S), **bad})
 
 
 def test_explain_reports_fraction():

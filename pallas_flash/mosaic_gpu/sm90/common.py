@@ -173,26 +173,22 @@ def soft_cap(s, kp: KernelParams, *, folded: bool = False):
   (times kp.c, masked to -inf where hidden) is the uncapped one's. The identity without a cap.
 
   tanh is one MUFU op (tanh.approx.f32 under the kernels' approx_math, relative error about
-  2**-11), like the Triton kernels' soft cap. folded (cap_folds): tanh alone, whose exp2 factor
-  is exp2_factor's."""
+  2**-11), like the Triton kernels' soft cap. folded (cap_fold): tanh alone, the cap's factor
+  left to exp2's."""
   if kp.softcap is None:
     return s
   t = jnp.tanh(s * (kp.scale / kp.softcap))
   return t if folded else t * (kp.softcap / kp.scale)
 
 
-def cap_folds(kp: KernelParams, *, alibi: bool, dense: bool) -> bool:
-  """Whether a forward leaves the cap's factor c/scale out of the capped scores and into exp2's
-  (exp2_factor): where nothing is added after the cap (no ALiBi, no dense bias, or
-  "bias_then_cap", which puts both inside it) the scores only meet the max, exp2 and masks of
-  -inf, so tanh times c·log2(e) is the same softmax, one multiply per score fewer."""
-  return kp.softcap is not None and (kp.bias_in_cap or not (alibi or dense))
-
-
-def exp2_factor(kp: KernelParams, folded: bool) -> float:
-  """exp2's factor on the scores: kp.c (scale·log2(e) on raw scores), times the cap's c/scale
-  on soft_cap(s, kp, folded=True)'s."""
-  return kp.c * (kp.softcap / kp.scale) if folded else kp.c
+def cap_fold(kp: KernelParams, *, alibi: bool, dense: bool) -> tuple[bool, float]:
+  """(folded, c): whether the scores leave the cap's factor cap/scale out of soft_cap and into
+  exp2's factor c, and that factor (kp.c, scale·log2(e) on raw scores, times cap/scale when
+  folded). They fold where nothing is added after the cap (no ALiBi, no dense bias, or
+  "bias_then_cap", which puts both inside it): the scores then only meet the max, exp2 and
+  masks of -inf, so tanh times c is the same softmax, one multiply per score fewer."""
+  folded = kp.softcap is not None and (kp.bias_in_cap or not (alibi or dense))
+  return folded, kp.c * (kp.softcap / kp.scale) if folded else kp.c
 
 
 def soft_cap_with_slope(s, kp: KernelParams, *, folded: bool = False):
@@ -205,7 +201,7 @@ def soft_cap_with_slope(s, kp: KernelParams, *, folded: bool = False):
 
 
 def cap_after_bias(kp: KernelParams):
-  """soft_cap_with_slope bound to kp, folded (cap_folds holds: nothing follows the cap):
+  """soft_cap_with_slope bound to kp, folded (cap_fold's case: nothing follows the cap):
   dense.add's `cap` (and the dK/dV biases') under logits_soft_cap_order="bias_then_cap", where
   ALiBi and the bias go inside the cap."""
   return functools.partial(soft_cap_with_slope, kp=kp, folded=True)

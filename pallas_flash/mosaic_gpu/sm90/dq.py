@@ -111,8 +111,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
       plgpu.commit_smem_to_gmem_group()
     steps = kp.kv_steps(q0 + bq)
     alibi_slope = None if slopes is None else slopes[h]  # one scalar load per CTA
-    folded = common.cap_folds(kp, alibi=slopes is not None, dense=dense is not None)
-    c = common.exp2_factor(kp, folded)
+    folded, c = common.cap_fold(kp, alibi=slopes is not None, dense=dense is not None)
     drop_rows = None if keys is None else common.dropout_row_keys(keys, b, h, q0, bq)
     ids = None
     if sparse is not None:
