@@ -196,7 +196,8 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
 
   import pallas_flash
   from pallas_flash.mosaic_gpu import TUNED, MosaicConfig
-  from pallas_flash.mosaic_gpu.config import config_head_dim, dense_config, dropout_tiles
+  from pallas_flash.call import AttentionParams
+  from pallas_flash.mosaic_gpu.config import config_head_dim, feature_tiles
 
   mode, causal, kw = variant(name)
   if mode == "decode":
@@ -218,11 +219,12 @@ def child(name: str, shape: tuple[int, ...], deviceless: bool, reps: int) -> Non
   dense = {name: shp for name, on, shp in (
       ("bias", kw.pop("bias", False), ((1, h, t, t), jnp.bfloat16)),
       ("mask", kw.pop("mask", False), ((b, 1, t, t), jnp.bool_))) if on}
-  config = TUNED.get((config_head_dim(d, d), causal), MosaicConfig())
-  if dense:  # the tiles a dense call's default config takes (overrides still win)
-    config = dense_config(config, config_head_dim(d, d), causal, both=len(dense) == 2)
-  if dropout:  # the tiles call_config takes for dropout
-    config = dropout_tiles(config)
+  # TUNED's config with the tiles a call with these features takes (overrides still win).
+  params = AttentionParams(scale=d ** -0.5, is_causal=causal, has_segments=segments,
+                           dropout_rate=float(dropout), has_bias="bias" in dense,
+                           has_mask="mask" in dense)
+  config = feature_tiles(TUNED.get((config_head_dim(d, d), causal), MosaicConfig()),
+                         config_head_dim(d, d), params)
   config = dataclasses.replace(config, **kw)
   ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // 1000, (b, t))
   features = dict(query_segment_ids=ids, key_value_segment_ids=ids) if segments else {}

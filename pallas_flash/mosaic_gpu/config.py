@@ -233,8 +233,19 @@ def dropout_tiles(config: MosaicConfig) -> MosaicConfig:
   return dataclasses.replace(config, **changes) if changes else config
 
 
+def feature_tiles(config: MosaicConfig, head_dim: int, params: AttentionParams) -> MosaicConfig:
+  """`config` with the tiles the call's features need: `dense_config` for a dense bias or
+  mask, `dropout_tiles` for dropout, else unchanged."""
+  if params.has_bias or params.has_mask:
+    config = dense_config(config, head_dim, params.is_causal,
+                          both=params.has_bias and params.has_mask)
+  if params.dropout_rate:
+    config = dropout_tiles(config)
+  return config
+
+
 def call_config(head_dim: int, params: AttentionParams, kv_len: int, batch: int) -> MosaicConfig:
-  """`tuned` (with `dense_config` for a dense bias or mask, `dropout_tiles` for dropout), with
+  """`tuned` with `feature_tiles` (a dense bias or mask, dropout), and
   the fused backward where FUSED's rules say; never where a call asks for bitwise-reproducible
   gradients, or carries segment ids, lengths, a window (which the fused kernel does not
   stream), a soft cap (not measured with it), ALiBi, dropout, a dense bias or mask (the fused
@@ -243,12 +254,7 @@ def call_config(head_dim: int, params: AttentionParams, kv_len: int, batch: int)
   the split backward (the fused kernel takes none)."""
   if params.block_mask_blocks is not None:
     return tuned(head_dim, True, kv_len)
-  config = tuned(head_dim, params.is_causal, kv_len)
-  if params.has_bias or params.has_mask:
-    config = dense_config(config, head_dim, params.is_causal,
-                          both=params.has_bias and params.has_mask)
-  if params.dropout_rate:
-    config = dropout_tiles(config)
+  config = feature_tiles(tuned(head_dim, params.is_causal, kv_len), head_dim, params)
   if (head_dim != 128 or params.deterministic or params.has_segments
       or params.local_window is not None or params.logits_soft_cap is not None
       or params.has_alibi or params.dropout_rate or params.has_bias or params.has_mask):
