@@ -261,10 +261,11 @@ class BlockMask:
     if not isinstance(mask_fn, MaskFn):
       raise TypeError(f"`mask_fn` must be a pallas_flash mask function (CausalMask(), ...), got "
                       f"{type(mask_fn).__name__}.")
-    from pallas_flash.validation import check_positive_int  # validation imports this module
     for name, value in (("q_len", q_len), ("kv_len", kv_len), ("block_q", block_q),
                         ("block_kv", block_kv)):
-      check_positive_int(name, value)
+      # validation.check_positive_int's rule, written out: validation imports this module.
+      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"`{name}` must be a positive Python int, got {value!r}.")
     fn = _batched(mask_fn, q_len, kv_len, batch)
     nq, nk = -(-q_len // block_q), -(-kv_len // block_kv)
     padded = pad_leaves(fn, nq * block_q, nk * block_kv)
