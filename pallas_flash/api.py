@@ -74,8 +74,9 @@ def flash_attention(
   Args:
     query: [B, T, H, D] (or [T, H, D] together with key and value).
     key, value: [B, S, K, D] and [B, S, K, Dv], H % K == 0 (MHA, GQA, MQA). Dv may differ from
-      D (MLA trains 192 / 128; not in jax.nn): the output is then [B, T, H, Dv]. "mosaic" and
-      context parallelism take Dv == D only.
+      D (MLA trains 192 / 128; not in jax.nn): the output is then [B, T, H, Dv]. "mosaic" runs
+      V at its own width where its kernels take the pair (192 / 128), else zero-padded;
+      context parallelism takes Dv == D only.
     bias: additive logits bias broadcastable to [B, H, T, S] (each axis 1 or full, rank <= 4, as
       in jax.nn), differentiable (its gradient is summed over broadcast axes). Dense: it costs
       T*S memory and reads; prefer the structured arguments below where they apply.
@@ -99,8 +100,7 @@ def flash_attention(
       c * tanh(s / c) + bias, so a large bias still masks or boosts beyond the cap.
       "bias_then_cap" (tokamax's, and the cap applied to the whole logits): c * tanh((s + bias)
       / c), bounded by c. Gemma 2 and Grok cap logits with no additive bias, where both agree;
-      pick the order of the model whose weights you load. Mosaic runs "cap_then_bias" only
-      ("bias_then_cap" with a bias or ALiBi falls back, `explain` says so).
+      pick the order of the model whose weights you load. Every implementation runs both.
     alibi_slopes: float [H]: adds -slope[h] * |i - j| to the logits (ALiBi), computed in the
       kernels so no [T, S] bias exists. Slopes get no gradient.
     dropout_rate, dropout_rng: dropout on the attention probabilities with a JAX PRNG key. The
@@ -110,7 +110,8 @@ def flash_attention(
       SegmentMask, PrefixLMMask and their & / | combinations): kernels visit only its active
       blocks and apply the element mask on partial ones only. Replaces is_causal,
       local_window_size, segment ids, lengths and `mask` (combining them raises); its block
-      sizes are the kernels' (see docs/features.md). Not supported by "mosaic".
+      sizes are the kernels' (see docs/features.md). "mosaic" takes it at head dims up to 128,
+      without a dense bias or dropout (`explain` says why otherwise).
     sinks: float [H]: a learnable logit per query head that joins every row's softmax
       denominator with a zero value (attention sinks, gpt-oss), differentiable. Not in
       jax.nn. "mosaic" adds them in its forward kernels' epilogue (their gradient is a
@@ -129,7 +130,8 @@ def flash_attention(
     deterministic: True guarantees bitwise-identical gradients run to run. Every default path
       gives them but one: the Mosaic backward of long head-dim-128 calls (causal: at least 8K
       keys and at most 8 batch entries; non-causal: at least 2K keys, a multiple of 128, at
-      most 16 entries; no segment ids, window or soft cap) is the single fused kernel, which
+      most 16 entries; no segment ids, lengths, window, soft cap, ALiBi, dropout or dense
+      bias / mask) is the single fused kernel, which
       sums dQ with float32 atomics in a varying order, as cuDNN's backward does; True runs the
       split backward there instead, and rejects a config with `fused_backward=True`.
     return_residuals: also return the float32 log-sum-exp [B, H, T] (natural log, -inf for a
