@@ -12,11 +12,13 @@ alone into a column key; both keys are made odd. Row and column keys are hoisted
 of the two keys and a signed compare of the product's top bits with the rate's threshold. An
 odd row key makes the product a bijection of the column key (no row can lose randomness), and
 the top bits of a product depend on every bit of both factors. The kernels' per-element budget
-is that small on purpose: with xor-shift-multiply per element (5 integer ops) the H200 forward
-ran at 0.74x of plain attention, with this multiply-compare at 0.84x (docs/perf.md; the likely
-reason, not profiled: Hopper issues integer logic and shifts at half the FP32 rate, while the
-multiply goes to the FMA pipe). Kept fraction, per-row / column / head fractions, neighbour and
-2x2 rectangle correlations are checked in tests/test_features.py. Everything is written with
+is that small on purpose: with xor-shift-multiply per element (5 integer ops) the Triton forward
+on the H200 ran at 0.74x of plain Triton attention, with this multiply-compare at 0.84x
+(docs/perf.md, "Triton"; the likely reason, not profiled: Hopper issues integer logic and
+shifts at half the FP32 rate, while the multiply goes to the FMA pipe). The Mosaic kernels'
+0.67x: the narrower tiles and serial dK/dV steps their key vectors force (docs/mosaic.md).
+Kept fraction, per-row / column / head fractions, neighbour and 2x2 rectangle correlations
+are checked in tests/test_features.py. Everything is written with
 wrapping int32 arithmetic and logical shifts so that it lowers to Triton and runs in the Pallas
 interpreter unchanged.
 """
