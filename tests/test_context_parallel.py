@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import use_abstract_mesh
 
 import pallas_flash
 from pallas_flash import _tiling
@@ -18,6 +19,7 @@ from pallas_flash.call import AttentionParams
 from pallas_flash.context_parallel import layout as layouts
 from pallas_flash.context_parallel import plan as plans
 from pallas_flash.context_parallel import sharding
+from testing import H200
 
 
 # ring-8 (an 8-device ring with soft cap, masked rows and a window's skipped steps) repeats
@@ -154,6 +156,19 @@ def test_a_value_head_dim_of_its_own_is_refused():
   v = jax.ShapeDtypeStruct((*s.shape[:3], 2 * s.shape[3]), s.dtype)
   with pytest.raises(NotImplementedError, match="one head dim for query, key and value"):
     pallas_flash.context_parallel_explain(s, s, v, axis_size=4)
+
+
+@pytest.mark.parametrize("head_dim, want", [(128, "mosaic"), (112, "triton")])
+def test_automatic_choice_is_flash_attentions_on_an_h200(head_dim, want):
+  """Without a name the ring's kernels are the ones flash_attention would pick: mosaic runs
+  an unmeasured head dim (112, zero-padded) only when named, so the choice is triton there."""
+  s = jax.ShapeDtypeStruct((1, 1024, 4, head_dim), jnp.bfloat16)
+  with use_abstract_mesh(H200):
+    ex = pallas_flash.context_parallel_explain(s, s, s, axis_size=4, is_causal=True)
+    assert ex.implementation == pallas_flash.explain(s, s, s, is_causal=True).chosen == want
+    named = pallas_flash.context_parallel_explain(s, s, s, axis_size=4, is_causal=True,
+                                                  implementation="mosaic")
+  assert named.implementation == "mosaic" and named.reasons["mosaic"] is None
 
 
 def test_zigzag_needs_even_local_lengths():

@@ -307,14 +307,17 @@ def sub_info(info: CallInfo, call: KernelCall, batch: int | None = None) -> Call
 
 def choose_backend(infos: list[CallInfo], implementation: str | None, config,
                    *, ring: bool) -> tuple[str | None, dict[str, str | None]]:
-  """(implementation, reasons): the one asked for or the fastest that runs every call."""
+  """(implementation, reasons): the one asked for or the fastest that runs every call. Without
+  a name the reasons are backends.auto_reason's, as flash_attention's choice: a backend that
+  runs a call only when named (e.g. mosaic at an unmeasured head dim) is not picked."""
+  why_not = backends.reason if implementation is not None else backends.auto_reason
   reasons: dict[str, str | None] = {}
   for name in backends.IMPLEMENTATIONS:
     if name == "reference" and ring:
       reasons[name] = ("the ring runs a backend's forward and backward per step; the "
                        "reference has none (use 'xla' on CPU)")
       continue
-    reasons[name] = next((why for why in (backends.reason(name, i, config) for i in infos)
+    reasons[name] = next((why for why in (why_not(name, i, config) for i in infos)
                           if why is not None), None)
   if implementation is not None:
     if implementation not in backends.IMPLEMENTATIONS:
