@@ -8,9 +8,9 @@ Reads the run's model config (the first record of its metrics.jsonl) and the par
 its latest checkpoint, then generates with `models.generate` (prefill and decode steps in one
 jit). Prints the text of each sequence; on a GPU it also reports tokens/s per sequence and in
 total. --profile times one decode step and the attention calls inside it (decode_attention at
-the step's shapes) to report attention's share of a step. --preset NAME instead of --run
-samples from a freshly initialised model of that training preset (speed only: the text is
-noise).
+the step's shapes and cache layout) to report attention's share of a step. --preset NAME
+instead of --run samples from a freshly initialised model of that training preset (speed only:
+the text is noise).
 """
 
 from __future__ import annotations
@@ -90,21 +90,27 @@ def _timed(fn) -> tuple[object, float]:
 
 
 def attention_share(model: Transformer, batch: int, context: int, step_s: float, *,
-                    fp8_cache: bool = False) -> dict:
+                    fp8_cache: bool = False, page_size: int | None = None) -> dict:
   """decode_attention's time in one decode step: every layer's call at the step's shapes (one
-  query token against `context` cached tokens, in the compute dtype or e4m3), timed alone."""
+  query token against `context` cached tokens, in the compute dtype or e4m3, contiguous or in
+  pages of `page_size` as the step's cache), timed alone on random values."""
   c = model.config
   dtype = c.compute_dtype
-  q = jnp.zeros((batch, 1, c.n_heads, c.head_dim), dtype)
-  cache = jax.random.normal(jax.random.key(0), (batch, context, c.n_kv_heads, c.head_dim), dtype)
-  descale = {}
+  kq, kc = jax.random.split(jax.random.key(0))
+  q = jax.random.normal(kq, (batch, 1, c.n_heads, c.head_dim), dtype)
+  rows, extra = (batch, context), {}
+  if page_size:  # every sequence's pages in order: the reads of the step's paged cache
+    pages = -(-context // page_size)
+    rows = (batch * pages, page_size)
+    extra["page_table"] = jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages)
+  cache = jax.random.normal(kc, (*rows, c.n_kv_heads, c.head_dim), dtype)
   if fp8_cache:
-    cache, descale = cache.astype(jnp.float8_e4m3fn), dict(kv_descale=(1.0, 1.0))
+    cache, extra["kv_descale"] = cache.astype(jnp.float8_e4m3fn), (1.0, 1.0)
   lens = jnp.full((batch,), context, jnp.int32)
 
   @jax.jit
   def layers(q, k, v, lens):
-    outs = [pallas_flash.decode_attention(q + i, k, v, lens, **descale)
+    outs = [pallas_flash.decode_attention(q + i, k, v, lens, **extra)
             for i in range(c.n_layers)]
     return sum(o.astype(jnp.float32) for o in outs)
 
@@ -163,7 +169,7 @@ def main(argv: list[str] | None = None) -> list[str]:
               "--max-new-tokens")
         return texts
       share = attention_share(model, opts.batch, len(prompt) + n // 2, step_s,
-                              fp8_cache=opts.fp8_cache)
+                              fp8_cache=opts.fp8_cache, page_size=opts.page_size)
       print(f"--- decode step {step_s * 1e3:.3f} ms at a {len(prompt) + n // 2}-token context; "
             f"attention {share['attention_s'] * 1e3:.3f} ms of it "
             f"({share['attention_fraction']:.0%}), reading the KV cache at "
