@@ -1,8 +1,9 @@
 """Autoregressive generation on the KV cache: the prompt in one call, then one token per step.
 
 Everything after `init_cache` runs in one `jit`: the prefill appends the prompt to every layer's
-cache (decode_attention's chunked-prefill path), then `lax.scan` feeds back one sampled token per
-step (its decode path, split-KV). The caches travel through the scan's carry and are donated to
+cache in one decode_attention call per layer (its chunked-prefill "flash" route for long prompts
+on Hopper, else the split-KV kernels), then `lax.scan` feeds back one sampled token per step (its
+decode path, split-KV). The caches travel through the scan's carry and are donated to
 the jit, so each step writes its new token in place.
 
 Ragged prompts (`prompt_lengths`) are right-padded to one length P: the prefill writes all P
@@ -135,8 +136,10 @@ def generate(model: Transformer, prompt: jax.Array, max_new_tokens: int, *,
       `prompt_lengths` is given.
     max_new_tokens: N >= 1 tokens to generate.
     prompt_lengths: int [B], the real length of each row's prompt, in 1..P; the tokens after it
-      are padding of any value, never attended to (None: every row has length P). Each row
-      then generates exactly what its prompt alone (unpadded, batch 1) would. Values outside
+      are padding of any value, never attended to (None: every row has length P). At
+      temperature 0 each row then generates exactly what its prompt alone (unpadded, batch 1)
+      would; when sampling, a row's draws also depend on its index in the batch (one key per
+      step for the whole batch). Values outside
       1..P raise a ValueError when concrete; traced values cannot be checked and are clipped
       to 1..P.
     rng: a PRNG key for sampling (default key 0; unused at temperature 0).

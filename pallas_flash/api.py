@@ -75,8 +75,9 @@ def flash_attention(
     query: [B, T, H, D] (or [T, H, D] together with key and value).
     key, value: [B, S, K, D] and [B, S, K, Dv], H % K == 0 (MHA, GQA, MQA). Dv may differ from
       D (MLA trains 192 / 128; not in jax.nn): the output is then [B, T, H, Dv]. "mosaic" runs
-      V at its own width where its kernels take the pair (192 / 128), else zero-padded;
-      context parallelism takes Dv == D only.
+      V at its own width where its kernels take the pair (D 192 or 256, Dv a multiple of 64
+      below it: 192 / 128 by default, the others when named), else zero-padded; context
+      parallelism takes Dv == D only.
     bias: additive logits bias broadcastable to [B, H, T, S] (each axis 1 or full, rank <= 4, as
       in jax.nn), differentiable (its gradient is summed over broadcast axes). Dense: it costs
       T*S memory and reads; prefer the structured arguments below where they apply.
@@ -110,28 +111,31 @@ def flash_attention(
       SegmentMask, PrefixLMMask and their & / | combinations): kernels visit only its active
       blocks and apply the element mask on partial ones only. Replaces is_causal,
       local_window_size, segment ids, lengths and `mask` (combining them raises); its block
-      sizes are the kernels' (see docs/features.md). "mosaic" takes it at head dims up to 128,
-      without a dense bias or dropout (`explain` says why otherwise).
+      sizes are the Triton and XLA kernels' (see docs/features.md), while "mosaic" re-tiles
+      it to its own tiles and takes it at head dims up to 128, without a dense bias or
+      dropout (`explain` says why otherwise).
     sinks: float [H]: a learnable logit per query head that joins every row's softmax
       denominator with a zero value (attention sinks, gpt-oss), differentiable. Not in
       jax.nn. "mosaic" adds them in its forward kernels' epilogue (their gradient is a
-      reduction over the backward's delta = rowsum(dO·O)); every other implementation
-      computes the call without them and rescales each row by sigmoid(lse - sink)
-      (`merge.add_sinks`): an elementwise pass over the output.
+      reduction over the backward's delta = rowsum(dO·O)); the reference adds them as one
+      more softmax column; every other implementation computes the call without them and
+      rescales each row by sigmoid(lse - sink) (`merge.add_sinks`): an elementwise pass over
+      the output.
     descale: with float8_e4m3fn query/key/value: their descale factors, (q_scale, k_scale,
       v_scale) or a `pallas_flash.fp8.Fp8Scales` (per tensor, per (batch, head) or per block),
       as `pallas_flash.fp8.quantize` returns them. On a Hopper GPU, causal or full attention
-      with per-tensor or per-(batch, head) scales runs the Mosaic FP8 forward (None or
-      "mosaic"); every other FP8 call runs the float32 attention on the dequantized inputs
-      (`explain` says which and why). No gradient with respect to FP8 inputs: to train,
+      at head dim 64, 128 or 256 with per-tensor or per-(batch, head) scales runs the Mosaic
+      FP8 forward (None or "mosaic"; "mosaic" also with a soft cap, a window or segment ids);
+      every other FP8 call runs the float32 attention on the dequantized inputs (`explain`
+      says which and why). No gradient with respect to FP8 inputs: to train,
       differentiate the bf16 activations with `pallas_flash.quantized_attention`
       (docs/fp8.md, "Training").
     out_dtype: the output dtype of an FP8 call (default bfloat16).
     deterministic: True guarantees bitwise-identical gradients run to run. Every default path
       gives them but one: the Mosaic backward of long head-dim-128 calls (causal: at least 8K
       keys and at most 8 batch entries; non-causal: at least 2K keys, a multiple of 128, at
-      most 16 entries; no segment ids, lengths, window, soft cap, ALiBi, dropout or dense
-      bias / mask) is the single fused kernel, which
+      most 16 entries; no segment ids, lengths, window, soft cap, ALiBi, dropout, dense
+      bias / mask or block mask) is the single fused kernel, which
       sums dQ with float32 atomics in a varying order, as cuDNN's backward does; True runs the
       split backward there instead, and rejects a config with `fused_backward=True`.
     return_residuals: also return the float32 log-sum-exp [B, H, T] (natural log, -inf for a
@@ -226,8 +230,9 @@ def quantized_attention(q, k, v, *, rotate: bool = False, block: int | str | Non
   The forward is that of `flash_attention(*fp8.quantize(q, k, v, rotate=, block=, key=))`; the
   gradient with respect to q, k, v is straight-through: the attention's gradient at the
   dequantized values, carried to q, k, v as if quantisation were the identity (back through
-  the rotation when `rotate=True`). On a Hopper GPU, causal or full attention with per-tensor
-  or per-(batch, head) scales (block None or "head") runs the Mosaic FP8 forward and, for the
+  the rotation when `rotate=True`). On a Hopper GPU, causal or full attention at head dim 64,
+  128 or 256 with per-tensor or per-(batch, head) scales (block None or "head") runs the
+  Mosaic FP8 forward and, for the
   gradient, the bf16 Mosaic backward on the dequantized values rounded to bfloat16,
   recomputing from the FP8 forward's output and lse (`deterministic=True` as for bf16
   inputs); elsewhere the float32 attention on the dequantized values (`xla` on CPU, `triton`

@@ -3,14 +3,16 @@ how FP8 calls run (`pallas_flash.api` routes `flash_attention`'s FP8 calls and
 `quantized_attention` here).
 
 `flash_attention(q8, k8, v8, descale=Fp8Scales(...))` takes e4m3 query/key/value whose real
-values are `float32(x8) * scale`. On a Hopper GPU, causal or full attention with per-tensor
-or per-(batch, head) scales runs the Mosaic FP8 forward (`pallas_flash.mosaic_gpu`,
-sm90/fp8_forward.py: both matmuls as FP8 wgmma, P rounded to e4m3), chosen automatically or
-with implementation="mosaic". Every other FP8 call (other implementations, per-block scales,
-segment ids, windows, soft caps, bias, masks, dropout, sinks, other GPUs) runs the reference
-semantics: the inputs dequantized to float32 and the float32 attention on them (`triton` on a
-GPU, `xla` on CPU), the output cast to `out_dtype` (bfloat16 by default); `explain` says which
-and why.
+values are `float32(x8) * scale`. On a Hopper GPU, causal or full attention at head dim 64,
+128 or 256 (one head dim for q, k and v) with per-tensor or per-(batch, head) scales runs the
+Mosaic FP8 forward (`pallas_flash.mosaic_gpu`, sm90/fp8_forward.py: both matmuls as FP8
+wgmma, P rounded to e4m3), chosen automatically or with implementation="mosaic"; named, it
+also runs soft caps, windows and segment ids / lengths (not yet measured on the GPU, so
+implementation=None leaves those to the reference semantics). Every other FP8 call (other
+implementations, per-block scales, bias, masks, dropout, sinks, other head dims, other GPUs)
+runs the reference semantics: the inputs dequantized to float32 and the float32 attention on
+them (`triton` on a GPU, `xla` on CPU), the output cast to `out_dtype` (bfloat16 by default);
+`explain` says which and why.
 
 Scales, per input x [B, N, heads, D] (drop B for rank-3 inputs), float32:
   []                    one per tensor
@@ -25,7 +27,8 @@ parameter). Training goes through `pallas_flash.quantized_attention(q, k, v, ...
 the bf16 activations, quantises them (`quantize`) and differentiates straight through the
 quantiser: its gradient is the attention's gradient at the dequantized values, carried to q, k,
 v as if quantisation were the identity (through the rotation when `rotate=True`). On a Hopper
-GPU (causal or full attention, per-tensor or per-(batch, head) scales) its forward is the
+GPU (causal or full attention, head dim 64, 128 or 256, per-tensor or per-(batch, head)
+scales) its forward is the
 Mosaic FP8 forward and its backward our bf16 Mosaic backward on the dequantized values in bf16,
 recomputing from the FP8 forward's output and lse; elsewhere a backend's float32 forward and
 backward on the dequantized values (`_training_plan`, docs/fp8.md "Training").

@@ -8,10 +8,10 @@ Implementations follow one contract (decode.call): "triton" (Triton-lowered Pall
 NVIDIA GPU from Ampere), "interpret" (that kernel in the Pallas interpreter, any platform),
 "xla" (the same plan in lax loops, any platform), "reference" (materialising, for tests).
 "mosaic" (decode.mosaic: a Mosaic GPU kernel for Hopper, TMA-fed K/V ring and wgmma; by name
-only until it is measured on the GPU, BY_NAME_ONLY). "flash" is the chunked-prefill route
-(decode.flash_split): the cached prefix and the new tokens as two `flash_attention` calls,
-merged; chosen first where it pays (long chunks whose pieces flash_attention runs on its
-Mosaic kernels).
+only, BY_NAME_ONLY: on the H200 it ran level with the Triton kernel). "flash" is the
+chunked-prefill route (decode.flash_split): the cached prefix and the new tokens as two
+`flash_attention` calls, merged; chosen first where it pays (long chunks whose pieces
+flash_attention runs on its Mosaic kernels).
 """
 
 from __future__ import annotations
@@ -277,12 +277,14 @@ def decode_attention(
       runs (one per sequence and split when the lengths are equal); None chooses S from the
       shapes (see `decode_explain`). The runs are computed on device from the lengths.
     implementation: None picks the fastest that can run the call: "flash" for chunked prefill
-      on Hopper (Tq >= decode.config.FLASH_SPLIT_MIN_Q_LEN, contiguous cache, no window),
+      on Hopper (Tq >= decode.config.FLASH_SPLIT_MIN_Q_LEN, a contiguous cache in the query's
+      dtype, no window, num_splits None),
       else "triton" on GPU and "xla" elsewhere (`decode_explain` says which and why); or one
       of "flash", "mosaic", "triton", "interpret", "xla", "reference". "flash" runs the
       cached prefix and the new tokens as two `flash_attention` calls and merges them
       (docs/decode.md); by name it runs on any platform. "mosaic" is the Hopper kernel
-      (Tq * G <= 64 rows per kv head, D 64 or 128, bf16 / f16), run only when named or
+      (Tq * G <= 64 rows per kv head, D 64 or 128, bf16 / f16 caches, not FP8, a capacity
+      that is a multiple of its key tiles, page sizes multiples of 8), run only when named or
       given a `MosaicDecodeConfig` (level with "triton" on the H200, docs/decode.md).
     config: a `TritonDecodeConfig`, `MosaicDecodeConfig` or `XlaDecodeConfig` overriding the
       backend's tiles, or a `FlashSplitConfig` (flash_attention's implementation and config

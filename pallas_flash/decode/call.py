@@ -5,8 +5,8 @@ heads, K key/value heads, G = H // K, D head dim, L the cache's capacity per seq
 the pool, M = Tq * G query rows per key/value head (GQA packing: row r is token r // G of head
 k * G + r % G, so one read of a kv head's keys serves all its query heads and tokens).
 
-Backend contract (pallas_flash.decode.xla and pallas_flash.decode.triton provide it; a Mosaic
-kernel for Hopper would be a third module with the same five names, see decode/api.py):
+Backend contract (pallas_flash.decode.xla, .triton and .mosaic, the Hopper kernel, provide it;
+decode/api.py loads them):
 
   attend(q, key_cache, value_cache, lengths, page_table, *, params, config, kv_descale=None)
       -> (out, lse)

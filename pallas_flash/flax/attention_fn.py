@@ -18,9 +18,9 @@ read and disables block skipping: pass `is_causal=True` to the layer call or use
 
 Cached decoding (`decode=True` in Flax's layers): each step calls the attention with one query
 token against the whole cache and a mask hiding the cache positions not written yet. Such a
-call (one query, more keys, a mask) runs `pallas_flash.decode_attention` with each sequence's
-length read from its mask (the last visible key + 1): split-KV over the cache, every query head
-of a kv head served by one read of it. The query is the newest token, so causality (a bound
+call (one query, more keys, a mask, no bias or segment ids) runs `pallas_flash.decode_attention`
+with each sequence's length read from its mask (the last visible key + 1): split-KV over the
+cache, every query head of a kv head served by one read of it. The query is the newest token, so causality (a bound
 `is_causal=True`, whose top-left rule would show it key 0 only) is the mask's. A mask that
 also hides keys before the last visible one (left padding) cannot be expressed as a length: the
 step then returns NaN rather than a wrong answer; pass `cache_steps=False` to
@@ -182,9 +182,10 @@ def flash_attention_fn(
     scale: softmax scale, default 1/sqrt(D).
     implementation, config: passed to `pallas_flash.flash_attention`.
     query_segment_ids, key_value_segment_ids: [batch..., T] / [batch..., S] packed-document ids.
-    cache_steps: run cached decode steps (one query, more keys, a mask: what Flax's layers call
-      with decode=True) on `decode_attention` with lengths read from the mask (see the module
-      docstring); False runs them on `flash_attention` with the dense mask.
+    cache_steps: run cached decode steps (one query, more keys, a mask, no bias or segment
+      ids: what Flax's layers call with decode=True) on `decode_attention` with lengths read
+      from the mask (see the module docstring); False runs them on `flash_attention` with the
+      dense mask.
 
   Returns:
     [batch..., T, H, D] in the compute dtype.
@@ -249,7 +250,7 @@ def _cache_step(q, k, v, mask, *, scale, implementation) -> jax.Array:
   """
   b, s_len = q.shape[0], k.shape[1]
   # "mosaic" takes decode_attention's automatic choice: its Mosaic kernel runs only when
-  # named there, until it is measured on the GPU (decode/api.py's BY_NAME_ONLY).
+  # named there (decode/api.py's BY_NAME_ONLY: level with the Triton kernel on the H200).
   impl = None if implementation in (None, "mosaic") else implementation
 
   def dense(q, k, v, mask):

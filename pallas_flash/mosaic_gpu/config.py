@@ -56,9 +56,10 @@ class MosaicConfig:
   kernel per 2 x `block_kv_fused` keys, Q/dO streamed in `block_q_fused` tiles.
 
   Attributes:
-    heads_fastest: forward launch order. False: consecutive CTAs take consecutive q tiles of
-      one head (causal tiles heaviest first), so CTAs running together share one head's K/V.
-      True: the same q tile of consecutive heads.
+    heads_fastest: forward launch order after the batch entries of one (q tile, head), which
+      come first in the grid kernel. False: then consecutive q tiles of one head (causal
+      tiles heaviest first), so CTAs running together share one head's K/V. True: then the
+      same q tile of consecutive heads.
     fwd_intra_wg_overlap: FA3's intra-warpgroup pipelining: S_{j+1} = Q·K_{j+1}ᵀ is issued with
       O += P_j·V_j and its softmax runs while P_j·V_j is on the tensor cores. Holds two steps'
       S in registers: runs at 240 / 24 registers unless the config sets others.
