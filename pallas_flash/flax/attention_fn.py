@@ -20,12 +20,12 @@ Cached decoding (`decode=True` in Flax's layers): each step calls the attention 
 token against the whole cache and a mask hiding the cache positions not written yet. Such a
 call (one query, more keys, a mask, no bias or segment ids) runs `pallas_flash.decode_attention`
 with each sequence's length read from its mask (the last visible key + 1): split-KV over the
-cache, every query head of a kv head served by one read of it. The query is the newest token, so causality (a bound
-`is_causal=True`, whose top-left rule would show it key 0 only) is the mask's. A mask that
-also hides keys before the last visible one (left padding) cannot be expressed as a length: the
-step then returns NaN rather than a wrong answer; pass `cache_steps=False` to
-`make_attention_fn` to run such steps on `flash_attention` with the dense mask instead (the
-mask is their causality there too).
+cache, every query head of a kv head served by one read of it. The query is the newest token,
+so causality (a bound `is_causal=True`, whose top-left rule would show it key 0 only) is the
+mask's. A mask that also hides keys before the last visible one (left padding) cannot be
+expressed as a length: the step then returns NaN rather than a wrong answer; pass
+`cache_steps=False` to `make_attention_fn` to run such steps on `flash_attention` with the
+dense mask instead (the mask is their causality there too).
 """
 
 from __future__ import annotations

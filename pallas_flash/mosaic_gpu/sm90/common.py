@@ -639,6 +639,37 @@ class KvBarriers(NamedTuple):
   sched: Any
 
 
+def pv_step(acc, p, v_op, p_smem, bars: KvBarriers, *, j, steps, slot, ring_slot,
+            kp: KernelParams):
+  """acc + P·V at step j of a ping-pong kv loop (forward.py's plain loop, fp8_forward's):
+  hands the tensor cores to the other WG (the schedule barrier), waits for the V tile of
+  `slot`, issues P·V with P from registers and, while it runs, waits for step j + 1's K tile
+  (ring_slot(j + 1), where j + 1 < steps); then frees the V slot. v_op: the [block_kv, Dv]
+  operand view of the slot's V tile; p_smem: the interpreter's staging buffer for P."""
+  with jax.named_scope("wait_kv"):
+    plgpu.barrier_arrive(bars.sched)
+    plgpu.barrier_wait(bars.v_ready.at[slot])
+    plgpu.barrier_wait(bars.sched)
+
+  def wait_next_k():
+    @pl.when(j + 1 < steps)
+    def _():
+      plgpu.barrier_wait(bars.k_ready.at[ring_slot(j + 1)])
+
+  if kp.interpret:
+    acc = acc + staged_matmul(p, p_smem, v_op, acc.shape)
+    wait_next_k()
+  else:
+    def pv(acc_ref):
+      with jax.named_scope("issue"):
+        plgpu.wgmma(acc_ref, p, v_op)  # P from registers (RS wgmma)
+      with jax.named_scope("wait_kv"):
+        wait_next_k()  # overlaps the P·V wgmma
+    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+  plgpu.barrier_arrive(bars.v_free.at[slot])
+  return acc
+
+
 def idle_kv_step(j, carry, *, bars: KvBarriers, stages: int):
   """One step of a consumer WG past its last causal block: it keeps the shared ring and the
   schedule barrier in lock-step with the other WG (fori_loop body; carry passes through)."""

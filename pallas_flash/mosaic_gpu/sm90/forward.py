@@ -466,27 +466,8 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
       p16 = p.astype(kp.dtype)
       # Pin the softmax before the barrier so that it overlaps the other WG's matmuls.
       acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-    with jax.named_scope("wait_kv"):
-      plgpu.barrier_arrive(bars.sched)
-      plgpu.barrier_wait(bars.v_ready.at[slot])
-      plgpu.barrier_wait(bars.sched)
-
-    def wait_next_k():
-      @pl.when(j + 1 < steps)
-      def _():
-        plgpu.barrier_wait(bars.k_ready.at[ring(j + 1, stages)])
-
-    if kp.interpret:
-      acc = acc + common.staged_matmul(p16, p_smem, v_scratch.at[slot], (bq, kp.dv))
-      wait_next_k()
-    else:
-      def pv(acc_ref):
-        with jax.named_scope("issue"):
-          plgpu.wgmma(acc_ref, p16, v_scratch.at[slot])  # P from registers (RS wgmma)
-        with jax.named_scope("wait_kv"):
-          wait_next_k()  # overlaps the PV wgmma
-      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-    plgpu.barrier_arrive(bars.v_free.at[slot])
+    acc = common.pv_step(acc, p16, v_scratch.at[slot], p_smem, bars, j=j, steps=steps,
+                         slot=slot, ring_slot=lambda i: ring(i, stages), kp=kp)
     return acc, m_new, l
 
   carry = (plgpu.layout_cast(jnp.zeros((bq, kp.dv), jnp.float32), plgpu.Layout.WGMMA),

@@ -149,28 +149,9 @@ def _kv_loop(q_smem, k_scratch, vt_scratch, p_smem, bars: common.KvBarriers, *, 
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p8 = p_operand(p, kp)
       acc, l, m_new, p8 = lax.optimization_barrier((acc, l, m_new, p8))
-    with jax.named_scope("wait_kv"):
-      plgpu.barrier_arrive(bars.sched)
-      plgpu.barrier_wait(bars.v_ready.at[slot])
-      plgpu.barrier_wait(bars.sched)
-
-    def wait_next_k():
-      @pl.when(j + 1 < steps)
-      def _():
-        plgpu.barrier_wait(bars.k_ready.at[lax.rem(j + 1, stages)])
-
     v_op = vt_scratch.at[slot].T  # [block_kv, D], keys contiguous (K-major)
-    if kp.interpret:
-      acc = acc + common.staged_matmul(p8, p_smem, v_op, (bq, kp.d))
-      wait_next_k()
-    else:
-      def pv(acc_ref):
-        with jax.named_scope("issue"):
-          plgpu.wgmma(acc_ref, p8, v_op)  # P from registers
-        with jax.named_scope("wait_kv"):
-          wait_next_k()
-      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-    plgpu.barrier_arrive(bars.v_free.at[slot])
+    acc = common.pv_step(acc, p8, v_op, p_smem, bars, j=j, steps=steps, slot=slot,
+                         ring_slot=lambda i: lax.rem(i, stages), kp=kp)
     return acc, m_new, l
 
   carry = (plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA),
