@@ -558,15 +558,20 @@ def segment_limits(limits, b, tile):
   return tuple(limits[b, tile, i] for i in range(4))
 
 
-def streamed_kv_range(seg: SegmentRefs, b, tile, cta_steps):
-  """(kv0, steps, full) of a CTA that streams key blocks (forward, dQ): its first key block,
-  how many it streams from there (the segment hull cut at the causal bound cta_steps) and its
-  full run (segment_limits). At least one block, so that a tile whose rows see no key still
-  runs and writes o = 0 / dQ = 0."""
+def cta_kv_range(kp: KernelParams, seg: SegmentRefs | None, b, tile):
+  """(q0, steps, kv0, full) of a CTA of two warpgroups' query rows that streams key blocks
+  (forward, dQ): its first query row; how many key blocks it streams, from its first one kv0
+  (the causal bound, cut with segment ids / a window to the hull of the blocks its rows may
+  see); and their full run (segment_limits; None without seg). At least one block with seg,
+  so that a tile whose rows see no key still runs and writes o = 0 / dQ = 0."""
+  q0 = tile * (2 * kp.block_q)
+  steps = kp.kv_steps(q0 + 2 * kp.block_q)
+  if seg is None:
+    return q0, steps, 0, None
   first, last, *full = segment_limits(seg.limits, b, tile)
-  end = jnp.maximum(jnp.minimum(last, cta_steps), 1)
+  end = jnp.maximum(jnp.minimum(last, steps), 1)
   kv0 = jnp.minimum(first, end - 1)
-  return kv0, end - kv0, full
+  return q0, end - kv0, kv0, full
 
 
 def row_and_col_ids(seg: SegmentRefs, b, row0, rows: int, cols: int):

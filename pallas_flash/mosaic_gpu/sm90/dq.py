@@ -61,12 +61,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
   qt, h = lax.axis_index("qt"), lax.axis_index("h")
   if kp.causal or blk is not None:
     qt = kp.t_pad // (2 * bq) - 1 - qt  # heaviest tiles first, as in the forward
-  cta_q0 = qt * (2 * bq)
-
-  cta_steps = kp.kv_steps(cta_q0 + 2 * bq)
-  kv0, full = 0, None  # the CTA's first key block (steps count from it), its full run
-  if seg is not None:
-    kv0, cta_steps, full = common.streamed_kv_range(seg, b, qt, cta_steps)
+  cta_q0, cta_steps, kv0, full = common.cta_kv_range(kp, seg, b, qt)
   sparse = None
   if blk is not None:  # may be 0 steps: dQ = 0
     sparse = block_mask.sparse(blk, kp.block_mask, b, qt)

@@ -94,12 +94,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     is_part, part_row, (b, h, qt) = tail.split.this_cta()
   if kp.causal or blk is not None:
     qt = kp.num_q_tiles - 1 - qt  # heaviest tiles first
-  cta_q0 = qt * (2 * bq)
-
-  cta_steps = kp.kv_steps(cta_q0 + 2 * bq)
-  kv0, full = 0, None  # the CTA's first key block (steps count from it), its full run
-  if seg is not None:
-    kv0, cta_steps, full = common.streamed_kv_range(seg, b, qt, cta_steps)
+  cta_q0, cta_steps, kv0, full = common.cta_kv_range(kp, seg, b, qt)
   if tail is not None:
     kv0, kv_end = tail.split.bounds(is_part, part_row, kp.num_kv_blocks)
     cta_steps = kv_end - kv0

@@ -226,11 +226,7 @@ def _kernel(q_ref, k_ref, vt_ref, scales_ref, o_ref, lse_ref, q_scratch, k_scrat
   b, h, qt = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("qt")
   if kp.causal:
     qt = kp.num_q_tiles - 1 - qt  # heaviest tiles first
-  cta_q0 = qt * (2 * bq)
-  cta_steps = kp.kv_steps(cta_q0 + 2 * bq)
-  kv0, full = 0, None  # the CTA's first key block (steps count from it), its full run
-  if seg is not None:
-    kv0, cta_steps, full = common.streamed_kv_range(seg, b, qt, cta_steps)
+  cta_q0, cta_steps, kv0, full = common.cta_kv_range(kp, seg, b, qt)
   sched_sync = functools.partial(common.sync, sched)
 
   @pl.when(wg < 2)
