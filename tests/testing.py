@@ -142,14 +142,20 @@ def make_inputs(case: Case, seed: int | None = None) -> tuple[tuple[jax.Array, .
 
 
 def assert_close_to_ref(name: str, x, ref, tol: float) -> None:
-  """Fails with the max error, where it is and the values there; NaN never passes."""
+  """Fails with the max error, where it is and the values there. NaN never passes, in x or in
+  the reference (a NaN reference compares with nothing: NaN against NaN would pass), and x's
+  infinities must be the reference's, sign included (+inf for -inf is a wrong lse)."""
   x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
   assert x.shape == ref.shape, f"{name}: shape {x.shape} != reference {ref.shape}"
-  bad_nan = np.isnan(x) & ~np.isnan(ref)
+  assert not np.isnan(ref).any(), (f"{name}: the reference has {np.isnan(ref).sum()} NaN "
+                                   f"elements, first at {np.argwhere(np.isnan(ref))[0].tolist()}")
+  bad_nan = np.isnan(x)
   assert not bad_nan.any(), (f"{name}: {bad_nan.sum()} NaN elements (unwritten or leaked), "
                              f"first at {np.argwhere(bad_nan)[0].tolist()}")
   finite = np.isfinite(ref)
-  assert (np.isinf(x) == np.isinf(ref)).all(), f"{name}: infinities differ from the reference"
+  bad_inf = np.where(np.isinf(x), x, 0.0) != np.where(finite, 0.0, ref)
+  assert not bad_inf.any(), (f"{name}: {bad_inf.sum()} infinities differ from the reference's, "
+                             f"first at {np.argwhere(bad_inf)[0].tolist()}")
   err = np.abs(np.where(finite, x, 0.0) - np.where(finite, ref, 0.0))
   denom = max(np.abs(np.where(finite, ref, 0.0)).max(), REL_FLOOR)
   worst = np.unravel_index(np.argmax(err), err.shape)
@@ -158,6 +164,8 @@ def assert_close_to_ref(name: str, x, ref, tol: float) -> None:
                       f"got {x[worst]:.6g}, want {ref[worst]:.6g}")
 
 
+# The key of `run`'s lse cotangent.
+LSE_COTANGENT_SEED = 7
 # Differentiable keyword arguments: their gradients are compared too, in this order.
 DIFFERENTIABLE_KWARGS = ("bias", "sinks")
 
@@ -176,7 +184,12 @@ def run(impl: str, q, k, v, do, *, config=None, **kwargs):
   @jax.jit
   def forward_and_grads(q, k, v, do, extra):
     (o, lse), vjp = jax.vjp(f, q, k, v, extra)
-    return (o, lse), vjp((do, jnp.zeros_like(lse)))
+    # A cotangent for the lse too (the same for every implementation: fixed key, zero on rows
+    # that see no key), so the backward's dlse path is checked by every case.
+    dlse = jnp.where(jnp.isfinite(lse),
+                     jax.random.normal(jax.random.key(LSE_COTANGENT_SEED), lse.shape, lse.dtype),
+                     0.0)
+    return (o, lse), vjp((do, dlse))
 
   (o, lse), (dq, dk, dv, dextra) = forward_and_grads(q, k, v, do, extra)
   return (o, lse), (dq, dk, dv, *(dextra[n] for n in DIFFERENTIABLE_KWARGS if n in dextra))
