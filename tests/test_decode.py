@@ -180,15 +180,19 @@ def test_generation_loop_in_scan_with_donated_cache():
 
   table = fill_page_table(kw["page_table"], kc.shape[0])  # room to grow
   kc_n, vc_n, last = generate(kc, vc, lens, table)
-  ref = pallas_flash.decode_reference(q, kc_n, vc_n, lens + steps, page_table=table)
-  assert_close_to_ref("out", last, ref[0], 1e-5)
-  # The steps' tokens are where they belong.
-  table = np.asarray(table)
+  # The caches the steps should leave: the inputs with each step's token at its place (the
+  # rest, poison included, untouched); the last output is the reference's over them.
+  want_k, want_v, pages = np.array(kc), np.array(vc), np.asarray(table)
   for b, n in enumerate(np.asarray(lens)):
     for s in range(steps):
       p = n + s
-      np.testing.assert_array_equal(np.asarray(kc_n[table[b, p // 8], p % 8]),
-                                    np.asarray(keys[s, b, 0]))
+      want_k[pages[b, p // 8], p % 8] = keys[s, b, 0]
+      want_v[pages[b, p // 8], p % 8] = vals[s, b, 0]
+  np.testing.assert_array_equal(np.asarray(kc_n), want_k)
+  np.testing.assert_array_equal(np.asarray(vc_n), want_v)
+  ref = pallas_flash.decode_reference(q, jnp.asarray(want_k), jnp.asarray(want_v),
+                                      lens + steps, page_table=table)
+  assert_close_to_ref("out", last, ref[0], 1e-5)
   # Donated to jit, the caches are updated in place (aliased to the outputs, never copied);
   # without donation XLA copies each cache once before the scatter.
   q, kc, vc, lens, kw = make_decode_inputs(DecodeCase(seqlens=(5, 20), capacity=32,
