@@ -135,9 +135,9 @@ def flash_attention(
       gives them but one: the Mosaic backward of long head-dim-128 calls (causal: at least 8K
       keys and at most 8 batch entries; non-causal: at least 2K keys, a multiple of 128, at
       most 16 entries; no segment ids, lengths, window, soft cap, ALiBi, dropout, dense
-      bias / mask or block mask) is the single fused kernel, which
-      sums dQ with float32 atomics in a varying order, as cuDNN's backward does; True runs the
-      split backward there instead, and rejects a config with `fused_backward=True`.
+      bias / mask or block mask) is the single fused kernel, which sums dQ with float32
+      atomics in a varying order, as cuDNN's backward does; True runs the split backward
+      there instead, and rejects a config with `fused_backward=True`.
     return_residuals: also return the float32 log-sum-exp [B, H, T] (natural log, -inf for a
       query with no visible key), e.g. to merge partial attentions. It is differentiable: a
       loss that uses it gets its exact gradient, whose cotangent adds p * dlse to the score
@@ -232,11 +232,10 @@ def quantized_attention(q, k, v, *, rotate: bool = False, block: int | str | Non
   dequantized values, carried to q, k, v as if quantisation were the identity (back through
   the rotation when `rotate=True`). On a Hopper GPU, causal or full attention at head dim 64,
   128 or 256 with per-tensor or per-(batch, head) scales (block None or "head") runs the
-  Mosaic FP8 forward and, for the
-  gradient, the bf16 Mosaic backward on the dequantized values rounded to bfloat16,
-  recomputing from the FP8 forward's output and lse (`deterministic=True` as for bf16
-  inputs); elsewhere the float32 attention on the dequantized values (`xla` on CPU, `triton`
-  on a GPU) runs both. kwargs: those of flash_attention (is_causal, segment ids,
+  Mosaic FP8 forward and, for the gradient, the bf16 Mosaic backward on the dequantized values
+  rounded to bfloat16, recomputing from the FP8 forward's output and lse (`deterministic=True`
+  as for bf16 inputs); elsewhere the float32 attention on the dequantized values (`xla` on
+  CPU, `triton` on a GPU) runs both. kwargs: those of flash_attention (is_causal, segment ids,
   implementation, config, deterministic, return_residuals, ...); a MosaicConfig configures
   the FP8 forward and the bf16 backward alike. Output: out_dtype, default bfloat16.
   """

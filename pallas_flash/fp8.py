@@ -28,10 +28,10 @@ the bf16 activations, quantises them (`quantize`) and differentiates straight th
 quantiser: its gradient is the attention's gradient at the dequantized values, carried to q, k,
 v as if quantisation were the identity (through the rotation when `rotate=True`). On a Hopper
 GPU (causal or full attention, head dim 64, 128 or 256, per-tensor or per-(batch, head)
-scales) its forward is the
-Mosaic FP8 forward and its backward our bf16 Mosaic backward on the dequantized values in bf16,
-recomputing from the FP8 forward's output and lse; elsewhere a backend's float32 forward and
-backward on the dequantized values (`_training_plan`, docs/fp8.md "Training").
+scales) its forward is the Mosaic FP8 forward and its backward our bf16 Mosaic backward on the
+dequantized values in bf16, recomputing from the FP8 forward's output and lse; elsewhere a
+backend's float32 forward and backward on the dequantized values (`_training_plan`,
+docs/fp8.md "Training").
 """
 
 from __future__ import annotations

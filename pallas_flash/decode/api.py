@@ -278,8 +278,8 @@ def decode_attention(
       shapes (see `decode_explain`). The runs are computed on device from the lengths.
     implementation: None picks the fastest that can run the call: "flash" for chunked prefill
       on Hopper (Tq >= decode.config.FLASH_SPLIT_MIN_Q_LEN, a contiguous cache in the query's
-      dtype, no window, num_splits None),
-      else "triton" on GPU and "xla" elsewhere (`decode_explain` says which and why); or one
+      dtype, no window, num_splits None), else "triton" on GPU and "xla" elsewhere
+      (`decode_explain` says which and why); or one
       of "flash", "mosaic", "triton", "interpret", "xla", "reference". "flash" runs the
       cached prefix and the new tokens as two `flash_attention` calls and merges them
       (docs/decode.md); by name it runs on any platform. "mosaic" is the Hopper kernel
