@@ -181,13 +181,14 @@ def soft_cap(s, kp: KernelParams, *, folded: bool = False):
   return t if folded else t * (kp.softcap / kp.scale)
 
 
-def cap_fold(kp: KernelParams, *, alibi: bool, dense: bool) -> tuple[bool, float]:
+def cap_fold(kp: KernelParams, *, biased: bool) -> tuple[bool, float]:
   """(folded, c): whether the scores leave the cap's factor cap/scale out of soft_cap and into
   exp2's factor c, and that factor (kp.c, scale·log2(e) on raw scores, times cap/scale when
-  folded). They fold where nothing is added after the cap (no ALiBi, no dense bias, or
-  "bias_then_cap", which puts both inside it): the scores then only meet the max, exp2 and
-  masks of -inf, so tanh times c is the same softmax, one multiply per score fewer."""
-  folded = kp.softcap is not None and (kp.bias_in_cap or not (alibi or dense))
+  folded). biased: the scores take ALiBi or a dense bias / mask. They fold where nothing is
+  added after the cap (no bias, or "bias_then_cap", which puts it inside): the scores then
+  only meet the max, exp2 and masks of -inf, so tanh times c is the same softmax, one multiply
+  per score fewer."""
+  folded = kp.softcap is not None and (kp.bias_in_cap or not biased)
   return folded, kp.c * (kp.softcap / kp.scale) if folded else kp.c
 
 

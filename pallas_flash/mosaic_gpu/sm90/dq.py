@@ -106,7 +106,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
       plgpu.commit_smem_to_gmem_group()
     steps = kp.kv_steps(q0 + bq)
     alibi_slope = None if slopes is None else slopes[h]  # one scalar load per CTA
-    folded, c = common.cap_fold(kp, alibi=slopes is not None, dense=dense is not None)
+    folded, c = common.cap_fold(kp, biased=slopes is not None or dense is not None)
     drop_rows = None if keys is None else common.dropout_row_keys(keys, b, h, q0, bq)
     ids = None
     if sparse is not None:

@@ -405,7 +405,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
   ring = _ring(base)
 
   sched_sync = functools.partial(common.sync, bars.sched)
-  folded, c = common.cap_fold(kp, alibi=slope is not None, dense=dense is not None)
+  folded, c = common.cap_fold(kp, biased=slope is not None or dense is not None)
 
   def key_block(j):
     return kv0 + j if sparse is None else sparse.block(j)
@@ -529,7 +529,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
       return None
     return common.dropout_col_keys(drop_keys, _kv_block(j, kv0, steps, kp) * bkv, bkv)
 
-  folded, c = common.cap_fold(kp, alibi=slope is not None, dense=dense is not None)
+  folded, c = common.cap_fold(kp, biased=slope is not None or dense is not None)
 
   def softmax(s, j, masked, m, l, tiles=None, cols=None):
     if not kp.bias_in_cap:  # before the mask: a hidden score must stay -inf

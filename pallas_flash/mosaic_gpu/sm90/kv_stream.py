@@ -135,7 +135,7 @@ def capped_scores_t(s_t, bias, kp: common.KernelParams):
   ("bias_then_cap") soft_cap(Sᵀ + bias), a dense mask after the cap (bias's `cap`). bias:
   alibi_steps' or the dK/dV kernel's, or None. Where nothing follows the cap the cap's factor
   is left to exp2's (common.cap_fold; always so with kp.bias_in_cap)."""
-  folded, c = common.cap_fold(kp, alibi=bias is not None, dense=False)
+  folded, c = common.cap_fold(kp, biased=bias is not None)  # ALiBi and / or dense tiles
   if not kp.bias_in_cap:
     s_t, slope = common.soft_cap_with_slope(s_t, kp, folded=folded)
     return (s_t if bias is None else bias(s_t)), slope, c
