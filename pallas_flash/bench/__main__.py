@@ -82,8 +82,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   fp8_report.add_arguments(p)
   features.add_arguments(p)
   opts = p.parse_args(argv)
-  types = decode.VARIANT_CONFIGS if opts.decode else None
-  opts.variants = {v.name: v for v in (variants.parse(t, types) for t in opts.variant)}
+  types, extra = ((decode.VARIANT_CONFIGS, decode.VARIANT_CALL_FIELDS) if opts.decode
+                  else (None, ()))
+  opts.variants = {v.name: v for v in (variants.parse(t, types, extra) for t in opts.variant)}
   if opts.variants and (opts.memory or opts.fp8 or opts.fp8_training or opts.fp8_features):
     p.error("--variant adds columns to the speed table, the features grid and the decode "
             "table only (no --memory or --fp8*)")

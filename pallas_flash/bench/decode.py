@@ -18,7 +18,9 @@ copies, its bandwidth counted in e4m3 bytes (`--impl ours_fp8,ours --prefill no`
 cell's ratio is then FP8's speed-up over the bf16 cache). `--variant IMPL:LABEL:FIELD=VALUE,...`
 (IMPL ours, ours_fp8, triton, interpret, mosaic or xla) adds a column running IMPL's call with
 a config of VARIANT_CONFIGS[IMPL]'s type and those fields, the rest its defaults (`--impl
-ours_fp8,ours --variant ours_fp8:bk256:block_kv=256`: a tile change decided in one run).
+ours_fp8,ours --variant ours_fp8:bk256:block_kv=256`: a tile change decided in one run);
+`num_splits=N` sets the call's split count instead of the heuristic's (with no other field the
+config stays the call's default).
 
 Chunked prefill rows: Tq new tokens (B = 1) against a 32K cache, end-aligned causal, in TFLOP/s
 (4 * H * D * visible pairs): ours (the default path: on Hopper from FLASH_SPLIT_MIN_Q_LEN
@@ -66,6 +68,9 @@ VARIANT_CONFIGS = {"ours": pallas_flash.TritonDecodeConfig,
                    "interpret": pallas_flash.TritonDecodeConfig,
                    "mosaic": pallas_flash.MosaicDecodeConfig,
                    "xla": pallas_flash.XlaDecodeConfig}
+# decode_attention's keyword arguments a --variant may set beside its config's fields
+# (`--variant ours:s2:num_splits=2`: a split count timed against the heuristic's).
+VARIANT_CALL_FIELDS = ("num_splits",)
 # max|x - ref| / max|ref| above which a row is FAIL (the attention benchmark's tolerances).
 TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}
 # Decode-mode timing defaults (the flags override them): short loops, few rounds.
@@ -214,7 +219,8 @@ def _page_table(batch: int, cache: int, page_size: int, seed: int) -> np.ndarray
 def _call(impl: str, layout: str, *, ours_kw: dict, page_size: int, kv_descale=None,
           variant=None):
   """fn(q, k, v, lens, table) for one implementation, or None where it does not apply;
-  `variant` (a bench.variants.Variant of `impl`) passes a config of its fields.
+  `variant` (a bench.variants.Variant of `impl`) passes its num_splits and a config of its
+  other fields.
 
   k and v come as contiguous [B, L, K, D] caches; paged calls view them as a pool
   [B * L / page, page, K, D] inside the jitted function (a free bitcast there: eagerly,
@@ -230,8 +236,10 @@ def _call(impl: str, layout: str, *, ours_kw: dict, page_size: int, kv_descale=N
       kw.update(_mosaic_kwargs(ours_kw))
     elif impl == "triton":  # the Triton kernel by name: the same flags as ours
       kw.update({k: v for k, v in ours_kw.items() if k != "implementation"})
-    if variant is not None:  # the config's type picks its kernel
-      kw["config"] = VARIANT_CONFIGS[impl](**dict(variant.fields))
+    fields = {} if variant is None else dict(variant.fields)
+    kw.update({name: fields.pop(name) for name in VARIANT_CALL_FIELDS if name in fields})
+    if fields:  # the config's type picks its kernel
+      kw["config"] = VARIANT_CONFIGS[impl](**fields)
       if impl in ("ours", "ours_fp8") and jax.devices()[0].platform != "gpu":
         kw["implementation"] = "interpret"  # the Triton kernel's form off-GPU
     if layout == "paged":

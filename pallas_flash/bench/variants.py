@@ -43,10 +43,13 @@ class Variant:
                                **dict(self.fields))
 
 
-def parse(text: str, config_types: dict[str, type] | None = None) -> Variant:
+def parse(text: str, config_types: dict[str, type] | None = None,
+          call_fields: tuple[str, ...] = ()) -> Variant:
   """`IMPL:LABEL:FIELD=VALUE[,FIELD=VALUE...]` -> Variant; SystemExit naming what is wrong.
   config_types: {IMPL: its config class} where IMPL is not flash_attention's (the decode
-  benchmark's); by default one of CONFIGURED with its backend's config."""
+  benchmark's); by default one of CONFIGURED with its backend's config. call_fields: keyword
+  arguments of the call that a variant may set beside the config's fields (the decode
+  benchmark's num_splits)."""
   parts = text.split(":", 2)
   if len(parts) != 3 or not parts[1] or not parts[2]:
     raise SystemExit(f"--variant {text!r}: expected {_USAGE}.")
@@ -61,7 +64,7 @@ def parse(text: str, config_types: dict[str, type] | None = None) -> Variant:
     config_type = backend.config_type
   else:
     config_type = config_types[impl]
-  known = {f.name for f in dataclasses.fields(config_type)}
+  known = {f.name for f in dataclasses.fields(config_type)} | set(call_fields)
   fields = []
   for item in re.split(r",(?=\s*\w+\s*=)", assignments):  # commas inside tuples stay
     name, eq, value = item.partition("=")

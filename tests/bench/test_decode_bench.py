@@ -90,6 +90,31 @@ def test_variant_columns_time_a_config_change(tmp_path):
     bench.main(["--decode", "--variant", "ours:x:block_kvv=16"])
 
 
+def test_a_variant_sets_the_split_count(tmp_path, monkeypatch):
+  """--variant ours:s3:num_splits=3 passes num_splits=3 to decode_attention (no config: the
+  call's default tiles), checked and timed beside ours, which passes the flag's None."""
+  import pallas_flash
+  from pallas_flash.bench import decode
+
+  seen = []
+  real = pallas_flash.decode_attention
+
+  def spy(*args, **kwargs):
+    seen.append((kwargs.get("num_splits"), kwargs.get("config")))
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(decode.pallas_flash, "decode_attention", spy)
+  out = tmp_path / "rows.json"
+  bench.main(["--decode", "--grid", "cpu", "--dtype", "f32", "--batches", "3", "--caches", "96",
+              "--layouts", "contiguous", "--lengths", "ragged", "--prefill", "no", "--impl",
+              "ours", "--variant", "ours:s3:num_splits=3", *FAST, "--json", str(out)])
+  rows = {r["impl"]: r for r in json.loads(out.read_text())}
+  assert set(rows) == {"ours", "ours:s3"}
+  for r in rows.values():
+    assert r["status"] == "ok" and r["rel_err"] < 1e-4 and r["us"] > 0, r
+  assert {(3, None), (None, None)} == set(seen)
+
+
 def test_impl_names_the_mosaic_and_triton_kernels():
   """--impl mosaic,triton,cudnn times the two kernels side by side (the first is the column
   the others are compared with); --block-kv / --num-stages / --num-splits reach 'mosaic'."""
