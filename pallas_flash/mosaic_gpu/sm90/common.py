@@ -440,9 +440,20 @@ def visible(row0, col0, shape, kp: KernelParams, *, transposed: bool = False):
   """[rows, cols] bool: which keys each query sees (causal, local window and padded-key tail).
 
   Rows are queries and columns keys; with `transposed`, rows are keys and columns queries.
+  A causal mask or a window compares position vectors broadcast to the tile (the block masks'
+  way), with fewer live registers than two [rows, cols] iotas (docs/mosaic.md, "Position
+  vectors", for what it measured).
   """
-  r = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
-  c = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + col0
+  # [rows, cols] iotas past 128 columns and for a key tail alone: a COL vector of 192 or 256,
+  # or one compared alone, fails Mosaic's layout inference.
+  if (kp.causal or kp.window is not None) and shape[1] <= 128:
+    rows = plgpu.broadcasted_iota(jnp.int32, (shape[0],), 0, layout=ROW) + row0
+    cols = plgpu.broadcasted_iota(jnp.int32, (shape[1],), 0, layout=COL) + col0
+    r = lax.broadcast_in_dim(rows, shape, [0])
+    c = lax.broadcast_in_dim(cols, shape, [1])
+  else:
+    r = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
+    c = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + col0
   qi, kj = (c, r) if transposed else (r, c)
   mask = None
   if kp.window is not None:  # causal: the band's right side is 0
