@@ -35,7 +35,22 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-AOT_DIR = ROOT / ".cuda-aot"  # scripts/setup_deviceless.sh installs the toolchain here
+
+
+def _aot_dir() -> pathlib.Path:
+  """The deviceless toolchain: this checkout's .cuda-aot (scripts/setup_deviceless.sh installs
+  it there), else an entry of PYTHONPATH that holds jax's CUDA plugin (a git worktree using
+  the main checkout's: PYTHONPATH=/path/to/main/.cuda-aot:.)."""
+  own = ROOT / ".cuda-aot"
+  if (own / "jax_plugins").is_dir():
+    return own
+  for entry in filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)):
+    if (pathlib.Path(entry) / "jax_plugins").is_dir():
+      return pathlib.Path(entry)
+  return own
+
+
+AOT_DIR = _aot_dir()
 TARGET_CONFIG = ROOT / "scripts" / "h200_target_config.txtpb"
 
 # name -> (mode, causal, MosaicConfig keyword arguments). bf16, shape from --shape.

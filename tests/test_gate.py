@@ -377,3 +377,6 @@ if __name__ == "__main__":
   parser.add_argument("--record", action="store_true", help=f"rewrite {RECORD_PATH.name}")
   if parser.parse_args().record:
     RECORD_PATH.write_text(dumps(record()))
+  else:  # checking is pytest's job: say so rather than exit silently
+    parser.exit(2, f"Nothing done: `python -m pytest tests/{pathlib.Path(__file__).name}` "
+                f"checks the gate, --record rewrites {RECORD_PATH.name}.\n")
