@@ -237,7 +237,8 @@ def quantized_attention(q, k, v, *, rotate: bool = False, block: int | str | Non
   as for bf16 inputs); elsewhere the float32 attention on the dequantized values (`xla` on
   CPU, `triton` on a GPU) runs both. kwargs: those of flash_attention (is_causal, segment ids,
   implementation, config, deterministic, return_residuals, ...); a MosaicConfig configures
-  the FP8 forward and the bf16 backward alike. Output: out_dtype, default bfloat16.
+  the FP8 forward (its key tile is `fp8_block_kv`, not `block_kv`) and the bf16 backward
+  alike. Output: out_dtype, default bfloat16.
   """
   # The planned path reads only the names it knows: an unknown one (a misspelt is_causal, a
   # descale of one's own) must not pass unnoticed.

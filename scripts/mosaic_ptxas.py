@@ -147,7 +147,7 @@ VARIANTS = {
     # default tiles per head dim (no config), and 128-key tiles (the default's at head dim 256).
     "fp8": ("fp8", False, {}),
     "fp8_causal": ("fp8", True, {}),
-    "fp8_kv128": ("fp8", False, dict(block_kv=128)),
+    "fp8_kv128": ("fp8", False, dict(fp8_block_kv=128)),
     # The FP8 forward's features (named with implementation="mosaic"): the soft cap, a window
     # and segment ids (documents of 1000 tokens) through the segment-id path.
     "fp8_softcap": ("fp8", False, dict(softcap=30.0)),

@@ -365,7 +365,7 @@ FP8_TOLERANCE = 0.15
 # interpreter: 0.011-0.022 (tests/mosaic/test_interpret.py's cases).
 FP8_KERNEL_TOLERANCE = 0.05
 # The Mosaic FP8 forward in the interpreter (its key tiles are multiples of 128).
-MOSAIC_FP8_INTERPRET = MosaicConfig(debug=MosaicDebug(interpret=True))
+MOSAIC_FP8_INTERPRET = MosaicConfig(fp8_block_kv=128, debug=MosaicDebug(interpret=True))
 
 
 def check_fp8_against_reference(case: Case, *, config=None, block=None, out_dtype=None,

@@ -231,16 +231,13 @@ def fp8_unsupported_reason(call: CallInfo, *, scale_layouts, out_dtype, config=N
   if set(scale_layouts) - FP8_SCALE_LAYOUTS:
     return ("per-block descale factors are not in the FP8 kernel (per tensor and per (batch, "
             "head) are)")
-  if config is not None and config.block_kv % 128:
-    return (f"config.block_kv={config.block_kv}: the FP8 kernel's key tiles are multiples of "
-            "128 (an e4m3 P·V contracts over 128-key swizzle groups)")
   if not sm90_fp8_forward.fits(call.head_dim, out_dtype, config):
     need = sm90_fp8_forward.smem_bytes(
         call.head_dim, sm90_fp8_forward.block_kv(call.head_dim, config),
         sm90_fp8_forward.stages(config), out_dtype)
     return (f"head_dim {call.head_dim} with out_dtype {jnp.dtype(out_dtype).name} needs {need} "
             "bytes of shared memory per CTA, more than the 232,448 there are (use a 16-bit "
-            "out_dtype, fewer num_stages or a smaller block_kv)")
+            "out_dtype, fewer num_stages or a smaller fp8_block_kv)")
   return None
 
 

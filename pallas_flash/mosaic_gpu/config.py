@@ -85,6 +85,11 @@ class MosaicConfig:
       keeps the field's False: V padded). H200, 4x4096x32, 192 / 128, x padded V: forward
       1.19 / 1.26, fwd+bwd 1.11 / 1.16 (non-causal / causal); GPU tests at 192 / 128,
       256 / 128 and 192 / 64.
+    fp8_block_kv: the FP8 forward's key tile (float8_e4m3fn inputs, sm90/fp8_forward.py), a
+      multiple of 128 (an e4m3 P·V contracts over 128-key swizzle groups); 0: its default per
+      head dim (256 up to 128, 128 at 256). Its own field, so that a config passed for the
+      bf16 backward of `quantized_attention` (block_kv 128 by default, 192 tuned) leaves the
+      FP8 forward's tile alone.
     debug: MosaicDebug (interpreter, profiler, test sizes).
   """
 
@@ -109,6 +114,7 @@ class MosaicConfig:
   compute_registers: int = 232
   producer_registers: int = 40
   native_value_head_dim: bool = False
+  fp8_block_kv: int = 0
   debug: MosaicDebug = MosaicDebug()
 
   def __post_init__(self):
@@ -132,6 +138,9 @@ class MosaicConfig:
       # the interpreter nor ptxas reports).
       raise ValueError("2 * compute_registers + producer_registers must be <= 504 (3 "
                        "warpgroups x 168 registers per thread at launch), e.g. 240 / 24")
+    if not isinstance(self.fp8_block_kv, int) or self.fp8_block_kv < 0 or self.fp8_block_kv % 128:
+      raise ValueError("MosaicConfig.fp8_block_kv must be 0 (the FP8 forward's default) or a "
+                       f"positive multiple of 128, got {self.fp8_block_kv!r}")
     if not isinstance(self.native_value_head_dim, bool):
       raise ValueError("MosaicConfig.native_value_head_dim must be True or False, got "
                        f"{self.native_value_head_dim!r}")

@@ -371,8 +371,8 @@ def test_fp8_forward_scales_and_outputs(case, block, out_dtype):
 @pytest.mark.parametrize("case", [FP8_CASES[3], FP8_CASES[6], FP8_CASES[9]],
                          ids=["hd128-causal", "gqa", "tail"])
 def test_fp8_forward_128_key_tiles(case):
-  """128-key tiles (MosaicConfig's block_kv) where the default takes 256 (head dims 64, 128)."""
-  check_fp8_against_reference(case, config=pallas_flash.MosaicConfig())
+  """128-key tiles (MosaicConfig.fp8_block_kv) where the default takes 256 (head dims 64, 128)."""
+  check_fp8_against_reference(case, config=pallas_flash.MosaicConfig(fp8_block_kv=128))
 
 
 # The FP8 forward's soft cap (on the dequantized logits), local windows and segment ids /
@@ -397,8 +397,8 @@ def test_fp8_forward_features(case):
 @pytest.mark.parametrize("case", [FP8_FEATURE_CASES[2], FP8_FEATURE_CASES[3]],
                          ids=["segments-gqa", "lengths"])
 def test_fp8_forward_features_128_key_tiles(case):
-  """128-key tiles (MosaicConfig's block_kv) where the default takes 256 (head dims 64, 128)."""
-  check_fp8_against_reference(case, config=pallas_flash.MosaicConfig())
+  """128-key tiles (MosaicConfig.fp8_block_kv) where the default takes 256 (head dims 64, 128)."""
+  check_fp8_against_reference(case, config=pallas_flash.MosaicConfig(fp8_block_kv=128))
 
 
 def test_fp8_forward_is_chosen_and_bitwise_reproducible():

@@ -433,7 +433,7 @@ def test_interpret_mode_runs_anywhere_and_says_so():
 # default): odd lengths (a padded key tail, a dropped query tail, T > S causal), GQA, per-tensor
 # and per-(batch, head) scales, float32 output.
 def _fp8_default_tiles(d: int):
-  return dataclasses.replace(MOSAIC_FP8_INTERPRET, block_kv=fp8_forward.block_kv(d, None))
+  return dataclasses.replace(MOSAIC_FP8_INTERPRET, fp8_block_kv=fp8_forward.block_kv(d, None))
 
 
 FP8 = [

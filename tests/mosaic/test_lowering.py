@@ -163,9 +163,11 @@ def test_fused_shared_memory_estimate_refuses_what_does_not_fit():
      "2 \\* compute_registers"),
     (lambda: MosaicDebug(persistent_ctas=-1), "persistent_ctas"),
     (lambda: MosaicConfig(debug=dict(interpret=True)), "MosaicDebug"),
-    (lambda: MosaicConfig(native_value_head_dim=1), "native_value_head_dim")],
+    (lambda: MosaicConfig(native_value_head_dim=1), "native_value_head_dim"),
+    (lambda: MosaicConfig(fp8_block_kv=192), "fp8_block_kv"),
+    (lambda: MosaicConfig(fp8_block_kv=-128), "fp8_block_kv")],
     ids=["block_q", "bwd_stages", "registers", "register_pool", "debug_field", "debug_type",
-         "native_value_head_dim"])
+         "native_value_head_dim", "fp8_block_kv", "fp8_block_kv_negative"])
 def test_bad_config_is_refused_naming_the_field(make, field):
   with pytest.raises((ValueError, TypeError), match=field):
     make()
@@ -532,17 +534,19 @@ def test_split_tail_merge_equals_the_unsplit_result():
 
 
 # The FP8 forward (sm90/fp8_forward.py) at its default key tiles per head dim (256 up to 128,
-# 128 at 256) and at 128-key tiles (MosaicConfig's block_kv): both matmuls lowered to e4m3
-# wgmma with an fp32 accumulator, P·V taking P from registers, P rounded with
+# 128 at 256), at 128-key tiles (MosaicConfig.fp8_block_kv), and with the bf16 kernels' tuned
+# config (192-key bf16 tiles), which leaves the FP8 tiles at their default: both matmuls
+# lowered to e4m3 wgmma with an fp32 accumulator, P·V taking P from registers, P rounded with
 # cvt...satfinite.e4m3x2.f32.
 @pytest.mark.parametrize("head_dim,causal,config", [
     pytest.param(64, False, None, marks=pytest.mark.slow), (64, True, None), (128, False, None),
     pytest.param(128, True, None, marks=pytest.mark.slow),
-    (128, True, MosaicConfig()),  # 128-key tiles (head dim 256's default)
+    (128, True, MosaicConfig(fp8_block_kv=128)),  # 128-key tiles (head dim 256's default)
+    (128, False, TUNED[(128, False)]),  # block_kv=192: the FP8 forward keeps its 256
     pytest.param(256, False, None, marks=pytest.mark.slow),
     pytest.param(256, True, None, marks=pytest.mark.slow)],
-    ids=["hd64", "hd64-causal", "hd128", "hd128-causal", "hd128-causal-kv128", "hd256",
-         "hd256-causal"])
+    ids=["hd64", "hd64-causal", "hd128", "hd128-causal", "hd128-causal-kv128",
+         "hd128-bf16-tuned-config", "hd256", "hd256-causal"])
 def test_fp8_forward_lowers_to_e4m3_wgmma(head_dim, causal, config):
   from pallas_flash import fp8
   from pallas_flash.mosaic_gpu.sm90 import fp8_forward

@@ -309,10 +309,9 @@ def smem_bytes(d: int, block_kv: int, stages: int, out_dtype) -> int:
 
 
 def block_kv(d: int, config: MosaicConfig | None) -> int:
-  """The key tile at head dim d: config.block_kv when it is a multiple of 128 (an e4m3 P·V
-  contracts over 128-key swizzle groups), else DEFAULT_BLOCK_KV[d]."""
-  if config is not None and config.block_kv % 128 == 0:
-    return config.block_kv
+  """The key tile at head dim d: config.fp8_block_kv where set, else DEFAULT_BLOCK_KV[d]."""
+  if config is not None and config.fp8_block_kv:
+    return config.fp8_block_kv
   return DEFAULT_BLOCK_KV[d]
 
 
