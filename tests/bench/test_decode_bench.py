@@ -73,17 +73,24 @@ def test_points_over_the_memory_cap_are_skipped(tmp_path, capsys):
   assert "skip B=3 cache 96" in capsys.readouterr().out
 
 
+def _checked_variant_rows(tmp_path, layout: str, impl: str, variant: str) -> dict:
+  """{impl: row} of one ragged B=3 point of `layout` run by `impl` and the --variant column
+  `variant` (IMPL:LABEL:FIELDS), each asserted checked (ok, rel_err < 1e-4) and timed."""
+  out = tmp_path / "rows.json"
+  bench.main(["--decode", "--grid", "cpu", "--dtype", "f32", "--batches", "3", "--caches", "96",
+              "--layouts", layout, "--lengths", "ragged", "--prefill", "no", "--impl", impl,
+              "--variant", variant, *FAST, "--json", str(out)])
+  rows = {r["impl"]: r for r in json.loads(out.read_text())}
+  assert set(rows) == {impl, variant.rsplit(":", 1)[0]}
+  for r in rows.values():
+    assert r["status"] == "ok" and r["rel_err"] < 1e-4 and r["us"] > 0, r
+  return rows
+
+
 def test_variant_columns_time_a_config_change(tmp_path):
   """--variant ours_fp8:bk16:block_kv=16 adds a column: ours_fp8's FP8 caches with 16-key tiles,
   checked against the same reference and timed beside ours_fp8 (its bytes in e4m3)."""
-  out = tmp_path / "rows.json"
-  bench.main(["--decode", "--grid", "cpu", "--dtype", "f32", "--batches", "3", "--caches", "96",
-              "--layouts", "paged", "--lengths", "ragged", "--prefill", "no", "--impl",
-              "ours_fp8", "--variant", "ours_fp8:bk16:block_kv=16", *FAST, "--json", str(out)])
-  rows = {r["impl"]: r for r in json.loads(out.read_text())}
-  assert set(rows) == {"ours_fp8", "ours_fp8:bk16"}
-  for r in rows.values():
-    assert r["status"] == "ok" and r["rel_err"] < 1e-4 and r["us"] > 0, r
+  rows = _checked_variant_rows(tmp_path, "paged", "ours_fp8", "ours_fp8:bk16:block_kv=16")
   assert rows["ours_fp8:bk16"]["bytes_read"] == rows["ours_fp8"]["bytes_read"]
   assert rows["ours_fp8:bk16"]["ours_speedup"] > 0
   with pytest.raises(SystemExit, match="block_kvv"):
@@ -104,14 +111,7 @@ def test_a_variant_sets_the_split_count(tmp_path, monkeypatch):
     return real(*args, **kwargs)
 
   monkeypatch.setattr(decode.pallas_flash, "decode_attention", spy)
-  out = tmp_path / "rows.json"
-  bench.main(["--decode", "--grid", "cpu", "--dtype", "f32", "--batches", "3", "--caches", "96",
-              "--layouts", "contiguous", "--lengths", "ragged", "--prefill", "no", "--impl",
-              "ours", "--variant", "ours:s3:num_splits=3", *FAST, "--json", str(out)])
-  rows = {r["impl"]: r for r in json.loads(out.read_text())}
-  assert set(rows) == {"ours", "ours:s3"}
-  for r in rows.values():
-    assert r["status"] == "ok" and r["rel_err"] < 1e-4 and r["us"] > 0, r
+  _checked_variant_rows(tmp_path, "contiguous", "ours", "ours:s3:num_splits=3")
   assert {(3, None), (None, None)} == set(seen)
 
 
