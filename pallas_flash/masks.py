@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_flash._checks import check_positive_int
+
 # Kinds of array leaves: indexed by query position, by key position, or one value per batch.
 Q, KV, BATCH = "q", "kv", "batch"
 
@@ -263,9 +265,7 @@ class BlockMask:
                       f"{type(mask_fn).__name__}.")
     for name, value in (("q_len", q_len), ("kv_len", kv_len), ("block_q", block_q),
                         ("block_kv", block_kv)):
-      # validation.check_positive_int's rule, written out: validation imports this module.
-      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}` must be a positive Python int, got {value!r}.")
+      check_positive_int(name, value)
     fn = _batched(mask_fn, q_len, kv_len, batch)
     nq, nk = -(-q_len // block_q), -(-kv_len // block_kv)
     padded = pad_leaves(fn, nq * block_q, nk * block_kv)

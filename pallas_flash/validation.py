@@ -19,6 +19,7 @@ from jax.experimental import checkify
 from jax.interpreters.ad import JVPTracer, Zero
 
 from pallas_flash import dropout, masks
+from pallas_flash._checks import check_positive_int, is_int  # noqa: F401 (this module's API)
 from pallas_flash.backends import check_implementation
 from pallas_flash.call import (KV_PAD_SEGMENT, Q_PAD_SEGMENT, AttentionParams, CallInfo,
                                FeatureArrays)
@@ -60,21 +61,6 @@ def _check_inputs(query, key, value) -> None:
                     f"{query.dtype}, {key.dtype}, {value.dtype}; cast them first.")
   if jnp.dtype(query.dtype) not in [jnp.dtype(t) for t in SUPPORTED_DTYPES]:
     raise TypeError(f"Unsupported dtype {query.dtype}: use bfloat16, float16 or float32.")
-
-
-def is_int(value) -> bool:
-  """A Python or NumPy integer, not a bool (True would pass for 1)."""
-  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def check_positive_int(name: str, value, *, none: str | None = None) -> None:
-  """ValueError naming `name` unless `value` is an int >= 1, or None where `none` says what
-  None means there (e.g. "a contiguous cache")."""
-  if value is None and none is not None:
-    return
-  if not is_int(value) or value < 1:
-    alt = f"None ({none}) or " if none is not None else ""
-    raise ValueError(f"`{name}` must be {alt}a positive Python int, got {value!r}.")
 
 
 def check_dropout_rate(dropout_rate) -> None:
