@@ -169,6 +169,25 @@ def assert_close_to_ref(name: str, x, ref, tol: float, *, poisoned: bool = False
                       f"got {x[worst]:.6g}, want {ref[worst]:.6g}")
 
 
+def assert_matches_reference(result, ref, tol: float, *, names=("dq", "dk", "dv"),
+                             dtype=None) -> None:
+  """`run`'s ((o, lse), grads) against the reference's, by the suite's one rule: the output at
+  tol, the lse at max(tol, 1e-5), each gradient (named by `names`, as many as there are) at
+  2 * tol. dtype: the dtype o, dq, dk and dv must have (None: not checked)."""
+  (o, lse), grads = result
+  (o_ref, lse_ref), grads_ref = ref
+  if dtype is not None:
+    assert o.dtype == dtype, f"out dtype {o.dtype}"
+  assert_close_to_ref("out", o, o_ref, tol)
+  assert_close_to_ref("lse", lse, lse_ref, max(tol, 1e-5))
+  assert len(grads) == len(grads_ref) == len(names), (len(grads), len(grads_ref), names)
+  for name, g, g_ref in zip(names, grads, grads_ref):
+    assert g.shape == g_ref.shape, f"{name}: shape {g.shape} != {g_ref.shape}"
+    if dtype is not None and name in ("dq", "dk", "dv"):
+      assert g.dtype == dtype, f"{name} dtype {g.dtype}"
+    assert_close_to_ref(name, g, g_ref, 2 * tol)
+
+
 # The key of `run`'s lse cotangent.
 LSE_COTANGENT_SEED = 7
 # Differentiable keyword arguments: their gradients are compared too, in this order.
@@ -206,20 +225,12 @@ def check_against_reference(impl: str, case: Case, *, config=None, seed: int | N
   fresh random inputs: the oracle sees the same low-precision inputs, upcast, so only the
   kernel's arithmetic differs."""
   (q, k, v, do), kwargs = make_inputs(case, seed)
-  (o, lse), grads = run(impl, q, k, v, do, config=config, **dict(kwargs))
+  result = run(impl, q, k, v, do, config=config, **dict(kwargs))
   up = [x.astype(jnp.float32) for x in (q, k, v, do)]
-  (o_ref, lse_ref), grads_ref = run("reference", *up, **dict(kwargs))
-  tol = tolerance(case.dtype) if tol is None else tol
-  assert o.dtype == q.dtype, f"out dtype {o.dtype}"
-  assert_close_to_ref("out", o, o_ref, tol)
-  assert_close_to_ref("lse", lse, lse_ref, max(tol, 1e-5))
-  assert len(grads) == len(grads_ref), (len(grads), len(grads_ref))
+  ref = run("reference", *up, **dict(kwargs))
   names = ("dq", "dk", "dv") + tuple(f"d{n}" for n in DIFFERENTIABLE_KWARGS if n in kwargs)
-  for name, g, g_ref in zip(names, grads, grads_ref):
-    assert g.shape == g_ref.shape, f"{name}: shape {g.shape} != {g_ref.shape}"
-    if name in ("dq", "dk", "dv"):
-      assert g.dtype == q.dtype, f"{name} dtype {g.dtype}"
-    assert_close_to_ref(name, g, g_ref, 2 * tol)
+  assert_matches_reference(result, ref, tolerance(case.dtype) if tol is None else tol,
+                           names=names, dtype=q.dtype)
 
 
 def block_mask_fn(name: str, case: Case, seed: int = 0) -> pallas_flash.masks.MaskFn:
@@ -257,17 +268,11 @@ def check_block_mask_against_reference(impl: str, case: Case, name: str, *, bloc
   (q, k, v, do), _ = make_inputs(case, seed)
   bm = BlockMask.build(block_mask_fn(name, case), q_len=case.q_len, kv_len=case.kv_len,
                        block_q=blocks[0], block_kv=blocks[1])
-  (o, lse), grads = run(impl, q, k, v, do, config=config, block_mask=bm)
+  result = run(impl, q, k, v, do, config=config, block_mask=bm)
   up = [x.astype(jnp.float32) for x in (q, k, v, do)]
-  (o_ref, lse_ref), grads_ref = run("reference", *up, block_mask=bm)
-  tol = tolerance(case.dtype)
-  assert o.dtype == q.dtype, f"out dtype {o.dtype}"
-  assert_close_to_ref("out", o, o_ref, tol)
-  assert_close_to_ref("lse", lse, lse_ref, max(tol, 1e-5))
-  for g_name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref, strict=True):
-    assert g.dtype == q.dtype, f"{g_name} dtype {g.dtype}"
-    assert_close_to_ref(g_name, g, g_ref, 2 * tol)
-  return o, lse
+  assert_matches_reference(result, run("reference", *up, block_mask=bm), tolerance(case.dtype),
+                           dtype=q.dtype)
+  return result[0]
 
 
 def max_abs(x) -> float:
