@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import use_abstract_mesh
 
@@ -39,6 +40,9 @@ DENSE = [
                                       features=("bias", "mask", "dropout"))),
     _slow("mask_causal", _config(), _case(200, 170, is_causal=True,
                                           features=("mask_empty_rows",))),
+    # A config's key tiles of 192 (the mask's bits in 64-column chunks, [rows, cols] iotas).
+    _slow("mask_192_keys", _config(block_kv=192), _case(200, 400, is_causal=True,
+                                                        features=("mask_empty_rows",))),
     _slow("overlap_hd128", _config(fwd_intra_wg_overlap=True, block_kv=128),
           _case(333, 200, h=4, kh=1, d=128, dtype=jnp.float16, is_causal=True,
                 features=("bias", "mask"))),
@@ -146,3 +150,21 @@ def test_explain_runs_bias_and_mask_on_mosaic():
   assert auto.chosen == "mosaic", auto
   assert plain.config.fused_backward and not auto.config.fused_backward
   assert wide.chosen != "mosaic" and "head dims up to 128" in str(wide), wide
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+def test_packed_mask_bits(transposed):
+  """dense.pack_mask: key c of a row is bit (c mod 128) // 8 of word 8·(c // 128) + c mod 8
+  (the keys of the thread that holds column c mod 8 of each 8), keys past S hidden; with
+  `transposed` the same of maskᵀ."""
+  from pallas_flash.mosaic_gpu.sm90 import dense
+  mask = jax.random.bernoulli(jax.random.key(3), 0.7, (2, 1, 100, 200))
+  words = np.asarray(dense.pack_mask(mask, transposed=transposed))
+  want = np.asarray(mask).swapaxes(2, 3) if transposed else np.asarray(mask)
+  n = want.shape[3]
+  padded = -(-n // 128) * 128
+  assert words.shape == (*want.shape[:3], padded // 16) and words.dtype == np.int32
+  c = np.arange(padded)
+  bits = (words[..., c // 128 * 8 + c % 8] >> (c % 128 // 8)) & 1
+  np.testing.assert_array_equal(bits[..., :n], want)
+  assert not bits[..., n:].any()

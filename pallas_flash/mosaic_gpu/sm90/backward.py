@@ -130,6 +130,8 @@ def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: Attent
         dq_tiles=(2 * config.block_q_dq, config.block_kv_dq),
         dkdv_tiles=(config.block_q_dkv, 2 * config.block_kv_dkv), params=params)
   dense_in = sm90_dense.inputs(arrays, params, t_pad, s_pad)
+  # The dK/dV kernel's [keys, queries] tiles read maskᵀ's bits.
+  dense_dkdv = sm90_dense.inputs(arrays, params, t_pad, s_pad, transposed=True)
   dbias = ()
   keys = common.dropout_keys(arrays, params, batch=q.shape[0], heads=q.shape[2], t_pad=t_pad,
                              s_pad=s_pad)
@@ -152,6 +154,6 @@ def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: Attent
                   slopes=slopes, dense=dense_in, keys=keys, blks=dq_blks)
     dq, *dbias = out if kp_dq.dense[0] else (out,)
   dk, dv = dkdv.dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs,
-                          slopes=slopes, dense=dense_in, keys=keys, blks=dkdv_blks)
+                          slopes=slopes, dense=dense_dkdv, keys=keys, blks=dkdv_blks)
   dbias = tuple(sm90_dense.reduce_dbias(x, arrays.bias.shape, t, s) for x in dbias)
   return dq[:, :t], dk[:, :s], dv[:, :s], *dbias, delta[:, :, :t]

@@ -1,11 +1,13 @@
 """The dense bias and boolean mask ([B|1, H|1, T, S]) of the sm90 kernels.
 
 Each kernel that forms scores (forward, dQ, dK/dV) loads the [rows, cols] tile of the bias
-and of the mask that matches its score tile straight from GMEM into the wgmma accumulator
-layout where they are added to the scores (no shared memory, no barriers; `load` says why
-not earlier). The dK/dV kernel's transposed tiles [keys, queries] are
-loaded in the transposed accumulator layout, whose vectors run along the keys (contiguous in
-GMEM), and changed to the accumulator layout in registers. Broadcast axes (size 1) read
+and the bits of the mask's tile (`pack_mask`: one bit a key, laid out so that each thread
+loads the 32-bit words of its own scores) that match its score tile straight from GMEM into
+the wgmma accumulator layout where they are added to the scores (no shared memory, no
+barriers; `load` says why not earlier). The dK/dV kernel's transposed bias tiles [keys,
+queries] are loaded in the transposed accumulator layout, whose vectors run along the keys
+(contiguous in GMEM), and changed to the accumulator layout in registers; its mask bits are
+maskᵀ's, packed by XLA. Broadcast axes (size 1) read
 index 0. The bias is added after the soft cap and ALiBi (the default "cap_then_bias" order;
 with "bias_then_cap" before the cap and the mask after it: `add`'s cap); masked scores become
 -inf, so P is 0 there in every kernel and a fully masked row gives o = 0, lse = -inf and zero
@@ -19,6 +21,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
+from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -27,11 +30,22 @@ from pallas_flash.call import AttentionParams, FeatureArrays
 
 
 class DenseRefs(NamedTuple):
-  """A kernel's dense inputs (GMEM): the bias [B|1, H|1, Tp, Sp] in its dtype and the mask
-  [B|1, H|1, Tp, Sp] int8 (nonzero: visible), None where the call has none."""
+  """A kernel's dense inputs (GMEM): the bias [B|1, H|1, Tp, Sp] in its dtype and the mask's
+  bits [B|1, H|1, Tp, Sp'/16] int32 (`pack_mask`; the dK/dV kernel's of maskᵀ), None where the
+  call has none."""
 
   bias: Any
   mask: Any
+
+
+class MaskBits(NamedTuple):
+  """A score tile's mask bits as loaded: words, one [rows, MASK_WORDS] int32 tile (WGMMA
+  layout) for each equal chunk of the tile's columns (within one MASK_BLOCK), and shift, the
+  bit of the tile's first 8 columns (column c's bit is (shift + c // 8) mod 16). Only arrays:
+  a loop may carry it."""
+
+  words: tuple
+  shift: Any
 
 
 def flags(params: AttentionParams) -> tuple[bool, bool]:
@@ -39,17 +53,41 @@ def flags(params: AttentionParams) -> tuple[bool, bool]:
   return params.has_bias, params.has_mask
 
 
+# The mask's bits (`pack_mask`): a row's 128-key block is MASK_WORDS int32 words, word j
+# holding keys 8k + j at bit k (k = 0..15): the keys that the wgmma accumulator layout gives
+# the thread holding column j of each 8, so a [rows, MASK_WORDS] tile in that layout brings a
+# thread exactly the words of its own scores (two 8-byte loads a step, not 32 of 2 bytes).
+MASK_BLOCK, MASK_WORDS = 128, 8
+_COL = plgpu.Layout.WGMMA.reduce(0)  # common.COL (common imports this module)
+
+
+def pack_mask(mask, *, transposed: bool = False):
+  """mask [B|1, H|1, Tp, Sp] (bool or nonzero: visible) -> int32 [B|1, H|1, Tp, Sp'/16] bits
+  (MASK_BLOCK's layout; Sp' = Sp rounded up to MASK_BLOCK, the padding hidden), or with
+  `transposed` the bits of maskᵀ [.., Sp, Tp'/16] (the dK/dV kernel's [keys, queries] tiles)."""
+  mask = mask != 0
+  if transposed:
+    mask = jnp.swapaxes(mask, 2, 3)
+  mask = _tiling.pad_axis(mask, 3, _tiling.round_up(mask.shape[3], MASK_BLOCK))
+  *lead, n = mask.shape
+  blocks = mask.reshape(*lead, n // MASK_BLOCK, MASK_BLOCK // MASK_WORDS, MASK_WORDS)
+  bits = jnp.left_shift(1, jnp.arange(MASK_BLOCK // MASK_WORDS, dtype=jnp.int32))[:, None]
+  words = jnp.sum(blocks.astype(jnp.int32) * bits, axis=-2, dtype=jnp.int32)
+  return words.reshape(*lead, n // MASK_BLOCK * MASK_WORDS)
+
+
 def inputs(arrays: FeatureArrays | None, params: AttentionParams, t_pad: int,
-           s_pad: int) -> tuple:
-  """The kernels' dense inputs: the bias (its dtype) and the mask (as int8: Mosaic GPU has no
-  bool loads), each present one padded to [.., t_pad, s_pad] (no copy where T and S fill the
-  tiles; padded keys are masked by the kernels' tail mask, padded queries dropped)."""
+           s_pad: int, *, transposed: bool = False) -> tuple:
+  """The kernels' dense inputs: the bias (its dtype) padded to [.., t_pad, s_pad] (no copy
+  where T and S fill the tiles) and the mask's bits (`pack_mask` of the mask padded to
+  [.., t_pad, s_pad]; `transposed` for the dK/dV kernel), each where the call has it. Padded
+  keys are masked by the kernels' tail mask, padded queries dropped."""
   out = []
-  for on, x in zip(flags(params), (None if arrays is None else arrays.bias,
-                                   None if arrays is None else arrays.mask)):
-    if on:
-      x = x.astype(jnp.int8) if x.dtype == jnp.bool_ else x
-      out.append(_tiling.pad_axis(_tiling.pad_axis(x, 2, t_pad), 3, s_pad))
+  if params.has_bias:
+    out.append(_tiling.pad_axis(_tiling.pad_axis(arrays.bias, 2, t_pad), 3, s_pad))
+  if params.has_mask:
+    mask = _tiling.pad_axis(_tiling.pad_axis(arrays.mask, 2, t_pad), 3, s_pad)
+    out.append(pack_mask(mask, transposed=transposed))
   return tuple(out)
 
 
@@ -74,29 +112,66 @@ def _tile(ref, b, h, row0, col0, shape, transposed: bool):
   return plgpu.load(view, layout=plgpu.Layout.WGMMA_TRANSPOSED, optimized=False)
 
 
+def _mask_bits(ref, b, h, row0, col0, shape) -> MaskBits:
+  """The bits (`pack_mask`) of the mask's [rows, cols] tile at (row0, col0) for batch b and
+  head h (col0 a multiple of cols, cols a multiple of 8): one load of 8 words a row for each
+  chunk of columns, the largest of 128, 64, .. 8 that divides cols (one chunk where cols
+  divides 128; three at 192, two at 256). The dK/dV kernel's ref holds maskᵀ's bits, so its
+  transposed tiles load the same way."""
+  rows, cols = shape
+  chunk = next(n for n in (MASK_BLOCK, 64, 32, 16, MASK_WORDS) if cols % n == 0)
+  b = b if ref.shape[0] > 1 else 0
+  h = h if ref.shape[1] > 1 else 0
+  words = tuple(
+      plgpu.load(ref.at[b, h, pl.ds(row0, rows),
+                        pl.ds((col0 + i) // MASK_BLOCK * MASK_WORDS, MASK_WORDS)],
+                 layout=plgpu.Layout.WGMMA, optimized=False)
+      for i in range(0, cols, chunk))
+  return MaskBits(words, col0 % MASK_BLOCK // MASK_WORDS)
+
+
+def _visible(bits: MaskBits, shape):
+  """[rows, cols] bool of a tile's MaskBits: each 8 columns take their words' bit (words
+  repeated along the columns are the same registers; the bits a COL vector)."""
+  repeat = shape[1] // len(bits.words) // MASK_WORDS
+  words = jnp.concatenate([w for w in bits.words for _ in range(repeat)], axis=1)
+  wide = shape[1] > 128  # a COL vector past 128 columns fails Mosaic's layout inference
+  col = (plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) if wide
+         else plgpu.broadcasted_iota(jnp.int32, shape[1:], 0, layout=_COL))
+  group = col // MASK_WORDS + bits.shift
+  if MASK_BLOCK % shape[1]:  # the tile's columns cross a MASK_BLOCK
+    group = group % (MASK_BLOCK // MASK_WORDS)
+  col_bits = jnp.left_shift(1, group)
+  if not wide:
+    col_bits = lax.broadcast_in_dim(col_bits, shape, [1])
+  return (words & col_bits) != 0
+
+
 def load(dense: DenseRefs | None, b, h, row0, col0, shape, *, transposed: bool = False):
-  """tiles() -> the (bias, mask) tiles [rows, cols] (WGMMA layout; None where absent) of a
-  score tile whose rows are queries from row0 and columns keys from col0 (with `transposed`,
-  rows keys and columns queries); None without dense inputs. `add` calls it, so the loads are
-  issued where the tiles are added: loaded ahead of S = Q·Kᵀ (or beside the in-flight P·V),
-  the tiles' registers made ptxas spill in every kernel (deviceless, 1x4096x16x128: 532 B in
-  the forward's overlapped loop at 192-key tiles, 226 B in the dQ kernel), loaded there none
-  in the forward. A 16-bit bias stays 16-bit through the transposed tiles' register
-  transpose (which takes 16 or 32-bit entries), the int8 mask becomes int16 for it."""
+  """tiles() -> (the bias tile [rows, cols] (WGMMA layout), the mask's MaskBits), None where
+  absent, of a score tile whose rows are queries from row0 and columns keys from col0 (with
+  `transposed`, rows keys and columns queries); None without dense inputs. `add` calls it, so
+  the loads are issued where the tiles are added: loaded ahead of S = Q·Kᵀ (or beside the
+  in-flight P·V), the tiles' registers made ptxas spill in every kernel (deviceless,
+  1x4096x16x128: 532 B in the forward's overlapped loop at 192-key tiles, 226 B in the dQ
+  kernel), loaded there none in the forward. A 16-bit bias stays 16-bit through the
+  transposed tiles' register transpose (which takes 16 or 32-bit entries)."""
   if dense is None:
     return None
 
-  def tile(ref, dtype):
-    if ref is None:
+  def bias_tile():
+    if dense.bias is None:
       return None
-    x = _tile(ref, b, h, row0, col0, shape, transposed)
+    x = _tile(dense.bias, b, h, row0, col0, shape, transposed)
     if transposed:
+      dtype = dense.bias.dtype if jnp.dtype(dense.bias.dtype).itemsize == 2 else jnp.float32
       x = plgpu.layout_cast(x.astype(dtype), plgpu.Layout.WGMMA)
     return x
 
-  bias_dtype = None if dense.bias is None else (
-      dense.bias.dtype if jnp.dtype(dense.bias.dtype).itemsize == 2 else jnp.float32)
-  return lambda: (tile(dense.bias, bias_dtype), tile(dense.mask, jnp.int16))
+  def mask_bits():
+    return None if dense.mask is None else _mask_bits(dense.mask, b, h, row0, col0, shape)
+
+  return lambda: (bias_tile(), mask_bits())
 
 
 def issue(tiles):
@@ -126,7 +201,7 @@ def add(s, tiles, scale: float, cap=None):
   if cap is not None:
     s, slope = cap(s)
   if mask is not None:
-    s = jnp.where(mask != 0, s, -jnp.inf)
+    s = jnp.where(_visible(mask, s.shape), s, -jnp.inf)
   return s if cap is None else (s, slope)
 
 
