@@ -48,11 +48,6 @@ class MaskBits(NamedTuple):
   shift: Any
 
 
-def flags(params: AttentionParams) -> tuple[bool, bool]:
-  """(bias, mask): which dense inputs a call passes to its kernels."""
-  return params.has_bias, params.has_mask
-
-
 # The mask's bits (`pack_mask`): a row's 128-key block is MASK_WORDS int32 words, word j
 # holding keys 8k + j at bit k (k = 0..15): the keys that the wgmma accumulator layout gives
 # the thread holding column j of each 8, so a [rows, MASK_WORDS] tile in that layout brings a
