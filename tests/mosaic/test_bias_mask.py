@@ -15,6 +15,7 @@ from pallas_flash import mosaic_gpu
 from pallas_flash.call import AttentionParams, CallInfo
 from pallas_flash.mosaic_gpu import MosaicConfig
 from pallas_flash.mosaic_gpu import config as mconfig
+from pallas_flash.mosaic_gpu.sm90 import dense
 from testing import (H200, check_against_reference, export_for_h200,
                      interpret_config, small_case)
 
@@ -157,7 +158,6 @@ def test_packed_mask_bits(transposed):
   """dense.pack_mask: key c of a row is bit (c mod 128) // 8 of word 8·(c // 128) + c mod 8
   (the keys of the thread that holds column c mod 8 of each 8), keys past S hidden; with
   `transposed` the same of maskᵀ."""
-  from pallas_flash.mosaic_gpu.sm90 import dense
   mask = jax.random.bernoulli(jax.random.key(3), 0.7, (2, 1, 100, 200))
   words = np.asarray(dense.pack_mask(mask, transposed=transposed))
   want = np.asarray(mask).swapaxes(2, 3) if transposed else np.asarray(mask)

@@ -129,9 +129,7 @@ def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: Attent
         *common.path_segment_ids(q, k, q_seg, kv_seg, params), t_pad, s_pad,
         dq_tiles=(2 * config.block_q_dq, config.block_kv_dq),
         dkdv_tiles=(config.block_q_dkv, 2 * config.block_kv_dkv), params=params)
-  dense_in = sm90_dense.inputs(arrays, params, t_pad, s_pad)
-  # The dK/dV kernel's [keys, queries] tiles read maskᵀ's bits.
-  dense_dkdv = sm90_dense.inputs(arrays, params, t_pad, s_pad, transposed=True)
+  dense_in, dense_dkdv = sm90_dense.backward_inputs(arrays, params, t_pad, s_pad)
   dbias = ()
   keys = common.dropout_keys(arrays, params, batch=q.shape[0], heads=q.shape[2], t_pad=t_pad,
                              s_pad=s_pad)

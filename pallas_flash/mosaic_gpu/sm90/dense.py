@@ -71,19 +71,35 @@ def pack_mask(mask, *, transposed: bool = False):
   return words.reshape(*lead, n // MASK_BLOCK * MASK_WORDS)
 
 
+def _padded(arrays: FeatureArrays | None, params: AttentionParams, t_pad: int, s_pad: int):
+  """(bias, mask) padded to [.., t_pad, s_pad] (no copy where T and S fill the tiles; padded
+  keys are masked by the kernels' tail mask, padded queries dropped), None where absent."""
+  def pad(x):
+    return _tiling.pad_axis(_tiling.pad_axis(x, 2, t_pad), 3, s_pad)
+  return (pad(arrays.bias) if params.has_bias else None,
+          pad(arrays.mask) if params.has_mask else None)
+
+
+def _present(*xs) -> tuple:
+  return tuple(x for x in xs if x is not None)
+
+
 def inputs(arrays: FeatureArrays | None, params: AttentionParams, t_pad: int,
-           s_pad: int, *, transposed: bool = False) -> tuple:
-  """The kernels' dense inputs: the bias (its dtype) padded to [.., t_pad, s_pad] (no copy
-  where T and S fill the tiles) and the mask's bits (`pack_mask` of the mask padded to
-  [.., t_pad, s_pad]; `transposed` for the dK/dV kernel), each where the call has it. Padded
-  keys are masked by the kernels' tail mask, padded queries dropped."""
-  out = []
-  if params.has_bias:
-    out.append(_tiling.pad_axis(_tiling.pad_axis(arrays.bias, 2, t_pad), 3, s_pad))
-  if params.has_mask:
-    mask = _tiling.pad_axis(_tiling.pad_axis(arrays.mask, 2, t_pad), 3, s_pad)
-    out.append(pack_mask(mask, transposed=transposed))
-  return tuple(out)
+           s_pad: int) -> tuple:
+  """The forward's dense inputs, each where the call has it: the bias (its dtype) and the
+  mask's bits (`pack_mask`), padded to [.., t_pad, s_pad]."""
+  bias, mask = _padded(arrays, params, t_pad, s_pad)
+  return _present(bias, None if mask is None else pack_mask(mask))
+
+
+def backward_inputs(arrays: FeatureArrays | None, params: AttentionParams, t_pad: int,
+                    s_pad: int) -> tuple[tuple, tuple]:
+  """(the dQ kernel's dense inputs, the dK/dV kernel's): one padded bias for both; the mask's
+  bits and, for the dK/dV kernel's [keys, queries] tiles, maskᵀ's."""
+  bias, mask = _padded(arrays, params, t_pad, s_pad)
+  if mask is None:
+    return _present(bias), _present(bias)
+  return _present(bias, pack_mask(mask)), _present(bias, pack_mask(mask, transposed=True))
 
 
 def take_refs(refs, dense: tuple[bool, bool]) -> DenseRefs | None:

@@ -255,8 +255,9 @@ def dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slo
   common.operand_rows says; lse2, delta [B, H, Tp]. segs: () or (kv_seg [B, Sp], q_seg
   [B, Tp], q limits per kv tile) int32. slopes: () or (common.raw_alibi_slopes [H],). keys:
   () or dropout's (row keys [B, H, Tp], column keys [Sp]) (common.dropout_keys). dense: () or
-  dense.inputs' bias and / or mask (kp.dense says which). blks: () or a block mask's operands
-  (block_mask.inputs by kv tile), inputs after the six others."""
+  the second of dense.backward_inputs: the bias and / or maskᵀ's bits (kp.dense says which).
+  blks: () or a block mask's operands (block_mask.inputs by kv tile), inputs after the six
+  others."""
   bsz, _, kh, d = k.shape
   s_pad = kp.s_pad
   bq, bkv = kp.block_q, kp.block_kv

@@ -274,9 +274,10 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
   lse, delta and the lse2 and delta it returns [B, H, Tp]. segs: () or (q_seg [B, Tp], kv_seg
   [B, Sp], kv limits per q tile) int32. slopes: () or (common.raw_alibi_slopes [H],). keys: ()
   or dropout's (row keys [B, H, Tp], column keys [Sp]) (common.dropout_keys). dense: () or
-  dense.inputs' bias and / or mask (kp.dense says which); with a bias the result ends with
-  dbias [B, H, Tp, Sp] in dense.dbias_dtype (dS of every score). blks: () or a block mask's
-  operands (block_mask.inputs by q tile), inputs after q .. delta."""
+  the first of dense.backward_inputs: the bias and / or the mask's bits (kp.dense says which);
+  with a bias the result ends with dbias [B, H, Tp, Sp] in dense.dbias_dtype (dS of every
+  score). blks: () or a block mask's operands (block_mask.inputs by q tile), inputs after
+  q .. delta."""
   bsz, _, h, d = q.shape
   t_pad = kp.t_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
