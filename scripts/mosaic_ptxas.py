@@ -112,6 +112,8 @@ VARIANTS = {
     "fwd_bias_mask_causal": ("fwd", True, dict(bias=True, mask=True)),
     "bwd_bias": ("fwdbwd", False, dict(bias=True)),
     "bwd_bias_causal": ("fwdbwd", True, dict(bias=True)),
+    "bwd_mask": ("fwdbwd", False, dict(mask=True)),
+    "bwd_mask_causal": ("fwdbwd", True, dict(mask=True)),
     "bwd_bias_mask": ("fwdbwd", False, dict(bias=True, mask=True)),
     "bwd_bias_mask_causal": ("fwdbwd", True, dict(bias=True, mask=True)),
     # Dropout 0.1 (the keep mask from row and column key vectors). Not a config field.
