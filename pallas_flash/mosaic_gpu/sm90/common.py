@@ -604,6 +604,19 @@ def unmasked_run(q0, steps, kp: KernelParams, *, kv0=0, full=None):
   return u0, jnp.clip(jnp.minimum(u1, full[1] - kv0), u0, steps)
 
 
+def kv_loop(step, carry, q0, steps, kp: KernelParams, *, kv0=0, full=None):
+  """carry through steps 0 .. steps - 1 of a WG's kv loop, step(j, carry, masked=...): with
+  segment ids the masked steps before unmasked_run's run, the run, then the masked rest (the
+  causal diagonal's blocks and the padded tail) where kp.needs_mask."""
+  u0, u1 = unmasked_run(q0, steps, kp, kv0=kv0, full=full)
+  if full is not None:
+    carry = lax.fori_loop(0, u0, functools.partial(step, masked=True), carry)
+  carry = lax.fori_loop(u0, u1, functools.partial(step, masked=False), carry)
+  if kp.needs_mask:
+    carry = lax.fori_loop(u1, steps, functools.partial(step, masked=True), carry)
+  return carry
+
+
 def row_ids(ids_ref, b, row0, n: int):
   """Segment ids [n] of rows row0.. in the ROW layout (loaded from GMEM)."""
   return plgpu.load(ids_ref.at[b, pl.ds(row0, n)], layout=ROW, optimized=False)

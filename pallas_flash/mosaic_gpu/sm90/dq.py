@@ -198,12 +198,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
       dq = lax.fori_loop(0, sparse.masked, functools.partial(step, masked=True), dq)
       dq = lax.fori_loop(sparse.masked, steps, functools.partial(step, masked=False), dq)
     else:
-      u0, u1 = common.unmasked_run(q0, steps, kp, kv0=kv0, full=full)
-      if seg is not None:
-        dq = lax.fori_loop(0, u0, functools.partial(step, masked=True), dq)
-      dq = lax.fori_loop(u0, u1, functools.partial(step, masked=False), dq)
-      if kp.needs_mask:
-        dq = lax.fori_loop(u1, steps, functools.partial(step, masked=True), dq)
+      dq = common.kv_loop(step, dq, q0, steps, kp, kv0=kv0, full=full)  # full: None without seg
       if kp.causal or seg is not None:
         lax.fori_loop(steps, cta_steps, idle_step, None)
     if dbias_ref is not None:  # no key of the other blocks is visible: dbias is 0 there

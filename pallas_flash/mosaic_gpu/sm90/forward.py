@@ -471,13 +471,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
   if sparse is not None:  # the partial blocks, then the full ones
     carry = lax.fori_loop(0, sparse.masked, functools.partial(step, masked=True), carry)
     return lax.fori_loop(sparse.masked, steps, functools.partial(step, masked=False), carry)
-  u0, u1 = common.unmasked_run(q0, steps, kp, kv0=kv0, full=full)
-  if full is not None:  # the segment-id path: masked blocks before the full run
-    carry = lax.fori_loop(0, u0, functools.partial(step, masked=True), carry)
-  carry = lax.fori_loop(u0, u1, functools.partial(step, masked=False), carry)
-  if kp.needs_mask:
-    carry = lax.fori_loop(u1, steps, functools.partial(step, masked=True), carry)
-  return carry
+  return common.kv_loop(step, carry, q0, steps, kp, kv0=kv0, full=full)
 
 
 def _q_operand(q_smem, kp: common.KernelParams):

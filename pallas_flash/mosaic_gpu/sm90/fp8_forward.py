@@ -157,13 +157,7 @@ def _kv_loop(q_smem, k_scratch, vt_scratch, p_smem, bars: common.KvBarriers, *, 
   carry = (plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA),
            plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), common.ROW),
            plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW))
-  u0, u1 = common.unmasked_run(q0, steps, kp, kv0=kv0, full=full)
-  if full is not None:  # the segment-id path: masked blocks before the full run
-    carry = lax.fori_loop(0, u0, functools.partial(step, masked=True), carry)
-  carry = lax.fori_loop(u0, u1, functools.partial(step, masked=False), carry)
-  if kp.needs_mask:
-    carry = lax.fori_loop(u1, steps, functools.partial(step, masked=True), carry)
-  return carry
+  return common.kv_loop(step, carry, q0, steps, kp, kv0=kv0, full=full)
 
 
 def _segment_path_mask(row0, col0, shape, kp: common.KernelParams, ids):
