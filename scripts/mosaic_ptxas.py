@@ -88,6 +88,8 @@ VARIANTS = {
     "fwd_blockmask": ("fwd", True, dict(blockmask=1023)),
     "fwd_blockmask_plain": ("fwd", True, dict(blockmask=1023, fwd_intra_wg_overlap=False)),
     "bwd_blockmask": ("fwdbwd", True, dict(blockmask=1023)),
+    "fwd_blockmask_dropout": ("fwd", True, dict(blockmask=1023, dropout=0.1)),
+    "bwd_blockmask_dropout": ("fwdbwd", True, dict(blockmask=1023, dropout=0.1)),
     # Attention sinks (an [H] input of the forward, added in its epilogue). Not a config field.
     "fwd_sinks": ("fwd", False, dict(sinks=True)),
     "fwd_sinks_causal": ("fwd", True, dict(sinks=True)),

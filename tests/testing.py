@@ -261,17 +261,18 @@ BLOCK_MASK_FNS = ("causal_local", "causal_segment", "prefix_lm", "local_or_prefi
 
 
 def check_block_mask_against_reference(impl: str, case: Case, name: str, *, blocks=(64, 64),
-                                       config=None, seed: int | None = None):
+                                       config=None, seed: int | None = None, **kwargs):
   """`check_against_reference` for a call with the block mask of mask function `name`
-  (block_mask_fn) built at `blocks` (block_q, block_kv); returns (o, lse)."""
+  (block_mask_fn) built at `blocks` (block_q, block_kv) and flash_attention's `kwargs`;
+  returns (o, lse)."""
   from pallas_flash import BlockMask
   (q, k, v, do), _ = make_inputs(case, seed)
   bm = BlockMask.build(block_mask_fn(name, case), q_len=case.q_len, kv_len=case.kv_len,
                        block_q=blocks[0], block_kv=blocks[1])
-  result = run(impl, q, k, v, do, config=config, block_mask=bm)
+  result = run(impl, q, k, v, do, config=config, block_mask=bm, **kwargs)
   up = [x.astype(jnp.float32) for x in (q, k, v, do)]
-  assert_matches_reference(result, run("reference", *up, block_mask=bm), tolerance(case.dtype),
-                           dtype=q.dtype)
+  assert_matches_reference(result, run("reference", *up, block_mask=bm, **kwargs),
+                           tolerance(case.dtype), dtype=q.dtype)
   return result[0]
 
 

@@ -145,6 +145,14 @@ def test_block_mask(name, case, blocks):
   _assert_reproducible(case, block_mask=bm)
 
 
+@pytest.mark.parametrize("name, case, blocks", [BLOCK_MASK_CASES[0], BLOCK_MASK_CASES[4]],
+                         ids=["causal_local-128x128", "segment_and_prefix_or_local-128x64"])
+def test_block_mask_with_dropout(name, case, blocks):
+  """Dropout's keys follow the tables' blocks (by name only until timed)."""
+  check_block_mask_against_reference("mosaic", case, name, blocks=blocks, dropout_rate=0.1,
+                                     dropout_rng=jax.random.key(6))
+
+
 # ALiBi (issue 43): the training shape causal and not (the overlapped forward, persistent
 # non-causal), head dim 64 with segment ids, persistent and split-tail forwards, 192-key tiles
 # with a key tail, a window with a soft cap, head dim 256, ALiBi inside the cap

@@ -52,8 +52,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
   Sp] (dense.dbias_dtype) gets dS (before the soft cap's slope: the bias is added after the
   cap) of every score tile, zeros on the key blocks a warpgroup does not stream; else dbias_ref
   is None. blk: a block mask's key-block table per q tile and mask function
-  (block_mask.Refs), the forward's way; q tiles last one first (no dense bias or dropout with
-  it: mosaic_gpu.unsupported_reason).
+  (block_mask.Refs), the forward's way; q tiles last one first (no dense bias with it:
+  mosaic_gpu.unsupported_reason).
   """
   bq, bkv, stages, v_stages = kp.block_q, kp.block_kv, kp.stages, kp.dq_v_stages
   wg = lax.axis_index("wg")
@@ -125,7 +125,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
       tiles = sm90_dense.load(dense, b, h, q0, (kv0 + j) * bkv, (bq, bkv))
       drop_cols = None  # loaded ahead of the waits
       if keys is not None:
-        drop_cols = common.dropout_col_keys(keys, (kv0 + j) * bkv, bkv)
+        drop_cols = common.dropout_col_keys(keys, key_block(j) * bkv, bkv)
       plgpu.barrier_wait(k_ready.at[slot])
       if v_stages == stages:
         plgpu.barrier_wait(v_ready.at[vslot])

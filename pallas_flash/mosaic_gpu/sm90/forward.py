@@ -417,7 +417,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
     dense_tiles = None if dense is None else dense(q0, (kv0 + j) * bkv, (bq, bkv))
     drop_cols = None  # loaded ahead of the scores' wait
     if drop_keys is not None:
-      drop_cols = common.dropout_col_keys(drop_keys, (kv0 + j) * bkv, bkv)
+      drop_cols = common.dropout_col_keys(drop_keys, key_block(j) * bkv, bkv)
 
     def qk(s_ref):
       with jax.named_scope("issue"):
@@ -509,6 +509,9 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
   sched_sync = functools.partial(common.sync, bars.sched)
   q_op = _q_operand(q_smem, kp)
 
+  def key_block(j):
+    return _kv_block(j, kv0, steps, kp) if sparse is None else sparse.block(j)
+
   def dense_tiles(j):
     if dense is None:
       return None
@@ -521,7 +524,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
     1x4096x16x128, none when loaded in the softmax; deviceless, CUDA 13.0)."""
     if drop_keys is None or (early and base is not None):
       return None
-    return common.dropout_col_keys(drop_keys, _kv_block(j, kv0, steps, kp) * bkv, bkv)
+    return common.dropout_col_keys(drop_keys, key_block(j) * bkv, bkv)
 
   folded, c = common.cap_fold(kp, biased=slope is not None or dense is not None)
 
@@ -529,7 +532,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
     if not kp.bias_in_cap:  # before the mask: a hidden score must stay -inf
       s = common.soft_cap(s, kp, folded=folded)
     if masked or slope is not None or tiles is not None:
-      col0 = (_kv_block(j, kv0, steps, kp) if sparse is None else sparse.block(j)) * bkv
+      col0 = key_block(j) * bkv
       s = common.alibi(s, q0, col0, slope,  # on every block, masked or not
                        drop_rows=common.alibi_drops_rows(kp))
     if kp.bias_in_cap:  # logits_soft_cap_order="bias_then_cap": the biases inside the cap
