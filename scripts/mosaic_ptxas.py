@@ -90,6 +90,7 @@ VARIANTS = {
     "bwd_blockmask": ("fwdbwd", True, dict(blockmask=1023)),
     "fwd_blockmask_dropout": ("fwd", True, dict(blockmask=1023, dropout=0.1)),
     "bwd_blockmask_dropout": ("fwdbwd", True, dict(blockmask=1023, dropout=0.1)),
+    "bwd_blockmask_bias": ("fwdbwd", True, dict(blockmask=1023, bias=True)),
     # Attention sinks (an [H] input of the forward, added in its epilogue). Not a config field.
     "fwd_sinks": ("fwd", False, dict(sinks=True)),
     "fwd_sinks_causal": ("fwd", True, dict(sinks=True)),

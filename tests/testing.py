@@ -271,8 +271,9 @@ def check_block_mask_against_reference(impl: str, case: Case, name: str, *, bloc
                        block_q=blocks[0], block_kv=blocks[1])
   result = run(impl, q, k, v, do, config=config, block_mask=bm, **kwargs)
   up = [x.astype(jnp.float32) for x in (q, k, v, do)]
+  names = ("dq", "dk", "dv") + tuple(f"d{n}" for n in DIFFERENTIABLE_KWARGS if n in kwargs)
   assert_matches_reference(result, run("reference", *up, block_mask=bm, **kwargs),
-                           tolerance(case.dtype), dtype=q.dtype)
+                           tolerance(case.dtype), names=names, dtype=q.dtype)
   return result[0]
 
 

@@ -135,9 +135,6 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
     if kernel_head_dim(call.head_dim, call.value_head_dim) > 128:
       return (f"block_mask runs in the kernels of head dims up to 128, this call has "
               f"{_dims(call)} (the head-dim-192/256 backward kernels take no block mask)")
-    if call.params.has_bias:
-      return ("a dense bias with a block_mask is not in the wgmma kernels (dbias is written "
-              "for key-block ranges, not tables)")
   if call.params.deterministic and config is not None and config.fused_backward:
     return ("config.fused_backward=True sums dQ with float32 atomics in a varying order, "
             "which deterministic=True rules out; pass fused_backward=False (the split backward)")
@@ -146,9 +143,11 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
 
 def by_name_reason(call: CallInfo) -> str | None:
   """Why `implementation=None` does not run `call` here though it can (its head dims are not
-  in MEASURED_HEAD_DIMS, or dropout with a block mask), or None."""
-  if call.params.block_mask_blocks is not None and call.params.dropout_rate:
-    return ("mosaic runs dropout with a block_mask only when asked for "
+  in MEASURED_HEAD_DIMS, or dropout or a dense bias with a block mask), or None."""
+  if call.params.block_mask_blocks is not None and (call.params.dropout_rate
+                                                    or call.params.has_bias):
+    what = "dropout" if call.params.dropout_rate else "a dense bias"
+    return (f"mosaic runs {what} with a block_mask only when asked for "
             "(implementation='mosaic'): not yet measured on the GPU")
   d, dv = call.head_dim, call.value_head_dim
   if (d, dv) in MEASURED_HEAD_DIMS:

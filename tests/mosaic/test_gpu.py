@@ -145,12 +145,18 @@ def test_block_mask(name, case, blocks):
   _assert_reproducible(case, block_mask=bm)
 
 
+@pytest.mark.parametrize("feature", ["dropout", "bias"])
 @pytest.mark.parametrize("name, case, blocks", [BLOCK_MASK_CASES[0], BLOCK_MASK_CASES[4]],
                          ids=["causal_local-128x128", "segment_and_prefix_or_local-128x64"])
-def test_block_mask_with_dropout(name, case, blocks):
-  """Dropout's keys follow the tables' blocks (by name only until timed)."""
-  check_block_mask_against_reference("mosaic", case, name, blocks=blocks, dropout_rate=0.1,
-                                     dropout_rng=jax.random.key(6))
+def test_block_mask_with_features(name, case, blocks, feature):
+  """Dropout's keys and the bias's tiles follow the tables' blocks, dbias is zero on the
+  skipped ones (by name only until timed)."""
+  if feature == "dropout":
+    kw = dict(dropout_rate=0.1, dropout_rng=jax.random.key(6))
+  else:
+    kw = dict(bias=jax.random.normal(jax.random.key(6), (1, case.num_heads, case.q_len,
+                                                          case.kv_len), jnp.bfloat16))
+  check_block_mask_against_reference("mosaic", case, name, blocks=blocks, **kw)
 
 
 # ALiBi (issue 43): the training shape causal and not (the overlapped forward, persistent

@@ -539,16 +539,29 @@ def test_block_mask_matches_reference(name, config, case, blocks):
   check_block_mask_against_reference("mosaic", case, name, blocks=blocks, config=config)
 
 
-@pytest.mark.parametrize("config", [_config(), pytest.param(_OVERLAP, marks=pytest.mark.slow)],
-                         ids=["plain", "overlap"])
-def test_block_mask_with_dropout_matches_reference(config):
-  """Dropout's keys follow the block table's key blocks in the forward and the dQ kernel
-  (the dK/dV kernel's steps already index them by the table's q blocks)."""
+# Dropout and a dense bias (its gradient too) with a block mask: the forward and the dQ kernel
+# take the dropout keys and bias tiles of the tables' key blocks (the dK/dV kernel's steps
+# index them by the tables' q blocks), the dQ kernel writes dS on those blocks and XLA zeroes
+# the skipped ones before the bias's broadcast sum (per batch entry: the documents differ).
+_DROPOUT = dict(dropout_rate=0.25, dropout_rng=jax.random.key(4))
+BLOCK_MASK_FEATURES = [("bias_dropout", _config(), dict(bias=(1, 2, 150, 130), **_DROPOUT))]
+BLOCK_MASK_FEATURES_SLOW = [("dropout_overlap", _OVERLAP, _DROPOUT),
+                            ("bias_BHTS", _config(), dict(bias=(2, 2, 150, 130)))]
+
+
+@pytest.mark.parametrize(
+    "name, config, features",
+    BLOCK_MASK_FEATURES + [pytest.param(*f, marks=pytest.mark.slow)
+                           for f in BLOCK_MASK_FEATURES_SLOW],
+    ids=[f[0] for f in BLOCK_MASK_FEATURES + BLOCK_MASK_FEATURES_SLOW])
+def test_block_mask_with_features_matches_reference(name, config, features):
+  del name
   case = Case(batch=2, q_len=150, kv_len=130, num_heads=2, num_kv_heads=1, head_dim=64,
               dtype=jnp.bfloat16)
+  if "bias" in features:
+    features = dict(features, bias=2 * jax.random.normal(jax.random.key(9), features["bias"]))
   check_block_mask_against_reference("mosaic", case, "segment_and_prefix_or_local",
-                                     blocks=(32, 96), config=config, dropout_rate=0.25,
-                                     dropout_rng=jax.random.key(4))
+                                     blocks=(32, 96), config=config, **features)
 
 
 def test_block_mask_rows_that_see_nothing_give_zeros():
@@ -629,7 +642,8 @@ def test_block_mask_refusals_say_why():
   assert "head dims up to 128" in ex.reasons_when_named["mosaic"]
   bias = jax.ShapeDtypeStruct((1, 2, 64, 64), jnp.float32)
   ex = pallas_flash.explain(q, q, q, bias, block_mask=bm, config=MOSAIC_INTERPRET)
-  assert "dense bias with a block_mask" in ex.reasons_when_named["mosaic"]
+  assert ex.reasons_when_named["mosaic"] is None, ex.reasons_when_named
+  assert "a dense bias with a block_mask only when asked" in ex.reasons["mosaic"]
   # Dropout with a block mask: by name only until timed on the GPU (mosaic_gpu.by_name_reason).
   ex = pallas_flash.explain(q, q, q, block_mask=bm, dropout_rate=0.1,
                             dropout_rng=jax.random.key(0), config=MOSAIC_INTERPRET)

@@ -153,5 +153,5 @@ def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: Attent
     dq, *dbias = out if kp_dq.dense[0] else (out,)
   dk, dv = dkdv.dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs,
                           slopes=slopes, dense=dense_dkdv, keys=keys, blks=dkdv_blks)
-  dbias = tuple(sm90_dense.reduce_dbias(x, arrays.bias.shape, t, s) for x in dbias)
+  dbias = tuple(sm90_dense.reduce_dbias(x, arrays.bias.shape, t, s, bm) for x in dbias)
   return dq[:, :t], dk[:, :s], dv[:, :s], *dbias, delta[:, :, :t]

@@ -604,10 +604,14 @@ def unmasked_run(q0, steps, kp: KernelParams, *, kv0=0, full=None):
   return u0, jnp.clip(jnp.minimum(u1, full[1] - kv0), u0, steps)
 
 
-def kv_loop(step, carry, q0, steps, kp: KernelParams, *, kv0=0, full=None):
+def kv_loop(step, carry, q0, steps, kp: KernelParams, *, kv0=0, full=None, sparse=None):
   """carry through steps 0 .. steps - 1 of a WG's kv loop, step(j, carry, masked=...): with
   segment ids the masked steps before unmasked_run's run, the run, then the masked rest (the
-  causal diagonal's blocks and the padded tail) where kp.needs_mask."""
+  causal diagonal's blocks and the padded tail) where kp.needs_mask; with a block mask's
+  `sparse` view, its table's partial blocks, then the full ones."""
+  if sparse is not None:
+    carry = lax.fori_loop(0, sparse.masked, functools.partial(step, masked=True), carry)
+    return lax.fori_loop(sparse.masked, steps, functools.partial(step, masked=False), carry)
   u0, u1 = unmasked_run(q0, steps, kp, kv0=kv0, full=full)
   if full is not None:
     carry = lax.fori_loop(0, u0, functools.partial(step, masked=True), carry)

@@ -25,7 +25,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_flash import _tiling
+from pallas_flash import _tiling, masks
 from pallas_flash.call import AttentionParams, FeatureArrays
 
 
@@ -241,11 +241,26 @@ def zero_dbias_blocks(dbias_ref, b, h, row0, rows: int, block: int, lo, hi):
     dbias_tile(dbias_ref, zeros, b, h, row0, j * block)
 
 
-def reduce_dbias(dbias, bias_shape, t: int, s: int):
+def reduce_dbias(dbias, bias_shape, t: int, s: int, block_mask=None):
   """dbias [B, H, Tp, Sp] (`dbias_dtype`) summed over the bias's broadcast axes in float32
   and cut to bias_shape [B|1, H|1, T, S] (no XLA op where the bias has no broadcast axis and
-  T, S fill the tiles)."""
+  T, S fill the tiles). With a block mask (masks.BlockMask) the dQ kernel wrote only the
+  blocks its tables stream: the others, whose keys no query sees, become 0 here (a select
+  that XLA fuses into the sum; the buffer's unwritten blocks may hold anything)."""
+  if block_mask is not None:
+    dbias = jnp.where(_streamed(block_mask, dbias.shape[2:]), dbias, 0)
   axes = tuple(a for a in (0, 1) if bias_shape[a] == 1 and dbias.shape[a] != 1)
   if axes:
     dbias = dbias.astype(jnp.float32).sum(axes, keepdims=True)
   return dbias[:, :, :t, :s]
+
+
+def _streamed(bm, shape):
+  """[B'|1, 1, Tp, Sp] bool: the elements of mask blocks that are not skipped (every block the
+  kernels' tables stream holds them; a skipped block's dS is 0), the padding false."""
+  tp, sp = shape
+  live = bm.block_state != masks.SKIPPED  # [B', T / block_q, S / block_kv], rounded up
+  live = jnp.repeat(jnp.repeat(live, bm.block_q, axis=1), bm.block_kv, axis=2)
+  live = live[:, :min(tp, live.shape[1]), :min(sp, live.shape[2])]
+  live = jnp.pad(live, ((0, 0), (0, tp - live.shape[1]), (0, sp - live.shape[2])))
+  return live[:, None]

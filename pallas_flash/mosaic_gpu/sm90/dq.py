@@ -52,8 +52,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
   Sp] (dense.dbias_dtype) gets dS (before the soft cap's slope: the bias is added after the
   cap) of every score tile, zeros on the key blocks a warpgroup does not stream; else dbias_ref
   is None. blk: a block mask's key-block table per q tile and mask function
-  (block_mask.Refs), the forward's way; q tiles last one first (no dense bias with it:
-  mosaic_gpu.unsupported_reason).
+  (block_mask.Refs), the forward's way; q tiles last one first (dbias is written on the
+  table's blocks only).
   """
   bq, bkv, stages, v_stages = kp.block_q, kp.block_kv, kp.stages, kp.dq_v_stages
   wg = lax.axis_index("wg")
@@ -122,7 +122,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
       slot = lax.rem(j, stages)
       vslot = slot if v_stages == stages else lax.rem(j, v_stages)
       # The dense tiles, loaded where they are added to S (dense.load).
-      tiles = sm90_dense.load(dense, b, h, q0, (kv0 + j) * bkv, (bq, bkv))
+      tiles = sm90_dense.load(dense, b, h, q0, key_block(j) * bkv, (bq, bkv))
       drop_cols = None  # loaded ahead of the waits
       if keys is not None:
         drop_cols = common.dropout_col_keys(keys, key_block(j) * bkv, bkv)
@@ -174,7 +174,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
         ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [0]))
         if slope is not None and kp.bias_in_cap:  # inside the cap: the raw scores' dS
           ds = ds * slope
-        sm90_dense.dbias_tile(dbias_ref, ds, b, h, q0, (kv0 + j) * bkv)
+        sm90_dense.dbias_tile(dbias_ref, ds, b, h, q0, key_block(j) * bkv)
         if slope is not None and not kp.bias_in_cap:  # after it: the slope comes after
           ds = ds * slope
       else:
@@ -194,14 +194,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
       return carry
 
     dq = plgpu.layout_cast(jnp.zeros((bq, kp.d), jnp.float32), plgpu.Layout.WGMMA)
-    if sparse is not None:  # the partial blocks, then the full ones
-      dq = lax.fori_loop(0, sparse.masked, functools.partial(step, masked=True), dq)
-      dq = lax.fori_loop(sparse.masked, steps, functools.partial(step, masked=False), dq)
-    else:
-      dq = common.kv_loop(step, dq, q0, steps, kp, kv0=kv0, full=full)  # full: None without seg
-      if kp.causal or seg is not None:
-        lax.fori_loop(steps, cta_steps, idle_step, None)
-    if dbias_ref is not None:  # no key of the other blocks is visible: dbias is 0 there
+    # full: None without segment ids.
+    dq = common.kv_loop(step, dq, q0, steps, kp, kv0=kv0, full=full, sparse=sparse)
+    if sparse is None and (kp.causal or seg is not None):
+      lax.fori_loop(steps, cta_steps, idle_step, None)
+    # No key of the other blocks is visible: dbias is 0 there (a block table's are zeroed by
+    # XLA, dense.reduce_dbias).
+    if dbias_ref is not None and sparse is None:
       sm90_dense.zero_dbias_blocks(dbias_ref, b, h, q0, bq, bkv, 0, kv0)
       sm90_dense.zero_dbias_blocks(dbias_ref, b, h, q0, bq, bkv, kv0 + steps, kp.num_kv_blocks)
 

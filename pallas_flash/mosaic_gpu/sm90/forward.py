@@ -414,7 +414,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
     acc, m, l = carry
     slot = ring(j, stages)
     # The dense tiles, loaded where they are added to S (dense.load).
-    dense_tiles = None if dense is None else dense(q0, (kv0 + j) * bkv, (bq, bkv))
+    dense_tiles = None if dense is None else dense(q0, key_block(j) * bkv, (bq, bkv))
     drop_cols = None  # loaded ahead of the scores' wait
     if drop_keys is not None:
       drop_cols = common.dropout_col_keys(drop_keys, key_block(j) * bkv, bkv)
@@ -468,10 +468,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
   carry = (plgpu.layout_cast(jnp.zeros((bq, kp.dv), jnp.float32), plgpu.Layout.WGMMA),
            plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), common.ROW),
            plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW))
-  if sparse is not None:  # the partial blocks, then the full ones
-    carry = lax.fori_loop(0, sparse.masked, functools.partial(step, masked=True), carry)
-    return lax.fori_loop(sparse.masked, steps, functools.partial(step, masked=False), carry)
-  return common.kv_loop(step, carry, q0, steps, kp, kv0=kv0, full=full)
+  return common.kv_loop(step, carry, q0, steps, kp, kv0=kv0, full=full, sparse=sparse)
 
 
 def _q_operand(q_smem, kp: common.KernelParams):
@@ -515,7 +512,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
   def dense_tiles(j):
     if dense is None:
       return None
-    return dense(q0, _kv_block(j, kv0, steps, kp) * bkv, (bq, bkv))
+    return dense(q0, key_block(j) * bkv, (bq, bkv))
 
   def drop_cols(j, early: bool = False):
     """The dropout keys of step j's key block, or None. `early` (a load ahead of the step's
