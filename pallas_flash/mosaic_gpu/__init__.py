@@ -50,7 +50,7 @@ MEASURED_HEAD_DIMS = frozenset({(64, 64), (80, 80), (96, 96), (128, 128), (192, 
 # Optional features (pallas_flash.call.FEATURES) the kernels take; calls with any other run
 # elsewhere. ALiBi's -slope·|i - j| is added to each score tile in the kernels
 # (sm90/common.alibi), and so are the dense bias and mask ([B|1, H|1, T, S] tiles loaded by
-# each kernel, sm90/dense.py; head dims up to 128, the split backward). Dropout's keep mask is
+# each kernel, sm90/dense.py; above head dim 128 only when named). Dropout's keep mask is
 # formed in the forward and the split backward kernels from pallas_flash.dropout's row and
 # column keys (sm90/common.dropout_keep: bitwise every backend's mask), in every kernel but the
 # fused backward (calls with dropout take the split backward). A block mask's tables become the
@@ -122,10 +122,6 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
       and call.value_head_dim != call.head_dim
       and (why := native_value_reason(call.head_dim, call.value_head_dim)) is not None):
     return why
-  if ((call.params.has_bias or call.params.has_mask)
-      and kernel_head_dim(call.head_dim, call.value_head_dim) > 128):
-    return (f"a dense bias or mask runs in the kernels of head dims up to 128 (the forward and "
-            f"split backward's), this call has {_dims(call)}")
   if call.params.has_alibi and max(call.q_len, call.kv_len) >= sm90_common.ALIBI_MAX_LEN:
     return (f"ALiBi distances are exact below {sm90_common.ALIBI_MAX_LEN} positions, this call "
             f"has {max(call.q_len, call.kv_len)}")
@@ -143,12 +139,17 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
 
 def by_name_reason(call: CallInfo) -> str | None:
   """Why `implementation=None` does not run `call` here though it can (its head dims are not
-  in MEASURED_HEAD_DIMS, or dropout or a dense bias with a block mask), or None."""
+  in MEASURED_HEAD_DIMS; dropout or a dense bias with a block mask; a dense bias or mask
+  above head dim 128), or None."""
   if call.params.block_mask_blocks is not None and (call.params.dropout_rate
                                                     or call.params.has_bias):
     what = "dropout" if call.params.dropout_rate else "a dense bias"
     return (f"mosaic runs {what} with a block_mask only when asked for "
             "(implementation='mosaic'): not yet measured on the GPU")
+  if ((call.params.has_bias or call.params.has_mask)
+      and kernel_head_dim(call.head_dim, call.value_head_dim) > 128):
+    return (f"mosaic runs a dense bias or mask at {_dims(call)} (hd256.py's backward) only "
+            "when asked for (implementation='mosaic'): not yet measured on the GPU")
   d, dv = call.head_dim, call.value_head_dim
   if (d, dv) in MEASURED_HEAD_DIMS:
     return None

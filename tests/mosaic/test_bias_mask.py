@@ -59,6 +59,13 @@ DENSE = [
     ("bias_then_cap", _config(), _case(190, 130, b=1, is_causal=True, lengths=True,
                                        features=("bias_std5", "mask_empty_rows", "softcap",
                                                  "alibi", "bias_then_cap"))),
+    # Above head dim 128 (by name only): hd256.py's backward, its "P" role adding the
+    # transposed tiles to Sᵀ; and MLA's 192 / 128 with V at its own width, inside a cap.
+    ("hd256", _config(), _case(130, 100, b=1, d=256, is_causal=True,
+                               features=("bias", "mask_empty_rows"))),
+    _slow("hd192v128_bias_then_cap", _config(native_value_head_dim=True),
+          _case(130, 100, d=192, value_head_dim=128, lengths=True,
+                features=("bias_bcast", "mask_empty_rows", "softcap", "bias_then_cap"))),
 ]
 
 
@@ -124,7 +131,7 @@ def _info(**kw) -> CallInfo:
 @pytest.mark.parametrize("kw,expected", [
     (dict(), None),
     (dict(head_dim=112, value_head_dim=112), None),  # zero-padded to 128
-    (dict(head_dim=256, value_head_dim=256), "head dims up to 128"),
+    (dict(head_dim=256, value_head_dim=256), None),  # by name only: by_name_reason
     (dict(params=AttentionParams(scale=1.0, is_causal=False, has_segments=False,
                                  has_mask=True, logits_soft_cap=30.0)), None),
     (dict(params=AttentionParams(scale=1.0, is_causal=False, has_segments=False,
@@ -138,7 +145,7 @@ def test_unsupported_reason(kw, expected):
 def test_explain_runs_bias_and_mask_on_mosaic():
   """On an H200 implementation=None runs a dense bias and mask on the Mosaic kernels, with the
   split backward (a long causal call that takes the fused one without them does not); at head
-  dim 256 the kernels cannot run them, and explain says why."""
+  dim 256 (hd256.py's backward) only when named until timed, and explain says why."""
   q = jax.ShapeDtypeStruct((1, 16384, 4, 128), jnp.bfloat16)
   bias = jax.ShapeDtypeStruct((1, 4, 16384, 16384), jnp.bfloat16)
   mask = jax.ShapeDtypeStruct((1, 1, 16384, 16384), jnp.bool_)
@@ -150,7 +157,8 @@ def test_explain_runs_bias_and_mask_on_mosaic():
     wide = pallas_flash.explain(q256, q256, q256, mask=mask256)
   assert auto.chosen == "mosaic", auto
   assert plain.config.fused_backward and not auto.config.fused_backward
-  assert wide.chosen != "mosaic" and "head dims up to 128" in str(wide), wide
+  assert wide.chosen != "mosaic" and wide.reasons_when_named["mosaic"] is None, wide
+  assert "a dense bias or mask at head dim 256" in wide.reasons["mosaic"], wide
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])

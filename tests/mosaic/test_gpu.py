@@ -187,9 +187,9 @@ def test_alibi(case):
 
 # A dense bias and mask (sm90/dense.py: tiles loaded by the forward grid kernel and the split
 # backward; dbias from the dQ kernel): bias [1, H, T, S] and [B, 1, T, S] (bias_bcast), masks
-# with rows that see no key, causal and not, GQA, odd lengths, head dims 64, 96 and 128, with a
-# soft cap and ALiBi (after them, and inside the cap: "bias_then_cap"), and the 192-key tiles
-# past MEDIUM_KV_LEN.
+# with rows that see no key, causal and not, GQA, odd lengths, head dims 64, 96, 128, 256 and
+# 192 / 128, with a soft cap and ALiBi (after them, and inside the cap: "bias_then_cap"), and
+# the 192-key tiles past MEDIUM_KV_LEN.
 BIAS_CASES = [
     _case(4, 2048, 2048, 8, 2, 128, True, features=("bias",)),
     _case(4, 2048, 2048, 8, 2, 128, False, features=("bias",)),
@@ -202,6 +202,9 @@ BIAS_CASES = [
     _case(1, 1000, 1100, 4, 2, 128, True, features=("bias", "dropout")),
     _case(1, 1000, 1000, 4, 2, 64, True, lengths=True,
           features=("bias_std5", "mask_empty_rows", "softcap", "alibi", "bias_then_cap")),
+    # Above head dim 128 (hd256.py's backward; by name only until timed).
+    _case(1, 1000, 1100, 4, 2, 256, True, features=("bias", "mask_empty_rows")),
+    _case(2, 1024, 1024, 4, 2, 192, False, value_head_dim=128, features=("bias_bcast", "mask")),
 ]
 
 

@@ -100,7 +100,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
       if dense is not None:  # the dense tiles (dense.load), added to Sᵀ with the bias
         tiles = (sm90_dense.load(dense, b, index(t)[1], k0, index(t)[0] * bq, (bkv, bq),
                                  transposed=True),
-                 functools.partial(_with_dense, kp=kp))
+                 functools.partial(with_dense, kp=kp))
       drop = drop_at(t)  # as do the queries' dropout keys
       q_smem, do_smem = kv_stream.wait_streams(streams, slot)
       if kp.dkdv_overlap and not (kp.interpret or masked or kp.alibi or kp.dropout
@@ -169,9 +169,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     kv_stream.produce_query_streams(cta_steps, stages, streams, index, b, bq, kp)
 
 
-def _with_dense(alibi, tiles, kp: common.KernelParams):
+def with_dense(alibi, tiles, kp: common.KernelParams):
   """The step's bias on a raw Sᵀ tile: ALiBi's (`alibi`, or None), then the dense tiles
-  (dense.add, whose `cap` the bias takes too)."""
+  (dense.add, whose `cap` the bias takes too); hd256.py's "P" role takes it too."""
   return lambda s_t, cap=None: sm90_dense.add(s_t if alibi is None else alibi(s_t), tiles,
                                               kp.scale, cap=cap)
 

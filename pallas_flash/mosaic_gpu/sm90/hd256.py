@@ -36,7 +36,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_flash import _tiling
 from pallas_flash.call import AttentionParams, FeatureArrays
 from pallas_flash.mosaic_gpu.config import MosaicConfig
-from pallas_flash.mosaic_gpu.sm90 import common, kv_stream
+from pallas_flash.mosaic_gpu.sm90 import common, dkdv, kv_stream
+from pallas_flash.mosaic_gpu.sm90 import dense as sm90_dense
 from pallas_flash.mosaic_gpu.sm90.dq import LOG2E, dq_call
 
 # Key rows of a dK/dV CTA (both warpgroups) and query rows per step; key rows per dQ step
@@ -56,7 +57,7 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
                        st_scratch, kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free,
                        do_free, lse_free, delta_free, p_ready, p_free, *,
                        kp: common.KernelParams, seg: common.SegmentRefs | None = None,
-                       slopes=None, keys: common.DropoutKeys | None = None):
+                       slopes=None, keys: common.DropoutKeys | None = None, dense=None):
   """q_ref [B, Tp, H, D], do_ref [B, Tp, H, Dv], k_ref [B, Sp, K, D], v_ref [B, Sp, K, Dv], lse
   (log2 units)/delta_ref [B, H, Tp] (Dv = kp.dv: D but with MosaicConfig.native_value_head_dim).
 
@@ -124,6 +125,10 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
     def step(t, dv, *, masked: bool):
       slot, pslot = lax.rem(t, stages), lax.rem(t, 2)
       bias = alibi_at(t)  # the slope's load runs ahead of the waits
+      if dense is not None:  # the transposed dense tiles, added to Sᵀ with ALiBi
+        tiles = sm90_dense.load(dense, b, index(t)[1], k0, index(t)[0] * bq, (bkv, bq),
+                                transposed=True)
+        bias = dkdv.with_dense(bias, tiles, kp)
       drop = drop_at(t)  # as do the queries' dropout keys
       q_smem, do_smem = kv_stream.wait_streams(streams, slot)
       s_t = common.smem_matmul(k_smem, q_smem.T, (bkv, bq))
@@ -231,12 +236,13 @@ def _store_through(acc, smem, dst, kp: common.KernelParams):
 
 
 def _dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slopes=(),
-               keys=()):
+               keys=(), dense=()):
   """(dK [B, S', K, D], dV [B, S', K, Dv]) of q [B, T', H, D], do [B, T', H, Dv], k [B, S', K, D], v
   [B, S', K, Dv] (Dv = kp.dv), T' and S' padded as common.operand_rows says (tiles cover kp.t_pad /
   kp.s_pad rows); lse2/delta [B, H, Tp] (kp.stats_view); segs: () or (kv_seg [B, Sp], q_seg [B, Tp],
   q limits per kv tile) int32; slopes: () or (common.raw_alibi_slopes [H],); keys: () or dropout's
-  (row keys [B, H, Tp], column keys [Sp])."""
+  (row keys [B, H, Tp], column keys [Sp]); dense: () or the second of dense.backward_inputs (the
+  bias and / or maskᵀ's bits; kp.dense says which), whose tiles the "P" role adds to Sᵀ."""
   bsz, _, kh, d = k.shape
   s_pad = kp.s_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
@@ -260,14 +266,14 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), sl
   dk_out, dv_out = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k, v))
   return plgpu.kernel(
       common.with_segment_refs(functools.partial(_dkdv_roles_kernel, kp=kp), 6, bool(segs),
-                               alibi=bool(slopes), dropout=bool(keys)),
+                               alibi=bool(slopes), dropout=bool(keys), dense=kp.dense),
       out_type=(dk_out, dv_out),
       scratch_types=scratch,
       **common.launch_grid(s_pad // bkv, kh, bsz, ("kt", "kvh", "b"), heads_fastest=False),
       num_threads=3, thread_name="wg",
       compiler_params=common.compiler_params(kp),
       interpret=common.interpret_params(kp.interpret),
-  )(q, k, v, do, kp.stats_view(lse2), kp.stats_view(delta), *segs, *slopes, *keys)
+  )(q, k, v, do, kp.stats_view(lse2), kp.stats_view(delta), *segs, *slopes, *keys, *dense)
 
 
 def padded_lengths(t: int, s: int) -> tuple[int, int]:
@@ -297,8 +303,9 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   """q [B, T, H, D] (D = 192 or 256), k [B, S, K, D], v [B, S, K, Dv], o/do [B, T, H, Dv] (Dv: D, or
   with MosaicConfig.native_value_head_dim its own, a multiple of 64 below D), q/kv_seg [B, T] / [B,
   S] int32 or None, lse as the forward returned it, delta the correction -dlse or None
-  (backward.py's contract), slopes () or ALiBi's (common.raw_alibi_slopes [H],), of `arrays` only
-  the dropout seed is read -> (dq, dk, dv)."""
+  (backward.py's contract), slopes () or ALiBi's (common.raw_alibi_slopes [H],), of `arrays` the
+  dropout seed and the dense bias and mask are read -> (dq, dk, dv[, dbias]), dbias (dS from the
+  dQ kernel) summed over the bias's broadcast axes."""
   t, s = q.shape[1], k.shape[1]
   t_pad, s_pad = padded_lengths(t, s)
   kp_dq, kp_dkdv = kernel_params(q, k, params, config, t_pad=t_pad, s_pad=s_pad,
@@ -320,8 +327,11 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
         dq_tiles=(2 * BLOCK_Q, BLOCK_KV_DQ), dkdv_tiles=(BLOCK_Q, BLOCK_KV), params=params)
   keys = common.dropout_keys(arrays, params, batch=q.shape[0], heads=q.shape[2], t_pad=t_pad,
                             s_pad=s_pad)
-  dq = dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs, slopes=slopes,
-               keys=keys)
+  dense_dq, dense_dkdv = sm90_dense.backward_inputs(arrays, params, t_pad, s_pad)
+  out = dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs, slopes=slopes,
+                keys=keys, dense=dense_dq)
+  dq, *dbias = out if kp_dq.dense[0] else (out,)
   dk, dv = _dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs,
-                      slopes=slopes, keys=keys)
-  return dq[:, :t], dk[:, :s], dv[:, :s]
+                      slopes=slopes, keys=keys, dense=dense_dkdv)
+  dbias = tuple(sm90_dense.reduce_dbias(x, arrays.bias.shape, t, s) for x in dbias)
+  return dq[:, :t], dk[:, :s], dv[:, :s], *dbias
