@@ -128,9 +128,6 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
   if call.params.block_mask_blocks is not None:
     if (why := sm90_block_mask.fn_reason(call.params.block_mask_fn_types)) is not None:
       return why
-    if kernel_head_dim(call.head_dim, call.value_head_dim) > 128:
-      return (f"block_mask runs in the kernels of head dims up to 128, this call has "
-              f"{_dims(call)} (the head-dim-192/256 backward kernels take no block mask)")
   if call.params.deterministic and config is not None and config.fused_backward:
     return ("config.fused_backward=True sums dQ with float32 atomics in a varying order, "
             "which deterministic=True rules out; pass fused_backward=False (the split backward)")
@@ -139,13 +136,17 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
 
 def by_name_reason(call: CallInfo) -> str | None:
   """Why `implementation=None` does not run `call` here though it can (its head dims are not
-  in MEASURED_HEAD_DIMS; dropout or a dense bias with a block mask; a dense bias or mask
-  above head dim 128), or None."""
+  in MEASURED_HEAD_DIMS; dropout or a dense bias with a block mask; a block mask, a dense
+  bias or mask above head dim 128), or None."""
   if call.params.block_mask_blocks is not None and (call.params.dropout_rate
                                                     or call.params.has_bias):
     what = "dropout" if call.params.dropout_rate else "a dense bias"
     return (f"mosaic runs {what} with a block_mask only when asked for "
             "(implementation='mosaic'): not yet measured on the GPU")
+  if (call.params.block_mask_blocks is not None
+      and kernel_head_dim(call.head_dim, call.value_head_dim) > 128):
+    return (f"mosaic runs a block_mask at {_dims(call)} (hd256.py's backward) only when asked "
+            "for (implementation='mosaic'): not yet measured on the GPU")
   if ((call.params.has_bias or call.params.has_mask)
       and kernel_head_dim(call.head_dim, call.value_head_dim) > 128):
     return (f"mosaic runs a dense bias or mask at {_dims(call)} (hd256.py's backward) only "

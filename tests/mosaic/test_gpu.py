@@ -159,6 +159,15 @@ def test_block_mask_with_features(name, case, blocks, feature):
   check_block_mask_against_reference("mosaic", case, name, blocks=blocks, **kw)
 
 
+@pytest.mark.parametrize("name, case, blocks", [
+    ("causal_local", _case(2, 2048, 2048, 8, 2, 256, False), (128, 128)),
+    ("segment_and_prefix_or_local", _case(2, 1024, 1024, 8, 2, 192, False, value_head_dim=128),
+     (128, 64))], ids=["causal_local-hd256", "segment_and_prefix_or_local-hd192v128"])
+def test_block_mask_above_head_dim_128(name, case, blocks):
+  """hd256.py's backward over the tables (by name only until timed)."""
+  check_block_mask_against_reference("mosaic", case, name, blocks=blocks)
+
+
 # ALiBi (issue 43): the training shape causal and not (the overlapped forward, persistent
 # non-causal), head dim 64 with segment ids, persistent and split-tail forwards, 192-key tiles
 # with a key tail, a window with a soft cap, head dim 256, ALiBi inside the cap

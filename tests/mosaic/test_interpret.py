@@ -547,6 +547,25 @@ _DROPOUT = dict(dropout_rate=0.25, dropout_rng=jax.random.key(4))
 BLOCK_MASK_FEATURES = [("bias_dropout", _config(), dict(bias=(1, 2, 150, 130), **_DROPOUT))]
 BLOCK_MASK_FEATURES_SLOW = [("dropout_overlap", _OVERLAP, _DROPOUT),
                             ("bias_BHTS", _config(), dict(bias=(2, 2, 150, 130)))]
+# Above head dim 128 (hd256.py's backward: the roles kernel streams its table's q blocks, the
+# "P" role masking the partial ones): at 256 with a bias, at MLA's 192 / 128 (V at its width).
+BLOCK_MASK_WIDE = [
+    ("hd256_bias", _config(), Case(batch=2, q_len=150, kv_len=130, num_heads=2, num_kv_heads=1,
+                                   head_dim=256, dtype=jnp.bfloat16), dict(bias=(1, 2, 150, 130))),
+    pytest.param("hd192v128", _config(native_value_head_dim=True),
+                 Case(batch=2, q_len=150, kv_len=130, num_heads=4, num_kv_heads=2, head_dim=192,
+                      value_head_dim=128, dtype=jnp.bfloat16), {}, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("name, config, case, features", BLOCK_MASK_WIDE,
+                         ids=["hd256_bias", "hd192v128"])
+def test_block_mask_above_head_dim_128_matches_reference(name, config, case, features):
+  del name
+  if "bias" in features:
+    features = dict(features, bias=2 * jax.random.normal(jax.random.key(9), features["bias"]))
+  check_block_mask_against_reference("mosaic", case, "segment_and_prefix_or_local",
+                                     blocks=(32, 96), config=config, **features)
 
 
 @pytest.mark.parametrize(
@@ -639,7 +658,8 @@ def test_block_mask_refusals_say_why():
       assert why in ex.reasons_when_named["mosaic"]
   wide = jax.ShapeDtypeStruct((1, 64, 2, 256), jnp.bfloat16)
   ex = pallas_flash.explain(wide, wide, wide, block_mask=bm, config=MOSAIC_INTERPRET)
-  assert "head dims up to 128" in ex.reasons_when_named["mosaic"]
+  assert ex.reasons_when_named["mosaic"] is None, ex.reasons_when_named
+  assert "a block_mask at head dim 256" in ex.reasons["mosaic"]
   bias = jax.ShapeDtypeStruct((1, 2, 64, 64), jnp.float32)
   ex = pallas_flash.explain(q, q, q, bias, block_mask=bm, config=MOSAIC_INTERPRET)
   assert ex.reasons_when_named["mosaic"] is None, ex.reasons_when_named

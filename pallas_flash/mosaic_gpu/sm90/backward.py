@@ -53,8 +53,8 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   compare ids on those not wholly inside the tile's one document; a local window runs the same
   path, its band's blocks as the limits (common.segment_inputs). A dense bias and mask are
   loaded by the split kernels (hd256.py's above head dim 128), and dbias (dS, from the dQ
-  kernel) follows dk and dv. A block mask (head dims up to 128) runs the split kernels over
-  its tables at their tiles (block_mask.inputs). The fused kernel takes none of them, nor
+  kernel) follows dk and dv. A block mask runs the split kernels (hd256.py's) over its
+  tables at their tiles (block_mask.inputs). The fused kernel takes none of them, nor
   ALiBi: it falls back to the split with a warning."""
   d = q.shape[3]
   assert v.shape[3] == d or d > 128, "a value head dim of its own: the kernels of D > 128 only"

@@ -36,7 +36,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_flash import _tiling
 from pallas_flash.call import AttentionParams, FeatureArrays
 from pallas_flash.mosaic_gpu.config import MosaicConfig
-from pallas_flash.mosaic_gpu.sm90 import common, dkdv, kv_stream
+from pallas_flash.mosaic_gpu.sm90 import block_mask, common, dkdv, kv_stream
 from pallas_flash.mosaic_gpu.sm90 import dense as sm90_dense
 from pallas_flash.mosaic_gpu.sm90.dq import LOG2E, dq_call
 
@@ -57,7 +57,8 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
                        st_scratch, kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free,
                        do_free, lse_free, delta_free, p_ready, p_free, *,
                        kp: common.KernelParams, seg: common.SegmentRefs | None = None,
-                       slopes=None, keys: common.DropoutKeys | None = None, dense=None):
+                       slopes=None, keys: common.DropoutKeys | None = None, dense=None,
+                       blk: block_mask.Refs | None = None):
   """q_ref [B, Tp, H, D], do_ref [B, Tp, H, Dv], k_ref [B, Sp, K, D], v_ref [B, Sp, K, Dv], lse
   (log2 units)/delta_ref [B, H, Tp] (Dv = kp.dv: D but with MosaicConfig.native_value_head_dim).
 
@@ -83,6 +84,9 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
   after the "dS" role's last read of V (its dPᵀ retires before it takes the step's Pᵀ), and
   that role's last p_ready wait after the "P" role's last read of K (its Sᵀ retires before it
   hands Pᵀ over). Both roles wait for both tiles' loads first, for a CTA of no steps.
+  dense: the dense bias and maskᵀ (dense.DenseRefs) or None; the "P" role adds their tiles.
+  blk: a block mask's q-block table per kv tile (block_mask.Refs): the steps run over the
+  table's q blocks, the "P" role evaluating the mask function on its partial ones.
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   wg = lax.axis_index("wg")
@@ -99,9 +103,15 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
       ids_at = common.row_and_col_ids(seg, b, k0, bkv, bq)
       ids = lambda t: ids_at(index(t)[0] * bq)  # noqa: E731  (index: below)
   cta_steps = (cta_last - cta_first) * g_size
+  sparse = None
+  if blk is not None:
+    sparse = block_mask.sparse(blk, kp.block_mask, b, kt)
+    cta_steps = sparse.steps * g_size
   rows = (b, pl.ds(k0, bkv), kvh)
 
   def index(step):
+    if sparse is not None:
+      return sparse.block(lax.div(step, g_size)), kvh * g_size + lax.rem(step, g_size)
     return cta_first + lax.div(step, g_size), kvh * g_size + lax.rem(step, g_size)
 
   streams = ((q_ref, q_scratch, q_ready, q_free), (do_ref, do_scratch, do_ready, do_free),
@@ -136,7 +146,11 @@ def _dkdv_roles_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, 
       lse = plgpu.load(lse_scratch.at[slot], layout=common.COL)
       release(slot, streams[2:])  # lse read; delta is the other role's
       p_t = jnp.exp2(s_t * c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-      if masked:
+      if sparse is not None:  # the table's partial blocks first; full ones keep every score
+        visible = sparse.mask(k0, index(t)[0] * bq, (bkv, bq), kp.kv_len, kp.kv_tail,
+                              transposed=True)
+        p_t = jnp.where(visible | (t >= sparse.masked * g_size), p_t, 0.0)
+      elif masked:
         visible = common.tile_mask(k0, index(t)[0] * bq, (bkv, bq), kp, transposed=True,
                                     ids=ids and ids(t))
         p_t = jnp.where(visible, p_t, 0.0)
@@ -236,13 +250,14 @@ def _store_through(acc, smem, dst, kp: common.KernelParams):
 
 
 def _dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slopes=(),
-               keys=(), dense=()):
+               keys=(), dense=(), blks=()):
   """(dK [B, S', K, D], dV [B, S', K, Dv]) of q [B, T', H, D], do [B, T', H, Dv], k [B, S', K, D], v
   [B, S', K, Dv] (Dv = kp.dv), T' and S' padded as common.operand_rows says (tiles cover kp.t_pad /
   kp.s_pad rows); lse2/delta [B, H, Tp] (kp.stats_view); segs: () or (kv_seg [B, Sp], q_seg [B, Tp],
   q limits per kv tile) int32; slopes: () or (common.raw_alibi_slopes [H],); keys: () or dropout's
   (row keys [B, H, Tp], column keys [Sp]); dense: () or the second of dense.backward_inputs (the
-  bias and / or maskᵀ's bits; kp.dense says which), whose tiles the "P" role adds to Sᵀ."""
+  bias and / or maskᵀ's bits; kp.dense says which), whose tiles the "P" role adds to Sᵀ; blks:
+  () or a block mask's operands (block_mask.inputs by kv tile), inputs after the six others."""
   bsz, _, kh, d = k.shape
   s_pad = kp.s_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
@@ -264,16 +279,21 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), sl
       plgpu.Barrier(num_barriers=2),
   ]
   dk_out, dv_out = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k, v))
+  def make_body(blk=None):
+    return common.with_segment_refs(functools.partial(_dkdv_roles_kernel, kp=kp, blk=blk), 6,
+                                    bool(segs), alibi=bool(slopes), dropout=bool(keys),
+                                    dense=kp.dense)
+
   return plgpu.kernel(
-      common.with_segment_refs(functools.partial(_dkdv_roles_kernel, kp=kp), 6, bool(segs),
-                               alibi=bool(slopes), dropout=bool(keys), dense=kp.dense),
+      block_mask.with_block_refs(make_body, 6, len(blks)) if blks else make_body(),
       out_type=(dk_out, dv_out),
       scratch_types=scratch,
       **common.launch_grid(s_pad // bkv, kh, bsz, ("kt", "kvh", "b"), heads_fastest=False),
       num_threads=3, thread_name="wg",
       compiler_params=common.compiler_params(kp),
       interpret=common.interpret_params(kp.interpret),
-  )(q, k, v, do, kp.stats_view(lse2), kp.stats_view(delta), *segs, *slopes, *keys, *dense)
+  )(q, k, v, do, kp.stats_view(lse2), kp.stats_view(delta), *blks, *segs, *slopes, *keys,
+    *dense)
 
 
 def padded_lengths(t: int, s: int) -> tuple[int, int]:
@@ -328,10 +348,20 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   keys = common.dropout_keys(arrays, params, batch=q.shape[0], heads=q.shape[2], t_pad=t_pad,
                             s_pad=s_pad)
   dense_dq, dense_dkdv = sm90_dense.backward_inputs(arrays, params, t_pad, s_pad)
+  dq_blks = dkdv_blks = ()
+  bm = None if arrays is None else arrays.block_mask
+  if bm is not None:  # the tables at each kernel's tiles
+    info = block_mask.Info.of(bm)
+    kp_dq = dataclasses.replace(kp_dq, block_mask=info)
+    kp_dkdv = dataclasses.replace(kp_dkdv, block_mask=info)
+    dq_blks = block_mask.inputs(bm, q_tile=2 * BLOCK_Q, kv_tile=BLOCK_KV_DQ, t_pad=t_pad,
+                                s_pad=s_pad, by_q=True)
+    dkdv_blks = block_mask.inputs(bm, q_tile=BLOCK_Q, kv_tile=BLOCK_KV, t_pad=t_pad,
+                                  s_pad=s_pad, by_q=False)
   out = dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs, slopes=slopes,
-                keys=keys, dense=dense_dq)
+                keys=keys, dense=dense_dq, blks=dq_blks)
   dq, *dbias = out if kp_dq.dense[0] else (out,)
   dk, dv = _dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs,
-                      slopes=slopes, keys=keys, dense=dense_dkdv)
-  dbias = tuple(sm90_dense.reduce_dbias(x, arrays.bias.shape, t, s) for x in dbias)
+                      slopes=slopes, keys=keys, dense=dense_dkdv, blks=dkdv_blks)
+  dbias = tuple(sm90_dense.reduce_dbias(x, arrays.bias.shape, t, s, bm) for x in dbias)
   return dq[:, :t], dk[:, :s], dv[:, :s], *dbias
