@@ -16,7 +16,9 @@ The dQ kernel is dq.py's, with two K slots and one V slot (see DQ_K_STAGES) and 
 statistics from XLA. Segment ids (and lengths, folded into them): as in the split kernels, a
 CTA streams only the blocks that may share an id with its tile; here every step of a
 segmented call compares ids (the "P" role masks Pᵀ, which the "dS" role then uses). A local
-window streams as one document whose limits are the band's (common.segment_inputs).
+window streams as one document whose limits are the band's (common.segment_inputs). A dense
+bias and mask (their transposed tiles) and a block mask (its table's q blocks, the partial ones
+masked) enter at the "P" role, which forms Pᵀ; the dS role needs nothing more.
 
 Measured on the H200 at 4x4096x8x256 (fwd+bwd, same run as cuDNN): 431 / 395 TFLOP/s
 non-causal / causal, 1.05x / 1.09x cuDNN, where Triton's backward kernels gave 0.57-0.59x.
@@ -279,6 +281,7 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), sl
       plgpu.Barrier(num_barriers=2),
   ]
   dk_out, dv_out = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k, v))
+
   def make_body(blk=None):
     return common.with_segment_refs(functools.partial(_dkdv_roles_kernel, kp=kp, blk=blk), 6,
                                     bool(segs), alibi=bool(slopes), dropout=bool(keys),
