@@ -138,28 +138,28 @@ def by_name_reason(call: CallInfo) -> str | None:
   """Why `implementation=None` does not run `call` here though it can (its head dims are not
   in MEASURED_HEAD_DIMS; dropout or a dense bias with a block mask; a block mask, a dense
   bias or mask above head dim 128), or None."""
-  if call.params.block_mask_blocks is not None and (call.params.dropout_rate
-                                                    or call.params.has_bias):
-    what = "dropout" if call.params.dropout_rate else "a dense bias"
-    return (f"mosaic runs {what} with a block_mask only when asked for "
-            "(implementation='mosaic'): not yet measured on the GPU")
-  if (call.params.block_mask_blocks is not None
-      and kernel_head_dim(call.head_dim, call.value_head_dim) > 128):
-    return (f"mosaic runs a block_mask at {_dims(call)} (hd256.py's backward) only when asked "
-            "for (implementation='mosaic'): not yet measured on the GPU")
-  if ((call.params.has_bias or call.params.has_mask)
-      and kernel_head_dim(call.head_dim, call.value_head_dim) > 128):
-    return (f"mosaic runs a dense bias or mask at {_dims(call)} (hd256.py's backward) only "
-            "when asked for (implementation='mosaic'): not yet measured on the GPU")
+  p = call.params
   d, dv = call.head_dim, call.value_head_dim
+  wide = kernel_head_dim(d, dv) > 128  # hd256.py's backward
+  if p.block_mask_blocks is not None and (p.dropout_rate or p.has_bias):
+    return _by_name(f"{'dropout' if p.dropout_rate else 'a dense bias'} with a block_mask")
+  if p.block_mask_blocks is not None and wide:
+    return _by_name(f"a block_mask at {_dims(call)} (hd256.py's backward)")
+  if (p.has_bias or p.has_mask) and wide:
+    return _by_name(f"a dense bias or mask at {_dims(call)} (hd256.py's backward)")
   if (d, dv) in MEASURED_HEAD_DIMS:
     return None
-  p = kernel_head_dim(d, dv)
-  how = "" if d == dv == p else f" zero-padded to {p}"
-  if p in NARROW_HEAD_DIMS:
+  padded = kernel_head_dim(d, dv)
+  how = "" if d == dv == padded else f" zero-padded to {padded}"
+  if padded in NARROW_HEAD_DIMS:
     how += " (a fused backward, where the config asks for one, zero-padded to 128)"
-  return (f"mosaic runs {_dims(call)}{how} only when asked for (implementation='mosaic'): not "
-          "yet measured on the GPU")
+  return _by_name(f"{_dims(call)}{how}")
+
+
+def _by_name(form: str) -> str:
+  """by_name_reason's sentence for a `form` the kernels run but no GPU run has timed."""
+  return (f"mosaic runs {form} only when asked for (implementation='mosaic'): not yet measured "
+          "on the GPU")
 
 
 def _dims(call: CallInfo) -> str:
