@@ -84,11 +84,12 @@ class Feature:
   value_head_dim: int = 0  # 0: the head dim
   gqa: bool = False
   banded: bool = False
+  block_masked: bool = False  # a BlockMask, whose mask function carries the causality
 
   @property
   def is_causal(self) -> bool:
-    """flash_attention's is_causal: a BlockMask carries its causality in its mask function."""
-    return self.causal and self.cudnn != "window"
+    """flash_attention's is_causal (a BlockMask's causality is in its mask function)."""
+    return self.causal and not self.block_masked
 
   @property
   def baseline(self) -> str:
@@ -122,6 +123,10 @@ def _alibi(spec: shapes.ShapeSpec, seed: int) -> dict:
   h = spec.num_heads
   return {"alibi_slopes": jnp.asarray([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)],
                                       jnp.float32)}
+
+
+def _dropout(spec: shapes.ShapeSpec, seed: int) -> dict:
+  return {"dropout_rate": DROPOUT_RATE, "dropout_rng": jax.random.key(seed + 13)}
 
 
 def _bias(spec: shapes.ShapeSpec, seed: int) -> dict:  # cast to the inputs' dtype by _case
@@ -158,12 +163,16 @@ FEATURES: tuple[Feature, ...] = (
             cudnn=None),
     Feature("sinks", True, lambda s, seed: {"sinks": jax.random.normal(
         jax.random.key(seed + 14), (s.num_heads,))}, cudnn=None),
-    Feature("dropout", True, lambda s, seed: {"dropout_rate": DROPOUT_RATE,
-                                              "dropout_rng": jax.random.key(seed + 13)},
-            cudnn="dropout"),
+    Feature("dropout", True, _dropout, cudnn="dropout"),
     Feature("bias", False, _bias),
     Feature("mask", False, _mask),
-    Feature("blockmask", True, _block_mask, cudnn="window", banded=True),
+    Feature("blockmask", True, _block_mask, cudnn="window", banded=True, block_masked=True),
+    # The block mask composed with dropout, and with a dense bias (cuDNN runs neither).
+    Feature("blockmask_dropout", True,
+            lambda s, seed: {**_block_mask(s, seed), **_dropout(s, seed)},
+            cudnn=None, banded=True, block_masked=True),
+    Feature("blockmask_bias", True, lambda s, seed: {**_block_mask(s, seed), **_bias(s, seed)},
+            cudnn=None, banded=True, block_masked=True),
     Feature("gqa", True, gqa=True),
     *(Feature(f"hd{d}", c, head_dim=d) for d in HEAD_DIMS for c in (False, True)),
     # MLA's query/key head dim 192 with a value head dim of 128.
