@@ -136,17 +136,8 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
 
 def by_name_reason(call: CallInfo) -> str | None:
   """Why `implementation=None` does not run `call` here though it can (its head dims are not
-  in MEASURED_HEAD_DIMS; dropout or a dense bias with a block mask; a block mask, a dense
-  bias or mask above head dim 128), or None."""
-  p = call.params
+  in MEASURED_HEAD_DIMS), or None."""
   d, dv = call.head_dim, call.value_head_dim
-  wide = kernel_head_dim(d, dv) > 128  # hd256.py's backward
-  if p.block_mask_blocks is not None and (p.dropout_rate or p.has_bias):
-    return _by_name(f"{'dropout' if p.dropout_rate else 'a dense bias'} with a block_mask")
-  if p.block_mask_blocks is not None and wide:
-    return _by_name(f"a block_mask at {_dims(call)} (hd256.py's backward)")
-  if (p.has_bias or p.has_mask) and wide:
-    return _by_name(f"a dense bias or mask at {_dims(call)} (hd256.py's backward)")
   if (d, dv) in MEASURED_HEAD_DIMS:
     return None
   padded = kernel_head_dim(d, dv)

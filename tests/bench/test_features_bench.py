@@ -67,11 +67,12 @@ def _ratios_to_plain_compare_with_the_same_causality_at_the_grids_head_dim(grid)
 
 
 def _flops_count_plain_work_and_the_band_for_windows(grid):
+  banded = {f.name for f in features.FEATURES if f.banded}
   for row in grid:
     spec = shapes.ShapeSpec(name="x", batch=row["batch"], seq_len=row["seq_len"],
                             num_heads=row["num_heads"], head_dim=row["head_dim"],
                             value_head_dim=row["value_head_dim"])
-    if row["feature"] in ("window", "blockmask"):
+    if row["feature"] in banded:
       want = flops.window_flops(spec, left=row["seq_len"] // 4, mode="fwd")
     else:
       want = flops.attention_flops(spec, is_causal=row["causal"], mode="fwd")
