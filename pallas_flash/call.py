@@ -188,6 +188,7 @@ class CallInfo:
   platform: str  # "cpu", "gpu", ...
   compute_capability: tuple[int, int] | None  # (9, 0) on Hopper; None off-GPU or unknown
   device_kind: str
+  bias_dtype: jnp.dtype | None = None  # the dense bias's, kept by the kernels that load it
 
 
 def backward_inputs(computes_delta: bool, o, lse, cotangents: tuple, dtype):

@@ -291,7 +291,8 @@ def canonicalize(query, key, value, *, scale, is_causal, query_seq_lengths,
   platform, cc, kind = target_device()
   info = CallInfo(batch=b, q_len=t, kv_len=s, num_heads=h, num_kv_heads=key.shape[2],
                   head_dim=d, value_head_dim=value.shape[3], dtype=jnp.dtype(query.dtype),
-                  params=params, platform=platform, compute_capability=cc, device_kind=kind)
+                  params=params, platform=platform, compute_capability=cc, device_kind=kind,
+                  bias_dtype=None if bias is None else jnp.dtype(bias.dtype))
   return Call(query, key, value, q_seg, kv_seg, arrays, info, unbatched)
 
 

@@ -79,3 +79,41 @@ def test_a_dense_mask_of_2_to_4_gib_is_addressed_with_int64_offsets():
     operands = triton_operands(_export(fn, q, q, q, mask))
     assert any(nbytes > 2**32 and shape[1] == 1 for shape, nbytes in operands), operands
     assert_offsets_fit_int32(operands)
+
+
+def _block_mask_info(head_dim, blocks=(128, 128), cc=(9, 0), **params):
+  from pallas_flash.call import AttentionParams, CallInfo
+  params = AttentionParams(scale=1.0, is_causal=False, has_segments=False,
+                           block_mask_blocks=blocks, **params)
+  return CallInfo(batch=1, q_len=4096, kv_len=4096, num_heads=4, num_kv_heads=4,
+                  head_dim=head_dim, value_head_dim=head_dim, dtype=jnp.dtype(jnp.bfloat16),
+                  params=params, platform="gpu", compute_capability=cc, device_kind="GPU",
+                  bias_dtype=jnp.dtype(jnp.bfloat16) if params.has_bias else None)
+
+
+@pytest.mark.parametrize("head_dim,params,cc,stages,fits", [
+    # Triton asked one H100 (2026-12-06) for 320 KiB (forward) and 256 KiB (backward) here
+    # with the tuned stages; the fitted ones are below 227 KiB or the call is refused.
+    (256, {}, (9, 0), (1, 1), False),
+    (128, dict(has_bias=True), (9, 0), (2, 1), True),
+    (128, {}, (9, 0), (3, 2), True),
+    (128, {}, (8, 0), (2, 1), True),  # A100: 163 KiB
+    (128, dict(has_bias=True, has_mask=True), (8, 6), (1, 1), False),  # 99 KiB
+], ids=["hd256", "bias", "plain", "a100", "sm86_bias_mask"])
+def test_block_mask_stages_fit_shared_memory(head_dim, params, cc, stages, fits):
+  from pallas_flash.triton import common, default_config
+  info = _block_mask_info(head_dim, cc=cc, **params)
+  tuned = common.call_config(head_dim, info.dtype, info.params)
+  if cc == (9, 0) and head_dim == 256:
+    assert common.shared_memory(info, tuned)[0] == 320 << 10
+  if cc == (9, 0) and params:
+    assert common.shared_memory(info, tuned)[1] == 256 << 10
+  config = default_config(info)
+  assert (config.num_stages, config.num_stages_bwd) == stages
+  why = common.unsupported_reason(info, None, interpret=False)
+  assert (why is None) == fits, why
+  if not fits:
+    assert "shared memory" in why and "smaller blocks" in why
+  if cc == (9, 0):  # the tuned stages fit at 64-row blocks
+    small = _block_mask_info(head_dim, blocks=(64, 64), cc=cc, **params)
+    assert default_config(small) == tuned

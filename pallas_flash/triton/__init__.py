@@ -2,7 +2,8 @@
 
 from pallas_flash.call import CallInfo
 from pallas_flash.triton.backward import backward
-from pallas_flash.triton.common import SUPPORTED_FEATURES, call_config, unsupported_reason
+from pallas_flash.triton.common import (SUPPORTED_FEATURES, call_config, fitted_config,
+                                        unsupported_reason)
 from pallas_flash.triton.config import TritonConfig
 from pallas_flash.triton.forward import forward
 
@@ -10,8 +11,8 @@ CONFIG_TYPE = TritonConfig
 
 
 def default_config(call: CallInfo) -> TritonConfig:
-  """The tuned config of `call` (config.TUNED, FEATURE_TUNED)."""
-  return call_config(call.head_dim, call.dtype, call.params)
+  """The config `call` runs with (common.fitted_config)."""
+  return fitted_config(call)
 
 
 __all__ = ["CONFIG_TYPE", "SUPPORTED_FEATURES", "TritonConfig", "backward", "call_config",

@@ -116,7 +116,74 @@ def unsupported_reason(call: CallInfo, config: TritonConfig | None = None, *,
             "(Triton tiles); rebuild the BlockMask with such blocks")
   if (why := block_mask_reason(call, config)) is not None:
     return why
-  return None if interpret else platform_reason(call.platform, call.compute_capability)
+  if interpret:
+    return None
+  if (why := platform_reason(call.platform, call.compute_capability)) is not None:
+    return why
+  return shared_memory_reason(call, config or fitted_config(call))
+
+
+def fitted_config(call: CallInfo) -> TritonConfig:
+  """The tuned config of `call` (config.TUNED, FEATURE_TUNED), its stages lowered where a block
+  mask's blocks would not fit in shared memory (fit_shared_memory)."""
+  return fit_shared_memory(call_config(call.head_dim, call.dtype, call.params), call)
+
+
+# Shared memory one thread block may ask for, by compute capability (CUDA's limits, bytes).
+SHARED_MEMORY = {(8, 0): 163 << 10, (8, 7): 163 << 10, (9, 0): 227 << 10, (10, 0): 227 << 10,
+                 (10, 3): 227 << 10}
+SHARED_MEMORY_OTHER = 99 << 10  # the consumer parts' (8.6, 8.9, 12.x)
+
+
+def shared_memory(call: CallInfo, config: TritonConfig) -> tuple[int, int]:
+  """Bytes of shared memory (forward, the larger backward kernel) the kernels ask for at a
+  block mask's blocks, which replace the config's ((0, 0) without one): a kernel keeps its own
+  tiles (the forward's Q, the backward's K and V or Q and dO) and a copy per pipeline stage of
+  each tile it streams (K and V, or Q and dO, and the dense bias and mask tiles). Triton's
+  requests on one H100 (2026-12-06) were these: 320 KiB for the forward at head dim 256, 128 x
+  128 blocks and 2 stages, 256 KiB for the backward with a bf16 bias at head dim 128."""
+  if call.params.block_mask_blocks is None:
+    return 0, 0
+  bq, bk = call.params.block_mask_blocks
+  size = call.dtype.itemsize
+  qv = (padded_head_dim(call.head_dim) + padded_head_dim(call.value_head_dim)) * size
+  bias = (call.bias_dtype or call.dtype).itemsize if call.params.has_bias else 0
+  dense = bq * bk * (bias + (1 if call.params.has_mask else 0))  # the mask as int8
+  forward = bq * padded_head_dim(call.head_dim) * size + config.num_stages * (bk * qv + dense)
+  backward = max(bq, bk) * qv + config.num_stages_bwd * (max(bq, bk) * qv + dense)
+  return forward, backward
+
+
+def _shared_memory_limit(call: CallInfo) -> int | None:
+  if call.platform != "gpu" or call.compute_capability is None:
+    return None
+  return SHARED_MEMORY.get(tuple(call.compute_capability), SHARED_MEMORY_OTHER)
+
+
+def fit_shared_memory(config: TritonConfig, call: CallInfo) -> TritonConfig:
+  """`config` with its forward and backward pipeline stages each lowered (to 1 at least) until
+  a block mask's blocks fit in this GPU's shared memory (shared_memory)."""
+  limit = _shared_memory_limit(call)
+  if limit is None or call.params.block_mask_blocks is None:
+    return config
+  for field, which in (("num_stages", 0), ("num_stages_bwd", 1)):
+    while shared_memory(call, config)[which] > limit and getattr(config, field) > 1:
+      config = dataclasses.replace(config, **{field: getattr(config, field) - 1})
+  return config
+
+
+def shared_memory_reason(call: CallInfo, config: TritonConfig) -> str | None:
+  """Why the kernels' tiles at a block mask's blocks do not fit in this GPU's shared memory
+  with `config`'s stages (shared_memory), or None."""
+  limit = _shared_memory_limit(call)
+  need = max(shared_memory(call, config))
+  if limit is None or need <= limit:
+    return None
+  return (f"the Triton kernels' tiles at the block_mask's blocks "
+          f"{call.params.block_mask_blocks} need {need >> 10} KiB of shared memory with "
+          f"{config.num_stages} / {config.num_stages_bwd} stages (forward / backward), this GPU "
+          f"has {limit >> 10} KiB; build the BlockMask with smaller blocks (e.g. 64) or pass "
+          "a TritonConfig with fewer stages")
 
 
 def platform_reason(platform: str, compute_capability: tuple[int, int] | None) -> str | None:
