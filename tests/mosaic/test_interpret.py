@@ -9,6 +9,7 @@ tests/mosaic/test_gpu.py runs them on a Hopper GPU.
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -402,6 +403,83 @@ def test_rows_that_see_nothing_give_zeros_and_zero_gradients():
   # dK / dV come from another kernel than dQ: an empty row must add nothing to them either.
   ref = run("reference", *(x.astype(jnp.float32) for x in (q, k, v, do)), **ids)
   assert_matches_reference(result, ref, tolerance(case.dtype))
+
+
+# The soft cap's fixed row max (common.fixed_row_max): the forward keeps m at c − 90 (c =
+# cap·log2(e)) where P = exp2(s·c − m) stays a normal number in P·V's dtype, the running max
+# elsewhere. Caps 60 (c ≈ 86.6: fixed) and 80 (c ≈ 115: running; a fixed max there would flush
+# rows near -cap to l = 0), float16 (running; a fixed max overflows its P) on scores far past
+# ±cap (_past_the_cap), in both forward loops and the non-causal launch forms. For the suite's
+# time with -m slow.
+CAP_EXTREMES = [
+    ("plain", _config(), _case(200, 190, is_causal=True), 60.0),
+    ("plain_cap80", _config(), _case(200, 190, is_causal=True), 80.0),
+    # S = 192: a float16 key tail (S = 190) gives NaN dq on these scores without a cap too.
+    ("plain_f16", _config(), _case(200, 192, is_causal=True, dtype=jnp.float16), 60.0),
+    ("overlap", _config(fwd_intra_wg_overlap=True, block_kv=128), _case(130, 200, d=128), 60.0),
+    ("overlap_cap80", _config(fwd_intra_wg_overlap=True, block_kv=128), _case(130, 200, d=128),
+     80.0),
+    ("overlap_f16", _config(fwd_intra_wg_overlap=True, block_kv=128),
+     _case(130, 200, d=128, dtype=jnp.float16), 60.0),
+    ("overlap_causal", _config(fwd_intra_wg_overlap=True, block_kv=128),
+     _case(333, 200, kh=2, is_causal=True), 60.0),
+    # The non-causal defaults' forms: the persistent kernel (head dim 128 up to 4K keys) and
+    # the split tail (head dim 64), whose parts' (o, lse) combine_tail merges.
+    ("persistent", _config(fwd_persistent=True, fwd_intra_wg_overlap=True,
+                           debug=dict(persistent_ctas=2)), _case(200, 200, h=3, d=128), 60.0),
+    ("split_tail", _config(fwd_split_tail=True, debug=dict(wave_ctas=2, tail_parts=3)),
+     _case(384, 192, h=3), 60.0),
+]
+
+
+def _past_the_cap(q, k, cap: float):
+  """q, k with raw logits q·kᵀ/√D about cap·(2.5, -2.5, 1, -1, 0)[row % 5] ± 0.15·cap per key:
+  key column 0 set to 4 and query column 0 to the row's offset, the other columns times
+  0.15·cap. Rows at ±2.5·cap have every capped score near ±cap (tanh ≈ ±0.98), so all their
+  probabilities sit at the top or the bottom of the fixed row max's range."""
+  d = q.shape[-1]
+  offset = cap * jnp.array([2.5, -2.5, 1.0, -1.0, 0.0])[jnp.arange(q.shape[1]) % 5]
+  q32 = (q.astype(jnp.float32) * (0.15 * cap)).at[..., 0].set(
+      (offset * math.sqrt(d) / 4)[None, :, None])
+  k32 = k.astype(jnp.float32).at[..., 0].set(4.0)
+  return q32.astype(q.dtype), k32.astype(k.dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, config, case, cap", CAP_EXTREMES,
+                         ids=[f"{n}-cap{cap:g}-{c.id}" for n, _, c, cap in CAP_EXTREMES])
+def test_soft_cap_far_past_the_cap_matches_reference(name, config, case, cap):
+  del name
+  (q, k, v, do), kw = make_inputs(case)
+  q, k = _past_the_cap(q, k, cap)
+  kw["logits_soft_cap"] = cap
+  result = run("mosaic", q, k, v, do, config=config, **kw)
+  ref = run("reference", *(x.astype(jnp.float32) for x in (q, k, v, do)), **kw)
+  assert_matches_reference(result, ref, tolerance(case.dtype), dtype=q.dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+def test_soft_cap_fixed_max_on_rows_that_see_nothing(sinks):
+  """A cap of 60 (the fixed row max) on scores far past it: query rows 0-31 see no key (segment
+  ids) and give o = 0, dq = 0 and lse = -inf, or with sinks lse = the sink (the epilogue sets
+  such rows' m to MASK_VALUE, as the running max leaves it); everything against the
+  reference."""
+  case = _case(128, 128, h=2, kh=1, features=("sinks",) if sinks else ())
+  (q, k, v, do), kw = make_inputs(case)
+  q, k = _past_the_cap(q, k, 60.0)
+  seg = jnp.zeros((1, 128), jnp.int32)
+  kw.update(logits_soft_cap=60.0, query_segment_ids=seg.at[:, :32].set(2),
+            key_value_segment_ids=seg.at[:, :64].set(1))  # rows 0-31 see nothing
+  result = run("mosaic", q, k, v, do, config=MOSAIC_INTERPRET, **kw)
+  (o, lse), grads = result
+  empty_lse = (np.broadcast_to(np.asarray(kw["sinks"])[None, :, None], (1, 2, 32)) if sinks
+               else np.full((1, 2, 32), -np.inf))
+  assert np.all(np.asarray(o[:, :32]) == 0) and np.all(np.asarray(grads[0][:, :32]) == 0)
+  np.testing.assert_allclose(np.asarray(lse[..., :32]), empty_lse, rtol=1e-6)
+  ref = run("reference", *(x.astype(jnp.float32) for x in (q, k, v, do)), **kw)
+  names = ("dq", "dk", "dv") + (("dsinks",) if sinks else ())
+  assert_matches_reference(result, ref, tolerance(case.dtype), names=names, dtype=q.dtype)
 
 
 @pytest.mark.slow  # the suite's time; the GPU tests check every device case twice, bit for bit

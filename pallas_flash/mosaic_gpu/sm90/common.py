@@ -151,15 +151,20 @@ def early_probs(kp: KernelParams, *, dense, sparse) -> bool:
               or kp.softcap is not None or dense is not None or sparse is not None)
 
 
-def online_softmax(s, m, l, c, *, log2_scale: int = 0):
+def online_softmax(s, m, l, c, *, log2_scale: int = 0, fixed_max: float | None = None):
   """Online softmax (FA2 Alg. 1) of one score tile s [rows, cols] f32 in log2 units: the
   forward's, the FP8 forward's and the decode kernel's step.
 
   m, l [rows]: running row max (c-scaled log2 units) and row sum; c: the scores' factor to log2
   units (None: s is in them already). Returns (P = 2^log2_scale · exp2(s·c − m_new) float32,
   m_new, l_new, alpha), alpha = exp2(m − m_new) being the factor that brings O from m to m_new.
-  log2_scale: the FP8 forward's exact power-of-two factor on P (l then sums the scaled P)."""
+  log2_scale: the FP8 forward's exact power-of-two factor on P (l then sums the scaled P).
+  fixed_max: fixed_row_max's M (m is M throughout): P = exp2(s·c − M), m returned as it came,
+  l_new = l + rowsum(P) and alpha None (O needs no rescale)."""
   scaled = (lambda x: x) if c is None else (lambda x: x * c)
+  if fixed_max is not None:
+    p = jnp.exp2(scaled(s) - fixed_max)
+    return p, m, l + p.sum(axis=1), None
   m_new = jnp.maximum(m, scaled(s.max(axis=1)))
   alpha = jnp.exp2(m - m_new)
   p = jnp.exp2(scaled(s) - lax.broadcast_in_dim(m_new - log2_scale if log2_scale else m_new,
@@ -190,6 +195,33 @@ def cap_fold(kp: KernelParams, *, biased: bool) -> tuple[bool, float]:
   per score fewer."""
   folded = kp.softcap is not None and (kp.bias_in_cap or not biased)
   return folded, kp.c * (kp.softcap / kp.scale) if folded else kp.c
+
+
+# log2 of the largest and smallest probability exp2(s·c − M) of a visible key under
+# fixed_row_max's M: P ≤ 2^90 leaves O room for S·|V| up to 2^38 before float32 overflows, and
+# P ≥ 2^-100 keeps the P·V products normal for |V| ≥ 2^-26 (the GPU flushes subnormals) and a
+# sink's lost share of the row sum (below 2^-126 against P) under 2^-26.
+FIXED_MAX_TOP, FIXED_MAX_LOW = 90, -100
+
+
+def fixed_row_max(kp: KernelParams, folded: bool, c: float) -> float | None:
+  """The forward's fixed row max M = c − FIXED_MAX_TOP where it is exact, else None (the
+  running max). folded, c: cap_fold's.
+
+  A folded soft cap's scores are tanh values in [-1, 1] (or -inf where hidden), so every
+  finite s·c lies in [-c, c] and P = exp2(s·c − M) in [2^(FIXED_MAX_TOP − 2c), 2^FIXED_MAX_TOP]:
+  for c ≤ 95 (cap ≤ ~65.8) within [2^FIXED_MAX_LOW, 2^FIXED_MAX_TOP], in float32 and in
+  kp.dtype, which P·V takes, where that has float32's exponent range (bfloat16; not float16,
+  whose 2^16 overflows). A fixed M is the same softmax (each row's P shares the factor
+  2^(m − M)), exact up to rounding,
+  and needs no row max, no alpha = exp2(m − m_new) and no O rescale per step: m stays M,
+  l = l + rowsum(P). A cap that is not folded (ALiBi or a bias after it) bounds nothing.
+  Fully hidden rows keep l = 0, which the epilogue reads as empty, as with the running max."""
+  if not folded:
+    return None
+  if FIXED_MAX_TOP - 2 * c < FIXED_MAX_LOW or FIXED_MAX_TOP >= jnp.finfo(kp.dtype).maxexp:
+    return None
+  return c - FIXED_MAX_TOP
 
 
 def soft_cap_with_slope(s, kp: KernelParams, *, folded: bool = False):

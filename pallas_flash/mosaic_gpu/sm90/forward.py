@@ -207,13 +207,15 @@ def _store_tile(acc, m, l, o_smem, lse_smem, o_dst, lse_dst, kp: common.KernelPa
   row's softmax as one more score with a zero value: m' = max(m, sink), and with
   alpha = exp2(m - m') the row sum becomes l' = l·alpha + exp2(sink - m') and O = acc·alpha / l'
   (FA2's rescaling of one more, value-free, key block). Taking the max keeps exp2 finite on a
-  row that saw no key (m = MASK_VALUE): alpha = 0, l' = 1, O = 0 and lse = sink.
+  row that saw no key (l = 0, m = MASK_VALUE, set so for a fixed row max, which leaves m at
+  common.fixed_row_max's M): alpha = 0, l' = 1, O = 0 and lse = sink.
 
   row_term: ALiBi's row term [block_q] that the kv loop left out of m (common.alibi_row_term),
   or None; added to m first, so that lse and the sink see the true row max."""
   if row_term is not None:
     m = m + row_term
   if sink is not None:
+    m = jnp.where(l == 0.0, MASK_VALUE, m)  # the running max's m already there
     m_all = jnp.maximum(m, sink)
     alpha = jnp.exp2(m - m_all)
     l = l * alpha + jnp.exp2(sink - m_all)
@@ -406,6 +408,7 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
 
   sched_sync = functools.partial(common.sync, bars.sched)
   folded, c = common.cap_fold(kp, biased=slope is not None or dense is not None)
+  fixed = common.fixed_row_max(kp, folded, c)
 
   def key_block(j):
     return kv0 + j if sparse is None else sparse.block(j)
@@ -450,12 +453,15 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
         s = jnp.where(common.tile_mask(q0, col0, (bq, bkv), kp, ids=ids), s, -jnp.inf)
       # exp2 with softmax_scale·log2(e) folded in: m is kept in scaled log2 units, so each
       # probability is one FFMA plus one ex2. -inf scores give p = 0 without a select since
-      # m starts at the finite MASK_VALUE.
-      m_new = jnp.maximum(m, s.max(axis=1) * c)
-      alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      l = l * alpha + p.sum(axis=1)
+      # m starts at the finite MASK_VALUE (or the fixed row max).
+      if fixed is not None:  # m stays fixed_row_max's M: no max, no rescale
+        p, m_new, l, _ = common.online_softmax(s, m, l, c, fixed_max=fixed)
+      else:
+        m_new = jnp.maximum(m, s.max(axis=1) * c)
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l = l * alpha + p.sum(axis=1)
       if drop_cols is not None:
         p = jnp.where(common.dropout_keep(drop_rows, drop_cols, p.shape, kp), p, 0.0)
       p16 = p.astype(kp.dtype)
@@ -466,9 +472,16 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
     return acc, m_new, l
 
   carry = (plgpu.layout_cast(jnp.zeros((bq, kp.dv), jnp.float32), plgpu.Layout.WGMMA),
-           plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), common.ROW),
+           _initial_max(bq, fixed),
            plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW))
   return common.kv_loop(step, carry, q0, steps, kp, kv0=kv0, full=full, sparse=sparse)
+
+
+def _initial_max(rows: int, fixed: float | None):
+  """A kv loop's initial row max m [rows] ROW: the finite MASK_VALUE, or the fixed row max
+  (common.fixed_row_max) that it keeps throughout."""
+  return plgpu.layout_cast(jnp.full((rows,), MASK_VALUE if fixed is None else fixed,
+                                    jnp.float32), common.ROW)
 
 
 def _q_operand(q_smem, kp: common.KernelParams):
@@ -524,6 +537,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
     return common.dropout_col_keys(drop_keys, key_block(j) * bkv, bkv)
 
   folded, c = common.cap_fold(kp, biased=slope is not None or dense is not None)
+  fixed = common.fixed_row_max(kp, folded, c)
 
   def softmax(s, j, masked, m, l, tiles=None, cols=None):
     if not kp.bias_in_cap:  # before the mask: a hidden score must stay -inf
@@ -540,7 +554,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
       s = jnp.where(sparse.mask(q0, col0, (bq, bkv), kp.kv_len, kp.kv_tail), s, -jnp.inf)
     elif masked:
       s = jnp.where(common.visible(q0, col0, (bq, bkv), kp), s, -jnp.inf)
-    p, m, l, alpha = common.online_softmax(s, m, l, c)
+    p, m, l, alpha = common.online_softmax(s, m, l, c, fixed_max=fixed)  # alpha None: fixed
     if drop_keys is not None:  # after l: l sums every probability, P·V takes the kept ones
       cols = drop_cols(j) if cols is None else cols
       p = jnp.where(common.dropout_keep(drop_rows, cols, p.shape, kp), p, 0.0)
@@ -557,8 +571,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
   # Block 0 is masked whenever any block can be: exact where it is not needed, and one tile.
   cols0 = drop_cols(0, early=True)
   p, m, l, _ = softmax(
-      s, 0, kp.needs_mask or sparse is not None,
-      plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), common.ROW),
+      s, 0, kp.needs_mask or sparse is not None, _initial_max(bq, fixed),
       plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), common.ROW), tiles, cols0)
   acc = plgpu.layout_cast(jnp.zeros((bq, kp.dv), jnp.float32), plgpu.Layout.WGMMA)
   carry = lax.optimization_barrier((acc, p.astype(kp.dtype), m, l))
@@ -606,11 +619,13 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
         s_ref, o_ref, p_ref, m_ref, l_ref, alpha_ref = refs
         out = scores_and_softmax(
             s_ref, lambda: plgpu.wgmma(o_ref, p16, v_scratch.at[slot]))  # RS wgmma
-        p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = out
+        p_ref[...], m_ref[...], l_ref[...] = out[:3]
+        if alpha_ref is not None:
+          alpha_ref[...] = out[3]
 
       s0 = plgpu.layout_cast(jnp.zeros((bq, bkv), jnp.float32), plgpu.Layout.WGMMA)
       _, acc, p, m, l, alpha = pl.run_state(state)(
-          (plgpu.ACC.init(s0), plgpu.ACC.init(acc), s0, m, l, m))
+          (plgpu.ACC.init(s0), plgpu.ACC.init(acc), s0, m, l, None if fixed is not None else m))
       # P_{j+1} is written in kp.dtype only now that P_j·V_j has retired: P's registers are the
       # loop-carried operand of that wgmma, and redefining them while it is in flight makes
       # ptxas serialise every wgmma of the kernel (C7513; FA3 converts after wait<0> too).
@@ -618,7 +633,8 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
     plgpu.barrier_arrive(bars.v_free.at[slot])
     with jax.named_scope("rescale"):
       p16 = p.astype(kp.dtype)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      if alpha is not None:  # None: the fixed row max (fixed_row_max), nothing to rescale
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       # Pin the softmax and the rescale before the next barrier round (see the plain loop).
       return lax.optimization_barrier((acc, p16, m, l))
 
