@@ -158,17 +158,20 @@ def test_a_value_head_dim_of_its_own_is_refused():
     pallas_flash.context_parallel_explain(s, s, v, axis_size=4)
 
 
-@pytest.mark.parametrize("head_dim, want", [(128, "mosaic"), (112, "triton")])
-def test_automatic_choice_is_flash_attentions_on_an_h200(head_dim, want):
-  """Without a name the ring's kernels are the ones flash_attention would pick: mosaic runs
-  an unmeasured head dim (112, zero-padded) only when named, so the choice is triton there."""
-  s = jax.ShapeDtypeStruct((1, 1024, 4, head_dim), jnp.bfloat16)
+@pytest.mark.parametrize("head_dim, dtype, want", [(128, jnp.bfloat16, "mosaic"),
+                                                   (112, jnp.bfloat16, "mosaic"),
+                                                   (128, jnp.float32, "triton")])
+def test_automatic_choice_is_flash_attentions_on_an_h200(head_dim, dtype, want):
+  """Without a name the ring's kernels are the ones flash_attention would pick (mosaic for
+  bf16 at any head dim, 112 zero-padded; triton for float32, which wgmma does not take), and
+  a named implementation runs."""
+  s = jax.ShapeDtypeStruct((1, 1024, 4, head_dim), dtype)
   with use_abstract_mesh(H200):
     ex = pallas_flash.context_parallel_explain(s, s, s, axis_size=4, is_causal=True)
     assert ex.implementation == pallas_flash.explain(s, s, s, is_causal=True).chosen == want
     named = pallas_flash.context_parallel_explain(s, s, s, axis_size=4, is_causal=True,
-                                                  implementation="mosaic")
-  assert named.implementation == "mosaic" and named.reasons["mosaic"] is None
+                                                  implementation="triton")
+  assert named.implementation == "triton" and named.reasons["triton"] is None
 
 
 def test_zigzag_needs_even_local_lengths():

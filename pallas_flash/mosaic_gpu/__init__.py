@@ -11,8 +11,9 @@ Q, K and V); 80 and 96 (NARROW_HEAD_DIMS) are head dim 128's forward and split b
 their own width, with a narrower shared-memory swizzle (a config that asks for the fused
 backward runs it zero-padded to 128). Other head dims up to 256, and a value head dim of its
 own, run here zero-padded to the next of those (`padded_call`: e.g. 112 to 128, 72 to 80; the
-padded columns cost matrix work, plus a pad and a slice in XLA); `implementation=None` takes a
-pair of head dims only once measured faster than Triton (MEASURED_HEAD_DIMS). The default
+padded columns cost matrix work, plus a pad and a slice in XLA); `implementation=None` takes
+every head dim, and a value head dim of its own once the pair is measured faster than Triton
+(MEASURED_VALUE_HEAD_DIMS). The default
 config (config.default_config) runs 80 and 96's backward split at their own width, and the
 head-dim-192 and 256 kernels with V, O, dO and dV at their own value head dim
 (MosaicConfig.native_value_head_dim, config.kernel_head_dims: MLA's 192 / 128) rather than
@@ -40,13 +41,12 @@ from pallas_flash.mosaic_gpu.sm90 import fp8_forward as sm90_fp8_forward
 CONFIG_TYPE = MosaicConfig
 # Major compute capability -> (forward, backward) of that generation's kernels.
 KERNELS = {9: (sm90_forward.forward, sm90_backward.backward)}
-# (head dim, value head dim) pairs measured on the H200 at least as fast here as on Triton:
-# `implementation=None` runs only these here; other head dims (zero-padded to one of
-# KERNEL_HEAD_DIMS) run when asked for by name (by_name_reason). 80, 96, 192 and 192 / 128
-# measured 1.3-2.6x Triton with V and the backward padded (docs/mosaic.md, "Other head dims");
-# default_config now runs them at their own widths, faster still.
-MEASURED_HEAD_DIMS = frozenset({(64, 64), (80, 80), (96, 96), (128, 128), (192, 192),
-                                (192, 128), (256, 256)})
+# (head dim, value head dim) pairs with Dv != D measured at least as fast here as on Triton:
+# `implementation=None` runs only these of such pairs; others run when asked for by name
+# (by_name_reason). Equal head dims run here whatever they are: the kernel head dims measured
+# 1.3-2.6x Triton (docs/mosaic.md, "Other head dims"), and head dims zero-padded to them
+# (48, 112, 160, 224) 1.2-2.6x on one H100 (2026-12-06, docs/perf.md).
+MEASURED_VALUE_HEAD_DIMS = frozenset({(192, 128)})
 # Optional features (pallas_flash.call.FEATURES) the kernels take; calls with any other run
 # elsewhere. ALiBi's -slope·|i - j| is added to each score tile in the kernels
 # (sm90/common.alibi), and so are the dense bias and mask ([B|1, H|1, T, S] tiles loaded by
@@ -135,13 +135,13 @@ def unsupported_reason(call: CallInfo, config: MosaicConfig | None = None) -> st
 
 
 def by_name_reason(call: CallInfo) -> str | None:
-  """Why `implementation=None` does not run `call` here though it can (its head dims are not
-  in MEASURED_HEAD_DIMS), or None."""
+  """Why `implementation=None` does not run `call` here though it can (a value head dim of its
+  own not in MEASURED_VALUE_HEAD_DIMS), or None."""
   d, dv = call.head_dim, call.value_head_dim
-  if (d, dv) in MEASURED_HEAD_DIMS:
+  if d == dv or (d, dv) in MEASURED_VALUE_HEAD_DIMS:
     return None
   padded = kernel_head_dim(d, dv)
-  how = "" if d == dv == padded else f" zero-padded to {padded}"
+  how = f" zero-padded to {padded}"
   if padded in NARROW_HEAD_DIMS:
     how += " (a fused backward, where the config asks for one, zero-padded to 128)"
   return _by_name(f"{_dims(call)}{how}")
@@ -234,7 +234,7 @@ def fp8_unsupported_reason(call: CallInfo, *, scale_layouts, out_dtype, config=N
 
 
 __all__ = ["BACKWARD_COMPUTES_DELTA", "CONFIG_TYPE", "FUSES_SINKS",
-           "KERNELS", "KERNEL_HEAD_DIMS", "MEASURED_HEAD_DIMS", "NARROW_HEAD_DIMS",
+           "KERNELS", "KERNEL_HEAD_DIMS", "MEASURED_VALUE_HEAD_DIMS", "NARROW_HEAD_DIMS",
            "MosaicConfig", "MosaicDebug", "SUPPORTED_FEATURES", "TUNED", "backward",
            "by_name_reason", "default_config", "forward", "fp8_forward",
            "fp8_unmeasured_reason", "fp8_unsupported_reason", "kernel_head_dim",

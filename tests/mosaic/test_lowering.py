@@ -173,11 +173,11 @@ def test_bad_config_is_refused_naming_the_field(make, field):
     make()
 
 
-# (D, Dv, the kernels' head dim, measured): 80, 96 and 192 at their own kernels (MLA's 192 / 128
-# with V padded to 192), others zero-padded (72 to 80, 112 to 128).
-HEAD_DIMS = [(80, 80, 80, True), (96, 96, 96, True), (72, 72, 80, False),
-             (112, 112, 128, False), (192, 192, 192, True), (192, 128, 192, True),
-             (128, 64, 128, False), (224, 224, 256, False), (64, 64, 64, True),
+# (D, Dv, the kernels' head dim, run by implementation=None): 80, 96 and 192 at their own
+# kernels (MLA's 192 / 128 with V padded to 192), others zero-padded (72 to 80, 112 to 128).
+HEAD_DIMS = [(80, 80, 80, True), (96, 96, 96, True), (72, 72, 80, True),
+             (112, 112, 128, True), (192, 192, 192, True), (192, 128, 192, True),
+             (128, 64, 128, False), (224, 224, 256, True), (64, 64, 64, True),
              (256, 256, 256, True)]
 
 
@@ -185,9 +185,10 @@ HEAD_DIMS = [(80, 80, 80, True), (96, 96, 96, True), (72, 72, 80, False),
                          ids=[f"d{d}v{dv}" for d, dv, _, _ in HEAD_DIMS])
 def test_head_dims_run_padded_and_unmeasured_ones_only_when_asked(d, dv, kernel_dim, measured):
   """Every head dim up to 256 runs here, zero-padded to the next kernel head dim where it is
-  not one; `implementation=None` passes the pairs not yet measured by, with a reason naming
-  the padding, and a config is that of the kernels' head dim (128's for 80 and 96, with the
-  split backward at their own width), with V at its own width where the kernels take it."""
+  not one; `implementation=None` runs every head dim and passes the value head dims of their
+  own not yet measured by, with a reason naming the padding; a config is that of the kernels'
+  head dim (128's for 80 and 96, with the split backward at their own width), with V at its
+  own width where the kernels take it."""
   info = _info(head_dim=d, value_head_dim=dv)
   assert mosaic_gpu.unsupported_reason(info) is None
   assert mconfig.kernel_head_dim(d, dv) == kernel_dim
@@ -249,7 +250,7 @@ def test_padded_head_dims_lower_at_the_kernel_head_dim(d, dv, causal):
   assert set(map(int, re.findall(r"tensor<2x1024x\d+x(\d+)xbf16>", text))) == {d, dv, p}
   with use_abstract_mesh(H200):
     why = pallas_flash.explain(q, k, v, is_causal=causal)
-  if (d, dv) in mosaic_gpu.MEASURED_HEAD_DIMS:
+  if d == dv or (d, dv) in mosaic_gpu.MEASURED_VALUE_HEAD_DIMS:
     assert why.chosen == "mosaic"
   else:
     assert why.chosen == "triton" and "only when asked" in why.reasons["mosaic"]
