@@ -304,6 +304,19 @@ def interpret_config(**kw) -> MosaicConfig:
                              debug=dataclasses.replace(MOSAIC_INTERPRET.debug, **debug))
 
 
+def past_the_cap(q, k, cap: float):
+  """q, k with raw logits q·kᵀ/√D about cap·(2.5, -2.5, 1, -1, 0)[row % 5] ± 0.15·cap per key:
+  key column 0 set to 4 and query column 0 to the row's offset, the other columns times
+  0.15·cap. Rows at ±2.5·cap have every capped score near ±cap (tanh ≈ ±0.98), so all their
+  probabilities sit at the top or the bottom of the fixed row max's range."""
+  d = q.shape[-1]
+  offset = cap * jnp.array([2.5, -2.5, 1.0, -1.0, 0.0])[jnp.arange(q.shape[1]) % 5]
+  q32 = (q.astype(jnp.float32) * (0.15 * cap)).at[..., 0].set(
+      (offset * math.sqrt(d) / 4)[None, :, None])
+  k32 = k.astype(jnp.float32).at[..., 0].set(4.0)
+  return q32.astype(q.dtype), k32.astype(k.dtype)
+
+
 def small_case(t, s, *, b=1, h=2, kh=1, d=64, dtype=jnp.bfloat16, **kw) -> Case:
   """A Case of T = t queries and S = s keys, the interpreter tests' sizes by default."""
   return Case(batch=b, q_len=t, kv_len=s, num_heads=h, num_kv_heads=kh, head_dim=d,

@@ -9,7 +9,6 @@ tests/mosaic/test_gpu.py runs them on a Hopper GPU.
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,7 @@ from testing import (FP8_TRAINING_TOLERANCE, MOSAIC_FP8_INTERPRET, MOSAIC_INTERP
                      assert_close_to_ref, assert_matches_reference, block_mask_fn,
                      check_against_reference, check_block_mask_against_reference,
                      check_fp8_against_reference, check_fp8_training, interpret_config,
-                     make_inputs, run, small_case, tolerance)
+                     make_inputs, past_the_cap, run, small_case, tolerance)
 
 _config, _case = interpret_config, small_case
 
@@ -405,11 +404,25 @@ def test_rows_that_see_nothing_give_zeros_and_zero_gradients():
   assert_matches_reference(result, ref, tolerance(case.dtype))
 
 
+def test_padded_key_blocks_are_masked_in_the_dq_kernel():
+  """S = 130 pads to 256 for the split backward (a multiple of both kernels' tiles), so the
+  dQ kernel's 64-key blocks 2 and 3 hold padded keys. Rows whose scores all lie far below 0
+  (lse < -11) would take exp2(0 − lse2) > 2^16 there, overflow float16's dS and give NaN dQ
+  unless block 2, not only the last, runs masked (common.first_masked_block)."""
+  case = _case(64, 130, h=1, dtype=jnp.float16)
+  (q, k, v, do), kw = make_inputs(case)
+  q, k = past_the_cap(q, k, 20.0)  # rows 1, 3, 6, 8, ... at -2.5 and -1 x 20 raw logits
+  result = run("mosaic", q, k, v, do, config=_config(fused_backward=False), **kw)
+  assert np.asarray(result[0][1]).min() < -11  # such rows exist
+  ref = run("reference", *(x.astype(jnp.float32) for x in (q, k, v, do)), **kw)
+  assert_matches_reference(result, ref, tolerance(case.dtype), dtype=q.dtype)
+
+
 # The soft cap's fixed row max (common.fixed_row_max): the forward keeps m at c − 90 (c =
 # cap·log2(e)) where P = exp2(s·c − m) stays a normal number in P·V's dtype, the running max
 # elsewhere. Caps 60 (c ≈ 86.6: fixed) and 80 (c ≈ 115: running; a fixed max there would flush
 # rows near -cap to l = 0), float16 (running; a fixed max overflows its P) on scores far past
-# ±cap (_past_the_cap), in both forward loops and the non-causal launch forms. For the suite's
+# ±cap (past_the_cap), in both forward loops and the non-causal launch forms. For the suite's
 # time with -m slow.
 CAP_EXTREMES = [
     ("plain", _config(), _case(200, 190, is_causal=True), 60.0),
@@ -432,26 +445,13 @@ CAP_EXTREMES = [
 ]
 
 
-def _past_the_cap(q, k, cap: float):
-  """q, k with raw logits q·kᵀ/√D about cap·(2.5, -2.5, 1, -1, 0)[row % 5] ± 0.15·cap per key:
-  key column 0 set to 4 and query column 0 to the row's offset, the other columns times
-  0.15·cap. Rows at ±2.5·cap have every capped score near ±cap (tanh ≈ ±0.98), so all their
-  probabilities sit at the top or the bottom of the fixed row max's range."""
-  d = q.shape[-1]
-  offset = cap * jnp.array([2.5, -2.5, 1.0, -1.0, 0.0])[jnp.arange(q.shape[1]) % 5]
-  q32 = (q.astype(jnp.float32) * (0.15 * cap)).at[..., 0].set(
-      (offset * math.sqrt(d) / 4)[None, :, None])
-  k32 = k.astype(jnp.float32).at[..., 0].set(4.0)
-  return q32.astype(q.dtype), k32.astype(k.dtype)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name, config, case, cap", CAP_EXTREMES,
                          ids=[f"{n}-cap{cap:g}-{c.id}" for n, _, c, cap in CAP_EXTREMES])
 def test_soft_cap_far_past_the_cap_matches_reference(name, config, case, cap):
   del name
   (q, k, v, do), kw = make_inputs(case)
-  q, k = _past_the_cap(q, k, cap)
+  q, k = past_the_cap(q, k, cap)
   kw["logits_soft_cap"] = cap
   result = run("mosaic", q, k, v, do, config=config, **kw)
   ref = run("reference", *(x.astype(jnp.float32) for x in (q, k, v, do)), **kw)
@@ -467,7 +467,7 @@ def test_soft_cap_fixed_max_on_rows_that_see_nothing(sinks):
   reference."""
   case = _case(128, 128, h=2, kh=1, features=("sinks",) if sinks else ())
   (q, k, v, do), kw = make_inputs(case)
-  q, k = _past_the_cap(q, k, 60.0)
+  q, k = past_the_cap(q, k, 60.0)
   seg = jnp.zeros((1, 128), jnp.int32)
   kw.update(logits_soft_cap=60.0, query_segment_ids=seg.at[:, :32].set(2),
             key_value_segment_ids=seg.at[:, :64].set(1))  # rows 0-31 see nothing

@@ -507,8 +507,8 @@ def first_masked_block(q0, steps, kp: KernelParams):
   lo = steps
   if kp.causal:
     lo = jnp.minimum(lo, lax.div(q0, kp.block_kv))
-  if kp.kv_tail:
-    lo = jnp.minimum(lo, kp.num_kv_blocks - 1)
+  if kp.kv_tail:  # the first block holding a padded key (the backward's s_pad may add blocks)
+    lo = jnp.minimum(lo, kp.kv_len // kp.block_kv)
   return lo
 
 
