@@ -77,7 +77,7 @@ def band_mask(rows, cols, band: tuple[int | None, int | None]):
 
 
 def block_runs(owner, *, owner_block: int, other_block: int, num_other: int,
-               band: tuple[int | None, int | None], element_mask: bool, other_tail: bool,
+               band: tuple[int | None, int | None], element_mask: bool, other_len: int | None,
                limits=None, full_limits=None, div: Callable = lax.div,
                maximum: Callable = jnp.maximum, minimum: Callable = jnp.minimum):
   """(first, full_lo, full_hi, last): the runs of other-axis blocks that owner block `owner` visits.
@@ -87,7 +87,9 @@ def block_runs(owner, *, owner_block: int, other_block: int, num_other: int,
     owner_block, other_block, num_other: block sizes and the number of other-axis blocks.
     band: (lo, hi) bounds of other_pos - owner_pos (None: unbounded).
     element_mask: data-dependent masks apply, so no block may skip the mask test.
-    other_tail: the last other-axis block is partly padding and needs the mask.
+    other_len: the other axis' true length, or None without padding: blocks from
+      other_len // other_block on hold padding and need the mask (a length padded for other
+      tiles too may add whole blocks past the tail's).
     limits: optional (first, last) from `segment_block_limits` to intersect with.
     full_limits: optional (full_first, full_last) from `segment_block_limits`: other blocks that
       share the owner's single segment id at every position. When `element_mask` is due to
@@ -109,8 +111,8 @@ def block_runs(owner, *, owner_block: int, other_block: int, num_other: int,
   # first > last, even first > num_other; callers that loop over [0, first) to zero the blocks
   # they skip (the Triton dQ kernel's dbias) would then write past the row.
   first = minimum(first, last)
-  if other_tail:
-    full_hi = minimum(full_hi, num_other - 1)
+  if other_len is not None:
+    full_hi = minimum(full_hi, other_len // other_block)
   if element_mask and full_limits is None:
     full_lo = full_hi = last
   elif element_mask:  # an empty intersection leaves a zero-length middle run after the clamps
@@ -125,7 +127,7 @@ def fraction_computed(*, q_len: int, kv_len: int, block_q: int, block_kv: int,
   """Fraction of the (query block, key block) pairs a blocked kernel visits under `band`."""
   nq, nk = -(-q_len // block_q), -(-kv_len // block_kv)
   first, _, _, last = block_runs(np.arange(nq), owner_block=block_q, other_block=block_kv,
-                                 num_other=nk, band=band, element_mask=False, other_tail=False,
+                                 num_other=nk, band=band, element_mask=False, other_len=None,
                                  div=np.floor_divide, maximum=np.maximum, minimum=np.minimum)
   visited = np.maximum(np.broadcast_to(last, (nq,)) - np.broadcast_to(first, (nq,)), 0).sum()
   return float(visited) / (nq * nk)

@@ -11,7 +11,8 @@ import pytest
 
 from pallas_flash.triton import TritonConfig
 from pallas_flash.xla import XlaConfig
-from testing import Case, check_against_reference
+from testing import (Case, assert_matches_reference, check_against_reference, make_inputs,
+                     past_the_cap, run, tolerance)
 
 # Small blocks so that short test sequences still span several blocks, tails and diagonals.
 SMALL = {"interpret": TritonConfig(block_q=32, block_kv=16, block_q_dkv=16, block_kv_dkv=32,
@@ -84,3 +85,20 @@ def test_float16(impl):
 
 def test_reference_float16_matches_float32_reference():
   check_against_reference("reference", Case(dtype=jnp.float16, q_len=64, kv_len=64))
+
+
+def test_triton_masks_every_padded_key_block_of_the_dq_kernel():
+  """dK/dV tiles of 128 keys pad S = 130 to 256, so the dQ kernel's 32-key blocks 4-7 hold
+  padded keys; rows whose scores all lie far below 0 would take exp2(0 − lse2) > 2^16 there
+  and overflow float16's dS (NaN dQ) unless all of them run masked (_tiling.block_runs'
+  other_len)."""
+  case = Case(batch=1, q_len=64, kv_len=130, num_heads=1, num_kv_heads=1, head_dim=64,
+              dtype=jnp.float16)
+  (q, k, v, do), kw = make_inputs(case)
+  q, k = past_the_cap(q, k, 20.0)
+  config = TritonConfig(block_q=32, block_kv=32, block_q_dkv=32, block_kv_dkv=128,
+                        block_q_dq=32, block_kv_dq=32)
+  result = run("interpret", q, k, v, do, config=config, **kw)
+  assert float(jnp.min(result[0][1])) < -11  # such rows exist
+  ref = run("reference", *(x.astype(jnp.float32) for x in (q, k, v, do)), **kw)
+  assert_matches_reference(result, ref, tolerance(case.dtype), dtype=q.dtype)

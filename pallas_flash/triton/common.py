@@ -294,7 +294,9 @@ def kv_runs(q_block, p: KernelParams, limits_ref=None):
   limits, full = _limits(limits_ref, p)
   return _tiling.block_runs(q_block, owner_block=p.block_q, other_block=p.block_kv,
                           num_other=p.num_kv_blocks, band=p.band,
-                          element_mask=p.has_element_mask, other_tail=p.kv_tail, limits=limits,
+                          element_mask=p.has_element_mask,
+                          other_len=p.kv_len if p.kv_len < p.num_kv_blocks * p.block_kv else None,
+                          limits=limits,
                           full_limits=full)
 
 
@@ -305,7 +307,7 @@ def q_runs(kv_block, p: KernelParams, limits_ref=None):
   # without them a tail needs the test on every query block of the last key block.
   return _tiling.block_runs(kv_block, owner_block=p.block_kv, other_block=p.block_q,
                           num_other=p.num_q_blocks, band=_tiling.mirrored(p.band),
-                          element_mask=p.has_element_mask or p.kv_tail, other_tail=False,
+                          element_mask=p.has_element_mask or p.kv_tail, other_len=None,
                           limits=limits, full_limits=full)
 
 

@@ -160,14 +160,14 @@ class _Ctx:
     limits = None if self.kv_limits is None else (self.kv_limits[i, 0], self.kv_limits[i, 1])
     first, _, _, last = _tiling.block_runs(i, owner_block=self.bq, other_block=self.bk,
                                          num_other=nk, band=self.params.band, element_mask=True,
-                                         other_tail=False, limits=limits)
+                                         other_len=None, limits=limits)
     return first, last
 
   def q_runs(self, j, nq):
     limits = None if self.q_limits is None else (self.q_limits[j, 0], self.q_limits[j, 1])
     first, _, _, last = _tiling.block_runs(j, owner_block=self.bk, other_block=self.bq,
                                          num_other=nq, band=_tiling.mirrored(self.params.band),
-                                         element_mask=True, other_tail=False, limits=limits)
+                                         element_mask=True, other_len=None, limits=limits)
     return first, last
 
 
