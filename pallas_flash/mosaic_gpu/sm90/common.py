@@ -213,9 +213,9 @@ def fixed_row_max(kp: KernelParams, folded: bool, c: float) -> float | None:
   for c ≤ 95 (cap ≤ ~65.8) within [2^FIXED_MAX_LOW, 2^FIXED_MAX_TOP], in float32 and in
   kp.dtype, which P·V takes, where that has float32's exponent range (bfloat16; not float16,
   whose 2^16 overflows). A fixed M is the same softmax (each row's P shares the factor
-  2^(m − M)), exact up to rounding,
-  and needs no row max, no alpha = exp2(m − m_new) and no O rescale per step: m stays M,
-  l = l + rowsum(P). A cap that is not folded (ALiBi or a bias after it) bounds nothing.
+  2^(m − M)), exact up to rounding, and needs no row max, no alpha = exp2(m − m_new) and no O
+  rescale per step: m stays M, l = l + rowsum(P). A cap that is not folded (ALiBi or a bias
+  after it) bounds nothing.
   Fully hidden rows keep l = 0, which the epilogue reads as empty, as with the running max."""
   if not folded:
     return None
