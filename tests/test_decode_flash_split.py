@@ -102,7 +102,8 @@ def test_flash_route_is_chosen_for_long_chunks_on_hopper():
   cpu = explain(threshold)
   assert cpu.chosen == "xla" and "would run its calls on 'xla'" in cpu.reasons["flash"]
   with use_abstract_mesh(H200):
-    for kw in ({}, {"append": True, "rotary": 1e4, "logits_soft_cap": 30.0}):
+    # Head dim 112: flash_attention runs it zero-padded on its Mosaic kernels.
+    for kw in ({}, {"append": True, "rotary": 1e4, "logits_soft_cap": 30.0}, {"head_dim": 112}):
       routed = explain(threshold, **kw)
       assert routed.chosen == "flash", str(routed)
       assert routed.config == FlashSplitConfig(flash_implementation="mosaic")
@@ -110,11 +111,10 @@ def test_flash_route_is_chosen_for_long_chunks_on_hopper():
     short = explain(threshold - 1)
     assert short.chosen == "triton" and "FLASH_SPLIT_MIN_Q_LEN" in short.reasons["flash"]
     # Refusals that keep today's path: a window, pages, an explicit split count, and pieces
-    # flash_attention would not run on its Mosaic kernels (float32, head dim 112).
+    # flash_attention would not run on its Mosaic kernels (float32).
     for kw, why in (({"local_window_size": 1024}, "local window"), ({"paged": True}, "paged"),
                     ({"num_splits": 4}, "num_splits"),
-                    ({"dtype": jnp.float32}, "would run its calls on 'triton'"),
-                    ({"head_dim": 112}, "would run its calls on 'triton'")):
+                    ({"dtype": jnp.float32}, "would run its calls on 'triton'")):
       other = explain(threshold, **kw)
       assert other.chosen == "triton" and why in other.reasons["flash"], (kw, str(other))
     # By name the route takes any length.
