@@ -120,7 +120,7 @@ def test_feature_selection():
 def test_every_row_runs_mosaic_on_an_h200(feature):
   """Issue 43's mark: on an (abstract) H200 implementation=None picks mosaic for every call of
   the grid, and names no reason a named call would refuse (the grid's head dims at a short
-  length: the --quick shape's head dim 32 is not one of Mosaic's measured ones)."""
+  length)."""
   opts = argparse.Namespace(seed=0, check_seq_cap=4096)
   spec = feature.spec(shapes.parse_shape("1x512x4x128x2"), 2)
   case = features._case(feature, spec, shapes.make_inputs(spec, jnp.bfloat16), "fwd", opts)
