@@ -220,17 +220,21 @@ def run(impl: str, q, k, v, do, *, config=None, **kwargs):
 
 
 def check_against_reference(impl: str, case: Case, *, config=None, seed: int | None = None,
-                            tol: float | None = None) -> None:
+                            tol: float | None = None, far_past: float | None = None):
   """Output, lse and every gradient (the bias's too) of `impl` against the float32 reference on
   fresh random inputs: the oracle sees the same low-precision inputs, upcast, so only the
-  kernel's arithmetic differs."""
+  kernel's arithmetic differs. far_past: q and k through past_the_cap at that size. Returns
+  `impl`'s ((o, lse), grads)."""
   (q, k, v, do), kwargs = make_inputs(case, seed)
+  if far_past is not None:
+    q, k = past_the_cap(q, k, far_past)
   result = run(impl, q, k, v, do, config=config, **dict(kwargs))
   up = [x.astype(jnp.float32) for x in (q, k, v, do)]
   ref = run("reference", *up, **dict(kwargs))
   names = ("dq", "dk", "dv") + tuple(f"d{n}" for n in DIFFERENTIABLE_KWARGS if n in kwargs)
   assert_matches_reference(result, ref, tolerance(case.dtype) if tol is None else tol,
                            names=names, dtype=q.dtype)
+  return result
 
 
 def block_mask_fn(name: str, case: Case, seed: int = 0) -> pallas_flash.masks.MaskFn:
