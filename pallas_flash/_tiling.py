@@ -87,9 +87,9 @@ def block_runs(owner, *, owner_block: int, other_block: int, num_other: int,
     owner_block, other_block, num_other: block sizes and the number of other-axis blocks.
     band: (lo, hi) bounds of other_pos - owner_pos (None: unbounded).
     element_mask: data-dependent masks apply, so no block may skip the mask test.
-    other_len: the other axis' true length, or None without padding: blocks from
-      other_len // other_block on hold padding and need the mask (a length padded for other
-      tiles too may add whole blocks past the tail's).
+    other_len: the other axis' true length (None: num_other whole blocks): where it is shorter,
+      blocks from other_len // other_block on hold padding and need the mask (a length padded
+      for other tiles too may add whole blocks past the tail's).
     limits: optional (first, last) from `segment_block_limits` to intersect with.
     full_limits: optional (full_first, full_last) from `segment_block_limits`: other blocks that
       share the owner's single segment id at every position. When `element_mask` is due to
@@ -111,7 +111,7 @@ def block_runs(owner, *, owner_block: int, other_block: int, num_other: int,
   # first > last, even first > num_other; callers that loop over [0, first) to zero the blocks
   # they skip (the Triton dQ kernel's dbias) would then write past the row.
   first = minimum(first, last)
-  if other_len is not None:
+  if other_len is not None and other_len < num_other * other_block:
     full_hi = minimum(full_hi, other_len // other_block)
   if element_mask and full_limits is None:
     full_lo = full_hi = last

@@ -294,9 +294,7 @@ def kv_runs(q_block, p: KernelParams, limits_ref=None):
   limits, full = _limits(limits_ref, p)
   return _tiling.block_runs(q_block, owner_block=p.block_q, other_block=p.block_kv,
                           num_other=p.num_kv_blocks, band=p.band,
-                          element_mask=p.has_element_mask,
-                          other_len=p.kv_len if p.kv_len < p.num_kv_blocks * p.block_kv else None,
-                          limits=limits,
+                          element_mask=p.has_element_mask, other_len=p.kv_len, limits=limits,
                           full_limits=full)
 
 

@@ -588,7 +588,7 @@ def band_limits(seg_limits, band, *, tiles: int, tile_rows: int, block: int, len
   segmented = seg_limits is not None
   first, full_lo, full_hi, last = _tiling.block_runs(
       owner, owner_block=tile_rows, other_block=block, num_other=-(-length // block),
-      band=band, element_mask=segmented, other_len=length if length % block else None,
+      band=band, element_mask=segmented, other_len=length,
       limits=(seg_limits[..., 0], seg_limits[..., 1]) if segmented else None,
       full_limits=(seg_limits[..., 2], seg_limits[..., 3]) if segmented else None)
   return jnp.stack([jnp.broadcast_to(x, (batch, tiles)) for x in (first, last, full_lo, full_hi)],
