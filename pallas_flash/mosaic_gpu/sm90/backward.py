@@ -5,7 +5,6 @@ turned into the kernels' block limits.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import warnings
@@ -108,17 +107,10 @@ def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: Attent
   t, s = q.shape[1], k.shape[1]
   t_pad, s_pad = padded_lengths(t, s, config)
   kp_dq, kp_dkdv = split_kernel_params(q, k, params, config, t_pad=t_pad, s_pad=s_pad)
-  dq_blks = dkdv_blks = ()
   bm = None if arrays is None else arrays.block_mask
-  if bm is not None:
-    info = block_mask.Info.of(bm)
-    kp_dq = dataclasses.replace(kp_dq, block_mask=info)
-    kp_dkdv = dataclasses.replace(kp_dkdv, block_mask=info)
-    dq_blks = block_mask.inputs(bm, q_tile=2 * config.block_q_dq, kv_tile=config.block_kv_dq,
-                                t_pad=t_pad, s_pad=s_pad, by_q=True)
-    dkdv_blks = block_mask.inputs(bm, q_tile=config.block_q_dkv,
-                                  kv_tile=2 * config.block_kv_dkv, t_pad=t_pad, s_pad=s_pad,
-                                  by_q=False)
+  kp_dq, kp_dkdv, dq_blks, dkdv_blks = block_mask.backward_inputs(
+      bm, kp_dq, kp_dkdv, dq_tiles=(2 * config.block_q_dq, config.block_kv_dq),
+      dkdv_tiles=(config.block_q_dkv, 2 * config.block_kv_dkv), t_pad=t_pad, s_pad=s_pad)
   t_in = common.operand_rows(t, t_pad, config.interpret, kp_dkdv.stages * kp_dkdv.block_q)
   s_in = common.operand_rows(s, s_pad, config.interpret, kp_dq.stages * kp_dq.block_kv)
   qp, dop, op = (_tiling.pad_axis(x, 1, t_in) for x in (q, do, o))

@@ -121,6 +121,22 @@ def inputs(bm: masks.BlockMask, *, q_tile: int, kv_tile: int, t_pad: int, s_pad:
   return (table, counts, *leaves)
 
 
+def backward_inputs(bm: masks.BlockMask | None, kp_dq, kp_dkdv, *, dq_tiles: tuple[int, int],
+                    dkdv_tiles: tuple[int, int], t_pad: int, s_pad: int):
+  """(kp_dq, kp_dkdv, dQ operands, dK/dV operands) of a backward's two kernels: their
+  KernelParams with the mask's Info and `inputs` at each kernel's (q tile, kv tile), by q
+  tile for the dQ kernel and by kv tile for the dK/dV one; unchanged and () without a mask."""
+  if bm is None:
+    return kp_dq, kp_dkdv, (), ()
+  info = Info.of(bm)
+  return (dataclasses.replace(kp_dq, block_mask=info),
+          dataclasses.replace(kp_dkdv, block_mask=info),
+          inputs(bm, q_tile=dq_tiles[0], kv_tile=dq_tiles[1], t_pad=t_pad, s_pad=s_pad,
+                 by_q=True),
+          inputs(bm, q_tile=dkdv_tiles[0], kv_tile=dkdv_tiles[1], t_pad=t_pad, s_pad=s_pad,
+                 by_q=False))
+
+
 def with_block_refs(make_body, num_inputs: int, num_refs: int):
   """A plgpu.kernel body whose call passes `num_refs` block-mask operands (`inputs`) after its
   first `num_inputs` inputs: make_body(Refs) gives the body of the call without them."""

@@ -351,16 +351,10 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   keys = common.dropout_keys(arrays, params, batch=q.shape[0], heads=q.shape[2], t_pad=t_pad,
                             s_pad=s_pad)
   dense_dq, dense_dkdv = sm90_dense.backward_inputs(arrays, params, t_pad, s_pad)
-  dq_blks = dkdv_blks = ()
   bm = None if arrays is None else arrays.block_mask
-  if bm is not None:  # the tables at each kernel's tiles
-    info = block_mask.Info.of(bm)
-    kp_dq = dataclasses.replace(kp_dq, block_mask=info)
-    kp_dkdv = dataclasses.replace(kp_dkdv, block_mask=info)
-    dq_blks = block_mask.inputs(bm, q_tile=2 * BLOCK_Q, kv_tile=BLOCK_KV_DQ, t_pad=t_pad,
-                                s_pad=s_pad, by_q=True)
-    dkdv_blks = block_mask.inputs(bm, q_tile=BLOCK_Q, kv_tile=BLOCK_KV, t_pad=t_pad,
-                                  s_pad=s_pad, by_q=False)
+  kp_dq, kp_dkdv, dq_blks, dkdv_blks = block_mask.backward_inputs(
+      bm, kp_dq, kp_dkdv, dq_tiles=(2 * BLOCK_Q, BLOCK_KV_DQ), dkdv_tiles=(BLOCK_Q, BLOCK_KV),
+      t_pad=t_pad, s_pad=s_pad)
   out = dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs, slopes=slopes,
                 keys=keys, dense=dense_dq, blks=dq_blks)
   dq, *dbias = out if kp_dq.dense[0] else (out,)
