@@ -112,8 +112,7 @@ def flash_attention(
       blocks and apply the element mask on partial ones only. Replaces is_causal,
       local_window_size, segment ids, lengths and `mask` (combining them raises); its block
       sizes are the Triton and XLA kernels' (see docs/features.md), while "mosaic" re-tiles
-      it to its own tiles (above head dim 128, or with dropout or a dense bias, only when
-      named: `explain` says why).
+      it to its own tiles.
     sinks: float [H]: a learnable logit per query head that joins every row's softmax
       denominator with a zero value (attention sinks, gpt-oss), differentiable. Not in
       jax.nn. "mosaic" adds them in its forward kernels' epilogue (their gradient is a

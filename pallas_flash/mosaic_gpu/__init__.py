@@ -50,7 +50,7 @@ MEASURED_VALUE_HEAD_DIMS = frozenset({(192, 128)})
 # Optional features (pallas_flash.call.FEATURES) the kernels take; calls with any other run
 # elsewhere. ALiBi's -slope·|i - j| is added to each score tile in the kernels
 # (sm90/common.alibi), and so are the dense bias and mask ([B|1, H|1, T, S] tiles loaded by
-# each kernel, sm90/dense.py; above head dim 128 only when named). Dropout's keep mask is
+# each kernel, sm90/dense.py; above head dim 128 hd256.py's backward). Dropout's keep mask is
 # formed in the forward and the split backward kernels from pallas_flash.dropout's row and
 # column keys (sm90/common.dropout_keep: bitwise every backend's mask), in every kernel but the
 # fused backward (calls with dropout take the split backward). A block mask's tables become the
