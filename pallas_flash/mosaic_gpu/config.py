@@ -209,18 +209,21 @@ def tuned(head_dim: int, is_causal: bool, kv_len: int) -> MosaicConfig:
 
 
 def dense_config(config: MosaicConfig, head_dim: int, is_causal: bool,
-                 both: bool = False) -> MosaicConfig:
-  """`config` for a call with a dense bias or mask (sm90/dense.py; `both`: a bias and a mask):
-  the forward's grid kernel (no persistent form, no split tail: those do not load the dense
-  tiles), and the tiles at which the dense tiles, loaded under the score matmuls
-  (`dense.issue`), fit in registers beside the kernels' own. Deviceless ptxas at
-  4x4096x32x128: no spills in the forward's loops at 128-key tiles with Q read from shared
-  memory and, with both inputs, the plain loop (192-key tiles or Q in registers spilled 54-174
-  spill loads per step, the overlapped loop with both 82); at 1x4096x16xD dK/dV steps of 128
-  queries spilled 208 B at head dim 64, causal dQ steps of 128 keys 116 B at head dim 128."""
+                 both: bool = False, block_masked: bool = False) -> MosaicConfig:
+  """`config` for a call with a dense bias or mask (sm90/dense.py; `both`: a bias and a mask;
+  `block_masked`: with a block mask): the forward's grid kernel (no persistent form, no split
+  tail: those do not load the dense tiles), and the tiles at which the dense tiles, loaded
+  under the score matmuls (`dense.issue`), fit in registers beside the kernels' own.
+  Deviceless ptxas at 4x4096x32x128: no spills in the forward's loops at 128-key tiles with Q
+  read from shared memory and, with both inputs, the plain loop (192-key tiles or Q in
+  registers spilled 54-174 spill loads per step, the overlapped loop with both 82); at
+  1x4096x16xD dK/dV steps of 128 queries spilled 208 B at head dim 64, causal dQ steps of 128
+  keys 116 B at head dim 128. With a block mask the plain loop as well: the overlapped one
+  with a bias ran its forward at 0.49x (one H100, 2026-12-06; docs/mosaic.md)."""
+  overlap = config.fwd_intra_wg_overlap and not both and not block_masked
   config = dataclasses.replace(config, fwd_persistent=False, fwd_split_tail=False,
                                block_kv=min(config.block_kv, 128), fwd_q_registers=False,
-                               fwd_intra_wg_overlap=config.fwd_intra_wg_overlap and not both,
+                               fwd_intra_wg_overlap=overlap,
                                block_q_dkv=min(config.block_q_dkv, 64))
   if is_causal and head_dim >= 128:
     config = dataclasses.replace(config, block_kv_dq=min(config.block_kv_dq, 64))
@@ -245,10 +248,12 @@ def dropout_tiles(config: MosaicConfig) -> MosaicConfig:
 
 def feature_tiles(config: MosaicConfig, head_dim: int, params: AttentionParams) -> MosaicConfig:
   """`config` with the tiles the call's features need: `dense_config` for a dense bias or
-  mask, `dropout_tiles` for dropout, else unchanged."""
+  mask (a block mask's call as a causal one: it takes the causal forms), `dropout_tiles` for
+  dropout, else unchanged."""
+  block_masked = params.block_mask_blocks is not None
   if params.has_bias or params.has_mask:
-    config = dense_config(config, head_dim, params.is_causal,
-                          both=params.has_bias and params.has_mask)
+    config = dense_config(config, head_dim, params.is_causal or block_masked,
+                          both=params.has_bias and params.has_mask, block_masked=block_masked)
   if params.dropout_rate:
     config = dropout_tiles(config)
   return config
@@ -260,10 +265,10 @@ def call_config(head_dim: int, params: AttentionParams, kv_len: int, batch: int)
   gradients, or carries segment ids, lengths, a window (which the fused kernel does not
   stream), a soft cap (not measured with it), ALiBi, dropout, a dense bias or mask (the fused
   kernel adds none of them; backward.py would warn and run the split kernels). A block mask
-  takes the causal forms (128-key tiles: finer sparsity than the non-causal 192 or 256) and
-  the split backward (the fused kernel takes none)."""
+  takes the causal forms (128-key tiles: finer sparsity than the non-causal 192 or 256), with
+  its features' tiles, and the split backward (the fused kernel takes none)."""
   if params.block_mask_blocks is not None:
-    return tuned(head_dim, True, kv_len)
+    return feature_tiles(tuned(head_dim, True, kv_len), head_dim, params)
   config = feature_tiles(tuned(head_dim, params.is_causal, kv_len), head_dim, params)
   if (head_dim != 128 or params.deterministic or params.has_segments
       or params.local_window is not None or params.logits_soft_cap is not None

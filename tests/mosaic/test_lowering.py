@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import use_abstract_mesh
 
 import pallas_flash
-from pallas_flash import backends, mosaic_gpu
+from pallas_flash import backends, masks, mosaic_gpu
 from pallas_flash.call import AttentionParams, CallInfo
 from pallas_flash.mosaic_gpu import TUNED, MosaicConfig, MosaicDebug
 from pallas_flash.mosaic_gpu import config as mconfig
@@ -457,6 +457,29 @@ def test_dropout_configs_keep_narrow_tiles(head_dim, causal, kv_len):
                "compute_registers", "producer_registers")
   assert all(getattr(got, f.name) == getattr(plain, f.name)
              for f in dataclasses.fields(MosaicConfig) if f.name not in unchanged)
+
+
+@pytest.mark.parametrize("feature", ["bias", "mask", "dropout"])
+def test_block_mask_configs_take_their_features_tiles(feature):
+  """A block mask's call takes the causal config with its features' tiles, as a causal call
+  with the same features does, except that with a dense bias or mask its forward runs the
+  plain kv loop (the overlapped one with a bias: 0.49x with Q in registers, 0.92x from shared
+  memory, one H100, 2026-12-06)."""
+  extra = {"bias": dict(has_bias=True), "mask": dict(has_mask=True),
+           "dropout": dict(dropout_rate=0.1)}[feature]
+  causal = AttentionParams(scale=1.0, is_causal=True, has_segments=False, **extra)
+  masked = dataclasses.replace(causal, is_causal=False, block_mask_blocks=(128, 128),
+                               block_mask_fn_types=(masks.CausalMask,))
+  plain = mconfig.call_config(128, dataclasses.replace(masked, has_bias=False, has_mask=False,
+                                                       dropout_rate=0.0), 4096, 4)
+  got = mconfig.call_config(128, masked, 4096, 4)
+  want = mconfig.call_config(128, causal, 4096, 4)
+  if feature == "dropout":
+    assert got == mconfig.dropout_tiles(plain)
+    return
+  assert not got.fwd_intra_wg_overlap and plain.fwd_intra_wg_overlap
+  assert got == dataclasses.replace(want, fwd_intra_wg_overlap=False, fused_backward=False)
+  assert not got.fwd_q_registers and got.block_kv_dq == 64 and got.block_q_dkv == 64
 
 
 def test_dropout_runs_on_mosaic_without_the_fused_backward():
