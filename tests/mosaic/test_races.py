@@ -97,6 +97,10 @@ FORMS = [
     ("hd256", _config(), _case(130, 190, kh=2, d=256, is_causal=True), None),
     ("bias_mask_dropout", _config(), _case(140, 100, is_causal=True,
                                            features=("bias", "mask", "dropout")), None),
+    # A bias in the inputs' dtype: the forward's bias tiles through the shared-memory ring
+    # (dense.BiasRing) in the overlapped loop, causal (idle steps observe the ring too).
+    ("bias_overlap", _OVERLAP, _case(200, 200, kh=2, is_causal=True, features=("bias_full",)),
+     None),
     ("dropout_persistent", _PERSISTENT, _case(200, 200, h=3, d=128, features=("dropout",)),
      None),
     ("dropout_hd256", _config(), _case(130, 190, kh=2, d=256, is_causal=True,

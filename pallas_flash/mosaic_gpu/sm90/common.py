@@ -736,10 +736,13 @@ def pv_step(acc, p, v_op, p_smem, bars: KvBarriers, *, j, steps, slot, ring_slot
   return acc
 
 
-def idle_kv_step(j, carry, *, bars: KvBarriers, stages: int):
+def idle_kv_step(j, carry, *, bars: KvBarriers, stages: int, ring=None):
   """One step of a consumer WG past its last causal block: it keeps the shared ring and the
-  schedule barrier in lock-step with the other WG (fori_loop body; carry passes through)."""
+  schedule barrier in lock-step with the other WG (fori_loop body; carry passes through);
+  ring: the forward's dense.BiasRing, whose half it observes too, or None."""
   slot = lax.rem(j, stages)
+  if ring is not None:
+    sm90_dense.wait_ring(ring, slot)
   plgpu.barrier_wait(bars.k_ready.at[slot])
   plgpu.barrier_arrive(bars.k_free.at[slot])
   plgpu.barrier_wait(bars.v_ready.at[slot])

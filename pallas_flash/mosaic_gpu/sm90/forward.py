@@ -61,7 +61,7 @@ class _SplitRefs(NamedTuple):
 
 def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scratch,
                 lse_scratch, p_scratch, o_scratch, q_ready, k_ready, v_ready, k_free, v_free,
-                sched, *,
+                sched, bias_tiles=None, bias_ready=None, *,
                 kp: common.KernelParams, seg: common.SegmentRefs | None = None,
                 tail: _SplitRefs | None = None, slopes=None, sinks=None,
                 keys: common.DropoutKeys | None = None, dense=None,
@@ -83,7 +83,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
   (common.dropout_keys), or None. dense: the dense bias and mask (dense.DenseRefs), or None. blk:
   the block mask's table of key blocks per q tile and its mask function's leaves (block_mask.Refs):
   the CTA streams the tile's listed blocks, at least one, and evaluates the function on the partial
-  ones (listed first); q tiles are launched last one first, as causal ones.
+  ones (listed first); q tiles are launched last one first, as causal ones. bias_tiles,
+  bias_ready: a dense 16-bit bias's shared-memory ring (dense.BiasRing; `fwd_call`), or None:
+  its tiles then come from GMEM.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   wg = lax.axis_index("wg")
@@ -140,14 +142,17 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
       loop = functools.partial(loop, kv0=kv0)
     if sparse is not None:
       loop = functools.partial(loop, sparse=sparse)
+    ring = None if bias_tiles is None else sm90_dense.BiasRing(bias_tiles, bias_ready, wg)
     if dense is not None:
-      loop = functools.partial(loop, dense=functools.partial(sm90_dense.load, dense, b, h))
+      loop = functools.partial(loop, dense=functools.partial(sm90_dense.load, dense, b, h,
+                                                             ring=ring))
     carry = loop(q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
                  bars, q0=q0, steps=steps, kp=kp,
                  slope=slope, **drop)
     if kp.causal or seg is not None:
       lax.fori_loop(steps, cta_steps,
-                    functools.partial(common.idle_kv_step, bars=bars, stages=stages), None)
+                    functools.partial(common.idle_kv_step, bars=bars, stages=stages,
+                                      ring=ring), None)
     pl.when(wg == 0)(sched_sync)
 
     with jax.named_scope("epilogue"):
@@ -174,10 +179,16 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
     def kv_block(j):
       return sparse.block(j) if sparse is not None else _kv_block(j, kv0, cta_steps, kp)
 
+    def fill_bias(j, slot):  # freed with V (read under the score matmul, before K is freed)
+      if bias_tiles is not None:
+        sm90_dense.fill_ring(dense, sm90_dense.BiasRing(bias_tiles, bias_ready), b, h,
+                             cta_q0, kv_block(j) * bkv, slot, (bq, bkv))
+
     def load(j, slot):
       rows = (b, pl.ds(kv_block(j) * bkv, bkv), kvh)
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_scratch.at[slot], v_ready.at[slot])
+      fill_bias(j, slot)
 
     for i in range(stages):
       pl.when(i < cta_steps)(functools.partial(load, i, i))
@@ -192,6 +203,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scr
       with jax.named_scope("wait_free"):
         plgpu.barrier_wait(v_free.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_scratch.at[slot], v_ready.at[slot])
+      fill_bias(j, slot)
 
     common.observe_last_releases((k_free, v_free), cta_steps, stages)
 
@@ -417,7 +429,8 @@ def _plain_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBarriers
     acc, m, l = carry
     slot = ring(j, stages)
     # The dense tiles, loaded where they are added to S (dense.load).
-    dense_tiles = None if dense is None else dense(q0, key_block(j) * bkv, (bq, bkv))
+    dense_tiles = None if dense is None else dense(q0, key_block(j) * bkv, (bq, bkv),
+                                                   slot=slot)
     drop_cols = None  # loaded ahead of the scores' wait
     if drop_keys is not None:
       drop_cols = common.dropout_col_keys(drop_keys, key_block(j) * bkv, bkv)
@@ -525,7 +538,7 @@ def _overlapped_kv_loop(q_smem, k_scratch, v_scratch, p_smem, bars: common.KvBar
   def dense_tiles(j):
     if dense is None:
       return None
-    return dense(q0, key_block(j) * bkv, (bq, bkv))
+    return dense(q0, key_block(j) * bkv, (bq, bkv), slot=ring(j, stages))
 
   def drop_cols(j, early: bool = False):
     """The dropout keys of step j's key block, or None. `early` (a load ahead of the step's
@@ -744,6 +757,8 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
     grid, names = (persistent_ctas,), ("cta",)
     most_steps = kp.num_kv_blocks * -(-kp.num_q_tiles * h * bsz // persistent_ctas)
   else:
+    scratch += bias_ring_scratch(dense, kp, d)
+
     def make_body(blk=None):
       return common.with_segment_refs(functools.partial(_fwd_kernel, kp=kp, blk=blk), 3,
                                       bool(segs), alibi=bool(slopes), sinks=bool(sinks),
@@ -765,6 +780,22 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
       compiler_params=common.compiler_params(kp, min(most_steps, PROFILE_STEPS)),
       interpret=common.interpret_params(kp.interpret),
   )(q, k, v, *blks, *segs, *slopes, *sinks, *keys, *dense)
+
+
+def bias_ring_scratch(dense: tuple, kp: common.KernelParams, d: int) -> list:
+  """The grid forward's scratch for a BiasRing (dense.ring_scratch), where the call has a
+  16-bit dense bias (dense: dense.inputs' arrays, the bias first where kp.dense[0]) and its
+  tiles fit in shared memory beside the kernel's own; else [] (the tiles come from GMEM).
+  Through the ring a warpgroup reads its bias tile from swizzled shared memory in a few
+  conflict-free vector loads, where from GMEM each of its 4-byte loads spans 8 rows."""
+  if not kp.dense[0] or jnp.dtype(dense[0].dtype).itemsize != 2:
+    return []
+  dtype, bq, bkv, stages = dense[0].dtype, kp.block_q, kp.block_kv, kp.stages
+  need = (smem_bytes(d, bq, bkv, stages, jnp.dtype(kp.dtype).itemsize, dv=kp.dv)
+          + sm90_dense.ring_bytes(dtype, stages, bq, bkv))
+  if need > SMEM_LIMIT_BYTES:
+    return []
+  return sm90_dense.ring_scratch(dtype, stages, bq, bkv)
 
 
 def _with_head_refs(kernel, slopes, sinks, keys=()):
