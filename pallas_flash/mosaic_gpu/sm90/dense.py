@@ -115,18 +115,12 @@ class BiasRing(NamedTuple):
   wg: Any = None
 
 
-def ring_scratch(dtype, stages: int, block_q: int, block_kv: int) -> list:
-  """The forward's scratch for a BiasRing: the tiles (swizzled as wgmma's operands, so that a
-  warpgroup reads its half into the accumulator layout without bank conflicts) and the ready
-  barriers."""
-  tiles = plgpu.SMEM((stages, 2, block_q, block_kv), dtype,
-                     transforms=_ring_transforms(dtype))
+def ring_scratch(dtype, stages: int, block_q: int, block_kv: int, transforms) -> list:
+  """The forward's scratch for a BiasRing: the tiles (with `transforms`, common.smem_transforms'
+  swizzle, so that a warpgroup reads its half into the accumulator layout without bank
+  conflicts) and the ready barriers."""
+  tiles = plgpu.SMEM((stages, 2, block_q, block_kv), dtype, transforms=transforms)
   return [tiles, plgpu.Barrier(num_barriers=2 * stages)]
-
-
-def _ring_transforms(dtype):
-  itemsize = jnp.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128))
 
 
 def ring_bytes(dtype, stages: int, block_q: int, block_kv: int) -> int:

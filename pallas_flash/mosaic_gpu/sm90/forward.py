@@ -795,7 +795,7 @@ def bias_ring_scratch(dense: tuple, kp: common.KernelParams, d: int) -> list:
           + sm90_dense.ring_bytes(dtype, stages, bq, bkv))
   if need > SMEM_LIMIT_BYTES:
     return []
-  return sm90_dense.ring_scratch(dtype, stages, bq, bkv)
+  return sm90_dense.ring_scratch(dtype, stages, bq, bkv, common.smem_transforms(dtype))
 
 
 def _with_head_refs(kernel, slopes, sinks, keys=()):
