@@ -32,10 +32,11 @@ Features and their causality (causal where a decoder uses them; dense bias and b
 in an encoder): plain (non-causal), causal, window (causal, left = T/4), segments (causal,
 packed documents, T/1024 per row at random boundaries), softcap (causal, 50), alibi (causal,
 slopes 2^(-8(h+1)/H)), alibi_in_cap (causal, those slopes inside a cap of 50), dropout (causal,
-0.1), bias (non-causal, [1, H, T, S], differentiated), mask (non-causal, bool [B, 1, T, S],
-90 % visible), blockmask (causal & local(T/4), 128x128 blocks), sinks (causal, differentiated),
-gqa (causal, K kv heads), hd64 hd80 hd96 hd192 hd256 and hd192v128 (query/key head dim 192,
-value head dim 128, MLA's) (non-causal and causal).
+0.1), bias (non-causal, [1, H, T, S], differentiated; bias_causal the same, causal), mask
+(non-causal, bool [B, 1, T, S], 90 % visible), blockmask (causal & local(T/4), 128x128
+blocks), sinks (causal, differentiated), gqa (causal, K kv heads), hd64 hd80 hd96 hd192
+hd256 and hd192v128 (query/key head dim 192, value head dim 128, MLA's) (non-causal and
+causal).
 
 Default shape bf16 4x4096x32x128x8 (--features-shape BxTxHxD[xK]): every row has as many kv
 heads as query heads except gqa, which takes the shape's K (8); --quick: 1x128x4x32 (gqa: 2 kv
@@ -165,6 +166,7 @@ FEATURES: tuple[Feature, ...] = (
         jax.random.key(seed + 14), (s.num_heads,))}, cudnn=None),
     Feature("dropout", True, _dropout, cudnn="dropout"),
     Feature("bias", False, _bias),
+    Feature("bias_causal", True, _bias),  # a decoder's learned or relative-position bias
     Feature("mask", False, _mask),
     Feature("blockmask", True, _block_mask, cudnn="window", banded=True, block_masked=True),
     # The block mask composed with dropout, and with a dense bias (cuDNN runs neither).
