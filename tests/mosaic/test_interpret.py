@@ -620,11 +620,15 @@ def test_block_mask_matches_reference(name, config, case, blocks):
 # take the dropout keys and bias tiles of the tables' key blocks (the dK/dV kernel's steps
 # index them by the tables' q blocks), the dQ kernel writes dS on those blocks and XLA zeroes
 # the skipped ones before the bias's broadcast sum (per batch entry: the prefixes differ).
+# In CI the default form (the plain loop: config.dense_config) with a bias in the inputs'
+# dtype, whose forward tiles come through the shared-memory ring (dense.BiasRing).
 _DROPOUT = dict(dropout_rate=0.25, dropout_rng=jax.random.key(4))
-BLOCK_MASK_FEATURES = [("bias_dropout_overlap", _OVERLAP,
-                        dict(bias=(1, 2, 300, 300), **_DROPOUT))]
+BLOCK_MASK_FEATURES = [("bias_dropout_plain", _config(),
+                        dict(bias=(1, 2, 300, 300), bias_dtype=jnp.bfloat16, **_DROPOUT))]
 BLOCK_MASK_FEATURES_SLOW = [("dropout_plain", _config(), _DROPOUT),
-                            ("bias_BHTS", _config(), dict(bias=(2, 2, 300, 300)))]
+                            ("bias_BHTS", _config(), dict(bias=(2, 2, 300, 300))),
+                            ("bias_dropout_overlap", _OVERLAP,
+                             dict(bias=(1, 2, 300, 300), **_DROPOUT))]
 # Above head dim 128 (hd256.py's backward: the roles kernel streams its table's q blocks, the
 # "P" role masking the partial ones): at 256 with a bias, at MLA's 192 / 128 (V at its width).
 BLOCK_MASK_WIDE = [  # by name only until timed: with -m slow, and the GPU tests
@@ -657,7 +661,9 @@ def test_block_mask_with_features_matches_reference(name, config, features):
   case = Case(batch=2, q_len=300, kv_len=300, num_heads=2, num_kv_heads=1, head_dim=64,
               dtype=jnp.bfloat16)
   if "bias" in features:
-    features = dict(features, bias=2 * jax.random.normal(jax.random.key(9), features["bias"]))
+    features = dict(features)
+    dtype = features.pop("bias_dtype", jnp.float32)
+    features["bias"] = (2 * jax.random.normal(jax.random.key(9), features["bias"])).astype(dtype)
   check_block_mask_against_reference("mosaic", case, "local_or_prefix", blocks=(32, 96),
                                      config=config, **features)
 
