@@ -27,10 +27,6 @@ def _has_gpu() -> bool:
 
 def pytest_collection_modifyitems(config, items):
   del config
-  # A group's tests run one after another on one worker (--dist loadgroup, scripts/test.sh):
-  # collected first they start first, and the other worker's tests fill their time, where
-  # collected last (tests/train/test_cli.py's ~80 s) they kept one worker running alone.
-  items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
   if _has_gpu():
     return
   skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
