@@ -25,7 +25,8 @@ class MosaicDebug:
       memory and scoped accumulators: same math, slower kernel.
     profile_dir: run the forward, dK/dV and fused kernels under Mosaic's profiler, one
       Perfetto/Chrome trace per launch in this directory (one track per warpgroup with the
-      kernels' named regions). Slows the kernels.
+      kernels' named regions). Slows the kernels; the forward then loads a 16-bit dense bias
+      from GMEM (the profiler's buffer takes its shared-memory ring's room).
     persistent_ctas: CTAs of the persistent forward (0: the GPU's SM count); tests set it to
       run several tiles per CTA.
     wave_ctas, tail_parts: the split tail's wave (0: the SM count) and parts per tile (0: its
