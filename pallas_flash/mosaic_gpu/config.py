@@ -268,9 +268,11 @@ def call_config(head_dim: int, params: AttentionParams, kv_len: int, batch: int)
   kernel adds none of them; backward.py would warn and run the split kernels). A block mask
   takes the causal forms (128-key tiles: finer sparsity than the non-causal 192 or 256), with
   its features' tiles, and the split backward (the fused kernel takes none)."""
-  if params.block_mask_blocks is not None:
-    return feature_tiles(tuned(head_dim, True, kv_len), head_dim, params)
-  config = feature_tiles(tuned(head_dim, params.is_causal, kv_len), head_dim, params)
+  block_masked = params.block_mask_blocks is not None
+  config = feature_tiles(tuned(head_dim, params.is_causal or block_masked, kv_len), head_dim,
+                         params)
+  if block_masked:
+    return config
   if (head_dim != 128 or params.deterministic or params.has_segments
       or params.local_window is not None or params.logits_soft_cap is not None
       or params.has_alibi or params.dropout_rate or params.has_bias or params.has_mask):

@@ -132,8 +132,7 @@ def fill_ring(dense: DenseRefs, ring: BiasRing, b, h, row0, col0, slot, shape):
   """TMA-loads the bias tile [2·rows, cols] at (row0, col0) of batch b and head h into ring
   slot `slot`, one copy per warpgroup's half (shape: a half's [rows, cols])."""
   rows, cols = shape
-  b = b if dense.bias.shape[0] > 1 else 0
-  h = h if dense.bias.shape[1] > 1 else 0
+  b, h = _batch_head(dense.bias, b, h)
   for half in range(2):
     src = dense.bias.at[b, h, pl.ds(row0 + half * rows, rows), pl.ds(col0, cols)]
     plgpu.copy_gmem_to_smem(src, ring.tiles.at[slot, half], ring.ready.at[2 * slot + half])
@@ -153,12 +152,16 @@ def take_refs(refs, dense: tuple[bool, bool]) -> DenseRefs | None:
   return DenseRefs(*(next(it) if on else None for on in dense))
 
 
+def _batch_head(ref, b, h):
+  """(b, h) as indices into ref [B|1, H|1, ...]: 0 along a broadcast axis."""
+  return (b if ref.shape[0] > 1 else 0), (h if ref.shape[1] > 1 else 0)
+
+
 def _tile(ref, b, h, row0, col0, shape, transposed: bool):
   """ref's [rows, cols] tile at (row0, col0) for batch b and head h in the WGMMA layout, or
   with `transposed` the [cols of GMEM, rows of GMEM] tile: ref[.., row0:, col0:]ᵀ where row0
   indexes the GMEM columns (keys) and col0 the GMEM rows (queries)."""
-  b = b if ref.shape[0] > 1 else 0
-  h = h if ref.shape[1] > 1 else 0
+  b, h = _batch_head(ref, b, h)
   if not transposed:
     view = ref.at[b, h, pl.ds(row0, shape[0]), pl.ds(col0, shape[1])]
     return plgpu.load(view, layout=plgpu.Layout.WGMMA, optimized=False)
@@ -174,8 +177,7 @@ def _mask_bits(ref, b, h, row0, col0, shape) -> MaskBits:
   transposed tiles load the same way."""
   rows, cols = shape
   chunk = next(n for n in (MASK_BLOCK, 64, 32, 16, MASK_WORDS) if cols % n == 0)
-  b = b if ref.shape[0] > 1 else 0
-  h = h if ref.shape[1] > 1 else 0
+  b, h = _batch_head(ref, b, h)
   words = tuple(
       plgpu.load(ref.at[b, h, pl.ds(row0, rows),
                         pl.ds((col0 + i) // MASK_BLOCK * MASK_WORDS, MASK_WORDS)],
