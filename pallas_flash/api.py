@@ -79,8 +79,10 @@ def flash_attention(
       below it: 192 / 128 by default, the others when named), else zero-padded; context
       parallelism takes Dv == D only.
     bias: additive logits bias broadcastable to [B, H, T, S] (each axis 1 or full, rank <= 4, as
-      in jax.nn), differentiable (its gradient is summed over broadcast axes). Dense: it costs
-      T*S memory and reads; prefer the structured arguments below where they apply.
+      in jax.nn), differentiable (its gradient is summed over broadcast axes; a bias that the
+      differentiation does not reach, a constant or one under stop_gradient, costs the backward
+      no gradient: its dS is neither written nor summed). Dense: it costs T*S memory and reads;
+      prefer the structured arguments below where they apply.
     mask: boolean, broadcastable like `bias`; True where a query may attend. Dense as well.
     scale: softmax scale, default 1/sqrt(D). A static Python float.
     is_causal: query i attends to keys 0..i, exactly as `jax.nn.dot_product_attention`, also

@@ -13,14 +13,16 @@ reads them into one record):
     lse is that of the softmax before dropout.
 
   backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params, config[, arrays])
-      -> (dq, dk, dv), then dbias when params.has_bias, then dsinks when params.has_sinks
+      -> (dq, dk, dv), then dbias when params.returns_dbias, then dsinks when params.has_sinks
     lse has +inf (not -inf) on fully masked rows, so exp(s - lse) is 0 there without a select;
     delta [B, H, T] float32 = rowsum(do * o) - dlse, computed by the API in XLA.
     A backend whose module sets BACKWARD_COMPUTES_DELTA = True (mosaic_gpu: it does this in a
     kernel, saving XLA's extra pass over O and dO) instead gets lse as forward returned it
     (-inf on fully masked rows) and delta = -dlse, or None when lse has no cotangent, and
     computes rowsum(do * o) itself.
-    dbias has the shape of arrays.bias (summed over its broadcast batch / head axes).
+    dbias has the shape of arrays.bias (summed over its broadcast batch / head axes). With
+    params.bias_grad False (a bias that nothing differentiates) it is not returned, and the
+    kernels skip dS's stores.
 
   config is always given: the API resolves it once, the user's or `default_config(call)`.
 
@@ -88,6 +90,9 @@ class AttentionParams:
     dropout_rate: probability of dropping an attention probability; 0 for no dropout (then
       arrays.dropout_seed is None).
     has_bias: arrays.bias [B|1, H|1, T, S] is present (differentiable).
+    bias_grad: the backward returns dbias (`returns_dbias`). The API sets it False in the
+      backward of a call whose bias its differentiation does not perturb (a constant, or
+      under stop_gradient), so that no [B, H, T, S] dS is written and reduced for nothing.
     has_mask: arrays.mask [B|1, H|1, T, S] bool is present.
     block_mask_blocks: (block_q, block_kv) of arrays.block_mask (a masks.BlockMask),
       which then replaces causal / window / segment masking; None without a block mask.
@@ -110,6 +115,7 @@ class AttentionParams:
   has_alibi: bool = False
   dropout_rate: float = 0.0
   has_bias: bool = False
+  bias_grad: bool = True
   has_mask: bool = False
   block_mask_blocks: tuple[int, int] | None = None
   block_mask_fn_types: tuple[type, ...] = ()
@@ -125,6 +131,11 @@ class AttentionParams:
             "bias": self.has_bias, "mask": self.has_mask,
             "block_mask": self.block_mask_blocks is not None}
     return frozenset(name for name, on in used.items() if on)
+
+  @property
+  def returns_dbias(self) -> bool:
+    """Whether the backward returns dbias (and its kernels write dS for it)."""
+    return self.has_bias and self.bias_grad
 
   @property
   def band(self) -> tuple[int | None, int | None]:

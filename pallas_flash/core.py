@@ -119,16 +119,25 @@ def backward_from_residuals(backend: backends.Backend, params: AttentionParams, 
   cotangents (q, k, v, None, None, FeatureArrays(bias=dbias, sinks=dsinks)) of the inputs,
   from the residuals (q, k, v, q_seg, kv_seg, arrays, o, lse) and the cotangents (do, dlse)
   of (o, lse), either of which may be a SymbolicZero. The backend recomputes the scores from
-  q, k, v and lse."""
+  q, k, v and lse. dbias is None (a zero cotangent) where not params.returns_dbias."""
   q, k, v, q_seg, kv_seg, arrays, o, lse = res
   do, delta, lse = backward_inputs(backend.computes_delta, o, lse, cotangents, q.dtype)
   uses_arrays = bool(params.features) or params.has_sinks
   kw = dict(params=params, config=config, **({"arrays": arrays} if uses_arrays else {}))
   grads = backend.backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, **kw)
   extra = list(grads[3:])  # [dbias][, dsinks]
-  dbias = extra.pop(0).astype(arrays.bias.dtype) if params.has_bias else None
+  dbias = extra.pop(0).astype(arrays.bias.dtype) if params.returns_dbias else None
   dsinks = extra.pop(0) if params.has_sinks else None
   return (*grads[:3], None, None, FeatureArrays(bias=dbias, sinks=dsinks))
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Needs:
+  """What the backward must return beyond dq, dk, dv, known when the forward is traced (a
+  static residual, no array): bias, whether the differentiation perturbs the bias."""
+
+  bias: bool
 
 
 @functools.cache
@@ -154,10 +163,14 @@ def _differentiable(name: str, params: AttentionParams, config) -> Callable:
     q, k, v, q_seg, kv_seg, arrays = custom_vjp_primal_tree_values(primals)
     o, lse = checkpoint_name(backend.forward(q, k, v, q_seg, kv_seg, **kw(arrays)),
                              CHECKPOINT_NAME)
-    return (o, lse), (q, k, v, q_seg, kv_seg, arrays, o, lse)
+    bias = primals[5].bias
+    needs = _Needs(bias=bias is not None and bias.perturbed)
+    return (o, lse), (q, k, v, q_seg, kv_seg, arrays, o, lse, needs)
 
   def run_bwd(res, cotangents):
-    return backward_from_residuals(backend, params, config, res, cotangents)
+    *res, needs = res
+    bwd_params = params if needs.bias else dataclasses.replace(params, bias_grad=False)
+    return backward_from_residuals(backend, bwd_params, config, tuple(res), cotangents)
 
   run.defvjp(run_fwd, run_bwd, symbolic_zeros=True)
   return run

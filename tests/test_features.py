@@ -4,6 +4,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from pallas_flash import dropout
 from pallas_flash.triton import TritonConfig
 from pallas_flash.xla import XlaConfig
 from testing import (Case, assert_close_to_ref, assert_matches_reference, check_against_reference,
-                     make_inputs, max_abs, run, tolerance)
+                     interpret_config, make_inputs, max_abs, run, tolerance)
 
 CPU_IMPLS = ("interpret", "xla")
 SMALL = {"interpret": TritonConfig(block_q=32, block_kv=16, block_q_dkv=16, block_kv_dkv=32,
@@ -163,6 +164,57 @@ def test_dbias_is_reduced_over_broadcast_axes():
       _, grads_ref = run("reference", q, k, v, do, bias=bias)
       assert grads[3].shape == shape
       assert_close_to_ref(f"{impl} dbias {shape}", grads[3], grads_ref[3], 5e-5)
+
+
+def _kernel_outputs(jaxpr) -> list[tuple[int, ...]]:
+  """The output shapes of every kernel in a jaxpr (a pallas_call; the Mosaic interpreter's
+  kernels are mpmd_maps), its sub-jaxprs included."""
+  shapes = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("pallas_call", "mpmd_map"):
+      shapes += [tuple(x.aval.shape) for x in eqn.outvars]
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      shapes += _kernel_outputs(sub)
+  return shapes
+
+
+# The Mosaic kernels in the interpreter: their dQ kernel's dbias output is the one to skip.
+BIAS_GRAD_IMPLS = [("interpret", SMALL["interpret"]), ("xla", SMALL["xla"]),
+                   ("mosaic", interpret_config())]
+
+
+@pytest.mark.parametrize("impl, config", BIAS_GRAD_IMPLS, ids=[i for i, _ in BIAS_GRAD_IMPLS])
+def test_a_bias_nothing_differentiates_costs_no_dbias(impl, config):
+  """A bias under stop_gradient (or a constant): dq, dk, dv match the reference and the
+  backward returns no dbias, so its kernels write no [B, H, T, S] dS (the kernels' outputs are
+  the differentiated call's less that buffer)."""
+  case = Case(batch=2, q_len=70, kv_len=90, num_heads=4, num_kv_heads=2, head_dim=64,
+              dtype=jnp.bfloat16, features=("bias",))
+  (q, k, v, do), kwargs = make_inputs(case)
+  bias = kwargs.pop("bias")
+
+  def grads(impl, config, differentiated: bool):
+    def loss(q, k, v, bias):
+      bias = bias if differentiated else jax.lax.stop_gradient(bias)
+      o = pallas_flash.flash_attention(q, k, v, bias=bias, implementation=impl, config=config,
+                                       **kwargs)
+      return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+
+  got = grads(impl, config, False)(q, k, v, bias)
+  up = [x.astype(jnp.float32) for x in (q, k, v)]
+  want = grads("reference", None, True)(*up, bias)
+  assert not np.any(got[3]), "a bias under stop_gradient has a zero gradient"
+  for name, x, ref in zip(("dq", "dk", "dv"), got[:3], want[:3]):
+    assert_close_to_ref(f"{impl} {name}", x, ref, tolerance(q.dtype))
+  if impl == "xla":  # no kernels: the XLA ops of dbias are simply not built
+    return
+  with_dbias, without = (_kernel_outputs(jax.make_jaxpr(grads(impl, config, d))(
+      q, k, v, bias).jaxpr) for d in (True, False))
+  for shape in without:
+    with_dbias.remove(shape)
+  (dbias,) = with_dbias
+  assert dbias[:2] == (case.batch, case.num_heads) and dbias[2] >= case.q_len, dbias
 
 
 @pytest.mark.parametrize("impl", CPU_IMPLS)

@@ -295,14 +295,19 @@ def _sha(text: str) -> str:
 
 def fingerprint(call: GateCall) -> dict:
   """{"kernels": [kind:sha, ...] in lowering order, "glue": sha} of the forward and the
-  gradient (a vjp with a cotangent input) of `call` with implementation=None, on an H200."""
+  gradient (a vjp with a cotangent input; a bias's too) of `call` with implementation=None,
+  on an H200."""
   q, k, v, arrays = call.specs()
   do = jax.ShapeDtypeStruct((*q.shape[:3], v.shape[3]), q.dtype)
   static = call.static_kwargs()
 
   def fwd_bwd(q, k, v, do, arrays):
-    attn = lambda q, k, v: pallas_flash.flash_attention(q, k, v, **arrays, **static)  # noqa: E731
-    o, vjp = jax.vjp(attn, q, k, v)
+    # A bias is differentiated (its dbias is the kernels' to write); nothing else is.
+    diff = {n: x for n, x in arrays.items() if n == "bias"}
+    rest = {n: x for n, x in arrays.items() if n not in diff}
+    attn = lambda q, k, v, d: pallas_flash.flash_attention(  # noqa: E731
+        q, k, v, **d, **rest, **static)
+    o, vjp = jax.vjp(attn, q, k, v, diff)
     return o, vjp(do)
 
   kernels: list = []

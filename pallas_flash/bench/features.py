@@ -32,7 +32,8 @@ Features and their causality (causal where a decoder uses them; dense bias and b
 in an encoder): plain (non-causal), causal, window (causal, left = T/4), segments (causal,
 packed documents, T/1024 per row at random boundaries), softcap (causal, 50), alibi (causal,
 slopes 2^(-8(h+1)/H)), alibi_in_cap (causal, those slopes inside a cap of 50), dropout (causal,
-0.1), bias (non-causal, [1, H, T, S], differentiated; bias_causal the same, causal), mask
+0.1), bias (non-causal, [1, H, T, S], differentiated; bias_causal the same, causal;
+bias_fixed the same, not differentiated: an additive mask or a frozen bias), mask
 (non-causal, bool [B, 1, T, S], 90 % visible), blockmask (causal & local(T/4), 128x128
 blocks), sinks (causal, differentiated), gqa (causal, K kv heads), hd64 hd80 hd96 hd192
 hd256 and hd192v128 (query/key head dim 192, value head dim 128, MLA's) (non-causal and
@@ -86,6 +87,7 @@ class Feature:
   gqa: bool = False
   banded: bool = False
   block_masked: bool = False  # a BlockMask, whose mask function carries the causality
+  fixed: tuple[str, ...] = ()  # DIFFERENTIATED arrays the row does not differentiate
 
   @property
   def is_causal(self) -> bool:
@@ -167,6 +169,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("dropout", True, _dropout, cudnn="dropout"),
     Feature("bias", False, _bias),
     Feature("bias_causal", True, _bias),  # a decoder's learned or relative-position bias
+    # An additive mask or a frozen bias: nothing differentiates it (no dbias to write).
+    Feature("bias_fixed", False, _bias, fixed=("bias",)),
     Feature("mask", False, _mask),
     Feature("blockmask", True, _block_mask, cudnn="window", banded=True, block_masked=True),
     # The block mask composed with dropout, and with a dense bias (cuDNN runs neither).
@@ -313,7 +317,7 @@ class _Case:
   @property
   def grads(self) -> tuple[str, ...]:
     """The feature arrays differentiated in fwdbwd (DIFFERENTIATED's that the call passes)."""
-    return tuple(n for n in DIFFERENTIATED if n in self.args[4])
+    return tuple(n for n in DIFFERENTIATED if n in self.args[4] and n not in self.feature.fixed)
 
   def sliced(self, dtype=None) -> tuple:
     s = self.small

@@ -158,7 +158,7 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_r
       probs = jnp.where(mask, probs, 0.0)
     # Fold c·tanh's derivative into P (tanh dies here) unless a bias added after the cap needs
     # dS before it.
-    if tanh is not None and (not p.has_bias or p.bias_in_cap):
+    if tanh is not None and (dbias_ref is None or p.bias_in_cap):
       probs = probs * (1.0 - tanh * tanh)
       tanh = None
     dp = common.dot(do, v, trans_b=True)
@@ -168,7 +168,7 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_r
                              -delta[:, None])
     else:
       ds = probs * (dp - delta[:, None])
-    if p.has_bias:  # dS before tanh's derivative for a bias after the cap, after it inside
+    if dbias_ref is not None:  # dS before tanh's derivative for a bias after the cap
       dbias_ref[:, kv_slice] = ds
     if tanh is not None:
       ds = ds * (1.0 - tanh * tanh)
@@ -181,7 +181,7 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_r
 
   dq = jnp.zeros(q.shape, jnp.float32)
   if p.block_sparse:
-    if p.has_bias:  # the active blocks are not a range: zero the row, then overwrite them
+    if dbias_ref is not None:  # the active blocks are not a range: zero the row, then write
       lax.fori_loop(0, p.num_kv_blocks, zero_step, 0)
     dq = common.sparse_loop(table_ref, counts_ref, kv_step, dq)
   else:
@@ -189,7 +189,7 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_r
     dq = lax.fori_loop(first, full_lo, functools.partial(kv_step, masked=True), dq)
     dq = lax.fori_loop(full_lo, full_hi, functools.partial(kv_step, masked=False), dq)
     dq = lax.fori_loop(full_hi, last, functools.partial(kv_step, masked=True), dq)
-    if p.has_bias:
+    if dbias_ref is not None:
       lax.fori_loop(0, first, zero_step, 0)
       lax.fori_loop(last, p.num_kv_blocks, zero_step, 0)
   dq_ref[...] = (dq * p.scale).astype(dq_ref.dtype)
@@ -254,12 +254,13 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   q_map = _dq_q_map(p)
   out_specs = [pl.BlockSpec((None, p.block_q, None, d_pad), q_map)]
   out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-  if params.has_bias:  # [B, H, T_pad, S_pad] float32: one writer per row block, reduced below
+  if params.returns_dbias:  # [B, H, T_pad, S_pad] float32: one writer per row block, reduced
     out_specs.append(pl.BlockSpec((None, None, p.block_q, s_pad),
                                   lambda i, bi, hi: (bi, hi, q_map(i, bi, hi)[1], 0)))
     out_shape.append(jax.ShapeDtypeStruct((b, h, t_pad, s_pad), jnp.float32))
   dq, *dbias = pl.pallas_call(
-      functools.partial(_bwd_dq_kernel if params.has_bias else _no_dbias(_bwd_dq_kernel), p=p),
+      functools.partial(_bwd_dq_kernel if params.returns_dbias else _no_dbias(_bwd_dq_kernel),
+                        p=p),
       grid=(p.num_q_blocks, b, h),
       in_specs=[*_dq_in_specs(p, s_pad, (d_pad, dv_pad), args, kv_limits), *sparse_specs],
       out_specs=out_specs,
@@ -269,7 +270,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
       name="pallas_flash_bwd_dq",
   )(*args, kv_limits, *sparse_args)
   grads = (dq[:, :t, :, :d], dk[:, :s_len, :, :d], dv[:, :s_len, :, :dv_len])
-  if not params.has_bias:
+  if not params.returns_dbias:
     return grads
   shape = arrays.bias.shape
   axes = tuple(a for a in (0, 1) if shape[a] == 1 and dbias[0].shape[a] != 1)

@@ -281,7 +281,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   delta = _tiling.pad_axis(delta, 2, t_pad).reshape(b, kh, g, t_pad)
   nq, nk = t_pad // bq, s_pad // bk
   grads = functools.partial(_block_grads, ctx=ctx)
-  bias_shape = ctx.dense["bias"].shape[:3] if params.has_bias else None
+  bias_shape = ctx.dense["bias"].shape[:3] if params.returns_dbias else None
 
   def dq_block(args):
     i, q_blk, do_blk, qs_blk = args
@@ -301,7 +301,8 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
                            preferred_element_type=jnp.float32)
       return dq, dbias
 
-    dbias = (jnp.zeros((*bias_shape, bq, s_pad), jnp.float32) if params.has_bias else None)
+    dbias = (jnp.zeros((*bias_shape, bq, s_pad), jnp.float32) if params.returns_dbias
+             else None)
     dq, dbias = ctx.kv_loop(i, nk, kv_step, (jnp.zeros(q_blk.shape, jnp.float32), dbias))
     return dq * params.scale, dbias
 
@@ -333,7 +334,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
   dq = _unblocks(dq).reshape(b, t_pad, h, d)[:, :t]
   dk, dv = _unblocks(dk)[:, :s_len], _unblocks(dv)[:, :s_len]
   out = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
-  if not params.has_bias:
+  if not params.returns_dbias:
     return out
   # [nq, B|1, K|1, G|1, bq, S_pad] -> [B|1, H|1, T, S]
   dbias = jnp.moveaxis(dbias, 0, 3).reshape(bias_shape[0], -1, t_pad, s_pad)

@@ -102,7 +102,7 @@ def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: Attent
   (common.raw_alibi_slopes [H],); of `arrays` the dense bias and mask, the dropout seed and
   the block mask are
   read) -> (dq, dk, dv[, dbias], delta [B, H, T] = rowsum(dO∘O) - dlse), dbias with
-  params.has_bias (summed over the bias's broadcast axes), delta as the dQ kernel or XLA
+  params.returns_dbias (summed over the bias's broadcast axes), delta as the dQ kernel or XLA
   computed it (unused but for the sinks' gradient)."""
   t, s = q.shape[1], k.shape[1]
   t_pad, s_pad = padded_lengths(t, s, config)
@@ -142,7 +142,7 @@ def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: Attent
     delta = _tiling.pad_axis(delta, 2, t_pad)
     out = dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs,
                   slopes=slopes, dense=dense_in, keys=keys, blks=dq_blks)
-    dq, *dbias = out if kp_dq.dense[0] else (out,)
+    dq, *dbias = out if kp_dq.dbias else (out,)
   dk, dv = dkdv.dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs,
                           slopes=slopes, dense=dense_dkdv, keys=keys, blks=dkdv_blks)
   dbias = tuple(sm90_dense.reduce_dbias(x, arrays.bias.shape, t, s, bm) for x in dbias)

@@ -71,6 +71,8 @@ class KernelParams:
   # (AttentionParams.has_bias, .has_mask): the kernels take dense.inputs' arrays, after the
   # ALiBi slopes, the sinks and the dropout keys (sm90/dense.py).
   dense: tuple[bool, bool] = (False, False)
+  # AttentionParams.returns_dbias: the dQ kernel writes dS to a dbias output.
+  dbias: bool = False
   # AttentionParams.dropout_rate: the kernels take dropout_keys' row and column keys as inputs.
   dropout: float = 0.0
   # The value head dim Dv: the columns of V, O, dO and dV (0 given: d). Differs from d only
@@ -137,7 +139,8 @@ class KernelParams:
         segment_ids=params.has_segments,
         softcap=params.logits_soft_cap, bias_in_cap=params.bias_in_cap,
         window=params.local_window, alibi=params.has_alibi,
-        dense=(params.has_bias, params.has_mask), dropout=params.dropout_rate)
+        dense=(params.has_bias, params.has_mask), dbias=params.returns_dbias,
+        dropout=params.dropout_rate)
 
 
 def early_probs(kp: KernelParams, *, dense, sparse) -> bool:

@@ -48,7 +48,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
   forward's way (the CTA streams only the key blocks its tile may share an id with). slopes:
   ALiBi's common.raw_alibi_slopes [H] (GMEM), or None. keys: dropout's row and column keys
   (common.dropout_keys), or None: dP is masked and scaled, dS = P∘(dP_kept / (1 - rate) − delta).
-  dense: the dense bias and mask (dense.DenseRefs), or None; with a bias, dbias_ref [B, H, Tp,
+  dense: the dense bias and mask (dense.DenseRefs), or None; with kp.dbias, dbias_ref [B, H, Tp,
   Sp] (dense.dbias_dtype) gets dS (before the soft cap's slope: the bias is added after the
   cap) of every score tile, zeros on the key blocks a warpgroup does not stream; else dbias_ref
   is None. blk: a block mask's key-block table per q tile and mask function
@@ -269,7 +269,7 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
   [B, Sp], kv limits per q tile) int32. slopes: () or (common.raw_alibi_slopes [H],). keys: ()
   or dropout's (row keys [B, H, Tp], column keys [Sp]) (common.dropout_keys). dense: () or
   the first of dense.backward_inputs: the bias and / or the mask's bits (kp.dense says which);
-  with a bias the result ends with dbias [B, H, Tp, Sp] in dense.dbias_dtype (dS of every
+  with kp.dbias the result ends with dbias [B, H, Tp, Sp] in dense.dbias_dtype (dS of every
   score). blks: () or a block mask's operands (block_mask.inputs by q tile), inputs after
   q .. delta."""
   bsz, _, h, d = q.shape
@@ -299,8 +299,8 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
   dq = jax.ShapeDtypeStruct(q.shape, q.dtype)
   row_stats = jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)
   out_type = [dq, row_stats, row_stats] if in_kernel else [dq]
-  present = [x is not None for x in inputs] + [True, in_kernel, in_kernel, kp.dense[0]]
-  if kp.dense[0]:
+  present = [x is not None for x in inputs] + [True, in_kernel, in_kernel, kp.dbias]
+  if kp.dbias:
     out_type.append(jax.ShapeDtypeStruct((bsz, h, t_pad, kp.s_pad),
                                          sm90_dense.dbias_dtype(dense[0].dtype)))
   num_inputs = sum(present) - len(out_type)
@@ -321,4 +321,4 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
       compiler_params=common.compiler_params(),
       interpret=common.interpret_params(kp.interpret),
   )(*(x for x in inputs if x is not None), *blks, *segs, *slopes, *keys, *dense)
-  return tuple(out) if in_kernel or kp.dense[0] else out[0]
+  return tuple(out) if in_kernel or kp.dbias else out[0]

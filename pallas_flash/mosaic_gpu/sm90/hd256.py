@@ -357,7 +357,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
       t_pad=t_pad, s_pad=s_pad)
   out = dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs, slopes=slopes,
                 keys=keys, dense=dense_dq, blks=dq_blks)
-  dq, *dbias = out if kp_dq.dense[0] else (out,)
+  dq, *dbias = out if kp_dq.dbias else (out,)
   dk, dv = _dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs,
                       slopes=slopes, keys=keys, dense=dense_dkdv, blks=dkdv_blks)
   dbias = tuple(sm90_dense.reduce_dbias(x, arrays.bias.shape, t, s, bm) for x in dbias)
