@@ -11,6 +11,7 @@ Usage (from the repository root; see docs/perf.md for how numbers are produced):
   python -m pallas_flash.bench --fp8-training       # its forward+backward rows only
   python -m pallas_flash.bench --fp8-features       # the FP8 forward with window/segments/cap
   python -m pallas_flash.bench --features [LIST] --json features.json  # bench/features.py
+  python -m pallas_flash.bench --features bias --kernels  # each row's time per kernel / XLA op
   python -m pallas_flash.bench --impl mosaic,cudnn --variant mosaic:ovl:fwd_intra_wg_overlap=True
       # a column "mosaic:ovl": each call's default Mosaic config with that field replaced
 

@@ -57,7 +57,7 @@ import numpy as np
 
 import pallas_flash
 from pallas_flash import masks
-from pallas_flash.bench import checks, flops, shapes, timing
+from pallas_flash.bench import checks, flops, kernels, shapes, timing
 
 DEFAULT_SHAPE, QUICK_SHAPE = "4x4096x32x128x8", "1x128x4x32x2"
 HEAD_DIMS = (64, 80, 96, 192, 256)
@@ -204,6 +204,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   g.add_argument("--features-shape", default=None, metavar="BxTxHxD[xK]",
                  help=f"features: the grid's shape, K the GQA row's kv heads (default "
                  f"{DEFAULT_SHAPE}; {QUICK_SHAPE} with --quick)")
+  g.add_argument("--kernels", action="store_true",
+                 help="features: under each row, our call's device time per XLA op and kernel "
+                 "(bench/kernels.py: a profile of a few calls)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -508,6 +511,8 @@ def run_features(opts, dtype, on_rows=lambda rows: None) -> list[dict]:
       row = _row(feature, spec, mode, case, impl, chosen, fields, t, cudnn_fields,
                  plain_case, plain_impl, plain_fields, dtype)
       row["variants"] = {n: _variant_entry(row, v, t[n]) for n, (v, _) in variant_calls.items()}
+      if getattr(opts, "kernels", False) and fn is not None:
+        row["kernels_us"] = kernels.kernel_times(fn)
       _print_row(row)
       rows.append(row)
       on_rows(rows)
@@ -587,6 +592,8 @@ def _print_row(r: dict) -> None:
   for name, v in r.get("variants", {}).items():
     print(f"    {name}: {v['status']} {flops.format_tflops(v['tflops'])} TFLOP/s, "
           f"x ours {_ratio(v['ratio_ours'], '-')}  {v['reason'] or ''}", flush=True)
+  if "kernels_us" in r:
+    print("\n".join("      " + line for line in kernels.summary(r["kernels_us"])), flush=True)
 
 
 def print_table(rows: list[dict]) -> None:

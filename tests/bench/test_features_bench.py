@@ -94,6 +94,16 @@ def test_gradients_incl_dbias_and_dsinks_are_checked_on_a_leading_slice(tmp_path
     assert row["check_shape"] == "1x64x2x32"
 
 
+def test_kernels_lists_the_device_time_of_each_op_under_the_row(tmp_path, capsys):
+  (row,) = _run(tmp_path, "--features", "softcap", "--impl", "xla", "--mode", "fwd",
+                "--kernels")
+  times = row["kernels_us"]
+  assert times and all(us >= 0 for us in times.values()) and sum(times.values()) > 0, times
+  assert list(times.values()) == sorted(times.values(), reverse=True)
+  out = capsys.readouterr().out
+  assert next(iter(times))[:70] in out and "total device time per call" in out
+
+
 def test_cudnn_rejecting_a_call_prints_a_dash(tmp_path, monkeypatch, capsys):
   monkeypatch.setattr(features, "_on_gpu", lambda: True)  # cuDNN then fails on the CPU
   rows = _run(tmp_path, "--features", "bias,softcap", "--impl", "xla,cudnn", "--mode", "fwd")
