@@ -144,6 +144,36 @@ def wait_ring(ring: BiasRing, slot):
   return ring.tiles.at[slot, ring.wg]
 
 
+class StreamedBias(NamedTuple):
+  """The dK/dV kernel's 16-bit bias tiles, streamed beside Q (kv_stream's query streams):
+  tiles [stages, block_q, 2·block_kv] (a step's queries by the CTA's keys, TMA'd by the
+  producer; its ready barriers are waited for with Q's), free (both consumer warpgroups
+  arrive once their half is in registers) and the warpgroup that reads."""
+
+  tiles: Any
+  free: Any
+  wg: Any
+
+
+def stream_scratch(dtype, stages: int, block_q: int, block_kv: int) -> list:
+  """The dK/dV kernel's scratch for a StreamedBias: the tiles (128-byte swizzle, so that a
+  warpgroup's transposed half loads without bank conflicts), then ready and free barriers."""
+  tiles = plgpu.SMEM((stages, block_q, 2 * block_kv), dtype,
+                     transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+  return [tiles, plgpu.Barrier(num_barriers=stages),
+          plgpu.Barrier(num_arrivals=2, num_barriers=stages)]
+
+
+def stream_rows(bias_ref, b, block_q: int, block_kv: int, k0, index):
+  """rows(t): the GMEM slice of step t's StreamedBias tile, bias_ref[b, h, queries of q block
+  i, keys k0 .. k0 + 2·block_kv) with (i, h) = index(t) (broadcast axes at 0)."""
+  def rows(t):
+    i, h = index(t)
+    bb, hh = _batch_head(bias_ref, b, h)
+    return bb, hh, pl.ds(i * block_q, block_q), pl.ds(k0, 2 * block_kv)
+  return rows
+
+
 def take_refs(refs, dense: tuple[bool, bool]) -> DenseRefs | None:
   """DenseRefs of the leading refs (the bias, then the mask, where `dense` says present)."""
   if not any(dense):
@@ -204,7 +234,7 @@ def _visible(bits: MaskBits, shape):
 
 
 def load(dense: DenseRefs | None, b, h, row0, col0, shape, *, transposed: bool = False,
-         ring: BiasRing | None = None, slot=None):
+         ring: BiasRing | None = None, slot=None, streamed: StreamedBias | None = None):
   """tiles() -> (the bias tile [rows, cols] (WGMMA layout), the mask's MaskBits), None where
   absent, of a score tile whose rows are queries from row0 and columns keys from col0 (with
   `transposed`, rows keys and columns queries); None without dense inputs. `add` calls it, so
@@ -213,7 +243,9 @@ def load(dense: DenseRefs | None, b, h, row0, col0, shape, *, transposed: bool =
   1x4096x16x128: 532 B in the forward's overlapped loop at 192-key tiles, 226 B in the dQ
   kernel), loaded there none in the forward. A 16-bit bias stays 16-bit through the
   transposed tiles' register transpose (which takes 16 or 32-bit entries). ring, slot: the
-  forward's BiasRing and the step's slot, where the bias comes from shared memory."""
+  forward's BiasRing and the step's slot, where the bias comes from shared memory; streamed
+  (with `transposed` and slot): the dK/dV kernel's StreamedBias, whose slot is freed once
+  this warpgroup's half is loaded."""
   if dense is None:
     return None
 
@@ -222,6 +254,11 @@ def load(dense: DenseRefs | None, b, h, row0, col0, shape, *, transposed: bool =
       return None
     if ring is not None:  # a swizzled shared-memory tile: conflict-free vector loads
       return plgpu.load(wait_ring(ring, slot), layout=plgpu.Layout.WGMMA)
+    if streamed is not None:  # this WG's keys of the step's [queries, keys] tile, transposed
+      half = streamed.tiles.at[slot, :, pl.ds(streamed.wg * shape[0], shape[0])]
+      x = plgpu.load(half.T, layout=plgpu.Layout.WGMMA)
+      plgpu.barrier_arrive(streamed.free.at[slot])
+      return x
     x = _tile(dense.bias, b, h, row0, col0, shape, transposed)
     if transposed:
       dtype = dense.bias.dtype if jnp.dtype(dense.bias.dtype).itemsize == 2 else jnp.float32

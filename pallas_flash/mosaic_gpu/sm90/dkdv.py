@@ -24,7 +24,8 @@ from pallas_flash.mosaic_gpu.sm90 import dense as sm90_dense
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_scratch,
                  v_scratch, q_scratch, do_scratch, lse_scratch, delta_scratch, st_scratch,
                  kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free, do_free,
-                 lse_free, delta_free, *, kp: common.KernelParams,
+                 lse_free, delta_free, bias_tiles=None, bias_ready=None, bias_free=None, *,
+                 kp: common.KernelParams,
                  seg: common.SegmentRefs | None = None, slopes=None,
                  keys: common.DropoutKeys | None = None, dense=None,
                  blk: block_mask.Refs | None = None):
@@ -42,7 +43,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
   common.raw_alibi_slopes [H] (GMEM), or None. keys: dropout's row and column keys
   (common.dropout_keys), or None: dV takes the kept Pᵀ (scaled by 1 / (1 - rate) once, at
   the end), dSᵀ the kept, scaled dPᵀ. dense: the dense bias and mask (dense.DenseRefs), or
-  None: each step loads its transposed tiles. blk: a block mask's q-block table per kv tile
+  None: each step loads its transposed tiles (a 16-bit bias's from bias_tiles [stages,
+  block_q, 2·block_kv], streamed beside Q with the ready / free barriers bias_ready /
+  bias_free, where dkdv_call gives them: dense.StreamedBias). blk: a block mask's q-block
+  table per kv tile
   and mask function (block_mask.Refs): the CTA streams the listed q blocks (each for every
   query head of the group), evaluating the function on the partial ones (listed first).
   """
@@ -73,6 +77,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
   streams = ((q_ref, q_scratch, q_ready, q_free), (do_ref, do_scratch, do_ready, do_free),
              (lse_ref, lse_scratch, lse_ready, lse_free),
              (delta_ref, delta_scratch, delta_ready, delta_free))
+  if bias_tiles is not None:  # the bias's tiles: a fifth stream
+    streams += ((dense.bias, bias_tiles, bias_ready, bias_free),)
 
   @pl.when(wg < 2)
   def _consumer():
@@ -98,8 +104,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
       bias = alibi_at(t)  # the slope's load runs ahead of the waits
       tiles = None
       if dense is not None:  # the dense tiles (dense.load), added to Sᵀ with the bias
+        streamed = (None if bias_tiles is None
+                    else sm90_dense.StreamedBias(bias_tiles, bias_free, wg))
         tiles = (sm90_dense.load(dense, b, index(t)[1], k0, index(t)[0] * bq, (bkv, bq),
-                                 transposed=True),
+                                 transposed=True, slot=slot, streamed=streamed),
                  functools.partial(with_dense, kp=kp))
       drop = drop_at(t)  # as do the queries' dropout keys
       q_smem, do_smem = kv_stream.wait_streams(streams, slot)
@@ -166,7 +174,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
   @pl.when(wg == 2)
   def _producer():
     plgpu.set_max_registers(kp.producer_registers, action="decrease")
-    kv_stream.produce_query_streams(cta_steps, stages, streams, index, b, bq, kp)
+    extra = () if bias_tiles is None else (
+        sm90_dense.stream_rows(dense.bias, b, bq, bkv, cta_k0, index),)
+    kv_stream.produce_query_streams(cta_steps, stages, streams, index, b, bq, kp, extra)
 
 
 def with_dense(alibi, tiles, kp: common.KernelParams):
@@ -249,6 +259,17 @@ def _overlapped_step(dk, dv, tiles, streams, slot, k0, frees, kp: common.KernelP
   return dk, dv
 
 
+def bias_stream_scratch(dense: tuple, kp: common.KernelParams) -> list:
+  """The dK/dV kernel's scratch for a dense.StreamedBias, where the call has a 16-bit dense
+  bias (dense: the second of dense.backward_inputs, the bias first where kp.dense[0]) and the
+  kernel is not profiled (its event buffer takes the room); else [] (each step loads its
+  tile from GMEM: 4-byte loads along the keys, then a register transpose through shared
+  memory). Streamed, a warpgroup reads its transposed half with a few ldmatrix.trans."""
+  if not kp.dense[0] or jnp.dtype(dense[0].dtype).itemsize != 2 or kp.profile_dir:
+    return []
+  return sm90_dense.stream_scratch(dense[0].dtype, kp.stages, kp.block_q, kp.block_kv)
+
+
 def dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slopes=(),
               keys=(), dense=(), blks=()):
   """(dK, dV) [B, S, K, D] for q, do [B, T, H, D] and k, v [B, S, K, D], T and S padded as
@@ -266,6 +287,7 @@ def dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slo
       *kv_stream.kv_stream_smem(kp, d),
       plgpu.SMEM((2, bkv, bq), kp.dtype, transforms=tiles) if kp.interpret else None,
       *kv_stream.kv_stream_barriers(kp),
+      *bias_stream_scratch(dense, kp),
   ]
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
 

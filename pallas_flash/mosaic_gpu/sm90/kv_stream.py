@@ -112,7 +112,7 @@ def transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, ma
 def step_stats(streams, slot):
   """The lse (log2 units) and delta column vectors [block_q] of ring slot `slot`, whose
   buffers are released right after the load."""
-  (_, lse_scratch, _, lse_free), (_, delta_scratch, _, delta_free) = streams[2:]
+  (_, lse_scratch, _, lse_free), (_, delta_scratch, _, delta_free) = streams[2:4]
   lse = plgpu.load(lse_scratch.at[slot], layout=common.COL)
   delta = plgpu.load(delta_scratch.at[slot], layout=common.COL)
   plgpu.barrier_arrive(lse_free.at[slot])
@@ -234,10 +234,12 @@ def store_dk_dv(dk, dv, k_smem, v_smem, dk_ref, dv_ref, rows, kp: common.KernelP
   plgpu.commit_smem_to_gmem_group()
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-def produce_query_streams(cta_steps, stages, streams, index, b, bq, kp: common.KernelParams):
+def produce_query_streams(cta_steps, stages, streams, index, b, bq, kp: common.KernelParams,
+                          extra_rows=()):
   """The producer of the dK/dV-style kernels: the Q and dO rows and the lse and delta entries
   of step t's (q block, query head) = index(t). lse and delta are KernelParams.stats_view's
-  [1, B·H, Tp], entry (b, h) at row b·H + h."""
+  [1, B·H, Tp], entry (b, h) at row b·H + h. extra_rows: rows(t) of each stream past the
+  fourth (the dK/dV kernel's dense.StreamedBias)."""
   def q_rows(t):
     i, h = index(t)
     return b, pl.ds(i * bq, bq), h
@@ -247,7 +249,8 @@ def produce_query_streams(cta_steps, stages, streams, index, b, bq, kp: common.K
     return 0, b * streams[0][0].shape[2] + h, pl.ds(i * bq, bq)  # H: Q's heads
 
   common.produce(cta_steps, stages, tuple((*stream, rows) for stream, rows in
-                                    zip(streams, (q_rows, q_rows, stat_rows, stat_rows))))
+                                    zip(streams, (q_rows, q_rows, stat_rows, stat_rows,
+                                                  *extra_rows), strict=True)))
 
 def kv_stream_smem(kp: common.KernelParams, d: int) -> list:
   """Shared memory of a kernel that owns K/V tiles and streams Q/dO (dK/dV, fused backward):
