@@ -310,11 +310,30 @@ def dbias_dtype(bias_dtype):
   return bias_dtype if bias_dtype.itemsize == 2 else jnp.dtype(jnp.float32)
 
 
-def dbias_tile(dbias_ref, ds, b, h, row0, col0):
+def dbias_staging(o_smem, dbias_ref, block_kv: int):
+  """The dQ kernel's shared-memory tile for dS on its way to dbias_ref: its O tile [block_q,
+  Dv] (which nothing reads once the row statistics are formed), where it has dS's shape and
+  dtype (Dv = block_kv: a narrower view is not contiguous, which TMA needs); else None: each
+  thread then stores its own entries to GMEM, 4 bytes an instruction that span 8 rows."""
+  if (o_smem is None or dbias_ref is None or o_smem.dtype != dbias_ref.dtype
+      or o_smem.shape[1] != block_kv):
+    return None
+  return o_smem
+
+
+def dbias_tile(dbias_ref, ds, b, h, row0, col0, staging=None):
   """Stores dS [rows, cols] float32 (WGMMA layout) in dbias_ref's dtype to dbias_ref
-  [B, H, Tp, Sp] at (b, h, row0, col0): each thread writes its own entries to GMEM."""
+  [B, H, Tp, Sp] at (b, h, row0, col0): through `staging` (dbias_staging's) and a TMA store,
+  once the previous tile's store has read it, or with no staging each thread its own entries
+  to GMEM."""
   view = dbias_ref.at[b, h, pl.ds(row0, ds.shape[0]), pl.ds(col0, ds.shape[1])]
-  view[...] = ds.astype(dbias_ref.dtype)
+  if staging is None:
+    view[...] = ds.astype(dbias_ref.dtype)
+    return
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  staging[...] = ds.astype(staging.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(staging, view)
 
 
 def zero_dbias_blocks(dbias_ref, b, h, row0, rows: int, block: int, lo, hi):

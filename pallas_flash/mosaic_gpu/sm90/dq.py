@@ -117,6 +117,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
         ids = common.row_and_col_ids(seg, b, q0, bq, bkv)
 
     early = common.early_probs(kp, dense=dense, sparse=sparse)
+    staging = sm90_dense.dbias_staging(None if o_ref is None else o_scratch.at[wg], dbias_ref,
+                                       bkv)
 
     def step(j, dq, *, masked: bool):
       slot = lax.rem(j, stages)
@@ -174,7 +176,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
         ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [0]))
         if slope is not None and kp.bias_in_cap:  # inside the cap: the raw scores' dS
           ds = ds * slope
-        sm90_dense.dbias_tile(dbias_ref, ds, b, h, q0, key_block(j) * bkv)
+        sm90_dense.dbias_tile(dbias_ref, ds, b, h, q0, key_block(j) * bkv, staging)
         if slope is not None and not kp.bias_in_cap:  # after it: the slope comes after
           ds = ds * slope
       else:
