@@ -6,16 +6,18 @@ loads the 32-bit words of its own scores) that match its score tile straight fro
 the wgmma accumulator layout where they are added to the scores (`load` says why not
 earlier); the forward's 16-bit bias tiles instead come through a shared-memory ring that its
 producer fills beside K and V (`BiasRing`: 1.28x the forward's speed of 4-byte GMEM loads that
-each span 8 rows, one H100, 2026-12-06). The dK/dV kernel's transposed bias tiles [keys,
-queries] are loaded in the transposed accumulator layout, whose vectors run along the keys
-(contiguous in GMEM), and changed to the accumulator layout in registers; its mask bits are
-maskᵀ's, packed by XLA. Broadcast axes (size 1) read
-index 0. The bias is added after the soft cap and ALiBi (the default "cap_then_bias" order;
+each span 8 rows, one H100, 2026-12-06), and the dK/dV kernel's stream in beside Q
+(`StreamedBias`), each warpgroup reading its transposed half [keys, queries] from shared
+memory; a bias of other dtypes is loaded there in the transposed accumulator layout, whose
+vectors run along the keys (contiguous in GMEM), and changed to the accumulator layout in
+registers. The dK/dV kernel's mask bits are maskᵀ's, packed by XLA. Broadcast axes (size 1)
+read index 0. The bias is added after the soft cap and ALiBi (the default "cap_then_bias" order;
 with "bias_then_cap" before the cap and the mask after it: `add`'s cap); masked scores become
 -inf, so P is 0 there in every kernel and a fully masked row gives o = 0, lse = -inf and zero
 gradients. dbias = dS (the raw scores' dS with "bias_then_cap"), written by the dQ kernel to a
-[B, H, Tp, Sp] buffer (`dbias_tile`; in the bias's dtype where that is a 16-bit float, else
-float32: `dbias_dtype`) and summed over the broadcast axes by XLA in float32.
+[B, H, Tp, Sp] buffer (`dbias_tile`, through O's shared-memory tile and TMA stores where it
+fits: `dbias_staging`; in the bias's dtype where that is a 16-bit float, else float32:
+`dbias_dtype`) and summed over the broadcast axes by XLA in float32.
 """
 
 from __future__ import annotations
