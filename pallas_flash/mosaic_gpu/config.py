@@ -373,12 +373,13 @@ def default_config(info: CallInfo) -> MosaicConfig:
 
 def staged_dbias_steps(info: CallInfo, config: MosaicConfig) -> bool:
   """Whether a head-dim-128 call with a dense bias in the inputs' dtype takes 128-key dQ steps
-  where `dense_config` narrowed them to 64 (causal and block-mask calls): at 128 its dS goes
-  to dbias through the O tile and TMA stores (sm90/dense.dbias_staging, which needs O's
-  width). One H100, 2026-12-06 (bias_causal, 4x4096x32x128, `--variant
+  where `dense_config` narrowed them to 64 (causal calls; block-mask calls, not timed so, keep
+  64): at 128 its dS goes to dbias through the O tile and TMA stores (sm90/dense.dbias_staging,
+  which needs O's width). One H100, 2026-12-06 (bias_causal, 4x4096x32x128, `--variant
   mosaic:kv128:block_kv_dq=128` at c2ec79b): 1.13x fwd+bwd over 64-key steps with per-thread
   stores, though deviceless ptxas counts 17 / 2 spill loads / stores a step at 128 keys."""
-  return (info.params.has_bias and info.bias_dtype == info.dtype
+  return (info.params.has_bias and info.params.block_mask_blocks is None
+          and info.bias_dtype == info.dtype
           and info.dtype.itemsize == 2
           and kernel_head_dim(info.head_dim, info.value_head_dim) == 128
           and config.block_kv_dq == 64)
