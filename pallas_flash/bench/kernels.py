@@ -32,14 +32,15 @@ def _events(plane):
 
 
 def op_times(profile: jax.profiler.ProfileData, calls: int) -> dict[str, float]:
-  """Microseconds per call of each HLO op (kernel launches under one op summed; an op's name
-  is its `hlo_op` with the kernel's name where they differ), largest first. Device planes are
-  read where the trace has any (a GPU); otherwise the host's, whose XLA op events carry the
-  same `hlo_op` statistic."""
+  """Microseconds per call of each HLO op, largest first. An op's name is its `hlo_op` with
+  the kernel's name where they differ; where one name runs k times a call (the kernels of a
+  command buffer share its op, and Mosaic's kernels one name), its launches are told apart
+  by their order within the call, "#1" .. "#k". Device planes are read where the trace has
+  any (a GPU); otherwise the host's, whose XLA op events carry the same `hlo_op` statistic."""
   planes = [p for p in profile.planes if p.name.startswith("/device:")]
   planes = [p for p in planes if any(True for _ in _events(p))] or [
       p for p in profile.planes if p.name.startswith("/host:CPU")]
-  total: dict[str, float] = defaultdict(float)
+  launches: dict[str, list[tuple[float, float]]] = defaultdict(list)  # name -> (start, µs)
   for plane in planes:
     for _, event in _events(plane):
       with warnings.catch_warnings():  # jaxlib's event_stats type lacks a __module__
@@ -49,7 +50,13 @@ def op_times(profile: jax.profiler.ProfileData, calls: int) -> dict[str, float]:
       if op is None:
         continue
       name = op if event.name in (op, "") else f"{op} ({event.name})"
-      total[name] += event.duration_ns / 1e3 / calls
+      launches[name].append((event.start_ns, event.duration_ns / 1e3))
+  total: dict[str, float] = defaultdict(float)
+  for name, runs in launches.items():
+    per_call = len(runs) // calls if len(runs) % calls == 0 else 1
+    for i, (_, us) in enumerate(sorted(runs)):
+      label = name if per_call == 1 else f"{name} #{i % per_call + 1}"
+      total[label] += us / calls
   return dict(sorted(total.items(), key=lambda kv: -kv[1]))
 
 

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import use_abstract_mesh
 
 from pallas_flash.bench import __main__ as bench
-from pallas_flash.bench import features, flops, shapes
+from pallas_flash.bench import features, flops, kernels, shapes
 from testing import H200, export_for_h200
 
 FAST = ["--quick", "--iters", "1"]
@@ -174,3 +174,21 @@ def test_a_variant_is_checked_and_timed_beside_each_rows_own_call(tmp_path):
     assert small["ratio_ours"] > 0
     assert len(small["rounds_vs_ours"]["round_ratios"]) == len(row["loop_ms"])
     assert other["status"] == "skip" and "runs xla" in other["reason"] and not other["tflops"]
+
+
+def test_kernel_times_tell_apart_the_launches_that_share_a_name():
+  """Three kernels under one op (a command buffer of Mosaic kernels, one name) over two calls:
+  each launch of a call keeps its own time, by its order within the call."""
+  from types import SimpleNamespace as Obj
+
+  def event(start, us, op="command_buffer_1", name="body_mosaic_gpu_kernel"):
+    return Obj(start_ns=start, duration_ns=us * 1e3, name=name, stats=[("hlo_op", op)])
+
+  calls = [event(t0 + i, us) for t0 in (0, 100) for i, us in enumerate((30.0, 50.0, 20.0))]
+  line = Obj(name="Stream #13(compute)", events=[*calls, event(7, 4.0, "fusion", "fusion")])
+  summary = Obj(name="XLA Ops", events=[event(0, 999.0)])  # derived: never counted
+  profile = Obj(planes=[Obj(name="/device:GPU:0", lines=[line, summary])])
+  times = kernels.op_times(profile, calls=2)
+  kernel = "command_buffer_1 (body_mosaic_gpu_kernel)"
+  assert times == {f"{kernel} #2": 50.0, f"{kernel} #1": 30.0, f"{kernel} #3": 20.0,
+                   "fusion": 2.0}
