@@ -168,7 +168,8 @@ def _bwd_dq_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, do_ref, lse_ref, delta_r
                              -delta[:, None])
     else:
       ds = probs * (dp - delta[:, None])
-    if dbias_ref is not None:  # dS before tanh's derivative for a bias after the cap
+    # dbias: dS before tanh's derivative for a bias after the cap, after it for one inside.
+    if dbias_ref is not None:
       dbias_ref[:, kv_slice] = ds
     if tanh is not None:
       ds = ds * (1.0 - tanh * tanh)

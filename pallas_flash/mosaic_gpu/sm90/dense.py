@@ -158,8 +158,9 @@ class StreamedBias(NamedTuple):
 
 
 def stream_scratch(dtype, stages: int, block_q: int, block_kv: int) -> list:
-  """The dK/dV kernel's scratch for a StreamedBias: the tiles (128-byte swizzle, so that a
-  warpgroup's transposed half loads without bank conflicts), then ready and free barriers."""
+  """The dK/dV kernel's scratch for a StreamedBias: the tiles (TMA's 128-byte swizzle, in
+  64-column tiles, so that a warpgroup's half is whole tiles), then ready and free
+  barriers."""
   tiles = plgpu.SMEM((stages, block_q, 2 * block_kv), dtype,
                      transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
   return [tiles, plgpu.Barrier(num_barriers=stages),

@@ -17,6 +17,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES
 from pallas_flash.mosaic_gpu.sm90 import block_mask, common, kv_stream
 from pallas_flash.mosaic_gpu.sm90 import dense as sm90_dense
 
@@ -46,9 +47,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
   None: each step loads its transposed tiles (a 16-bit bias's from bias_tiles [stages,
   block_q, 2·block_kv], streamed beside Q with the ready / free barriers bias_ready /
   bias_free, where dkdv_call gives them: dense.StreamedBias). blk: a block mask's q-block
-  table per kv tile
-  and mask function (block_mask.Refs): the CTA streams the listed q blocks (each for every
-  query head of the group), evaluating the function on the partial ones (listed first).
+  table per kv tile and mask function (block_mask.Refs): the CTA streams the listed q blocks
+  (each for every query head of the group), evaluating the function on the partial ones
+  (listed first).
   """
   bq, bkv, stages, g_size = kp.block_q, kp.block_kv, kp.stages, kp.group
   wg = lax.axis_index("wg")
@@ -259,13 +260,18 @@ def _overlapped_step(dk, dv, tiles, streams, slot, k0, frees, kp: common.KernelP
   return dk, dv
 
 
-def bias_stream_scratch(dense: tuple, kp: common.KernelParams) -> list:
+def bias_stream_scratch(dense: tuple, kp: common.KernelParams, d: int) -> list:
   """The dK/dV kernel's scratch for a dense.StreamedBias, where the call has a 16-bit dense
-  bias (dense: the second of dense.backward_inputs, the bias first where kp.dense[0]) and the
-  kernel is not profiled (its event buffer takes the room); else [] (each step loads its
-  tile from GMEM: 4-byte loads along the keys, then a register transpose through shared
-  memory). Streamed, a warpgroup reads its transposed half with a few ldmatrix.trans."""
+  bias (dense: the second of dense.backward_inputs, the bias first where kp.dense[0]), its
+  tiles fit beside the kernel's own and the kernel is not profiled (its event buffer takes
+  the room); else [] (each step loads its tile from GMEM: 4-byte loads along the keys, then
+  a register transpose). At head dim 128 and the default tiles: 165888 bytes of shared
+  memory with the stream, 133120 without (deviceless, 4x4096x32x128)."""
   if not kp.dense[0] or jnp.dtype(dense[0].dtype).itemsize != 2 or kp.profile_dir:
+    return []
+  own = kv_stream.kv_stream_smem_bytes(kp, d)
+  tiles = kp.stages * kp.block_q * 2 * kp.block_kv * jnp.dtype(dense[0].dtype).itemsize
+  if own + tiles > SMEM_LIMIT_BYTES:
     return []
   return sm90_dense.stream_scratch(dense[0].dtype, kp.stages, kp.block_q, kp.block_kv)
 
@@ -287,7 +293,7 @@ def dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slo
       *kv_stream.kv_stream_smem(kp, d),
       plgpu.SMEM((2, bkv, bq), kp.dtype, transforms=tiles) if kp.interpret else None,
       *kv_stream.kv_stream_barriers(kp),
-      *bias_stream_scratch(dense, kp),
+      *bias_stream_scratch(dense, kp, d),
   ]
   kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
 

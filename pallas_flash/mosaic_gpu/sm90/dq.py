@@ -50,10 +50,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
   (common.dropout_keys), or None: dP is masked and scaled, dS = P∘(dP_kept / (1 - rate) − delta).
   dense: the dense bias and mask (dense.DenseRefs), or None; with kp.dbias, dbias_ref [B, H, Tp,
   Sp] (dense.dbias_dtype) gets dS (before the soft cap's slope: the bias is added after the
-  cap) of every score tile, zeros on the key blocks a warpgroup does not stream; else dbias_ref
-  is None. blk: a block mask's key-block table per q tile and mask function
-  (block_mask.Refs), the forward's way; q tiles last one first (dbias is written on the
-  table's blocks only).
+  cap) of every score tile, through the O tile where it fits (dense.dbias_staging), zeros on
+  the key blocks a warpgroup does not stream; else dbias_ref is None. blk: a block mask's
+  key-block table per q tile and mask function (block_mask.Refs), the forward's way; q tiles
+  last one first (dbias is written on the table's blocks only).
   """
   bq, bkv, stages, v_stages = kp.block_q, kp.block_kv, kp.stages, kp.dq_v_stages
   wg = lax.axis_index("wg")

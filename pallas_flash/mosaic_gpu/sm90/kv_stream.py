@@ -265,6 +265,14 @@ def kv_stream_smem(kp: common.KernelParams, d: int) -> list:
           plgpu.SMEM((stages, bq), jnp.float32),
           plgpu.SMEM((stages, bq), jnp.float32)]
 
+def kv_stream_smem_bytes(kp: common.KernelParams, d: int) -> int:
+  """kv_stream_smem's bytes and the 1 KiB that Mosaic adds (its barriers fit in it): 133120
+  at head dim 128, block_q = block_kv = 64 and 2 stages, the compiled kernel's."""
+  itemsize = jnp.dtype(kp.dtype).itemsize
+  tiles = (2 * 2 * kp.block_kv + 2 * kp.stages * kp.block_q) * d * itemsize
+  return tiles + 2 * kp.stages * kp.block_q * 4 + 1024
+
+
 def kv_stream_barriers(kp: common.KernelParams) -> list:
   """Barriers of kv_stream_smem: the K/V loads [2 WGs, 2], then ready and free (both consumer
   WGs arrive) rings of Q, dO, lse and delta."""
