@@ -254,8 +254,8 @@ def _normalised_kernel(text: str) -> str:
   a module after the kernel body's function, and numbers its dumps per process)."""
   text = re.sub(r'mosaic_gpu\.dump_basename = "[^"]*"', 'mosaic_gpu.dump_basename = ""', text)
   name = re.match(r"module @([\w.$]+)", text)
-  if name:
-    text = re.sub(rf"@{re.escape(name.group(1))}\b", "@kernel", text)
+  if name:  # the module, and its function @<name>_mosaic_gpu
+    text = re.sub(rf"@{re.escape(name.group(1))}(\b|_mosaic_gpu\b)", r"@kernel\1", text)
   return text
 
 

@@ -676,6 +676,15 @@ def tile_mask(row0, col0, shape, kp: KernelParams, *, transposed: bool = False, 
   return mask
 
 
+def named(body, name: str):
+  """body under `name`: Mosaic names a kernel after its body's function, and profiles
+  (`bench --kernels`, nsys) show that name, where every wrapped body would read "body"."""
+  def kernel(*refs, **kwargs):
+    return body(*refs, **kwargs)
+  kernel.__name__ = kernel.__qualname__ = name
+  return kernel
+
+
 def launch_grid(tiles, heads, bsz, names, *, heads_fastest: bool) -> dict:
   """plgpu.kernel's grid and grid_names for a (tile, head, batch) launch; names are the tile,
   head and batch axis names.

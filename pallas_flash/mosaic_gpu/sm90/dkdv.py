@@ -303,7 +303,8 @@ def dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), slo
                                     dense=kp.dense)
 
   return plgpu.kernel(
-      block_mask.with_block_refs(make_body, 6, len(blks)) if blks else make_body(),
+      common.named(block_mask.with_block_refs(make_body, 6, len(blks)) if blks
+                   else make_body(), "flash_dkdv"),
       out_type=(kv_out, kv_out),
       scratch_types=scratch,
       **common.launch_grid(s_pad // (2 * bkv), kh, bsz, ("kt", "kvh", "b"), heads_fastest=False),

@@ -315,7 +315,7 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
 
   body = block_mask.with_block_refs(make_body, num_inputs, len(blks)) if blks else make_body()
   out = plgpu.kernel(
-      body,
+      common.named(body, "flash_dq"),
       out_type=tuple(out_type),
       scratch_types=scratch,
       **common.launch_grid(t_pad // (2 * bq), h, bsz, ("qt", "h", "b"), heads_fastest=False),

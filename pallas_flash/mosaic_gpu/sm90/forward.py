@@ -770,7 +770,7 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
     grid, names = launch["grid"], launch["grid_names"]
     most_steps = kp.num_kv_blocks
   return plgpu.kernel(
-      body,
+      common.named(body, "flash_fwd"),
       out_type=tuple(out_type),
       scratch_types=scratch,
       grid=grid, grid_names=names, num_threads=3, thread_name="wg",

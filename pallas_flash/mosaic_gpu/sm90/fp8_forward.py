@@ -370,7 +370,7 @@ def forward(q, k, v, c, v_descale, q_seg=None, kv_seg=None, *, params: Attention
   if segs:
     body = common.with_segment_refs(body, 4, True)
   o, lse = plgpu.kernel(
-      body,
+      common.named(body, "flash_fp8_fwd"),
       out_type=(jax.ShapeDtypeStruct(qp.shape, out_dtype),
                 jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)),
       scratch_types=scratch,

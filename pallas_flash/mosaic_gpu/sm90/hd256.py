@@ -288,7 +288,8 @@ def _dkdv_call(q, k, v, do, lse2, delta, *, kp: common.KernelParams, segs=(), sl
                                     dense=kp.dense)
 
   return plgpu.kernel(
-      block_mask.with_block_refs(make_body, 6, len(blks)) if blks else make_body(),
+      common.named(block_mask.with_block_refs(make_body, 6, len(blks)) if blks
+                   else make_body(), "flash_dkdv_roles"),
       out_type=(dk_out, dv_out),
       scratch_types=scratch,
       **common.launch_grid(s_pad // bkv, kh, bsz, ("kt", "kvh", "b"), heads_fastest=False),
