@@ -624,7 +624,7 @@ def test_block_mask_matches_reference(name, config, case, blocks):
 # dtype, whose forward tiles come through the shared-memory ring (dense.BiasRing).
 _DROPOUT = dict(dropout_rate=0.25, dropout_rng=jax.random.key(4))
 BLOCK_MASK_FEATURES = [("bias_dropout_plain", _config(),
-                        dict(bias=(1, 2, 300, 300), bias_dtype=jnp.bfloat16, **_DROPOUT))]
+                        dict(bias=(1, 2, 240, 240), bias_dtype=jnp.bfloat16, **_DROPOUT))]
 BLOCK_MASK_FEATURES_SLOW = [("dropout_plain", _config(), _DROPOUT),
                             ("bias_BHTS", _config(), dict(bias=(2, 2, 300, 300))),
                             ("bias_dropout_overlap", _OVERLAP,
@@ -658,7 +658,8 @@ def test_block_mask_above_head_dim_128_matches_reference(name, config, case, fea
     ids=[f[0] for f in BLOCK_MASK_FEATURES + BLOCK_MASK_FEATURES_SLOW])
 def test_block_mask_with_features_matches_reference(name, config, features):
   del name  # the tables list full 128-key blocks after partial ones, out of key order
-  case = Case(batch=2, q_len=300, kv_len=300, num_heads=2, num_kv_heads=1, head_dim=64,
+  t = features.get("bias", (0, 0, 300))[2]  # 240 in CI's case (its interpreter time)
+  case = Case(batch=2, q_len=t, kv_len=t, num_heads=2, num_kv_heads=1, head_dim=64,
               dtype=jnp.bfloat16)
   if "bias" in features:
     features = dict(features)
