@@ -117,6 +117,15 @@ class BiasRing(NamedTuple):
   wg: Any = None
 
 
+def in_shared_memory(dense: tuple, kp) -> bool:
+  """Whether a kernel may take the call's dense bias through shared memory (the forward's
+  BiasRing, the dK/dV kernel's StreamedBias) where its tiles fit: a 16-bit bias (dense: the
+  kernel's dense inputs, the bias first where kp.dense[0]) in a kernel that is not profiled
+  (kp.profile_dir: the profiler's event buffer takes the room)."""
+  return (kp.dense[0] and jnp.dtype(dense[0].dtype).itemsize == 2
+          and not kp.profile_dir)
+
+
 def ring_scratch(dtype, stages: int, block_q: int, block_kv: int, transforms) -> list:
   """The forward's scratch for a BiasRing: the tiles (with `transforms`, common.smem_transforms'
   swizzle, so that a warpgroup reads its half into the accumulator layout without bank

@@ -267,11 +267,12 @@ def bias_stream_scratch(dense: tuple, kp: common.KernelParams, d: int) -> list:
   the room); else [] (each step loads its tile from GMEM: 4-byte loads along the keys, then
   a register transpose). At head dim 128 and the default tiles: 165888 bytes of shared
   memory with the stream, 133120 without (deviceless, 4x4096x32x128)."""
-  if not kp.dense[0] or jnp.dtype(dense[0].dtype).itemsize != 2 or kp.profile_dir:
+  if not sm90_dense.in_shared_memory(dense, kp):
     return []
-  own = kv_stream.kv_stream_smem_bytes(kp, d)
+  own = kv_stream.kv_stream_smem_bytes(d, kp.block_q, kp.block_kv, kp.stages,
+                                       jnp.dtype(kp.dtype).itemsize)
   tiles = kp.stages * kp.block_q * 2 * kp.block_kv * jnp.dtype(dense[0].dtype).itemsize
-  if own + tiles > SMEM_LIMIT_BYTES:
+  if own + tiles + kv_stream.SMEM_SLACK_BYTES > SMEM_LIMIT_BYTES:
     return []
   return sm90_dense.stream_scratch(dense[0].dtype, kp.stages, kp.block_q, kp.block_kv)
 

@@ -789,7 +789,7 @@ def bias_ring_scratch(dense: tuple, kp: common.KernelParams, d: int) -> list:
   Through the ring a warpgroup reads its bias tile from swizzled shared memory in a few
   conflict-free vector loads, where from GMEM each of its 4-byte loads spans 8 rows. A
   profiled kernel (kp.profile_dir) takes the GMEM loads: its event buffer takes the room."""
-  if not kp.dense[0] or jnp.dtype(dense[0].dtype).itemsize != 2 or kp.profile_dir:
+  if not sm90_dense.in_shared_memory(dense, kp):
     return []
   dtype, bq, bkv, stages = dense[0].dtype, kp.block_q, kp.block_kv, kp.stages
   need = (smem_bytes(d, bq, bkv, stages, jnp.dtype(kp.dtype).itemsize, dv=kp.dv)

@@ -42,16 +42,16 @@ from pallas_flash import _tiling
 from pallas_flash.call import AttentionParams
 from pallas_flash.mosaic_gpu.config import SMEM_LIMIT_BYTES, MosaicConfig
 from pallas_flash.mosaic_gpu.sm90 import common
-from pallas_flash.mosaic_gpu.sm90.kv_stream import (PROFILE_STEPS, first_q_block,
+from pallas_flash.mosaic_gpu.sm90.kv_stream import (PROFILE_STEPS, SMEM_SLACK_BYTES,
+                                                    first_q_block,
                                                     first_unmasked_step, kv_stream_barriers,
-                                                    kv_stream_smem, load_kv_tiles,
+                                                    kv_stream_smem, kv_stream_smem_bytes,
+                                                    load_kv_tiles,
                                                     produce_query_streams, profile_steps,
                                                     store_dk_dv, transposed_grad_tiles,
                                                     wait_streams)
 
 LOG2E = math.log2(math.e)
-# Barriers and alignment padding on top of the buffers counted below (Mosaic measured 288-736 B).
-_SMEM_SLACK_BYTES = 1024
 # dSᵀ buffers per warpgroup: a warpgroup rewrites slot t % 4 at step t + 4, after its step
 # t + 3 saw the other warpgroup hand over step t + 2's dSᵀ, i.e. finish step t + 1 and with it
 # its dQ_part of step t, the slot's last reader.
@@ -61,11 +61,10 @@ DS_SLOTS = 4
 def smem_bytes(d: int, block_q: int, block_kv: int, stages: int, itemsize: int = 2) -> int:
   """Shared memory of one CTA: K/V of both WGs, the Q/dO/lse/delta ring, the dSᵀ slots and
   each WG's float32 half of dQ_part."""
-  kv = 2 * 2 * block_kv * d * itemsize
-  ring = stages * (2 * block_q * d * itemsize + 2 * block_q * 4)
   ds = DS_SLOTS * 2 * block_kv * block_q * itemsize
   dq = 2 * block_q * (d // 2) * 4
-  return kv + ring + ds + dq + _SMEM_SLACK_BYTES
+  return (kv_stream_smem_bytes(d, block_q, block_kv, stages, itemsize) + ds + dq
+          + SMEM_SLACK_BYTES)
 
 
 def unsupported_reason(q, config: MosaicConfig) -> str | None:

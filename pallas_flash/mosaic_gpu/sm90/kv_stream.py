@@ -21,6 +21,9 @@ from pallas_flash.mosaic_gpu.sm90 import dense as sm90_dense
 # Steps per warpgroup that a profiled kernel (MosaicDebug.profile_dir) records: its event
 # buffer lives in shared memory, which the fused kernel nearly fills.
 PROFILE_STEPS = 32
+# Barriers and alignment padding on top of the buffers a kernel counts (Mosaic measured
+# 288-736 B in the fused kernel; the dK/dV kernel's 1024).
+SMEM_SLACK_BYTES = 1024
 
 
 def first_q_block(k0, kp: common.KernelParams):
@@ -265,12 +268,14 @@ def kv_stream_smem(kp: common.KernelParams, d: int) -> list:
           plgpu.SMEM((stages, bq), jnp.float32),
           plgpu.SMEM((stages, bq), jnp.float32)]
 
-def kv_stream_smem_bytes(kp: common.KernelParams, d: int) -> int:
-  """kv_stream_smem's bytes and the 1 KiB that Mosaic adds (its barriers fit in it): 133120
-  at head dim 128, block_q = block_kv = 64 and 2 stages, the compiled kernel's."""
-  itemsize = jnp.dtype(kp.dtype).itemsize
-  tiles = (2 * 2 * kp.block_kv + 2 * kp.stages * kp.block_q) * d * itemsize
-  return tiles + 2 * kp.stages * kp.block_q * 4 + 1024
+def kv_stream_smem_bytes(d: int, block_q: int, block_kv: int, stages: int,
+                         itemsize: int = 2) -> int:
+  """kv_stream_smem's bytes: K/V of both WGs, the Q/dO rings and their lse/delta rows (with
+  SMEM_SLACK_BYTES, 133120 at head dim 128, block_q = block_kv = 64 and 2 stages: the
+  compiled dK/dV kernel's)."""
+  kv = 2 * 2 * block_kv * d * itemsize
+  ring = stages * (2 * block_q * d * itemsize + 2 * block_q * 4)
+  return kv + ring
 
 
 def kv_stream_barriers(kp: common.KernelParams) -> list:
