@@ -15,7 +15,7 @@ from pallas_flash import mosaic_gpu
 from pallas_flash.call import AttentionParams, CallInfo
 from pallas_flash.mosaic_gpu import MosaicConfig
 from pallas_flash.mosaic_gpu import config as mconfig
-from pallas_flash.mosaic_gpu.sm90 import dense
+from pallas_flash.mosaic_gpu.sm90 import backward, dense
 from testing import (H200, check_against_reference, export_for_h200,
                      interpret_config, small_case)
 
@@ -50,6 +50,10 @@ DENSE = [
     _slow("xla_delta", _config(block_q_dq=128, block_kv_dq=64),
           _case(256, 128, d=128, features=("bias",))),
     _slow("bias_full", _config(), _case(200, 170, h=2, kh=2, features=("bias_full",))),
+    # Causal, with no XLA op after the dQ kernel (no broadcast axis, tiles filled): the kernel
+    # writes dbias's zero tiles itself (dense.dbias_zeros_in_xla).
+    ("bias_full_causal", _config(), _case(128, 128, b=1, h=2, kh=1, is_causal=True,
+                                          features=("bias_full",))),
     _slow("segments", _config(), _case(300, 300, h=4, kh=2, is_causal=True, segments=True,
                                        features=("bias", "mask"))),
     _slow("softcap_alibi", _config(), _case(190, 130, is_causal=True, lengths=True,
@@ -112,6 +116,34 @@ def test_default_forms_lower_and_fit(d, causal, s_len, bias_shape, mask):
   assert text.count("custom_call @mosaic_gpu_v2") == 3  # forward, dQ, dK/dV
   if bias_shape:  # the dQ kernel's dS, summed over the bias's broadcast axis by XLA
     assert f"tensor<2x4x{s_len}x{s_len}xf32>" in text
+
+
+@pytest.mark.parametrize("bias_shape,length,causal,segments,zero_tiles", [
+    ((1, 4, 256, 256), 256, True, False, False),  # XLA sums over the batch: it selects
+    ((2, 4, 256, 256), 256, True, False, True),  # no XLA op after the kernel
+    ((2, 4, 200, 200), 200, True, False, False),  # XLA cuts dbias to [T, S]
+    ((1, 4, 256, 256), 256, False, False, True),  # every key visible: nothing to zero
+    ((1, 4, 256, 256), 256, False, True, False),  # segment ids hide keys
+], ids=["sum", "no_op", "cut", "all_visible", "segments"])
+def test_dbias_zeros_in_xla(bias_shape, length, causal, segments, zero_tiles):
+  """Where XLA runs an op on dbias anyway, it selects the zeros of the key blocks the dQ
+  kernel skips, and the kernel writes no zero tiles; else the kernel writes them."""
+  q = jax.ShapeDtypeStruct((2, length, 4, 128), jnp.bfloat16)
+  params = AttentionParams(scale=1.0, is_causal=causal, has_segments=segments, has_bias=True)
+  config = MosaicConfig(**mconfig.WIDE_REGISTERS)
+  t_pad, s_pad = backward.padded_lengths(length, length, config)
+  kp_dq, _ = backward.split_kernel_params(q, q, params, config, t_pad=t_pad, s_pad=s_pad)
+  seg = jnp.arange(2 * length).reshape(2, length) // 100 if segments else None
+  kp_dq, visible = dense.dbias_zeros_in_xla(kp_dq, params, bias_shape, seg, seg, batch=2,
+                                            heads=4, t=length, s=length)
+  assert kp_dq.dbias_zero_tiles == zero_tiles
+  assert (visible is None) == zero_tiles
+  if visible is not None:
+    want = np.tril(np.ones((length, length), bool)) if causal else np.ones((length,) * 2, bool)
+    if segments:
+      want = want & np.asarray(seg[:, :, None] == seg[:, None, :])
+    got = np.broadcast_to(np.asarray(visible), (2, 1, length, length))[:, 0]
+    np.testing.assert_array_equal(got, np.broadcast_to(want, (2, length, length)))
 
 
 def test_fused_config_falls_back_to_the_split_with_a_warning():

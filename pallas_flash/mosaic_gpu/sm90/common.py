@@ -73,6 +73,9 @@ class KernelParams:
   dense: tuple[bool, bool] = (False, False)
   # AttentionParams.returns_dbias: the dQ kernel writes dS to a dbias output.
   dbias: bool = False
+  # The dQ kernel writes dbias's zero tiles on the key blocks no query of a warpgroup sees
+  # (False: dense.reduce_dbias selects those zeros in the XLA op it runs anyway).
+  dbias_zero_tiles: bool = True
   # AttentionParams.dropout_rate: the kernels take dropout_keys' row and column keys as inputs.
   dropout: float = 0.0
   # The value head dim Dv: the columns of V, O, dO and dV (0 given: d). Differs from d only

@@ -17,11 +17,13 @@ with "bias_then_cap" before the cap and the mask after it: `add`'s cap); masked 
 gradients. dbias = dS (the raw scores' dS with "bias_then_cap"), written by the dQ kernel to a
 [B, H, Tp, Sp] buffer (`dbias_tile`, through O's shared-memory tile and TMA stores where it
 fits: `dbias_staging`; in the bias's dtype where that is a 16-bit float, else float32:
-`dbias_dtype`) and summed over the broadcast axes by XLA in float32.
+`dbias_dtype`) and summed over the broadcast axes by XLA in float32, which also selects the
+zeros of the key blocks the kernel skips (`dbias_zeros_in_xla`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -29,7 +31,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_flash import _tiling, masks
+from pallas_flash import _tiling, masks, reference
 from pallas_flash.call import AttentionParams, FeatureArrays
 
 
@@ -358,18 +360,47 @@ def zero_dbias_blocks(dbias_ref, b, h, row0, rows: int, block: int, lo, hi):
     dbias_tile(dbias_ref, zeros, b, h, row0, j * block)
 
 
-def reduce_dbias(dbias, bias_shape, t: int, s: int, block_mask=None):
-  """dbias [B, H, Tp, Sp] (`dbias_dtype`) summed over the bias's broadcast axes in float32
-  and cut to bias_shape [B|1, H|1, T, S] (no XLA op where the bias has no broadcast axis and
-  T, S fill the tiles). With a block mask (masks.BlockMask) the dQ kernel wrote only the
-  blocks its tables stream: the others, whose keys no query sees, become 0 here (a select
-  that XLA fuses into the sum; the buffer's unwritten blocks may hold anything)."""
+def _sum_axes(bias_shape, dbias_shape) -> tuple[int, ...]:
+  """The axes of dbias [B, H, Tp, Sp] that the bias [B|1, H|1, T, S] broadcasts over."""
+  return tuple(a for a in (0, 1) if bias_shape[a] == 1 and dbias_shape[a] != 1)
+
+
+def dbias_zeros_in_xla(kp_dq, params: AttentionParams, bias_shape, q_seg, kv_seg, *, batch: int,
+                       heads: int, t: int, s: int, block_mask=None):
+  """(kp_dq, visible) for a backward of q [batch, t, heads, D], k [.., s, ..] whose dQ kernel
+  (KernelParams kp_dq) writes dbias: where reduce_dbias runs an XLA op on dbias anyway (a sum
+  over the bias's broadcast axes, or a cut to [T, S]) and the call hides keys by band or
+  segment ids, the kernel writes no zero tiles (kp_dq.dbias_zero_tiles False: half of a causal
+  call's dS stores, each thread its own 4 bytes) and visible, reference.visible_mask's
+  [B|1, 1, T, S], tells reduce_dbias where to keep dS; else (kp_dq, None). A block mask has
+  its own select (reduce_dbias)."""
+  dbias_shape = (batch, heads, kp_dq.t_pad, kp_dq.s_pad)
+  runs_op = bool(_sum_axes(bias_shape, dbias_shape)) or dbias_shape[2:] != (t, s)
+  visible = None
+  if kp_dq.dbias and block_mask is None and runs_op:
+    visible = reference.visible_mask(q_seg, kv_seg, q_len=t, kv_len=s,
+                                     is_causal=params.is_causal, params=params)
+  if visible is None:
+    return kp_dq, None
+  return dataclasses.replace(kp_dq, dbias_zero_tiles=False), visible
+
+
+def reduce_dbias(dbias, bias_shape, t: int, s: int, block_mask=None, visible=None):
+  """dbias [B, H, Tp, Sp] (`dbias_dtype`) cut to [T, S] and summed over the bias's broadcast
+  axes in float32, bias_shape [B|1, H|1, T, S] (no XLA op where the bias has no broadcast
+  axis and T, S fill the tiles). With a block mask (masks.BlockMask) the dQ kernel wrote only
+  the blocks its tables stream: the others, whose keys no query sees, become 0 here (a select
+  that XLA fuses into the sum; the buffer's unwritten blocks may hold anything); so do the
+  elements outside `visible` (dbias_zeros_in_xla's), whose blocks the kernel left unwritten."""
   if block_mask is not None:
     dbias = jnp.where(_streamed(block_mask, dbias.shape[2:]), dbias, 0)
-  axes = tuple(a for a in (0, 1) if bias_shape[a] == 1 and dbias.shape[a] != 1)
+  axes = _sum_axes(bias_shape, dbias.shape)
+  dbias = dbias[:, :, :t, :s]
+  if visible is not None:
+    dbias = jnp.where(visible, dbias, 0)
   if axes:
     dbias = dbias.astype(jnp.float32).sum(axes, keepdims=True)
-  return dbias[:, :, :t, :s]
+  return dbias
 
 
 def _streamed(bm, shape):

@@ -51,9 +51,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
   dense: the dense bias and mask (dense.DenseRefs), or None; with kp.dbias, dbias_ref [B, H, Tp,
   Sp] (dense.dbias_dtype) gets dS (before the soft cap's slope: the bias is added after the
   cap) of every score tile, through the O tile where it fits (dense.dbias_staging), zeros on
-  the key blocks a warpgroup does not stream; else dbias_ref is None. blk: a block mask's
-  key-block table per q tile and mask function (block_mask.Refs), the forward's way; q tiles
-  last one first (dbias is written on the table's blocks only).
+  the key blocks a warpgroup does not stream (kp.dbias_zero_tiles); else dbias_ref is None.
+  blk: a block mask's key-block table per q tile and mask function (block_mask.Refs), the
+  forward's way; q tiles last one first (dbias is written on the table's blocks only).
   """
   bq, bkv, stages, v_stages = kp.block_q, kp.block_kv, kp.stages, kp.dq_v_stages
   wg = lax.axis_index("wg")
@@ -200,9 +200,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
     dq = common.kv_loop(step, dq, q0, steps, kp, kv0=kv0, full=full, sparse=sparse)
     if sparse is None and (kp.causal or seg is not None):
       lax.fori_loop(steps, cta_steps, idle_step, None)
-    # No key of the other blocks is visible: dbias is 0 there (a block table's are zeroed by
-    # XLA, dense.reduce_dbias).
-    if dbias_ref is not None and sparse is None:
+    # No key of the other blocks is visible: dbias is 0 there (zeroed by XLA instead with a
+    # block table, or where it runs an op on dbias anyway: dense.dbias_zeros_in_xla).
+    if dbias_ref is not None and sparse is None and kp.dbias_zero_tiles:
       sm90_dense.zero_dbias_blocks(dbias_ref, b, h, q0, bq, bkv, 0, kv0)
       sm90_dense.zero_dbias_blocks(dbias_ref, b, h, q0, bq, bkv, kv0 + steps, kp.num_kv_blocks)
 
