@@ -65,16 +65,21 @@ _COL = plgpu.Layout.WGMMA.reduce(0)  # common.COL (common imports this module)
 def pack_mask(mask, *, transposed: bool = False):
   """mask [B|1, H|1, Tp, Sp] (bool or nonzero: visible) -> int32 [B|1, H|1, Tp, Sp'/16] bits
   (MASK_BLOCK's layout; Sp' = Sp rounded up to MASK_BLOCK, the padding hidden), or with
-  `transposed` the bits of maskᵀ [.., Sp, Tp'/16] (the dK/dV kernel's [keys, queries] tiles)."""
+  `transposed` the bits of maskᵀ [.., Sp, Tp'/16] (the dK/dV kernel's [keys, queries] tiles):
+  packed along the queries in mask's own layout, then the 16x smaller words transposed (XLA's
+  fusion of the bool transpose with the packing took 310 µs at 4x4096x4096 on an H100)."""
+  axis = 2 if transposed else 3
   mask = mask != 0
-  if transposed:
-    mask = jnp.swapaxes(mask, 2, 3)
-  mask = _tiling.pad_axis(mask, 3, _tiling.round_up(mask.shape[3], MASK_BLOCK))
-  *lead, n = mask.shape
-  blocks = mask.reshape(*lead, n // MASK_BLOCK, MASK_BLOCK // MASK_WORDS, MASK_WORDS)
-  bits = jnp.left_shift(1, jnp.arange(MASK_BLOCK // MASK_WORDS, dtype=jnp.int32))[:, None]
-  words = jnp.sum(blocks.astype(jnp.int32) * bits, axis=-2, dtype=jnp.int32)
-  return words.reshape(*lead, n // MASK_BLOCK * MASK_WORDS)
+  mask = _tiling.pad_axis(mask, axis, _tiling.round_up(mask.shape[axis], MASK_BLOCK))
+  n = mask.shape[axis]
+  grouped = (n // MASK_BLOCK, MASK_BLOCK // MASK_WORDS, MASK_WORDS)
+  blocks = mask.reshape(*mask.shape[:axis], *grouped, *mask.shape[axis + 1:])
+  bits = jnp.left_shift(1, jnp.arange(MASK_BLOCK // MASK_WORDS, dtype=jnp.int32))
+  bits = bits.reshape(-1, *([1] * (blocks.ndim - axis - 2)))
+  words = jnp.sum(blocks.astype(jnp.int32) * bits, axis=axis + 1, dtype=jnp.int32)
+  words = words.reshape(*mask.shape[:axis], n // MASK_BLOCK * MASK_WORDS,
+                        *mask.shape[axis + 1:])
+  return jnp.swapaxes(words, 2, 3) if transposed else words
 
 
 def _padded(arrays: FeatureArrays | None, params: AttentionParams, t_pad: int, s_pad: int):
