@@ -12,7 +12,7 @@ from jax.sharding import use_abstract_mesh
 
 import pallas_flash
 from pallas_flash import mosaic_gpu
-from pallas_flash.call import AttentionParams, CallInfo
+from pallas_flash.call import AttentionParams, CallInfo, FeatureArrays
 from pallas_flash.mosaic_gpu import MosaicConfig
 from pallas_flash.mosaic_gpu import config as mconfig
 from pallas_flash.mosaic_gpu.sm90 import backward, dense
@@ -134,8 +134,9 @@ def test_dbias_zeros_in_xla(bias_shape, length, causal, segments, zero_tiles):
   t_pad, s_pad = backward.padded_lengths(length, length, config)
   kp_dq, _ = backward.split_kernel_params(q, q, params, config, t_pad=t_pad, s_pad=s_pad)
   seg = jnp.arange(2 * length).reshape(2, length) // 100 if segments else None
-  kp_dq, visible = dense.dbias_zeros_in_xla(kp_dq, params, bias_shape, seg, seg, batch=2,
-                                            heads=4, t=length, s=length)
+  arrays = FeatureArrays(bias=jax.ShapeDtypeStruct(bias_shape, jnp.bfloat16))
+  kp_dq, visible = dense.dbias_zeros_in_xla(kp_dq, params, arrays, seg, seg, batch=2, heads=4,
+                                            t=length, s=length)
   assert kp_dq.dbias_zero_tiles == zero_tiles
   assert (visible is None) == zero_tiles
   if visible is not None:

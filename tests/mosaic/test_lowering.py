@@ -718,7 +718,6 @@ def test_block_mask_lowers_with_the_default_configs(d):
   assert module.count("custom_call @mosaic_gpu_v2") == 3
 
 
-
 @pytest.mark.parametrize("bias_dtype, d, block_kv_dq", [
     (jnp.bfloat16, 128, 128),  # dbias through the O tile: its width
     (jnp.float32, 128, 64),  # no staging (dS in float32): dense_config's steps

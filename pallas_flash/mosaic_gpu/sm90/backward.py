@@ -122,11 +122,10 @@ def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: Attent
         dq_tiles=(2 * config.block_q_dq, config.block_kv_dq),
         dkdv_tiles=(config.block_q_dkv, 2 * config.block_kv_dkv), params=params)
   dense_in, dense_dkdv = sm90_dense.backward_inputs(arrays, params, t_pad, s_pad)
-  dbias, visible = (), None
-  if kp_dq.dbias:
-    kp_dq, visible = sm90_dense.dbias_zeros_in_xla(
-        kp_dq, params, arrays.bias.shape, q_seg, kv_seg, batch=q.shape[0], heads=q.shape[2],
-        t=t, s=s, block_mask=bm)
+  dbias = ()
+  kp_dq, visible = sm90_dense.dbias_zeros_in_xla(
+      kp_dq, params, arrays, q_seg, kv_seg, batch=q.shape[0], heads=q.shape[2], t=t, s=s,
+      block_mask=bm)
   keys = common.dropout_keys(arrays, params, batch=q.shape[0], heads=q.shape[2], t_pad=t_pad,
                              s_pad=s_pad)
   # Padded rows get lse = +inf (P = 0) and, with O and dO zero there, delta = 0.

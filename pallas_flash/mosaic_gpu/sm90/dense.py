@@ -142,7 +142,8 @@ def ring_scratch(dtype, stages: int, block_q: int, block_kv: int, transforms) ->
 
 
 def ring_bytes(dtype, stages: int, block_q: int, block_kv: int) -> int:
-  """Shared memory of a BiasRing's tiles."""
+  """Shared memory of a BiasRing's tiles [stages, 2, block_q, block_kv], and of a
+  StreamedBias's [stages, block_q, 2·block_kv]."""
   return stages * 2 * block_q * block_kv * jnp.dtype(dtype).itemsize
 
 
@@ -370,21 +371,22 @@ def _sum_axes(bias_shape, dbias_shape) -> tuple[int, ...]:
   return tuple(a for a in (0, 1) if bias_shape[a] == 1 and dbias_shape[a] != 1)
 
 
-def dbias_zeros_in_xla(kp_dq, params: AttentionParams, bias_shape, q_seg, kv_seg, *, batch: int,
-                       heads: int, t: int, s: int, block_mask=None):
-  """(kp_dq, visible) for a backward of q [batch, t, heads, D], k [.., s, ..] whose dQ kernel
-  (KernelParams kp_dq) writes dbias: where reduce_dbias runs an XLA op on dbias anyway (a sum
-  over the bias's broadcast axes, or a cut to [T, S]) and the call hides keys by band or
-  segment ids, the kernel writes no zero tiles (kp_dq.dbias_zero_tiles False: half of a causal
-  call's dS stores, each thread its own 4 bytes) and visible, reference.visible_mask's
-  [B|1, 1, T, S], tells reduce_dbias where to keep dS; else (kp_dq, None). A block mask has
-  its own select (reduce_dbias)."""
+def dbias_zeros_in_xla(kp_dq, params: AttentionParams, arrays: FeatureArrays | None, q_seg,
+                       kv_seg, *, batch: int, heads: int, t: int, s: int, block_mask=None):
+  """(kp_dq, visible) for a backward of q [batch, t, heads, D], k [.., s, ..] (arrays: the
+  call's, whose bias is read where kp_dq.dbias): where the dQ kernel (KernelParams kp_dq)
+  writes dbias, reduce_dbias runs an XLA op on it anyway (a sum over the bias's broadcast
+  axes, or a cut to [T, S]) and the call hides keys by band or segment ids, the kernel writes
+  no zero tiles (kp_dq.dbias_zero_tiles False: half of a causal call's dS stores, each thread
+  its own 4 bytes) and visible, reference.visible_mask's [B|1, 1, T, S], tells reduce_dbias
+  where to keep dS; else (kp_dq, None). A block mask has its own select (reduce_dbias)."""
+  if not kp_dq.dbias or block_mask is not None:
+    return kp_dq, None
   dbias_shape = (batch, heads, kp_dq.t_pad, kp_dq.s_pad)
-  runs_op = bool(_sum_axes(bias_shape, dbias_shape)) or dbias_shape[2:] != (t, s)
-  visible = None
-  if kp_dq.dbias and block_mask is None and runs_op:
-    visible = reference.visible_mask(q_seg, kv_seg, q_len=t, kv_len=s,
-                                     is_causal=params.is_causal, params=params)
+  if not _sum_axes(arrays.bias.shape, dbias_shape) and dbias_shape[2:] == (t, s):
+    return kp_dq, None  # no XLA op follows the kernel
+  visible = reference.visible_mask(q_seg, kv_seg, q_len=t, kv_len=s,
+                                   is_causal=params.is_causal, params=params)
   if visible is None:
     return kp_dq, None
   return dataclasses.replace(kp_dq, dbias_zero_tiles=False), visible

@@ -271,7 +271,7 @@ def bias_stream_scratch(dense: tuple, kp: common.KernelParams, d: int) -> list:
     return []
   own = kv_stream.kv_stream_smem_bytes(d, kp.block_q, kp.block_kv, kp.stages,
                                        jnp.dtype(kp.dtype).itemsize)
-  tiles = kp.stages * kp.block_q * 2 * kp.block_kv * jnp.dtype(dense[0].dtype).itemsize
+  tiles = sm90_dense.ring_bytes(dense[0].dtype, kp.stages, kp.block_q, kp.block_kv)
   if own + tiles + kv_stream.SMEM_SLACK_BYTES > SMEM_LIMIT_BYTES:
     return []
   return sm90_dense.stream_scratch(dense[0].dtype, kp.stages, kp.block_q, kp.block_kv)

@@ -270,9 +270,9 @@ def kv_stream_smem(kp: common.KernelParams, d: int) -> list:
 
 def kv_stream_smem_bytes(d: int, block_q: int, block_kv: int, stages: int,
                          itemsize: int = 2) -> int:
-  """kv_stream_smem's bytes: K/V of both WGs, the Q/dO rings and their lse/delta rows (with
-  SMEM_SLACK_BYTES, 133120 at head dim 128, block_q = block_kv = 64 and 2 stages: the
-  compiled dK/dV kernel's)."""
+  """kv_stream_smem's bytes: K/V of both WGs, the Q/dO rings and their lse/delta rows; the
+  callers add SMEM_SLACK_BYTES (with it 133120 at head dim 128, block_q = block_kv = 64 and 2
+  stages: the compiled dK/dV kernel's)."""
   kv = 2 * 2 * block_kv * d * itemsize
   ring = stages * (2 * block_q * d * itemsize + 2 * block_q * 4)
   return kv + ring
