@@ -97,6 +97,8 @@ def _features(case: Case, key) -> dict:
       "bias_bcast": lambda: {"bias": jax.random.normal(keys[1], (b, 1, 1, s))},
       # [B, H, T, S] in the inputs' dtype: no broadcast axis, dbias in that dtype.
       "bias_full": lambda: {"bias": jax.random.normal(keys[0], (b, h, t, s), case.dtype)},
+      # [1, H, T, S] in the inputs' dtype: a learned bias shared by the batch.
+      "bias_shared": lambda: {"bias": jax.random.normal(keys[0], (1, h, t, s), case.dtype)},
       # Std 5: the two soft-cap orders differ by O(1) (issue 46).
       "bias_std5": lambda: {"bias": 5.0 * jax.random.normal(keys[0], (b, h, t, s))},
       "cap_then_bias": lambda: {"logits_soft_cap_order": "cap_then_bias"},

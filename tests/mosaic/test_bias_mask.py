@@ -50,8 +50,12 @@ DENSE = [
     _slow("xla_delta", _config(block_q_dq=128, block_kv_dq=64),
           _case(256, 128, d=128, features=("bias",))),
     _slow("bias_full", _config(), _case(200, 170, h=2, kh=2, features=("bias_full",))),
+    # [1, H, T, S] in the inputs' dtype over a batch of 3: the batch's CTAs add dS into one
+    # zeroed entry (dense.dbias_form), XLA only cuts it to [T, S].
+    ("bias_shared_causal", _config(), _case(200, 170, b=3, h=2, kh=1, is_causal=True,
+                                            features=("bias_shared",))),
     # Causal, with no XLA op after the dQ kernel (no broadcast axis, tiles filled): the kernel
-    # writes dbias's zero tiles itself (dense.dbias_zeros_in_xla).
+    # writes dbias's zero tiles itself (dense.dbias_form).
     ("bias_full_causal", _config(), _case(128, 128, b=1, h=2, kh=1, is_causal=True,
                                           features=("bias_full",))),
     _slow("segments", _config(), _case(300, 300, h=4, kh=2, is_causal=True, segments=True,
@@ -114,31 +118,52 @@ LOWERED = [(64, False, 1024, (1, 4, 1024, 1024), False), (64, True, 2048, None, 
 def test_default_forms_lower_and_fit(d, causal, s_len, bias_shape, mask):
   text = _grad_module(d, causal, s_len, bias_shape, mask)
   assert text.count("custom_call @mosaic_gpu_v2") == 3  # forward, dQ, dK/dV
-  if bias_shape:  # the dQ kernel's dS, summed over the bias's broadcast axis by XLA
+  # At head dim 128 dS goes through O's tile (its shape), and the batch's CTAs sum it
+  # (dense.dbias_form); at 64 each thread stores its entries and XLA sums.
+  if bias_shape and bias_shape[0] == 1 and d == 128:
+    assert f"tensor<1x4x{s_len}x{s_len}xbf16>" in text
+    assert f"tensor<2x4x{s_len}x{s_len}x" not in text
+  elif bias_shape:  # the dQ kernel's dS, summed over the bias's broadcast axis by XLA
     assert f"tensor<2x4x{s_len}x{s_len}xf32>" in text
 
 
-@pytest.mark.parametrize("bias_shape,length,causal,segments,zero_tiles", [
-    ((1, 4, 256, 256), 256, True, False, False),  # XLA sums over the batch: it selects
-    ((2, 4, 256, 256), 256, True, False, True),  # no XLA op after the kernel
-    ((2, 4, 200, 200), 200, True, False, False),  # XLA cuts dbias to [T, S]
-    ((1, 4, 256, 256), 256, False, False, True),  # every key visible: nothing to zero
-    ((1, 4, 256, 256), 256, False, True, False),  # segment ids hide keys
-], ids=["sum", "no_op", "cut", "all_visible", "segments"])
-def test_dbias_zeros_in_xla(bias_shape, length, causal, segments, zero_tiles):
-  """Where XLA runs an op on dbias anyway, it selects the zeros of the key blocks the dQ
-  kernel skips, and the kernel writes no zero tiles; else the kernel writes them."""
+# (bias shape, length, causal, segment ids, changes, form): "batch_sum" the batch's CTAs add
+# dS into one zeroed entry; "kernel" the kernel writes every block (zero tiles too); "select"
+# XLA, running an op on dbias anyway, selects the zeros of the blocks the kernel skips.
+DBIAS_FORMS = [
+    ((1, 4, 256, 256), 256, True, False, {}, "batch_sum"),
+    ((1, 4, 256, 256), 256, True, False, dict(deterministic=True), "select"),
+    ((1, 4, 256, 256), 256, True, False, dict(with_o=False), "select"),  # no staging tile
+    ((1, 4, 256, 256), 256, True, False, dict(dtype=jnp.float32), "select"),  # float32 dS
+    ((2, 4, 256, 256), 256, True, False, {}, "kernel"),  # no XLA op after the kernel
+    ((2, 4, 200, 200), 200, True, False, {}, "select"),  # XLA cuts dbias to [T, S]
+    ((2, 1, 256, 256), 256, False, False, {}, "kernel"),  # every key visible: nothing to zero
+    ((2, 1, 256, 256), 256, False, True, {}, "select"),  # segment ids hide keys
+]
+
+
+@pytest.mark.parametrize("bias_shape,length,causal,segments,changes,form", DBIAS_FORMS, ids=[
+    "batch_sum", "deterministic", "no_o_tile", "f32_bias", "no_op", "cut", "all_visible",
+    "segments"])
+def test_dbias_form(bias_shape, length, causal, segments, changes, form):
+  """A bias shared by the batch, written through the staging tile, is summed by the batch's
+  CTAs (not under `deterministic`); else, where XLA runs an op on dbias anyway, it selects
+  the zeros of the key blocks the dQ kernel skips, and the kernel writes no zero tiles; else
+  the kernel writes them."""
   q = jax.ShapeDtypeStruct((2, length, 4, 128), jnp.bfloat16)
-  params = AttentionParams(scale=1.0, is_causal=causal, has_segments=segments, has_bias=True)
+  params = AttentionParams(scale=1.0, is_causal=causal, has_segments=segments, has_bias=True,
+                           deterministic=changes.get("deterministic", False))
   config = MosaicConfig(**mconfig.WIDE_REGISTERS)
   t_pad, s_pad = backward.padded_lengths(length, length, config)
   kp_dq, _ = backward.split_kernel_params(q, q, params, config, t_pad=t_pad, s_pad=s_pad)
   seg = jnp.arange(2 * length).reshape(2, length) // 100 if segments else None
-  arrays = FeatureArrays(bias=jax.ShapeDtypeStruct(bias_shape, jnp.bfloat16))
-  kp_dq, visible = dense.dbias_zeros_in_xla(kp_dq, params, arrays, seg, seg, batch=2, heads=4,
-                                            t=length, s=length)
-  assert kp_dq.dbias_zero_tiles == zero_tiles
-  assert (visible is None) == zero_tiles
+  arrays = FeatureArrays(bias=jax.ShapeDtypeStruct(bias_shape, changes.get("dtype",
+                                                                           jnp.bfloat16)))
+  kp_dq, visible = dense.dbias_form(kp_dq, params, arrays, seg, seg, batch=2, heads=4,
+                                    t=length, s=length, with_o=changes.get("with_o", True))
+  assert kp_dq.dbias_batch_sum == (form == "batch_sum")
+  assert kp_dq.dbias_zero_tiles == (form == "kernel")
+  assert (visible is None) == (form != "select")
   if visible is not None:
     want = np.tril(np.ones((length, length), bool)) if causal else np.ones((length,) * 2, bool)
     if segments:

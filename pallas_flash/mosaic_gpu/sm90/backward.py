@@ -123,13 +123,14 @@ def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: Attent
         dkdv_tiles=(config.block_q_dkv, 2 * config.block_kv_dkv), params=params)
   dense_in, dense_dkdv = sm90_dense.backward_inputs(arrays, params, t_pad, s_pad)
   dbias = ()
-  kp_dq, visible = sm90_dense.dbias_zeros_in_xla(
+  with_o = dq_smem_bytes(kp_dq, in_kernel=True, correction=delta is not None) <= SMEM_LIMIT_BYTES
+  kp_dq, visible = sm90_dense.dbias_form(
       kp_dq, params, arrays, q_seg, kv_seg, batch=q.shape[0], heads=q.shape[2], t=t, s=s,
-      block_mask=bm)
+      with_o=with_o, block_mask=bm)
   keys = common.dropout_keys(arrays, params, batch=q.shape[0], heads=q.shape[2], t_pad=t_pad,
                              s_pad=s_pad)
   # Padded rows get lse = +inf (P = 0) and, with O and dO zero there, delta = 0.
-  if dq_smem_bytes(kp_dq, in_kernel=True, correction=delta is not None) <= SMEM_LIMIT_BYTES:
+  if with_o:
     # The dQ kernel computes lse2 and delta from O and dO (FA2's preprocessing) and hands them
     # to the dK/dV kernel, so no XLA op runs before the kernels.
     lse = _tiling.pad_axis(lse, 2, t_pad, jnp.inf)
@@ -148,6 +149,6 @@ def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: Attent
     dq, *dbias = out if kp_dq.dbias else (out,)
   dk, dv = dkdv.dkdv_call(qp, kpad, vpad, dop, lse2, delta, kp=kp_dkdv, segs=dkdv_segs,
                           slopes=slopes, dense=dense_dkdv, keys=keys, blks=dkdv_blks)
-  dbias = tuple(sm90_dense.reduce_dbias(x, arrays.bias.shape, t, s, bm, visible)
-                for x in dbias)
+  dbias = tuple(sm90_dense.reduce_dbias(x, arrays.bias.shape, t, s, bm, visible,
+                                        zeroed=kp_dq.dbias_batch_sum) for x in dbias)
   return dq[:, :t], dk[:, :s], dv[:, :s], *dbias, delta[:, :, :t]

@@ -76,6 +76,9 @@ class KernelParams:
   # The dQ kernel writes dbias's zero tiles on the key blocks no query of a warpgroup sees
   # (False: dense.reduce_dbias selects those zeros in the XLA op it runs anyway).
   dbias_zero_tiles: bool = True
+  # The dbias buffer has one batch entry, zeroed by XLA, into which the CTAs of a tile's batch
+  # entries (consecutive in the launch) add their dS by TMA reduce-add (dense.dbias_form).
+  dbias_batch_sum: bool = False
   # AttentionParams.dropout_rate: the kernels take dropout_keys' row and column keys as inputs.
   dropout: float = 0.0
   # The value head dim Dv: the columns of V, O, dO and dV (0 given: d). Differs from d only
@@ -701,6 +704,20 @@ def launch_grid(tiles, heads, bsz, names, *, heads_fastest: bool) -> dict:
   if heads_fastest:
     return dict(grid=(tiles, heads, bsz), grid_names=names)
   return dict(grid=(heads, tiles, bsz), grid_names=(head_name, tile_name, b_name))
+
+
+def launch_on_zeroed_last(launch, operands, out_type) -> tuple:
+  """Runs launch(out_type=())(*operands, *refs) (a partial plgpu.kernel) on refs for
+  out_type's buffers, the last zeroed by XLA (the target of TMA reduce-adds), the others
+  left uninitialised (lax.empty: no XLA op), and returns their values: the kernel's outputs
+  in the same order for its body. plgpu.kernel takes no input_output_aliases; pl.run_state's
+  discharge passes the refs it writes as aliased operands."""
+  def run(refs):
+    launch(out_type=())(*operands, *refs)
+
+  init = [lax.empty(x.shape, x.dtype) for x in out_type[:-1]]
+  init.append(jnp.zeros(out_type[-1].shape, out_type[-1].dtype))
+  return tuple(pl.run_state(run)(tuple(init)))
 
 
 def sync(barrier):

@@ -18,7 +18,8 @@ gradients. dbias = dS (the raw scores' dS with "bias_then_cap"), written by the 
 [B, H, Tp, Sp] buffer (`dbias_tile`, through O's shared-memory tile and TMA stores where it
 fits: `dbias_staging`; in the bias's dtype where that is a 16-bit float, else float32:
 `dbias_dtype`) and summed over the broadcast axes by XLA in float32, which also selects the
-zeros of the key blocks the kernel skips (`dbias_zeros_in_xla`).
+zeros of the key blocks the kernel skips; or, for a bias broadcast over the batch, added by
+the batch's CTAs into one zeroed batch entry by TMA reduce-adds (`dbias_form`).
 """
 
 from __future__ import annotations
@@ -341,19 +342,27 @@ def dbias_staging(o_smem, dbias_ref, block_kv: int):
   return o_smem
 
 
-def dbias_tile(dbias_ref, ds, b, h, row0, col0, staging=None):
+def dbias_tile(dbias_ref, ds, b, h, row0, col0, staging=None, *, add: bool = False,
+               interpret: bool = False):
   """Stores dS [rows, cols] float32 (WGMMA layout) in dbias_ref's dtype to dbias_ref
   [B, H, Tp, Sp] at (b, h, row0, col0): through `staging` (dbias_staging's) and a TMA store,
   once the previous tile's store has read it, or with no staging each thread its own entries
-  to GMEM."""
+  to GMEM. With `add` (KernelParams.dbias_batch_sum; staging needed) a TMA reduce-add in
+  place of the store; the interpreter, which has none, adds to GMEM's values itself (its CTAs
+  run one at a time)."""
   view = dbias_ref.at[b, h, pl.ds(row0, ds.shape[0]), pl.ds(col0, ds.shape[1])]
   if staging is None:
+    assert not add, "a reduce-add goes through the staging tile"
     view[...] = ds.astype(dbias_ref.dtype)
     return
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   staging[...] = ds.astype(staging.dtype)
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(staging, view)
+  if add and interpret:
+    view[...] = (view[...].astype(jnp.float32) + staging[...].astype(jnp.float32)).astype(
+        view.dtype)
+    return
+  plgpu.copy_smem_to_gmem(staging, view, reduction_op="add" if add else None)
 
 
 def zero_dbias_blocks(dbias_ref, b, h, row0, rows: int, block: int, lo, hi):
@@ -371,19 +380,37 @@ def _sum_axes(bias_shape, dbias_shape) -> tuple[int, ...]:
   return tuple(a for a in (0, 1) if bias_shape[a] == 1 and dbias_shape[a] != 1)
 
 
-def dbias_zeros_in_xla(kp_dq, params: AttentionParams, arrays: FeatureArrays | None, q_seg,
-                       kv_seg, *, batch: int, heads: int, t: int, s: int, block_mask=None):
-  """(kp_dq, visible) for a backward of q [batch, t, heads, D], k [.., s, ..] (arrays: the
-  call's, whose bias is read where kp_dq.dbias): where the dQ kernel (KernelParams kp_dq)
-  writes dbias, reduce_dbias runs an XLA op on it anyway (a sum over the bias's broadcast
-  axes, or a cut to [T, S]) and the call hides keys by band or segment ids, the kernel writes
-  no zero tiles (kp_dq.dbias_zero_tiles False: half of a causal call's dS stores, each thread
-  its own 4 bytes) and visible, reference.visible_mask's [B|1, 1, T, S], tells reduce_dbias
-  where to keep dS; else (kp_dq, None). A block mask has its own select (reduce_dbias)."""
-  if not kp_dq.dbias or block_mask is not None:
+def stages_dbias(kp, bias_dtype, *, with_o: bool) -> bool:
+  """Whether the dQ kernel (KernelParams kp; with_o: it loads O, so its O tile exists) writes
+  dbias through O's tile and TMA stores (dbias_staging's condition, known before the call)."""
+  return with_o and dbias_dtype(bias_dtype) == jnp.dtype(kp.dtype) and kp.dv == kp.block_kv
+
+
+def dbias_form(kp_dq, params: AttentionParams, arrays: FeatureArrays | None, q_seg, kv_seg, *,
+               batch: int, heads: int, t: int, s: int, with_o: bool, block_mask=None):
+  """(kp_dq, visible): how the dQ kernel (KernelParams kp_dq, with_o: it loads O) leaves
+  dbias for a backward of q [batch, t, heads, D], k [.., s, ..] (arrays: the call's, whose
+  bias is read where kp_dq.dbias).
+
+  A bias broadcast over a batch of several, written through the staging tile, outside
+  `deterministic`: the CTAs of a tile's batch entries, consecutive in the launch, add their
+  dS into one batch entry zeroed by XLA (kp_dq.dbias_batch_sum: TMA reduce-adds in L2 in a
+  varying order, in place of B writes that XLA reads back to sum; no zero tiles needed).
+  Else, where XLA runs an op on dbias anyway (a sum over the bias's broadcast axes, or a cut
+  to [T, S]) and the call hides keys by band or segment ids, the kernel writes no zero tiles
+  (kp_dq.dbias_zero_tiles False: half of a causal call's dS stores) and visible,
+  reference.visible_mask's [B|1, 1, T, S], tells reduce_dbias where to keep dS. Otherwise
+  (kp_dq, None). A block mask has its own select (reduce_dbias)."""
+  if not kp_dq.dbias:
+    return kp_dq, None
+  bias = arrays.bias
+  if (batch > 1 and bias.shape[0] == 1 and not params.deterministic
+      and stages_dbias(kp_dq, bias.dtype, with_o=with_o)):
+    return dataclasses.replace(kp_dq, dbias_batch_sum=True, dbias_zero_tiles=False), None
+  if block_mask is not None:
     return kp_dq, None
   dbias_shape = (batch, heads, kp_dq.t_pad, kp_dq.s_pad)
-  if not _sum_axes(arrays.bias.shape, dbias_shape) and dbias_shape[2:] == (t, s):
+  if not _sum_axes(bias.shape, dbias_shape) and dbias_shape[2:] == (t, s):
     return kp_dq, None  # no XLA op follows the kernel
   visible = reference.visible_mask(q_seg, kv_seg, q_len=t, kv_len=s,
                                    is_causal=params.is_causal, params=params)
@@ -392,14 +419,16 @@ def dbias_zeros_in_xla(kp_dq, params: AttentionParams, arrays: FeatureArrays | N
   return dataclasses.replace(kp_dq, dbias_zero_tiles=False), visible
 
 
-def reduce_dbias(dbias, bias_shape, t: int, s: int, block_mask=None, visible=None):
-  """dbias [B, H, Tp, Sp] (`dbias_dtype`) cut to [T, S] and summed over the bias's broadcast
-  axes in float32, bias_shape [B|1, H|1, T, S] (no XLA op where the bias has no broadcast
-  axis and T, S fill the tiles). With a block mask (masks.BlockMask) the dQ kernel wrote only
-  the blocks its tables stream: the others, whose keys no query sees, become 0 here (a select
-  that XLA fuses into the sum; the buffer's unwritten blocks may hold anything); so do the
-  elements outside `visible` (dbias_zeros_in_xla's), whose blocks the kernel left unwritten."""
-  if block_mask is not None:
+def reduce_dbias(dbias, bias_shape, t: int, s: int, block_mask=None, visible=None, *,
+                 zeroed: bool = False):
+  """dbias [B|1, H, Tp, Sp] (`dbias_dtype`) cut to [T, S] and summed over the bias's
+  broadcast axes in float32, bias_shape [B|1, H|1, T, S] (no XLA op where the bias has no
+  other broadcast axis and T, S fill the tiles). With a block mask (masks.BlockMask) the dQ
+  kernel wrote only the blocks its tables stream: the others, whose keys no query sees,
+  become 0 here (a select that XLA fuses into the sum; the buffer's unwritten blocks may hold
+  anything) unless the buffer was `zeroed` (KernelParams.dbias_batch_sum); so do the
+  elements outside `visible` (dbias_form's), whose blocks the kernel left unwritten."""
+  if block_mask is not None and not zeroed:
     dbias = jnp.where(_streamed(block_mask, dbias.shape[2:]), dbias, 0)
   axes = _sum_axes(bias_shape, dbias.shape)
   dbias = dbias[:, :, :t, :s]

@@ -51,7 +51,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
   dense: the dense bias and mask (dense.DenseRefs), or None; with kp.dbias, dbias_ref [B, H, Tp,
   Sp] (dense.dbias_dtype) gets dS (before the soft cap's slope: the bias is added after the
   cap) of every score tile, through the O tile where it fits (dense.dbias_staging), zeros on
-  the key blocks a warpgroup does not stream (kp.dbias_zero_tiles); else dbias_ref is None.
+  the key blocks a warpgroup does not stream (kp.dbias_zero_tiles); with kp.dbias_batch_sum
+  dbias_ref is [1, H, Tp, Sp], zeroed, and each tile is added to it; else dbias_ref is None.
   blk: a block mask's key-block table per q tile and mask function (block_mask.Refs), the
   forward's way; q tiles last one first (dbias is written on the table's blocks only).
   """
@@ -119,6 +120,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
     early = common.early_probs(kp, dense=dense, sparse=sparse)
     staging = sm90_dense.dbias_staging(None if o_ref is None else o_scratch.at[wg], dbias_ref,
                                        bkv)
+    dbias_b = 0 if kp.dbias_batch_sum else b  # the batch's CTAs add into one entry
 
     def step(j, dq, *, masked: bool):
       slot = lax.rem(j, stages)
@@ -176,7 +178,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
         ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [0]))
         if slope is not None and kp.bias_in_cap:  # inside the cap: the raw scores' dS
           ds = ds * slope
-        sm90_dense.dbias_tile(dbias_ref, ds, b, h, q0, key_block(j) * bkv, staging)
+        sm90_dense.dbias_tile(dbias_ref, ds, dbias_b, h, q0, key_block(j) * bkv, staging,
+                              add=kp.dbias_batch_sum, interpret=kp.interpret)
         if slope is not None and not kp.bias_in_cap:  # after it: the slope comes after
           ds = ds * slope
       else:
@@ -201,7 +204,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
     if sparse is None and (kp.causal or seg is not None):
       lax.fori_loop(steps, cta_steps, idle_step, None)
     # No key of the other blocks is visible: dbias is 0 there (zeroed by XLA instead with a
-    # block table, or where it runs an op on dbias anyway: dense.dbias_zeros_in_xla).
+    # block table, where it runs an op on dbias anyway, or before a batch sum: dense.dbias_form).
     if dbias_ref is not None and sparse is None and kp.dbias_zero_tiles:
       sm90_dense.zero_dbias_blocks(dbias_ref, b, h, q0, bq, bkv, 0, kv0)
       sm90_dense.zero_dbias_blocks(dbias_ref, b, h, q0, bq, bkv, kv0 + steps, kp.num_kv_blocks)
@@ -272,8 +275,8 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
   or dropout's (row keys [B, H, Tp], column keys [Sp]) (common.dropout_keys). dense: () or
   the first of dense.backward_inputs: the bias and / or the mask's bits (kp.dense says which);
   with kp.dbias the result ends with dbias [B, H, Tp, Sp] in dense.dbias_dtype (dS of every
-  score). blks: () or a block mask's operands (block_mask.inputs by q tile), inputs after
-  q .. delta."""
+  score; [1, H, Tp, Sp], the batch's sum, with kp.dbias_batch_sum). blks: () or a block
+  mask's operands (block_mask.inputs by q tile), inputs after q .. delta."""
   bsz, _, h, d = q.shape
   t_pad = kp.t_pad
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
@@ -303,7 +306,7 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
   out_type = [dq, row_stats, row_stats] if in_kernel else [dq]
   present = [x is not None for x in inputs] + [True, in_kernel, in_kernel, kp.dbias]
   if kp.dbias:
-    out_type.append(jax.ShapeDtypeStruct((bsz, h, t_pad, kp.s_pad),
+    out_type.append(jax.ShapeDtypeStruct((1 if kp.dbias_batch_sum else bsz, h, t_pad, kp.s_pad),
                                          sm90_dense.dbias_dtype(dense[0].dtype)))
   num_inputs = sum(present) - len(out_type)
 
@@ -314,13 +317,17 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
                                     dropout=bool(keys), dense=kp.dense)
 
   body = block_mask.with_block_refs(make_body, num_inputs, len(blks)) if blks else make_body()
-  out = plgpu.kernel(
-      common.named(body, "flash_dq"),
-      out_type=tuple(out_type),
+  launch = functools.partial(
+      plgpu.kernel, common.named(body, "flash_dq"),
       scratch_types=scratch,
+      # The batch fastest: a tile's batch entries run side by side (dbias_batch_sum's adds).
       **common.launch_grid(t_pad // (2 * bq), h, bsz, ("qt", "h", "b"), heads_fastest=False),
       num_threads=3, thread_name="wg",
       compiler_params=common.compiler_params(),
-      interpret=common.interpret_params(kp.interpret),
-  )(*(x for x in inputs if x is not None), *blks, *segs, *slopes, *keys, *dense)
+      interpret=common.interpret_params(kp.interpret))
+  operands = (*(x for x in inputs if x is not None), *blks, *segs, *slopes, *keys, *dense)
+  if kp.dbias_batch_sum:
+    out = common.launch_on_zeroed_last(launch, operands, out_type)
+  else:
+    out = launch(out_type=tuple(out_type))(*operands)
   return tuple(out) if in_kernel or kp.dbias else out[0]
