@@ -29,7 +29,8 @@ exact (query, key) pairs (flops.window_flops); head dims count their own D (hd19
 ids, masks and dropout count the plain work, not the pairs they leave visible.
 
 Features and their causality (causal where a decoder uses them; dense bias and boolean mask as
-in an encoder): plain (non-causal), causal, window (causal, left = T/4), segments (causal,
+in an encoder): plain (non-causal), causal, window (causal, left = T/4), window_both
+(non-causal, T/8 either side; cuDNN's window is causal only), segments (causal,
 packed documents, T/1024 per row at random boundaries), softcap (causal, 50), alibi (causal,
 slopes 2^(-8(h+1)/H)), alibi_in_cap (causal, those slopes inside a cap of 50), dropout (causal,
 0.1), bias (non-causal, [1, H, T, S], differentiated; bias_causal the same, causal;
@@ -85,7 +86,7 @@ class Feature:
   head_dim: int | None = None
   value_head_dim: int = 0  # 0: the head dim
   gqa: bool = False
-  banded: bool = False
+  band: Callable[[shapes.ShapeSpec], tuple[int, int]] | None = None  # (left, right) of a window
   block_masked: bool = False  # a BlockMask, whose mask function carries the causality
   fixed: tuple[str, ...] = ()  # DIFFERENTIATED arrays the row does not differentiate
 
@@ -104,13 +105,24 @@ class Feature:
                         value_head_dim=self.value_head_dim)
 
   def flops(self, spec: shapes.ShapeSpec, mode: str) -> float:
-    if self.banded:
-      return flops.window_flops(spec, left=_window(spec), mode=mode)
+    if self.band is not None:
+      left, right = self.band(spec)
+      return flops.window_flops(spec, left=left, right=right, mode=mode)
     return flops.attention_flops(spec, is_causal=self.causal, mode=mode)
 
 
 def _window(spec: shapes.ShapeSpec) -> int:
   return max(spec.seq_len // 4, 1)
+
+
+def _causal_band(spec: shapes.ShapeSpec) -> tuple[int, int]:
+  return _window(spec), 0
+
+
+def _two_sided_band(spec: shapes.ShapeSpec) -> tuple[int, int]:
+  """An encoder's local window: T/8 keys either side (as many pairs as the causal T/4)."""
+  side = max(spec.seq_len // 8, 1)
+  return side, side
 
 
 def _segments(spec: shapes.ShapeSpec, seed: int) -> dict:
@@ -156,7 +168,10 @@ def _build_block_mask(fn: masks.MaskFn, t: int) -> masks.BlockMask:
 FEATURES: tuple[Feature, ...] = (
     Feature("plain", False),
     Feature("causal", True),
-    Feature("window", True, lambda s, _: {"local_window_size": (_window(s), 0)}, banded=True),
+    Feature("window", True, lambda s, _: {"local_window_size": _causal_band(s)},
+            band=_causal_band),
+    Feature("window_both", False, lambda s, _: {"local_window_size": _two_sided_band(s)},
+            cudnn=None, band=_two_sided_band),
     Feature("segments", True, _segments, cudnn=None),
     Feature("softcap", True, lambda s, _: {"logits_soft_cap": SOFT_CAP}, cudnn=None),
     Feature("alibi", True, _alibi, cudnn=None),
@@ -172,13 +187,14 @@ FEATURES: tuple[Feature, ...] = (
     # An additive mask or a frozen bias: nothing differentiates it (no dbias to write).
     Feature("bias_fixed", False, _bias, fixed=("bias",)),
     Feature("mask", False, _mask),
-    Feature("blockmask", True, _block_mask, cudnn="window", banded=True, block_masked=True),
+    Feature("blockmask", True, _block_mask, cudnn="window", band=_causal_band,
+            block_masked=True),
     # The block mask composed with dropout, and with a dense bias (cuDNN runs neither).
     Feature("blockmask_dropout", True,
             lambda s, seed: {**_block_mask(s, seed), **_dropout(s, seed)},
-            cudnn=None, banded=True, block_masked=True),
+            cudnn=None, band=_causal_band, block_masked=True),
     Feature("blockmask_bias", True, lambda s, seed: {**_block_mask(s, seed), **_bias(s, seed)},
-            cudnn=None, banded=True, block_masked=True),
+            cudnn=None, band=_causal_band, block_masked=True),
     Feature("gqa", True, gqa=True),
     *(Feature(f"hd{d}", c, head_dim=d) for d in HEAD_DIMS for c in (False, True)),
     # MLA's query/key head dim 192 with a value head dim of 128.

@@ -26,20 +26,21 @@ def attention_flops(spec: ShapeSpec, *, is_causal: bool, mode: str) -> float:
   return forward * _MODE_FACTOR[mode]
 
 
-def window_pairs(n: int, left: int) -> int:
-  """(query, key) pairs of n tokens with i - left <= j <= i (a causal window of left + 1 keys):
-  sum over i of min(i, left) + 1."""
+def window_pairs(n: int, left: int, right: int = 0) -> int:
+  """(query, key) pairs of n tokens with i - left <= j <= i + right (a causal window of
+  left + 1 keys where right = 0): sum over i of min(i, left) + 1, plus min(n - 1 - i, right)."""
   ramp = min(n, left + 1)  # queries 0 .. ramp - 1 see every earlier key
-  return ramp * (ramp + 1) // 2 + (n - ramp) * (left + 1)
+  ahead = min(n - 1, right)  # keys after the query: n - d pairs at each distance d <= ahead
+  return ramp * (ramp + 1) // 2 + (n - ramp) * (left + 1) + ahead * n - ahead * (ahead + 1) // 2
 
 
-def window_flops(spec: ShapeSpec, *, left: int, mode: str) -> float:
-  """Matmul FLOPs of one causal call with a window of `left` + 1 keys (query i sees keys
-  i - left .. i): the band's exact pair count (window_pairs)."""
+def window_flops(spec: ShapeSpec, *, left: int, right: int = 0, mode: str) -> float:
+  """Matmul FLOPs of one call whose query i sees keys i - left .. i + right (right = 0: a
+  causal window of left + 1 keys): the band's exact pair count (window_pairs)."""
   if mode not in _MODE_FACTOR:
     raise ValueError(f"Unknown mode {mode!r}; choose one of {MODES}.")
   b, t, h, d = spec.shape
-  return 2.0 * b * h * window_pairs(t, left) * (d + spec.dv) * _MODE_FACTOR[mode]
+  return 2.0 * b * h * window_pairs(t, left, right) * (d + spec.dv) * _MODE_FACTOR[mode]
 
 
 def tflops(flops: float, seconds: float) -> float:

@@ -260,6 +260,10 @@ def test_window_flops_count_the_band():
   assert flops.window_flops(spec, left=999, mode="fwd") == per_pair * 1000 * 1001 / 2
   # left = 10: the first 10 queries see i + 1 keys, the other 990 see 11.
   assert flops.window_flops(spec, left=10, mode="fwdbwd") == per_pair * (55 + 990 * 11) * 3.5
+  # Two-sided: the first 990 queries see 10 keys ahead, the last 10 see 9 .. 0.
+  assert flops.window_flops(spec, left=10, right=10, mode="fwd") == per_pair * (
+      55 + 990 * 11 + 990 * 10 + 45)
+  assert flops.window_flops(spec, left=999, right=999, mode="fwd") == per_pair * 1000 ** 2
 
 
 def test_cli_writes_json(tmp_path):

@@ -37,7 +37,7 @@ def _assert_checked_and_timed(row: dict, outputs: set[str]) -> None:
   assert row["ratio_plain"] > 0 and row["plain_impl"] == "xla", row
 
 
-@pytest.mark.slow  # 22 rows, ~14 s on 2 cores; the test below runs three rows end to end
+@pytest.mark.slow  # 30 rows, ~14 s on 2 cores; the test below runs three rows end to end
 def test_the_whole_grid(tmp_path):
   """One run of the grid (a module fixture would run once per xdist worker)."""
   grid = _run(tmp_path, "--impl", "xla", "--mode", "fwd")
@@ -67,13 +67,17 @@ def _ratios_to_plain_compare_with_the_same_causality_at_the_grids_head_dim(grid)
 
 
 def _flops_count_plain_work_and_the_band_for_windows(grid):
-  banded = {f.name for f in features.FEATURES if f.banded}
+  # (left, right) of each window's band: causal T/4, or T/8 either side.
+  bands = {"window": (4, 0), "window_both": (8, 8), "blockmask": (4, 0),
+           "blockmask_dropout": (4, 0), "blockmask_bias": (4, 0)}
+  assert bands.keys() == {f.name for f in features.FEATURES if f.band is not None}
   for row in grid:
     spec = shapes.ShapeSpec(name="x", batch=row["batch"], seq_len=row["seq_len"],
                             num_heads=row["num_heads"], head_dim=row["head_dim"],
                             value_head_dim=row["value_head_dim"])
-    if row["feature"] in banded:
-      want = flops.window_flops(spec, left=row["seq_len"] // 4, mode="fwd")
+    if row["feature"] in bands:
+      left, right = (row["seq_len"] // n if n else 0 for n in bands[row["feature"]])
+      want = flops.window_flops(spec, left=left, right=right, mode="fwd")
     else:
       want = flops.attention_flops(spec, is_causal=row["causal"], mode="fwd")
     assert row["flops"] == want, row["feature"]
