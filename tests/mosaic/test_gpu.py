@@ -117,6 +117,10 @@ FEATURE_CASES = [
     _case(1, 512, 512, 2, 2, 256, True, segments=True),
     _case(2, 777, 777, 4, 4, 256, True, lengths=True),
     _case(1, 4096, 4096, 8, 2, 128, True, features=("window_512",)),
+    # Windows alone at head dim 128 run the persistent forward (config.window_form, tuned):
+    # causal over several CTA tiles per SM, and non-causal two-sided at an odd length.
+    _case(4, 2048, 2048, 32, 8, 128, True, features=("window_512",)),
+    _case(2, 3000, 3000, 8, 2, 128, False, features=("window",)),
     _case(1, 3000, 3000, 4, 4, 64, False, jnp.float16, features=("window",)),
     _case(1, 1024, 1024, 2, 2, 256, True, features=("window_512",)),
     _case(2, 4096, 4096, 8, 2, 128, True, segments=True, features=("window_512",)),

@@ -46,6 +46,14 @@ FORMS = [
                  marks=pytest.mark.slow),  # heads_fastest is no default
     ("persistent", _config(fwd_persistent=True, fwd_intra_wg_overlap=True,
                            debug=dict(persistent_ctas=2)), _case(200, 200, h=3, d=128)),
+    # A window's band in the persistent kernel: tiles of differing steps share the ring.
+    ("persistent_window", _config(fwd_persistent=True, debug=dict(persistent_ctas=2)),
+     _case(300, 300, h=3, is_causal=True, features=("window_left",))),
+    ("persistent_window", _config(fwd_persistent=True, debug=dict(persistent_ctas=2)),
+     _case(300, 200, h=2, kh=1, features=("window",))),
+    ("persistent_window", _config(fwd_persistent=True, debug=dict(persistent_ctas=3)),
+     _case(260, 260, h=2, kh=1, is_causal=True,
+           features=("window_left", "alibi", "dropout", "sinks", "softcap"))),
     # The last wave split along the keys: 2 CTAs per wave, 3 parts per tail tile.
     ("split_tail", _config(fwd_split_tail=True, debug=dict(wave_ctas=2, tail_parts=3)),
      _case(384, 192, h=3)),

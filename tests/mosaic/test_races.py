@@ -90,6 +90,9 @@ FORMS = [
     ("plain", _config(), _case(130, 190, is_causal=True), None),
     ("overlap", _OVERLAP, _case(200, 200, kh=2, is_causal=True), None),
     ("persistent", _PERSISTENT, _case(200, 200, h=3, d=128), None),
+    # A window's band in the persistent forward (tiles of differing steps, idle steps).
+    ("persistent_window", _config(fwd_persistent=True, debug=dict(persistent_ctas=2)),
+     _case(300, 300, h=3, is_causal=True, features=("window_left",)), None),
     ("split_tail", _config(fwd_split_tail=True, debug=dict(wave_ctas=2, tail_parts=3)),
      _case(384, 192, h=3), None),
     # Two key CTAs per kv head adding into the same dQ rows.

@@ -14,9 +14,10 @@ while P_j·V_j is still on the tensor cores (`_overlapped_kv_loop`).
 Causal: blocks above the diagonal are never loaded, only the blocks that cross the diagonal are
 masked, and q tiles are launched heaviest first (reversed), so the last wave holds short tiles.
 
-With MosaicConfig.fwd_persistent (non-causal) one CTA per SM loops over the tiles instead
-(`_fwd_persistent_kernel`): the same warpgroups and kv loops, with the K/V ring running on
-across tiles and Q double-buffered, so a tile's loads overlap the previous tile's end.
+With MosaicConfig.fwd_persistent (non-causal, or a window alone) one CTA per SM loops over
+the tiles instead (`_fwd_persistent_kernel`): the same warpgroups and kv loops, with the K/V
+ring running on across tiles and Q double-buffered, so a tile's loads overlap the previous
+tile's end.
 
 With MosaicConfig.fwd_split_tail (non-causal grid kernel) the tiles of the last, partly filled
 wave run as several CTAs each, every one streaming a share of the key blocks (split_tail.py);
@@ -249,7 +250,8 @@ def _store_tile(acc, m, l, o_smem, lse_smem, o_dst, lse_dst, kp: common.KernelPa
 def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scratch, v_scratch,
                            lse_scratch, p_scratch, o_scratch, q_ready, k_ready, v_ready, k_free,
                            v_free, sched, q_free, *, kp: common.KernelParams, ctas: int, heads: int,
-                           batch: int, slopes=None, sinks=None, keys=None):
+                           batch: int, seg: common.SegmentRefs | None = None, slopes=None,
+                           sinks=None, keys=None):
   """The non-causal forward as a persistent kernel: `ctas` CTAs (one per SM) loop over the
   (q tile, head, batch) tiles, CTA c taking tiles c, c + ctas, ...
 
@@ -262,11 +264,13 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
   q_scratch [2 (tile parity), 2 (WG), block_q, D]; q_ready [4] indexed parity·2 + WG (TMA
   arrivals); q_free [2] (2 arrivals: both WGs stored that parity's tile and the TMA has read
   its O out of the buffer). o_scratch [2, block_q, Dv] or None, as in `_fwd_kernel` (a WG's
-  store is read out before its next tile). Other operands (slopes, sinks and keys too) as in
-  `_fwd_kernel`.
+  store is read out before its next tile). seg: a window's band (no segment ids), as in
+  `_fwd_kernel`: each tile streams its band's blocks, so tiles differ in steps and the ring's
+  step of a tile's first block is the sum of the steps before it. Other operands (slopes,
+  sinks and keys too) as in `_fwd_kernel`.
   """
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
-  nqt, steps = kp.num_q_tiles, kp.num_kv_blocks  # non-causal: every tile sees every key block
+  nqt = kp.num_q_tiles
   cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
   tiles = lax.div(nqt * heads * batch - cta + ctas - 1, ctas)  # >= 1: ctas <= tile count
 
@@ -287,30 +291,45 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
     loop = _overlapped_kv_loop if kp.intra_wg_overlap else _plain_kv_loop
     bars = common.KvBarriers(k_ready, v_ready, k_free, v_free, sched)
 
-    @pl.loop(0, tiles)
-    def _tile(i):
+    def _tile(i, base):
       b, h, qt = coords(i)
       parity = lax.rem(i, 2)
       q_smem = q_scratch.at[parity, wg]
       q0 = qt * (2 * bq) + wg * bq
+      steps = cta_steps = kp.num_kv_blocks  # non-causal: every tile sees every key block
+      band = {}
+      if seg is not None:  # a window alone: its band's blocks, no ids compared
+        _, cta_steps, kv0, full = common.cta_kv_range(kp, seg, b, qt)
+        steps = jnp.clip(kp.kv_steps(q0 + bq) - kv0, 1, cta_steps)
+        band = dict(kv0=kv0, full=full)
+      # The ring's step of the tile's first block (formed where used, as the gate recorded).
+      first = (lambda: i * cta_steps) if base is None else (lambda: base)
       with jax.named_scope("prologue"):
         plgpu.barrier_wait(q_ready.at[parity * 2 + wg])
-        plgpu.barrier_wait(k_ready.at[lax.rem(i * steps, stages)])
+        plgpu.barrier_wait(k_ready.at[lax.rem(first(), stages)])
       pl.when(wg == 1)(sched_sync)
+      slope = None if slopes is None else slopes[h]
+      row_term = None  # a causal window's ALiBi leaves its row term to the store (alibi)
+      if slope is not None and common.alibi_drops_rows(kp):
+        row_term = common.alibi_row_term(bq, slope, kp.c)
       carry = loop(q_smem, k_scratch, v_scratch, p_scratch.at[wg] if kp.interpret else None,
-                   bars, q0=q0, steps=steps, kp=kp, base=i * steps,
-                   slope=None if slopes is None else slopes[h],
-                   **_dropout_rows(keys, b, h, q0, kp))
+                   bars, q0=q0, steps=steps, kp=kp, base=first(), slope=slope,
+                   **band, **_dropout_rows(keys, b, h, q0, kp))
+      if seg is not None:
+        lax.fori_loop(base + steps, base + cta_steps,
+                      functools.partial(common.idle_kv_step, bars=bars, stages=stages), None)
       pl.when(wg == 0)(sched_sync)
       with jax.named_scope("epilogue"):
         _store_tile(*carry, q_smem if o_scratch is None else o_scratch.at[wg],
                     lse_scratch.at[wg], o_ref.at[b, pl.ds(q0, bq), h],
                     lse_ref.at[b, h, pl.ds(q0, bq)], kp,
-                    sink=None if sinks is None else sinks[h])
+                    sink=None if sinks is None else sinks[h], row_term=row_term)
         # The buffer takes tile i+2's Q next; lse_scratch is rewritten by the next tile.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       plgpu.barrier_arrive(q_free.at[parity])
+      return None if base is None else base + cta_steps
 
+    _tile_loop(tiles, kp, seg, _tile)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the kernel's end
 
   @pl.when(wg == 2)
@@ -326,16 +345,18 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
 
     load_q(0)
 
-    @pl.loop(0, tiles)
-    def _tile(i):
-      b, h, _ = coords(i)
+    def _tile(i, base):
+      b, h, qt = coords(i)
+      steps, kv0 = kp.num_kv_blocks, 0
+      if seg is not None:
+        _, steps, kv0, _ = common.cta_kv_range(kp, seg, b, qt)
       kvh = lax.div(h, kp.group)
 
       @pl.loop(0, steps)
       def _step(j):
-        g = i * steps + j  # the ring's step
+        g = (i * steps if base is None else base) + j  # the ring's step
         slot = lax.rem(g, stages)
-        rows = (b, pl.ds(_kv_block(j, 0, steps, kp) * bkv, bkv), kvh)
+        rows = (b, pl.ds(_kv_block(j, kv0, steps, kp) * bkv, bkv), kvh)
         with jax.named_scope("wait_free"):
           pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_scratch.at[slot], k_ready.at[slot])
@@ -345,13 +366,28 @@ def _fwd_persistent_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_scratch, k_scr
 
         # Tile i+1's Q, once the ring holds tile i's first blocks: issuing those needed tile
         # i-1's last blocks consumed, so tile i-1's release of the buffer is close.
-        @pl.when((j == stages - 1) & (i + 1 < tiles))
+        first_blocks = min(steps, stages) if seg is None else jnp.minimum(steps, stages)
+        @pl.when((j == first_blocks - 1) & (i + 1 < tiles))
         def _():
           pl.when(i >= 1)(lambda: plgpu.barrier_wait(q_free.at[lax.rem(i + 1, 2)]))
           load_q(i + 1)
 
-    common.observe_last_releases((k_free, v_free), tiles * steps, stages)
+      return None if base is None else base + steps
+
+    total = _tile_loop(tiles, kp, seg, _tile)
+    common.observe_last_releases((k_free, v_free), total, stages)
     common.observe_last_releases((q_free,), tiles, 2)
+
+
+def _tile_loop(tiles, kp: common.KernelParams, seg, body):
+  """Runs body(i, base) -> base + tile i's steps over a persistent CTA's `tiles` tiles, base
+  being the ring's step of tile i's first key block, and returns the ring's steps in all:
+  without seg every tile streams every key block (base None, i.e. i · kp.num_kv_blocks, a
+  loop without a carry), with a window's band the running sum of the tiles' steps."""
+  if seg is None:  # body(i, None): the body forms i · kp.num_kv_blocks where it needs it
+    pl.loop(0, tiles)(lambda i: body(i, None))
+    return tiles * kp.num_kv_blocks
+  return lax.fori_loop(0, tiles, body, jnp.int32(0))
 
 
 def _ring(base):
@@ -750,10 +786,12 @@ def fwd_call(q, k, v, *, kp: common.KernelParams, persistent_ctas: int = 0, segs
     grid, names = (split.ctas,), ("t",)
     most_steps = kp.num_kv_blocks
   elif persistent:
-    assert not kp.causal, "the persistent forward is non-causal only"
+    assert not kp.causal or segs, "the persistent forward: non-causal, or a window"
     scratch.append(plgpu.Barrier(num_arrivals=2, num_barriers=2))
-    body = _with_head_refs(functools.partial(_fwd_persistent_kernel, kp=kp, ctas=persistent_ctas,
-                                             heads=h, batch=bsz), slopes, sinks, keys)
+    body = common.with_segment_refs(
+        functools.partial(_fwd_persistent_kernel, kp=kp, ctas=persistent_ctas, heads=h,
+                          batch=bsz), 3, bool(segs), alibi=bool(slopes), sinks=bool(sinks),
+        dropout=bool(keys))
     grid, names = (persistent_ctas,), ("cta",)
     most_steps = kp.num_kv_blocks * -(-kp.num_q_tiles * h * bsz // persistent_ctas)
   else:
@@ -797,20 +835,6 @@ def bias_ring_scratch(dense: tuple, kp: common.KernelParams, d: int) -> list:
   if need > SMEM_LIMIT_BYTES:
     return []
   return sm90_dense.ring_scratch(dtype, stages, bq, bkv, common.smem_transforms(dtype))
-
-
-def _with_head_refs(kernel, slopes, sinks, keys=()):
-  """A body for kernel(q, k, v, *outputs, *scratch[, slopes=...][, sinks=...][, keys=...])
-  whose call passes the ALiBi slopes, the sinks and the dropout keys (where present) as inputs
-  after q, k, v."""
-  n = len(slopes) + len(sinks) + len(keys)
-  if not n:
-    return kernel
-
-  def body(q_ref, k_ref, v_ref, *refs):
-    heads = common.head_refs(refs, bool(slopes), bool(sinks), bool(keys))
-    return kernel(q_ref, k_ref, v_ref, *refs[n:], **heads)
-  return body
 
 
 def _dropout_rows(keys, b, h, q0, kp: common.KernelParams) -> dict:
@@ -923,10 +947,12 @@ def persistent_ctas(q, config: MosaicConfig, params: AttentionParams, dv: int = 
   dv: V's head dim, 0: D).
 
   Persistent only where it applies: config.fwd_persistent, non-causal (causal tiles differ in
-  length; that kernel balances them by its launch order) and Q's second buffer fits in shared
-  memory (not at head_dim 256)."""
+  length; that kernel balances them by its launch order) or a window alone (its band's tiles,
+  causal or not, of nearly equal length), and Q's second buffer fits in shared memory (not at
+  head_dim 256)."""
   b, t, h, d = q.shape
-  if (not config.fwd_persistent or params.is_causal or common.segment_path(params)
+  band = params.local_window is not None and not params.has_segments  # a window alone
+  if (not config.fwd_persistent or (params.is_causal and not band) or params.has_segments
       or params.has_bias or params.has_mask  # the dense tiles: the grid kernel only
       or params.block_mask_blocks is not None):
     return 0
