@@ -15,7 +15,7 @@ from pallas_flash import mosaic_gpu
 from pallas_flash.call import AttentionParams, CallInfo, FeatureArrays
 from pallas_flash.mosaic_gpu import MosaicConfig
 from pallas_flash.mosaic_gpu import config as mconfig
-from pallas_flash.mosaic_gpu.sm90 import backward, dense
+from pallas_flash.mosaic_gpu.sm90 import backward, common, dense
 from testing import (H200, check_against_reference, export_for_h200,
                      interpret_config, small_case)
 
@@ -234,3 +234,14 @@ def test_packed_mask_bits(transposed):
   bits = (words[..., c // 128 * 8 + c % 8] >> (c % 128 // 8)) & 1
   np.testing.assert_array_equal(bits[..., :n], want)
   assert not bits[..., n:].any()
+
+
+@pytest.mark.parametrize("shape,dtype", [((1, 2, 3, 8), jnp.bfloat16), ((3, 5), jnp.float16),
+                                         ((2, 4), jnp.float32)], ids=["words", "odd", "f32"])
+def test_zeroed_buffer(shape, dtype):
+  """The batch sum's zeroed dbias buffer (16-bit as 32-bit words where the last axis is even)
+  has the buffer's shape and dtype, every element +0.0."""
+  x = jax.jit(common._zeros, static_argnums=(0, 1))(shape, dtype)
+  assert x.shape == shape and x.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)), np.zeros(shape))
+  assert not np.signbit(np.asarray(x.astype(jnp.float32))).any()
