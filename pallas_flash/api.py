@@ -133,15 +133,15 @@ def flash_attention(
       (docs/fp8.md, "Training").
     out_dtype: the output dtype of an FP8 call (default bfloat16).
     deterministic: True guarantees bitwise-identical gradients run to run. Every default path
-      gives them but two, as cuDNN's backward does not: the Mosaic backward of long
-      head-dim-128 calls (causal: at least 8K keys and at most 8 batch entries; non-causal:
-      at least 2K keys, a multiple of 128, at most 16 entries; no segment ids, lengths,
-      window, soft cap, ALiBi, dropout, dense bias / mask or block mask) is the single fused
-      kernel, which sums dQ with float32 atomics in a varying order; and a 16-bit `bias`
-      broadcast over a batch of several, differentiated at head dim 128 on Mosaic, has its
-      gradient summed over the batch by the kernels' reduce-adds in the bias's dtype, in a
-      varying order. True runs the split backward and XLA's float32 sum there instead, and
-      rejects a config with `fused_backward=True`.
+      gives them but two, which sum in a varying order as cuDNN's backward does: the Mosaic
+      backward of long head-dim-128 calls (causal: at least 8K keys and at most 8 batch
+      entries; non-causal: at least 2K keys, a multiple of 128, at most 16 entries; no
+      segment ids, lengths, window, soft cap, ALiBi, dropout, dense bias / mask or block
+      mask) is the single fused kernel, which sums dQ with float32 atomics; and a 16-bit
+      `bias` broadcast over a batch of several, differentiated at head dim 128 on Mosaic, has
+      its gradient summed over the batch by the kernels' reduce-adds in the bias's dtype.
+      True runs the split backward and XLA's float32 sum there instead, and rejects a config
+      with `fused_backward=True`.
     return_residuals: also return the float32 log-sum-exp [B, H, T] (natural log, -inf for a
       query with no visible key), e.g. to merge partial attentions. It is differentiable: a
       loss that uses it gets its exact gradient, whose cotangent adds p * dlse to the score

@@ -265,9 +265,10 @@ def window_form(config: MosaicConfig, head_dim: int, params: AttentionParams) ->
   """`config` with the persistent forward for a causal window alone (no segment ids) at head
   dim 128: its band's tiles are of nearly equal length, and a window of T/4 gives a grid CTA
   few key steps (9 at 4K), over which its launch, Q load and epilogue weigh. One H100,
-  2026-12-06 (`python -m pallas_flash.bench --features window --impl mosaic,cudnn --variant
-  mosaic:pers:fwd_persistent=True`, 4x4096x32x128, left 1K): forward 449 against 411
-  TFLOP/s (1.09x), forward+backward 1.01x. Non-causal calls take it from `tuned`."""
+  2026-12-06 (`python -m pallas_flash.bench --features window,window_both --impl mosaic,cudnn
+  --variant mosaic:grid:fwd_persistent=False`, 4x4096x32x128, left 1K): forward 433 against
+  the grid kernel's 394 TFLOP/s, forward+backward level (358 / 366; 1.01x in an earlier
+  run). Non-causal calls take it from `tuned` (512 keys either side: 460 against 402)."""
   if (params.is_causal and params.local_window is not None and not params.has_segments
       and head_dim == 128):
     return dataclasses.replace(config, fwd_persistent=True)
