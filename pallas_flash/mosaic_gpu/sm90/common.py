@@ -711,13 +711,29 @@ def launch_on_zeroed_last(launch, operands, out_type) -> tuple:
   out_type's buffers, the last zeroed by XLA (the target of TMA reduce-adds), the others
   left uninitialised (lax.empty: no XLA op), and returns their values: the kernel's outputs
   in the same order for its body. plgpu.kernel takes no input_output_aliases; pl.run_state's
-  discharge passes the refs it writes as aliased operands."""
-  def run(refs):
-    launch(out_type=())(*operands, *refs)
+  discharge passes the refs it writes as aliased operands. pl.run_state has no batching
+  rule, so under jax.vmap the launches run one per entry of the mapped axis (lax.map)."""
+  @jax.custom_batching.custom_vmap
+  def call(*operands):
+    def run(refs):
+      launch(out_type=())(*operands, *refs)
 
-  init = [lax.empty(x.shape, x.dtype) for x in out_type[:-1]]
-  init.append(_zeros(out_type[-1].shape, out_type[-1].dtype))
-  return tuple(pl.run_state(run)(tuple(init)))
+    init = [lax.empty(x.shape, x.dtype) for x in out_type[:-1]]
+    init.append(_zeros(out_type[-1].shape, out_type[-1].dtype))
+    return tuple(pl.run_state(run)(tuple(init)))
+
+  @call.def_vmap
+  def _(axis_size, in_batched, *operands):
+    del axis_size
+
+    def one(mapped):
+      it = iter(mapped)
+      return call(*(next(it) if b else x for x, b in zip(operands, in_batched)))
+
+    outs = lax.map(one, [x for x, b in zip(operands, in_batched) if b])
+    return outs, (True,) * len(out_type)
+
+  return call(*operands)
 
 
 def _zeros(shape, dtype):
