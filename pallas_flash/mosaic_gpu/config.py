@@ -276,7 +276,7 @@ def window_form(config: MosaicConfig, head_dim: int, params: AttentionParams) ->
 
 
 def call_config(head_dim: int, params: AttentionParams, kv_len: int, batch: int) -> MosaicConfig:
-  """`tuned` with `feature_tiles` (a dense bias or mask, dropout) and `window_form`, and
+  """`tuned` with `window_form` and `feature_tiles` (a dense bias or mask, dropout), and
   the fused backward where FUSED's rules say; never where a call asks for bitwise-reproducible
   gradients, or carries segment ids, lengths, a window (which the fused kernel does not
   stream), a soft cap (not measured with it), ALiBi, dropout, a dense bias or mask (the fused
@@ -284,7 +284,8 @@ def call_config(head_dim: int, params: AttentionParams, kv_len: int, batch: int)
   takes the causal forms (128-key tiles: finer sparsity than the non-causal 192 or 256), with
   its features' tiles, and the split backward (the fused kernel takes none)."""
   block_masked = params.block_mask_blocks is not None
-  config = window_form(feature_tiles(tuned(head_dim, params.is_causal or block_masked, kv_len),
+  # The features' tiles last: a dense bias or mask turns the persistent forward off again.
+  config = feature_tiles(window_form(tuned(head_dim, params.is_causal or block_masked, kv_len),
                                      head_dim, params), head_dim, params)
   if block_masked:
     return config

@@ -735,3 +735,16 @@ def test_a_causal_bias_in_the_inputs_dtype_takes_dq_steps_of_the_o_tile(bias_dty
     info = validation.abstract_call_info(q, q, q, validation.with_defaults(
         dict(bias=bias, is_causal=True)))
   assert mosaic_gpu.default_config(info).block_kv_dq == block_kv_dq
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["window", "window_bias"])
+def test_a_causal_window_takes_the_persistent_forward_unless_dense_tiles(bias):
+  """config.window_form: a causal window alone at head dim 128 runs the persistent forward;
+  with a dense bias the features' tiles turn it off again (that kernel loads no dense
+  tiles), so the config `explain` reports is the one that runs."""
+  q = jax.ShapeDtypeStruct((1, 4096, 4, 128), jnp.bfloat16)
+  extra = {"bias": jax.ShapeDtypeStruct((1, 4, 4096, 4096), jnp.bfloat16)} if bias else {}
+  with use_abstract_mesh(H200):
+    got = pallas_flash.explain(q, q, q, is_causal=True, local_window_size=(1023, 0), **extra)
+  assert got.chosen == "mosaic"
+  assert got.config.fwd_persistent == (not bias)
