@@ -225,6 +225,7 @@ BIAS_CASES = [
     # bf16 [1, H, T, S] over a batch: dbias summed by the batch's CTAs (dense.dbias_form).
     _case(4, 2048, 2048, 8, 2, 128, True, features=("bias_shared",)),
     _case(8, 1000, 1100, 4, 2, 128, False, features=("bias_shared", "mask_empty_rows")),
+    _case(4, 2048, 2048, 8, 2, 64, True, features=("bias_shared",)),  # 64-key dQ steps
     _case(1, 1000, 1000, 4, 2, 96, True, features=("bias",)),
     _case(1, 1024, 1024, 4, 2, 128, True, features=("bias", "softcap", "alibi")),
     _case(1, 1000, 1100, 4, 2, 128, True, features=("bias", "dropout")),

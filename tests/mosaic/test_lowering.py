@@ -721,13 +721,14 @@ def test_block_mask_lowers_with_the_default_configs(d):
 @pytest.mark.parametrize("bias_dtype, d, block_kv_dq", [
     (jnp.bfloat16, 128, 128),  # dbias through the O tile: its width
     (jnp.float32, 128, 64),  # no staging (dS in float32): dense_config's steps
-    (jnp.bfloat16, 64, 128),  # head dim 64: unchanged
+    (jnp.bfloat16, 64, 64),  # head dim 64: its O tile's width too
+    (jnp.float32, 64, 128),  # no staging: TUNED's steps
 ])
 def test_a_causal_bias_in_the_inputs_dtype_takes_dq_steps_of_the_o_tile(bias_dtype, d,
                                                                          block_kv_dq):
-  """The config of a causal call with a dense bias: 128-key dQ steps at head dim 128 where
+  """The config of a causal call with a dense bias: dQ steps of O's width (the head dim) where
   the bias is in the inputs' 16-bit dtype (dS to dbias through O's tile, which needs its
-  width), dense_config's 64 otherwise."""
+  width), the tuned or dense_config's steps otherwise."""
   from pallas_flash import validation
   q = jax.ShapeDtypeStruct((2, 1024, 4, d), jnp.bfloat16)
   bias = jax.ShapeDtypeStruct((1, 4, 1024, 1024), bias_dtype)
