@@ -195,6 +195,38 @@ def stream_rows(bias_ref, b, block_q: int, block_kv: int, k0, index):
   return rows
 
 
+class StagedBias(NamedTuple):
+  """The dQ kernel's 16-bit bias tile [block_q, block_kv] in this warpgroup's O tile (idle
+  once the row statistics are formed; dS's staging tile too: `dbias_staging`), TMA-loaded
+  by the warpgroup itself at each step's start (`fill_staged`), and its ready barrier."""
+
+  tile: Any
+  ready: Any
+
+
+def staged_bias(o_smem, dense: DenseRefs | None, ready, block_kv: int) -> StagedBias | None:
+  """The dQ kernel's StagedBias where its O tile [block_q, Dv] (None without one) has the
+  bias tile's shape and dtype (a 16-bit bias in the inputs' dtype, Dv = block_kv) and a
+  ready barrier was given; else None (the bias comes from GMEM)."""
+  if (o_smem is None or ready is None or dense is None or dense.bias is None
+      or o_smem.dtype != dense.bias.dtype or o_smem.shape[1] != block_kv):
+    return None
+  return StagedBias(o_smem, ready)
+
+
+def fill_staged(dense: DenseRefs, staged: StagedBias, b, h, row0, col0):
+  """TMA-loads the bias tile [rows, cols] at (row0, col0) of batch b and head h into the
+  StagedBias's tile, once the previous step's dS store has read it and every thread of the
+  warpgroup has read the previous bias (both waits end in a warpgroup barrier; the fence
+  orders those reads before the TMA's writes)."""
+  rows, cols = staged.tile.shape
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  plgpu.commit_smem()
+  b, h = _batch_head(dense.bias, b, h)
+  src = dense.bias.at[b, h, pl.ds(row0, rows), pl.ds(col0, cols)]
+  plgpu.copy_gmem_to_smem(src, staged.tile, staged.ready)
+
+
 def take_refs(refs, dense: tuple[bool, bool]) -> DenseRefs | None:
   """DenseRefs of the leading refs (the bias, then the mask, where `dense` says present)."""
   if not any(dense):
@@ -255,7 +287,8 @@ def _visible(bits: MaskBits, shape):
 
 
 def load(dense: DenseRefs | None, b, h, row0, col0, shape, *, transposed: bool = False,
-         ring: BiasRing | None = None, slot=None, streamed: StreamedBias | None = None):
+         ring: BiasRing | None = None, slot=None, streamed: StreamedBias | None = None,
+         staged: StagedBias | None = None):
   """tiles() -> (the bias tile [rows, cols] (WGMMA layout), the mask's MaskBits), None where
   absent, of a score tile whose rows are queries from row0 and columns keys from col0 (with
   `transposed`, rows keys and columns queries); None without dense inputs. `add` calls it, so
@@ -266,7 +299,8 @@ def load(dense: DenseRefs | None, b, h, row0, col0, shape, *, transposed: bool =
   transposed tiles' register transpose (which takes 16 or 32-bit entries). ring, slot: the
   forward's BiasRing and the step's slot, where the bias comes from shared memory; streamed
   (with `transposed` and slot): the dK/dV kernel's StreamedBias, whose slot is freed once
-  this warpgroup's half is loaded."""
+  this warpgroup's half is loaded; staged: the dQ kernel's StagedBias, filled for this step
+  (`fill_staged`)."""
   if dense is None:
     return None
 
@@ -275,6 +309,9 @@ def load(dense: DenseRefs | None, b, h, row0, col0, shape, *, transposed: bool =
       return None
     if ring is not None:  # a swizzled shared-memory tile: conflict-free vector loads
       return plgpu.load(wait_ring(ring, slot), layout=plgpu.Layout.WGMMA)
+    if staged is not None:
+      plgpu.barrier_wait(staged.ready)
+      return plgpu.load(staged.tile, layout=plgpu.Layout.WGMMA)
     if streamed is not None:  # this WG's keys of the step's [queries, keys] tile, transposed
       half = streamed.tiles.at[slot, :, pl.ds(streamed.wg * shape[0], shape[0])]
       x = plgpu.load(half.T, layout=plgpu.Layout.WGMMA)

@@ -28,7 +28,7 @@ LOG2E = math.log2(math.e)
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, lse2_out_ref,
                    delta_out_ref, dbias_ref, q_scratch, do_scratch, o_scratch, lse_scratch,
                    delta_scratch, k_scratch, v_scratch, ds_scratch, row_ready, k_ready, v_ready,
-                   k_free, v_free,
+                   k_free, v_free, bias_ready,
                    *, kp: common.KernelParams, seg: common.SegmentRefs | None = None,
                    slopes=None, keys: common.DropoutKeys | None = None, dense=None,
                    blk: block_mask.Refs | None = None):
@@ -44,7 +44,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
   Grid (H, Tp / (2·block_q), B) named (h, qt, b); dq_ref [B, Tp, H, D];
   q_scratch [2, block_q, D], do/o_scratch [2, block_q, Dv], lse/delta_scratch [2, block_q],
   k_scratch [stages, block_kv, D], v_scratch [v stages, block_kv, Dv], ds_scratch [2, block_q,
-  block_kv] (interpret only). seg: segment ids, the
+  block_kv] (interpret only); bias_ready [2] (one per WG), where the bias comes through the O
+  tile (dense.StagedBias), else None. seg: segment ids, the
   forward's way (the CTA streams only the key blocks its tile may share an id with). slopes:
   ALiBi's common.raw_alibi_slopes [H] (GMEM), or None. keys: dropout's row and column keys
   (common.dropout_keys), or None: dP is masked and scaled, dS = P∘(dP_kept / (1 - rate) − delta).
@@ -121,12 +122,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
     staging = sm90_dense.dbias_staging(None if o_ref is None else o_scratch.at[wg], dbias_ref,
                                        bkv)
     dbias_b = 0 if kp.dbias_batch_sum else b  # the batch's CTAs add into one entry
+    staged = sm90_dense.staged_bias(None if o_ref is None else o_scratch.at[wg], dense,
+                                    None if bias_ready is None else bias_ready.at[wg], bkv)
 
     def step(j, dq, *, masked: bool):
       slot = lax.rem(j, stages)
       vslot = slot if v_stages == stages else lax.rem(j, v_stages)
+      if staged is not None:  # the step's bias tile, TMA'd under the waits and S = Q·Kᵀ
+        sm90_dense.fill_staged(dense, staged, b, h, q0, key_block(j) * bkv)
       # The dense tiles, loaded where they are added to S (dense.load).
-      tiles = sm90_dense.load(dense, b, h, q0, key_block(j) * bkv, (bq, bkv))
+      tiles = sm90_dense.load(dense, b, h, q0, key_block(j) * bkv, (bq, bkv), staged=staged)
       drop_cols = None  # loaded ahead of the waits
       if keys is not None:
         drop_cols = common.dropout_col_keys(keys, key_block(j) * bkv, bkv)
@@ -264,6 +269,13 @@ def dq_smem_bytes(kp: common.KernelParams, *, in_kernel: bool, correction: bool)
   return rows + ring + barriers + 1024
 
 
+def _stages_bias(kp: common.KernelParams, dense: tuple, in_kernel: bool) -> bool:
+  """Whether the dQ kernel takes its bias through the O tile (dense.staged_bias's condition:
+  the O tile loaded, a bias in the inputs' dtype, Dv = block_kv)."""
+  return (in_kernel and kp.dense[0]
+          and jnp.dtype(dense[0].dtype) == jnp.dtype(kp.dtype) and kp.dv == kp.block_kv)
+
+
 def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slopes=(),
             keys=(), dense=(), blks=()):
   """dQ [B, T, H, D], or (dQ, lse2, delta) when o is given: see _dq_kernel's two forms (o
@@ -300,6 +312,7 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
       plgpu.Barrier(num_barriers=kp.dq_v_stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=kp.dq_v_stages),
+      plgpu.Barrier(num_barriers=2) if _stages_bias(kp, dense, in_kernel) else None,
   ]
   dq = jax.ShapeDtypeStruct(q.shape, q.dtype)
   row_stats = jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)
