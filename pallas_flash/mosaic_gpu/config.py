@@ -393,15 +393,15 @@ def staged_dbias_steps(info: CallInfo, config: MosaicConfig) -> int | None:
   128 whose config steps by other than O's width (causal head-dim-128 calls, narrowed to 64
   by `dense_config`; head dim 64's 128): O's width, at which its dS goes to dbias through
   the O tile and TMA stores (sm90/dense.dbias_staging), and a bias shared by the batch is
-  summed there (dense.dbias_form); None otherwise (block-mask calls, not timed so, keep
-  their steps). One H100, 2026-12-06 (bias_causal, 4x4096x32x128, `--variant
-  mosaic:kv128:block_kv_dq=128` at c2ec79b): 1.13x fwd+bwd over 64-key steps with
-  per-thread stores, though deviceless ptxas counts 17 / 2 spill loads / stores a step at
-  128 keys. Head dim 64 (64-key steps in place of 128; `--features-shape 4x4096x32x64x8
-  --variant mosaic:kv128:block_kv_dq=128`, one H100, 2026-12-06): fwd+bwd 1.40x, causal 1.51x."""
+  summed there (dense.dbias_form); None otherwise. One H100, 2026-12-06 (bias_causal,
+  4x4096x32x128, `--variant mosaic:kv128:block_kv_dq=128` at c2ec79b): 1.13x fwd+bwd over
+  64-key steps with per-thread stores, though deviceless ptxas counts 17 / 2 spill loads /
+  stores a step at 128 keys. Head dim 64 (64-key steps in place of 128; `--features-shape
+  4x4096x32x64x8 --variant mosaic:kv128:block_kv_dq=128`, the H200, 2026-12-06 at 0edf277):
+  fwd+bwd 1.29x, causal 1.37x. A block mask with a bias (`blockmask_bias`, the H200): 1.50x
+  at head dim 128 (64-key steps before), 1.50x at 64."""
   width = kernel_head_dim(info.head_dim, info.value_head_dim)
-  if (info.params.has_bias and info.params.block_mask_blocks is None
-      and info.bias_dtype == info.dtype and info.dtype.itemsize == 2
+  if (info.params.has_bias and info.bias_dtype == info.dtype and info.dtype.itemsize == 2
       and width in (64, 128) and config.block_kv_dq != width):
     return width
   return None

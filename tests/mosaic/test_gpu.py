@@ -162,8 +162,9 @@ def test_block_mask(name, case, blocks):
 
 
 @pytest.mark.parametrize("feature", ["dropout", "bias"])
-@pytest.mark.parametrize("name, case, blocks", [BLOCK_MASK_CASES[0], BLOCK_MASK_CASES[4]],
-                         ids=["causal_local-128x128", "segment_and_prefix_or_local-128x64"])
+@pytest.mark.parametrize("name, case, blocks", [BLOCK_MASK_CASES[i] for i in (0, 1, 4)],
+                         ids=["causal_local-128x128", "causal_segment-64x64-hd64",
+                              "segment_and_prefix_or_local-128x64"])
 def test_block_mask_with_features(name, case, blocks, feature):
   """Dropout's keys and the bias's tiles follow the tables' blocks, dbias is zero on the
   skipped ones (by name only until timed)."""

@@ -724,17 +724,24 @@ def test_block_mask_lowers_with_the_default_configs(d):
     (jnp.bfloat16, 64, 64),  # head dim 64: its O tile's width too
     (jnp.float32, 64, 128),  # no staging: TUNED's steps
 ])
+@pytest.mark.parametrize("block_masked", [False, True], ids=["causal", "block_mask"])
 def test_a_causal_bias_in_the_inputs_dtype_takes_dq_steps_of_the_o_tile(bias_dtype, d,
-                                                                         block_kv_dq):
-  """The config of a causal call with a dense bias: dQ steps of O's width (the head dim) where
-  the bias is in the inputs' 16-bit dtype (dS to dbias through O's tile, which needs its
-  width), the tuned or dense_config's steps otherwise."""
+                                                                         block_kv_dq,
+                                                                         block_masked):
+  """The config of a causal call (or a block mask's) with a dense bias: dQ steps of O's
+  width (the head dim) where the bias is in the inputs' 16-bit dtype (dS to dbias through
+  O's tile, which needs its width), the tuned or dense_config's steps otherwise."""
   from pallas_flash import validation
   q = jax.ShapeDtypeStruct((2, 1024, 4, d), jnp.bfloat16)
   bias = jax.ShapeDtypeStruct((1, 4, 1024, 1024), bias_dtype)
+  mask = dict(is_causal=True)
+  if block_masked:
+    mask = dict(block_mask=pallas_flash.BlockMask.build(pallas_flash.CausalMask(), q_len=1024,
+                                                        kv_len=1024, block_q=128,
+                                                        block_kv=128))
   with use_abstract_mesh(H200):
     info = validation.abstract_call_info(q, q, q, validation.with_defaults(
-        dict(bias=bias, is_causal=True)))
+        dict(bias=bias, **mask)))
   assert mosaic_gpu.default_config(info).block_kv_dq == block_kv_dq
 
 
