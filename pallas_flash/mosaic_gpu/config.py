@@ -392,7 +392,7 @@ def staged_dbias_steps(info: CallInfo, config: MosaicConfig) -> int | None:
   """The dQ key step of a call with a dense bias in the inputs' dtype at kernel head dim 64 or
   128 whose config steps by other than O's width (causal head-dim-128 calls, narrowed to 64
   by `dense_config`; head dim 64's 128): O's width, at which its dS goes to dbias through
-  the O tile and TMA stores (sm90/dense.dbias_staging), and a bias shared by the batch is
+  the O tile and TMA stores (sm90/dense.o_tile_stages), and a bias shared by the batch is
   summed there (dense.dbias_form); None otherwise. One H100, 2026-12-06 (bias_causal,
   4x4096x32x128, `--variant mosaic:kv128:block_kv_dq=128` at c2ec79b): 1.13x fwd+bwd over
   64-key steps with per-thread stores, though deviceless ptxas counts 17 / 2 spill loads /

@@ -159,8 +159,9 @@ def test_dbias_form(bias_shape, length, causal, segments, changes, form):
   seg = jnp.arange(2 * length).reshape(2, length) // 100 if segments else None
   arrays = FeatureArrays(bias=jax.ShapeDtypeStruct(bias_shape, changes.get("dtype",
                                                                            jnp.bfloat16)))
+  kp_dq = dense.o_tile_stages(kp_dq, arrays, with_o=changes.get("with_o", True))
   kp_dq, visible = dense.dbias_form(kp_dq, params, arrays, seg, seg, batch=2, heads=4,
-                                    t=length, s=length, with_o=changes.get("with_o", True))
+                                    t=length, s=length)
   assert kp_dq.dbias_batch_sum == (form == "batch_sum")
   assert kp_dq.dbias_zero_tiles == (form == "kernel")
   assert (visible is None) == (form != "select")

@@ -124,9 +124,10 @@ def _split_backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: Attent
   dense_in, dense_dkdv = sm90_dense.backward_inputs(arrays, params, t_pad, s_pad)
   dbias = ()
   with_o = dq_smem_bytes(kp_dq, in_kernel=True, correction=delta is not None) <= SMEM_LIMIT_BYTES
+  kp_dq = sm90_dense.o_tile_stages(kp_dq, arrays, with_o=with_o)
   kp_dq, visible = sm90_dense.dbias_form(
       kp_dq, params, arrays, q_seg, kv_seg, batch=q.shape[0], heads=q.shape[2], t=t, s=s,
-      with_o=with_o, block_mask=bm)
+      block_mask=bm)
   keys = common.dropout_keys(arrays, params, batch=q.shape[0], heads=q.shape[2], t_pad=t_pad,
                              s_pad=s_pad)
   # Padded rows get lse = +inf (P = 0) and, with O and dO zero there, delta = 0.

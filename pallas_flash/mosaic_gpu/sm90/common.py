@@ -79,6 +79,8 @@ class KernelParams:
   # The dbias buffer has one batch entry, zeroed by XLA, into which the CTAs of a tile's batch
   # entries (consecutive in the launch) add their dS by TMA reduce-add (dense.dbias_form).
   dbias_batch_sum: bool = False
+  # The dQ kernel's O tile stages the bias in and dS out (dense.o_tile_stages).
+  o_tile_stages: bool = False
   # AttentionParams.dropout_rate: the kernels take dropout_keys' row and column keys as inputs.
   dropout: float = 0.0
   # The value head dim Dv: the columns of V, O, dO and dV (0 given: d). Differs from d only

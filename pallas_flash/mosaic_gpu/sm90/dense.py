@@ -16,7 +16,7 @@ with "bias_then_cap" before the cap and the mask after it: `add`'s cap); masked 
 -inf, so P is 0 there in every kernel and a fully masked row gives o = 0, lse = -inf and zero
 gradients. dbias = dS (the raw scores' dS with "bias_then_cap"), written by the dQ kernel to a
 [B, H, Tp, Sp] buffer (`dbias_tile`, through O's shared-memory tile and TMA stores where it
-fits: `dbias_staging`; in the bias's dtype where that is a 16-bit float, else float32:
+fits: `o_tile_stages`; in the bias's dtype where that is a 16-bit float, else float32:
 `dbias_dtype`) and summed over the broadcast axes by XLA in float32, which also selects the
 zeros of the key blocks the kernel skips; or, for a bias broadcast over the batch, added by
 the batch's CTAs into one zeroed batch entry by TMA reduce-adds (`dbias_form`).
@@ -196,22 +196,26 @@ def stream_rows(bias_ref, b, block_q: int, block_kv: int, k0, index):
 
 
 class StagedBias(NamedTuple):
-  """The dQ kernel's 16-bit bias tile [block_q, block_kv] in this warpgroup's O tile (idle
-  once the row statistics are formed; dS's staging tile too: `dbias_staging`), TMA-loaded
-  by the warpgroup itself at each step's start (`fill_staged`), and its ready barrier."""
+  """The dQ kernel's 16-bit bias tile [block_q, block_kv] in this warpgroup's O tile
+  (`o_tile_stages`), TMA-loaded by the warpgroup itself at each step's start
+  (`fill_staged`), and its ready barrier."""
 
   tile: Any
   ready: Any
 
 
-def staged_bias(o_smem, dense: DenseRefs | None, ready, block_kv: int) -> StagedBias | None:
-  """The dQ kernel's StagedBias where its O tile [block_q, Dv] (None without one) has the
-  bias tile's shape and dtype (a 16-bit bias in the inputs' dtype, Dv = block_kv) and a
-  ready barrier was given; else None (the bias comes from GMEM)."""
-  if (o_smem is None or ready is None or dense is None or dense.bias is None
-      or o_smem.dtype != dense.bias.dtype or o_smem.shape[1] != block_kv):
-    return None
-  return StagedBias(o_smem, ready)
+def o_tile_stages(kp, arrays: FeatureArrays | None, *, with_o: bool):
+  """The dQ kernel's KernelParams kp with o_tile_stages: whether its O tile [block_q, Dv],
+  which exists where the kernel loads O (with_o) and which nothing reads once the row
+  statistics are formed, stages each step's bias tile in (StagedBias) and its dS out to
+  dbias (`dbias_tile`, TMA stores): where the tile has their shape (Dv = block_kv: a narrower
+  view is not contiguous, which TMA needs) and dtype (a bias in the inputs' 16-bit dtype,
+  hence dbias_dtype's too). Elsewhere each thread loads its bias entries from GMEM and stores
+  its dS entries there, 4 bytes an instruction that span 8 rows."""
+  bias = None if arrays is None else arrays.bias
+  stages = (with_o and bias is not None and jnp.dtype(bias.dtype) == jnp.dtype(kp.dtype)
+            and kp.dv == kp.block_kv)
+  return dataclasses.replace(kp, o_tile_stages=stages)
 
 
 def fill_staged(dense: DenseRefs, staged: StagedBias, b, h, row0, col0):
@@ -368,23 +372,12 @@ def dbias_dtype(bias_dtype):
   return bias_dtype if bias_dtype.itemsize == 2 else jnp.dtype(jnp.float32)
 
 
-def dbias_staging(o_smem, dbias_ref, block_kv: int):
-  """The dQ kernel's shared-memory tile for dS on its way to dbias_ref: its O tile [block_q,
-  Dv] (which nothing reads once the row statistics are formed), where it has dS's shape and
-  dtype (Dv = block_kv: a narrower view is not contiguous, which TMA needs); else None: each
-  thread then stores its own entries to GMEM, 4 bytes an instruction that span 8 rows."""
-  if (o_smem is None or dbias_ref is None or o_smem.dtype != dbias_ref.dtype
-      or o_smem.shape[1] != block_kv):
-    return None
-  return o_smem
-
-
 def dbias_tile(dbias_ref, ds, b, h, row0, col0, staging=None, *, add: bool = False,
                interpret: bool = False):
   """Stores dS [rows, cols] float32 (WGMMA layout) in dbias_ref's dtype to dbias_ref
-  [B, H, Tp, Sp] at (b, h, row0, col0): through `staging` (dbias_staging's) and a TMA store,
-  once the previous tile's store has read it, or with no staging each thread its own entries
-  to GMEM. With `add` (KernelParams.dbias_batch_sum; staging needed) a TMA reduce-add in
+  [B, H, Tp, Sp] at (b, h, row0, col0): through `staging` (the O tile: `o_tile_stages`) and
+  a TMA store, once the previous tile's store has read it, or with no staging each thread its
+  own entries to GMEM. With `add` (KernelParams.dbias_batch_sum; staging needed) a TMA reduce-add in
   place of the store; the interpreter, which has none, adds to GMEM's values itself (its CTAs
   run one at a time)."""
   view = dbias_ref.at[b, h, pl.ds(row0, ds.shape[0]), pl.ds(col0, ds.shape[1])]
@@ -417,15 +410,9 @@ def _sum_axes(bias_shape, dbias_shape) -> tuple[int, ...]:
   return tuple(a for a in (0, 1) if bias_shape[a] == 1 and dbias_shape[a] != 1)
 
 
-def stages_dbias(kp, bias_dtype, *, with_o: bool) -> bool:
-  """Whether the dQ kernel (KernelParams kp; with_o: it loads O, so its O tile exists) writes
-  dbias through O's tile and TMA stores (dbias_staging's condition, known before the call)."""
-  return with_o and dbias_dtype(bias_dtype) == jnp.dtype(kp.dtype) and kp.dv == kp.block_kv
-
-
 def dbias_form(kp_dq, params: AttentionParams, arrays: FeatureArrays | None, q_seg, kv_seg, *,
-               batch: int, heads: int, t: int, s: int, with_o: bool, block_mask=None):
-  """(kp_dq, visible): how the dQ kernel (KernelParams kp_dq, with_o: it loads O) leaves
+               batch: int, heads: int, t: int, s: int, block_mask=None):
+  """(kp_dq, visible): how the dQ kernel (KernelParams kp_dq, `o_tile_stages` applied) leaves
   dbias for a backward of q [batch, t, heads, D], k [.., s, ..] (arrays: the call's, whose
   bias is read where kp_dq.dbias).
 
@@ -441,8 +428,7 @@ def dbias_form(kp_dq, params: AttentionParams, arrays: FeatureArrays | None, q_s
   if not kp_dq.dbias:
     return kp_dq, None
   bias = arrays.bias
-  if (batch > 1 and bias.shape[0] == 1 and not params.deterministic
-      and stages_dbias(kp_dq, bias.dtype, with_o=with_o)):
+  if batch > 1 and bias.shape[0] == 1 and not params.deterministic and kp_dq.o_tile_stages:
     return dataclasses.replace(kp_dq, dbias_batch_sum=True, dbias_zero_tiles=False), None
   if block_mask is not None:
     return kp_dq, None

@@ -44,14 +44,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
   Grid (H, Tp / (2·block_q), B) named (h, qt, b); dq_ref [B, Tp, H, D];
   q_scratch [2, block_q, D], do/o_scratch [2, block_q, Dv], lse/delta_scratch [2, block_q],
   k_scratch [stages, block_kv, D], v_scratch [v stages, block_kv, Dv], ds_scratch [2, block_q,
-  block_kv] (interpret only); bias_ready [2] (one per WG), where the bias comes through the O
-  tile (dense.StagedBias), else None. seg: segment ids, the
-  forward's way (the CTA streams only the key blocks its tile may share an id with). slopes:
-  ALiBi's common.raw_alibi_slopes [H] (GMEM), or None. keys: dropout's row and column keys
-  (common.dropout_keys), or None: dP is masked and scaled, dS = P∘(dP_kept / (1 - rate) − delta).
+  block_kv] (interpret only); bias_ready [2] (one per WG) with kp.o_tile_stages, else None.
+  seg: segment ids, the forward's way (the CTA streams only the key blocks its tile may share
+  an id with). slopes: ALiBi's common.raw_alibi_slopes [H] (GMEM), or None. keys: dropout's
+  row and column keys (common.dropout_keys), or None: dP is masked and scaled,
+  dS = P∘(dP_kept / (1 - rate) − delta).
   dense: the dense bias and mask (dense.DenseRefs), or None; with kp.dbias, dbias_ref [B, H, Tp,
   Sp] (dense.dbias_dtype) gets dS (before the soft cap's slope: the bias is added after the
-  cap) of every score tile, through the O tile where it fits (dense.dbias_staging), zeros on
+  cap) of every score tile, through the O tile with kp.o_tile_stages, zeros on
   the key blocks a warpgroup does not stream (kp.dbias_zero_tiles); with kp.dbias_batch_sum
   dbias_ref is [1, H, Tp, Sp], zeroed, and each tile is added to it; else dbias_ref is None.
   blk: a block mask's key-block table per q tile and mask function (block_mask.Refs), the
@@ -119,11 +119,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
         ids = common.row_and_col_ids(seg, b, q0, bq, bkv)
 
     early = common.early_probs(kp, dense=dense, sparse=sparse)
-    staging = sm90_dense.dbias_staging(None if o_ref is None else o_scratch.at[wg], dbias_ref,
-                                       bkv)
+    # The O tile stages the bias in and dS out (dense.o_tile_stages decided it before the call).
+    o_tile = o_scratch.at[wg] if kp.o_tile_stages else None
+    assert o_tile is None or (o_tile.shape == (bq, bkv) and o_tile.dtype == dense.bias.dtype)
+    staging = None if dbias_ref is None else o_tile
+    staged = None if o_tile is None else sm90_dense.StagedBias(o_tile, bias_ready.at[wg])
     dbias_b = 0 if kp.dbias_batch_sum else b  # the batch's CTAs add into one entry
-    staged = sm90_dense.staged_bias(None if o_ref is None else o_scratch.at[wg], dense,
-                                    None if bias_ready is None else bias_ready.at[wg], bkv)
 
     def step(j, dq, *, masked: bool):
       slot = lax.rem(j, stages)
@@ -269,13 +270,6 @@ def dq_smem_bytes(kp: common.KernelParams, *, in_kernel: bool, correction: bool)
   return rows + ring + barriers + 1024
 
 
-def _stages_bias(kp: common.KernelParams, dense: tuple, in_kernel: bool) -> bool:
-  """Whether the dQ kernel takes its bias through the O tile (dense.staged_bias's condition:
-  the O tile loaded, a bias in the inputs' dtype, Dv = block_kv)."""
-  return (in_kernel and kp.dense[0]
-          and jnp.dtype(dense[0].dtype) == jnp.dtype(kp.dtype) and kp.dv == kp.block_kv)
-
-
 def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slopes=(),
             keys=(), dense=(), blks=()):
   """dQ [B, T, H, D], or (dQ, lse2, delta) when o is given: see _dq_kernel's two forms (o
@@ -294,6 +288,7 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
   bq, bkv, stages = kp.block_q, kp.block_kv, kp.stages
   tiles = common.smem_transforms(kp.dtype, kp.d)
   in_kernel = o is not None
+  assert in_kernel or not kp.o_tile_stages, "the O tile exists where the kernel loads O"
   inputs = (q, k, v, do, o, lse, delta)
   row_tile = plgpu.SMEM((2, bq, d), kp.dtype, transforms=tiles)
   value_row_tile = plgpu.SMEM((2, bq, kp.dv), kp.dtype, transforms=tiles)
@@ -312,7 +307,7 @@ def dq_call(q, k, v, do, o, lse, delta, *, kp: common.KernelParams, segs=(), slo
       plgpu.Barrier(num_barriers=kp.dq_v_stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=kp.dq_v_stages),
-      plgpu.Barrier(num_barriers=2) if _stages_bias(kp, dense, in_kernel) else None,
+      plgpu.Barrier(num_barriers=2) if kp.o_tile_stages else None,  # the staged bias's
   ]
   dq = jax.ShapeDtypeStruct(q.shape, q.dtype)
   row_stats = jax.ShapeDtypeStruct((bsz, h, t_pad), jnp.float32)

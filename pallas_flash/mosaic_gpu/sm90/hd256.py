@@ -358,7 +358,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, delta, *, params: AttentionPara
       t_pad=t_pad, s_pad=s_pad)
   kp_dq, visible = sm90_dense.dbias_form(
       kp_dq, params, arrays, q_seg, kv_seg, batch=q.shape[0], heads=q.shape[2], t=t, s=s,
-      with_o=False, block_mask=bm)
+      block_mask=bm)
   out = dq_call(qp, kpad, vpad, dop, None, lse2, delta, kp=kp_dq, segs=dq_segs, slopes=slopes,
                 keys=keys, dense=dense_dq, blks=dq_blks)
   dq, *dbias = out if kp_dq.dbias else (out,)
