@@ -46,9 +46,12 @@ FORMS = [
                  marks=pytest.mark.slow),  # heads_fastest is no default
     ("persistent", _config(fwd_persistent=True, fwd_intra_wg_overlap=True,
                            debug=dict(persistent_ctas=2)), _case(200, 200, h=3, d=128)),
-    # A window's band in the persistent kernel: tiles of differing steps share the ring.
-    ("persistent_window", _config(fwd_persistent=True, debug=dict(persistent_ctas=2)),
-     _case(300, 300, h=3, is_causal=True, features=("window_left",))),
+    # A window's band in the persistent kernel: tiles of differing steps share the ring (the
+    # causal window alone with -m slow: the case with its features covers it, suite time).
+    pytest.param("persistent_window", _config(fwd_persistent=True,
+                                              debug=dict(persistent_ctas=2)),
+                 _case(300, 300, h=3, is_causal=True, features=("window_left",)),
+                 marks=pytest.mark.slow),
     ("persistent_window", _config(fwd_persistent=True, debug=dict(persistent_ctas=2)),
      _case(300, 200, h=2, kh=1, features=("window",))),
     ("persistent_window", _config(fwd_persistent=True, debug=dict(persistent_ctas=3)),
