@@ -137,9 +137,10 @@ def flash_attention(
       backward of long head-dim-128 calls (causal: at least 8K keys and at most 8 batch
       entries; non-causal: at least 2K keys, a multiple of 128, at most 16 entries; no
       segment ids, lengths, window, soft cap, ALiBi, dropout, dense bias / mask or block
-      mask) is the single fused kernel, which sums dQ with float32 atomics; and a 16-bit
-      `bias` broadcast over a batch of several, differentiated at head dim 128 on Mosaic, has
-      its gradient summed over the batch by the kernels' reduce-adds in the bias's dtype.
+      mask) is the single fused kernel, which sums dQ with float32 atomics; and a `bias` in
+      the inputs' 16-bit dtype broadcast over a batch of several, differentiated at head dim
+      64 or 128 on Mosaic, has its gradient summed over the batch by the kernels' reduce-adds
+      in the bias's dtype.
       True runs the split backward and XLA's float32 sum there instead, and rejects a config
       with `fused_backward=True`.
     return_residuals: also return the float32 log-sum-exp [B, H, T] (natural log, -inf for a
