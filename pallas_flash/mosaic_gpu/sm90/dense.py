@@ -377,9 +377,9 @@ def dbias_tile(dbias_ref, ds, b, h, row0, col0, staging=None, *, add: bool = Fal
   """Stores dS [rows, cols] float32 (WGMMA layout) in dbias_ref's dtype to dbias_ref
   [B, H, Tp, Sp] at (b, h, row0, col0): through `staging` (the O tile: `o_tile_stages`) and
   a TMA store, once the previous tile's store has read it, or with no staging each thread its
-  own entries to GMEM. With `add` (KernelParams.dbias_batch_sum; staging needed) a TMA reduce-add in
-  place of the store; the interpreter, which has none, adds to GMEM's values itself (its CTAs
-  run one at a time)."""
+  own entries to GMEM. With `add` (KernelParams.dbias_batch_sum; staging needed) a TMA
+  reduce-add in place of the store; the interpreter, which has none, adds to GMEM's values
+  itself (its CTAs run one at a time)."""
   view = dbias_ref.at[b, h, pl.ds(row0, ds.shape[0]), pl.ds(col0, ds.shape[1])]
   if staging is None:
     assert not add, "a reduce-add goes through the staging tile"

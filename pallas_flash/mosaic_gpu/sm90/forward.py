@@ -951,8 +951,8 @@ def persistent_ctas(q, config: MosaicConfig, params: AttentionParams, dv: int = 
   causal or not, of nearly equal length), and Q's second buffer fits in shared memory (not at
   head_dim 256)."""
   b, t, h, d = q.shape
-  band = params.local_window is not None and not params.has_segments  # a window alone
-  if (not config.fwd_persistent or (params.is_causal and not band) or params.has_segments
+  if (not config.fwd_persistent or params.has_segments  # a window, if any, alone
+      or (params.is_causal and params.local_window is None)
       or params.has_bias or params.has_mask  # the dense tiles: the grid kernel only
       or params.block_mask_blocks is not None):
     return 0
