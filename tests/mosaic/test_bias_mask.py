@@ -248,7 +248,8 @@ def test_zeroed_buffer(shape, dtype):
   assert not np.signbit(np.asarray(x.astype(jnp.float32))).any()
 
 
-@pytest.mark.parametrize("mode", ["lowered", "interpreted"])
+# Interpreted with -m slow (suite time): the rule's launches are bias_shared_causal's kernel.
+@pytest.mark.parametrize("mode", ["lowered", pytest.param("interpreted", marks=pytest.mark.slow)])
 def test_batch_sum_under_vmap(mode):
   """jax.vmap over calls whose dbias the batch's CTAs sum (pl.run_state has no batching rule:
   one launch per mapped entry): lowered for the H200 at head dim 128, and interpreted against
