@@ -329,11 +329,19 @@ def _attend_blocks(q, k_ref, v_ref, rows_of, start, end, *, n, row0, p: _KernelP
   def halves(ref, rows, in_cache):
     return _unpack_words(_load_rows(ref, rows, wcols, in_cache), q.lo.dtype, ptx=p.fp8_ptx)
 
+  def tile_rows(j):
+    """Rows of key block j (keys past the length read row 0's, which the masks drop)."""
+    keys = j * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
+    return rows_of(jnp.where(keys < n, keys, 0))
+
+  # Each step computes the next block's rows (carried): a paged cache's come from a page-table
+  # load, which in the step's own K/V address chain left Triton's pipeliner one K/V buffer in
+  # place of its stages (docs/decode.md, "Paged tiles in the pipeline").
   def step(j, carry, *, masked: bool):
-    m_prev, l_prev, acc = carry
+    m_prev, l_prev, acc, rows = carry
+    rows_next = tile_rows(j + 1)
     keys = j * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
     in_cache = keys < n if masked else None
-    rows = rows_of(jnp.where(in_cache, keys, 0) if masked else keys)
     if p.fp8_cache:
       k_lo, k_hi = halves(k_ref, rows, in_cache)
       s = _scores((common.dot(q.lo, k_lo, trans_b=True) + common.dot(q.hi, k_hi, trans_b=True))
@@ -359,14 +367,14 @@ def _attend_blocks(q, k_ref, v_ref, rows_of, start, end, *, n, row0, p: _KernelP
     else:
       v = _load_rows(v_ref, rows, cols, in_cache)
       acc = alpha[:, None] * acc + common.dot(probs.astype(v.dtype), v)
-    return m_next, alpha * l_prev + probs.sum(axis=1), acc
+    return m_next, alpha * l_prev + probs.sum(axis=1), acc, rows_next
 
   zeros = jnp.zeros((bm, p.width // 2 if p.fp8_cache else p.width), jnp.float32)
   carry = (jnp.full((bm,), MASK_VALUE, jnp.float32), jnp.zeros((bm,), jnp.float32),
-           (zeros, zeros) if p.fp8_cache else zeros)
+           (zeros, zeros) if p.fp8_cache else zeros, tile_rows(start))
   carry = lax.fori_loop(start, mid_lo, functools.partial(step, masked=True), carry)
   carry = lax.fori_loop(mid_lo, mid_hi, functools.partial(step, masked=False), carry)
-  m, l, acc = lax.fori_loop(mid_hi, end, functools.partial(step, masked=True), carry)
+  m, l, acc, _ = lax.fori_loop(mid_hi, end, functools.partial(step, masked=True), carry)
   if p.fp8_cache:
     acc = _join_halves(*acc, k_ref.shape[-1])
   empty = l == 0.0  # an empty range (or a query that sees no key): o = 0, lse = -inf
