@@ -345,6 +345,29 @@ def issued(tiles, loaded):
   return tiles if loaded is None else (lambda: loaded)
 
 
+def split_mask(tiles):
+  """(tiles without the mask, hidden(shape) -> the mask's [rows, cols] visible tile, or None
+  without a mask) of `load`'s tiles (None: (None, None)); hidden is called after the tiles.
+
+  The backward kernels zero P where the mask hides a key, in the select their causal or
+  block mask takes anyway, instead of adding -inf to the score: a score that may be -inf made
+  ptxas split exp2's argument into an FMUL and an FADD where a finite one takes one FFMA
+  (docs/mosaic.md, "Dense bias and mask")."""
+  if tiles is None:
+    return None, None
+  bits = []
+
+  def without_mask():
+    bias, mask = tiles()
+    bits.append(mask)
+    return bias, None
+
+  def hidden(shape):
+    return None if not bits or bits[0] is None else _visible(bits[0], shape)
+
+  return without_mask, hidden
+
+
 def add(s, tiles, scale: float, cap=None):
   """Raw scores s [rows, cols] float32 plus the bias tile in raw-score units (bias / scale:
   the kernels multiply scores by scale·log2(e) inside exp2), -inf where the mask tile hides a
