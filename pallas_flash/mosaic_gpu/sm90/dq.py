@@ -146,13 +146,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
           s, slope = common.soft_cap_with_slope(s, kp, folded=folded)
         if alibi_slope is not None:  # a constant per score: dS is unchanged
           s = common.alibi(s, q0, key_block(j) * bkv, alibi_slope)
-        unmasked, hidden = sm90_dense.split_mask(tiles)  # the mask zeroes P (split_mask)
+        unmasked, shown = sm90_dense.split_mask(tiles)  # the mask zeroes P (split_mask)
         if kp.bias_in_cap:  # "bias_then_cap": the slope is d cap / d(s + biases)
           s, slope = sm90_dense.add(s, unmasked, kp.scale, cap=common.cap_after_bias(kp))
         else:
           s = sm90_dense.add(s, unmasked, kp.scale)
         p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [0]))
-        visible = None if hidden is None else hidden(p.shape)
+        visible = None if shown is None else shown(p.shape)
         if masked and sparse is not None:
           visible = common.both(visible, sparse.mask(q0, key_block(j) * bkv, (bq, bkv),
                                                      kp.kv_len, kp.kv_tail))
