@@ -674,11 +674,6 @@ def col_ids(ids_ref, b, col0, n: int):
   return plgpu.load(ids_ref.at[b, pl.ds(col0, n)], layout=COL, optimized=False)
 
 
-def both(a, b):
-  """a & b of two bool tiles, either of which may be None (absent: all visible)."""
-  return b if a is None else a if b is None else a & b
-
-
 def tile_mask(row0, col0, shape, kp: KernelParams, *, transposed: bool = False, ids=None):
   """`visible` and, with ids = (row ids [rows] ROW, col ids [cols] COL), equal segment ids."""
   mask = visible(row0, col0, shape, kp, transposed=transposed)

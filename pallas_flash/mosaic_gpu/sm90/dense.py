@@ -11,16 +11,15 @@ each span 8 rows, one H100, 2026-12-06), and the dK/dV kernel's stream in beside
 memory; a bias of other dtypes is loaded there in the transposed accumulator layout, whose
 vectors run along the keys (contiguous in GMEM), and changed to the accumulator layout in
 registers. The dK/dV kernel's mask bits are maskᵀ's, packed by XLA. Broadcast axes (size 1)
-read index 0. The bias is added after the soft cap and ALiBi (the default "cap_then_bias"
-order; with "bias_then_cap" before the cap and the mask after it: `add`'s cap); the forward's
-masked scores become -inf and the backward kernels zero P there (`split_mask`), so P is 0 there
-in every kernel and a fully masked row gives o = 0, lse = -inf and zero gradients. dbias = dS
-(the raw scores' dS with "bias_then_cap"), written by the dQ kernel to a [B, H, Tp, Sp] buffer
-(`dbias_tile`, through O's shared-memory tile and TMA stores where it fits: `o_tile_stages`; in
-the bias's dtype where that is a 16-bit float, else float32: `dbias_dtype`) and summed over the
-broadcast axes by XLA in float32, which also selects the zeros of the key blocks the kernel
-skips; or, for a bias broadcast over the batch, added by the batch's CTAs into one zeroed batch
-entry by TMA reduce-adds (`dbias_form`).
+read index 0. The bias is added after the soft cap and ALiBi (the default "cap_then_bias" order;
+with "bias_then_cap" before the cap and the mask after it: `add`'s cap); masked scores become
+-inf, so P is 0 there in every kernel and a fully masked row gives o = 0, lse = -inf and zero
+gradients. dbias = dS (the raw scores' dS with "bias_then_cap"), written by the dQ kernel to a
+[B, H, Tp, Sp] buffer (`dbias_tile`, through O's shared-memory tile and TMA stores where it
+fits: `o_tile_stages`; in the bias's dtype where that is a 16-bit float, else float32:
+`dbias_dtype`) and summed over the broadcast axes by XLA in float32, which also selects the
+zeros of the key blocks the kernel skips; or, for a bias broadcast over the batch, added by
+the batch's CTAs into one zeroed batch entry by TMA reduce-adds (`dbias_form`).
 """
 
 from __future__ import annotations
@@ -344,30 +343,6 @@ def issue(tiles):
 def issued(tiles, loaded):
   """`add`'s tiles: the tiles `issue` loaded (as a thunk), else `tiles` itself."""
   return tiles if loaded is None else (lambda: loaded)
-
-
-def split_mask(tiles):
-  """(tiles without the mask, visible(shape) -> the mask's [rows, cols] bool tile of the keys
-  it shows, or None without a mask) of `load`'s tiles (None: (None, None)); visible is called
-  after the tiles.
-
-  The backward kernels zero P where the mask hides a key, in the select their causal or
-  block mask takes anyway, instead of adding -inf to the score: a score that may be -inf made
-  ptxas split exp2's argument into an FMUL and an FADD where a finite one takes one FFMA
-  (docs/mosaic.md, "Dense bias and mask")."""
-  if tiles is None:
-    return None, None
-  bits = []
-
-  def without_mask():
-    bias, mask = tiles()
-    bits.append(mask)
-    return bias, None
-
-  def visible(shape):
-    return None if not bits or bits[0] is None else _visible(bits[0], shape)
-
-  return without_mask, visible
 
 
 def add(s, tiles, scale: float, cap=None):

@@ -146,22 +146,18 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref, l
           s, slope = common.soft_cap_with_slope(s, kp, folded=folded)
         if alibi_slope is not None:  # a constant per score: dS is unchanged
           s = common.alibi(s, q0, key_block(j) * bkv, alibi_slope)
-        unmasked, shown = sm90_dense.split_mask(tiles)  # the mask zeroes P (split_mask)
         if kp.bias_in_cap:  # "bias_then_cap": the slope is d cap / d(s + biases)
-          s, slope = sm90_dense.add(s, unmasked, kp.scale, cap=common.cap_after_bias(kp))
+          s, slope = sm90_dense.add(s, tiles, kp.scale, cap=common.cap_after_bias(kp))
         else:
-          s = sm90_dense.add(s, unmasked, kp.scale)
+          s = sm90_dense.add(s, tiles, kp.scale)
         p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [0]))
-        visible = None if shown is None else shown(p.shape)
         if masked and sparse is not None:
-          visible = common.both(visible, sparse.mask(q0, key_block(j) * bkv, (bq, bkv),
-                                                     kp.kv_len, kp.kv_tail))
+          p = jnp.where(sparse.mask(q0, key_block(j) * bkv, (bq, bkv), kp.kv_len, kp.kv_tail),
+                        p, 0.0)
         elif masked:
           col0 = (kv0 + j) * bkv
-          visible = common.both(visible, common.tile_mask(q0, col0, (bq, bkv), kp,
-                                                          ids=ids and ids(col0)))
-        if visible is not None:
-          p = jnp.where(visible, p, 0.0)
+          mask = common.tile_mask(q0, col0, (bq, bkv), kp, ids=ids and ids(col0))
+          p = jnp.where(mask, p, 0.0)
         return p, slope
 
       def scores(s_ref, dp_ref):

@@ -103,13 +103,11 @@ def transposed_grad_tiles(k_smem, v_smem, q_smem, do_smem, streams, slot, k0, ma
   if early_probs:
     return out  # already Pᵀ and dSᵀ
   s_t, dp_t, loaded = out
-  dense_visible = None
-  if dense is not None:  # the mask zeroes Pᵀ (dense.split_mask)
-    unmasked, dense_visible = sm90_dense.split_mask(sm90_dense.issued(dense[0], loaded))
-    bias = dense[1](bias, unmasked)
+  if dense is not None:
+    bias = dense[1](bias, sm90_dense.issued(dense[0], loaded))
   with jax.named_scope("softmax"):
     lse, delta = step_stats(streams, slot)
-    p_t, slope = probs_t(s_t, lse, k0, mask_block, kp, ids, bias, visible, dense_visible)
+    p_t, slope = probs_t(s_t, lse, k0, mask_block, kp, ids, bias, visible)
     keep = dropout_keep_t(drop, p_t.shape, kp)
     ds_t = grad_scores_t(p_t, slope, dp_t, delta, keep, kp)
   return dropped(p_t, keep), ds_t
@@ -149,22 +147,22 @@ def capped_scores_t(s_t, bias, kp: common.KernelParams):
 
 
 def probs_t(s_t, lse, k0, mask_block, kp: common.KernelParams, ids=None, bias=None,
-            visible=None, dense_visible=None):
+            visible=None):
   """(Pᵀ, slope): Pᵀ = exp2((soft_cap(Sᵀ) + bias)·c − lse2) (with kp.bias_in_cap
   soft_cap(Sᵀ + bias), a dense mask after the cap) [block_kv, block_q] with the
   entries the mask hides set to 0 (mask_block: see transposed_grad_tiles; bias: ALiBi's
   `alibi_steps`, or None), and the soft cap's slope (common.soft_cap_with_slope; None without
   a cap) for `grad_scores_t` (ALiBi adds a constant: no slope). visible: see
-  transposed_grad_tiles; dense_visible: dense.split_mask's (a dense mask's tile), or None."""
+  transposed_grad_tiles."""
   s_t, slope, c = capped_scores_t(s_t, bias, kp)
   p_t = jnp.exp2(s_t * c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-  shown = None if dense_visible is None else dense_visible(p_t.shape)
   if mask_block is not None:
-    shown = common.both(shown, visible() if visible is not None else common.tile_mask(
-        k0, mask_block() * kp.block_q, (kp.block_kv, kp.block_q), kp, transposed=True,
-        ids=ids))
-  if shown is not None:
-    p_t = jnp.where(shown, p_t, 0.0)
+    if visible is not None:
+      visible = visible()
+    else:
+      visible = common.tile_mask(k0, mask_block() * kp.block_q, (kp.block_kv, kp.block_q), kp,
+                                 transposed=True, ids=ids)
+    p_t = jnp.where(visible, p_t, 0.0)
   return p_t, slope
 
 def alibi_steps(slopes, k0, index, kp: common.KernelParams):
