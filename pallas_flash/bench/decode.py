@@ -537,9 +537,13 @@ def _f(x, spec: str) -> str:
 
 
 def _anchor_cell(r: dict) -> str:
+  """us (our speed-up), and its kernels' GPU time where CUPTI gave one: at short caches a call
+  is launch-bound, and only GPU times compare the kernels."""
   if r["status"] in ("skip", "error"):
     return r["status"]
   cell = f"{r['us']:.1f} ({r['ours_speedup']:.2f}x)" if r["us"] and r["ours_speedup"] else "-"
+  if r.get("device_us"):
+    cell += f" dev {r['device_us']:.1f}"
   return cell + ("!" if r["status"] == "FAIL" else "")
 
 
@@ -548,7 +552,7 @@ def print_header(impls: list[str], grid: Grid, dtype) -> None:
   print(f"\ndecode, {jnp.dtype(dtype).name}, H {grid.num_heads} / K {grid.num_kv_heads}, "
         f"D {grid.head_dim}, page {grid.page_size}. TB/s = K+V bytes read / time; %copy = that"
         " / (2 x bytes / a jnp copy's time); us: per call, back to back; dev us: its kernels'"
-        " GPU time (CUPTI); anchors: us (our speed-up); ! = FAIL")
+        " GPU time (CUPTI); anchors and variants: us (our speed-up) dev us; ! = FAIL")
   print(f"| layout | lengths | B | cache | MiB read | copy TB/s | {impls[0]} us | dev us | TB/s "
         "| %copy | err | " + " | ".join(anchors) + " |")
   print("|---" * (11 + len(anchors)) + "|")

@@ -130,3 +130,18 @@ def test_impl_names_the_mosaic_and_triton_kernels():
   assert decode._mosaic_kwargs(ours) == {
       "num_splits": 3, "config": pallas_flash.MosaicDecodeConfig(block_kv=64, num_stages=4)}
   assert decode._mosaic_kwargs({"num_splits": None}) == {"num_splits": None}
+
+
+def test_anchor_cells_give_their_gpu_time_where_measured(capsys):
+  """A column's cell holds its GPU time beside the per-call time where CUPTI measured one (on
+  a GPU), since at short caches the calls are launch-bound; without one, the cell has none."""
+  from pallas_flash.bench import decode
+
+  base = dict(layout="contiguous", lengths="uniform", batch=1, cache=1024, bytes_read=2**20,
+              status="ok", rel_err=1e-3, copy_tbs=3.0, tbs=0.1, copy_fraction=0.5)
+  rows = [dict(base, impl="ours", us=40.0, device_us=10.7, ours_speedup=1.0),
+          dict(base, impl="cudnn", us=60.5, device_us=14.2, ours_speedup=1.51),
+          dict(base, impl="ours:s1", us=41.0, device_us=None, ours_speedup=1.02)]
+  decode.print_rows(rows, ["ours", "cudnn", "ours:s1"])
+  line = capsys.readouterr().out.strip()
+  assert line.endswith("| 60.5 (1.51x) dev 14.2 | 41.0 (1.02x) |"), line
