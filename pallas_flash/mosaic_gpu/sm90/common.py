@@ -156,8 +156,9 @@ def early_probs(kp: KernelParams, *, dense, sparse) -> bool:
   instead of waiting for both: 1.03-1.07x fwd+bwd on the H200 and bitwise the other order's
   results there for plain, key-tail and ALiBi calls at head dims 64 and 128 (docs/mosaic.md
   "Instruction order"). Dropout, segment ids and windows, soft caps and block masks keep the
-  other order (0.97-1.02x this way on the H200: docs/mosaic.md, tried and rejected); other
-  head dims and dense tiles were not run this way; the interpreter keeps it too."""
+  other order (0.97-1.02x this way on the H200: docs/mosaic.md, tried and rejected), as do
+  dense tiles (level on one H100); other head dims were not run this way; the interpreter
+  keeps it too."""
   return not (kp.interpret or kp.d not in (64, 128) or kp.dropout or kp.segments
               or kp.softcap is not None or dense is not None or sparse is not None)
 
