@@ -20,7 +20,9 @@ cell's ratio is then FP8's speed-up over the bf16 cache). `--variant IMPL:LABEL:
 a config of VARIANT_CONFIGS[IMPL]'s type and those fields, the rest its defaults (`--impl
 ours_fp8,ours --variant ours_fp8:bk256:block_kv=256`: a tile change decided in one run);
 `num_splits=N` sets the call's split count instead of the heuristic's (with no other field the
-config stays the call's default).
+config stays the call's default). Every column's GPU time (CUPTI, the sum of its kernels'
+durations: 'dev') stands beside its per-call time; `--kernels` prints each kernel's share
+under the row (ours: the prepare, attention and merge launches).
 
 Chunked prefill rows: Tq new tokens (B = 1) against a 32K cache, end-aligned causal, in TFLOP/s
 (4 * H * D * visible pairs): ours (the default path: on Hopper from FLASH_SPLIT_MIN_Q_LEN
@@ -346,17 +348,33 @@ def _check(out, ref, idx, dtype) -> tuple[float, str]:
   return err, "ok" if err <= TOLERANCE[jnp.dtype(dtype).name] else "FAIL"
 
 
-def _device_us(exe, args: tuple, iterations: int = 5) -> float | None:
-  """Median GPU time per call of a compiled executable (CUPTI: the sum of its kernels'
-  durations, without launch gaps), or None off-GPU or without CUPTI."""
+def _device_times(exe, args: tuple, iterations: int = 5) -> tuple[float | None, dict]:
+  """(median GPU time per call of a compiled executable, {kernel: median µs} in launch order)
+  by CUPTI: the sum of its kernels' durations, without launch gaps; (None, {}) off-GPU or
+  without CUPTI. A kernel name launched k times a call is told apart as "name #i"."""
   if jax.devices()[0].platform != "gpu":
-    return None
+    return None, {}
   try:
     from jax.experimental.mosaic.gpu import profiler
-    _, per_iter = profiler.measure(exe, iterations=iterations)(*args)
+    _, per_iter = profiler.measure(exe, aggregate=False, iterations=iterations)(*args)
   except Exception:  # noqa: BLE001 -- CUPTI missing or busy: wall time only
-    return None
-  return None if not per_iter else float(np.median(per_iter)) * 1e3
+    return None, {}
+  if not per_iter:
+    return None, {}
+  return kernel_medians(per_iter)
+
+
+def kernel_medians(per_iter: list[list[tuple[str, float]]]) -> tuple[float, dict]:
+  """(median total µs, {kernel: median µs}) of CUPTI's per-iteration (name, ms) lists."""
+  totals = [sum(ms for _, ms in kernels) for kernels in per_iter]
+  names, seen = [], {}
+  for name, _ in per_iter[0]:
+    seen[name] = seen.get(name, 0) + 1
+    names.append(name if seen[name] == 1 else f"{name} #{seen[name]}")
+  names = [f"{n} #1" if seen.get(n, 0) > 1 else n for n in names]
+  return (float(np.median(totals)) * 1e3,
+          {n: float(np.median([kernels[i][1] for kernels in per_iter])) * 1e3
+           for i, n in enumerate(names)})
 
 
 def _time(fns: dict, opts) -> dict:
@@ -442,7 +460,7 @@ def run_point(grid: Grid, batch: int, cache: int, layout: str, impls: list[str],
         row.update(status="error", reason=f"{type(e).__name__}: {str(e).strip()[:300]}")
         continue
       fns[impl] = functools.partial(exe, *call_args)
-      row["device_us"] = _device_us(exe, call_args)
+      row["device_us"], row["device_kernels"] = _device_times(exe, call_args)
       if row["device_us"]:
         row["device_tbs"] = row["bytes_read"] / row["device_us"] / 1e6
     copy_elems = min(read, COPY_CAP_BYTES, k.size * itemsize) // itemsize
@@ -451,7 +469,7 @@ def run_point(grid: Grid, batch: int, cache: int, layout: str, impls: list[str],
     fns["copy"] = functools.partial(copy, k)
     times = _time(fns, opts)
     copy_bw = 2 * copy_elems * itemsize / times["copy"].median_s
-    copy_dev = _device_us(copy, (k,))
+    copy_dev, _ = _device_times(copy, (k,))
     for row in group:
       row["copy_tbs"] = copy_bw / 1e12
       nbytes = row["bytes_read"]
@@ -558,8 +576,9 @@ def print_header(impls: list[str], grid: Grid, dtype) -> None:
   print("|---" * (11 + len(anchors)) + "|")
 
 
-def print_rows(rows: list[dict], impls: list[str]) -> None:
-  """One table line per (layout, lengths, B, cache)."""
+def print_rows(rows: list[dict], impls: list[str], kernels: bool = False) -> None:
+  """One table line per (layout, lengths, B, cache); with `kernels`, under it each column's
+  GPU time per kernel."""
   anchors = impls[1:]
   by_key: dict[tuple, dict[str, dict]] = {}
   for r in rows:
@@ -576,6 +595,9 @@ def print_rows(rows: list[dict], impls: list[str]) -> None:
              _f(ours["rel_err"], ".0e")]
     cells += [_anchor_cell(group[a]) if a in group else "" for a in anchors]
     print("| " + " | ".join(cells) + " |", flush=True)
+    for impl in impls if kernels else ():
+      if times := group.get(impl, {}).get("device_kernels"):
+        print(f"    {impl}: " + ", ".join(f"{name} {us:.1f}" for name, us in times.items()))
 
 
 def print_prefill(group: list[dict]) -> None:
@@ -619,7 +641,7 @@ def run_decode(opts, dtype, on_rows=lambda rows: None) -> list[dict]:
                   _random_cache(keys[2], shape=shape, dtype=dtype))
         for layout in layouts:
           point = run_point(grid, batch, cache, layout, decode_impls, dtype, opts, inputs)
-          print_rows(point, decode_impls)
+          print_rows(point, decode_impls, kernels=opts.kernels)
           rows += point
           on_rows(rows)
         del inputs

@@ -222,7 +222,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  f"{DEFAULT_SHAPE}; {QUICK_SHAPE} with --quick)")
   g.add_argument("--kernels", action="store_true",
                  help="features: under each row, our call's device time per XLA op and kernel "
-                 "(bench/kernels.py: a profile of a few calls)")
+                 "(bench/kernels.py: a profile of a few calls); decode: each column's GPU "
+                 "time per kernel (CUPTI)")
 
 
 # ---------------------------------------------------------------------------------------------

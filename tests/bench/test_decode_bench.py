@@ -145,3 +145,27 @@ def test_anchor_cells_give_their_gpu_time_where_measured(capsys):
   decode.print_rows(rows, ["ours", "cudnn", "ours:s1"])
   line = capsys.readouterr().out.strip()
   assert line.endswith("| 50.0 (1.25x) dev 20.0 | 41.0 (1.02x) |"), line
+
+
+def test_kernel_times_are_medians_per_launch_and_print_under_the_row(capsys):
+  """CUPTI's per-iteration (name, ms) lists become each launch's median µs, a name launched
+  twice a call told apart by its order; `--kernels` prints them under the row's line."""
+  from pallas_flash.bench import decode
+
+  per_iter = [[("prep", 0.002), ("attend", 0.010), ("merge", 0.003), ("attend", 0.001)],
+              [("prep", 0.004), ("attend", 0.020), ("merge", 0.005), ("attend", 0.003)],
+              [("prep", 0.003), ("attend", 0.030), ("merge", 0.004), ("attend", 0.002)]]
+  total, kernels = decode.kernel_medians(per_iter)
+  assert total == pytest.approx(32.0)  # the median of the sums 16, 32, 39 µs
+  assert list(kernels) == ["prep", "attend #1", "merge", "attend #2"]
+  assert [round(us, 6) for us in kernels.values()] == [3.0, 20.0, 4.0, 2.0]
+  base = dict(layout="contiguous", lengths="uniform", batch=1, cache=1024, bytes_read=2**20,
+              status="ok", rel_err=1e-3, copy_tbs=3.0, tbs=0.1, copy_fraction=0.5)
+  rows = [dict(base, impl="ours", us=40.0, device_us=total, ours_speedup=1.0,
+               device_kernels=kernels),
+          dict(base, impl="cudnn", us=50.0, device_us=None, ours_speedup=1.25)]
+  decode.print_rows(rows, ["ours", "cudnn"], kernels=True)
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert lines[1:] == ["    ours: prep 3.0, attend #1 20.0, merge 4.0, attend #2 2.0"], lines
+  decode.print_rows(rows, ["ours", "cudnn"])
+  assert len(capsys.readouterr().out.strip().splitlines()) == 1
