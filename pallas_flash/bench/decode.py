@@ -22,7 +22,7 @@ ours_fp8,ours --variant ours_fp8:bk256:block_kv=256`: a tile change decided in o
 `num_splits=N` sets the call's split count instead of the heuristic's (with no other field the
 config stays the call's default). Every column's GPU time (CUPTI, the sum of its kernels'
 durations: 'dev') stands beside its per-call time; `--kernels` prints each kernel's share
-under the row (ours: the prepare, attention and merge launches).
+under the row (ours: the split kernel and the merge; `mosaic` adds its prepare launch).
 
 Chunked prefill rows: Tq new tokens (B = 1) against a 32K cache, end-aligned causal, in TFLOP/s
 (4 * H * D * visible pairs): ours (the default path: on Hopper from FLASH_SPLIT_MIN_Q_LEN
