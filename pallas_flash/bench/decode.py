@@ -20,7 +20,9 @@ cell's ratio is then FP8's speed-up over the bf16 cache). `--variant IMPL:LABEL:
 a config of VARIANT_CONFIGS[IMPL]'s type and those fields, the rest its defaults (`--impl
 ours_fp8,ours --variant ours_fp8:bk256:block_kv=256`: a tile change decided in one run);
 `num_splits=N` sets the call's split count instead of the heuristic's (with no other field the
-config stays the call's default). Every column's GPU time (CUPTI, the sum of its kernels'
+config stays the call's default). `--loop-calls N` also times each column as N calls chained
+in one jitted `fori_loop` (`looped`): a generation loop's cost per step, which jax's per-call
+dispatch (tens of µs) hides at short caches. Every column's GPU time (CUPTI, the sum of its kernels'
 durations: 'dev') stands beside its per-call time; `--kernels` prints each kernel's share
 under the row (ours: the split kernel and the merge; `mosaic` adds its prepare launch).
 
@@ -47,6 +49,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 import pallas_flash
@@ -73,6 +76,8 @@ VARIANT_CONFIGS = {"ours": pallas_flash.TritonDecodeConfig,
 # decode_attention's keyword arguments a --variant may set beside its config's fields
 # (`--variant ours:s2:num_splits=2`: a split count timed against the heuristic's).
 VARIANT_CALL_FIELDS = ("num_splits",)
+# --loop-calls: the name prefix of a column's looped call among the timed functions.
+LOOP = "loop:"
 # max|x - ref| / max|ref| above which a row is FAIL (the attention benchmark's tolerances).
 TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}
 # Decode-mode timing defaults (the flags override them): short loops, few rounds.
@@ -122,6 +127,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  help="decode: the chunked-prefill rows")
   g.add_argument("--max-cache-gib", type=float, default=32.0,
                  help="decode: skip points whose K+V cache exceeds this")
+  g.add_argument("--loop-calls", type=int, default=0, metavar="N",
+                 help="decode: also time each column as N calls chained in one jitted "
+                 "fori_loop (a generation loop's cost per step, without jax's dispatch)")
   for name in ("block-kv", "block-m", "num-warps", "num-stages", "num-splits"):
     g.add_argument(f"--{name}", type=int, default=None,
                    help=f"decode: {name.replace('-', '_')} of ours (Triton) for sweeps, and "
@@ -319,6 +327,19 @@ def _torch_call(q, k, v):
   return timed, result
 
 
+def looped(fn, calls: int):
+  """fn(q, k, v, lens, table) run `calls` times in one lax.fori_loop, as a generation loop
+  runs its decode steps: each call's query takes a 1e-6 share of one element of the previous
+  output, so no call can be hoisted out of the loop or overlap the next. Returns the last q."""
+  def run(q, k, v, lens, table):
+    def step(_, q):
+      out = fn(q, k, v, lens, table)
+      out = out[0] if isinstance(out, tuple) else out
+      return q + (out.reshape(-1)[0] * 1e-6).astype(q.dtype)
+    return lax.fori_loop(0, calls, step, q)
+  return run
+
+
 def _compile_all(fns: dict, args: dict) -> dict:
   """{name: compiled or Exception}: each fn jitted and compiled for its args, in parallel
   (XLA and Triton compile in C++ off the GIL)."""
@@ -408,6 +429,10 @@ def run_point(grid: Grid, batch: int, cache: int, layout: str, impls: list[str],
       del calls["jaxops_paged"]
   lens_spec = jax.ShapeDtypeStruct((batch,), jnp.int32)
   args = {i: (q, *kv.get(_base(i), (k, v)), lens_spec, table) for i in calls}
+  n_loop = getattr(opts, "loop_calls", 0)
+  if n_loop:  # compiled with the plain calls, timed in the same rounds as LOOP + impl
+    calls.update({LOOP + i: looped(f, n_loop) for i, f in list(calls.items())})
+    args.update({LOOP + i: args[i] for i in list(args)})
   start = time.perf_counter()
   compiled = _compile_all(calls, args)
   compile_s = time.perf_counter() - start
@@ -460,6 +485,8 @@ def run_point(grid: Grid, batch: int, cache: int, layout: str, impls: list[str],
         row.update(status="error", reason=f"{type(e).__name__}: {str(e).strip()[:300]}")
         continue
       fns[impl] = functools.partial(exe, *call_args)
+      if not isinstance(loop_exe := compiled.get(LOOP + impl), (Exception, type(None))):
+        fns[LOOP + impl] = functools.partial(loop_exe, *call_args)
       row["device_us"], row["device_kernels"] = _device_times(exe, call_args)
       if row["device_us"]:
         row["device_tbs"] = row["bytes_read"] / row["device_us"] / 1e6
@@ -479,6 +506,8 @@ def run_point(grid: Grid, batch: int, cache: int, layout: str, impls: list[str],
       if (t := times.get(row["impl"])) is not None:
         row.update(us=t.median_s * 1e6, tbs=nbytes / t.median_s / 1e12,
                    copy_fraction=nbytes / t.median_s / copy_bw)
+      if (t := times.get(LOOP + row["impl"])) is not None:
+        row["loop_us"] = t.median_s * 1e6 / n_loop
     ours = next((r for r in group if r["impl"] == impls[0] and r["us"]), None)
     for row in group:
       row["ours_speedup"] = ours["us"] and row["us"] and row["us"] / ours["us"] if ours else None
@@ -562,6 +591,8 @@ def _anchor_cell(r: dict) -> str:
   cell = f"{r['us']:.1f} ({r['ours_speedup']:.2f}x)" if r["us"] and r["ours_speedup"] else "-"
   if r.get("device_us"):
     cell += f" dev {r['device_us']:.1f}"
+  if r.get("loop_us"):
+    cell += f" loop {r['loop_us']:.1f}"
   return cell + ("!" if r["status"] == "FAIL" else "")
 
 
@@ -570,7 +601,8 @@ def print_header(impls: list[str], grid: Grid, dtype) -> None:
   print(f"\ndecode, {jnp.dtype(dtype).name}, H {grid.num_heads} / K {grid.num_kv_heads}, "
         f"D {grid.head_dim}, page {grid.page_size}. TB/s = K+V bytes read / time; %copy = that"
         " / (2 x bytes / a jnp copy's time); us: per call, back to back; dev us: its kernels'"
-        " GPU time (CUPTI); anchors and variants: us (our speed-up) dev us; ! = FAIL")
+        " GPU time (CUPTI); anchors and variants: us (our speed-up) dev us; loop: us per call"
+        " chained in one jitted loop (--loop-calls); ! = FAIL")
   print(f"| layout | lengths | B | cache | MiB read | copy TB/s | {impls[0]} us | dev us | TB/s "
         "| %copy | err | " + " | ".join(anchors) + " |")
   print("|---" * (11 + len(anchors)) + "|")
@@ -590,7 +622,8 @@ def print_rows(rows: list[dict], impls: list[str], kernels: bool = False) -> Non
     pct = ours.get("copy_fraction") and 100 * ours["copy_fraction"]
     cells = [layout, mode, str(b), _tokens(cache), f"{ours['bytes_read'] / 2**20:.4g}",
              _f(ours.get("copy_tbs"), ".2f"),
-             _f(ours["us"], ".1f") + ("!" if ours["status"] == "FAIL" else ""),
+             _f(ours["us"], ".1f") + ("!" if ours["status"] == "FAIL" else "")
+             + (f" (loop {ours['loop_us']:.1f})" if ours.get("loop_us") else ""),
              _f(ours.get("device_us"), ".1f"), _f(ours.get("tbs"), ".2f"), _f(pct, ".0f"),
              _f(ours["rel_err"], ".0e")]
     cells += [_anchor_cell(group[a]) if a in group else "" for a in anchors]

@@ -169,3 +169,31 @@ def test_kernel_times_are_medians_per_launch_and_print_under_the_row(capsys):
   assert lines[1:] == ["    ours: prep 3.0, attend #1 20.0, merge 4.0, attend #2 2.0"], lines
   decode.print_rows(rows, ["ours", "cudnn"])
   assert len(capsys.readouterr().out.strip().splitlines()) == 1
+
+
+def test_loop_calls_chain_each_call_on_the_last_output(tmp_path, capsys):
+  """--loop-calls N: `looped` runs the call N times, each query taking a share of the previous
+  output (so no call is hoisted), and each checked column gets its per-call time in the loop."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  from pallas_flash.bench import decode
+
+  fn = lambda q, k, v, lens, table: (q * 3.0 + k, None)  # noqa: E731
+  q, k = jnp.arange(4.0, dtype=jnp.float32) + 1.0, jnp.full((4,), 0.5, jnp.float32)
+  want = np.asarray(q)
+  for _ in range(3):
+    want = want + np.float32((want[0] * 3.0 + 0.5) * 1e-6)
+  got = decode.looped(fn, 3)(q, k, None, None, None)
+  np.testing.assert_array_equal(np.asarray(got), want.astype(np.float32))
+  assert not np.array_equal(np.asarray(decode.looped(fn, 2)(q, k, None, None, None)), want)
+
+  out = tmp_path / "rows.json"
+  bench.main(["--decode", "--grid", "cpu", "--dtype", "f32", "--batches", "3", "--caches", "96",
+              "--layouts", "contiguous", "--lengths", "uniform", "--prefill", "no", "--impl",
+              "ours,jax_xla", "--loop-calls", "4", *FAST, "--json", str(out)])
+  rows = {r["impl"]: r for r in json.loads(out.read_text())}
+  for r in rows.values():
+    assert r["status"] == "ok" and r["loop_us"] > 0, r
+  line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| contiguous"))
+  assert f"(loop {rows['ours']['loop_us']:.1f})" in line and " loop " in line, line
