@@ -41,6 +41,7 @@ times 3 interleaved rounds of 20 ms loops, to finish in about 3-4 minutes on one
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -388,11 +389,11 @@ def _device_times(exe, args: tuple, iterations: int = 5) -> tuple[float | None, 
 def kernel_medians(per_iter: list[list[tuple[str, float]]]) -> tuple[float, dict]:
   """(median total µs, {kernel: median µs}) of CUPTI's per-iteration (name, ms) lists."""
   totals = [sum(ms for _, ms in kernels) for kernels in per_iter]
-  names, seen = [], {}
+  launches = collections.Counter(name for name, _ in per_iter[0])
+  seen, names = collections.Counter(), []
   for name, _ in per_iter[0]:
-    seen[name] = seen.get(name, 0) + 1
-    names.append(name if seen[name] == 1 else f"{name} #{seen[name]}")
-  names = [f"{n} #1" if seen.get(n, 0) > 1 else n for n in names]
+    seen[name] += 1
+    names.append(f"{name} #{seen[name]}" if launches[name] > 1 else name)
   return (float(np.median(totals)) * 1e3,
           {n: float(np.median([kernels[i][1] for kernels in per_iter])) * 1e3
            for i, n in enumerate(names)})
