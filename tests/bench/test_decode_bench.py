@@ -132,13 +132,17 @@ def test_impl_names_the_mosaic_and_triton_kernels():
   assert decode._mosaic_kwargs({"num_splits": None}) == {"num_splits": None}
 
 
+# The fields print_rows reads of a row, beside impl, us, device_us and ours_speedup.
+TABLE_ROW = dict(layout="contiguous", lengths="uniform", batch=1, cache=1024, bytes_read=2**20,
+                 status="ok", rel_err=1e-3, copy_tbs=3.0, tbs=0.1, copy_fraction=0.5)
+
+
 def test_anchor_cells_give_their_gpu_time_where_measured(capsys):
   """A column's cell holds its GPU time beside the per-call time where CUPTI measured one (on
   a GPU), since at short caches the calls are launch-bound; without one, the cell has none."""
   from pallas_flash.bench import decode
 
-  base = dict(layout="contiguous", lengths="uniform", batch=1, cache=1024, bytes_read=2**20,
-              status="ok", rel_err=1e-3, copy_tbs=3.0, tbs=0.1, copy_fraction=0.5)
+  base = TABLE_ROW
   rows = [dict(base, impl="ours", us=40.0, device_us=10.0, ours_speedup=1.0),
           dict(base, impl="cudnn", us=50.0, device_us=20.0, ours_speedup=1.25),
           dict(base, impl="ours:s1", us=41.0, device_us=None, ours_speedup=1.02)]
@@ -159,8 +163,7 @@ def test_kernel_times_are_medians_per_launch_and_print_under_the_row(capsys):
   assert total == pytest.approx(32.0)  # the median of the sums 16, 32, 39 µs
   assert list(kernels) == ["prep", "attend #1", "merge", "attend #2"]
   assert [round(us, 6) for us in kernels.values()] == [3.0, 20.0, 4.0, 2.0]
-  base = dict(layout="contiguous", lengths="uniform", batch=1, cache=1024, bytes_read=2**20,
-              status="ok", rel_err=1e-3, copy_tbs=3.0, tbs=0.1, copy_fraction=0.5)
+  base = TABLE_ROW
   rows = [dict(base, impl="ours", us=40.0, device_us=total, ours_speedup=1.0,
                device_kernels=kernels),
           dict(base, impl="cudnn", us=50.0, device_us=None, ours_speedup=1.25)]
