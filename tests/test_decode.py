@@ -121,6 +121,21 @@ def test_merge_of_split_caches_equals_one_call():
   assert_close_to_ref("lse", merged[1], whole[1], 1e-5)
 
 
+@pytest.mark.parametrize("slots,splits,block_m,d_pad,chunk", [
+    (16, 16, 16, 128, 8),  # B = 1, 16 splits at D 128: 8 slots of [16, 128] a step
+    (23, 16, 16, 64, 16),  # D 64: twice the slots fit
+    (8, 4, 16, 128, 4),  # a uniform sequence's 4 slots at once
+    (3, 3, 16, 128, 2),  # a power of two, never more than the slots (windows in bounds)
+    (24, 3, 64, 128, 2),  # 64-row partials: 2 slots fit
+    (40, 9, 64, 256, 1)])
+def test_merge_chunk_fits_registers_and_slots(slots, splits, block_m, d_pad, chunk):
+  """The merge kernel's slots a step: a power of two, the split count rounded up, within
+  MERGE_CHUNK_FLOATS and the slots (the ragged tests above run windows clamped at the end)."""
+  from pallas_flash.decode import triton as decode_triton
+
+  assert decode_triton.merge_chunk(slots, splits, block_m, d_pad) == chunk
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_split_counts_agree(impl):
   """Any split count (more splits than key blocks included) gives the same result."""

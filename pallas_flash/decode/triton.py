@@ -462,9 +462,27 @@ def _split_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, descale_ref, o_ref, 
   lax.fori_loop(first, stop, one_sequence, _pick(part.starts, first))
 
 
-def _merge_kernel(lengths_ref, o_ref, lse_ref, out_ref, lse_out_ref, *, p: _KernelParams):
-  """Combines one sequence's partial slots for one row tile (merge_attention_states' rule, one
-  pass): the slots program + b of the programs whose runs hold its blocks.
+# Floats of one merge step's [chunk, block_m, D_pad] partials: 128 registers a thread at the
+# merge's 4 warps.
+MERGE_CHUNK_FLOATS = 16384
+
+
+def merge_chunk(slots: int, num_splits: int, block_m: int, d_pad: int) -> int:
+  """Partial slots the merge kernel loads at once, a power of two (Triton's tiles): the split
+  count rounded up (a uniform batch's sequence has that many slots), at most
+  MERGE_CHUNK_FLOATS' worth and at most the slots there are (windows stay in bounds). One
+  slot a step made the merge a chain of dependent loads: 12.3-13.7 µs at B = 1 (16 splits, 4K
+  to 128K) against 4.5-5.7 in chunks (one H100, 2026-12-07, docs/decode.md)."""
+  fit = max(1, MERGE_CHUNK_FLOATS // (block_m * d_pad))
+  return min(1 << (num_splits - 1).bit_length(), 1 << (fit.bit_length() - 1),
+             1 << (slots.bit_length() - 1))
+
+
+def _merge_kernel(lengths_ref, o_ref, lse_ref, out_ref, lse_out_ref, *, p: _KernelParams,
+                  chunk: int):
+  """Combines one sequence's partial slots for one row tile (merge_attention_states' rule,
+  online over chunks of `chunk` slots): the slots program + b of the programs whose runs hold
+  its blocks.
 
   Refs: lengths_ref [B] int32; o_ref [B + N - 1, block_m, D_pad] and lse_ref
   [B + N - 1, block_m] float32 partials of this row tile and kv head; out_ref [Tq, G, D] and
@@ -478,18 +496,28 @@ def _merge_kernel(lengths_ref, o_ref, lse_ref, out_ref, lse_out_ref, *, p: _Kern
   slot_lo, slot_hi = decode_config.sequence_slots(part, _pick(part.starts, seq),
                                                   _pick(counts, seq), seq)
   cols = lax.broadcasted_iota(jnp.int32, (o_ref.shape[-1],), 0)
+  last = o_ref.shape[0] - chunk  # windows start at most here: every load is in bounds
 
-  def body(s, carry):
+  def body(i, carry):
+    """Slots [c, min(c + chunk, slot_hi)), c = slot_lo + i * chunk, loaded as the in-bounds
+    window [start, start + chunk); other slots of the window (unwritten ones may hold NaN)
+    are selected away."""
     m_prev, total, acc = carry
-    lse = lse_ref[s]
+    c = slot_lo + i * chunk
+    start = jnp.minimum(c, last)
+    idx = start + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+    mine = (idx >= c) & (idx < slot_hi)
+    lse = jnp.where(mine[:, None], lse_ref[pl.ds(start, chunk)], -jnp.inf)  # [chunk, bm]
     empty = lse == -jnp.inf
-    m_next = jnp.maximum(m_prev, jnp.where(empty, MASK_VALUE, lse))
+    m_next = jnp.maximum(m_prev, jnp.max(jnp.where(empty, MASK_VALUE, lse), axis=0))
     alpha = jnp.exp(m_prev - m_next)
-    w = jnp.where(empty, 0.0, jnp.exp(lse - m_next))  # an empty partial weighs nothing
-    return m_next, alpha * total + w, alpha[:, None] * acc + w[:, None] * o_ref[s]
+    w = jnp.where(empty, 0.0, jnp.exp(lse - m_next[None, :]))  # an empty partial weighs nothing
+    o = jnp.where(mine[:, None, None], o_ref[pl.ds(start, chunk)], 0.0)  # [chunk, bm, D_pad]
+    return (m_next, alpha * total + jnp.sum(w, axis=0),
+            alpha[:, None] * acc + jnp.sum(w[:, :, None] * o, axis=0))
 
   bm = p.block_m
-  m, total, acc = lax.fori_loop(slot_lo, slot_hi, body, (
+  m, total, acc = lax.fori_loop(0, (slot_hi - slot_lo + chunk - 1) // chunk, body, (
       jnp.full((bm,), MASK_VALUE, jnp.float32), jnp.zeros((bm,), jnp.float32),
       jnp.zeros((bm, o_ref.shape[-1]), jnp.float32)))
   empty = total == 0.0
@@ -627,7 +655,8 @@ def merge_partials(q, lengths, o, lse, *, kp: _KernelParams, interpret: bool):
   lse_slots = lambda mi, k: (k, 0, mi)  # noqa: E731
   lengths_spec = pl.BlockSpec(lengths.shape, lambda *_: (0,))
   return pl.pallas_call(
-      functools.partial(_merge_kernel, p=kp),
+      functools.partial(_merge_kernel, p=kp,
+                        chunk=merge_chunk(slots, kp.params.num_splits, bm, d_pad)),
       grid=(tiles_m, b * kh),
       in_specs=[lengths_spec,
                 pl.BlockSpec((None, slots, bm, d_pad), lambda mi, bh: o_slots(mi, bh % kh)),
