@@ -142,10 +142,9 @@ def test_anchor_cells_give_their_gpu_time_where_measured(capsys):
   a GPU), since at short caches the calls are launch-bound; without one, the cell has none."""
   from pallas_flash.bench import decode
 
-  base = TABLE_ROW
-  rows = [dict(base, impl="ours", us=40.0, device_us=10.0, ours_speedup=1.0),
-          dict(base, impl="cudnn", us=50.0, device_us=20.0, ours_speedup=1.25),
-          dict(base, impl="ours:s1", us=41.0, device_us=None, ours_speedup=1.02)]
+  rows = [dict(TABLE_ROW, impl="ours", us=40.0, device_us=10.0, ours_speedup=1.0),
+          dict(TABLE_ROW, impl="cudnn", us=50.0, device_us=20.0, ours_speedup=1.25),
+          dict(TABLE_ROW, impl="ours:s1", us=41.0, device_us=None, ours_speedup=1.02)]
   decode.print_rows(rows, ["ours", "cudnn", "ours:s1"])
   line = capsys.readouterr().out.strip()
   assert line.endswith("| 50.0 (1.25x) dev 20.0 | 41.0 (1.02x) |"), line
@@ -163,10 +162,9 @@ def test_kernel_times_are_medians_per_launch_and_print_under_the_row(capsys):
   assert total == pytest.approx(32.0)  # the median of the sums 16, 32, 39 µs
   assert list(kernels) == ["prep", "attend #1", "merge", "attend #2"]
   assert [round(us, 6) for us in kernels.values()] == [3.0, 20.0, 4.0, 2.0]
-  base = TABLE_ROW
-  rows = [dict(base, impl="ours", us=40.0, device_us=total, ours_speedup=1.0,
+  rows = [dict(TABLE_ROW, impl="ours", us=40.0, device_us=total, ours_speedup=1.0,
                device_kernels=kernels),
-          dict(base, impl="cudnn", us=50.0, device_us=None, ours_speedup=1.25)]
+          dict(TABLE_ROW, impl="cudnn", us=50.0, device_us=None, ours_speedup=1.25)]
   decode.print_rows(rows, ["ours", "cudnn"], kernels=True)
   lines = capsys.readouterr().out.strip().splitlines()
   assert lines[1:] == ["    ours: prep 3.0, attend #1 20.0, merge 4.0, attend #2 2.0"], lines
