@@ -121,19 +121,23 @@ def test_merge_of_split_caches_equals_one_call():
   assert_close_to_ref("lse", merged[1], whole[1], 1e-5)
 
 
-@pytest.mark.parametrize("slots,splits,block_m,d_pad,chunk", [
-    (16, 16, 16, 128, 8),  # B = 1, 16 splits at D 128: 8 slots of [16, 128] a step
-    (23, 16, 16, 64, 16),  # D 64: twice the slots fit
-    (8, 4, 16, 128, 4),  # a uniform sequence's 4 slots at once
-    (3, 3, 16, 128, 2),  # a power of two, never more than the slots (windows in bounds)
-    (24, 3, 64, 128, 2),  # 64-row partials: 2 slots fit
-    (40, 9, 64, 256, 1)])
-def test_merge_chunk_fits_registers_and_slots(slots, splits, block_m, d_pad, chunk):
-  """The merge kernel's slots a step: a power of two, the split count rounded up, within
-  MERGE_CHUNK_FLOATS and the slots (the ragged tests above run windows clamped at the end)."""
+@pytest.mark.parametrize("rows,block_m,slots,d_pad,merged_rows,chunk", [
+    (4, 16, 16, 128, 4, 16),  # B = 1, 16 splits, G = 4: the 4 real rows, all 16 slots at once
+    (4, 16, 39, 128, 4, 32),  # B = 8, 4 splits: 32 of 39 slots (a long ragged sequence's too)
+    (4, 64, 39, 128, 4, 32),  # Mosaic's 64-row partials: still the 4 real rows
+    (3, 16, 3, 128, 4, 2),  # rows rounded up; never more slots than there are (in bounds)
+    (1, 16, 100, 64, 1, 64),  # MQA-like G = 1 at D 64
+    (16, 16, 40, 128, 16, 8),  # a full 16-row tile: 8 slots fit
+    (40, 16, 40, 256, 16, 4)])  # several row tiles: block_m rows each
+def test_merge_reads_real_rows_and_slots_that_fit(rows, block_m, slots, d_pad, merged_rows,
+                                                  chunk):
+  """The merge kernel reads a row tile's real rows (a power of two), not the split kernel's
+  padded tile, and as many slots a step as MERGE_CHUNK_FLOATS holds, within the slots (the
+  ragged tests above run windows clamped at the end)."""
   from pallas_flash.decode import triton as decode_triton
 
-  assert decode_triton.merge_chunk(slots, splits, block_m, d_pad) == chunk
+  assert decode_triton.merge_rows(rows, block_m) == merged_rows
+  assert decode_triton.merge_chunk(slots, merged_rows, d_pad) == chunk
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -217,14 +217,15 @@ def _load_half_query(q_ref, t, g, p: _KernelParams, seq=None) -> _HalfQuery:
                     factor)
 
 
-def _tile_rows(row0, p: _KernelParams):
-  """GQA-packed rows row0 .. row0 + block_m - 1: (token t, head g of the kv head's group),
-  row r being token r // G, head r % G.
+def _tile_rows(row0, p: _KernelParams, n: int | None = None):
+  """GQA-packed rows row0 .. row0 + n - 1 (n: block_m unless given): (token t, head g of the
+  kv head's group), row r being token r // G, head r % G.
 
   Padding rows (r >= M) repeat the last real row, so they compute and write exactly its
   values: stores stay correct wherever masked-off lanes do write (the interpreter's scatter).
   """
-  real = jnp.minimum(row0 + lax.broadcasted_iota(jnp.int32, (p.block_m,), 0), p.rows - 1)
+  n = p.block_m if n is None else n
+  real = jnp.minimum(row0 + lax.broadcasted_iota(jnp.int32, (n,), 0), p.rows - 1)
   return real // p.params.group, real % p.params.group
 
 
@@ -462,35 +463,42 @@ def _split_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, descale_ref, o_ref, 
   lax.fori_loop(first, stop, one_sequence, _pick(part.starts, first))
 
 
-# Floats of one merge step's [chunk, block_m, D_pad] partials: 128 registers a thread at the
+# Floats of one merge step's [chunk, rows, D_pad] partials: 128 registers a thread at the
 # merge's 4 warps.
 MERGE_CHUNK_FLOATS = 16384
 
 
-def merge_chunk(slots: int, num_splits: int, block_m: int, d_pad: int) -> int:
-  """Partial slots the merge kernel loads at once, a power of two (Triton's tiles): the split
-  count rounded up (a uniform batch's sequence has that many slots), at most
-  MERGE_CHUNK_FLOATS' worth and at most the slots there are (windows stay in bounds). One
-  slot a step made the merge a chain of dependent loads: 12.3-13.7 µs at B = 1 (16 splits, 4K
-  to 128K) against 4.5-5.7 in chunks (one H100, 2026-12-07, docs/decode.md)."""
-  fit = max(1, MERGE_CHUNK_FLOATS // (block_m * d_pad))
-  return min(1 << (num_splits - 1).bit_length(), 1 << (fit.bit_length() - 1),
-             1 << (slots.bit_length() - 1))
+def merge_rows(rows: int, block_m: int) -> int:
+  """Rows of a partial tile the merge kernel reads: a single row tile's rows rounded up to a
+  power of two (Triton's tiles), not the split kernel's padded block_m (16, or 64 on Mosaic):
+  a decode step at G = 4 holds 4 real rows."""
+  return block_m if rows > block_m else min(block_m, 1 << (rows - 1).bit_length())
+
+
+def merge_chunk(slots: int, rows: int, d_pad: int) -> int:
+  """Partial slots the merge kernel loads at once: as many [rows, D_pad] slots as
+  MERGE_CHUNK_FLOATS holds, a power of two (Triton's tiles) and at most the slots there are
+  (windows stay in bounds). Its loads are masked to the sequence's slots, so a wide window
+  costs registers, not traffic, and one step takes a ragged batch's longest sequence too.
+  Merged so, B = 1 and 8 merge in 2.0-3.4 µs where the split count's chunks of padded rows took
+  3.5-11.8 (one H100, 2026-12-07, docs/decode.md)."""
+  fit = max(1, MERGE_CHUNK_FLOATS // (rows * d_pad))
+  return min(1 << (fit.bit_length() - 1), 1 << (slots.bit_length() - 1))
 
 
 def _merge_kernel(lengths_ref, o_ref, lse_ref, out_ref, lse_out_ref, *, p: _KernelParams,
-                  chunk: int):
+                  rows: int, chunk: int):
   """Combines one sequence's partial slots for one row tile (merge_attention_states' rule,
   online over chunks of `chunk` slots): the slots program + b of the programs whose runs hold
   its blocks.
 
-  Refs: lengths_ref [B] int32; o_ref [B + N - 1, block_m, D_pad] and lse_ref
-  [B + N - 1, block_m] float32 partials of this row tile and kv head; out_ref [Tq, G, D] and
+  Refs: lengths_ref [B] int32; o_ref [B + N - 1, rows, D_pad] and lse_ref [B + N - 1, rows]
+  float32 partials of this row tile and kv head (rows: merge_rows); out_ref [Tq, G, D] and
   lse_out_ref [G, Tq] as the decode kernel's outputs. Grid: (row tiles, B * K).
   """
   mi, seq = pl.program_id(0), pl.program_id(1) // p.num_kv_heads
   row0 = mi * p.block_m
-  t, g = _tile_rows(row0, p)
+  t, g = _tile_rows(row0, p, rows)
   counts = _sequence_blocks(lengths_ref, *_tile_tokens(row0, p), p)
   part = decode_config.balanced_partition(counts, p.params.num_splits * p.batch)
   slot_lo, slot_hi = decode_config.sequence_slots(part, _pick(part.starts, seq),
@@ -499,27 +507,28 @@ def _merge_kernel(lengths_ref, o_ref, lse_ref, out_ref, lse_out_ref, *, p: _Kern
   last = o_ref.shape[0] - chunk  # windows start at most here: every load is in bounds
 
   def body(i, carry):
-    """Slots [c, min(c + chunk, slot_hi)), c = slot_lo + i * chunk, loaded as the in-bounds
-    window [start, start + chunk); other slots of the window (unwritten ones may hold NaN)
-    are selected away."""
+    """Slots [c, min(c + chunk, slot_hi)), c = slot_lo + i * chunk, of the in-bounds window
+    [start, start + chunk); its other slots (unwritten ones may hold NaN) are masked off the
+    loads."""
     m_prev, total, acc = carry
     c = slot_lo + i * chunk
     start = jnp.minimum(c, last)
     idx = start + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
     mine = (idx >= c) & (idx < slot_hi)
-    lse = jnp.where(mine[:, None], lse_ref[pl.ds(start, chunk)], -jnp.inf)  # [chunk, bm]
+    lse = pltriton.load(lse_ref.at[pl.ds(start, chunk)], mask=mine[:, None],
+                        other=-jnp.inf)  # [chunk, rows]
     empty = lse == -jnp.inf
     m_next = jnp.maximum(m_prev, jnp.max(jnp.where(empty, MASK_VALUE, lse), axis=0))
     alpha = jnp.exp(m_prev - m_next)
     w = jnp.where(empty, 0.0, jnp.exp(lse - m_next[None, :]))  # an empty partial weighs nothing
-    o = jnp.where(mine[:, None, None], o_ref[pl.ds(start, chunk)], 0.0)  # [chunk, bm, D_pad]
+    o = pltriton.load(o_ref.at[pl.ds(start, chunk)], mask=mine[:, None, None],
+                      other=0.0)  # [chunk, rows, D_pad]
     return (m_next, alpha * total + jnp.sum(w, axis=0),
             alpha[:, None] * acc + jnp.sum(w[:, :, None] * o, axis=0))
 
-  bm = p.block_m
   m, total, acc = lax.fori_loop(0, (slot_hi - slot_lo + chunk - 1) // chunk, body, (
-      jnp.full((bm,), MASK_VALUE, jnp.float32), jnp.zeros((bm,), jnp.float32),
-      jnp.zeros((bm, o_ref.shape[-1]), jnp.float32)))
+      jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
+      jnp.zeros((rows, o_ref.shape[-1]), jnp.float32)))
   empty = total == 0.0
   safe = jnp.where(empty, 1.0, total)
   _store_rows(out_ref, lse_out_ref, acc * (1.0 / safe)[:, None],
@@ -651,16 +660,17 @@ def merge_partials(q, lengths, o, lse, *, kp: _KernelParams, interpret: bool):
   bm = kp.block_m
   tiles_m = -(-kp.rows // bm)
   slots, d_pad = o.shape[1], o.shape[3]
+  rows = merge_rows(kp.rows, bm)  # with one row tile, mi = 0 and block 0 is its real rows
   o_slots = lambda mi, k: (k, 0, mi, 0)  # noqa: E731
   lse_slots = lambda mi, k: (k, 0, mi)  # noqa: E731
   lengths_spec = pl.BlockSpec(lengths.shape, lambda *_: (0,))
   return pl.pallas_call(
-      functools.partial(_merge_kernel, p=kp,
-                        chunk=merge_chunk(slots, kp.params.num_splits, bm, d_pad)),
+      functools.partial(_merge_kernel, p=kp, rows=rows,
+                        chunk=merge_chunk(slots, rows, d_pad)),
       grid=(tiles_m, b * kh),
       in_specs=[lengths_spec,
-                pl.BlockSpec((None, slots, bm, d_pad), lambda mi, bh: o_slots(mi, bh % kh)),
-                pl.BlockSpec((None, slots, bm), lambda mi, bh: lse_slots(mi, bh % kh))],
+                pl.BlockSpec((None, slots, rows, d_pad), lambda mi, bh: o_slots(mi, bh % kh)),
+                pl.BlockSpec((None, slots, rows), lambda mi, bh: lse_slots(mi, bh % kh))],
       out_specs=_final_specs(kh, tq, g, d),
       out_shape=_final_shapes(q),
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
