@@ -22,9 +22,11 @@ ours_fp8,ours --variant ours_fp8:bk256:block_kv=256`: a tile change decided in o
 `num_splits=N` sets the call's split count instead of the heuristic's (with no other field the
 config stays the call's default). `--loop-calls N` also times each column as N calls chained
 in one jitted `fori_loop` (`looped`): a generation loop's cost per step, which jax's per-call
-dispatch (tens of µs) hides at short caches. Every column's GPU time (CUPTI, the sum of its kernels'
-durations: 'dev') stands beside its per-call time; `--kernels` prints each kernel's share
-under the row (ours: the split kernel and the merge; `mosaic` adds its prepare launch).
+dispatch (tens of µs) hides at short caches, beside the same loop's step without the call
+('empty': the loop's own cost, which a model's step pays once for all its layers). Every
+column's GPU time (CUPTI, the sum of its kernels' durations: 'dev') stands beside its per-call
+time; `--kernels` prints each kernel's share under the row (ours: the split kernel and the
+merge; `mosaic` adds its prepare launch).
 
 Chunked prefill rows: Tq new tokens (B = 1) against a 32K cache, end-aligned causal, in TFLOP/s
 (4 * H * D * visible pairs): ours (the default path: on Hopper from FLASH_SPLIT_MIN_Q_LEN
@@ -77,8 +79,11 @@ VARIANT_CONFIGS = {"ours": pallas_flash.TritonDecodeConfig,
 # decode_attention's keyword arguments a --variant may set beside its config's fields
 # (`--variant ours:s2:num_splits=2`: a split count timed against the heuristic's).
 VARIANT_CALL_FIELDS = ("num_splits",)
-# --loop-calls: the name prefix of a column's looped call among the timed functions.
+# --loop-calls: the name prefix of a column's looped call among the timed functions, and the
+# name of the same loop without attention (its steps' own cost: the trip count's compare and
+# copy to the host, the query update).
 LOOP = "loop:"
+EMPTY_LOOP = "loop:empty"
 # max|x - ref| / max|ref| above which a row is FAIL (the attention benchmark's tolerances).
 TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}
 # Decode-mode timing defaults (the flags override them): short loops, few rounds.
@@ -434,6 +439,8 @@ def run_point(grid: Grid, batch: int, cache: int, layout: str, impls: list[str],
   if n_loop:  # compiled with the plain calls, timed in the same rounds as LOOP + impl
     calls.update({LOOP + i: looped(f, n_loop) for i, f in list(calls.items())})
     args.update({LOOP + i: args[i] for i in list(args)})
+    calls[EMPTY_LOOP] = looped(lambda q, *_: q, n_loop)
+    args[EMPTY_LOOP] = (q, k, v, lens_spec, table)
   start = time.perf_counter()
   compiled = _compile_all(calls, args)
   compile_s = time.perf_counter() - start
@@ -491,6 +498,8 @@ def run_point(grid: Grid, batch: int, cache: int, layout: str, impls: list[str],
       row["device_us"], row["device_kernels"] = _device_times(exe, call_args)
       if row["device_us"]:
         row["device_tbs"] = row["bytes_read"] / row["device_us"] / 1e6
+    if not isinstance(empty := compiled.get(EMPTY_LOOP), (Exception, type(None))):
+      fns[EMPTY_LOOP] = functools.partial(empty, q, k, v, lens, table)
     copy_elems = min(read, COPY_CAP_BYTES, k.size * itemsize) // itemsize
     copy = jax.jit(lambda x, n=copy_elems: x.reshape(-1)[:n] + jnp.ones((), x.dtype))
     copy = copy.lower(k).compile()
@@ -509,6 +518,7 @@ def run_point(grid: Grid, batch: int, cache: int, layout: str, impls: list[str],
                    copy_fraction=nbytes / t.median_s / copy_bw)
       if (t := times.get(LOOP + row["impl"])) is not None:
         row["loop_us"] = t.median_s * 1e6 / n_loop
+        row["empty_loop_us"] = times[EMPTY_LOOP].median_s * 1e6 / n_loop
     ours = next((r for r in group if r["impl"] == impls[0] and r["us"]), None)
     for row in group:
       row["ours_speedup"] = ours["us"] and row["us"] and row["us"] / ours["us"] if ours else None
@@ -603,7 +613,8 @@ def print_header(impls: list[str], grid: Grid, dtype) -> None:
         f"D {grid.head_dim}, page {grid.page_size}. TB/s = K+V bytes read / time; %copy = that"
         " / (2 x bytes / a jnp copy's time); us: per call, back to back; dev us: its kernels'"
         " GPU time (CUPTI); anchors and variants: us (our speed-up) dev us; loop: us per call"
-        " chained in one jitted loop (--loop-calls); ! = FAIL")
+        " chained in one jitted loop (--loop-calls), empty: that loop's step without the call;"
+        " ! = FAIL")
   print(f"| layout | lengths | B | cache | MiB read | copy TB/s | {impls[0]} us | dev us | TB/s "
         "| %copy | err | " + " | ".join(anchors) + " |")
   print("|---" * (11 + len(anchors)) + "|")
@@ -624,7 +635,8 @@ def print_rows(rows: list[dict], impls: list[str], kernels: bool = False) -> Non
     cells = [layout, mode, str(b), _tokens(cache), f"{ours['bytes_read'] / 2**20:.4g}",
              _f(ours.get("copy_tbs"), ".2f"),
              _f(ours["us"], ".1f") + ("!" if ours["status"] == "FAIL" else "")
-             + (f" (loop {ours['loop_us']:.1f})" if ours.get("loop_us") else ""),
+             + (f" (loop {ours['loop_us']:.1f}, empty {ours['empty_loop_us']:.1f})"
+                if ours.get("loop_us") else ""),
              _f(ours.get("device_us"), ".1f"), _f(ours.get("tbs"), ".2f"), _f(pct, ".0f"),
              _f(ours["rel_err"], ".0e")]
     cells += [_anchor_cell(group[a]) if a in group else "" for a in anchors]

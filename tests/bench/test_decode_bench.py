@@ -174,7 +174,8 @@ def test_kernel_times_are_medians_per_launch_and_print_under_the_row(capsys):
 
 def test_loop_calls_chain_each_call_on_the_last_output(tmp_path, capsys):
   """--loop-calls N: `looped` runs the call N times, each query taking a share of the previous
-  output (so no call is hoisted), and each checked column gets its per-call time in the loop."""
+  output (so no call is hoisted), and each checked column gets its per-call time in the loop,
+  beside the step of the same loop without the call."""
   import jax.numpy as jnp
   import numpy as np
 
@@ -195,6 +196,8 @@ def test_loop_calls_chain_each_call_on_the_last_output(tmp_path, capsys):
               "ours,jax_xla", "--loop-calls", "4", *FAST, "--json", str(out)])
   rows = {r["impl"]: r for r in json.loads(out.read_text())}
   for r in rows.values():
-    assert r["status"] == "ok" and r["loop_us"] > 0, r
+    assert r["status"] == "ok" and r["loop_us"] > 0 and r["empty_loop_us"] > 0, r
+  ours = rows["ours"]
   line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| contiguous"))
-  assert f"(loop {rows['ours']['loop_us']:.1f})" in line and " loop " in line, line
+  assert f"(loop {ours['loop_us']:.1f}, empty {ours['empty_loop_us']:.1f})" in line, line
+  assert " loop " in line, line
