@@ -23,7 +23,8 @@ ours_fp8,ours --variant ours_fp8:bk256:block_kv=256`: a tile change decided in o
 config stays the call's default). `--loop-calls N` also times each column as N calls chained
 in one jitted `fori_loop` (`looped`): a generation loop's cost per step, which jax's per-call
 dispatch (tens of µs) hides at short caches, beside the same loop's step without the call
-('empty': the loop's own cost, which a model's step pays once for all its layers). Every
+('empty': the loop's own cost, which a model's step pays once for all its layers); the run
+then has XLA capture CUDA graphs of any size (GRAPH_FLAG), as a model's step would be. Every
 column's GPU time (CUPTI, the sum of its kernels' durations: 'dev') stands beside its per-call
 time; `--kernels` prints each kernel's share under the row (ours: the split kernel and the
 merge; `mosaic` adds its prepare launch).
@@ -48,6 +49,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import math
+import os
 import time
 
 import jax
@@ -333,6 +335,21 @@ def _torch_call(q, k, v):
   return timed, result
 
 
+# XLA runs a loop body of at least this many ops as one CUDA graph (its default is 5): a
+# model's decode step is always one, the bench's loop of two to five ops is not unless asked,
+# and then its launches, not its kernels, set the step's time (one H100, 2026-12-07: the Triton
+# call 15-26 µs a step at B = 1, 1K, as a graph 11.5; the empty loop 21 µs, as a graph 4.9).
+GRAPH_FLAG = "--xla_gpu_graph_min_graph_size=1"
+
+
+def capture_small_graphs() -> None:
+  """Adds GRAPH_FLAG to XLA_FLAGS for --loop-calls; it takes effect if the GPU client has not
+  started yet (python -m pallas_flash.bench sets it before anything runs)."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "--xla_gpu_graph_min_graph_size" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {GRAPH_FLAG}".strip()
+
+
 def looped(fn, calls: int):
   """fn(q, k, v, lens, table) run `calls` times in one lax.fori_loop, as a generation loop
   runs its decode steps: each call's query takes a 1e-6 share of one element of the previous
@@ -613,8 +630,8 @@ def print_header(impls: list[str], grid: Grid, dtype) -> None:
         f"D {grid.head_dim}, page {grid.page_size}. TB/s = K+V bytes read / time; %copy = that"
         " / (2 x bytes / a jnp copy's time); us: per call, back to back; dev us: its kernels'"
         " GPU time (CUPTI); anchors and variants: us (our speed-up) dev us; loop: us per call"
-        " chained in one jitted loop (--loop-calls), empty: that loop's step without the call;"
-        " ! = FAIL")
+        " chained in one jitted loop run as a CUDA graph (--loop-calls), empty: that loop's step"
+        " without the call; ! = FAIL")
   print(f"| layout | lengths | B | cache | MiB read | copy TB/s | {impls[0]} us | dev us | TB/s "
         "| %copy | err | " + " | ".join(anchors) + " |")
   print("|---" * (11 + len(anchors)) + "|")

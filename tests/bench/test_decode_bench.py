@@ -3,6 +3,7 @@ bandwidth, the copy fraction and the anchors' ratios (never asserting on speed).
 
 import json
 import math
+import os
 
 import pytest
 
@@ -172,7 +173,7 @@ def test_kernel_times_are_medians_per_launch_and_print_under_the_row(capsys):
   assert len(capsys.readouterr().out.strip().splitlines()) == 1
 
 
-def test_loop_calls_chain_each_call_on_the_last_output(tmp_path, capsys):
+def test_loop_calls_chain_each_call_on_the_last_output(tmp_path, capsys, monkeypatch):
   """--loop-calls N: `looped` runs the call N times, each query taking a share of the previous
   output (so no call is hoisted), and each checked column gets its per-call time in the loop,
   beside the step of the same loop without the call."""
@@ -191,9 +192,12 @@ def test_loop_calls_chain_each_call_on_the_last_output(tmp_path, capsys):
   assert not np.array_equal(np.asarray(decode.looped(fn, 2)(q, k, None, None, None)), want)
 
   out = tmp_path / "rows.json"
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored afterwards
   bench.main(["--decode", "--grid", "cpu", "--dtype", "f32", "--batches", "3", "--caches", "96",
               "--layouts", "contiguous", "--lengths", "uniform", "--prefill", "no", "--impl",
               "ours,jax_xla", "--loop-calls", "4", *FAST, "--json", str(out)])
+  # On a GPU the run's loops are CUDA graphs, as a model's step is (decode.GRAPH_FLAG).
+  assert decode.GRAPH_FLAG in os.environ["XLA_FLAGS"].split()
   rows = {r["impl"]: r for r in json.loads(out.read_text())}
   for r in rows.values():
     assert r["status"] == "ok" and r["loop_us"] > 0 and r["empty_loop_us"] > 0, r
