@@ -82,8 +82,8 @@ VARIANT_CONFIGS = {"ours": pallas_flash.TritonDecodeConfig,
 # (`--variant ours:s2:num_splits=2`: a split count timed against the heuristic's).
 VARIANT_CALL_FIELDS = ("num_splits",)
 # --loop-calls: the name prefix of a column's looped call among the timed functions, and the
-# name of the same loop without attention (its steps' own cost: the trip count's compare and
-# copy to the host, the query update).
+# name of the same loop without attention (its steps' own cost: the trip count's compare, the
+# query update).
 LOOP = "loop:"
 EMPTY_LOOP = "loop:empty"
 # max|x - ref| / max|ref| above which a row is FAIL (the attention benchmark's tolerances).
@@ -535,7 +535,8 @@ def run_point(grid: Grid, batch: int, cache: int, layout: str, impls: list[str],
                    copy_fraction=nbytes / t.median_s / copy_bw)
       if (t := times.get(LOOP + row["impl"])) is not None:
         row["loop_us"] = t.median_s * 1e6 / n_loop
-        row["empty_loop_us"] = times[EMPTY_LOOP].median_s * 1e6 / n_loop
+        if (empty_t := times.get(EMPTY_LOOP)) is not None:
+          row["empty_loop_us"] = empty_t.median_s * 1e6 / n_loop
     ours = next((r for r in group if r["impl"] == impls[0] and r["us"]), None)
     for row in group:
       row["ours_speedup"] = ours["us"] and row["us"] and row["us"] / ours["us"] if ours else None
@@ -652,7 +653,7 @@ def print_rows(rows: list[dict], impls: list[str], kernels: bool = False) -> Non
     cells = [layout, mode, str(b), _tokens(cache), f"{ours['bytes_read'] / 2**20:.4g}",
              _f(ours.get("copy_tbs"), ".2f"),
              _f(ours["us"], ".1f") + ("!" if ours["status"] == "FAIL" else "")
-             + (f" (loop {ours['loop_us']:.1f}, empty {ours['empty_loop_us']:.1f})"
+             + (f" (loop {ours['loop_us']:.1f}, empty {_f(ours.get('empty_loop_us'), '.1f')})"
                 if ours.get("loop_us") else ""),
              _f(ours.get("device_us"), ".1f"), _f(ours.get("tbs"), ".2f"), _f(pct, ".0f"),
              _f(ours["rel_err"], ".0e")]
