@@ -402,8 +402,10 @@ def test_explain_on_cpu_and_for_h200():
     gpu = pallas_flash.decode_explain(q, kv, kv, lens)
     # B = 1, K = 8: 8 programs per split; one wave on 132 SMs -> 16 splits of 8K keys.
     assert (gpu.chosen, gpu.num_splits, gpu.block_kv) == ("triton", 16, 128)
-    short = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)  # 8 blocks: 2 per split
-    assert pallas_flash.decode_explain(q, short, short, lens).num_splits == 4
+    short = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)  # 8 blocks: 1 per split
+    assert pallas_flash.decode_explain(q, short, short, lens).num_splits == 8
+    tiny = jax.ShapeDtypeStruct((1, 256, 8, 128), jnp.bfloat16)  # never more splits than blocks
+    assert pallas_flash.decode_explain(q, tiny, tiny, lens).num_splits == 2
     big = jax.ShapeDtypeStruct((128, 8192, 8, 128), jnp.bfloat16)
     qb = jax.ShapeDtypeStruct((128, 1, 32, 128), jnp.bfloat16)
     assert pallas_flash.decode_explain(qb, big, big, jax.ShapeDtypeStruct((128,), jnp.int32)

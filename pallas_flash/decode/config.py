@@ -144,9 +144,10 @@ PREFILL_TRITON = TritonDecodeConfig(block_kv=128, block_m=128, num_warps=8, num_
 # Rows above which a call takes the prefill tiles (Tq * G > 64: e.g. 17+ tokens at G = 4).
 PREFILL_ROWS = 64
 
-# Key blocks each split streams at least: with fewer, the merge kernel and each program's
-# pipeline start cost more than the split buys (B = 1, 1K cache: 4 splits 9.9 µs, 8 splits 11.4).
-MIN_BLOCKS_PER_SPLIT = 2
+# Key blocks each split streams at least. One block a split pays since the merge reads a
+# sequence's partials in one masked step (one H100, 2026-12-07, B = 1, GPU time: 1K 8 splits
+# 7.0 µs against 4 splits' 8.5, 2K 16 splits 7.9 against 8 splits' 9.1; cuDNN 6.6 / 7.3).
+MIN_BLOCKS_PER_SPLIT = 1
 # Splits of at least this many key blocks may go past one wave, up to WAVES: the extra waves
 # cost uniform batches little there and let ragged ones balance (B = 8 at 128K: 2 splits
 # uniform 4.51 / ragged 3.01 TB/s, 9 splits 4.13 / 3.81). Measured with S splits per sequence;
