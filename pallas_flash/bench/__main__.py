@@ -97,15 +97,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   return opts
 
 
+def _git(*args: str) -> str:
+  return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                        check=True).stdout.strip()
+
+
 def git_commit() -> str | None:
-  """The commit being measured (best effort, None when unknown).
+  """The commit being measured (best effort, None when unknown), "-dirty" appended when tracked
+  files differ from it: a copied tree whose repository lags behind it (a GPU machine's copy of
+  a checkout) then does not pass for that commit.
 
   $PALLAS_FLASH_COMMIT names it when set: a `git archive` snapshot has no repository of its
   own, and `git rev-parse` would report whatever checkout encloses it."""
-  commit = os.environ.get("PALLAS_FLASH_COMMIT", "")
+  if commit := os.environ.get("PALLAS_FLASH_COMMIT", ""):
+    return commit
   try:
-    commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                      text=True, timeout=10, check=True).stdout.strip()
+    commit = _git("rev-parse", "HEAD")
+    if commit and _git("status", "--porcelain", "--untracked-files=no"):
+      commit += "-dirty"
   except (OSError, subprocess.SubprocessError):
     pass
   return commit or None

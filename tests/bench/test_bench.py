@@ -297,3 +297,25 @@ def test_ratios_to_cudnn_also_count_the_rounds_won():
   assert ours["rounds_faster"] == 2 and bench._rounds(ours) == "2/4 0.50-2.00 p=1"
   assert "round_ratios" not in cudnn and cudnn["ratio_cudnn"] == 1.0
   assert "ratio_cudnn" not in triton and bench._rounds(triton) == "-"
+
+
+def test_git_commit_marks_a_tree_that_differs_from_its_commit(tmp_path, monkeypatch):
+  """The rows' git_commit: HEAD, "-dirty" when tracked files differ from it (untracked ones do
+  not count), and $PALLAS_FLASH_COMMIT as given."""
+
+  def git(*args):
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+  git("init", "-q")
+  (tmp_path / "f.py").write_text("a = 1\n")
+  git("add", "f.py")
+  git("commit", "-qm", "one")
+  head = git("rev-parse", "HEAD").strip()
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.delenv("PALLAS_FLASH_COMMIT", raising=False)
+  (tmp_path / "new.py").write_text("b = 2\n")
+  assert bench.git_commit() == head
+  (tmp_path / "f.py").write_text("a = 2\n")
+  assert bench.git_commit() == head + "-dirty"
+  monkeypatch.setenv("PALLAS_FLASH_COMMIT", "abc1234")
+  assert bench.git_commit() == "abc1234"
