@@ -472,7 +472,7 @@ def merge_rows(rows: int, block_m: int) -> int:
   """Rows of a partial tile the merge kernel reads: a single row tile's rows rounded up to a
   power of two (Triton's tiles), not the split kernel's padded block_m (16, or 64 on Mosaic):
   a decode step at G = 4 holds 4 real rows."""
-  return block_m if rows > block_m else min(block_m, 1 << (rows - 1).bit_length())
+  return block_m if rows > block_m else common.pl_next_pow2(rows)
 
 
 def merge_chunk(slots: int, rows: int, d_pad: int) -> int:
