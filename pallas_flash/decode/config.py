@@ -144,10 +144,6 @@ PREFILL_TRITON = TritonDecodeConfig(block_kv=128, block_m=128, num_warps=8, num_
 # Rows above which a call takes the prefill tiles (Tq * G > 64: e.g. 17+ tokens at G = 4).
 PREFILL_ROWS = 64
 
-# Key blocks each split streams at least. One block a split pays since the merge reads a
-# sequence's partials in one masked step (one H100, 2026-12-07, B = 1, GPU time: 1K 8 splits
-# 7.0 µs against 4 splits' 8.5, 2K 16 splits 7.9 against 8 splits' 9.1; cuDNN 6.6 / 7.3).
-MIN_BLOCKS_PER_SPLIT = 1
 # Splits of at least this many key blocks may go past one wave, up to WAVES: the extra waves
 # cost uniform batches little there and let ragged ones balance (B = 8 at 128K: 2 splits
 # uniform 4.51 / ragged 3.01 TB/s, 9 splits 4.13 / 3.81). Measured with S splits per sequence;
@@ -163,7 +159,7 @@ def choose_num_splits(info: DecodeInfo, *, block_m: int, block_kv: int) -> tuple
 
   Splits multiply the B * K * ceil(M / block_m) programs up to one wave (about one program
   per SM), and up to WAVES waves while each split keeps LONG_SPLIT_BLOCKS key blocks; never
-  below MIN_BLOCKS_PER_SPLIT blocks per split. Measured on the H200 (bench --decode,
+  more splits than key blocks. Measured on the H200 (bench --decode,
   2026-12-04): B = 1 at 128K, 16 splits 3.78 TB/s, 33 splits 3.04, 66 splits 2.40; B = 8 at
   8K, 2 splits 3.65, 9 splits 2.80. Off-GPU one split.
   """
@@ -174,7 +170,10 @@ def choose_num_splits(info: DecodeInfo, *, block_m: int, block_kv: int) -> tuple
   cores = info.num_cores or DEFAULT_NUM_CORES
   one_wave = cores // programs
   long_splits = min(-(-WAVES * cores // programs), blocks // LONG_SPLIT_BLOCKS)
-  splits = max(1, min(max(one_wave, long_splits), blocks // MIN_BLOCKS_PER_SPLIT))
+  # As few as one key block a split: the merge reads a sequence's partials in one masked step
+  # (one H100, 2026-12-07, B = 1, GPU time: 1K 8 splits 7.0 µs against 4 splits' 8.5, 2K 16
+  # splits 7.9 against 8 splits' 9.1; cuDNN 6.6 / 7.3).
+  splits = max(1, min(max(one_wave, long_splits), blocks))
   waves = splits * programs / cores
   why = (f"{programs} programs (B={info.batch} x K={info.num_kv_heads} x "
          f"{-(-info.rows // block_m)} row tiles) x {splits} splits of "
