@@ -9,7 +9,7 @@ import zlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from testing import assert_close_to_ref, export_for_h200, tolerance
+from testing import assert_close_to_ref, export_for_h200, to_f32, tolerance
 
 import pallas_flash
 from pallas_flash import fp8
@@ -128,21 +128,24 @@ def fill_page_table(table: jax.Array, num_pages: int) -> jax.Array:
 
 
 def _upcast(kwargs: dict) -> dict:
-  return {n: (x.astype(jnp.float32) if n in ("new_key", "new_value") else x)
+  return {n: (to_f32(x) if n in ("new_key", "new_value") else x)
           for n, x in kwargs.items()}
 
 
-def _jitted(fn, **static):
-  """fn jit-compiled with `static` bound, array arguments (and pytrees of them, e.g. rotary
-  tables) traced and every other keyword closed over: one program instead of the hundreds of
-  small ones an op-by-op call compiles."""
+def _split_arrays(kwargs: dict) -> tuple[dict, dict]:
+  """(the keyword arguments that are arrays or pytrees of them, e.g. rotary tables, the rest)."""
   def is_arrays(x):
     leaves = jax.tree.leaves(x)
     return bool(leaves) and all(isinstance(leaf, jax.Array) for leaf in leaves)
+  arrays = {n: x for n, x in kwargs.items() if is_arrays(x)}
+  return arrays, {n: x for n, x in kwargs.items() if n not in arrays}
 
+
+def _jitted(fn, **static):
+  """fn jit-compiled with `static` bound, array arguments traced and every other keyword
+  closed over: one program instead of the hundreds of small ones an op-by-op call compiles."""
   def call(*args, **kwargs):
-    traced = {n: x for n, x in kwargs.items() if is_arrays(x)}
-    closed = {n: x for n, x in kwargs.items() if n not in traced}
+    traced, closed = _split_arrays(kwargs)
     return jax.jit(lambda args, traced: fn(*args, **traced, **closed, **static))(args, traced)
 
   return call
@@ -151,19 +154,27 @@ def _jitted(fn, **static):
 def _reference_by_row(q, kc, vc, lens, kwargs: dict):
   """decode_reference one sequence at a time, concatenated: its float32 scores [B, H, Tq, L]
   at serving sizes (16 GiB of temporaries at 4 x 512 x 32K) outgrow a GPU that two test
-  workers share. A page pool passes from row to row, so it gathers every row's append."""
+  workers share. One program for every row (the row index traced). A page pool passes from row
+  to row, so it gathers every row's append."""
   paged = "page_table" in kwargs
-  ref = _jitted(pallas_flash.decode_reference)
+  per_row = ("page_table", "new_key", "new_value")
+  arrays, closed = _split_arrays(kwargs)
+
+  @jax.jit
+  def row(i, q, kc, vc, lens, arrays):
+    def take(x):
+      return jax.lax.dynamic_slice_in_dim(x, i, 1)
+    arrays = {n: take(x) if n in per_row else x for n, x in arrays.items()}
+    return pallas_flash.decode_reference(take(q), *((kc, vc) if paged else (take(kc), take(vc))),
+                                         take(lens), **arrays, **closed)
+
   rows = []
   for i in range(q.shape[0]):
-    row = {n: x[i:i + 1] if n in ("page_table", "new_key", "new_value") else x
-           for n, x in kwargs.items()}
-    out, lse, kc_i, vc_i = ref(q[i:i + 1], *((kc, vc) if paged else (kc[i:i + 1], vc[i:i + 1])),
-                               lens[i:i + 1], **row)
+    out, lse, kc_i, vc_i = row(i, q, kc, vc, lens, arrays)
     rows.append((out, lse) if paged else (out, lse, kc_i, vc_i))
     if paged:
       kc, vc = kc_i, vc_i
-  joined = [jnp.concatenate(x) for x in zip(*rows)]
+  joined = [jnp.asarray(np.concatenate([np.asarray(r) for r in x])) for x in zip(*rows)]
   return (*joined, kc, vc) if paged else tuple(joined)
 
 
@@ -174,7 +185,7 @@ def check_decode(impl: str, case: DecodeCase, *, seed: int = 0, **call_kwargs) -
   got = _jitted(pallas_flash.decode_attention, return_residuals=True, implementation=impl,
                 **call_kwargs)(q, kc, vc, lens, **kwargs)
   # FP8 caches stay e4m3: the reference dequantises them with kv_descale.
-  up = [x if x.dtype == fp8.E4M3 else x.astype(jnp.float32) for x in (q, kc, vc)]
+  up = [x if x.dtype == fp8.E4M3 else to_f32(x) for x in (q, kc, vc)]
   want = _reference_by_row(*up, lens, _upcast(kwargs))
   tol = tolerance(case.dtype)
   assert got[0].dtype == q.dtype and got[0].shape == q.shape

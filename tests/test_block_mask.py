@@ -14,8 +14,8 @@ from testing import (Case, assert_close_to_ref, assert_matches_reference, make_i
                      random_segments, run, tolerance)
 
 T, S = 70, 90
-SEG_Q = random_segments(jax.random.key(3), 2, T, num_docs=3)
-SEG_KV = random_segments(jax.random.key(4), 2, S, num_docs=3)
+SEG_Q = random_segments(3, 2, T, num_docs=3)
+SEG_KV = random_segments(4, 2, S, num_docs=3)
 PREFIX = jnp.array([17, 40])
 
 

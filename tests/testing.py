@@ -74,43 +74,55 @@ class Case:
     return zlib.crc32(self.id.encode()) % 1000
 
 
-def random_segments(key, batch: int, length: int, num_docs: int = 4) -> jax.Array:
-  """[batch, length] int32 non-decreasing document ids with random boundaries."""
-  starts = jax.random.randint(key, (batch, num_docs - 1), 0, max(length, 1))
-  pos = jnp.arange(length)
-  return (pos[None, :, None] >= starts[:, None, :]).sum(-1).astype(jnp.int32)
+def random_segments(seed, batch: int, length: int, num_docs: int = 4) -> jax.Array:
+  """[batch, length] int32 non-decreasing document ids with random boundaries (seed: an int or
+  a numpy Generator)."""
+  starts = np.random.default_rng(seed).integers(0, max(length, 1), (batch, num_docs - 1))
+  pos = np.arange(length)
+  return jnp.asarray((pos[None, :, None] >= starts[:, None, :]).sum(-1), jnp.int32)
 
 
-def _features(case: Case, key) -> dict:
+def _normal(rng: np.random.Generator, shape, dtype=jnp.float32, std: float = 1.0) -> jax.Array:
+  """Normal values drawn on the host: the suite's inputs come from numpy, as each shape of
+  jax.random.normal is a program of its own to compile (~0.1 s on CPU)."""
+  return jnp.asarray((std * rng.standard_normal(shape, np.float32)).astype(dtype))
+
+
+def to_f32(x) -> jax.Array:
+  """x upcast to float32 on the host (exact), without compiling a conversion per shape."""
+  return jnp.asarray(np.asarray(x, np.float32))
+
+
+def _features(case: Case, rng: np.random.Generator) -> dict:
   """flash_attention's keyword arguments for the case's named features."""
-  keys = jax.random.split(key, 4)
   b, h, t, s = case.batch, case.num_heads, case.q_len, case.kv_len
   recipes = {
       "window": lambda: {"local_window_size": (13, 6)},
       "window_left": lambda: {"local_window_size": (24, 0)},
       "window_512": lambda: {"local_window_size": (511, 0)},
       "softcap": lambda: {"logits_soft_cap": 1.5},
-      "alibi": lambda: {"alibi_slopes": 2.0 ** -jnp.arange(1, h + 1, dtype=jnp.float32)},
-      "dropout": lambda: {"dropout_rate": 0.25, "dropout_rng": keys[3]},
-      "bias": lambda: {"bias": jax.random.normal(keys[0], (1, h, t, s))},
-      "sinks": lambda: {"sinks": 2.0 * jax.random.normal(keys[3], (h,))},
-      "bias_bcast": lambda: {"bias": jax.random.normal(keys[1], (b, 1, 1, s))},
+      "alibi": lambda: {"alibi_slopes": jnp.asarray(2.0 ** -np.arange(1, h + 1), jnp.float32)},
+      "dropout": lambda: {"dropout_rate": 0.25,
+                          "dropout_rng": jax.random.key(int(rng.integers(1 << 31)))},
+      "bias": lambda: {"bias": _normal(rng, (1, h, t, s))},
+      "sinks": lambda: {"sinks": _normal(rng, (h,), std=2.0)},
+      "bias_bcast": lambda: {"bias": _normal(rng, (b, 1, 1, s))},
       # [B, H, T, S] in the inputs' dtype: no broadcast axis, dbias in that dtype.
-      "bias_full": lambda: {"bias": jax.random.normal(keys[0], (b, h, t, s), case.dtype)},
+      "bias_full": lambda: {"bias": _normal(rng, (b, h, t, s), case.dtype)},
       # [1, H, T, S] in the inputs' dtype: a learned bias shared by the batch.
-      "bias_shared": lambda: {"bias": jax.random.normal(keys[0], (1, h, t, s), case.dtype)},
+      "bias_shared": lambda: {"bias": _normal(rng, (1, h, t, s), case.dtype)},
       # Std 5: the two soft-cap orders differ by O(1) (issue 46).
-      "bias_std5": lambda: {"bias": 5.0 * jax.random.normal(keys[0], (b, h, t, s))},
+      "bias_std5": lambda: {"bias": _normal(rng, (b, h, t, s), std=5.0)},
       "cap_then_bias": lambda: {"logits_soft_cap_order": "cap_then_bias"},
       "bias_then_cap": lambda: {"logits_soft_cap_order": "bias_then_cap"},
-      "mask": lambda: {"mask": jax.random.bernoulli(keys[2], 0.8, (b, 1, t, s))},
+      "mask": lambda: {"mask": jnp.asarray(rng.random((b, 1, t, s)) < 0.8)},
       # Every 7th query row sees no key: o = 0 and zero gradients there.
-      "mask_empty_rows": lambda: {"mask": jax.random.bernoulli(keys[2], 0.8, (b, 1, t, s))
-                                  & (jnp.arange(t) % 7 != 3)[None, None, :, None]},
+      "mask_empty_rows": lambda: {"mask": jnp.asarray(
+          (rng.random((b, 1, t, s)) < 0.8) & (np.arange(t) % 7 != 3)[None, None, :, None])},
       # Ids in no order: no key block can be skipped.
       "unsorted_segments": lambda: {
-          "query_segment_ids": jax.random.randint(keys[0], (b, t), 0, 3, jnp.int32),
-          "key_value_segment_ids": jax.random.randint(keys[1], (b, s), 0, 3, jnp.int32)},
+          "query_segment_ids": jnp.asarray(rng.integers(0, 3, (b, t)), jnp.int32),
+          "key_value_segment_ids": jnp.asarray(rng.integers(0, 3, (b, s)), jnp.int32)},
   }
   kwargs = {}
   for name in case.features:
@@ -122,24 +134,23 @@ def make_inputs(case: Case, seed: int | None = None) -> tuple[tuple[jax.Array, .
   """Fresh random q, k, v, a cotangent and the keyword arguments of the case's masking and
   features (seed: the case's own by default)."""
   seed = case.seed if seed is None else seed
-  keys = jax.random.split(jax.random.key(seed), 9)
-  q = jax.random.normal(keys[0], (case.batch, case.q_len, case.num_heads, case.head_dim))
-  k = jax.random.normal(keys[1], (case.batch, case.kv_len, case.num_kv_heads, case.head_dim))
+  rngs = [np.random.default_rng([seed, i]) for i in range(9)]
   dv = case.head_dim if case.value_head_dim is None else case.value_head_dim
-  v = jax.random.normal(keys[2], (case.batch, case.kv_len, case.num_kv_heads, dv))
-  do = jax.random.normal(keys[3], (*q.shape[:3], dv))
-  q, k, v, do = (x.astype(case.dtype) for x in (q, k, v, do))
+  b, t, s = case.batch, case.q_len, case.kv_len
+  q = _normal(rngs[0], (b, t, case.num_heads, case.head_dim), case.dtype)
+  k = _normal(rngs[1], (b, s, case.num_kv_heads, case.head_dim), case.dtype)
+  v = _normal(rngs[2], (b, s, case.num_kv_heads, dv), case.dtype)
+  do = _normal(rngs[3], (b, t, case.num_heads, dv), case.dtype)
   kwargs: dict = {"is_causal": case.is_causal}
   if case.segments:
     # Same boundaries in positions for q and kv when lengths match (self-attention packing).
-    kwargs["query_segment_ids"] = random_segments(keys[4], case.batch, case.q_len)
-    kwargs["key_value_segment_ids"] = (kwargs["query_segment_ids"] if case.q_len == case.kv_len
-                                       else random_segments(keys[5], case.batch, case.kv_len))
+    kwargs["query_segment_ids"] = random_segments(rngs[4], b, t)
+    kwargs["key_value_segment_ids"] = (kwargs["query_segment_ids"] if t == s
+                                       else random_segments(rngs[5], b, s))
   if case.lengths:
-    kwargs["query_seq_lengths"] = jax.random.randint(keys[6], (case.batch,), 0, case.q_len + 1)
-    kwargs["key_value_seq_lengths"] = jax.random.randint(keys[7], (case.batch,), 1,
-                                                         case.kv_len + 1)
-  kwargs.update(_features(case, keys[8]))
+    kwargs["query_seq_lengths"] = jnp.asarray(rngs[6].integers(0, t + 1, (b,)), jnp.int32)
+    kwargs["key_value_seq_lengths"] = jnp.asarray(rngs[7].integers(1, s + 1, (b,)), jnp.int32)
+  kwargs.update(_features(case, rngs[8]))
   return (q, k, v, do), kwargs
 
 
@@ -231,7 +242,7 @@ def check_against_reference(impl: str, case: Case, *, config=None, seed: int | N
   if far_past is not None:
     q, k = past_the_cap(q, k, far_past)
   result = run(impl, q, k, v, do, config=config, **dict(kwargs))
-  up = [x.astype(jnp.float32) for x in (q, k, v, do)]
+  up = [to_f32(x) for x in (q, k, v, do)]
   ref = run("reference", *up, **dict(kwargs))
   names = ("dq", "dk", "dv") + tuple(f"d{n}" for n in DIFFERENTIABLE_KWARGS if n in kwargs)
   assert_matches_reference(result, ref, tolerance(case.dtype) if tol is None else tol,
@@ -244,11 +255,11 @@ def block_mask_fn(name: str, case: Case, seed: int = 0) -> pallas_flash.masks.Ma
   with random boundaries, a random prefix length per batch entry, a window of a quarter of
   the query length."""
   from pallas_flash import CausalMask, LocalMask, PrefixLMMask, SegmentMask
-  keys = jax.random.split(jax.random.key(seed), 3)
+  rngs = [np.random.default_rng([seed, i]) for i in range(3)]
   b, t, s = case.batch, case.q_len, case.kv_len
-  seg_q = random_segments(keys[0], b, t, num_docs=3)
-  seg_kv = seg_q if t == s else random_segments(keys[1], b, s, num_docs=3)
-  prefix = jax.random.randint(keys[2], (b,), 0, s + 1)
+  seg_q = random_segments(rngs[0], b, t, num_docs=3)
+  seg_kv = seg_q if t == s else random_segments(rngs[1], b, s, num_docs=3)
+  prefix = jnp.asarray(rngs[2].integers(0, s + 1, (b,)), jnp.int32)
   w = max(t // 4, 1)
   fns = {
       # The window's right side (3) lies past the causal bound: causal & local(w, 0).
@@ -276,7 +287,7 @@ def check_block_mask_against_reference(impl: str, case: Case, name: str, *, bloc
   bm = BlockMask.build(block_mask_fn(name, case), q_len=case.q_len, kv_len=case.kv_len,
                        block_q=blocks[0], block_kv=blocks[1])
   result = run(impl, q, k, v, do, config=config, block_mask=bm, **kwargs)
-  up = [x.astype(jnp.float32) for x in (q, k, v, do)]
+  up = [to_f32(x) for x in (q, k, v, do)]
   names = ("dq", "dk", "dv") + tuple(f"d{n}" for n in DIFFERENTIABLE_KWARGS if n in kwargs)
   assert_matches_reference(result, run("reference", *up, block_mask=bm, **kwargs),
                            tolerance(case.dtype), names=names, dtype=q.dtype)
@@ -287,13 +298,13 @@ def max_abs(x) -> float:
   """max|x| in float64, NaN where x holds a NaN. In numpy: XLA's CPU max reduction skips NaNs
   in large arrays (jnp.abs(x).max() read 1.0 for a [200, 4, 128] array of ones and NaNs), so a
   check written with it would pass unwritten or NaN outputs."""
-  return float(np.abs(np.asarray(jnp.asarray(x, jnp.float32), np.float64)).max())
+  return float(np.abs(np.asarray(x, np.float64)).max())
 
 
 def max_rel_err(x, ref) -> float:
   """max|x - ref| / max|ref| (no floor); NaN, which fails every `<=` check, where x or ref
   holds a NaN (see max_abs)."""
-  x, ref = (jnp.asarray(a, jnp.float32) for a in (x, ref))
+  x, ref = (np.asarray(a, np.float64) for a in (x, ref))
   return max_abs(x - ref) / max_abs(ref)
 
 
