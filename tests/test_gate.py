@@ -215,7 +215,8 @@ KERNEL_CALLS = [
     GateCall(2, 1000, 1000, 8, 4, 96, True),
     GateCall(4, 4096, 4096, 32, 32, 96),
     GateCall(2, 2048, 2048, 8, 2, 192, True, value_head_dim=128),
-    # The Triton kernels: dtypes and features the Mosaic kernels do not take.
+    # Features the Mosaic kernels took over from Triton (ALiBi with dropout, a dense bias, a
+    # block mask), and float32, which the Triton kernels alone run.
     GateCall(2, 1024, 1024, 8, 8, 128, True, features=("alibi", "dropout")),
     GateCall(2, 512, 512, 4, 4, 64, features=("bias",)),
     GateCall(1, 1024, 1024, 4, 4, 64, features=("block_mask",)),
