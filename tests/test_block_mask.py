@@ -98,8 +98,12 @@ def _check(impl, case: Case, mask_fn, *, bq=16, bk=32, seed=0, bias=False):
 GQA = Case(batch=2, q_len=T, kv_len=S, num_heads=4, num_kv_heads=2, head_dim=32)
 
 
+# The single masks that the combinations compose (local, document, prefix_lm) run with -m slow
+# (suite time); causal alone, the common one, runs in every run.
 @pytest.mark.parametrize("impl", ["interpret", "xla"])
-@pytest.mark.parametrize("name", list(MASKS))
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.slow if n in ("local", "document", "prefix_lm") else ())
+    for n in MASKS])
 def test_matches_reference(impl, name):
   _check(impl, GQA, MASKS[name])
 

@@ -403,8 +403,14 @@ ALIBI_FORMS = [(64, False, 1024), (64, False, 4096), (64, True, 2048), (128, Fal
                (128, False, 8192), (128, True, 2048), (256, True, 1024)]
 
 
-@pytest.mark.parametrize("head_dim,causal,kv_len", ALIBI_FORMS,
-                         ids=[f"d{d}_{'causal' if c else 'full'}_{s}" for d, c, s in ALIBI_FORMS])
+def _form_params(forms):
+  """pytest params of (head_dim, causal, kv_len) forms; head dim 64's, whose tiles take the
+  least shared memory, run with -m slow (suite time)."""
+  return [pytest.param(d, c, s, id=f"d{d}_{'causal' if c else 'full'}_{s}",
+                       marks=pytest.mark.slow if d == 64 else ()) for d, c, s in forms]
+
+
+@pytest.mark.parametrize("head_dim,causal,kv_len", _form_params(ALIBI_FORMS))
 def test_alibi_default_kernels_lower_and_fit(head_dim, causal, kv_len):
   case = Case(batch=1, q_len=kv_len, kv_len=kv_len, num_heads=4, num_kv_heads=2,
               head_dim=head_dim, dtype=jnp.bfloat16, is_causal=causal)
@@ -429,8 +435,7 @@ def test_explain_runs_alibi_on_mosaic_without_the_fused_backward():
 DROPOUT_FORMS = ALIBI_FORMS + [(96, False, 2048), (192, True, 1024)]
 
 
-@pytest.mark.parametrize("head_dim,causal,kv_len", DROPOUT_FORMS,
-                         ids=[f"d{d}_{'causal' if c else 'full'}_{s}" for d, c, s in DROPOUT_FORMS])
+@pytest.mark.parametrize("head_dim,causal,kv_len", _form_params(DROPOUT_FORMS))
 def test_dropout_default_kernels_lower_and_fit(head_dim, causal, kv_len):
   """Dropout in each default form: forward, dQ and dK/dV kernels on Mosaic (never the fused
   backward)."""
