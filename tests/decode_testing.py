@@ -197,8 +197,7 @@ def check_decode(impl: str, case: DecodeCase, *, seed: int = 0, **call_kwargs) -
       # The new tokens land in the cache dtype (rotated in float32, then rounded: e4m3 has a
       # 2**-3 step, which a float32 rounding difference may cross).
       rounded = 0.0 if case.rotary is None else 0.125 if case.fp8 else tol
-      assert_close_to_ref(name, x.astype(jnp.float32), ref.astype(jnp.float32), rounded,
-                          poisoned=True)
+      assert_close_to_ref(name, x, ref, rounded, poisoned=True)
   else:
     assert len(got) == 2
 

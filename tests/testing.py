@@ -425,7 +425,7 @@ def check_fp8_against_reference(case: Case, *, config=None, block=None, out_dtyp
                                                 return_residuals=True, **kwargs)
   assert_close_to_ref("fp8 out vs reference semantics", o, o_ref, FP8_KERNEL_TOLERANCE)
   assert_close_to_ref("fp8 lse", lse, lse_ref, TOLERANCES[jnp.dtype(jnp.bfloat16)])
-  exact = pallas_flash.flash_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
+  exact = pallas_flash.flash_attention(*(to_f32(x) for x in (q, k, v)),
                                        implementation="reference", **kwargs)
   assert_close_to_ref("fp8 out vs float32", o, exact, FP8_TOLERANCE)
 
@@ -476,7 +476,7 @@ def check_fp8_training(case: Case, *, tol: float, seed: int | None = None, **kwa
   if rotate:  # q·R and k·R were quantised: their gradients carried back are (·)·Rᵀ
     r = fp8.hadamard_rotation(case.head_dim, key)
     want = (want[0] @ r.T, want[1] @ r.T, want[2])
-  exact = grads(reference, *(x.astype(jnp.float32) for x in (q, k, v)))
+  exact = grads(reference, *(to_f32(x) for x in (q, k, v)))
   for name, g, w, e in zip(("dq", "dk", "dv"), got, want, exact):
     assert g.dtype == q.dtype, f"{name} dtype {g.dtype}"
     assert_close_to_ref(f"{name} vs the dequantized attention", g, w, tol)
