@@ -27,6 +27,7 @@ XLA and inside Pallas kernels. Leaves are batched ([B|1, T], [B|1, S], [B|1]).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -225,6 +226,32 @@ def block_tables(state):
   return blocks, count, num_partial
 
 
+# One program per mask structure and shape: on the host, op by op, each of its operations would
+# be compiled on its own (~14 programs, 0.3-0.5 s of compiling on a CPU for a first build).
+@functools.partial(jax.jit, static_argnames=("q_len", "kv_len", "block_q", "block_kv", "batch"))
+def _tables(mask_fn: MaskFn, *, q_len: int, kv_len: int, block_q: int, block_kv: int,
+            batch: int | None):
+  """(mask_fn batched, state int8 [B, nq, nk], block_tables(state), block_tables of its
+  transpose [B, nk, nq]), one block row at a time."""
+  fn = _batched(mask_fn, q_len, kv_len, batch)
+  nq, nk = -(-q_len // block_q), -(-kv_len // block_kv)
+  padded = pad_leaves(fn, nq * block_q, nk * block_kv)
+  kv_pos = jnp.arange(nk * block_kv)
+
+  def row_state(i):  # [B, nk] state of query block i
+    q_pos = i * block_q + jnp.arange(block_q)
+    vis = evaluate(tiles(padded, i * block_q, block_q, 0, nk * block_kv), q_pos, kv_pos)
+    vis = vis & (kv_pos < kv_len)[None, None, :]  # key padding is never visible
+    real = (q_pos < q_len)[None, :, None]  # padded query rows do not count
+    vis = vis.reshape(vis.shape[0], block_q, nk, block_kv)
+    any_ = (vis & real[..., None]).any((1, 3))
+    all_ = (vis | ~real[..., None]).all((1, 3))
+    return jnp.where(all_, FULL, jnp.where(any_, PARTIAL, SKIPPED)).astype(jnp.int8)
+
+  state = jnp.moveaxis(lax.map(row_state, jnp.arange(nq)), 0, 1)  # [B, nq, nk]
+  return fn, state, block_tables(state), block_tables(jnp.swapaxes(state, 1, 2))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class BlockMask:
   """A mask function and its block-sparsity tables at one (block_q, block_kv) tiling.
@@ -266,24 +293,9 @@ class BlockMask:
     for name, value in (("q_len", q_len), ("kv_len", kv_len), ("block_q", block_q),
                         ("block_kv", block_kv)):
       check_positive_int(name, value)
-    fn = _batched(mask_fn, q_len, kv_len, batch)
-    nq, nk = -(-q_len // block_q), -(-kv_len // block_kv)
-    padded = pad_leaves(fn, nq * block_q, nk * block_kv)
-    kv_pos = jnp.arange(nk * block_kv)
-
-    def row_state(i):  # [B, nk] state of query block i
-      q_pos = i * block_q + jnp.arange(block_q)
-      vis = evaluate(tiles(padded, i * block_q, block_q, 0, nk * block_kv), q_pos, kv_pos)
-      vis = vis & (kv_pos < kv_len)[None, None, :]  # key padding is never visible
-      real = (q_pos < q_len)[None, :, None]  # padded query rows do not count
-      vis = vis.reshape(vis.shape[0], block_q, nk, block_kv)
-      any_ = (vis & real[..., None]).any((1, 3))
-      all_ = (vis | ~real[..., None]).all((1, 3))
-      return jnp.where(all_, FULL, jnp.where(any_, PARTIAL, SKIPPED)).astype(jnp.int8)
-
-    state = jnp.moveaxis(lax.map(row_state, jnp.arange(nq)), 0, 1)  # [B, nq, nk]
-    kv_tables = block_tables(state)
-    q_tables = block_tables(jnp.swapaxes(state, 1, 2))
+    fn, state, kv_tables, q_tables = _tables(mask_fn, q_len=int(q_len), kv_len=int(kv_len),
+                                             block_q=int(block_q), block_kv=int(block_kv),
+                                             batch=batch)
     return cls(fn, state, *kv_tables, *q_tables, q_len=int(q_len), kv_len=int(kv_len),
                block_q=int(block_q), block_kv=int(block_kv))
 
