@@ -472,11 +472,12 @@ def check_fp8_training(case: Case, *, tol: float, seed: int | None = None, **kwa
   (q8, k8, v8), scales = fp8.quantize(q, k, v, rotate=rotate, block=block, key=key)
   deq = [fp8.dequantize(x, s, scales.block)
          for x, s in zip((q8, k8, v8), (scales.q, scales.k, scales.v))]
-  want = jax.jit(functools.partial(grads, reference))(*deq)
+  reference_grads = jax.jit(functools.partial(grads, reference))
+  want = reference_grads(*deq)
   if rotate:  # q·R and k·R were quantised: their gradients carried back are (·)·Rᵀ
     r = fp8.hadamard_rotation(case.head_dim, key)
     want = (want[0] @ r.T, want[1] @ r.T, want[2])
-  exact = jax.jit(functools.partial(grads, reference))(*(to_f32(x) for x in (q, k, v)))
+  exact = reference_grads(*(to_f32(x) for x in (q, k, v)))
   for name, g, w, e in zip(("dq", "dk", "dv"), got, want, exact):
     assert g.dtype == q.dtype, f"{name} dtype {g.dtype}"
     assert_close_to_ref(f"{name} vs the dequantized attention", g, w, tol)
