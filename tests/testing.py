@@ -450,9 +450,9 @@ def check_fp8_training(case: Case, *, tol: float, seed: int | None = None, **kwa
   the gradients (dq, dk, dv)."""
   from pallas_flash import fp8
 
+  seed = case.seed if seed is None else seed
   (q, k, v, do), case_kwargs = make_inputs(case, seed)
   kwargs = {**case_kwargs, **kwargs}
-  seed = case.seed if seed is None else seed
   dl = _normal(np.random.default_rng(seed + 1), (case.batch, case.num_heads, case.q_len))
 
   def grads(f, *xs):
