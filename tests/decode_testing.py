@@ -9,7 +9,8 @@ import zlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from testing import assert_close_to_ref, export_for_h200, to_f32, tolerance
+from testing import (assert_close_to_ref, export_for_h200, jitted, split_arrays, to_f32,
+                     tolerance)
 
 import pallas_flash
 from pallas_flash import fp8
@@ -132,25 +133,6 @@ def _upcast(kwargs: dict) -> dict:
           for n, x in kwargs.items()}
 
 
-def _split_arrays(kwargs: dict) -> tuple[dict, dict]:
-  """(the keyword arguments that are arrays or pytrees of them, e.g. rotary tables, the rest)."""
-  def is_arrays(x):
-    leaves = jax.tree.leaves(x)
-    return bool(leaves) and all(isinstance(leaf, jax.Array) for leaf in leaves)
-  arrays = {n: x for n, x in kwargs.items() if is_arrays(x)}
-  return arrays, {n: x for n, x in kwargs.items() if n not in arrays}
-
-
-def _jitted(fn, **static):
-  """fn jit-compiled with `static` bound, array arguments traced and every other keyword
-  closed over: one program instead of the hundreds of small ones an op-by-op call compiles."""
-  def call(*args, **kwargs):
-    traced, closed = _split_arrays(kwargs)
-    return jax.jit(lambda args, traced: fn(*args, **traced, **closed, **static))(args, traced)
-
-  return call
-
-
 def _reference_by_row(q, kc, vc, lens, kwargs: dict):
   """decode_reference one sequence at a time, concatenated: its float32 scores [B, H, Tq, L]
   at serving sizes (16 GiB of temporaries at 4 x 512 x 32K) outgrow a GPU that two test
@@ -158,7 +140,7 @@ def _reference_by_row(q, kc, vc, lens, kwargs: dict):
   to row, so it gathers every row's append."""
   paged = "page_table" in kwargs
   per_row = ("page_table", "new_key", "new_value")
-  arrays, closed = _split_arrays(kwargs)
+  arrays, closed = split_arrays(kwargs)
 
   @jax.jit
   def row(i, q, kc, vc, lens, arrays):
@@ -182,7 +164,7 @@ def check_decode(impl: str, case: DecodeCase, *, seed: int = 0, **call_kwargs) -
   """Output, lse and (with an append) the updated caches of `impl` against the float32
   reference on the same (upcast) inputs."""
   q, kc, vc, lens, kwargs = make_decode_inputs(case, seed)
-  got = _jitted(pallas_flash.decode_attention, return_residuals=True, implementation=impl,
+  got = jitted(pallas_flash.decode_attention, return_residuals=True, implementation=impl,
                 **call_kwargs)(q, kc, vc, lens, **kwargs)
   # FP8 caches stay e4m3: the reference dequantises them with kv_descale.
   up = [x if x.dtype == fp8.E4M3 else to_f32(x) for x in (q, kc, vc)]

@@ -15,7 +15,7 @@ from decode_testing import (DecodeCase, case_seed, check_decode, fill_page_table
 from jax.experimental import checkify
 from jax.sharding import use_abstract_mesh
 from testing import (H200, assert_close_to_ref, assert_offsets_fit_int32, export_for_h200,
-                     triton_operands)
+                     jitted, triton_operands)
 
 import pallas_flash
 from pallas_flash.decode import MosaicDecodeConfig, TritonDecodeConfig, XlaDecodeConfig
@@ -82,17 +82,24 @@ def test_chunked_prefill_rows_span_several_tiles(impl):
   check_decode(impl, case, seed=1, num_splits=2, config=config)
 
 
+def _top_left_causal(q, k, v, **kwargs):
+  """flash_attention's reference (top-left causal, output and lse) for one sequence whose last
+  Tq of n query positions hold q [Tq, H, D] (k, v: [1, n, K, D]); zeros before them."""
+  n, tq = k.shape[1], q.shape[0]
+  full_q = np.zeros((1, n, *q.shape[1:]), np.float32)
+  full_q[0, n - tq:] = np.asarray(q, np.float32)
+  return jitted(pallas_flash.flash_attention, is_causal=True, return_residuals=True,
+                implementation="reference")(jnp.asarray(full_q), k, v, **kwargs)
+
+
 def test_reference_is_end_aligned_causal_attention():
   """The oracle itself: each sequence's answer equals flash_attention's top-left causal
   attention over its n_b tokens, read at the last Tq query positions."""
   case = DecodeCase(seqlens=(20, 41), q_len=4, capacity=48, append=True)
   q, kc, vc, lens, kw = make_decode_inputs(case)
-  out, lse, kc2, vc2 = pallas_flash.decode_reference(q, kc, vc, lens, **kw)
+  out, lse, kc2, vc2 = jitted(pallas_flash.decode_reference)(q, kc, vc, lens, **kw)
   for b, n in enumerate(np.asarray(lens) + case.q_len):
-    full_q = jnp.zeros((1, n, case.num_heads, case.head_dim)).at[0, n - case.q_len:].set(q[b])
-    o, l = pallas_flash.flash_attention(full_q, kc2[b:b + 1, :n], vc2[b:b + 1, :n],
-                                        is_causal=True, return_residuals=True,
-                                        implementation="reference")
+    o, l = _top_left_causal(q[b], kc2[b:b + 1, :n], vc2[b:b + 1, :n])
     assert_close_to_ref("out", out[b], o[0, n - case.q_len:], 1e-6)
     assert_close_to_ref("lse", lse[b], l[0, :, n - case.q_len:], 1e-6)
 
@@ -102,14 +109,10 @@ def test_sinks_equal_flash_attentions_reference(impl):
   case = DecodeCase(seqlens=(0, 20, 41), q_len=3, capacity=48, append=True)
   q, kc, vc, lens, kw = make_decode_inputs(case)
   sinks = jnp.linspace(-2.0, 2.0, case.num_heads)
-  out, lse, kc2, vc2 = pallas_flash.decode_attention(q, kc, vc, lens, sinks=sinks,
-                                                     return_residuals=True, implementation=impl,
-                                                     **kw)
+  out, lse, kc2, vc2 = jitted(pallas_flash.decode_attention, return_residuals=True,
+                              implementation=impl)(q, kc, vc, lens, sinks=sinks, **kw)
   for b, n in enumerate(np.asarray(lens) + case.q_len):
-    full_q = jnp.zeros((1, n, case.num_heads, case.head_dim)).at[0, n - case.q_len:].set(q[b])
-    o, l = pallas_flash.flash_attention(full_q, kc2[b:b + 1, :n], vc2[b:b + 1, :n],
-                                        is_causal=True, sinks=sinks, return_residuals=True,
-                                        implementation="reference")
+    o, l = _top_left_causal(q[b], kc2[b:b + 1, :n], vc2[b:b + 1, :n], sinks=sinks)
     assert_close_to_ref("out", out[b], o[0, n - case.q_len:], 1e-5)
     assert_close_to_ref("lse", lse[b], l[0, :, n - case.q_len:], 1e-5)
 
@@ -154,8 +157,8 @@ def test_split_counts_agree(impl):
   case = DecodeCase(seqlens=(3, 77, 100), capacity=100)
   q, kc, vc, lens, _ = make_decode_inputs(case)
   config = XlaDecodeConfig(block_kv=16) if impl == "xla" else TritonDecodeConfig(block_kv=16)
-  outs = [pallas_flash.decode_attention(q, kc, vc, lens, num_splits=s, implementation=impl,
-                                        config=config) for s in (1, 4, 11)]
+  outs = [jitted(pallas_flash.decode_attention, num_splits=s, implementation=impl,
+                 config=config)(q, kc, vc, lens) for s in (1, 4, 11)]
   for o in outs[1:]:
     assert_close_to_ref("out", o, outs[0], 1e-5)
 
@@ -165,9 +168,10 @@ def test_rotary_equals_pre_rotated_inputs():
   case = DecodeCase(seqlens=(10, 52), q_len=2, capacity=64, append=True)
   q, kc, vc, lens, kw = make_decode_inputs(case)
   pos = lens[:, None] + jnp.arange(2)[None, :]
-  got = pallas_flash.decode_attention(q, kc, vc, lens, rotary=1000.0, **kw)
-  rot = dict(kw, new_key=apply_rotary(kw["new_key"], pos, theta=1000.0))
-  want = pallas_flash.decode_attention(apply_rotary(q, pos, theta=1000.0), kc, vc, lens, **rot)
+  got = jitted(pallas_flash.decode_attention, rotary=1000.0)(q, kc, vc, lens, **kw)
+  rotate = jitted(apply_rotary, theta=1000.0)
+  rot = dict(kw, new_key=rotate(kw["new_key"], pos))
+  want = jitted(pallas_flash.decode_attention)(rotate(q, pos), kc, vc, lens, **rot)
   for name, x, ref in zip(("out", "key_cache", "value_cache"), got, want):
     assert_close_to_ref(name, x, ref, 1e-5, poisoned=name != "out")
 
@@ -175,7 +179,7 @@ def test_rotary_equals_pre_rotated_inputs():
 def test_append_writes_only_the_new_tokens():
   case = DecodeCase(seqlens=(30, 0, 47, 61), q_len=3, capacity=64, page_size=16, append=True)
   q, kc, vc, lens, kw = make_decode_inputs(case)
-  _, kc2, _ = pallas_flash.decode_attention(q, kc, vc, lens, **kw)
+  _, kc2, _ = jitted(pallas_flash.decode_attention)(q, kc, vc, lens, **kw)
   table = np.asarray(kw["page_table"])
   expected = np.asarray(kc).copy()
   for b, n in enumerate(np.asarray(lens)):

@@ -14,7 +14,7 @@ from pallas_flash import dropout
 from pallas_flash.triton import TritonConfig
 from pallas_flash.xla import XlaConfig
 from testing import (Case, assert_close_to_ref, assert_matches_reference, check_against_reference,
-                     interpret_config, make_inputs, max_abs, run, tolerance)
+                     interpret_config, jitted, make_inputs, max_abs, run, tolerance)
 
 CPU_IMPLS = ("interpret", "xla")
 SMALL = {"interpret": TritonConfig(block_q=32, block_kv=16, block_q_dkv=16, block_kv_dkv=32,
@@ -79,10 +79,10 @@ def test_value_head_dim_differs(impl, case, names):
 def test_value_head_dim_matches_jax_nn_on_zero_padded_values():
   # Zero columns appended to V change no other column: jax.nn (one head dim) is the oracle.
   (q, k, v, _), _ = make_inputs(Case(q_len=20, kv_len=30, head_dim=32, value_head_dim=16))
-  want = jax.nn.dot_product_attention(q, k, jnp.pad(v, ((0, 0),) * 3 + ((0, 16),)),
-                                      is_causal=True)[..., :16]
+  want = jitted(jax.nn.dot_product_attention, is_causal=True)(
+      q, k, jnp.pad(v, ((0, 0),) * 3 + ((0, 16),)))[..., :16]
   for impl in ("reference", "xla"):
-    got = pallas_flash.flash_attention(q, k, v, is_causal=True, implementation=impl)
+    got = jitted(pallas_flash.flash_attention, is_causal=True, implementation=impl)(q, k, v)
     assert_close_to_ref(impl, got, want, 2e-5)
 
 
@@ -124,9 +124,9 @@ def test_all_features_longer(impl, dtype):
 @pytest.mark.parametrize("causal", [False, True])
 def test_window_matches_jax_nn(window, causal):
   (q, k, v, _), _ = make_inputs(Case(q_len=33, kv_len=33, num_heads=2, num_kv_heads=2))
-  got = pallas_flash.flash_attention(q, k, v, is_causal=causal, local_window_size=window,
-                                     implementation="reference")
-  want = jax.nn.dot_product_attention(q, k, v, is_causal=causal, local_window_size=window)
+  kw = dict(is_causal=causal, local_window_size=window)
+  got = jitted(pallas_flash.flash_attention, implementation="reference", **kw)(q, k, v)
+  want = jitted(jax.nn.dot_product_attention, **kw)(q, k, v)
   assert_close_to_ref("out", got, want, 1e-5)
 
 
@@ -134,9 +134,10 @@ def test_bias_and_mask_match_jax_nn():
   (q, k, v, _), _ = make_inputs(Case(q_len=20, kv_len=30, num_heads=4, num_kv_heads=4))
   bias = jax.random.normal(jax.random.key(1), (2, 1, 20, 30))
   mask = jax.random.bernoulli(jax.random.key(2), 0.9, (1, 4, 1, 30)).at[..., 0].set(True)
+  want = jitted(jax.nn.dot_product_attention)(q, k, v, bias, mask)
   for impl in ("reference", "xla"):
-    got = pallas_flash.flash_attention(q, k, v, bias, mask, implementation=impl)
-    assert_close_to_ref(impl, got, jax.nn.dot_product_attention(q, k, v, bias, mask), 2e-5)
+    got = jitted(pallas_flash.flash_attention, implementation=impl)(q, k, v, bias, mask)
+    assert_close_to_ref(impl, got, want, 2e-5)
 
 
 def test_sinks_match_an_extra_key_in_jax_nn():
@@ -419,7 +420,7 @@ def test_features_under_jit_vmap_and_grad():
   keys = jax.random.split(jax.random.key(0), 2)
   qs = jnp.stack([q, 2 * q])
   got = jax.jit(jax.vmap(jax.grad(lambda q, key: loss("xla", q, key))))(qs, keys)
-  want = jax.vmap(jax.grad(lambda q, key: loss("reference", q, key)))(qs, keys)
+  want = jax.jit(jax.vmap(jax.grad(lambda q, key: loss("reference", q, key))))(qs, keys)
   assert_close_to_ref("dq", got, want, 5e-5)
 
 
@@ -500,7 +501,7 @@ def test_reference_soft_cap_order_is_the_formula(order):
               "bias_then_cap": c * jnp.tanh((s + bias) / c)}
   want, other = (jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(by_order[o], -1), v,
                             precision="highest") for o in (order, *set(by_order) - {order}))
-  got = pallas_flash.flash_attention(q, k, v, implementation="reference", **kw)
+  got = jitted(pallas_flash.flash_attention, implementation="reference")(q, k, v, **kw)
   assert_close_to_ref("out", got, want, 1e-5)
   assert max_abs(want - other) > 0.1  # the orders differ far beyond the tolerance here
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from testing import (FP8_TOLERANCE, MOSAIC_FP8_INTERPRET, TOLERANCES, Case, assert_close_to_ref,
-                     check_fp8_training, make_inputs)
+                     check_fp8_training, jitted, make_inputs)
 
 import pallas_flash
 from pallas_flash import fp8
@@ -41,8 +41,8 @@ def test_fp8_runs_the_reference_semantics(impl, block):
   case = Case(**{**CASE.__dict__, "is_causal": True, "segments": True})
   (q, k, v), kwargs = _inputs(case)
   f8, scales = fp8.quantize(q, k, v, block=block)
-  want = pallas_flash.flash_attention(*_dequantized(f8, scales), implementation="reference",
-                                      **kwargs)
+  want = jitted(pallas_flash.flash_attention, implementation="reference")(
+      *_dequantized(f8, scales), **kwargs)
   for out_dtype in (None, jnp.float32):
     run = jax.jit(lambda f8, s: pallas_flash.flash_attention(  # noqa: B023
         *f8, descale=s, out_dtype=out_dtype, implementation=impl, **kwargs))
@@ -111,10 +111,10 @@ def test_rotation_is_orthogonal_and_leaves_bf16_attention_unchanged(head_dim):
   np.testing.assert_allclose(r @ r.T, np.eye(head_dim), atol=1e-6)
   case = Case(**{**CASE.__dict__, "head_dim": head_dim})
   (q, k, v), kwargs = _inputs(case)
-  ref = pallas_flash.flash_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
-                                     implementation="reference", **kwargs)
+  reference = jitted(pallas_flash.flash_attention, implementation="reference")
+  ref = reference(*(x.astype(jnp.float32) for x in (q, k, v)), **kwargs)
   qr, kr = ((x.astype(jnp.float32) @ r).astype(jnp.bfloat16) for x in (q, k))
-  o = pallas_flash.flash_attention(qr, kr, v, implementation="reference", **kwargs)
+  o = reference(qr, kr, v, **kwargs)
   assert_close_to_ref("rotated bf16", o, ref, TOLERANCES[jnp.dtype(jnp.bfloat16)])
 
 
@@ -137,12 +137,12 @@ def test_rotation_reduces_fp8_error_on_outliers():
   at T = S = 512, where fewer outliers meet); ask for 1.5x."""
   shape = fp8_report.Shape(1, 1024, 2, 128, 128)
   q, k, v = fp8_report.make_inputs(shape, outliers=True, seed=3)
-  ref = pallas_flash.flash_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
-                                     implementation="reference")
+  reference = jitted(pallas_flash.flash_attention, implementation="reference")
+  ref = reference(*(x.astype(jnp.float32) for x in (q, k, v)))
   rmse = {}
   for rotate in (False, True):
     f8, scales = fp8.quantize(q, k, v, rotate=rotate, key=jax.random.key(7))
-    o = pallas_flash.flash_attention(*f8, descale=scales, implementation="reference")
+    o = reference(*f8, descale=scales)
     rmse[rotate] = fp8_report._errors(o, ref)[0]
   assert rmse[True] * 1.5 < rmse[False], rmse
 
@@ -156,20 +156,21 @@ def test_quantized_attention_is_straight_through():
   def loss(fn, *xs):
     return jnp.sum(fn(*xs).astype(jnp.float32) * do)
 
-  got = jax.grad(lambda *xs: loss(lambda *a: pallas_flash.quantized_attention(
+  # Each gradient one program: op by op, each operation compiles on its own.
+  got = jax.jit(jax.grad(lambda *xs: loss(lambda *a: pallas_flash.quantized_attention(
       *a, block=32, out_dtype=jnp.float32, implementation="xla", **kwargs), *xs),
-      argnums=(0, 1, 2))(q, k, v)
-  want = jax.grad(lambda *xs: loss(lambda *a: pallas_flash.flash_attention(
-      *a, implementation="reference", **kwargs), *xs), argnums=(0, 1, 2))(*deq)
+      argnums=(0, 1, 2)))(q, k, v)
+  want = jax.jit(jax.grad(lambda *xs: loss(lambda *a: pallas_flash.flash_attention(
+      *a, implementation="reference", **kwargs), *xs), argnums=(0, 1, 2)))(*deq)
   for name, g, w in zip("qkv", got, want):
     assert g.dtype == jnp.bfloat16
     assert_close_to_ref(f"d{name}", g, w, 2 * TOLERANCES[jnp.dtype(jnp.bfloat16)])
   # With the rotation the gradient is the attention's, up to FP8 error.
-  got = jax.grad(lambda q: loss(lambda q: pallas_flash.quantized_attention(
-      q, k, v, rotate=True, implementation="reference", **kwargs), q))(q)
-  want = jax.grad(lambda q: loss(lambda q: pallas_flash.flash_attention(
+  got = jax.jit(jax.grad(lambda q: loss(lambda q: pallas_flash.quantized_attention(
+      q, k, v, rotate=True, implementation="reference", **kwargs), q)))(q)
+  want = jax.jit(jax.grad(lambda q: loss(lambda q: pallas_flash.flash_attention(
       q, k.astype(jnp.float32), v.astype(jnp.float32), implementation="reference",
-      **kwargs), q.astype(jnp.float32)))(q)
+      **kwargs), q.astype(jnp.float32))))(q)
   assert_close_to_ref("dq rotated", got, want, 2 * FP8_TOLERANCE)
 
 

@@ -24,10 +24,15 @@ def _partial(q, k, v, lo, hi, **kw):
 
 def test_merge_equals_attention_over_all_keys():
   q, k, v, parts = _parts()
-  outs, lses = zip(*(_partial(q, k, v, lo, hi) for lo, hi in parts))
-  o, lse = pallas_flash.merge_attention_states(outs, lses)
-  o_ref, lse_ref = pallas_flash.flash_attention(q, k, v, return_residuals=True,
-                                                implementation="reference")
+
+  @jax.jit  # one program: op by op, each operation compiles on its own
+  def merged_and_whole(q, k, v):
+    outs, lses = zip(*(_partial(q, k, v, lo, hi) for lo, hi in parts))
+    return (pallas_flash.merge_attention_states(outs, lses),
+            pallas_flash.flash_attention(q, k, v, return_residuals=True,
+                                         implementation="reference"))
+
+  (o, lse), (o_ref, lse_ref) = merged_and_whole(q, k, v)
   assert_close_to_ref("out", o, o_ref, 2e-6)
   assert_close_to_ref("lse", lse, lse_ref, 2e-6)
 
@@ -57,8 +62,7 @@ def test_gradients_through_the_merge():
   def whole(q, k, v):
     return pallas_flash.flash_attention(q, k, v, implementation="reference")
 
-  g = jax.vjp(merged, q, k, v)[1](do)
-  g_ref = jax.vjp(whole, q, k, v)[1](do)
+  g, g_ref = jax.jit(lambda *x: [jax.vjp(f, *x)[1](do) for f in (merged, whole)])(q, k, v)
   for name, a, b in zip(("dq", "dk", "dv"), g, g_ref):
     assert_close_to_ref(name, a, b, 5e-6)
 
@@ -88,7 +92,12 @@ def test_sinks_grad_is_the_autodiff_of_add_sinks():
   lse = jax.random.normal(keys[1], (b, h, t)).at[:, :, :4].set(-jnp.inf)
   sinks = jax.random.normal(keys[2], (h,)) * 2.0
   do, dlse = jax.random.normal(keys[3], (b, t, h, d)), jax.random.normal(keys[4], (b, h, t))
-  (o_s, lse_s), vjp = jax.vjp(lambda s: merge.add_sinks(out, lse, s), sinks)
-  (want,) = vjp((do, dlse))
-  delta = jnp.einsum("bthd,bthd->bht", do, o_s) - dlse
-  assert_close_to_ref("dsinks", merge.sinks_grad(sinks, lse_s, delta), want, 1e-5)
+
+  @jax.jit  # one program: op by op, each operation compiles on its own
+  def both(sinks):
+    (o_s, lse_s), vjp = jax.vjp(lambda s: merge.add_sinks(out, lse, s), sinks)
+    delta = jnp.einsum("bthd,bthd->bht", do, o_s) - dlse
+    return merge.sinks_grad(sinks, lse_s, delta), vjp((do, dlse))[0]
+
+  got, want = both(sinks)
+  assert_close_to_ref("dsinks", got, want, 1e-5)

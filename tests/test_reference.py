@@ -9,7 +9,7 @@ import pytest
 from jax.test_util import check_grads
 
 import pallas_flash
-from testing import Case, assert_close_to_ref, make_inputs
+from testing import Case, assert_close_to_ref, jitted, make_inputs
 
 
 @pytest.mark.parametrize("case", [
@@ -18,11 +18,11 @@ from testing import Case, assert_close_to_ref, make_inputs
 ], ids=lambda c: c.id)
 def test_reference_matches_jax_nn(case):
   (q, k, v, _), kwargs = make_inputs(case)
-  ours = pallas_flash.flash_attention(q, k, v, implementation="reference", **kwargs)
+  ours = jitted(pallas_flash.flash_attention, implementation="reference")(q, k, v, **kwargs)
   # Both return zeros on padded query rows. A query whose keys are all padding is where the two
   # differ by design (jax.nn averages the values, we return zeros): make_inputs keeps kv
   # lengths >= 1, so there is none here.
-  theirs = jax.nn.dot_product_attention(q, k, v, implementation="xla", **kwargs)
+  theirs = jitted(jax.nn.dot_product_attention, implementation="xla")(q, k, v, **kwargs)
   assert_close_to_ref("out", ours, theirs, 1e-5)
 
 
@@ -45,12 +45,15 @@ def test_fully_masked_rows_give_zeros_and_zero_grads():
   q_seg = jnp.where(jnp.arange(64) < 20, 7, 0)[None].repeat(2, 0).astype(jnp.int32)
   kv_seg = jnp.zeros((2, 64), jnp.int32)
   for impl in ("reference", "xla", "interpret"):
-    def f(q, k, v):
-      return pallas_flash.flash_attention(q, k, v, query_segment_ids=q_seg,
-                                          key_value_segment_ids=kv_seg, implementation=impl,
-                                          return_residuals=True)
-    (o, lse), vjp = jax.vjp(f, q, k, v)
-    dq, dk, dv = vjp((do, jnp.ones_like(lse)))
+    @jax.jit
+    def out_and_grads(q, k, v, impl=impl):
+      def f(q, k, v):
+        return pallas_flash.flash_attention(q, k, v, query_segment_ids=q_seg,
+                                            key_value_segment_ids=kv_seg, implementation=impl,
+                                            return_residuals=True)
+      (o, lse), vjp = jax.vjp(f, q, k, v)
+      return (o, lse), vjp((do, jnp.ones_like(lse)))
+    (o, lse), (dq, dk, dv) = out_and_grads(q, k, v)
     assert np.all(np.asarray(o[:, :20]) == 0.0), impl
     assert np.all(np.isneginf(np.asarray(lse[:, :, :20]))), impl
     assert np.all(np.isfinite(np.asarray(o))), impl
@@ -76,9 +79,10 @@ def test_poisoned_padding_does_not_leak(impl):
   q_pad = jnp.arange(96)[None, :, None, None] >= q_lens[:, None, None, None]
   kv_pad = jnp.arange(80)[None, :, None, None] >= kv_lens[:, None, None, None]
   kw = dict(query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens)
-  want = pallas_flash.flash_attention(q, k, v, implementation="reference", **kw)
-  got = pallas_flash.flash_attention(jnp.where(q_pad, jnp.nan, q), jnp.where(kv_pad, jnp.nan, k),
-                                     jnp.where(kv_pad, 1e30, v), implementation=impl, **kw)
+  want = jitted(pallas_flash.flash_attention, implementation="reference")(q, k, v, **kw)
+  got = jitted(pallas_flash.flash_attention, implementation=impl)(
+      jnp.where(q_pad, jnp.nan, q), jnp.where(kv_pad, jnp.nan, k), jnp.where(kv_pad, 1e30, v),
+      **kw)
   assert_close_to_ref("out", got, want, 2e-5)
 
 
@@ -96,8 +100,8 @@ def test_float32_dv_error_is_within_a_factor_of_plain_float32():
     s = jnp.einsum("bthd,bshd->bhts", q, k, precision="highest") / np.sqrt(q.shape[-1])
     return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v, precision="highest")
 
-  def dv_of(f, *args):
-    return jax.vjp(f, *args)[1](do.astype(args[0].dtype))[2]
+  def dv_of(f, *args):  # one program: op by op, each operation compiles on its own
+    return jax.jit(lambda *a: jax.vjp(f, *a)[1](do.astype(a[0].dtype))[2])(*args)
 
   with jax.enable_x64(True):
     truth = np.asarray(dv_of(plain, *(x.astype(jnp.float64) for x in (q, k, v))))

@@ -207,6 +207,26 @@ LSE_COTANGENT_SEED = 7
 DIFFERENTIABLE_KWARGS = ("bias", "sinks")
 
 
+def split_arrays(kwargs: dict) -> tuple[dict, dict]:
+  """(the keyword arguments that are arrays or pytrees of them, e.g. rotary tables, the rest)."""
+  def is_arrays(x):
+    leaves = jax.tree.leaves(x)
+    return bool(leaves) and all(isinstance(leaf, jax.Array) for leaf in leaves)
+  arrays = {n: x for n, x in kwargs.items() if is_arrays(x)}
+  return arrays, {n: x for n, x in kwargs.items() if n not in arrays}
+
+
+def jitted(fn, **static):
+  """fn jit-compiled with `static` bound, array arguments traced and every other keyword
+  closed over: one program instead of the hundreds of small ones an op-by-op call compiles
+  (each ~30 ms on CPU, most of it XLA's per-compile set-up)."""
+  def call(*args, **kwargs):
+    traced, closed = split_arrays(kwargs)
+    return jax.jit(lambda args, traced: fn(*args, **traced, **closed, **static))(args, traced)
+
+  return call
+
+
 def run(impl: str, q, k, v, do, *, config=None, **kwargs):
   """(o, lse) and the gradients (dq, dk, dv[, dbias][, dsinks]) of sum(o * do) for one
   implementation."""

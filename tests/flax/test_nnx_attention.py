@@ -39,6 +39,15 @@ def _layers(seed, *, heads=4, kv_heads=2, rope=False):
   return ours, theirs
 
 
+# One program per layer and input shapes: called op by op, each operation compiles on its own.
+_call = nnx.jit(lambda layer, x, **kw: layer(x, **kw))
+
+
+@nnx.jit
+def _decode_step(layer, x):
+  return layer(x, decode=True)
+
+
 def _out_and_grads(layer, x, cot, **kw):
   """The layer's output on x and the parameters' gradients of sum(out * cot), as one
   jit-compiled program (op by op, each small operation compiles on its own)."""
@@ -90,10 +99,11 @@ def test_packed_documents_do_not_see_each_other():
   packed = jnp.concatenate([a, b], axis=1)
   seg = jnp.concatenate([jnp.zeros(19, jnp.int32), jnp.ones(13, jnp.int32)])[None]
   pos = jnp.concatenate([jnp.arange(19), jnp.arange(13)])[None]
-  out = layer(packed, segment_ids=seg, positions=pos)
-  assert_close(out[:, :19], layer(a), what="first document")
-  assert_close(out[:, 19:], layer(b), what="second document")
-  leaky = layer(packed, positions=pos)  # without segment ids the second document sees the first
+  out = _call(layer, packed, segment_ids=seg, positions=pos)
+  assert_close(out[:, :19], _call(layer, a), what="first document")
+  assert_close(out[:, 19:], _call(layer, b), what="second document")
+  # Without segment ids the second document sees the first.
+  leaky = _call(layer, packed, positions=pos)
   assert np.max(np.abs(np.asarray(leaky[:, 19:] - out[:, 19:]))) > 1e-3
 
 
@@ -119,7 +129,7 @@ def test_features_match_reference(features, is_causal):
   ref, ref_grads = _out_and_grads(ref_layer, x, cot)
   assert_close(out, ref, what="output")
   assert_grads_close(grads, ref_grads)
-  assert np.max(np.abs(np.asarray(plain(x) - out))) > 1e-3 * np.max(np.abs(np.asarray(ref)))
+  assert np.max(np.abs(np.asarray(_call(plain, x) - out))) > 1e-3 * np.max(np.abs(np.asarray(ref)))
 
 
 def test_alibi_slopes_schedule():
@@ -154,18 +164,14 @@ def test_prefill_then_steps_equal_the_full_causal_forward(page_size, features):
   layer = FlashMultiHeadAttention(4, 32, num_kv_heads=2, is_causal=True, rope_theta=1e4,
                                   implementation="xla", rngs=nnx.Rngs(0), **features)
   x = jax.random.normal(jax.random.key(1), (2, 11, 32))
-  full = layer(x)
+  full = _call(layer, x)
   layer.init_cache(2, 16, page_size=page_size)
-
-  @nnx.jit
-  def step(layer, xt):
-    return layer(xt, decode=True)
-
-  outs = [step(layer, x[:, :6])] + [step(layer, x[:, t:t + 1]) for t in range(6, 11)]
+  outs = [_decode_step(layer, x[:, :6])] + [_decode_step(layer, x[:, t:t + 1])
+                                            for t in range(6, 11)]
   assert_close(jnp.concatenate(outs, axis=1), full, tol=1e-5, what="cached decode")
   np.testing.assert_array_equal(np.asarray(layer.cache_seqlens[...]), [11, 11])
   layer.init_cache(2, 16, page_size=page_size)  # starts empty again
-  assert_close(step(layer, x[:, :3]), full[:, :3], tol=1e-5, what="after re-init")
+  assert_close(_decode_step(layer, x[:, :3]), full[:, :3], tol=1e-5, what="after re-init")
 
 
 # Paged under -m slow: the FP8 append through pages is tests/test_decode.py's.
@@ -177,11 +183,11 @@ def test_fp8_cache_steps_follow_the_full_forward(page_size):
   layer = FlashMultiHeadAttention(4, 32, num_kv_heads=2, is_causal=True, rope_theta=1e4,
                                   implementation="xla", rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(1), (2, 11, 32))
-  full = layer(x)
+  full = _call(layer, x)
   layer.init_cache(2, 16, page_size=page_size, dtype=jnp.float8_e4m3fn,
                    kv_descale=(jnp.array([0.01, 0.02]), 0.01))
-  outs = [layer(x[:, :6], decode=True)] + [layer(x[:, t:t + 1], decode=True)
-                                           for t in range(6, 11)]
+  outs = [_decode_step(layer, x[:, :6])] + [_decode_step(layer, x[:, t:t + 1])
+                                            for t in range(6, 11)]
   assert layer.cached_key.dtype == jnp.float8_e4m3fn
   assert_close(jnp.concatenate(outs, axis=1), full, tol=0.05, what="FP8 cached decode")
   with pytest.raises(ValueError, match="applies to float8_e4m3fn caches only"):
