@@ -165,7 +165,7 @@ def check_decode(impl: str, case: DecodeCase, *, seed: int = 0, **call_kwargs) -
   reference on the same (upcast) inputs."""
   q, kc, vc, lens, kwargs = make_decode_inputs(case, seed)
   got = jitted(pallas_flash.decode_attention, return_residuals=True, implementation=impl,
-                **call_kwargs)(q, kc, vc, lens, **kwargs)
+               **call_kwargs)(q, kc, vc, lens, **kwargs)
   # FP8 caches stay e4m3: the reference dequantises them with kv_descale.
   up = [x if x.dtype == fp8.E4M3 else to_f32(x) for x in (q, kc, vc)]
   want = _reference_by_row(*up, lens, _upcast(kwargs))
