@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import pytest
 from decode_testing import DecodeCase, make_decode_inputs
 from jax.sharding import use_abstract_mesh
-from testing import H200, MOSAIC_INTERPRET, assert_close_to_ref, export_for_h200, tolerance
+from testing import (H200, MOSAIC_INTERPRET, assert_close_to_ref, export_for_h200, jitted,
+                     tolerance)
 
 import pallas_flash
 from pallas_flash import FlashSplitConfig, merge
@@ -46,18 +47,15 @@ def _inputs(case: DecodeCase, stale=(STALE_KEY, STALE_VALUE)):
 
 def _decode(q, kc, vc, lens, kw, **call_kw):
   """decode_attention(..., return_residuals=True) under jit (arrays traced, the rest static)."""
-  every = {**kw, **call_kw}
-  arrays = {n: x for n, x in every.items() if isinstance(x, jax.Array)}
-  statics = {n: x for n, x in every.items() if n not in arrays}
-  f = jax.jit(lambda q, kc, vc, lens, arrays: pallas_flash.decode_attention(
-      q, kc, vc, lens, return_residuals=True, **statics, **arrays))
-  return f(q, kc, vc, lens, arrays)
+  return jitted(pallas_flash.decode_attention, return_residuals=True)(q, kc, vc, lens,
+                                                                      **{**kw, **call_kw})
 
 
 def _reference(q, kc, vc, lens, kw):
   up = {n: (x.astype(jnp.float32) if n in ("new_key", "new_value") else x)
         for n, x in kw.items()}
-  return pallas_flash.decode_reference(*(x.astype(jnp.float32) for x in (q, kc, vc)), lens, **up)
+  return jitted(pallas_flash.decode_reference)(*(x.astype(jnp.float32) for x in (q, kc, vc)),
+                                               lens, **up)
 
 
 def _id(x):
