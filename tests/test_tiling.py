@@ -5,6 +5,7 @@ import itertools
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from testing import jitted
 
 from pallas_flash import _tiling
 from pallas_flash.call import KV_PAD_SEGMENT, Q_PAD_SEGMENT, AttentionParams
@@ -103,12 +104,13 @@ def test_segment_limits_are_a_superset_for_unsorted_ids():
   for _ in range(5):
     q_seg = rng.integers(0, 4, (2, 64)).astype(np.int32)
     kv_seg = rng.integers(0, 4, (2, 48)).astype(np.int32)
-    kv_lim, _ = _tiling.segment_block_limits(jnp.asarray(q_seg), jnp.asarray(kv_seg), block_q=16,
-                                           block_kv=16)
+    kv_lim, _ = jitted(_tiling.segment_block_limits, block_q=16, block_kv=16)(
+        jnp.asarray(q_seg), jnp.asarray(kv_seg))
+    kv_lim = np.asarray(kv_lim)
     shares = q_seg[:, :, None] == kv_seg[:, None, :]
     blocks = shares.reshape(2, 4, 16, 3, 16).any((2, 4))
     for b, i in itertools.product(range(2), range(4)):
-      first, last, full_first, full_last = np.asarray(kv_lim[b, i]).tolist()
+      first, last, full_first, full_last = kv_lim[b, i].tolist()
       assert all(first <= j < last for j in np.flatnonzero(blocks[b, i]))
       assert full_first == full_last  # random ids: no block is one document throughout
 
@@ -120,8 +122,9 @@ def test_segment_full_runs_are_exactly_the_single_document_blocks(block_q, block
   ids = np.repeat([0, 1, 2, 3], [40, 70, 9, 25])  # 144 real tokens, then 16 pad
   q_seg = np.concatenate([ids, np.full(16, Q_PAD_SEGMENT)])[None].astype(np.int32)
   kv_seg = np.concatenate([ids, np.full(16, KV_PAD_SEGMENT)])[None].astype(np.int32)
-  kv_lim, q_lim = _tiling.segment_block_limits(jnp.asarray(q_seg), jnp.asarray(kv_seg),
-                                             block_q=block_q, block_kv=block_kv)
+  kv_lim, q_lim = (np.asarray(x) for x in jitted(
+      _tiling.segment_block_limits, block_q=block_q, block_kv=block_kv)(jnp.asarray(q_seg),
+                                                                        jnp.asarray(kv_seg)))
   qb, kb = q_seg[0].reshape(-1, block_q), kv_seg[0].reshape(-1, block_kv)
   single_q = (qb == qb[:, :1]).all(1) & (qb[:, 0] >= 0)
   single_k = (kb == kb[:, :1]).all(1) & (kb[:, 0] >= 0)
@@ -130,7 +133,7 @@ def test_segment_full_runs_are_exactly_the_single_document_blocks(block_q, block
     for i, row in enumerate(f):
       idx = np.flatnonzero(row)
       want = (idx[0], idx[-1] + 1) if idx.size else (0, 0)
-      got = tuple(np.asarray(lim[0, i, 2:]).tolist())
+      got = tuple(lim[0, i, 2:].tolist())
       assert got == want or (not idx.size and got[0] == got[1]), (i, got, want)
 
 
