@@ -217,12 +217,16 @@ def split_arrays(kwargs: dict) -> tuple[dict, dict]:
 
 
 def jitted(fn, **static):
-  """fn jit-compiled with `static` bound, array arguments traced and every other keyword
-  closed over: one program instead of the hundreds of small ones an op-by-op call compiles
-  (each ~30 ms on CPU, most of it XLA's per-compile set-up)."""
+  """fn jit-compiled with `static` bound, array arguments traced and every other keyword static:
+  one program instead of the hundreds of small ones an op-by-op call compiles (each ~30 ms on
+  CPU, most of it XLA's per-compile set-up), traced once per shapes and static keywords."""
+  @functools.partial(jax.jit, static_argnames="closed")
+  def program(args, traced, closed):
+    return fn(*args, **traced, **dict(closed), **static)
+
   def call(*args, **kwargs):
     traced, closed = split_arrays(kwargs)
-    return jax.jit(lambda args, traced: fn(*args, **traced, **closed, **static))(args, traced)
+    return program(args, traced, closed=tuple(sorted(closed.items())))
 
   return call
 
