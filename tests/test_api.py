@@ -434,7 +434,7 @@ def test_integer_arguments_follow_one_rule():
                                                      ((1,), jnp.int32))]
   plan = pallas_flash.decode_explain(shapes[0], shapes[1], shapes[1], shapes[2],
                                      num_splits=np.int64(2))
-  assert plan.num_splits == 2 and type(plan.num_splits) is int
+  assert plan.runs == 2 and type(plan.runs) is int  # S * B runs, B = 1
   with pytest.raises(ValueError, match="`num_splits` must be"):
     pallas_flash.decode_explain(shapes[0], shapes[1], shapes[1], shapes[2], num_splits=True)
 

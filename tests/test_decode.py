@@ -409,21 +409,47 @@ def test_explain_on_cpu_and_for_h200():
   lens = jax.ShapeDtypeStruct((1,), jnp.int32)
   kv = jax.ShapeDtypeStruct((1, 131072, 8, 128), jnp.bfloat16)
   cpu = pallas_flash.decode_explain(q, kv, kv, lens)
-  assert cpu.chosen == "xla" and cpu.num_splits == 1 and "off-GPU" in cpu.splits_reason
+  assert cpu.chosen == "xla" and cpu.runs is None and "off-GPU" in cpu.splits_reason
   with use_abstract_mesh(H200):
     gpu = pallas_flash.decode_explain(q, kv, kv, lens)
-    # B = 1, K = 8: 8 programs per split; one wave on 132 SMs -> 16 splits of 8K keys.
-    assert (gpu.chosen, gpu.num_splits, gpu.block_kv) == ("triton", 16, 128)
-    short = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)  # 8 blocks: 1 per split
-    assert pallas_flash.decode_explain(q, short, short, lens).num_splits == 8
-    tiny = jax.ShapeDtypeStruct((1, 256, 8, 128), jnp.bfloat16)  # never more splits than blocks
-    assert pallas_flash.decode_explain(q, tiny, tiny, lens).num_splits == 2
-    big = jax.ShapeDtypeStruct((128, 8192, 8, 128), jnp.bfloat16)
-    qb = jax.ShapeDtypeStruct((128, 1, 32, 128), jnp.bfloat16)
-    assert pallas_flash.decode_explain(qb, big, big, jax.ShapeDtypeStruct((128,), jnp.int32)
-                                       ).num_splits == 1
-    assert pallas_flash.decode_explain(q, kv, kv, lens, num_splits=3).num_splits == 3
-  assert "triton" in str(gpu) and "16 splits" in str(gpu)
+    # B = 1, K = 8: one wave on 132 SMs is 16 runs of 8K keys per kv head.
+    assert (gpu.chosen, gpu.runs, gpu.programs, gpu.block_kv) == ("triton", 16, 128, 128)
+    short = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)  # 8 blocks: 1 per run
+    assert pallas_flash.decode_explain(q, short, short, lens).runs == 8
+    tiny = jax.ShapeDtypeStruct((1, 256, 8, 128), jnp.bfloat16)  # never more runs than blocks
+    assert pallas_flash.decode_explain(q, tiny, tiny, lens).runs == 2
+
+    def batch_runs(b, length):
+      q, kv = (jax.ShapeDtypeStruct(s, jnp.bfloat16)
+               for s in ((b, 1, 32, 128), (b, length, 8, 128)))
+      return pallas_flash.decode_explain(q, kv, kv, jax.ShapeDtypeStruct((b,), jnp.int32)).runs
+
+    # One wave of runs (16 x 8 kv heads) while one program a sequence is under two waves.
+    assert batch_runs(8, 131072) == batch_runs(32, 8192) == 16
+    assert batch_runs(64, 32768) is None and batch_runs(128, 8192) is None
+    assert pallas_flash.decode_explain(q, kv, kv, lens, num_splits=3).runs == 3
+  assert "triton" in str(gpu) and "16 balanced runs" in str(gpu)
+
+
+def test_calls_that_fit_several_ctas_an_sm_keep_splits_per_sequence():
+  """e4m3 caches (three of the Triton kernel's CTAs fit an SM) keep S splits per sequence:
+  S * B runs, 4 splits at B = 8 with 32K keys, where a bf16 cache takes one wave's 16 runs."""
+  from pallas_flash.decode import config as decode_config
+  from pallas_flash.decode import triton as decode_triton
+  from pallas_flash.decode import validation as decode_validation
+
+  q = jax.ShapeDtypeStruct((8, 1, 32, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((8, 32768, 8, 128), jnp.bfloat16)
+  with use_abstract_mesh(H200):
+    info = decode_validation.abstract_info(q, kv, kv, jax.ShapeDtypeStruct((8,), jnp.int32),
+                                           decode_validation.with_defaults({}))
+  fp8 = dataclasses.replace(info, cache_dtype=jnp.dtype(jnp.float8_e4m3fn))
+  config = decode_triton.config_for(info, None)
+  assert decode_triton.programs_per_sm(info, config) == 1
+  assert decode_triton.programs_per_sm(fp8, config) == 3
+  tiles = dict(block_m=config.block_m, block_kv=config.block_kv)
+  assert decode_config.choose_runs(info, **tiles, per_sm=1)[0] == 16
+  assert decode_config.choose_runs(fp8, **tiles, per_sm=3)[0] == 4 * 8
 
 
 @pytest.mark.parametrize("num_splits", [1, None], ids=["one_split", "auto_splits"])
@@ -530,25 +556,40 @@ def test_ragged_batches_split_by_blocks(impl, case, num_splits):
   check_decode(impl, case, seed=case_seed(case), num_splits=num_splits, config=config)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fewer_runs_than_sequences(impl, monkeypatch):
+  """The automatic choice's runs at large batches: 3 runs for 8 sequences, each run spanning
+  several (and the one run of the whole batch), paged with a window, against the reference."""
+  from pallas_flash.decode import config as decode_config
+  case = RAGGED_CASES[0]
+  config = (XlaDecodeConfig(block_kv=16) if impl == "xla" else TritonDecodeConfig(block_kv=16))
+  for runs in (3, 1):
+    monkeypatch.setattr(decode_config, "choose_runs", lambda info, runs=runs, **_: (runs, "test"))
+    check_decode(impl, case, seed=case_seed(case), config=config)
+    check_decode(impl, RAGGED_CASES[2], seed=runs, config=config)
+
+
 def test_balanced_partition_covers_every_block_once():
   """The slots of split_ranges (the kernel's partition): every visible block of every sequence
   in exactly one slot, no program over ceil(total / N) blocks, and with equal lengths each
-  sequence's blocks cut into its S splits as a per-sequence split would."""
+  sequence's blocks cut into its S splits as a per-sequence split would; also with fewer runs
+  than sequences (N = 1 and 3)."""
   from pallas_flash.decode import config as decode_config
   from pallas_flash.decode.call import DecodeParams
   from pallas_flash.decode.xla import split_ranges
 
   modes = set()
-  for num_splits, (lengths, window) in itertools.product((2, 3, 7), (
+  for num_splits, (lengths, window) in itertools.product((2, 3, 7, "n1", "n3"), (
       ((0, 166, 256, 13, 154, 0, 92, 33), None), ((700, 2, 0, 333), 90), ((512,) * 5, None))):
+    b = len(lengths)
+    programs = int(num_splits[1:]) if isinstance(num_splits, str) else num_splits * b
     p = DecodeParams(scale=1.0, q_len=2, group=4, window=window, logits_soft_cap=None,
-                     num_splits=num_splits, page_size=None)
+                     programs=programs, page_size=None)
     ranges = jax.jit(lambda lens, p=p: (split_ranges(lens, params=p, rows=8, block_kv=16),
                                         split_ranges(lens, rows=8, block_kv=16, params=(
-                                            dataclasses.replace(p, num_splits=1)))))
+                                            dataclasses.replace(p, programs=None)))))
     (seq, start, end), (_, lo, hi) = jax.tree.map(np.asarray,
                                                   ranges(jnp.asarray(lengths, jnp.int32)))
-    b, programs = len(lengths), num_splits * len(lengths)
     modes.add(bool(decode_config.balanced_partition(jnp.asarray(hi - lo), programs).aligned))
     assert len(seq) == b + programs - 1
     for i in range(b):
@@ -559,7 +600,7 @@ def test_balanced_partition_covers_every_block_once():
     held = end > start
     np.add.at(work, (np.arange(len(seq)) - seq)[held], (end - start)[held])
     assert work.max() <= -(-(hi - lo).sum() // programs)
-    if len(set(lengths)) == 1:  # program i: split i % S of sequence i // S
+    if len(set(lengths)) == 1 and programs % b == 0:  # program i: split i % S of sequence i // S
       per = -(-(hi[0] - lo[0]) // num_splits)
       for j in np.flatnonzero(held):
         program = j - seq[j]

@@ -105,8 +105,8 @@ def test_mosaic_runs_by_name_and_refuses_what_it_does_not_cover():
     auto = _explain(llama_q, llama_kv)
     assert auto.chosen == "triton" and auto.reasons["mosaic"] == api.BY_NAME_ONLY["mosaic"]
     named = _explain(llama_q, llama_kv, implementation="mosaic")
-    # The Triton kernel's 128-key tiles: the same 16 splits for B = 1 at 128K.
-    assert (named.chosen, named.num_splits, named.block_kv) == ("mosaic", 16, 128)
+    # The Triton kernel's 128-key tiles: the same 16 runs for B = 1 at 128K.
+    assert (named.chosen, named.runs, named.block_kv) == ("mosaic", 16, 128)
     assert named.config == MosaicDecodeConfig(block_kv=128, num_stages=3)
     assert _explain((1, 1, 16, 64), (1, 4096, 2, 64), implementation="mosaic"
                     ).config.num_stages == 4

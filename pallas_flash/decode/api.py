@@ -60,6 +60,7 @@ class _Backend:
   unsupported_reason: Callable[[DecodeInfo, Any], str | None]
   config_for: Callable[[DecodeInfo, Any], Any]
   tiles: Callable[[Any], tuple[int, int]]
+  programs_per_sm: Callable[[DecodeInfo, Any], int]
   config_type: type
 
 
@@ -73,7 +74,7 @@ def _load(name: str) -> _Backend | str:
     return f"cannot import {module_name}: {e}"
   bind = (lambda f: functools.partial(f, **kwargs)) if kwargs else (lambda f: f)
   return _Backend(name, bind(mod.attend), bind(mod.unsupported_reason), mod.config_for,
-                  mod.tiles, mod.CONFIG_TYPE)
+                  mod.tiles, mod.programs_per_sm, mod.CONFIG_TYPE)
 
 
 def _reason(name: str, info: DecodeInfo, config, num_splits=None, *,
@@ -97,14 +98,16 @@ def _reason(name: str, info: DecodeInfo, config, num_splits=None, *,
 
 @dataclasses.dataclass(frozen=True)
 class DecodeExplanation:
-  """What `decode_attention` runs for a call: the implementation, its config, the split count
-  and why; and why each other implementation was not chosen. `route` says which path runs:
-  the split-KV kernel of `chosen`, or (chosen "flash") the chunked-prefill route."""
+  """What `decode_attention` runs for a call: the implementation, its config, how the keys are
+  split (`runs`) and why; and why each other implementation was not chosen. `route` says which
+  path runs: the split-KV kernel of `chosen`, or (chosen "flash") the chunked-prefill route."""
 
   chosen: str | None  # None: nothing can run the call
   reasons: dict[str, str | None]  # None: could run it
   config: Any = None  # the resolved config `chosen` runs
-  num_splits: int = 1
+  # Balanced runs of the batch's key blocks per kv head and row tile, merged afterwards
+  # (decode/config.py); None: one program per sequence, no merge.
+  runs: int | None = None
   splits_reason: str = ""
   block_m: int | None = None  # query rows per program
   block_kv: int | None = None  # keys per step
@@ -118,8 +121,9 @@ class DecodeExplanation:
       lines = [f"decode_attention runs {self.chosen!r}: {self.route}",
                f"  config: {self.config}"]
     else:
-      lines = [f"decode_attention runs {self.chosen!r} with num_splits={self.num_splits} "
-               f"({self.splits_reason})"]
+      split = ("one program per sequence" if self.runs is None
+               else f"{self.runs} balanced runs per kv head")
+      lines = [f"decode_attention runs {self.chosen!r} with {split} ({self.splits_reason})"]
       if self.config is not None:
         lines.append(f"  config: {self.config}")
       if self.programs is not None:
@@ -137,7 +141,7 @@ class DecodeExplanation:
 
 
 def _plan(info: DecodeInfo, implementation, config, num_splits) -> DecodeExplanation:
-  """The implementation, resolved config and split count of a call (raises if none can run)."""
+  """The implementation, resolved config and runs of a call (raises if none can run)."""
   if implementation is not None and implementation not in IMPLEMENTATIONS:
     raise ValueError(f"Unknown implementation {implementation!r}; choose one of "
                      f"{IMPLEMENTATIONS} or None for automatic.")
@@ -157,25 +161,27 @@ def _plan(info: DecodeInfo, implementation, config, num_splits) -> DecodeExplana
       raise NotImplementedError("No implementation can run this call:\n" + "\n".join(
           f"  {n}: {r}" for n, r in reasons.items()))
   if chosen == "reference":
-    return DecodeExplanation(chosen, reasons, None, 1, "the reference scores every key at once")
+    return DecodeExplanation(chosen, reasons, None, None, "the reference scores every key at once")
   if chosen == flash_split.NAME:
     resolved = flash_split.config_for(info, config)
     why = ("implementation='flash' was passed" if implementation is not None else
            "config is a FlashSplitConfig" if config is not None else
            f"Tq={info.q_len} >= FLASH_SPLIT_MIN_Q_LEN={decode_config.FLASH_SPLIT_MIN_Q_LEN} "
            f"on flash_attention's {resolved.flash_implementation!r} kernels")
-    return DecodeExplanation(chosen, reasons, resolved, 1, "flash_attention splits no keys",
+    return DecodeExplanation(chosen, reasons, resolved, None, "flash_attention splits no keys",
                              route=f"{flash_split.describe(info, resolved)}; {why}")
   backend = _load(chosen)
   resolved = backend.config_for(info, config)
   block_m, block_kv = backend.tiles(resolved)
   block_m = block_m or info.rows
   if num_splits is None:
-    splits, why = decode_config.choose_num_splits(info, block_m=block_m, block_kv=block_kv)
+    runs, why = decode_config.choose_runs(info, block_m=block_m, block_kv=block_kv,
+                                          per_sm=backend.programs_per_sm(info, resolved))
   else:
-    splits, why = num_splits, "num_splits was passed"
-  programs = info.batch * info.num_kv_heads * -(-info.rows // block_m) * splits
-  return DecodeExplanation(chosen, reasons, resolved, splits, why, block_m, block_kv, programs,
+    runs = None if num_splits == 1 else num_splits * info.batch
+    why = f"num_splits={num_splits} was passed"
+  programs = info.num_kv_heads * -(-info.rows // block_m) * (runs or info.batch)
+  return DecodeExplanation(chosen, reasons, resolved, runs, why, block_m, block_kv, programs,
                            route=f"the split-KV kernel of {chosen!r}")
 
 
@@ -193,7 +199,7 @@ def decode_explain(query, key_cache, value_cache, cache_seqlens, **kwargs) -> De
   Takes decode_attention's arguments (arrays or `jax.ShapeDtypeStruct`s; `implementation`
   explains that one instead of the automatic choice, `config` and `num_splits` are honoured)
   and computes nothing. Print the result for a readable report: the implementation, its
-  config, the split count and why, and why each other implementation was not chosen.
+  config, its runs and why, and why each other implementation was not chosen.
   """
   implementation = kwargs.pop("implementation", None)
   config = kwargs.pop("config", None)
@@ -274,8 +280,11 @@ def decode_attention(
     return_residuals: also return the float32 log-sum-exp [B, H, Tq] (natural log), e.g. to
       merge with attention over other keys (`merge_attention_states`).
     num_splits: S, the split-KV factor: the batch's key blocks are dealt into S·B balanced
-      runs (one per sequence and split when the lengths are equal); None chooses S from the
-      shapes (see `decode_explain`). The runs are computed on device from the lengths.
+      runs per kv head (one per sequence and split when the lengths are equal; S = 1: one
+      program per sequence, no merge); None chooses from the shapes: one wave of runs on the
+      GPU's SMs, fewer than B at large batches, or one program per sequence where those fill
+      two waves (`decode_explain` says which). The runs are computed on device from the
+      lengths.
     implementation: None picks the fastest that can run the call: "flash" for chunked prefill
       on Hopper (Tq >= decode.config.FLASH_SPLIT_MIN_Q_LEN, a contiguous cache in the query's
       dtype, no window, num_splits None), else "triton" on GPU and "xla" elsewhere
@@ -353,7 +362,7 @@ def _run(call: validation.DecodeCall, plan: DecodeExplanation):
     out, lse = flash_split.attend(q, k_cache, v_cache, call.seqlens, new_key, call.new_value,
                                   info=info, config=plan.config)
     return out, lse, k_cache, v_cache
-  params = DecodeParams.create(info, plan.num_splits)
+  params = DecodeParams.create(info, plan.runs)
   # The backends derive each sequence's length from cache_seqlens themselves (no XLA op).
   out, lse = _load(plan.chosen).attend(q, k_cache, v_cache, call.seqlens, call.page_table,
                                        params=params, config=plan.config,

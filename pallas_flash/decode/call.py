@@ -22,8 +22,8 @@ decode/api.py loads them):
       at position n_b - Tq + i and sees keys max(0, pos - window) .. pos (end-aligned
       causal).
     out [B, Tq, H, D] in q.dtype (zeros for a query that sees no key) and lse [B, H, Tq]
-      float32, natural log (-inf there). With params.num_splits = S > 1 the backend cuts the
-      batch's key blocks into S * B balanced runs (config.balanced_partition, computed on
+      float32, natural log (-inf there). With params.programs = N the backend cuts the
+      batch's key blocks into N balanced runs (config.balanced_partition, computed on
       device from the lengths), computes a normalised partial per (run, sequence) piece and
       combines each sequence's pieces (merge_attention_states' rule: the xla backend computes
       it per sequence, the Triton one has a kernel).
@@ -105,14 +105,14 @@ class DecodeParams:
   group: int
   window: int | None
   logits_soft_cap: float | None
-  num_splits: int
+  programs: int | None  # balanced runs per kv head and row tile; None: one per sequence
   page_size: int | None
   appends: bool = False  # the call appended its Tq tokens: n_b = seqlens + Tq
 
   @classmethod
-  def create(cls, info: DecodeInfo, num_splits: int) -> DecodeParams:
+  def create(cls, info: DecodeInfo, programs: int | None) -> DecodeParams:
     return cls(scale=info.scale, q_len=info.q_len, group=info.group, window=info.window,
-               logits_soft_cap=info.logits_soft_cap, num_splits=num_splits,
+               logits_soft_cap=info.logits_soft_cap, programs=programs,
                page_size=info.page_size, appends=info.appends)
 
 

@@ -1,11 +1,11 @@
 """Decode configs and the split-KV heuristic.
 
-The split count is chosen from static shapes only (batch, kv heads, rows, the cache's capacity
-and the GPU's SM count), so it costs no host planning and no device-to-host copy: inside a
-`jit`-compiled generation loop it is a constant. Which keys each program reads is computed on
-the device from the lengths (`cache_seqlens`): the S splits give N = S * B programs per kv head
-and row tile, and `balanced_partition` hands each about 1 / N of the batch's key blocks, so a
-ragged batch keeps every program as busy as a uniform one (see docs/decode.md).
+The runs are chosen from static shapes only (batch, kv heads, rows, the cache's capacity, the
+kernel's shared memory and the GPU's SM count), so they cost no host planning and no
+device-to-host copy: inside a `jit`-compiled generation loop they are a constant. Which keys
+each program reads is computed on the device from the lengths (`cache_seqlens`): N runs per
+kv head and row tile, and `balanced_partition` hands each about 1 / N of the batch's key
+blocks, so a ragged batch keeps every program as busy as a uniform one (see docs/decode.md).
 """
 
 from __future__ import annotations
@@ -144,40 +144,62 @@ PREFILL_TRITON = TritonDecodeConfig(block_kv=128, block_m=128, num_warps=8, num_
 # Rows above which a call takes the prefill tiles (Tq * G > 64: e.g. 17+ tokens at G = 4).
 PREFILL_ROWS = 64
 
-# Splits of at least this many key blocks may go past one wave, up to WAVES: the extra waves
-# cost uniform batches little there and let ragged ones balance (B = 8 at 128K: 2 splits
-# uniform 4.51 / ragged 3.01 TB/s, 9 splits 4.13 / 3.81). Measured with S splits per sequence;
-# the balanced runs (balanced_partition) balance ragged batches at any split count, which may
-# make the extra waves unnecessary (not yet measured on the GPU).
+DEFAULT_NUM_CORES = 132  # an H100 / H200, when the device does not say
+# From this many waves of one-program-per-sequence programs the call takes them, unsplit: the
+# GPU's block scheduler keeps every SM busy (ragged lengths too) and no merge runs.
+ONE_SPLIT_WAVES = 2
+# Where several CTAs fit an SM (e4m3 caches, D = 64), the one-wave rule is not yet measured:
+# those calls keep splits per sequence, up to WAVES waves while a split holds LONG_SPLIT_BLOCKS
+# key blocks (measured there: FP8 caches at B = 8, 32K keys on the H200, 2026-12-06, 2 splits
+# 1.08-1.51x the time of 4; docs/decode.md).
 LONG_SPLIT_BLOCKS = 64
 WAVES = 4
-DEFAULT_NUM_CORES = 132  # an H100 / H200, when the device does not say
 
 
-def choose_num_splits(info: DecodeInfo, *, block_m: int, block_kv: int) -> tuple[int, str]:
-  """(num_splits, why) for a call whose programs own `block_m` rows and step `block_kv` keys.
+def choose_runs(info: DecodeInfo, *, block_m: int, block_kv: int,
+                per_sm: int = 1) -> tuple[int | None, str]:
+  """(runs, why): the balanced runs per kv head and row tile (`balanced_partition`), or None
+  for one program per sequence and no merge, for programs of `block_m` rows stepping
+  `block_kv` keys, `per_sm` of which fit one SM.
 
-  Splits multiply the B * K * ceil(M / block_m) programs up to one wave (about one program
-  per SM), and up to WAVES waves while each split keeps LONG_SPLIT_BLOCKS key blocks; never
-  more splits than key blocks. Measured on the H200 (bench --decode,
-  2026-12-04): B = 1 at 128K, 16 splits 3.78 TB/s, 33 splits 3.04, 66 splits 2.40; B = 8 at
-  8K, 2 splits 3.65, 9 splits 2.80. Off-GPU one split.
+  Runs fill one wave (one program on each SM), never more runs than the batch's key blocks;
+  from ONE_SPLIT_WAVES waves of one program per sequence, no split (one H100, 2026-12-08,
+  docs/decode.md "Runs"). Off-GPU no split; per_sm > 1: _splits_per_sequence.
+  """
+  heads = info.num_kv_heads * -(-info.rows // block_m)
+  if info.platform != "gpu":
+    return None, "one program per sequence off-GPU (runs spread work over a GPU's SMs)"
+  if per_sm > 1:
+    splits, why = _splits_per_sequence(info, block_m=block_m, block_kv=block_kv)
+    return (None if splits == 1 else splits * info.batch), why
+  cores = info.num_cores or DEFAULT_NUM_CORES
+  if info.batch * heads >= ONE_SPLIT_WAVES * cores:
+    return None, (f"{info.batch * heads} programs of one sequence each fill "
+                  f"{info.batch * heads / cores:.1f} waves on {cores} SMs")
+  blocks = info.batch * -(-info.capacity // block_kv)
+  runs = max(1, min(cores // heads, blocks))
+  return runs, (f"{runs} runs x {heads} (kv heads x row tiles): one wave on {cores} SMs, "
+                f"{blocks} {block_kv}-key blocks at most")
+
+
+def _splits_per_sequence(info: DecodeInfo, *, block_m: int, block_kv: int) -> tuple[int, str]:
+  """(S, why): S splits per sequence (S * B runs) for calls that fit several CTAs an SM.
+
+  Splits multiply the B * K * ceil(M / block_m) programs up to one wave (one per SM), and up
+  to WAVES waves while each split keeps LONG_SPLIT_BLOCKS key blocks; never more splits than
+  key blocks.
   """
   programs = info.batch * info.num_kv_heads * -(-info.rows // block_m)
   blocks = -(-info.capacity // block_kv)
-  if info.platform != "gpu":
-    return 1, "one split off-GPU (splits spread work over a GPU's SMs)"
   cores = info.num_cores or DEFAULT_NUM_CORES
   one_wave = cores // programs
   long_splits = min(-(-WAVES * cores // programs), blocks // LONG_SPLIT_BLOCKS)
-  # As few as one key block a split: the merge reads a sequence's partials in one masked step
-  # (one H100, 2026-12-07, B = 1, GPU time: 1K 8 splits 7.0 µs against 4 splits' 8.5, 2K 16
-  # splits 7.9 against 8 splits' 9.1; cuDNN 6.6 / 7.3).
   splits = max(1, min(max(one_wave, long_splits), blocks))
   waves = splits * programs / cores
   why = (f"{programs} programs (B={info.batch} x K={info.num_kv_heads} x "
          f"{-(-info.rows // block_m)} row tiles) x {splits} splits of "
-         f"{-(-blocks // splits)} {block_kv}-key blocks: {waves:.1f} waves on {cores} SMs")
+         f"{-(-blocks // splits)} {block_kv}-key blocks: {waves:.1f} waves on {cores} SMs "
+         f"(splits per sequence where several CTAs fit an SM)")
   return splits, why
 
 

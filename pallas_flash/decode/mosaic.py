@@ -1,7 +1,7 @@
 """Split-KV decode attention as a Mosaic GPU (Hopper, sm_90) kernel: TMA-fed K/V ring, wgmma.
 
 One CTA owns the M = Tq * G GQA-packed query rows of one kv head, padded to 64 (one wgmma
-tile: row r is token r // G of query head k * G + r % G), and one of N = S * B balanced runs
+tile: row r is token r // G of query head k * G + r % G), and one of N balanced runs
 of the batch's key blocks (decode/config.py's `balanced_partition`, the same runs as the
 Triton kernel's `_split_kernel`). It has two warpgroups (FA3's warp specialisation). The
 producer walks the run's (sequence, key block) pairs and TMA-loads their `block_kv`-key K and
@@ -81,12 +81,19 @@ def _default_stages(info: DecodeInfo, block_kv: int) -> int:
 
 def config_for(info: DecodeInfo, config: MosaicDecodeConfig | None) -> MosaicDecodeConfig:
   """`config`'s fields, defaults where None: 128-key tiles (the Triton kernel's, so that both
-  get the same split count), 64 where the cache's capacity holds no whole number of them;
+  get the same runs), 64 where the cache's capacity holds no whole number of them;
   _default_stages."""
   given = config or MosaicDecodeConfig()
   block_kv = given.block_kv or (128 if info.capacity % 128 == 0 else 64)
   return dataclasses.replace(given, block_kv=block_kv,
                              num_stages=given.num_stages or _default_stages(info, block_kv))
+
+
+def programs_per_sm(info: DecodeInfo, config: MosaicDecodeConfig) -> int:
+  """The kernel's CTAs that fit one SM's shared memory (one at the default stages)."""
+  need = _smem_bytes(info.head_dim, config.block_kv, config.num_stages,
+                     jnp.dtype(info.dtype).itemsize)
+  return max(1, (SMEM_BUDGET + 1024) // (need + 1024))
 
 
 def tiles(config: MosaicDecodeConfig) -> tuple[int, int]:
@@ -457,8 +464,9 @@ def _prepare(q5, lengths, *, kp: decode_triton._KernelParams, programs: int, int
 def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodeParams,
            config: MosaicDecodeConfig, kv_descale=None):
   """Split-KV decode attention; the contract is in pallas_flash.decode.call. `config` is
-  resolved (config_for): the Mosaic kernel writes float32 partials over N = S * B balanced
-  runs, the Triton merge kernel combines them into the final layout."""
+  resolved (config_for): the Mosaic kernel writes float32 partials over N balanced runs
+  (params.programs; B without runs), the Triton merge kernel combines them into the final
+  layout."""
   assert kv_descale is None, "unsupported_reason refuses FP8 caches"
   b, tq, h, d = q.shape
   kh = key_cache.shape[2]
@@ -467,7 +475,8 @@ def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodePara
   bk, stages = config.block_kv, config.num_stages
   paged = params.page_size is not None
   capacity, num_pages, max_pages = cache_layout(key_cache, page_table, params)
-  programs = params.num_splits * b
+  programs = params.programs or b
+  params = dataclasses.replace(params, programs=programs)  # the merge's partition too
   slots = b + programs - 1
   prows = _partial_rows(rows)
   merge_kp = decode_triton._KernelParams(

@@ -2,14 +2,15 @@
 
 One program owns `block_m` GQA-packed query rows of one kv head (all G heads of the kv head and
 all Tq tokens: M = Tq * G rows, padded to 16) and a run of key blocks: with one split, all the
-keys of one sequence; with S splits, 1 / (S * B) of the batch's key blocks laid end to end, which
-may cover part of one sequence or several short ones (_split_kernel), so ragged batches keep
-every program equally busy. It streams `block_kv`-key tiles of K and V once for all its rows, so
-the cache is read once per kv head, not once per query head. Key rows are gathered by index: a
-contiguous cache reads rows start .. start + block_kv, a paged one looks each row's page up in
-the page table, so a tile may span pages of any size in any order. Tiles wholly visible to every
-row run without masks; the ones at the sequence's end (and at the window's start) mask scores
-and load zeros past the length, so stale or NaN cache slots never reach the output.
+keys of one sequence; with N balanced runs (params.programs), 1 / N of the batch's key blocks
+laid end to end, which may cover part of one sequence or several (_split_kernel), so ragged
+batches keep every program equally busy. It streams `block_kv`-key tiles of K and V once for all
+its rows, so the cache is read once per kv head, not once per query head. Key rows are gathered
+by index: a contiguous cache reads rows start .. start + block_kv, a paged one looks each row's
+page up in the page table, so a tile may span pages of any size in any order. Tiles wholly
+visible to every row run without masks; the ones at the sequence's end (and at the window's
+start) mask scores and load zeros past the length, so stale or NaN cache slots never reach the
+output.
 
 An FP8 (e4m3) cache reaches the kernels as 16-bit words, two features each (fp8_words), and is
 unpacked in registers: Pallas-Triton addresses an array of at most 2^32 bytes with int32
@@ -77,6 +78,20 @@ def config_for(info: DecodeInfo, config: TritonDecodeConfig | None) -> TritonDec
   return dataclasses.replace(
       full, block_m=max(16, min(full.block_m, common.pl_next_pow2(info.rows))),
       block_kv=max(16, min(full.block_kv, common.pl_next_pow2(info.capacity))))
+
+
+# Shared memory of one SM (an H100 / H200: 228 KiB, of which each CTA reserves 1 KiB).
+SM_SHARED_BYTES = 228 * 1024
+
+
+def programs_per_sm(info: DecodeInfo, config: TritonDecodeConfig) -> int:
+  """The kernel's CTAs that fit one SM's shared memory: Triton's pipeline holds num_stages - 1
+  K and V tiles, plus up to 10 KiB with the CTA's reserve (compiled for an H200 at 128-key
+  tiles and 3 stages, D = 128: 139 KB with bf16 caches, one CTA per SM; 74 KB with e4m3 ones,
+  three)."""
+  tiles_bytes = (max(config.num_stages - 1, 1) * 2 * config.block_kv * info.head_dim
+                 * jnp.dtype(info.cache_dtype).itemsize)
+  return max(1, SM_SHARED_BYTES // (tiles_bytes + 10 * 1024))
 
 
 def tiles(config: TritonDecodeConfig) -> tuple[int, int]:
@@ -421,11 +436,11 @@ def _decode_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, descale_ref, o_ref,
 
 def _split_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, descale_ref, o_ref, lse_ref, *,
                   p: _KernelParams):
-  """S splits: one row tile of one kv head against one program's share of the batch's keys.
+  """Balanced runs: one row tile of one kv head against one program's share of the batch's keys.
 
   The visible key blocks of all B sequences, concatenated in sequence order, are cut into
-  N = S * B runs of equal length (config.balanced_partition): program i takes run i, which
-  may end inside a sequence or span several short ones, and writes one float32 partial per
+  N = params.programs runs of equal length (config.balanced_partition): program i takes run
+  i, which may end inside a sequence or span several, and writes one float32 partial per
   sequence it touches, to slot i + b (unique: the (program, sequence) pairs form a staircase).
   _merge_kernel combines each sequence's slots. With equal lengths each program holds one
   sequence's 1 / S, as a per-sequence split would; ragged batches stay balanced.
@@ -441,7 +456,7 @@ def _split_kernel(lengths_ref, q_ref, k_ref, v_ref, pt_ref, descale_ref, o_ref, 
   row0 = mi * p.block_m
   t_first, t_last = _tile_tokens(row0, p)
   counts = _sequence_blocks(lengths_ref, t_first, t_last, p)
-  part = decode_config.balanced_partition(counts, p.params.num_splits * p.batch)
+  part = decode_config.balanced_partition(counts, p.params.programs)
   first, stop = decode_config.program_sequences(part, counts, program)
   t, g = _tile_rows(row0, p)
   cols = lax.broadcasted_iota(jnp.int32, (p.width,), 0)
@@ -500,7 +515,7 @@ def _merge_kernel(lengths_ref, o_ref, lse_ref, out_ref, lse_out_ref, *, p: _Kern
   row0 = mi * p.block_m
   t, g = _tile_rows(row0, p, rows)
   counts = _sequence_blocks(lengths_ref, *_tile_tokens(row0, p), p)
-  part = decode_config.balanced_partition(counts, p.params.num_splits * p.batch)
+  part = decode_config.balanced_partition(counts, p.params.programs)
   slot_lo, slot_hi = decode_config.sequence_slots(part, _pick(part.starts, seq),
                                                   _pick(counts, seq), seq)
   cols = lax.broadcasted_iota(jnp.int32, (o_ref.shape[-1],), 0)
@@ -538,7 +553,7 @@ def _merge_kernel(lengths_ref, o_ref, lse_ref, out_ref, lse_out_ref, *, p: _Kern
 def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodeParams,
            config: TritonDecodeConfig, interpret: bool, kv_descale=None):
   """Split-KV decode attention; the contract is in pallas_flash.decode.call. `config` is
-  resolved (config_for). One kernel when there is one split; with S splits _split_kernel
+  resolved (config_for). One kernel without runs (one program per sequence); with runs _split_kernel
   writes float32 partials over balanced runs of the batch's keys and _merge_kernel combines
   them into the final layout."""
   b, tq, h, d = q.shape
@@ -553,7 +568,7 @@ def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodePara
   q = q.reshape(b, tq, kh, g, d)  # free views: the kernels address rows (t, g) directly
   if kv_descale is not None:
     key_cache, value_cache = fp8_words(key_cache), fp8_words(value_cache)
-  call = _one_split if params.num_splits == 1 else _balanced_splits
+  call = _one_split if params.programs is None else _balanced_splits
   o, lse = call(q, key_cache, value_cache, lengths, page_table, kv_descale, kp=kp,
                 config=config, interpret=interpret)
   return o.reshape(b, tq, h, d), lse.reshape(b, h, tq)
@@ -613,12 +628,12 @@ def _descale_spec(kv_descale):
 def _balanced_splits(q, key_cache, value_cache, lengths, page_table, kv_descale, *,
                      kp: _KernelParams, config: TritonDecodeConfig, interpret: bool):
   """q [B, Tq, K, G, D] -> out [B, Tq, K, G, D], lse [B, K, G, Tq]: _split_kernel over
-  N = S * B programs per (row tile, kv head), then _merge_kernel."""
+  N = params.programs programs per (row tile, kv head), then _merge_kernel."""
   b, tq, kh, g, d = q.shape
   bm = kp.block_m
   d_pad = kp.width
   tiles_m = -(-kp.rows // bm)
-  programs = kp.params.num_splits * b
+  programs = kp.params.programs
   slots = b + programs - 1
   # [rows, K, D]: a free view of the pool or of the contiguous cache (row b * L + key); D / 2
   # words for an FP8 cache.
@@ -653,7 +668,7 @@ def _balanced_splits(q, key_cache, value_cache, lengths, page_table, kv_descale,
 def merge_partials(q, lengths, o, lse, *, kp: _KernelParams, interpret: bool):
   """_merge_kernel over the partials of balanced runs: o [K, B + N - 1, row tiles * block_m,
   D_pad] and lse [K, B + N - 1, row tiles * block_m] float32, program i's share of sequence b
-  in slot i + b (N = num_splits * B runs of the partition kp's block_kv and rows give) ->
+  in slot i + b (N = params.programs runs of the partition kp's block_kv and rows give) ->
   out [B, Tq, K, G, D] in q's dtype and lse [B, K, G, Tq]. q: the [B, Tq, K, G, D] query
   (its shape and dtype). Also the Mosaic decode kernel's merge (decode/mosaic.py)."""
   b, tq, kh, g, d = q.shape

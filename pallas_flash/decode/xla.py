@@ -1,7 +1,7 @@
 """Split-KV decode attention in lax loops: the CPU default and the Triton kernel's twin.
 
 It follows the kernel's plan (GQA-packed rows, the same key blocks per partial: one partial per
-sequence with one split, the balanced partition of config.balanced_partition with S splits), so
+sequence without runs, the balanced partition of config.balanced_partition with them), so
 CPU tests of merging and ragged splits exercise the real partition: one `while_loop` steps all
 partial slots together, each gathering its sequence's next key block (through the page table
 when paged) and updating an online softmax; the slots of each sequence are then merged.
@@ -34,6 +34,12 @@ def config_for(info: DecodeInfo, config: XlaDecodeConfig | None) -> XlaDecodeCon
   return XlaDecodeConfig(block_kv=_block_kv(info, config))
 
 
+def programs_per_sm(info: DecodeInfo, config: XlaDecodeConfig) -> int:
+  """One: the xla path runs off-GPU, where choose_runs splits nothing."""
+  del info, config
+  return 1
+
+
 def tiles(config: XlaDecodeConfig) -> tuple[int | None, int]:
   """(block_m, block_kv); block_m None: all rows of a sequence and kv head move together."""
   return None, config.block_kv
@@ -52,8 +58,8 @@ def split_ranges(lengths, *, params: DecodeParams, rows: int, block_kv: int, row
   for query rows row0 .. row0 + rows - 1 of sequences holding `lengths` tokens.
 
   The rows see keys [lo, hi) with hi = n - Tq + t_last + 1 and lo = n - Tq + t_first - window.
-  One split: slot b holds sequence b's blocks (J = B). S splits: the Triton kernel's balanced
-  partition, N = S * B runs of the concatenated blocks, program i's share of sequence b in slot
+  No runs: slot b holds sequence b's blocks (J = B). N runs (params.programs): the Triton
+  kernel's balanced partition of the concatenated blocks, program i's share of sequence b in slot
   i + b (J = B + N - 1; slots that no pair uses are empty, start = end).
   """
   t_first = row0 // params.group
@@ -65,9 +71,9 @@ def split_ranges(lengths, *, params: DecodeParams, rows: int, block_kv: int, row
   blk_lo, blk_hi = lo // block_kv, -(-hi // block_kv)
   blk_hi = jnp.maximum(blk_hi, blk_lo)
   b = lengths.shape[0]
-  if params.num_splits == 1:
+  if params.programs is None:
     return jnp.arange(b), blk_lo, blk_hi
-  programs = params.num_splits * b
+  programs = params.programs
   counts = blk_hi - blk_lo
   part = decode_config.balanced_partition(counts, programs)
   program = jnp.arange(b + programs - 1)[:, None] - jnp.arange(b)[None, :]  # [J, B]
@@ -116,7 +122,7 @@ def attend(q, key_cache, value_cache, lengths, page_table, *, params: DecodePara
   kh = key_cache.shape[2]
   o, lse, seq = _partials(_pack(q, kh), key_cache, value_cache, lengths, page_table,
                           params=params, config=config, kv_descale=kv_descale)
-  if params.num_splits > 1:
+  if params.programs is not None:
     o, lse = _merge_slots(o, lse, seq, q.shape[0])
   out, lse = _unpack(o, lse, params.q_len)
   return out.astype(q.dtype), lse
