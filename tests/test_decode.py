@@ -577,10 +577,12 @@ def test_balanced_partition_covers_every_block_once():
   from pallas_flash.decode.xla import split_ranges
 
   modes = set()
-  for num_splits, (lengths, window) in itertools.product((2, 3, 7, "n1", "n3"), (
+  # (S splits per sequence, None) or (None, N runs).
+  splits_or_runs = ((2, None), (3, None), (7, None), (None, 1), (None, 3))
+  for (num_splits, runs), (lengths, window) in itertools.product(splits_or_runs, (
       ((0, 166, 256, 13, 154, 0, 92, 33), None), ((700, 2, 0, 333), 90), ((512,) * 5, None))):
     b = len(lengths)
-    programs = int(num_splits[1:]) if isinstance(num_splits, str) else num_splits * b
+    programs = runs or num_splits * b
     p = DecodeParams(scale=1.0, q_len=2, group=4, window=window, logits_soft_cap=None,
                      programs=programs, page_size=None)
     ranges = jax.jit(lambda lens, p=p: (split_ranges(lens, params=p, rows=8, block_kv=16),
@@ -598,7 +600,7 @@ def test_balanced_partition_covers_every_block_once():
     held = end > start
     np.add.at(work, (np.arange(len(seq)) - seq)[held], (end - start)[held])
     assert work.max() <= -(-(hi - lo).sum() // programs)
-    if len(set(lengths)) == 1 and programs % b == 0:  # program i: split i % S of sequence i // S
+    if len(set(lengths)) == 1 and num_splits:  # program i: split i % S of sequence i // S
       per = -(-(hi[0] - lo[0]) // num_splits)
       for j in np.flatnonzero(held):
         program = j - seq[j]

@@ -178,7 +178,7 @@ def _plan(info: DecodeInfo, implementation, config, num_splits) -> DecodeExplana
     runs, why = decode_config.choose_runs(info, block_m=block_m, block_kv=block_kv,
                                           per_sm=backend.programs_per_sm(info, resolved))
   else:
-    runs = None if num_splits == 1 else num_splits * info.batch
+    runs = decode_config.runs_of_splits(num_splits, info.batch)
     why = f"num_splits={num_splits} was passed"
   programs = info.num_kv_heads * -(-info.rows // block_m) * (runs or info.batch)
   return DecodeExplanation(chosen, reasons, resolved, runs, why, block_m, block_kv, programs,

@@ -156,6 +156,11 @@ LONG_SPLIT_BLOCKS = 64
 WAVES = 4
 
 
+def runs_of_splits(splits: int, batch: int) -> int | None:
+  """The runs of S splits per sequence: S * B, or None (one program per sequence) for S = 1."""
+  return None if splits == 1 else splits * batch
+
+
 def choose_runs(info: DecodeInfo, *, block_m: int, block_kv: int,
                 per_sm: int = 1) -> tuple[int | None, str]:
   """(runs, why): the balanced runs per kv head and row tile (`balanced_partition`), or None
@@ -171,7 +176,7 @@ def choose_runs(info: DecodeInfo, *, block_m: int, block_kv: int,
     return None, "one program per sequence off-GPU (runs spread work over a GPU's SMs)"
   if per_sm > 1:
     splits, why = _splits_per_sequence(info, block_m=block_m, block_kv=block_kv)
-    return (None if splits == 1 else splits * info.batch), why
+    return runs_of_splits(splits, info.batch), why
   cores = info.num_cores or DEFAULT_NUM_CORES
   if info.batch * heads >= ONE_SPLIT_WAVES * cores:
     return None, (f"{info.batch * heads} programs of one sequence each fill "

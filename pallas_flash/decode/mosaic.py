@@ -89,11 +89,16 @@ def config_for(info: DecodeInfo, config: MosaicDecodeConfig | None) -> MosaicDec
                              num_stages=given.num_stages or _default_stages(info, block_kv))
 
 
-def programs_per_sm(info: DecodeInfo, config: MosaicDecodeConfig) -> int:
-  """The kernel's CTAs that fit one SM's shared memory (one at the default stages)."""
-  need = _smem_bytes(info.head_dim, config.block_kv, config.num_stages,
+def _call_smem_bytes(info: DecodeInfo, config: MosaicDecodeConfig) -> int:
+  """_smem_bytes of a call at a resolved config."""
+  return _smem_bytes(info.head_dim, config.block_kv, config.num_stages,
                      jnp.dtype(info.dtype).itemsize)
-  return max(1, (SMEM_BUDGET + 1024) // (need + 1024))
+
+
+def programs_per_sm(info: DecodeInfo, config: MosaicDecodeConfig) -> int:
+  """The kernel's CTAs that fit one SM's shared memory, 1 KiB of it reserved per CTA (one at
+  the default stages)."""
+  return max(1, decode_triton.SM_SHARED_BYTES // (_call_smem_bytes(info, config) + 1024))
 
 
 def tiles(config: MosaicDecodeConfig) -> tuple[int, int]:
@@ -129,7 +134,7 @@ def unsupported_reason(info: DecodeInfo, config: MosaicDecodeConfig | None) -> s
     if ps % 8 or not (ps % bk == 0 or bk % ps == 0):
       return (f"page_size {ps}: the Mosaic decode kernel takes page sizes that are multiples "
               f"of 8 and divide or are divided by block_kv {bk}")
-  need = _smem_bytes(info.head_dim, bk, resolved.num_stages, jnp.dtype(info.dtype).itemsize)
+  need = _call_smem_bytes(info, resolved)
   if need > SMEM_BUDGET:
     return (f"block_kv {bk} x {resolved.num_stages} stages need {need} B of shared memory "
             f"> {SMEM_BUDGET}")
